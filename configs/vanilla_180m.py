@@ -1,0 +1,7 @@
+"""vanilla at the paper's 180m size (see base.py for the recipe)."""
+
+from configs import base
+
+
+def get_config():
+    return base.get_config('vanilla,180m')

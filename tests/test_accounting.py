@@ -1,0 +1,77 @@
+"""Counts from the config alone equal the real module's; the paper's sizes and ratios hold."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+from flax import nnx
+
+from configs import base
+from tests.helpers import VARIANT_IDS, VARIANTS, small_model_config
+from vrl import accounting
+from vrl.config import from_configdict
+from vrl.model import Decoder
+
+
+def _real_param_count(cfg) -> int:
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+@pytest.mark.parametrize('variant', VARIANTS + [dict(attention='svformer', tie_embeddings=True)],
+                         ids=VARIANT_IDS + ['svformer-tied'])
+def test_count_from_config_equals_module(variant):
+    cfg = small_model_config(**variant)
+    assert accounting.account(cfg, 16).params == _real_param_count(cfg)
+
+
+def _paper_config(variant: str, size: str):
+    config_dict = base.get_config(f'{variant},{size}')
+    config_dict.model.vocab_size = 50277
+    return from_configdict(config_dict)
+
+
+@pytest.mark.parametrize('size, paper_params', [('82m', 81.9e6), ('180m', 179.9e6), ('468m', 467.9e6)])
+def test_paper_sizes(size, paper_params):
+    vanilla = _paper_config('vanilla', size).model
+    svformer = _paper_config('svformer', size).model
+    resformer = _paper_config('resformer', size).model
+    n_vanilla = accounting.account(vanilla, 2048).params_unpadded
+    assert abs(n_vanilla / paper_params - 1) < 0.005
+    assert accounting.account(vanilla, 2048).params == _real_param_count(vanilla)
+    L, D, K, Dh = vanilla.n_layers, vanilla.d_model, vanilla.n_kv_heads, vanilla.head_dim
+    assert (accounting.account(vanilla, 2048).params - accounting.account(svformer, 2048).params
+            == (L - 1) * D * K * Dh)
+    assert accounting.account(resformer, 2048).params == accounting.account(vanilla, 2048).params
+    ratio = (accounting.kv_cache_bytes_per_token(svformer) / accounting.kv_cache_bytes_per_token(vanilla))
+    assert ratio == (L + 1) / (2 * L)
+
+
+def test_svformer_82m_saves_1_84m_params():
+    saved = (accounting.account(_paper_config('vanilla', '82m').model, 2048).params
+             - accounting.account(_paper_config('svformer', '82m').model, 2048).params)
+    assert round(saved / 1e6, 2) == 1.84
+
+
+def test_flops_per_token_formula():
+    cfg = small_model_config()
+    dense = 6 * accounting.matmul_params(cfg)
+    assert accounting.training_flops_per_token(cfg, 64) - dense == 6 * 3 * 4 * 8 * 64
+    # the matmul weights are every parameter but the input embedding, norms and lambdas
+    acc = accounting.account(cfg, 64)
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model
+    assert acc.matmul_params == acc.non_embedding_params - norms + cfg.padded_vocab_size * cfg.d_model
+
+
+def test_summary_command_prints_table_and_json():
+    out = subprocess.run(
+        [sys.executable, '-m', 'vrl.main', '--config=configs/svformer_468m.py', '--summary', '--summary_json',
+         '--config.model.vocab_size=50277'], capture_output=True, text=True, check=True,
+        cwd=str(__import__('tests.conftest').conftest.ROOT)).stdout
+    record = json.loads(out.strip().splitlines()[-1])
+    assert {'params', 'non_embedding_params', 'flops_per_token', 'kv_cache_bytes_per_token'} <= set(record)
+    expected = accounting.account(_paper_config('svformer', '468m').model, 2048)
+    assert record['params'] == expected.params
+    assert 'padded to 50304' in out and 'svformer' in out

@@ -1,0 +1,220 @@
+"""The config schema: every field vrl reads, its default (the paper's recipe) and its check.
+
+`configs/*.py` return an `ml_collections.ConfigDict` made from `Config()` by `to_configdict`;
+command-line overrides edit that dict; `from_configdict` turns it back into these frozen
+dataclasses and validates every field here, in one place. Code below `vrl.main` only ever
+sees the dataclasses, so an undeclared key can never be read with a silent default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import ml_collections
+
+ATTENTION_VARIANTS = ('vanilla', 'resformer', 'svformer')
+LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse')
+REMAT_POLICIES = ('none', 'full', 'save_dots')
+COMPUTE_DTYPES = ('float32', 'bfloat16')
+NAN_POLICIES = ('error', 'skip')
+
+
+class ConfigError(ValueError):
+    """An invalid config value; the message names the field and what is allowed."""
+
+
+def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f'{field}={value!r} is invalid: allowed {allowed}.')
+
+
+def _choice(field: str, value: Any, allowed: Sequence[str]) -> None:
+    _require(value in allowed, field, value, 'one of ' + ', '.join(map(repr, allowed)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder shape and the value-residual variant (PAPER.md, 'The three attention variants')."""
+
+    attention: str = 'vanilla'  # vanilla | resformer | svformer
+    lambda_mode: str = 'identity'  # ResFormer only: identity | constant | learnable | learnable_plus | sparse
+    lambda1: float = 2.0  # weight of V_1 in 'constant' and 'sparse' modes
+    lambda2: float = 1.0  # weight of V_n in 'constant' and 'sparse' modes
+    sparse_layers: tuple[int, ...] = ()  # 1-based layers that get the residual in 'sparse' mode
+    vocab_size: int = 50277  # the tokenizer's vocabulary
+    vocab_pad_multiple: int = 128  # the embedding is padded to this multiple for sharding
+    n_layers: int = 8
+    d_model: int = 512
+    n_heads: int = 8
+    n_kv_heads: int = 8
+    head_dim: int = 64
+    d_ff: int = 1792
+    norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    scan_layers: bool = True
+    remat: str = 'none'  # none | full | save_dots
+    compute_dtype: str = 'bfloat16'  # float32 | bfloat16; parameters are always float32
+
+    def __post_init__(self):
+        _choice('model.attention', self.attention, ATTENTION_VARIANTS)
+        _choice('model.lambda_mode', self.lambda_mode, LAMBDA_MODES)
+        _choice('model.remat', self.remat, REMAT_POLICIES)
+        _choice('model.compute_dtype', self.compute_dtype, COMPUTE_DTYPES)
+        for name in ('vocab_size', 'vocab_pad_multiple', 'd_model', 'n_heads', 'n_kv_heads',
+                     'head_dim', 'd_ff'):
+            _require(getattr(self, name) >= 1, f'model.{name}', getattr(self, name), 'an integer >= 1')
+        _require(self.n_layers >= 2, 'model.n_layers', self.n_layers, 'an integer >= 2')
+        _require(self.n_heads % self.n_kv_heads == 0, 'model.n_kv_heads', self.n_kv_heads,
+                 f'a divisor of model.n_heads={self.n_heads}')
+        _require(self.head_dim % 2 == 0, 'model.head_dim', self.head_dim, 'an even integer (RoPE)')
+        for layer in self.sparse_layers:
+            _require(2 <= layer <= self.n_layers, 'model.sparse_layers', self.sparse_layers,
+                     f'1-based layer indices in 2..{self.n_layers}')
+        if self.attention == 'resformer' and self.lambda_mode == 'sparse':
+            _require(len(self.sparse_layers) > 0, 'model.sparse_layers', self.sparse_layers,
+                     "a non-empty tuple of layers when model.lambda_mode='sparse'")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
+
+    @property
+    def n_stacked(self) -> int:
+        """Layers 2..L, the ones the scan walks."""
+        return self.n_layers - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Input pipeline: a TFDS array_record dataset, a sentencepiece tokenizer, packing, grain."""
+
+    name: str = 'shakespeare'  # a TFDS name ('c4/en:3.1.0', 'lm1b') or one built by `vrl.data prepare`
+    data_dir: str = ''  # '' = ~/.cache/vrl/tensorflow_datasets; gs:// works on Cloud
+    train_split: str = 'train'
+    eval_split: str = 'validation'
+    text_field: str = 'text'
+    tokenizer: str = ''  # a sentencepiece .model; '' = train one on the train split and cache it
+    tokenizer_train_docs: int = 100_000  # documents read to train a tokenizer when none is given
+    seq_len: int = 2048
+    batch_size: int = 1024  # global, over all processes
+    seed: int = 0
+    num_epochs: int = 0  # 0 = repeat forever
+    num_workers: int = 0  # grain worker processes; 0 = in the main process
+    prefetch: int = 2  # batches read ahead per worker
+    add_bos: bool = False  # put BOS at every document start (EOS always ends one)
+    document_masking: bool = False  # segment ids + per-document positions: no attention across docs
+
+    def __post_init__(self):
+        for name in ('seq_len', 'batch_size', 'tokenizer_train_docs'):
+            _require(getattr(self, name) >= 1, f'data.{name}', getattr(self, name), 'an integer >= 1')
+        for name in ('num_epochs', 'num_workers', 'prefetch'):
+            _require(getattr(self, name) >= 0, f'data.{name}', getattr(self, name), 'an integer >= 0')
+        _require(bool(self.name), 'data.name', self.name, 'a non-empty TFDS dataset name')
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with warmup + cosine (PAPER.md, 'Training recipe')."""
+
+    peak_lr: float = 6e-4
+    init_lr: float = 1e-7
+    final_lr: float = 6e-5
+    warmup_steps: int = 120
+    decay_steps: int = 10_000  # step at which the cosine reaches final_lr
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # not on norm weights or lambdas
+    grad_clip: float = 1.0  # global norm; 0 = off
+    z_loss: float = 0.0  # weight of log(Z)^2; 0 = off
+
+    def __post_init__(self):
+        _require(self.peak_lr > 0, 'optimizer.peak_lr', self.peak_lr, 'a float > 0')
+        _require(self.warmup_steps >= 0, 'optimizer.warmup_steps', self.warmup_steps, 'an integer >= 0')
+        _require(self.decay_steps > self.warmup_steps, 'optimizer.decay_steps', self.decay_steps,
+                 f'an integer > optimizer.warmup_steps={self.warmup_steps}')
+        _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, 'optimizer.b1/b2', (self.b1, self.b2), 'floats in [0, 1)')
+        _require(self.grad_clip >= 0, 'optimizer.grad_clip', self.grad_clip, 'a float >= 0')
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training loop: length, logging, eval, checkpoints."""
+
+    steps: int = 10_000
+    microbatches: int = 1  # gradient accumulation: data.batch_size is split into this many
+    seed: int = 0  # parameter init
+    log_every: int = 10
+    eval_every: int = 500  # 0 = only at the end
+    eval_batches: int = 16  # 0 = the whole validation split
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 3
+    keep_period: int = 0  # also keep every k-th step forever; 0 = off
+    nan_policy: str = 'error'  # error: stop naming the step | skip: drop that update
+    sample_prompt: str = 'ROMEO:'  # printed with a greedy continuation at the end; '' = none
+    sample_tokens: int = 48
+    peak_flops: float = 0.0  # per device, for MFU; 0 = device table, or a matmul probe on CPU
+
+    def __post_init__(self):
+        _choice('train.nan_policy', self.nan_policy, NAN_POLICIES)
+        for name in ('steps', 'microbatches', 'log_every', 'checkpoint_every', 'keep_checkpoints'):
+            _require(getattr(self, name) >= 1, f'train.{name}', getattr(self, name), 'an integer >= 1')
+        for name in ('eval_every', 'eval_batches', 'keep_period', 'sample_tokens'):
+            _require(getattr(self, name) >= 0, f'train.{name}', getattr(self, name), 'an integer >= 0')
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes; -1 = all remaining devices (at most one axis)."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = dataclasses.astuple(self)
+        _require(all(s == -1 or s >= 1 for s in sizes) and sizes.count(-1) <= 1, 'mesh', sizes,
+                 'sizes >= 1 with at most one -1')
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    def __post_init__(self):
+        _require(self.data.batch_size % self.train.microbatches == 0, 'train.microbatches',
+                 self.train.microbatches, f'a divisor of data.batch_size={self.data.batch_size}')
+
+
+def to_configdict(config: Config) -> ml_collections.ConfigDict:
+    """The mutable form that configs/*.py return and the command line overrides."""
+    return ml_collections.ConfigDict(dataclasses.asdict(config))
+
+
+def from_configdict(config_dict: ml_collections.ConfigDict) -> Config:
+    """Validates every field; raises ConfigError naming the first bad one."""
+    values = config_dict.to_dict()
+    sections = {}
+    for field in dataclasses.fields(Config):
+        section_cls = field.type if isinstance(field.type, type) else globals()[field.type]
+        given = dict(values.pop(field.name, {}))
+        known = {f.name: f for f in dataclasses.fields(section_cls)}
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ConfigError(f'{field.name}.{unknown[0]} is not a config field; '
+                              f'allowed: {", ".join(sorted(known))}.')
+        if 'sparse_layers' in given:
+            given['sparse_layers'] = tuple(given['sparse_layers'])
+        sections[field.name] = section_cls(**given)
+    if values:
+        raise ConfigError(f'{sorted(values)[0]} is not a config section; allowed: '
+                          f'{", ".join(f.name for f in dataclasses.fields(Config))}.')
+    return Config(**sections)

@@ -1,0 +1,90 @@
+"""vrl's entry point: `python -m vrl.main --config=configs/tiny.py --workdir=DIR`.
+
+`--summary` prints the model's size and cost from the config alone and exits;
+otherwise the config is trained (vrl/train.py). Overrides: `--config.train.steps=200`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from vrl import accounting
+from vrl.config import Config, ConfigError, from_configdict
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'A configs/*.py file (":arg" passes an argument).',
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and TensorBoard logs go here.')
+_SUMMARY = flags.DEFINE_bool('summary', False, 'Print the model summary and exit.')
+_SUMMARY_JSON = flags.DEFINE_bool('summary_json', False, 'With --summary: also one JSON line at the end.')
+_FRESH = flags.DEFINE_bool('fresh', False, 'Ignore checkpoints in --workdir and start from step 0 '
+                           '(existing checkpoints are kept until newer ones replace them).')
+_INIT_FROM = flags.DEFINE_string('init_from', None, 'Initialise parameters from this checkpoint '
+                                 'directory (a step folder or a workdir) instead of at random.')
+
+
+def _human(n: float) -> str:
+    for unit, scale in (('G', 1e9), ('M', 1e6), ('K', 1e3)):
+        if abs(n) >= scale:
+            return f'{n / scale:.2f}{unit}'
+    return f'{n:.0f}'
+
+
+def summary_rows(config: Config) -> list[tuple[str, str]]:
+    m, acc = config.model, accounting.account(config.model, config.data.seq_len)
+    variant = m.attention + (f' ({m.lambda_mode})' if m.attention == 'resformer' else '')
+    vocab = (f'{m.vocab_size} (padded to {m.padded_vocab_size})' if m.padded_vocab_size != m.vocab_size
+             else str(m.vocab_size))
+    return [
+        ('variant', variant),
+        ('layers', str(m.n_layers)),
+        ('d_model', str(m.d_model)),
+        ('heads / kv heads / head dim', f'{m.n_heads} / {m.n_kv_heads} / {m.head_dim}'),
+        ('d_ff (SwiGLU)', str(m.d_ff)),
+        ('vocab', vocab),
+        ('tied embeddings', str(m.tie_embeddings)),
+        ('params', f'{_human(acc.params)} ({acc.params:,})'),
+        ('params, unpadded vocab', f'{_human(acc.params_unpadded)} ({acc.params_unpadded:,})'),
+        ('non-embedding params', f'{_human(acc.non_embedding_params)} ({acc.non_embedding_params:,})'),
+        (f'train FLOPs / token (seq {config.data.seq_len})', _human(acc.flops_per_token)),
+        (f'KV cache / token ({m.compute_dtype})', f'{acc.kv_cache_bytes_per_token:,} B'),
+    ]
+
+
+def print_summary(config: Config, as_json: bool) -> None:
+    rows = summary_rows(config)
+    width = max(len(k) for k, _ in rows)
+    print('\n'.join(f'{k:<{width}}  {v}' for k, v in rows))
+    if as_json:
+        acc = accounting.account(config.model, config.data.seq_len)
+        print(json.dumps({'attention': config.model.attention, 'lambda_mode': config.model.lambda_mode,
+                          'n_layers': config.model.n_layers, 'params': acc.params,
+                          'params_unpadded': acc.params_unpadded,
+                          'non_embedding_params': acc.non_embedding_params,
+                          'flops_per_token': acc.flops_per_token,
+                          'kv_cache_bytes_per_token': acc.kv_cache_bytes_per_token}))
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    if _CONFIG.value is None:
+        raise app.UsageError('--config is required, e.g. --config=configs/tiny.py')
+    try:
+        config = from_configdict(_CONFIG.value)
+    except ConfigError as e:
+        sys.exit(f'error: invalid config: {e}')
+    if _SUMMARY.value:
+        print_summary(config, _SUMMARY_JSON.value)
+        return
+    if not _WORKDIR.value:
+        raise app.UsageError('--workdir is required to train, e.g. --workdir=runs/tiny')
+    from vrl import train  # imported here so that --summary needs no data stack
+    train.run(config, _WORKDIR.value, fresh=_FRESH.value, init_from=_INIT_FROM.value)
+
+
+if __name__ == '__main__':
+    app.run(main)

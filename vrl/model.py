@@ -1,0 +1,264 @@
+"""A Llama-style decoder with value residual learning: vanilla, ResFormer and SVFormer.
+
+Shape suffixes: B batch, L query length, S key length, D d_model, H query heads,
+K kv heads, G = H // K heads per kv head, Dh head dim, F d_ff, V padded vocab,
+N = n_layers - 1 stacked layers.
+
+Layer 1 runs on its own and creates V_1 (its value projection of its normalised input,
+before GQA grouping, not detached). Layers 2..L are one stacked `Block` whose parameters
+carry a leading `layers` axis; `jax.lax.scan` walks them carrying `(hidden, V_1)`.
+The variant acts in exactly one place, `Attention.value_states`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from vrl.config import ModelConfig
+
+Array = jax.Array
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float,
+           stack: int | None) -> nnx.Param:
+    """A float32 N(0, std) weight with logical axis names; `stack` prepends a layers axis."""
+    if stack is not None:
+        shape, axes = (stack, *shape), ('layers', *axes)
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _constant(value: Array, axes: tuple[str, ...], stack: int | None) -> nnx.Param:
+    if stack is not None:
+        value, axes = jnp.broadcast_to(value, (stack, *value.shape)), ('layers', *axes)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, stack: int | None):
+        self.scale = _constant(jnp.ones((cfg.d_model,), jnp.float32), ('embed',), stack)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x_BxLxD: Array) -> Array:
+        x = x_BxLxD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...]).astype(x_BxLxD.dtype)
+
+
+def rope(x_BxLxNxDh: Array, positions_BxL: Array, theta: float) -> Array:
+    """Rotary embedding, rotate-half convention; computed in float32."""
+    half = x_BxLxNxDh.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles_BxLx1xHalf = (positions_BxL.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+    sin, cos = jnp.sin(angles_BxLx1xHalf), jnp.cos(angles_BxLx1xHalf)
+    x1, x2 = jnp.split(x_BxLxNxDh.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxNxDh.dtype)
+
+
+def attend(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array) -> Array:
+    """Softmax attention with grouped kv heads (no repetition); logits and softmax in float32."""
+    B, L, H, Dh = q_BxLxHxDh.shape
+    K = k_BxSxKxDh.shape[2]
+    q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, H // K, Dh)
+    logits_BxKxGxLxS = jnp.einsum('blkgd,bskd->bkgls', q_BxLxKxGxDh, k_BxSxKxDh,
+                                  preferred_element_type=jnp.float32) / math.sqrt(Dh)
+    logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], logits_BxKxGxLxS, -1e30)
+    probs = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(v_BxSxKxDh.dtype)
+    out_BxLxKxGxDh = jnp.einsum('bkgls,bskd->blkgd', probs, v_BxSxKxDh)
+    return out_BxLxKxGxDh.reshape(B, L, H, Dh)
+
+
+class Lambdas(NamedTuple):
+    """ResFormer's value mix for one layer (scalars) or for all stacked layers (N,)."""
+    v1: Array  # lambda_1, the weight of V_1
+    vn: Array  # lambda_2, the weight of this layer's own V_n
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, has_value_proj: bool, stack: int | None, rngs: nnx.Rngs):
+        D, H, K, Dh, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std
+        self.wq = _param(rngs, (D, H, Dh), ('embed', 'heads', 'head_dim'), std, stack)
+        self.wk = _param(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, stack)
+        self.wv = _param(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, stack) if has_value_proj else None
+        self.wo = _param(rngs, (H, Dh, D), ('heads', 'head_dim', 'embed'), std, stack)
+        self.variant = cfg.attention
+        self.rope_theta = cfg.rope_theta
+
+    def project_values(self, x_BxLxD: Array) -> Array:
+        return jnp.einsum('bld,dkh->blkh', x_BxLxD, self.wv[...].astype(x_BxLxD.dtype))
+
+    def value_states(self, x_BxLxD: Array, v1_BxLxKxDh: Array | None, lambdas: Lambdas | None) -> Array:
+        """The values this layer attends over; the only place the variant is read.
+
+        Layer 1 (v1 is None) projects its own values, which become V_1 for every variant.
+        """
+        if v1_BxLxKxDh is None or self.variant == 'vanilla':
+            return self.project_values(x_BxLxD)
+        if self.variant == 'svformer':
+            return v1_BxLxKxDh
+        v_BxLxKxDh = self.project_values(x_BxLxD)
+        dtype = v_BxLxKxDh.dtype
+        return lambdas.vn.astype(dtype) * v_BxLxKxDh + lambdas.v1.astype(dtype) * v1_BxLxKxDh
+
+    def qk(self, x_BxLxD: Array, positions_BxL: Array) -> tuple[Array, Array]:
+        dtype = x_BxLxD.dtype
+        q = jnp.einsum('bld,dnh->blnh', x_BxLxD, self.wq[...].astype(dtype))
+        k = jnp.einsum('bld,dkh->blkh', x_BxLxD, self.wk[...].astype(dtype))
+        return rope(q, positions_BxL, self.rope_theta), rope(k, positions_BxL, self.rope_theta)
+
+    def output(self, o_BxLxHxDh: Array) -> Array:
+        return jnp.einsum('blnh,nhd->bld', o_BxLxHxDh, self.wo[...].astype(o_BxLxHxDh.dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: (silu(x W_gate) * x W_up) W_down."""
+
+    def __init__(self, cfg: ModelConfig, *, stack: int | None, rngs: nnx.Rngs):
+        D, F, std = cfg.d_model, cfg.d_ff, cfg.init_std
+        self.w_gate = _param(rngs, (D, F), ('embed', 'mlp'), std, stack)
+        self.w_up = _param(rngs, (D, F), ('embed', 'mlp'), std, stack)
+        self.w_down = _param(rngs, (F, D), ('mlp', 'embed'), std, stack)
+
+    def __call__(self, x_BxLxD: Array) -> Array:
+        dtype = x_BxLxD.dtype
+        gate_BxLxF = jnp.einsum('bld,df->blf', x_BxLxD, self.w_gate[...].astype(dtype))
+        up_BxLxF = jnp.einsum('bld,df->blf', x_BxLxD, self.w_up[...].astype(dtype))
+        return jnp.einsum('blf,fd->bld', jax.nn.silu(gate_BxLxF) * up_BxLxF, self.w_down[...].astype(dtype))
+
+
+class Block(nnx.Module):
+    """Pre-norm attention + SwiGLU. With `stack`, one module holds N layers' parameters."""
+
+    def __init__(self, cfg: ModelConfig, *, has_value_proj: bool, stack: int | None, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, stack)
+        self.attn = Attention(cfg, has_value_proj=has_value_proj, stack=stack, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, stack)
+        self.mlp = MLP(cfg, stack=stack, rngs=rngs)
+
+    def __call__(self, h_BxLxD: Array, v1_BxLxKxDh: Array | None, lambdas: Lambdas | None,
+                 positions_BxL: Array, mask_BxLxS: Array) -> tuple[Array, Array]:
+        """Returns the new hidden state and the values attended over (V_1 for layer 1)."""
+        x_BxLxD = self.attn_norm(h_BxLxD)
+        v_BxLxKxDh = self.attn.value_states(x_BxLxD, v1_BxLxKxDh, lambdas)
+        q, k = self.attn.qk(x_BxLxD, positions_BxL)
+        h_BxLxD = h_BxLxD + self.attn.output(attend(q, k, v_BxLxKxDh, mask_BxLxS))
+        h_BxLxD = h_BxLxD + self.mlp(self.mlp_norm(h_BxLxD))
+        return h_BxLxD, v_BxLxKxDh
+
+
+class ValueResidualLambdas(nnx.Module):
+    """ResFormer's (lambda_1, lambda_2) for layers 2..L, each of shape (N,).
+
+    identity: 0.5 / 0.5. constant: cfg.lambda1 / cfg.lambda2 everywhere. learnable: per-layer
+    parameters, both initialised to 0.5. learnable_plus: lambda_2 per layer (init 0.5) and
+    lambda_1 = s * softmax(w) over layers 2..L, w init 0 and s shared, init L. sparse:
+    cfg.lambda1 / cfg.lambda2 on cfg.sparse_layers, vanilla (0 / 1) elsewhere.
+    Fixed modes hold no parameters.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        N, mode = cfg.n_stacked, cfg.lambda_mode
+        self.mode = mode
+        if mode == 'learnable':
+            self.v1 = _constant(jnp.full((N,), 0.5), ('layers',), None)
+            self.vn = _constant(jnp.full((N,), 0.5), ('layers',), None)
+        elif mode == 'learnable_plus':
+            self.vn = _constant(jnp.full((N,), 0.5), ('layers',), None)
+            self.w = _constant(jnp.zeros((N,)), ('layers',), None)
+            self.s = _constant(jnp.array(float(cfg.n_layers)), (), None)
+        else:
+            if mode == 'identity':
+                v1, vn = [0.5] * N, [0.5] * N
+            elif mode == 'constant':
+                v1, vn = [cfg.lambda1] * N, [cfg.lambda2] * N
+            else:  # sparse; stacked index i is layer i + 2
+                chosen = [i + 2 in cfg.sparse_layers for i in range(N)]
+                v1 = [cfg.lambda1 if c else 0.0 for c in chosen]
+                vn = [cfg.lambda2 if c else 1.0 for c in chosen]
+            self.fixed = (tuple(v1), tuple(vn))  # static: not parameters
+
+    def __call__(self) -> Lambdas:
+        if self.mode == 'learnable':
+            return Lambdas(v1=self.v1[...], vn=self.vn[...])
+        if self.mode == 'learnable_plus':
+            return Lambdas(v1=self.s[...] * jax.nn.softmax(self.w[...]), vn=self.vn[...])
+        return Lambdas(v1=jnp.array(self.fixed[0], jnp.float32), vn=jnp.array(self.fixed[1], jnp.float32))
+
+
+_REMAT_POLICIES = {
+    'full': None,
+    'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def causal_mask(segment_ids_BxL: Array | None, B: int, L: int) -> Array:
+    """True where query i may attend key j: j <= i and, with segment ids, the same document."""
+    mask_LxL = jnp.tril(jnp.ones((L, L), jnp.bool_))
+    if segment_ids_BxL is None:
+        return jnp.broadcast_to(mask_LxL, (B, L, L))
+    return mask_LxL & (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        V, D = cfg.padded_vocab_size, cfg.d_model
+        self.embed = _param(rngs, (V, D), ('vocab', 'embed'), cfg.init_std, None)
+        self.first = Block(cfg, has_value_proj=True, stack=None, rngs=rngs)
+        self.layers = Block(cfg, has_value_proj=cfg.attention != 'svformer', stack=cfg.n_stacked, rngs=rngs)
+        self.lambdas = ValueResidualLambdas(cfg) if cfg.attention == 'resformer' else None
+        self.final_norm = RMSNorm(cfg, None)
+        self.head = None if cfg.tie_embeddings else _param(rngs, (D, V), ('embed', 'vocab'), cfg.init_std, None)
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.cfg.compute_dtype)
+
+    def __call__(self, tokens_BxL: Array, positions_BxL: Array | None = None,
+                 segment_ids_BxL: Array | None = None) -> Array:
+        """Float32 logits (B, L, V); padded vocab entries are -1e30.
+
+        positions default to 0..L-1; with segment ids, attention stays within a document.
+        """
+        B, L = tokens_BxL.shape
+        if positions_BxL is None:
+            positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
+        mask_BxLxL = causal_mask(segment_ids_BxL, B, L)
+        h_BxLxD = self.embed[...].astype(self.compute_dtype)[tokens_BxL]
+        h_BxLxD, v1_BxLxKxDh = self.first(h_BxLxD, None, None, positions_BxL, mask_BxLxL)
+        h_BxLxD = self._stacked_layers(h_BxLxD, v1_BxLxKxDh, positions_BxL, mask_BxLxL)
+        return self.logits(self.final_norm(h_BxLxD))
+
+    def _stacked_layers(self, h_BxLxD: Array, v1_BxLxKxDh: Array, positions_BxL: Array,
+                        mask_BxLxL: Array) -> Array:
+        graphdef, stacked_state = nnx.split(self.layers)
+        lambdas_N = self.lambdas() if self.lambdas is not None else None
+
+        def body(carry, per_layer):
+            h, v1 = carry
+            layer_state, lambdas = per_layer
+            h, _ = nnx.merge(graphdef, layer_state)(h, v1, lambdas, positions_BxL, mask_BxLxL)
+            return (h, v1), None
+
+        if self.cfg.remat != 'none':
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        carry = (h_BxLxD, v1_BxLxKxDh)
+        if self.cfg.scan_layers:
+            carry, _ = jax.lax.scan(body, carry, (stacked_state, lambdas_N))
+        else:
+            for i in range(self.cfg.n_stacked):
+                carry, _ = body(carry, jax.tree.map(lambda x: x[i], (stacked_state, lambdas_N)))
+        return carry[0]
+
+    def logits(self, x_BxLxD: Array) -> Array:
+        head_DxV = self.embed[...].T if self.head is None else self.head[...]
+        logits_BxLxV = jnp.einsum('bld,dv->blv', x_BxLxD, head_DxV.astype(x_BxLxD.dtype),
+                                  preferred_element_type=jnp.float32)
+        is_real_V = jnp.arange(logits_BxLxV.shape[-1]) < self.cfg.vocab_size
+        return jnp.where(is_real_V, logits_BxLxV, -1e30)
