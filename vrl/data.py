@@ -1,0 +1,264 @@
+"""The input pipeline: TFDS source -> shuffle -> per-process shard -> tokenize -> pack -> batch.
+
+Built on grain: documents are shuffled globally with a seed (a new order each epoch), each
+process takes every `process_count`-th one, worker processes tokenize, and packing runs in
+the main process so that batches do not depend on the worker count. The iterator's state
+(`get_state` / `set_state`) restores the exact position.
+
+Packing: every document becomes a group `separator + tokens`, separator = [EOS] (+ [BOS] with
+`add_bos`), so EOS both ends one document and opens the next; an epoch's stream ends with one
+more EOS. Sequences are windows of L + 1 tokens that overlap by one: inputs = stream[i:i+L],
+targets = stream[i+1:i+L+1], so every token after the first is a target exactly once. The
+last window is padded (loss_mask 0). With `document_masking`, segment ids (1, 2, ... per
+window; 0 = padding) and positions restarting at each group keep attention and RoPE within
+a document.
+
+    python -m vrl.data prepare --input=GLOB --name=NAME --data_dir=DIR [--validation_fraction=F]
+    python -m vrl.data stats --name=NAME --data_dir=DIR [--tokenizer=PATH]
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import grain
+from absl import flags
+import numpy as np
+
+from vrl import corpus
+from vrl.config import DataConfig
+from vrl.tokenizer import Tokenizer, TokenizerError, train as train_tokenizer
+
+Batch = dict[str, np.ndarray]  # inputs, targets, loss_mask [, segment_ids, positions]: (B, L)
+
+
+class _Tokenize(grain.transforms.Map):
+    def __init__(self, tokenizer: Tokenizer, text_field: str):
+        self.tokenizer, self.text_field = tokenizer, text_field
+
+    def map(self, record: dict[str, Any]) -> np.ndarray:
+        text = record[self.text_field]
+        return self.tokenizer.encode(text.decode('utf-8') if isinstance(text, bytes) else text)
+
+
+class _PackIterator(grain.DatasetIterator):
+    def __init__(self, parent: grain.DatasetIterator, seq_len: int, separator: np.ndarray,
+                 eos_id: int, pad_id: int):
+        super().__init__(parent)
+        self._L, self._separator, self._eos, self._pad = seq_len, separator, eos_id, pad_id
+        self._tokens = np.zeros((0,), np.int32)  # stream not yet emitted (the next window's start)
+        self._groups = np.zeros((0,), np.int64)  # document group of each buffered token
+        self._n_groups = 0
+        self._exhausted = False
+
+    def _append(self, tokens: np.ndarray, new_group: bool) -> None:
+        if new_group:
+            self._n_groups += 1
+        self._tokens = np.concatenate([self._tokens, tokens.astype(np.int32)])
+        self._groups = np.concatenate([self._groups, np.full(len(tokens), self._n_groups, np.int64)])
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        L = self._L
+        while len(self._tokens) < L + 1 and not self._exhausted:
+            try:
+                doc = next(self._parent)
+            except StopIteration:
+                self._exhausted = True
+                if self._n_groups:
+                    self._append(np.array([self._eos]), new_group=False)  # the last document's end
+                break
+            self._append(np.concatenate([self._separator, doc]), new_group=True)
+        if len(self._tokens) < 2:
+            raise StopIteration
+        n = min(L + 1, len(self._tokens))
+        window, groups = self._tokens[:n], self._groups[:n - 1]
+        self._tokens, self._groups = self._tokens[n - 1:], self._groups[n - 1:]
+        return _example(window, groups, L, self._pad)
+
+    def get_state(self) -> dict[str, Any]:
+        return {'parent': self._parent.get_state(), 'tokens': self._tokens.tolist(),
+                'groups': self._groups.tolist(), 'n_groups': self._n_groups, 'exhausted': self._exhausted}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state['parent'])
+        self._tokens = np.asarray(state['tokens'], np.int32)
+        self._groups = np.asarray(state['groups'], np.int64)
+        self._n_groups, self._exhausted = state['n_groups'], state['exhausted']
+
+
+def _example(window: np.ndarray, groups: np.ndarray, L: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One packed sequence from a window of n <= L + 1 tokens and the groups of its first n - 1."""
+    n = len(window) - 1
+    inputs = np.full(L, pad_id, np.int32)
+    targets = np.full(L, pad_id, np.int32)
+    inputs[:n], targets[:n] = window[:-1], window[1:]
+    segment_ids = np.zeros(L, np.int32)
+    segment_ids[:n] = groups - groups[0] + 1
+    starts = np.flatnonzero(np.diff(segment_ids[:n], prepend=0))  # first index of each segment
+    positions = np.zeros(L, np.int32)
+    positions[:n] = np.arange(n) - starts[np.searchsorted(starts, np.arange(n), side='right') - 1]
+    return {'inputs': inputs, 'targets': targets, 'loss_mask': (np.arange(L) < n).astype(np.int32),
+            'segment_ids': segment_ids, 'positions': positions}
+
+
+class _PackIterDataset(grain.IterDataset):
+    def __init__(self, parent: grain.IterDataset, seq_len: int, separator: np.ndarray, eos_id: int, pad_id: int):
+        super().__init__(parent)
+        self._args = (seq_len, separator, eos_id, pad_id)
+
+    def __iter__(self) -> _PackIterator:
+        return _PackIterator(self._parent.__iter__(), *self._args)
+
+
+def _separator(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
+    return np.array([tokenizer.eos_id] + ([tokenizer.bos_id] if cfg.add_bos else []), np.int32)
+
+
+def _drop_document_fields(batch: Batch) -> Batch:
+    return {k: batch[k] for k in ('inputs', 'targets', 'loss_mask')}
+
+
+def _pipeline(source, cfg: DataConfig, tokenizer: Tokenizer, *, shuffle: bool, num_epochs: int | None,
+              process_index: int, process_count: int) -> grain.IterDataset:
+    """Batches of this process's share; a finite pass ends with a padded (loss_mask 0) batch."""
+    batch_size = per_process_batch_size(cfg, process_count)
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+        ds = ds.shuffle(seed=cfg.seed)
+    ds = ds.repeat(num_epochs)[process_index::process_count]
+    ds = ds.map(_Tokenize(tokenizer, cfg.text_field)).to_iter_dataset()
+    if cfg.num_workers:
+        if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; notebooks never parse them
+            flags.FLAGS.mark_as_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers,
+                                                         per_worker_buffer_size=max(cfg.prefetch, 1) * 16))
+    ds = _PackIterDataset(ds, cfg.seq_len, _separator(cfg, tokenizer), tokenizer.eos_id, tokenizer.pad_id)
+    ds = ds.batch(batch_size).map(functools.partial(_pad_batch, batch_size=batch_size))
+    if not cfg.document_masking:
+        ds = ds.map(_drop_document_fields)
+    return ds
+
+
+def per_process_batch_size(cfg: DataConfig, process_count: int) -> int:
+    if cfg.batch_size % process_count:
+        raise ValueError(f'data.batch_size={cfg.batch_size} is invalid: allowed a multiple of the '
+                         f'process count {process_count}.')
+    return cfg.batch_size // process_count
+
+
+def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0,
+                  process_count: int = 1) -> grain.IterDataset:
+    """Endless (or data.num_epochs) shuffled, packed batches of this process's share of the global batch."""
+    source = corpus.open_split(cfg.name, cfg.data_dir, cfg.train_split)
+    return _pipeline(source, cfg, tokenizer, shuffle=True, num_epochs=cfg.num_epochs or None,
+                     process_index=process_index, process_count=process_count)
+
+
+def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, max_batches: int, process_index: int = 0,
+                 process_count: int = 1) -> Iterator[Batch]:
+    """The validation split in a fixed order, one pass, every batch full size (padding has loss_mask 0).
+
+    With max_batches > 0 exactly that many batches come (all-padding ones after the split ends),
+    so every process runs the same number of eval steps.
+    """
+    source = corpus.open_split(cfg.name, cfg.data_dir, cfg.eval_split)
+    ds = _pipeline(source, cfg, tokenizer, shuffle=False, num_epochs=1, process_index=process_index,
+                   process_count=process_count)
+    count = 0
+    for batch in ds:
+        if max_batches and count == max_batches:
+            return
+        yield batch
+        count += 1
+    while max_batches and count < max_batches:
+        yield _pad_batch(_empty_like(cfg), per_process_batch_size(cfg, process_count))
+        count += 1
+
+
+def _empty_like(cfg: DataConfig) -> Batch:
+    keys = ('inputs', 'targets', 'loss_mask') + (('segment_ids', 'positions') if cfg.document_masking else ())
+    return {k: np.zeros((0, cfg.seq_len), np.int32) for k in keys}
+
+
+def _pad_batch(batch: Batch, batch_size: int) -> Batch:
+    missing = batch_size - len(batch['inputs'])
+    return {k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)]) if missing else v
+            for k, v in batch.items()}
+
+
+def load_tokenizer(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
+    """data.tokenizer, or one trained on the train split and cached beside the dataset."""
+    if cfg.tokenizer:
+        tokenizer = Tokenizer.load(cfg.tokenizer)
+    else:
+        data_dir = cfg.data_dir or corpus.default_data_dir()
+        path = Path(data_dir) / 'vrl_tokenizers' / f'{cfg.name.replace("/", "_")}_{model_vocab_size}.model'
+        if path.exists():
+            tokenizer = Tokenizer.load(str(path))
+        else:
+            logging.info('training a %d-piece tokenizer on %s (once; cached at %s)', model_vocab_size, cfg.name, path)
+            source = corpus.open_split(cfg.name, cfg.data_dir, cfg.train_split)
+            import sentencepiece
+            sentencepiece.set_random_generator_seed(cfg.seed)  # the same model on every host
+            tokenizer = train_tokenizer(corpus.texts(source, cfg.text_field, limit=cfg.tokenizer_train_docs),
+                                        model_vocab_size, str(path))
+    if tokenizer.vocab_size > model_vocab_size:
+        raise TokenizerError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but '
+                             f'model.vocab_size={model_vocab_size}: set --config.model.vocab_size='
+                             f'{tokenizer.vocab_size} (or larger).')
+    return tokenizer
+
+
+# --- command line ------------------------------------------------------------------------
+
+def split_stats(name: str, data_dir: str, tokenizer: Tokenizer | None, text_field: str = 'text') -> dict:
+    """Documents, characters and (with a tokenizer) tokens of each split."""
+    stats = {}
+    for split in ('train', 'validation'):
+        docs = chars = tokens = 0
+        for text in corpus.texts(corpus.open_split(name, data_dir, split), text_field):
+            docs, chars = docs + 1, chars + len(text)
+            tokens += len(tokenizer.encode(text)) if tokenizer else 0
+        stats[split] = {'documents': docs, 'characters': chars} | ({'tokens': tokens} if tokenizer else {})
+    return stats
+
+
+def main(argv: list[str]) -> None:
+    command = argv[1] if len(argv) == 2 else None
+    if command not in ('prepare', 'stats'):
+        raise app.UsageError('usage: python -m vrl.data prepare|stats --name=NAME --data_dir=DIR ...')
+    if not FLAGS.name:
+        raise app.UsageError('--name is required')
+    try:
+        if command == 'prepare':
+            if not FLAGS.input:
+                raise app.UsageError('--input is required: a folder or a glob of text/JSONL files')
+            mode = FLAGS.split_mode or ('jsonl' if '.jsonl' in FLAGS.input else 'file')
+            path = corpus.prepare_from_glob(FLAGS.input, FLAGS.name, FLAGS.data_dir, split_mode=mode,
+                                            jsonl_field=FLAGS.jsonl_field,
+                                            validation_fraction=FLAGS.validation_fraction)
+            print(f'prepared {FLAGS.name} in {path}')
+            command = 'stats'
+        tokenizer = Tokenizer.load(FLAGS.tokenizer) if FLAGS.tokenizer else None
+        for split, row in split_stats(FLAGS.name, FLAGS.data_dir, tokenizer).items():
+            print(f'{split:<11}' + '  '.join(f'{k} {v:,}' for k, v in row.items()))
+    except (corpus.DataError, TokenizerError) as e:
+        raise SystemExit(f'error: {e}')
+
+
+if __name__ == '__main__':
+    from absl import app
+    flags.DEFINE_string('input', None, 'prepare: a folder or glob of .txt / .jsonl files')
+    flags.DEFINE_string('name', None, 'TFDS dataset name (lower_snake_case for prepare)')
+    flags.DEFINE_string('data_dir', '', "TFDS data_dir ('' = ~/.cache/vrl/tensorflow_datasets)")
+    flags.DEFINE_float('validation_fraction', 0.05, 'prepare: documents held out for validation')
+    flags.DEFINE_enum('split_mode', None, corpus.SPLIT_MODES,
+                      'prepare: one document per file, per blank-line block, or per JSONL record '
+                      '(default: jsonl for *.jsonl inputs, else file)')
+    flags.DEFINE_string('jsonl_field', 'text', 'prepare: the JSONL field holding the text')
+    flags.DEFINE_string('tokenizer', None, 'stats: a sentencepiece .model to count tokens with')
+    FLAGS = flags.FLAGS
+    app.run(main)

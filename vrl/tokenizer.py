@@ -1,0 +1,128 @@
+"""A sentencepiece tokenizer: train one from a dataset split, or load a `.model` (local or gs://).
+
+    python -m vrl.tokenizer train --name=NAME --data_dir=DIR --vocab_size=N --out=PATH [--model_type=bpe]
+
+Trained tokenizers use identity normalisation and byte fallback, so decode(encode(x)) == x for
+any UTF-8 text, and declare the special ids below.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from typing import Iterable, Iterator
+
+import numpy as np
+import sentencepiece as spm
+from etils import epath
+
+PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
+MODEL_TYPES = ('bpe', 'unigram')
+
+
+class TokenizerError(ValueError):
+    """A missing or unusable tokenizer; the message says where it looked and what to do."""
+
+
+class Tokenizer:
+    """A loaded sentencepiece model. Picklable (grain worker processes get a copy)."""
+
+    def __init__(self, model_proto: bytes, path: str = '<memory>'):
+        self.path = path
+        self._proto = model_proto
+        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+
+    @classmethod
+    def load(cls, path: str) -> 'Tokenizer':
+        file = epath.Path(path)
+        if not file.exists():
+            raise TokenizerError(
+                f'tokenizer {path!r} does not exist. Train one with `python -m vrl.tokenizer train '
+                f'--name=NAME --data_dir=DIR --vocab_size=N --out={path}`, or leave data.tokenizer '
+                "empty ('') to train and cache one from the training split on first use.")
+        try:
+            return cls(file.read_bytes(), path)
+        except RuntimeError as e:
+            raise TokenizerError(f'{path!r} is not a sentencepiece model: {e}') from e
+
+    def __getstate__(self):
+        return {'model_proto': self._proto, 'path': self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state['model_proto'], state['path'])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def bos_id(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def pad_id(self) -> int:
+        return self._sp.pad_id()
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._sp.encode(text), np.int32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+def train(texts: Iterable[str], vocab_size: int, out: str, model_type: str = 'bpe') -> Tokenizer:
+    """Trains on `texts` (each split into lines) and writes the model to `out`."""
+    if model_type not in MODEL_TYPES:
+        raise TokenizerError(f'model_type={model_type!r} is invalid: allowed one of {MODEL_TYPES}.')
+
+    def lines() -> Iterator[str]:
+        for text in texts:
+            yield from (line for line in text.split('\n') if line.strip())
+
+    model = io.BytesIO()
+    start = time.perf_counter()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines(), model_writer=model, vocab_size=vocab_size, model_type=model_type,
+        byte_fallback=True, pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
+        normalization_rule_name='identity', add_dummy_prefix=False, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, split_digits=True, character_coverage=0.9995,
+        input_sentence_size=2_000_000, shuffle_input_sentence=True, max_sentence_length=1 << 16,
+        num_threads=2, minloglevel=2)
+    logging.info('trained a %d-piece %s tokenizer in %.1fs', vocab_size, model_type, time.perf_counter() - start)
+    out_path = epath.Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_bytes(model.getvalue())
+    return Tokenizer(model.getvalue(), out)
+
+
+def main(argv: list[str]) -> None:
+    from vrl import corpus
+    if len(argv) < 2 or argv[1] != 'train':
+        raise app.UsageError('usage: python -m vrl.tokenizer train --name=NAME --data_dir=DIR '
+                             '--vocab_size=N --out=PATH [--model_type=bpe|unigram]')
+    for flag in ('name', 'vocab_size', 'out'):
+        if not getattr(FLAGS, flag):
+            raise app.UsageError(f'--{flag} is required')
+    texts = corpus.texts(corpus.open_split(FLAGS.name, FLAGS.data_dir, FLAGS.split), FLAGS.text_field,
+                         limit=FLAGS.max_docs)
+    tok = train(texts, FLAGS.vocab_size, FLAGS.out, FLAGS.model_type)
+    print(f'wrote {FLAGS.out}: {tok.vocab_size} pieces, pad={tok.pad_id} eos={tok.eos_id} bos={tok.bos_id}')
+
+
+if __name__ == '__main__':
+    from absl import app, flags
+    flags.DEFINE_string('name', None, 'TFDS dataset name')
+    flags.DEFINE_string('data_dir', '', "TFDS data_dir ('' = vrl's cache)")
+    flags.DEFINE_string('split', 'train', 'split to train on')
+    flags.DEFINE_string('text_field', 'text', 'feature holding the text')
+    flags.DEFINE_integer('vocab_size', None, 'pieces in the vocabulary')
+    flags.DEFINE_string('out', None, 'where to write the .model file')
+    flags.DEFINE_enum('model_type', 'bpe', MODEL_TYPES, 'sentencepiece model type')
+    flags.DEFINE_integer('max_docs', 100_000, 'documents read from the split')
+    FLAGS = flags.FLAGS
+    app.run(main)
