@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from vrl import accounting
@@ -69,12 +69,16 @@ def print_summary(config: Config, as_json: bool) -> None:
 
 
 def main(argv: list[str]) -> None:
+    if not flags.FLAGS['verbosity'].present:  # library INFO chatter off unless asked for
+        logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    if _CONFIG.value is None:
-        raise app.UsageError('--config is required, e.g. --config=configs/tiny.py')
     try:
+        if _CONFIG.value is None:
+            raise app.UsageError('--config is required, e.g. --config=configs/tiny.py')
         config = from_configdict(_CONFIG.value)
+    except OSError as e:  # config_flags defers a missing or broken config file to here
+        sys.exit(f'error: {" ".join(str(e).split())}')
     except ConfigError as e:
         sys.exit(f'error: invalid config: {e}')
     if _SUMMARY.value:
@@ -82,9 +86,25 @@ def main(argv: list[str]) -> None:
         return
     if not _WORKDIR.value:
         raise app.UsageError('--workdir is required to train, e.g. --workdir=runs/tiny')
-    from vrl import train  # imported here so that --summary needs no data stack
-    train.run(config, _WORKDIR.value, fresh=_FRESH.value, init_from=_INIT_FROM.value)
+    from vrl import checkpoint, corpus, tokenizer, train  # here, so that --summary needs no data stack
+    try:
+        train.run(config, _WORKDIR.value, fresh=_FRESH.value, init_from=_INIT_FROM.value)
+    except (ConfigError, corpus.DataError, tokenizer.TokenizerError, checkpoint.CheckpointMismatchError,
+            train.TrainingError, FileNotFoundError) as e:
+        sys.exit(f'error: {e}')
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with config errors (unknown key, missing file) as one clear line."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(f'error: {e}\nPass --help for usage.')
+    except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:  # raised by --config.x=...
+        message = str(e.args[0] if e.args else e).replace("\\'", "'").replace('\\n', ' ').replace('\n', ' ')
+        message = message.strip("'")
+        sys.exit(f'error: bad --config or override: {message}')
 
 
 if __name__ == '__main__':
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,98 @@
+"""The device mesh and the logical-to-mesh sharding rules: the only place either is decided.
+
+Mesh axes ('data', 'fsdp', 'tensor'). Parameters are fully sharded over `fsdp` on their
+`embed` axis and tensor-parallel over `tensor` on heads / kv_heads / mlp / vocab; the batch
+is split over ('data', 'fsdp'). The model only names logical axes (vrl/model.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from vrl.config import ConfigError, MeshConfig, ModelConfig
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+BATCH_AXES = ('data', 'fsdp')
+
+# logical axis -> mesh axis (None = replicated)
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    'batch': BATCH_AXES,
+    'length': None,
+    'embed': 'fsdp',
+    'heads': 'tensor',
+    'kv_heads': 'tensor',
+    'mlp': 'tensor',
+    'vocab': 'tensor',
+    'head_dim': None,
+    'layers': None,
+}
+
+
+def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    """Resolves -1 and checks that the sizes multiply to the device count."""
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n_devices % known:
+            raise ConfigError(f'mesh=(data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor}) is invalid: '
+                              f'the fixed sizes ({known}) must divide the {n_devices} devices.')
+        sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) != n_devices:
+        raise ConfigError(f'mesh=(data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor}) is invalid: '
+                          f'the sizes multiply to {math.prod(sizes)} but there are {n_devices} devices; '
+                          'make them multiply to the device count or set one to -1.')
+    return tuple(sizes)
+
+
+def check_model_fits_mesh(model: ModelConfig, shape: tuple[int, int, int]) -> None:
+    tensor = shape[2]
+    for field in ('n_heads', 'n_kv_heads', 'd_ff'):
+        if getattr(model, field) % tensor:
+            raise ConfigError(f'mesh.tensor={tensor} is invalid: it must divide model.{field}='
+                              f'{getattr(model, field)}.')
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(cfg, len(devices))
+    try:
+        device_array = mesh_utils.create_device_mesh(shape, devices)
+    except Exception:  # fake CPU devices and odd shapes have no physical topology to follow
+        device_array = np.asarray(devices).reshape(shape)
+    return Mesh(device_array, MESH_AXES)
+
+
+def logical_spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
+    """PartitionSpec for logical axis names; a mesh axis is used at most once per array."""
+    used: set[str] = set()
+    spec = []
+    for name in logical_axes:
+        axes = LOGICAL_RULES.get(name) if name else None
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def param_shardings(abstract_state: nnx.State, mesh: Mesh) -> dict[str, Any]:
+    """A pure-dict tree of NamedShardings for the model's parameters, from their metadata."""
+    shardings = jax.tree.map(lambda v: NamedSharding(mesh, logical_spec(v.out_sharding or ())),
+                             abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.State(shardings).to_pure_dict() if isinstance(shardings, nnx.State) else shardings
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """(batch, length) arrays: batch over ('data', 'fsdp')."""
+    return NamedSharding(mesh, logical_spec(('batch', 'length')))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

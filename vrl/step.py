@@ -1,0 +1,153 @@
+"""The device side of training: the train state, the loss, and the jitted train and eval steps.
+
+Parameters live in a pure nested dict (float32) that `nnx.merge` turns back into the model
+inside the step; the whole state is sharded by vrl/sharding.py's rules, initialised directly
+into that layout, and donated to the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from vrl import optimizer as vrl_optimizer
+from vrl import sharding
+from vrl.config import Config, ModelConfig
+from vrl.model import Decoder
+
+Batch = dict[str, jax.Array]  # (B, L) int32: inputs, targets, loss_mask [, segment_ids, positions]
+Metrics = dict[str, jax.Array]  # scalars
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: updates applied so far
+    params: dict[str, Any]
+    opt_state: Any
+
+
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and parameter shapes/metadata, without allocating weights."""
+    return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+
+
+def apply_model(graphdef: nnx.GraphDef, params: dict[str, Any], batch: Batch) -> jax.Array:
+    """Float32 logits (B, L, V)."""
+    model = nnx.merge(graphdef, params)
+    return model(batch['inputs'], batch.get('positions'), batch.get('segment_ids'))
+
+
+def token_losses(logits_BxLxV: jax.Array, batch: Batch, z_loss: float) -> tuple[jax.Array, jax.Array]:
+    """Sums over unmasked tokens of (cross-entropy + z_loss * logZ^2) and of cross-entropy alone."""
+    mask = batch['loss_mask'].astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits_BxLxV, axis=-1)
+    target_logit = jnp.take_along_axis(logits_BxLxV, batch['targets'][..., None], axis=-1)[..., 0]
+    cross_entropy = (log_z - target_logit) * mask
+    return jnp.sum(cross_entropy + z_loss * jnp.square(log_z) * mask), jnp.sum(cross_entropy)
+
+
+class Trainer:
+    """Builds the sharded initial state and the jitted steps for one config on one mesh."""
+
+    def __init__(self, config: Config, mesh: Mesh):
+        self.config, self.mesh = config, mesh
+        self.graphdef, abstract_params = abstract_model(config.model)
+        self.tx = vrl_optimizer.make(config.optimizer)
+        self.learning_rate = vrl_optimizer.learning_rate(config.optimizer)
+        self.param_shardings = sharding.param_shardings(abstract_params, mesh)
+        abstract = jax.eval_shape(self._init, jax.random.key(0))
+        self.state_shardings = TrainState(
+            step=sharding.replicated(mesh), params=self.param_shardings,
+            opt_state=self._opt_state_shardings(abstract.opt_state))
+        self.abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                           abstract, self.state_shardings)
+        self.batch_sharding = sharding.batch_sharding(mesh)
+        replicated = sharding.replicated(mesh)
+        self.train_step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
+                                  out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_shardings, self.batch_sharding),
+                                 out_shardings=replicated)
+        self.logits = jax.jit(self._logits, in_shardings=(self.param_shardings, None), out_shardings=replicated)
+
+    def _opt_state_shardings(self, abstract_opt_state: Any) -> Any:
+        """Moments are sharded like their parameters; counters are replicated."""
+        param_tree = jax.tree.structure(self.param_shardings)
+
+        def match(subtree):
+            if jax.tree.structure(subtree) == param_tree:
+                return self.param_shardings
+            return jax.tree.map(lambda _: sharding.replicated(self.mesh), subtree)
+
+        return jax.tree.map(match, abstract_opt_state,
+                            is_leaf=lambda x: jax.tree.structure(x) == param_tree)
+
+    def _init(self, key: jax.Array) -> TrainState:
+        model = Decoder(self.config.model, rngs=nnx.Rngs(params=key))
+        params = nnx.state(model, nnx.Param).to_pure_dict()
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+
+    def init_state(self, seed: int) -> TrainState:
+        """A fresh state, created on the devices directly in its sharded layout."""
+        return jax.jit(self._init, out_shardings=self.state_shardings)(jax.random.key(seed))
+
+    def _loss_and_grads(self, params: dict, batch: Batch) -> tuple[tuple[jax.Array, jax.Array], Any]:
+        def loss(params, batch):
+            total, cross_entropy = token_losses(apply_model(self.graphdef, params, batch), batch,
+                                                self.config.optimizer.z_loss)
+            return total, cross_entropy
+        return jax.value_and_grad(loss, has_aux=True)(params, batch)
+
+    def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        k = self.config.train.microbatches
+        if k == 1:
+            (total, cross_entropy), grads = self._loss_and_grads(state.params, batch)
+        else:  # gradient accumulation: sums over microbatches, one normalisation at the end
+            micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+            def accumulate(carry, microbatch):
+                (total, ce), grads = self._loss_and_grads(state.params, microbatch)
+                return jax.tree.map(jnp.add, carry, ((total, ce), grads)), None
+
+            zeros = ((jnp.zeros(()), jnp.zeros(())), jax.tree.map(jnp.zeros_like, state.params))
+            ((total, cross_entropy), grads), _ = jax.lax.scan(accumulate, zeros, micro)
+        tokens = jnp.maximum(jnp.sum(batch['loss_mask']), 1).astype(jnp.float32)
+        grads = jax.tree.map(lambda g: g / tokens, grads)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
+        new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                               opt_state=opt_state)
+        # a non-finite step never reaches the weights; the host stops or skips (train.nan_policy)
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+        new_state = new_state._replace(step=state.step + 1)
+        return new_state, {'loss': cross_entropy / tokens, 'grad_norm': grad_norm,
+                           'lr': self.learning_rate(state.step), 'tokens': tokens, 'finite': finite}
+
+    def _eval_step(self, params: dict, batch: Batch) -> Metrics:
+        _, cross_entropy = token_losses(apply_model(self.graphdef, params, batch), batch, 0.0)
+        return {'loss_sum': cross_entropy, 'tokens': jnp.sum(batch['loss_mask']).astype(jnp.float32)}
+
+    def _logits(self, params: dict, tokens_BxL: jax.Array) -> jax.Array:
+        return apply_model(self.graphdef, params, {'inputs': tokens_BxL})
+
+    def device_batch(self, local_batch: dict[str, np.ndarray]) -> Batch:
+        """This process's rows -> one global array per field, sharded over ('data', 'fsdp')."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local_batch.items()}
+
+
+def greedy_sample(logits_fn: Callable[[jax.Array], jax.Array], prompt: list[int], n_tokens: int,
+                  max_len: int) -> list[int]:
+    """Greedy continuation without a KV cache: one full forward per token over a fixed buffer."""
+    buffer = np.zeros((1, max_len), np.int32)
+    buffer[0, :len(prompt)] = prompt
+    length = len(prompt)
+    for _ in range(min(n_tokens, max_len - length)):
+        next_token = int(np.argmax(np.asarray(logits_fn(jnp.asarray(buffer))[0, length - 1])))
+        buffer[0, length] = next_token
+        length += 1
+    return buffer[0, len(prompt):length].tolist()
