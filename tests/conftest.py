@@ -2,10 +2,47 @@
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
+os.environ['XLA_FLAGS'] = os.environ.get('VRL_TEST_XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# one compilation cache for the session, shared with the subprocesses the tests start
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', tempfile.mkdtemp(prefix='vrl_test_jax_cache_'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+
+PLAYS = ('hamlet_gut.txt', 'macbeth_gut.txt', 'tempest_gut.txt', 'twelfth_night_gut.txt')
+
+
+@pytest.fixture(scope='session')
+def plays_dir(tmp_path_factory) -> Path:
+    """Four real plays from the embedded corpus, copied to a folder."""
+    from vrl import corpus
+    folder = tmp_path_factory.mktemp('plays')
+    for file in corpus.shakespeare_spec().files:
+        if Path(file).name in PLAYS:
+            (folder / Path(file).name).write_text(Path(file).read_text())
+    assert len(list(folder.iterdir())) == len(PLAYS)
+    return folder
+
+
+@pytest.fixture(scope='session')
+def small_corpus(plays_dir, tmp_path_factory):
+    """(DataConfig, Tokenizer) over the four plays, one document per speech: a real TFDS build
+    and a real 512-piece sentencepiece model, in a temp dir."""
+    from vrl import corpus
+    from vrl.config import DataConfig
+    from vrl.tokenizer import train as train_tokenizer
+    data_dir = str(tmp_path_factory.mktemp('tfds'))
+    corpus.prepare_from_glob(str(plays_dir), 'plays', data_dir, split_mode='blank_line', validation_fraction=0.1)
+    source = corpus.open_split('plays', data_dir, 'train')
+    tokenizer = train_tokenizer(corpus.texts(source), 512, str(Path(data_dir) / 'plays.model'))
+    cfg = DataConfig(name='plays', data_dir=data_dir, tokenizer=tokenizer.path, seq_len=64, batch_size=8,
+                     num_epochs=1)
+    return cfg, tokenizer

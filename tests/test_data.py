@@ -13,32 +13,6 @@ import tensorflow_datasets as tfds
 from vrl import corpus, data
 from vrl.config import DataConfig
 from vrl.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError
-from vrl.tokenizer import train as train_tokenizer
-
-PLAYS = ('hamlet_gut.txt', 'macbeth_gut.txt', 'tempest_gut.txt', 'twelfth_night_gut.txt')
-
-
-@pytest.fixture(scope='module')
-def plays_dir(tmp_path_factory) -> Path:
-    """Four real plays from the embedded corpus, copied to a folder."""
-    folder = tmp_path_factory.mktemp('plays')
-    for file in corpus.shakespeare_spec().files:
-        if Path(file).name in PLAYS:
-            (folder / Path(file).name).write_text(Path(file).read_text())
-    assert len(list(folder.iterdir())) == len(PLAYS)
-    return folder
-
-
-@pytest.fixture(scope='module')
-def small_corpus(plays_dir, tmp_path_factory):
-    """(DataConfig, Tokenizer) over the four plays, one document per speech."""
-    data_dir = str(tmp_path_factory.mktemp('tfds'))
-    corpus.prepare_from_glob(str(plays_dir), 'plays', data_dir, split_mode='blank_line', validation_fraction=0.1)
-    source = corpus.open_split('plays', data_dir, 'train')
-    tokenizer = train_tokenizer(corpus.texts(source), 512, str(Path(data_dir) / 'plays.model'))
-    cfg = DataConfig(name='plays', data_dir=data_dir, seq_len=64, batch_size=8, num_epochs=1)
-    return cfg, tokenizer
-
 
 def _all_batches(ds) -> list[dict]:
     return list(ds)

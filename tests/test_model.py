@@ -92,10 +92,10 @@ def test_scan_equals_loop(variant, remat):
 
 def _copy_params(src: Decoder, dst: Decoder) -> None:
     """Copies every parameter dst has from src (dst may lack some, e.g. SVFormer's W_V)."""
-    src_params = nnx.state(src, nnx.Param).to_pure_dict()
+    src_params = nnx.to_pure_dict(nnx.state(src, nnx.Param))
     dst_state = nnx.state(dst, nnx.Param)
     wanted = jax.tree_util.tree_map_with_path(
-        lambda path, _: _get(src_params, path), dst_state.to_pure_dict())
+        lambda path, _: _get(src_params, path), nnx.to_pure_dict(dst_state))
     nnx.replace_by_pure_dict(dst_state, wanted)
     nnx.update(dst, dst_state)
 
@@ -201,7 +201,7 @@ def test_matches_float64_numpy_reference(variant):
     assert cfg.n_layers == 3
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     _randomize(model, 11)
-    params = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.state(model, nnx.Param).to_pure_dict())
+    params = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     tokens = np.asarray(_tokens(12, B=2, L=9))
     logits = np.asarray(model(jnp.asarray(tokens)))[..., :cfg.vocab_size]
     for b in range(2):
@@ -211,7 +211,7 @@ def test_matches_float64_numpy_reference(variant):
 def test_learnable_lambdas_get_gradients_fixed_ones_are_not_parameters():
     for mode, names in (('learnable', {'v1', 'vn'}), ('learnable_plus', {'vn', 'w', 's'})):
         model = Decoder(small_model_config(attention='resformer', lambda_mode=mode), rngs=nnx.Rngs(0))
-        grads = nnx.grad(_loss)(model, _tokens(13)).to_pure_dict()['lambdas']
+        grads = nnx.to_pure_dict(nnx.grad(_loss)(model, _tokens(13)))['lambdas']
         assert set(grads) == names
         for name, g in grads.items():
             assert np.all(np.isfinite(g)) and np.any(np.asarray(g) != 0), (mode, name)

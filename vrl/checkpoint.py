@@ -28,7 +28,8 @@ def make_manager(workdir: str, cfg: TrainConfig) -> ocp.CheckpointManager:
         max_to_keep=cfg.keep_checkpoints, keep_period=cfg.keep_period or None,
         enable_async_checkpointing=True, create=True)
     return ocp.CheckpointManager(epath.Path(workdir) / 'checkpoints', options=options,
-                                 item_names=('state', 'data'))
+                                 item_handlers={'state': ocp.StandardCheckpointHandler(),
+                                                'data': grain.checkpoint.CheckpointHandler()})
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -68,9 +69,17 @@ def print_summary(config: Config, as_json: bool) -> None:
                           'kv_cache_bytes_per_token': acc.kv_cache_bytes_per_token}))
 
 
+def _enable_compilation_cache() -> None:
+    """Compiled steps are reused across runs (JAX_COMPILATION_CACHE_DIR overrides the place)."""
+    import jax
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update('jax_compilation_cache_dir', str(Path.home() / '.cache' / 'vrl' / 'jax_cache'))
+
+
 def main(argv: list[str]) -> None:
     if not flags.FLAGS['verbosity'].present:  # library INFO chatter off unless asked for
         logging.set_verbosity(logging.WARNING)
+    _enable_compilation_cache()
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     try:

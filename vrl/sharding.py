@@ -86,7 +86,7 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh) -> dict[str, Any]:
     """A pure-dict tree of NamedShardings for the model's parameters, from their metadata."""
     shardings = jax.tree.map(lambda v: NamedSharding(mesh, logical_spec(v.out_sharding or ())),
                              abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.State(shardings).to_pure_dict() if isinstance(shardings, nnx.State) else shardings
+    return nnx.to_pure_dict(shardings)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

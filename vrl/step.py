@@ -88,7 +88,7 @@ class Trainer:
 
     def _init(self, key: jax.Array) -> TrainState:
         model = Decoder(self.config.model, rngs=nnx.Rngs(params=key))
-        params = nnx.state(model, nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
 
     def init_state(self, seed: int) -> TrainState:
@@ -117,9 +117,9 @@ class Trainer:
             ((total, cross_entropy), grads), _ = jax.lax.scan(accumulate, zeros, micro)
         tokens = jnp.maximum(jnp.sum(batch['loss_mask']), 1).astype(jnp.float32)
         grads = jax.tree.map(lambda g: g / tokens, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
+        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
         new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                                opt_state=opt_state)
         # a non-finite step never reaches the weights; the host stops or skips (train.nan_policy)

@@ -1,0 +1,195 @@
+"""Training end to end on the real corpus: loss falls, resume is exact, preemption and kills are safe."""
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from vrl import checkpoint, data, train
+from vrl.config import Config, ModelConfig, OptimizerConfig, TrainConfig
+from vrl.step import Trainer
+from vrl import sharding
+
+TINY_MODEL = dict(vocab_size=512, vocab_pad_multiple=64, n_layers=2, d_model=32, n_heads=2, n_kv_heads=2,
+                  head_dim=16, d_ff=64, compute_dtype='float32')
+
+
+def tiny_config(small_corpus, attention='resformer', **train_fields) -> Config:
+    data_cfg, _ = small_corpus
+    train_cfg = dict(steps=12, log_every=4, eval_every=0, eval_batches=2, checkpoint_every=4, sample_prompt='')
+    train_cfg.update(train_fields)
+    return Config(model=ModelConfig(attention=attention, lambda_mode='learnable', **TINY_MODEL),
+                  data=dataclasses.replace(data_cfg, num_epochs=0),
+                  optimizer=OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=3, decay_steps=60),
+                  train=TrainConfig(**train_cfg))
+
+
+def _cli_args(config: Config, workdir: Path) -> list[str]:
+    """The same config as command-line overrides of configs/tiny.py."""
+    args = [sys.executable, '-m', 'vrl.main', '--config=configs/tiny.py', f'--workdir={workdir}']
+    for section, values in dataclasses.asdict(config).items():
+        for key, value in values.items():
+            args.append(f'--config.{section}.{key}={value}')
+    return args
+
+
+def _params_equal(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path):
+    config = tiny_config(small_corpus, steps=40, eval_every=20, sample_prompt='HAMLET.', sample_tokens=8,
+                         log_every=10)
+    result = train.run(config, str(tmp_path))
+    assert result.step == 40 and not result.preempted
+    # at least 1 nat below a uniform guess (ln V); the first steps sit at ln V
+    assert result.losses[1] > math.log(512) - 0.1
+    assert np.mean([result.losses[s] for s in range(36, 41)]) < math.log(512) - 1.0
+    assert result.eval_loss < math.log(512) - 1.0
+    records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+    train_records = [r for r in records if 'loss' in r]
+    assert [r['step'] for r in train_records] == [10, 20, 30, 40]
+    for key in ('step', 'loss', 'lr', 'grad_norm', 'tokens_per_sec', 'step_time', 'mfu'):
+        assert all(key in r for r in train_records), key
+    assert [r['step'] for r in records if 'eval_loss' in r] == [20, 40]
+    assert json.loads((tmp_path / 'config.json').read_text())['params'] > 0
+    assert list((tmp_path / 'tensorboard').iterdir())
+    assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir() if p.name.isdigit())[-1] == 40
+
+
+def test_resume_is_exact(small_corpus, tmp_path):
+    straight = train.run(tiny_config(small_corpus, steps=12), str(tmp_path / 'straight'))
+    first = train.run(tiny_config(small_corpus, steps=6, checkpoint_every=3), str(tmp_path / 'resumed'))
+    second = train.run(tiny_config(small_corpus, steps=12), str(tmp_path / 'resumed'))
+    assert first.step == 6 and min(second.losses) == 7  # the second run started at step 7
+    assert {**first.losses, **second.losses} == straight.losses
+    assert _params_equal(second.state.params, straight.state.params)
+    assert _params_equal(second.state.opt_state, straight.state.opt_state)
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f'run ended early: {proc.stdout.read()}')
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError('timed out waiting for the run')
+        time.sleep(0.05)
+
+
+def _logged_steps(workdir: Path) -> int:
+    path = workdir / 'metrics.jsonl'
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _saved_steps(workdir: Path) -> list[int]:
+    folder = workdir / 'checkpoints'
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
+
+
+def test_sigterm_saves_and_resume_matches_uninterrupted(small_corpus, tmp_path):
+    config = tiny_config(small_corpus, steps=60, log_every=1, checkpoint_every=1000)
+    workdir = tmp_path / 'preempted'
+    proc = subprocess.Popen(_cli_args(config, workdir), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: _logged_steps(workdir) >= 3, 120, proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    saved = _saved_steps(workdir)
+    assert len(saved) == 1 and 3 <= saved[0] < 60 and 'preempted: saved step' in output
+    resumed = train.run(config, str(workdir))
+    straight = train.run(config, str(tmp_path / 'straight'))
+    assert min(resumed.losses) == saved[0] + 1
+    assert _params_equal(resumed.state.params, straight.state.params)
+
+
+def test_kill_during_async_save_leaves_last_complete_checkpoint(small_corpus, tmp_path):
+    config = tiny_config(small_corpus, steps=10_000, log_every=1, checkpoint_every=1, keep_checkpoints=2)
+    workdir = tmp_path / 'killed'
+    proc = subprocess.Popen(_cli_args(config, workdir), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: len(_saved_steps(workdir)) >= 2 and _logged_steps(workdir) >= 8, 120, proc)
+    proc.kill()  # SIGKILL: saves are in flight every step
+    proc.wait()
+    complete = _saved_steps(workdir)
+    resumed = train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=complete[-1] + 2)),
+                        str(workdir))
+    assert min(resumed.losses) == complete[-1] + 1 and resumed.step == complete[-1] + 2
+
+
+def test_gradient_accumulation_equals_one_big_batch(small_corpus):
+    config = tiny_config(small_corpus)
+    _, tokenizer = small_corpus
+    mesh = sharding.make_mesh(config.mesh)
+    batch = next(iter(data.train_dataset(config.data, tokenizer)))
+    results = []
+    for k in (1, 4):
+        cfg = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=k))
+        trainer = Trainer(cfg, mesh)
+        state, step_metrics = trainer.train_step(trainer.init_state(0), trainer.device_batch(batch))
+        results.append((jax.device_get(state.params), float(step_metrics['loss'])))
+    (p1, loss1), (p4, loss4) = results
+    assert abs(loss1 - loss4) / loss1 < 1e-5
+    flat1 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(p1)])
+    flat4 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(p4)])
+    assert np.linalg.norm(flat1 - flat4) / np.linalg.norm(flat1) < 1e-5
+
+
+def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path):
+    config = tiny_config(small_corpus, steps=4, checkpoint_every=1)
+    exploding = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e38,
+                                                                          init_lr=1e38, final_lr=1e38))
+    with pytest.raises(train.TrainingError, match='at step 1;'):
+        train.run(exploding, str(tmp_path / 'error'))
+    assert _saved_steps(tmp_path / 'error') == []  # no checkpoint of the bad update
+    skipping = dataclasses.replace(exploding, train=dataclasses.replace(exploding.train, nan_policy='skip'))
+    result = train.run(skipping, str(tmp_path / 'skip'))
+    initial = Trainer(skipping, sharding.make_mesh(skipping.mesh)).init_state(0)
+    assert result.step == 4 and _params_equal(result.state.params, initial.params)
+
+
+def test_mismatched_checkpoint_is_refused_and_kept(small_corpus, tmp_path):
+    train.run(tiny_config(small_corpus, steps=4), str(tmp_path))
+    before = _saved_steps(tmp_path)
+    wider = tiny_config(small_corpus, steps=8)
+    wider = dataclasses.replace(wider, model=dataclasses.replace(wider.model, d_ff=96))
+    with pytest.raises(checkpoint.CheckpointMismatchError, match=r'mlp.w_down has shape \(64, 32\) but the '
+                                                                  r'config needs \(96, 32\)'):
+        train.run(wider, str(tmp_path))
+    svformer = tiny_config(small_corpus, attention='svformer', steps=8)
+    with pytest.raises(checkpoint.CheckpointMismatchError, match='has parameter (lambdas|layers).* that the config does not'):
+        train.run(svformer, str(tmp_path))
+    assert _saved_steps(tmp_path) == before
+
+
+def test_init_from_another_run(small_corpus, tmp_path):
+    source = train.run(tiny_config(small_corpus, steps=4), str(tmp_path / 'source'))
+    config = tiny_config(small_corpus, steps=1)
+    mesh = sharding.make_mesh(config.mesh)
+    restored = checkpoint.restore_params(str(tmp_path / 'source'), Trainer(config, mesh).abstract_state.params)
+    assert _params_equal(restored, source.state.params)
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--config=configs/tiny.py', '--summary', '--config.train.stepz=3'], 'Did you mean "steps"'),
+    (['--config=configs/no_such.py', '--summary'], "No such file or directory: 'configs/no_such.py'"),
+    (['--config=configs/tiny.py', '--summary', '--config.model.attention=mamba'],
+     "model.attention='mamba' is invalid: allowed one of 'vanilla', 'resformer', 'svformer'"),
+    (['--config=configs/tiny.py', '--workdir=/proc/vrl_cannot_write'], "cannot write to workdir '/proc/vrl_cannot_write'"),
+])
+def test_command_line_errors_are_clear(args, message):
+    out = subprocess.run([sys.executable, '-m', 'vrl.main', *args], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert message in out.stderr and 'Traceback' not in out.stderr
