@@ -174,11 +174,12 @@ def test_mismatched_checkpoint_is_refused_and_kept(small_corpus, tmp_path):
     assert _saved_steps(tmp_path) == before
 
 
-def test_init_from_another_run(small_corpus, tmp_path):
-    source = train.run(tiny_config(small_corpus, steps=4), str(tmp_path / 'source'))
+def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source = train.run(tiny_config(small_corpus, steps=4), 'runs/source')
     config = tiny_config(small_corpus, steps=1)
     mesh = sharding.make_mesh(config.mesh)
-    restored = checkpoint.restore_params(str(tmp_path / 'source'), Trainer(config, mesh).abstract_state.params)
+    restored = checkpoint.restore_params('runs/source', Trainer(config, mesh).abstract_state.params)
     assert _params_equal(restored, source.state.params)
 
 

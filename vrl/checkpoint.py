@@ -77,7 +77,7 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data
 
 def restore_params(path: str, abstract_params: Any) -> Any:
     """Parameters only, from a workdir (its latest step) or a step folder: for --init_from."""
-    root = epath.Path(path)
+    root = epath.Path(path).absolute()
     if (root / 'checkpoints').exists():
         root = root / 'checkpoints'
     if not (root / 'state').exists():

@@ -117,6 +117,11 @@ def _separator(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
     return np.array([tokenizer.eos_id] + ([tokenizer.bos_id] if cfg.add_bos else []), np.int32)
 
 
+def prompt_tokens(cfg: DataConfig, tokenizer: Tokenizer, text: str) -> list[int]:
+    """A prompt as the model saw document starts in training: the separator, then the text."""
+    return _separator(cfg, tokenizer).tolist() + tokenizer.encode(text).tolist()
+
+
 def _drop_document_fields(batch: Batch) -> Batch:
     return {k: batch[k] for k in ('inputs', 'targets', 'loss_mask')}
 

@@ -74,6 +74,22 @@ def attend(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: 
     return out_BxLxKxGxDh.reshape(B, L, H, Dh)
 
 
+class LayerCache(NamedTuple):
+    """Cached keys and values (B, S, K, Dh) of one layer, or of N stacked layers (N, B, S, K, Dh).
+
+    v is None for SVFormer's layers >= 2: they attend over layer 1's cached values (V_1).
+    ResFormer caches the already-mixed values, so its cache is vanilla's size.
+    """
+    k: Array
+    v: Array | None
+
+
+class KVCache(NamedTuple):
+    first: LayerCache  # layer 1; its values are V_1
+    layers: LayerCache  # layers 2..L, stacked
+    index: Array  # int32 scalar: cache positions [0, index) are filled
+
+
 class Lambdas(NamedTuple):
     """ResFormer's value mix for one layer (scalars) or for all stacked layers (N,)."""
     v1: Array  # lambda_1, the weight of V_1
@@ -142,14 +158,25 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, stack=stack, rngs=rngs)
 
     def __call__(self, h_BxLxD: Array, v1_BxLxKxDh: Array | None, lambdas: Lambdas | None,
-                 positions_BxL: Array, mask_BxLxS: Array) -> tuple[Array, Array]:
-        """Returns the new hidden state and the values attended over (V_1 for layer 1)."""
+                 positions_BxL: Array, mask_BxLxS: Array, cache: LayerCache | None = None,
+                 index: Array | None = None, v1_cache_BxSxKxDh: Array | None = None
+                 ) -> tuple[Array, Array, LayerCache | None]:
+        """Returns the new hidden state, this layer's values for the L new tokens (V_1 for layer 1)
+        and, when decoding, its cache with the new keys and values written at `index`."""
         x_BxLxD = self.attn_norm(h_BxLxD)
         v_BxLxKxDh = self.attn.value_states(x_BxLxD, v1_BxLxKxDh, lambdas)
         q, k = self.attn.qk(x_BxLxD, positions_BxL)
-        h_BxLxD = h_BxLxD + self.attn.output(attend(q, k, v_BxLxKxDh, mask_BxLxS))
+        keys, values = k, v_BxLxKxDh
+        if cache is not None:
+            keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), index, axis=1)
+            if cache.v is None:
+                values = v1_cache_BxSxKxDh
+            else:
+                values = jax.lax.dynamic_update_slice_in_dim(cache.v, values.astype(cache.v.dtype), index, axis=1)
+            cache = LayerCache(keys, None if cache.v is None else values)
+        h_BxLxD = h_BxLxD + self.attn.output(attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask_BxLxS))
         h_BxLxD = h_BxLxD + self.mlp(self.mlp_norm(h_BxLxD))
-        return h_BxLxD, v_BxLxKxDh
+        return h_BxLxD, v_BxLxKxDh, cache
 
 
 class ValueResidualLambdas(nnx.Module):
@@ -229,32 +256,62 @@ class Decoder(nnx.Module):
         B, L = tokens_BxL.shape
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
-        mask_BxLxL = causal_mask(segment_ids_BxL, B, L)
-        h_BxLxD = self.embed[...].astype(self.compute_dtype)[tokens_BxL]
-        h_BxLxD, v1_BxLxKxDh = self.first(h_BxLxD, None, None, positions_BxL, mask_BxLxL)
-        h_BxLxD = self._stacked_layers(h_BxLxD, v1_BxLxKxDh, positions_BxL, mask_BxLxL)
-        return self.logits(self.final_norm(h_BxLxD))
+        logits, _ = self._forward(tokens_BxL, positions_BxL, causal_mask(segment_ids_BxL, B, L), None)
+        return logits
 
-    def _stacked_layers(self, h_BxLxD: Array, v1_BxLxKxDh: Array, positions_BxL: Array,
-                        mask_BxLxL: Array) -> Array:
+    def decode(self, tokens_BxT: Array, pad_B: Array, cache: KVCache) -> tuple[Array, KVCache]:
+        """Runs T new tokens at cache positions [index, index + T) of left-padded sequences.
+
+        pad_B: how many cache positions at the start of each sequence are padding. Each new
+        token attends to the real tokens up to itself; RoPE positions count real tokens only.
+        """
+        B, T = tokens_BxT.shape
+        S = cache.first.k.shape[1]
+        query_index_BxT = jnp.broadcast_to(cache.index + jnp.arange(T), (B, T))
+        key_index_S = jnp.arange(S)
+        mask_BxTxS = ((key_index_S[None, None, :] <= query_index_BxT[:, :, None])
+                      & (key_index_S[None, None, :] >= pad_B[:, None, None]))
+        return self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache)
+
+    def _forward(self, tokens_BxL: Array, positions_BxL: Array, mask_BxLxS: Array,
+                 cache: KVCache | None) -> tuple[Array, KVCache | None]:
+        index = None if cache is None else cache.index
+        h_BxLxD = self.embed[...].astype(self.compute_dtype)[tokens_BxL]
+        h_BxLxD, v1_BxLxKxDh, first_cache = self.first(
+            h_BxLxD, None, None, positions_BxL, mask_BxLxS, None if cache is None else cache.first, index)
+        h_BxLxD, layers_cache = self._stacked_layers(
+            h_BxLxD, v1_BxLxKxDh, positions_BxL, mask_BxLxS, None if cache is None else cache.layers, index,
+            None if cache is None else first_cache.v)
+        logits = self.logits(self.final_norm(h_BxLxD))
+        if cache is None:
+            return logits, None
+        return logits, KVCache(first_cache, layers_cache, cache.index + tokens_BxL.shape[1])
+
+    def _stacked_layers(self, h_BxLxD: Array, v1_BxLxKxDh: Array, positions_BxL: Array, mask_BxLxS: Array,
+                        caches: LayerCache | None, index: Array | None, v1_cache_BxSxKxDh: Array | None
+                        ) -> tuple[Array, LayerCache | None]:
+        """Layers 2..L: a scan (or loop) over the stacked parameters (and caches), carrying (h, V_1)."""
         graphdef, stacked_state = nnx.split(self.layers)
         lambdas_N = self.lambdas() if self.lambdas is not None else None
 
         def body(carry, per_layer):
             h, v1 = carry
-            layer_state, lambdas = per_layer
-            h, _ = nnx.merge(graphdef, layer_state)(h, v1, lambdas, positions_BxL, mask_BxLxL)
-            return (h, v1), None
+            layer_state, lambdas, cache = per_layer
+            h, _, cache = nnx.merge(graphdef, layer_state)(h, v1, lambdas, positions_BxL, mask_BxLxS, cache,
+                                                           index, v1_cache_BxSxKxDh)
+            return (h, v1), cache
 
         if self.cfg.remat != 'none':
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        carry = (h_BxLxD, v1_BxLxKxDh)
+        carry, per_layer = (h_BxLxD, v1_BxLxKxDh), (stacked_state, lambdas_N, caches)
         if self.cfg.scan_layers:
-            carry, _ = jax.lax.scan(body, carry, (stacked_state, lambdas_N))
-        else:
-            for i in range(self.cfg.n_stacked):
-                carry, _ = body(carry, jax.tree.map(lambda x: x[i], (stacked_state, lambdas_N)))
-        return carry[0]
+            (h_BxLxD, _), caches = jax.lax.scan(body, carry, per_layer)
+            return h_BxLxD, caches
+        outputs = []
+        for i in range(self.cfg.n_stacked):
+            carry, cache = body(carry, jax.tree.map(lambda x: x[i], per_layer))
+            outputs.append(cache)
+        return carry[0], None if caches is None else jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 
     def logits(self, x_BxLxD: Array) -> Array:
         head_DxV = self.embed[...].T if self.head is None else self.head[...]

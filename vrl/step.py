@@ -7,7 +7,7 @@ into that layout, and donated to the step.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +72,6 @@ class Trainer:
                                   out_shardings=(self.state_shardings, replicated), donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_shardings, self.batch_sharding),
                                  out_shardings=replicated)
-        self.logits = jax.jit(self._logits, in_shardings=(self.param_shardings, None), out_shardings=replicated)
 
     def _opt_state_shardings(self, abstract_opt_state: Any) -> Any:
         """Moments are sharded like their parameters; counters are replicated."""
@@ -132,22 +131,6 @@ class Trainer:
         _, cross_entropy = token_losses(apply_model(self.graphdef, params, batch), batch, 0.0)
         return {'loss_sum': cross_entropy, 'tokens': jnp.sum(batch['loss_mask']).astype(jnp.float32)}
 
-    def _logits(self, params: dict, tokens_BxL: jax.Array) -> jax.Array:
-        return apply_model(self.graphdef, params, {'inputs': tokens_BxL})
-
     def device_batch(self, local_batch: dict[str, np.ndarray]) -> Batch:
         """This process's rows -> one global array per field, sharded over ('data', 'fsdp')."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local_batch.items()}
-
-
-def greedy_sample(logits_fn: Callable[[jax.Array], jax.Array], prompt: list[int], n_tokens: int,
-                  max_len: int) -> list[int]:
-    """Greedy continuation without a KV cache: one full forward per token over a fixed buffer."""
-    buffer = np.zeros((1, max_len), np.int32)
-    buffer[0, :len(prompt)] = prompt
-    length = len(prompt)
-    for _ in range(min(n_tokens, max_len - length)):
-        next_token = int(np.argmax(np.asarray(logits_fn(jnp.asarray(buffer))[0, length - 1])))
-        buffer[0, length] = next_token
-        length += 1
-    return buffer[0, len(prompt):length].tolist()

@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from vrl import accounting, checkpoint, data, metrics, sharding
+from vrl import accounting, checkpoint, data, decode, metrics, sharding
 from vrl.config import Config
-from vrl.step import TrainState, Trainer, greedy_sample
+from vrl.step import TrainState, Trainer
 
 
 class TrainingError(RuntimeError):
@@ -62,7 +62,8 @@ class _Preemption:
 
 
 def _check_workdir(workdir: str) -> Path:
-    path = Path(workdir)
+    """The workdir as an absolute path (Orbax needs one), created and known to be writable."""
+    path = Path(workdir).absolute()
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / '.vrl_write_test'
@@ -87,6 +88,7 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
     """Trains `config` in `workdir`, resuming from its latest checkpoint unless `fresh`."""
     is_writer = jax.process_index() == 0
     path = _check_workdir(workdir)
+    workdir = str(path)
     mesh = sharding.make_mesh(config.mesh)
     sharding.check_model_fits_mesh(config.model, mesh.devices.shape)
     tokenizer = data.load_tokenizer(config.data, config.model.vocab_size)
@@ -166,10 +168,12 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
             read(*pending)
         manager.wait_until_finished()
         if config.train.sample_prompt and config.train.sample_tokens:
-            prompt = tokenizer.encode(config.train.sample_prompt).tolist()
-            completion = greedy_sample(lambda t: trainer.logits(state.params, t), prompt,
-                                       config.train.sample_tokens, config.data.seq_len)
-            writer.print(f'sample: {config.train.sample_prompt}{tokenizer.decode(completion)}')
+            generator = decode.Generator(config.model, trainer.graphdef, state.params, config.data.seq_len,
+                                         tokenizer.eos_id, trainer.mesh)
+            prompt = data.prompt_tokens(config.data, tokenizer, config.train.sample_prompt)
+            sampling = decode.Sampling(max_new_tokens=min(config.train.sample_tokens, config.data.seq_len - len(prompt)))
+            completion = generator.generate([prompt], sampling).tokens[0]
+            writer.print(f'sample (greedy): {config.train.sample_prompt}{tokenizer.decode(completion)}')
         return RunResult(step, losses, eval_loss, state, preempted=False)
     finally:
         manager.wait_until_finished()

@@ -1,0 +1,82 @@
+"""Train-step throughput and MFU on this machine, per variant, for the tiny and the 82M configs.
+
+    python bench/train_throughput.py [--configs tiny,82m] [--seq_len 512] [--batch 4] [--steps 3]
+
+MFU counts model FLOPs only: 6 x (weight-matmul parameters, the output head included) per token
+plus the causal attention matmuls (vrl.accounting.training_flops_per_token). The peak is this
+host's float32 matmul FLOP/s, measured with a jitted 1024^3 matmul (vrl.metrics). Compute is
+float32 (CPU); on an accelerator the config's compute dtype and the device's bf16 peak are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from configs import base, tiny  # noqa: E402
+from vrl import accounting, metrics, sharding  # noqa: E402
+from vrl.config import Config, from_configdict  # noqa: E402
+from vrl.step import Trainer  # noqa: E402
+
+
+def _config(name: str, attention: str, seq_len: int, batch: int, remat: str) -> Config:
+    config_dict = tiny.get_config(attention) if name == 'tiny' else base.get_config(f'{attention},{name}')
+    config = from_configdict(config_dict)
+    compute = 'float32' if jax.default_backend() == 'cpu' else config.model.compute_dtype
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, compute_dtype=compute, remat=remat),
+        data=dataclasses.replace(config.data, seq_len=seq_len, batch_size=batch))
+
+
+def measure(config: Config, steps: int) -> tuple[float, float]:
+    """(seconds per step, tokens/s), after one compile-and-warm-up step."""
+    trainer = Trainer(config, sharding.make_mesh(config.mesh))
+    state = trainer.init_state(0)
+    rng = np.random.default_rng(0)
+    shape = (config.data.batch_size, config.data.seq_len)
+    batch = trainer.device_batch({'inputs': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
+                                  'targets': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
+                                  'loss_mask': np.ones(shape, np.int32)})
+    state, out = trainer.train_step(state, batch)
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, out = trainer.train_step(state, batch)
+    jax.block_until_ready(out)
+    seconds = (time.perf_counter() - start) / steps
+    return seconds, config.data.batch_size * config.data.seq_len / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--configs', default='tiny,82m')
+    parser.add_argument('--variants', default='vanilla,resformer,svformer')
+    parser.add_argument('--seq_len', type=int, default=512)
+    parser.add_argument('--batch', type=int, default=4)
+    parser.add_argument('--steps', type=int, default=3)
+    parser.add_argument('--remat', default='none')
+    args = parser.parse_args()
+    peak = metrics.peak_flops_per_device() * jax.device_count()
+    print(f'{jax.device_count()} x {jax.devices()[0].device_kind}; peak {peak / 1e9:,.0f} GFLOP/s '
+          f'({"measured float32 matmul" if jax.default_backend() == "cpu" else "bf16 table"})')
+    print(f'{"config":>6} | {"variant":>9} | {"batch x seq":>11} | {"step s":>7} | {"tokens/s":>9} | '
+          f'{"GFLOP/s":>8} | {"MFU":>6}')
+    for name in args.configs.split(','):
+        for attention in args.variants.split(','):
+            config = _config(name, attention, args.seq_len, args.batch, args.remat)
+            seconds, tokens_per_sec = measure(config, args.steps)
+            flops = accounting.training_flops_per_token(config.model, config.data.seq_len) * tokens_per_sec
+            print(f'{name:>6} | {attention:>9} | {args.batch:>4} x {args.seq_len:<4} | {seconds:>7.3f} | '
+                  f'{tokens_per_sec:>9,.0f} | {flops / 1e9:>8,.1f} | {flops / peak:>6.1%}')
+
+
+if __name__ == '__main__':
+    main()

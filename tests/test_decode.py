@@ -1,0 +1,144 @@
+"""KV-cache decoding: equals the full forward, realises SVFormer's cache saving, batches correctly."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from tests.helpers import VARIANT_IDS, VARIANTS, small_model_config
+from vrl import decode, sharding
+from vrl.config import MeshConfig
+from vrl.model import Decoder
+
+
+def _model(seed=0, **overrides) -> Decoder:
+    model = Decoder(small_model_config(**overrides), rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 100), len(leaves))
+    nnx.update(model, jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape)
+                                                     for x, k in zip(leaves, keys)]))
+    return model
+
+
+def _rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize('n_kv_heads', [4, 2, 1], ids=['mha', 'gqa2', 'mqa'])
+@pytest.mark.parametrize('variant', VARIANTS, ids=VARIANT_IDS)
+def test_cached_decoding_equals_full_forward(variant, n_kv_heads):
+    model = _model(n_kv_heads=n_kv_heads, **variant)
+    cfg = model.cfg
+    B, L, prompt, pad = 2, 10, 4, 3
+    tokens = jax.random.randint(jax.random.key(1), (B, L), 0, cfg.vocab_size)
+    full = np.asarray(model(tokens))[..., :cfg.vocab_size]
+    # left-pad by `pad` garbage tokens that must be invisible
+    padded = jnp.concatenate([jnp.full((B, pad), 5, jnp.int32), tokens], axis=1)
+    pad_B = jnp.full((B,), pad, jnp.int32)
+    cache = decode.init_cache(cfg, B, pad + L)
+    logits, cache = model.decode(padded[:, :pad + prompt], pad_B, cache)
+    cached = [np.asarray(logits[:, pad:])]
+    for t in range(prompt, L):
+        step_logits, cache = model.decode(tokens[:, t:t + 1], pad_B, cache)
+        cached.append(np.asarray(step_logits))
+    cached = np.concatenate(cached, axis=1)[..., :cfg.vocab_size]
+    for t in range(L):
+        assert _rel_err(cached[:, t], full[:, t]) < 1e-5, t
+    assert int(cache.index) == pad + L
+
+
+def test_cache_bytes_realise_the_savings():
+    L = 6
+    sizes = {}
+    for name, overrides in {'vanilla': dict(attention='vanilla'), 'svformer': dict(attention='svformer'),
+                            'resformer': dict(attention='resformer'),
+                            'vanilla_gqa4': dict(attention='vanilla', n_heads=8, n_kv_heads=2),
+                            'svformer_gqa4': dict(attention='svformer', n_heads=8, n_kv_heads=2)}.items():
+        cfg = small_model_config(n_layers=L, **({'n_heads': 8, 'n_kv_heads': 8} | overrides))
+        sizes[name] = decode.cache_bytes(decode.init_cache(cfg, batch=3, max_len=32))
+    assert sizes['svformer'] / sizes['vanilla'] == (L + 1) / (2 * L)
+    assert sizes['resformer'] == sizes['vanilla']
+    assert sizes['vanilla_gqa4'] * 4 == sizes['vanilla']
+    assert sizes['svformer_gqa4'] * 4 == sizes['svformer']
+
+
+def _generator(model: Decoder, max_len=40, eos_id=1) -> decode.Generator:
+    graphdef, state = nnx.split(model)
+    return decode.Generator(model.cfg, graphdef, nnx.to_pure_dict(state), max_len=max_len, eos_id=eos_id)
+
+
+@pytest.mark.parametrize('attention', ['vanilla', 'svformer', 'resformer'])
+def test_batched_generation_equals_one_prompt_at_a_time(attention):
+    generator = _generator(_model(attention=attention), eos_id=96)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, 90, n).tolist() for n in (3, 9, 1, 6)]
+    sampling = decode.Sampling(max_new_tokens=12)
+    together = generator.generate(prompts, sampling).tokens
+    alone = [generator.generate([p], sampling).tokens[0] for p in prompts]
+    assert together == alone
+    assert len(set(map(tuple, together))) > 1  # different prompts, different continuations
+
+
+def test_greedy_matches_argmax_of_full_forward():
+    model = _model(attention='svformer')
+    generator = _generator(model, eos_id=96)
+    prompt = [5, 17, 33, 2]
+    new = generator.generate([prompt], decode.Sampling(max_new_tokens=6)).tokens[0]
+    sequence = list(prompt)
+    for _ in range(6):
+        logits = model(jnp.asarray([sequence]))[0, -1]
+        sequence.append(int(jnp.argmax(logits)))
+    assert new == sequence[len(prompt):][:len(new)] and len(new) >= 1
+
+
+def test_sampling_modes():
+    generator = _generator(_model(attention='resformer'), eos_id=96)
+    prompts = [[4, 8, 15], [16, 23, 42, 7]]
+    greedy = generator.generate(prompts, decode.Sampling(max_new_tokens=10)).tokens
+    assert generator.generate(prompts, decode.Sampling(temperature=1.0, top_k=1, max_new_tokens=10)).tokens == greedy
+    assert generator.generate(prompts, decode.Sampling(temperature=0.7, top_p=1e-6, max_new_tokens=10)).tokens == greedy
+    hot = decode.Sampling(temperature=2.0, top_k=50, top_p=0.95, max_new_tokens=10, seed=3)
+    first, again = generator.generate(prompts, hot).tokens, generator.generate(prompts, hot).tokens
+    other = generator.generate(prompts, dataclasses.replace(hot, seed=4)).tokens
+    assert first == again and first != other and first != greedy
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    draws = {int(decode.sample(logits, jax.random.key(i), decode.Sampling(temperature=1.0, top_p=0.75))[0])
+             for i in range(200)}
+    assert draws == {0, 1}
+
+
+def test_stops_at_eos():
+    model = _model(attention='vanilla')
+    generator = _generator(model)
+    greedy = generator.generate([[3, 4, 5]], decode.Sampling(max_new_tokens=8)).tokens[0]
+    eos_generator = _generator(model, eos_id=greedy[2])
+    stopped = eos_generator.generate([[3, 4, 5]], decode.Sampling(max_new_tokens=8))
+    assert stopped.tokens[0] == greedy[:greedy.index(greedy[2]) + 1]
+
+
+def test_bad_prompts():
+    generator = _generator(_model(), max_len=16)
+    with pytest.raises(decode.DecodeError, match='empty prompt'):
+        generator.generate([[1, 2], []])
+    with pytest.raises(decode.DecodeError, match='exceeds the maximum length 16'):
+        generator.generate([list(range(10))], decode.Sampling(max_new_tokens=8))
+
+
+def test_cache_is_sharded_like_training():
+    cfg = small_model_config(n_heads=4, n_kv_heads=2)
+    mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    cache = decode.init_cache(cfg, batch=4, max_len=8)
+    placed = jax.device_put(cache, decode.cache_shardings(cache, mesh))
+    assert placed.first.k.sharding.spec == PartitionSpec(('data', 'fsdp'), None, 'tensor', None)
+    assert placed.layers.v.sharding.spec == PartitionSpec(None, ('data', 'fsdp'), None, 'tensor', None)
+    assert len(placed.first.k.addressable_shards) == 8
+    assert placed.first.k.addressable_shards[0].data.shape == (1, 8, 1, cfg.head_dim)

@@ -1,0 +1,175 @@
+"""KV-cache decoding: a jitted prefill, then a `lax.while_loop` of one-token steps.
+
+Prompts of different lengths are left-padded to one length P, so every sequence writes the
+same cache position each step; padding is masked out and RoPE positions count real tokens
+only. The cache (vrl.model.KVCache) holds K for every layer and V for every layer, except
+SVFormer, whose layers >= 2 all read layer 1's V: (L + 1) / (2L) of vanilla's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from vrl import sharding
+from vrl.config import ModelConfig
+from vrl.model import Decoder, KVCache, LayerCache
+
+
+class DecodeError(ValueError):
+    """Bad generation input (empty prompt, too long for the cache)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    max_new_tokens: int = 64
+    seed: int = 0
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+    """Zeros in the compute dtype; no V for SVFormer's stacked layers."""
+    dtype = jnp.dtype(cfg.compute_dtype)
+    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    stacked = (cfg.n_stacked, *shape)
+    return KVCache(
+        first=LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
+        layers=LayerCache(jnp.zeros(stacked, dtype),
+                          None if cfg.attention == 'svformer' else jnp.zeros(stacked, dtype)),
+        index=jnp.zeros((), jnp.int32))
+
+
+def cache_bytes(cache: KVCache) -> int:
+    """Bytes of the allocated key/value arrays."""
+    return sum(x.nbytes for x in jax.tree.leaves((cache.first, cache.layers)))
+
+
+def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
+    """Batch over ('data', 'fsdp') and kv heads over 'tensor', by vrl/sharding.py's rules."""
+    def spec(x):
+        names = ('batch', 'length', 'kv_heads', 'head_dim')
+        return NamedSharding(mesh, sharding.logical_spec(('layers', *names) if x.ndim == 5 else names))
+    return KVCache(first=jax.tree.map(spec, cache.first), layers=jax.tree.map(spec, cache.layers),
+                   index=sharding.replicated(mesh))
+
+
+def sample(logits_BxV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """Next tokens (B,): greedy, or temperature with optional top-k and top-p (nucleus) filtering."""
+    if sampling.temperature == 0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    logits = logits_BxV / sampling.temperature
+    if sampling.top_k:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1:
+        sorted_desc = jnp.sort(logits, axis=-1)[:, ::-1]
+        cumulative = jnp.cumsum(jax.nn.softmax(sorted_desc, axis=-1), axis=-1)
+        # smallest set whose probability reaches top_p: keep tokens whose preceding mass < top_p
+        keep = jnp.concatenate([jnp.ones_like(cumulative[:, :1], bool), cumulative[:, :-1] < sampling.top_p], -1)
+        cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[list[int]]  # the new tokens of each prompt (up to and including EOS)
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    cache_bytes: int
+
+
+class Generator:
+    """Jitted prefill and decode loop for one model, batch size and cache length."""
+
+    def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, params: Any, max_len: int,
+                 eos_id: int, mesh: Mesh | None = None):
+        self.cfg, self.graphdef, self.params = cfg, graphdef, params
+        self.max_len, self.eos_id, self.mesh = max_len, eos_id, mesh
+        self._compiled: dict[tuple, tuple[Any, Any]] = {}  # (B, P, sampling) -> (prefill, decode)
+
+    def _model(self, params) -> Decoder:
+        return nnx.merge(self.graphdef, params)
+
+    def _prefill_fn(self, params, cache: KVCache, tokens_BxP, pad_B):
+        logits, cache = self._model(params).decode(tokens_BxP, pad_B, cache)
+        return logits[:, -1], cache
+
+    def _decode_fn(self, params, cache: KVCache, first_logits_BxV, pad_B, key, sampling: Sampling):
+        B = first_logits_BxV.shape[0]
+        steps = sampling.max_new_tokens
+        out_BxN = jnp.zeros((B, sampling.max_new_tokens), jnp.int32)
+        model = self._model(params)
+
+        def cond(carry):
+            _, _, _, done_B, step, _ = carry
+            return (step < steps) & ~jnp.all(done_B)
+
+        def body(carry):
+            cache, logits_BxV, out_BxN, done_B, step, key = carry
+            key, sample_key = jax.random.split(key)
+            token_B = jnp.where(done_B, self.eos_id, sample(logits_BxV, sample_key, sampling))
+            out_BxN = out_BxN.at[:, step].set(token_B)
+            done_B = done_B | (token_B == self.eos_id)
+            logits_Bx1xV, cache = model.decode(token_B[:, None], pad_B, cache)
+            return cache, logits_Bx1xV[:, 0], out_BxN, done_B, step + 1, key
+
+        carry = (cache, first_logits_BxV, out_BxN, jnp.zeros((B,), bool), jnp.zeros((), jnp.int32), key)
+        cache, _, out_BxN, _, step, _ = jax.lax.while_loop(cond, body, carry)
+        return out_BxN, step
+
+    def _compile(self, cache: KVCache, tokens_BxP, pad_B, key, sampling: Sampling) -> tuple[Any, Any]:
+        """Ahead-of-time compiled prefill and decode loop, once per (batch, prompt length, sampling)."""
+        signature = (*tokens_BxP.shape, sampling)
+        if signature not in self._compiled:
+            prefill = jax.jit(self._prefill_fn).lower(self.params, cache, tokens_BxP, pad_B).compile()
+            logits, cache = jax.eval_shape(self._prefill_fn, self.params, cache, tokens_BxP, pad_B)
+            decode = jax.jit(functools.partial(self._decode_fn, sampling=sampling)).lower(
+                self.params, cache, logits, pad_B, key).compile()
+            self._compiled[signature] = (prefill, decode)
+        return self._compiled[signature]
+
+    def new_cache(self, batch: int) -> KVCache:
+        cache = init_cache(self.cfg, batch, self.max_len)
+        if self.mesh is not None:
+            cache = jax.device_put(cache, cache_shardings(cache, self.mesh))
+        return cache
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling = Sampling()) -> Generation:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise DecodeError('empty prompt: every prompt needs at least one token.')
+        P = max(len(p) for p in prompts)
+        if P + sampling.max_new_tokens > self.max_len:
+            raise DecodeError(f'prompt of {P} tokens + {sampling.max_new_tokens} new tokens exceeds the '
+                              f'maximum length {self.max_len}; shorten the prompt or ask for fewer tokens.')
+        tokens_BxP = np.zeros((len(prompts), P), np.int32)
+        pad_B = np.array([P - len(p) for p in prompts], np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens_BxP[row, P - len(prompt):] = prompt
+        cache = self.new_cache(len(prompts))
+        n_bytes = cache_bytes(cache)
+        tokens_BxP, pad_B, key = jnp.asarray(tokens_BxP), jnp.asarray(pad_B), jax.random.key(sampling.seed)
+        prefill, decode = self._compile(cache, tokens_BxP, pad_B, key, sampling)  # not timed
+        start = time.perf_counter()
+        logits, cache = prefill(self.params, cache, tokens_BxP, pad_B)
+        jax.block_until_ready(logits)
+        prefill_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        out_BxN, steps = decode(self.params, cache, logits, pad_B, key)
+        out_BxN, steps = np.asarray(out_BxN), int(steps)
+        decode_seconds = time.perf_counter() - start
+        completions = []
+        for row in out_BxN[:, :steps].tolist():
+            completions.append(row[:row.index(self.eos_id) + 1] if self.eos_id in row else row)
+        return Generation(completions, prefill_seconds, decode_seconds, steps, n_bytes)
