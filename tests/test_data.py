@@ -153,8 +153,10 @@ def test_prepare_text_folder_and_jsonl(tmp_path):
     jsonl.write_text('\n'.join(json.dumps({'body': f'record {i} — ok', 'id': i}) for i in range(10)))
     corpus.prepare_from_glob(str(jsonl), 'my_jsonl', data_dir, split_mode='jsonl', jsonl_field='body',
                              validation_fraction=0.2)
-    assert len(tfds.data_source('my_jsonl', data_dir=data_dir, split='validation')) == 2
-    assert sorted(corpus.texts(tfds.data_source('my_jsonl', data_dir=data_dir, split='train')))[0] == 'record 0 — ok'
+    jsonl_splits = [list(corpus.texts(tfds.data_source('my_jsonl', data_dir=data_dir, split=split)))
+                    for split in ('train', 'validation')]
+    assert [len(texts) for texts in jsonl_splits] == [8, 2]
+    assert sorted(jsonl_splits[0] + jsonl_splits[1]) == sorted(f'record {i} — ok' for i in range(10))
 
 
 def test_stats(small_corpus):

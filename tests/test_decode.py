@@ -142,3 +142,5 @@ def test_cache_is_sharded_like_training():
     assert placed.layers.v.sharding.spec == PartitionSpec(None, ('data', 'fsdp'), None, 'tensor', None)
     assert len(placed.first.k.addressable_shards) == 8
     assert placed.first.k.addressable_shards[0].data.shape == (1, 8, 1, cfg.head_dim)
+    single = decode.init_cache(cfg, batch=1, max_len=8)  # a batch the mesh does not divide stays whole
+    assert decode.cache_shardings(single, mesh).first.k.spec == PartitionSpec(None, None, 'tensor', None)

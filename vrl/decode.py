@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from vrl import sharding
 from vrl.config import ModelConfig
@@ -58,7 +58,7 @@ def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     """Batch over ('data', 'fsdp') and kv heads over 'tensor', by vrl/sharding.py's rules."""
     def spec(x):
         names = ('batch', 'length', 'kv_heads', 'head_dim')
-        return NamedSharding(mesh, sharding.logical_spec(('layers', *names) if x.ndim == 5 else names))
+        return sharding.fitted_sharding(mesh, ('layers', *names) if x.ndim == 5 else names, x.shape)
     return KVCache(first=jax.tree.map(spec, cache.first), layers=jax.tree.map(spec, cache.layers),
                    index=sharding.replicated(mesh))
 
@@ -133,9 +133,10 @@ class Generator:
         """Ahead-of-time compiled prefill and decode loop, once per (batch, prompt length, sampling)."""
         signature = (*tokens_BxP.shape, sampling)
         if signature not in self._compiled:
-            prefill = jax.jit(self._prefill_fn).lower(self.params, cache, tokens_BxP, pad_B).compile()
+            prefill = jax.jit(sharding.traced_in(self.mesh, self._prefill_fn)).lower(self.params, cache, tokens_BxP, pad_B).compile()
             logits, cache = jax.eval_shape(self._prefill_fn, self.params, cache, tokens_BxP, pad_B)
-            decode = jax.jit(functools.partial(self._decode_fn, sampling=sampling)).lower(
+            decode_fn = functools.partial(self._decode_fn, sampling=sampling)
+            decode = jax.jit(sharding.traced_in(self.mesh, decode_fn)).lower(
                 self.params, cache, logits, pad_B, key).compile()
             self._compiled[signature] = (prefill, decode)
         return self._compiled[signature]

@@ -23,6 +23,14 @@ _SUMMARY = flags.DEFINE_bool('summary', False, 'Print the model summary and exit
 _SUMMARY_JSON = flags.DEFINE_bool('summary_json', False, 'With --summary: also one JSON line at the end.')
 _FRESH = flags.DEFINE_bool('fresh', False, 'Ignore checkpoints in --workdir and start from step 0 '
                            '(existing checkpoints are kept until newer ones replace them).')
+_COMPILE_ONLY = flags.DEFINE_bool('compile_only', False, 'Compile the train step ahead of time, print '
+                                   'per-device memory and FLOPs, exit non-zero if it does not fit.')
+_TOPOLOGY = flags.DEFINE_string('topology', None, 'With --compile_only: a TPU slice such as v5e:4x4 '
+                                '(needs libtpu; no TPU needed). Default: the local devices.')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'Multi-process: host:port of process 0 '
+                                   '(GPU clusters, localhost tests). Cloud TPU and SLURM are auto-detected.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Multi-process: how many processes.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'Multi-process: this process\'s index.')
 _INIT_FROM = flags.DEFINE_string('init_from', None, 'Initialise parameters from this checkpoint '
                                  'directory (a step folder or a workdir) instead of at random.')
 
@@ -76,10 +84,42 @@ def _enable_compilation_cache() -> None:
         jax.config.update('jax_compilation_cache_dir', str(Path.home() / '.cache' / 'vrl' / 'jax_cache'))
 
 
+def _initialize_distributed() -> None:
+    """jax.distributed for several processes: explicit flags, or a detected Cloud TPU pod / SLURM job."""
+    import os
+
+    import jax
+    if _COORDINATOR.value:
+        jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU processes talk over gloo
+        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    elif ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '') or int(os.environ.get('SLURM_NTASKS', '1')) > 1:
+        jax.distributed.initialize()
+
+
+def _compile_only(config: Config) -> None:
+    from vrl import aot
+    if _TOPOLOGY.value:
+        import jax
+        # compile for the described slice only: no TPU runtime here to start, no executable to cache
+        jax.config.update('jax_platforms', 'cpu')
+        jax.config.update('jax_compilation_cache_dir', None)
+        devices, hbm = aot.tpu_devices(_TOPOLOGY.value)
+    else:
+        import jax
+        devices, hbm = jax.devices(), aot.local_hbm_bytes()
+    report = aot.compile_train_step(config, devices, hbm)
+    print(report.table())
+    if not report.fits:
+        sys.exit(f'error: the train step needs {report.total_bytes / aot.GiB:.2f} GiB per device but '
+                 f'{report.device_kind} has {report.hbm_bytes / aot.GiB:.2f} GiB: lower data.batch_size, '
+                 'use model.remat=full, or shard more (mesh.fsdp / mesh.tensor).')
+
+
 def main(argv: list[str]) -> None:
     if not flags.FLAGS['verbosity'].present:  # library INFO chatter off unless asked for
         logging.set_verbosity(logging.WARNING)
-    _enable_compilation_cache()
+    if not _TOPOLOGY.value:
+        _enable_compilation_cache()
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     try:
@@ -93,6 +133,14 @@ def main(argv: list[str]) -> None:
     if _SUMMARY.value:
         print_summary(config, _SUMMARY_JSON.value)
         return
+    if _COMPILE_ONLY.value:
+        from vrl import aot
+        try:
+            _compile_only(config)
+        except (aot.CompileError, ConfigError) as e:
+            sys.exit(f'error: {e}')
+        return
+    _initialize_distributed()
     if not _WORKDIR.value:
         raise app.UsageError('--workdir is required to train, e.g. --workdir=runs/tiny')
     from vrl import checkpoint, corpus, tokenizer, train  # here, so that --summary needs no data stack

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from vrl.config import ModelConfig
+from vrl.sharding import constrain
 
 Array = jax.Array
 
@@ -218,6 +219,8 @@ class ValueResidualLambdas(nnx.Module):
         return Lambdas(v1=jnp.array(self.fixed[0], jnp.float32), vn=jnp.array(self.fixed[1], jnp.float32))
 
 
+_ACTIVATION = ('batch', 'length', 'act_embed')  # the hidden state between blocks
+
 _REMAT_POLICIES = {
     'full': None,
     'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -276,7 +279,7 @@ class Decoder(nnx.Module):
     def _forward(self, tokens_BxL: Array, positions_BxL: Array, mask_BxLxS: Array,
                  cache: KVCache | None) -> tuple[Array, KVCache | None]:
         index = None if cache is None else cache.index
-        h_BxLxD = self.embed[...].astype(self.compute_dtype)[tokens_BxL]
+        h_BxLxD = constrain(self.embed[...].astype(self.compute_dtype)[tokens_BxL], _ACTIVATION)
         h_BxLxD, v1_BxLxKxDh, first_cache = self.first(
             h_BxLxD, None, None, positions_BxL, mask_BxLxS, None if cache is None else cache.first, index)
         h_BxLxD, layers_cache = self._stacked_layers(
@@ -299,7 +302,7 @@ class Decoder(nnx.Module):
             layer_state, lambdas, cache = per_layer
             h, _, cache = nnx.merge(graphdef, layer_state)(h, v1, lambdas, positions_BxL, mask_BxLxS, cache,
                                                            index, v1_cache_BxSxKxDh)
-            return (h, v1), cache
+            return (constrain(h, _ACTIVATION), v1), cache
 
         if self.cfg.remat != 'none':
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
@@ -318,4 +321,4 @@ class Decoder(nnx.Module):
         logits_BxLxV = jnp.einsum('bld,dv->blv', x_BxLxD, head_DxV.astype(x_BxLxD.dtype),
                                   preferred_element_type=jnp.float32)
         is_real_V = jnp.arange(logits_BxLxV.shape[-1]) < self.cfg.vocab_size
-        return jnp.where(is_real_V, logits_BxLxV, -1e30)
+        return constrain(jnp.where(is_real_V, logits_BxLxV, -1e30), ('batch', 'length', 'vocab'))

@@ -7,8 +7,9 @@ is split over ('data', 'fsdp'). The model only names logical axes (vrl/model.py)
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -32,6 +33,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     'vocab': 'tensor',
     'head_dim': None,
     'layers': None,
+    'act_embed': None,  # activations keep d_model whole; their batch is what is split
 }
 
 
@@ -80,6 +82,38 @@ def logical_spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)
+
+
+def fitted_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+    """Like the rules, but a dimension that the mesh axes do not divide stays whole (replicated).
+
+    For arrays whose sizes come from the request rather than the config, such as a decode
+    batch of 1 on an 8-way ('data', 'fsdp') mesh.
+    """
+    fitted = []
+    for axes, size in zip(logical_spec(logical_axes), shape):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        fitted.append(axes if size % math.prod(mesh.shape[a] for a in names) == 0 else None)
+    return NamedSharding(mesh, PartitionSpec(*fitted))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Pins an activation's sharding by the rules inside a `jax.set_mesh` context; else a no-op."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_spec(logical_axes))
+
+
+def traced_in(mesh: Mesh | None, fn: Callable) -> Callable:
+    """`fn`, traced with `mesh` as the context that `constrain` reads (for jax.jit to wrap)."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 def param_shardings(abstract_state: nnx.State, mesh: Mesh) -> dict[str, Any]:

