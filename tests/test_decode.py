@@ -30,8 +30,13 @@ def _rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize('n_kv_heads', [4, 2, 1], ids=['mha', 'gqa2', 'mqa'])
-@pytest.mark.parametrize('variant', VARIANTS, ids=VARIANT_IDS)
+# every variant and lambda mode with GQA (2 kv heads for 4 query heads); MHA and MQA on two of them
+_CACHE_CASES = ([(v, 2) for v in VARIANTS]
+                + [(dict(attention=a), k) for a in ('vanilla', 'svformer') for k in (4, 1)])
+_CACHE_IDS = [f'{i}-gqa2' for i in VARIANT_IDS] + [f'{a}-{n}' for a in ('vanilla', 'svformer') for n in ('mha', 'mqa')]
+
+
+@pytest.mark.parametrize('variant, n_kv_heads', _CACHE_CASES, ids=_CACHE_IDS)
 def test_cached_decoding_equals_full_forward(variant, n_kv_heads):
     model = _model(n_kv_heads=n_kv_heads, **variant)
     cfg = model.cfg
@@ -89,9 +94,9 @@ def test_greedy_matches_argmax_of_full_forward():
     model = _model(attention='svformer')
     generator = _generator(model, eos_id=96)
     prompt = [5, 17, 33, 2]
-    new = generator.generate([prompt], decode.Sampling(max_new_tokens=6)).tokens[0]
+    new = generator.generate([prompt], decode.Sampling(max_new_tokens=3)).tokens[0]
     sequence = list(prompt)
-    for _ in range(6):
+    for _ in range(3):
         logits = model(jnp.asarray([sequence]))[0, -1]
         sequence.append(int(jnp.argmax(logits)))
     assert new == sequence[len(prompt):][:len(new)] and len(new) >= 1

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -66,7 +67,7 @@ def _check_workdir(workdir: str) -> Path:
     path = Path(workdir).absolute()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / '.vrl_write_test'
+        probe = path / f'.vrl_write_test.{os.getpid()}'
         probe.write_text('ok')
         probe.unlink()
     except OSError as e:

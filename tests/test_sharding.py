@@ -1,0 +1,154 @@
+"""Scale-out on 8 fake CPU devices: meshes agree with one device, two real processes agree with one,
+the AOT compile for a TPU slice works, and the launch scripts say every step they would run."""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from tests.conftest import ROOT
+from tests.test_train import _cli_args, tiny_config
+from vrl import data, sharding
+from vrl.config import ConfigError, Config, MeshConfig
+from vrl.step import Trainer
+
+
+def _sharding_config(small_corpus, mesh: MeshConfig) -> Config:
+    config = tiny_config(small_corpus)  # d_model 32, 2 heads of 16
+    model = dataclasses.replace(config.model, n_heads=4, n_kv_heads=4, head_dim=8, d_ff=64)
+    return dataclasses.replace(config, model=model, mesh=mesh)
+
+
+def _losses(config: Config, devices, batches) -> list[float]:
+    trainer = Trainer(config, sharding.make_mesh(config.mesh, devices))
+    state = trainer.init_state(0)
+    losses = []
+    for batch in batches:
+        state, out = trainer.train_step(state, trainer.device_batch(batch))
+        losses.append(float(out['loss']))
+    return losses, state
+
+
+def test_meshes_agree_with_one_device_and_shard_as_the_rules_say(small_corpus):
+    assert jax.device_count() == 8
+    _, tokenizer = small_corpus
+    config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1))
+    iterator = iter(data.train_dataset(config.data, tokenizer))
+    batches = [next(iterator) for _ in range(3)]
+    reference, _ = _losses(config, jax.devices()[:1], batches)
+    for shape in ((8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)):
+        mesh_config = MeshConfig(*shape)
+        losses, state = _losses(dataclasses.replace(config, mesh=mesh_config), jax.devices(), batches)
+        for got, want in zip(losses, reference):
+            assert abs(got - want) / want < 1e-5, (shape, losses, reference)
+        data_size, fsdp, tensor = shape
+        wq = state.params['layers']['attn']['wq']  # (layers, embed, heads, head_dim)
+        assert wq.sharding.spec == PartitionSpec(None, 'fsdp', 'tensor', None)
+        assert wq.addressable_shards[0].data.shape == (1, 32 // fsdp, 4 // tensor, 8)
+        embed = state.params['embed']  # (vocab, embed)
+        assert embed.addressable_shards[0].data.shape == (512 // tensor, 32 // fsdp)
+        mu = state.opt_state[1][0].mu['layers']['mlp']['w_down']  # Adam's moment, sharded like its weight
+        assert mu.sharding.spec == PartitionSpec(None, 'tensor', 'fsdp')
+
+
+@pytest.mark.parametrize('mesh, message', [
+    (MeshConfig(data=2, fsdp=3, tensor=1), 'multiply to 6 but there are 8 devices'),
+    (MeshConfig(data=3, fsdp=-1, tensor=1), 'fixed sizes (3) must divide the 8 devices'),
+])
+def test_bad_mesh_sizes(mesh, message):
+    with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)')):
+        sharding.make_mesh(mesh)
+
+
+def test_tensor_size_must_divide_heads(small_corpus):
+    config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=8))
+    with pytest.raises(ConfigError, match='mesh.tensor=8 is invalid: it must divide model.n_heads=4'):
+        sharding.check_model_fits_mesh(config.model, (1, 1, 8))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('localhost', 0))
+        return s.getsockname()[1]
+
+
+def _run_two_processes(config: Config, workdir) -> None:
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu')
+    procs = [subprocess.Popen(_cli_args(config, workdir) + [f'--coordinator_address=localhost:{port}',
+                                                            '--num_processes=2', f'--process_id={i}'],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+
+
+def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp_path):
+    config = _sharding_config(small_corpus, MeshConfig(data=2, fsdp=-1, tensor=1))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, log_every=1, checkpoint_every=3,
+                                                                   steps=3))
+    workdir = tmp_path / 'two_processes'
+    _run_two_processes(config, workdir)
+    assert (workdir / 'checkpoints' / '3' / 'data' / 'process_1-of-2.json').exists()
+    resumed = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6))
+    _run_two_processes(resumed, workdir)  # restores step 3 in both processes, runs 4..6
+    records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+    two_process_losses = [r['loss'] for r in records if 'loss' in r]
+    assert [r['step'] for r in records if 'loss' in r] == [1, 2, 3, 4, 5, 6]
+
+    # one process, 8 devices, fed the concatenation of the two processes' shards
+    _, tokenizer = small_corpus
+    shards = [iter(data.train_dataset(config.data, tokenizer, i, 2)) for i in range(2)]
+    batches = []
+    for _ in range(6):
+        parts = [next(shard) for shard in shards]
+        batches.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    reference, _ = _losses(resumed, jax.devices(), batches)
+    for got, want in zip(two_process_losses, reference):
+        assert abs(got - want) / want < 1e-5, (two_process_losses, reference)
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
+def test_aot_compile_82m_for_v5e_4x4():
+    out = subprocess.run([sys.executable, '-m', 'vrl.main', '--config=configs/svformer_82m.py', '--compile_only',
+                          '--topology=v5e:4x4', '--config.data.batch_size=32'],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = dict(line.split(None, 1) if not line.startswith(('arguments', 'outputs', 'temporaries', 'total', 'HBM',
+                                                            'aliased', 'model'))
+                else (line[:22].strip(), line[22:].strip()) for line in out.stdout.strip().splitlines())
+    assert rows['devices'] == '16 x TPU v5 lite'
+    assert rows['fits'] == 'yes' and rows['HBM / device'] == '16.00 GiB'
+    assert 0 < float(rows['total / device'].split()[0]) < 16
+    too_big = subprocess.run([sys.executable, '-m', 'vrl.main', '--config=configs/svformer_468m.py',
+                              '--compile_only', '--topology=v5e:2x2', '--config.data.batch_size=256'],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert too_big.returncode != 0 and 'does not fit TPU v5 lite' in too_big.stderr
+
+
+def test_launch_scripts_dry_run_name_every_step():
+    tpu = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', 'all', '--name=pod1', '--config=configs/vanilla_82m.py',
+                          '--workdir=gs://bucket/run', '--', '--config.train.steps=100'],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(tpu) == 3
+    assert tpu[0].startswith('gcloud compute tpus tpu-vm create pod1')
+    assert all('--worker=all' in line for line in tpu[1:])
+    assert 'pip' in tpu[1] and 'vrl.main' in tpu[2] and 'gs://bucket/run' in tpu[2]
+    for step in ('logs', 'delete'):
+        line = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', step, '--name=pod1'], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout
+        assert line.startswith(f'gcloud compute tpus tpu-vm {"ssh" if step == "logs" else "delete"} pod1')
+    slurm = subprocess.run(['bash', 'launch/slurm_gpu.sh', '--dry-run', '--nodes=4', '--gpus_per_node=8'],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert '#SBATCH --nodes=4' in slurm and '#SBATCH --ntasks-per-node=8' in slurm
+    assert '--num_processes=$SLURM_NTASKS --process_id=$SLURM_PROCID' in slurm and '--coordinator_address=' in slurm
