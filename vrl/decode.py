@@ -135,11 +135,13 @@ class Generator:
         if signature not in self._compiled:
             prefill = jax.jit(sharding.traced_in(self.mesh, self._prefill_fn)).lower(self.params, cache, tokens_BxP, pad_B).compile()
             logits, cache = jax.eval_shape(self._prefill_fn, self.params, cache, tokens_BxP, pad_B)
-            decode_fn = functools.partial(self._decode_fn, sampling=sampling)
-            decode = jax.jit(sharding.traced_in(self.mesh, decode_fn)).lower(
-                self.params, cache, logits, pad_B, key).compile()
+            decode = self.decode_fn(sampling).lower(self.params, cache, logits, pad_B, key).compile()
             self._compiled[signature] = (prefill, decode)
         return self._compiled[signature]
+
+    def decode_fn(self, sampling: Sampling):
+        """The jitted decode loop: (params, cache, first logits (B, V), pad (B,), key) -> (tokens (B, N), steps)."""
+        return jax.jit(sharding.traced_in(self.mesh, functools.partial(self._decode_fn, sampling=sampling)))
 
     def new_cache(self, batch: int) -> KVCache:
         cache = init_cache(self.cfg, batch, self.max_len)

@@ -1,0 +1,68 @@
+"""KV-cache bytes and decode tokens/s per variant, at a given filled context, for the 82M config.
+
+    python bench/decode.py [--size 82m] [--contexts 512,2048,8192] [--batches 1,8] [--new_tokens 16]
+
+The cache is filled with random keys and values up to the context (prefill is not timed:
+each decode step reads the whole cache, which is what the context length changes). Compute
+is float32 on CPU (caches too), the config's dtype on accelerators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from configs import base  # noqa: E402
+from vrl import decode  # noqa: E402
+from vrl.config import from_configdict  # noqa: E402
+from vrl.model import Decoder  # noqa: E402
+
+
+def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tuple[int, float]:
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    generator = decode.Generator(cfg, graphdef, nnx.to_pure_dict(state), max_len=context + new_tokens, eos_id=-1)
+    cache = generator.new_cache(batch)
+    keys = iter(jax.random.split(jax.random.key(1), 8))
+    cache = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype) if x.ndim > 1 else x, cache)
+    cache = cache._replace(index=jnp.asarray(context, jnp.int32))
+    logits = jax.random.normal(jax.random.key(2), (batch, cfg.padded_vocab_size))
+    pad = jnp.zeros((batch,), jnp.int32)
+    loop = generator.decode_fn(decode.Sampling(max_new_tokens=new_tokens))
+    jax.block_until_ready(loop(generator.params, cache, logits, pad, jax.random.key(0)))  # compile
+    start = time.perf_counter()
+    jax.block_until_ready(loop(generator.params, cache, logits, pad, jax.random.key(0)))
+    return decode.cache_bytes(cache), batch * new_tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--size', default='82m')
+    parser.add_argument('--contexts', default='512,2048,8192')
+    parser.add_argument('--batches', default='1,8')
+    parser.add_argument('--new_tokens', type=int, default=16)
+    parser.add_argument('--variants', default='vanilla,resformer,svformer')
+    args = parser.parse_args()
+    print(f'{args.size}, {jax.devices()[0].device_kind}; {args.new_tokens} decode steps after the context')
+    print(f'{"variant":>9} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"decode tok/s":>12}')
+    for context in map(int, args.contexts.split(',')):
+        for batch in map(int, args.batches.split(',')):
+            for attention in args.variants.split(','):
+                cfg = from_configdict(base.get_config(f'{attention},{args.size}')).model
+                if jax.default_backend() == 'cpu':
+                    cfg = dataclasses.replace(cfg, compute_dtype='float32')
+                n_bytes, tokens_per_sec = decode_tokens_per_sec(cfg, batch, context, args.new_tokens)
+                print(f'{attention:>9} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | {tokens_per_sec:>12,.1f}')
+
+
+if __name__ == '__main__':
+    main()
