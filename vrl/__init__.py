@@ -1,0 +1,1 @@
+"""vrl: pretraining Llama-style decoders with value residual learning (vanilla, ResFormer, SVFormer)."""

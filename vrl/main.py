@@ -99,8 +99,12 @@ def _initialize_distributed() -> None:
 def _compile_only(config: Config) -> None:
     from vrl import aot
     if _TOPOLOGY.value:
+        import os
+
         import jax
-        # compile for the described slice only: no TPU runtime here to start, no executable to cache
+        # compile for the described slice only: no TPU runtime here to start, no executable to cache,
+        # and no claim on libtpu's one-process lockfile (several compiles may run side by side)
+        os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
         jax.config.update('jax_platforms', 'cpu')
         jax.config.update('jax_compilation_cache_dir', None)
         devices, hbm = aot.tpu_devices(_TOPOLOGY.value)
