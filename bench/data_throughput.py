@@ -8,7 +8,6 @@ Compare with bench/train_throughput.py: the pipeline should feed >= 10x what a s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 import time

@@ -4,14 +4,12 @@ import collections
 import dataclasses
 import json
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
 from vrl import corpus, data
-from vrl.config import DataConfig
 from vrl.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError
 
 def _all_batches(ds) -> list[dict]:

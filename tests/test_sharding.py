@@ -4,7 +4,6 @@ the AOT compile for a TPU slice works, and the launch scripts say every step the
 import dataclasses
 import importlib.util
 import json
-import math
 import os
 import socket
 import subprocess
