@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import json
 import logging
+import shutil
 
 import numpy as np
 import pytest
@@ -146,6 +147,14 @@ def test_prepare_text_folder_and_jsonl(tmp_path):
     assert (len(train), len(validation)) == (15, 5)
     texts = sorted(corpus.texts(train)) + sorted(corpus.texts(validation))
     assert sorted(texts) == sorted(f'Document {i} über alles.\n' * (i + 1) for i in range(20))
+
+    # the same files elsewhere make the same dataset: same held-out documents, same record order
+    moved = tmp_path / 'elsewhere' / 'deeper'
+    shutil.copytree(text_dir, moved)
+    corpus.prepare_from_glob(str(moved), 'my_texts', str(tmp_path / 'tfds_moved'), validation_fraction=0.25)
+    for split in ('train', 'validation'):
+        assert (list(corpus.texts(tfds.data_source('my_texts', data_dir=str(tmp_path / 'tfds_moved'), split=split)))
+                == list(corpus.texts(tfds.data_source('my_texts', data_dir=data_dir, split=split))))
 
     jsonl = tmp_path / 'records.jsonl'
     jsonl.write_text('\n'.join(json.dumps({'body': f'record {i} — ok', 'id': i}) for i in range(10)))

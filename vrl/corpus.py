@@ -82,9 +82,15 @@ class SkipCounter:
 
 
 def read_documents(spec: CorpusSpec, skipped: SkipCounter) -> Iterator[tuple[str, str, str]]:
-    """Yields (file, key, text) for every non-empty document, in a fixed order."""
+    """Yields (file id, key, text) for every non-empty document, in a fixed order.
+
+    Ids are paths relative to the inputs' common folder, so the record order and the held-out
+    documents do not depend on where the files are installed.
+    """
+    root = os.path.dirname(spec.files[0]) if len(spec.files) == 1 else os.path.commonpath(spec.files)
     for file in spec.files:
         text = _read_utf8(file)
+        file_id = os.path.relpath(file, root)
         if spec.split_mode == 'file':
             docs = [text]
         elif spec.split_mode == 'blank_line':
@@ -105,7 +111,7 @@ def read_documents(spec: CorpusSpec, skipped: SkipCounter) -> Iterator[tuple[str
                 docs.append(str(record[spec.jsonl_field]))
         for i, doc in enumerate(docs):
             if doc.strip():
-                yield file, f'{file}#{i}', doc
+                yield file_id, f'{file_id}#{i}', doc
             else:
                 skipped.skip(f'empty documents ({spec.split_mode} mode)')
 
