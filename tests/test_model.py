@@ -217,7 +217,7 @@ def test_learnable_lambdas_get_gradients_fixed_ones_are_not_parameters():
             assert np.all(np.isfinite(g)) and np.any(np.asarray(g) != 0), (mode, name)
     for mode in ('identity', 'constant', 'sparse'):
         cfg = small_model_config(attention='resformer', lambda_mode=mode, sparse_layers=(2,))
-        params = nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param))
         assert 'lambdas' not in params, mode
 
 
