@@ -65,6 +65,21 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path):
     assert list((tmp_path / 'tensorboard').iterdir())
     assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir() if p.name.isdigit())[-1] == 40
 
+    # the generate command on this run, and its errors
+    def generate(workdir, *prompts):
+        return subprocess.run([sys.executable, '-m', 'vrl.generate', f'--workdir={workdir}', '--max_new_tokens=5',
+                               *[f'--prompt={p}' for p in prompts]], cwd=ROOT, capture_output=True, text=True)
+    out = generate(tmp_path, 'HAMLET.', 'To be')
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count('--- ') == 2 and 'decode' in out.stdout and 'KV cache' in out.stdout
+    no_checkpoint = tmp_path / 'no_checkpoint'
+    no_checkpoint.mkdir()
+    (no_checkpoint / 'config.json').write_text((tmp_path / 'config.json').read_text())
+    out = generate(no_checkpoint, 'HAMLET.')
+    assert out.returncode != 0 and 'no checkpoint in' in out.stderr and 'Traceback' not in out.stderr
+    out = generate(tmp_path, ' ')
+    assert out.returncode != 0 and 'empty prompt' in out.stderr
+
 
 def test_resume_is_exact(small_corpus, tmp_path):
     straight = train.run(tiny_config(small_corpus, steps=12), str(tmp_path / 'straight'))
