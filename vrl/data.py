@@ -46,9 +46,10 @@ class _Tokenize(grain.transforms.Map):
 
 class _PackIterator(grain.DatasetIterator):
     def __init__(self, parent: grain.DatasetIterator, seq_len: int, separator: np.ndarray,
-                 eos_id: int, pad_id: int):
+                 eos_id: int, pad_id: int, document_masking: bool):
         super().__init__(parent)
         self._L, self._separator, self._eos, self._pad = seq_len, separator, eos_id, pad_id
+        self._document_masking = document_masking
         self._tokens = np.zeros((0,), np.int32)  # stream not yet emitted (the next window's start)
         self._groups = np.zeros((0,), np.int64)  # document group of each buffered token
         self._n_groups = 0
@@ -76,7 +77,7 @@ class _PackIterator(grain.DatasetIterator):
         n = min(L + 1, len(self._tokens))
         window, groups = self._tokens[:n], self._groups[:n - 1]
         self._tokens, self._groups = self._tokens[n - 1:], self._groups[n - 1:]
-        return _example(window, groups, L, self._pad)
+        return _example(window, groups, L, self._pad, self._document_masking)
 
     def get_state(self) -> dict[str, Any]:
         return {'parent': self._parent.get_state(), 'tokens': self._tokens.tolist(),
@@ -89,25 +90,29 @@ class _PackIterator(grain.DatasetIterator):
         self._n_groups, self._exhausted = state['n_groups'], state['exhausted']
 
 
-def _example(window: np.ndarray, groups: np.ndarray, L: int, pad_id: int) -> dict[str, np.ndarray]:
+def _example(window: np.ndarray, groups: np.ndarray, L: int, pad_id: int,
+             document_masking: bool) -> dict[str, np.ndarray]:
     """One packed sequence from a window of n <= L + 1 tokens and the groups of its first n - 1."""
     n = len(window) - 1
     inputs = np.full(L, pad_id, np.int32)
     targets = np.full(L, pad_id, np.int32)
     inputs[:n], targets[:n] = window[:-1], window[1:]
+    example = {'inputs': inputs, 'targets': targets, 'loss_mask': (np.arange(L) < n).astype(np.int32)}
+    if not document_masking:
+        return example
     segment_ids = np.zeros(L, np.int32)
     segment_ids[:n] = groups - groups[0] + 1
     starts = np.flatnonzero(np.diff(segment_ids[:n], prepend=0))  # first index of each segment
     positions = np.zeros(L, np.int32)
     positions[:n] = np.arange(n) - starts[np.searchsorted(starts, np.arange(n), side='right') - 1]
-    return {'inputs': inputs, 'targets': targets, 'loss_mask': (np.arange(L) < n).astype(np.int32),
-            'segment_ids': segment_ids, 'positions': positions}
+    return example | {'segment_ids': segment_ids, 'positions': positions}
 
 
 class _PackIterDataset(grain.IterDataset):
-    def __init__(self, parent: grain.IterDataset, seq_len: int, separator: np.ndarray, eos_id: int, pad_id: int):
+    def __init__(self, parent: grain.IterDataset, seq_len: int, separator: np.ndarray, eos_id: int, pad_id: int,
+                 document_masking: bool):
         super().__init__(parent)
-        self._args = (seq_len, separator, eos_id, pad_id)
+        self._args = (seq_len, separator, eos_id, pad_id, document_masking)
 
     def __iter__(self) -> _PackIterator:
         return _PackIterator(self._parent.__iter__(), *self._args)
@@ -120,10 +125,6 @@ def _separator(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
 def prompt_tokens(cfg: DataConfig, tokenizer: Tokenizer, text: str) -> list[int]:
     """A prompt as the model saw document starts in training: the separator, then the text."""
     return _separator(cfg, tokenizer).tolist() + tokenizer.encode(text).tolist()
-
-
-def _drop_document_fields(batch: Batch) -> Batch:
-    return {k: batch[k] for k in ('inputs', 'targets', 'loss_mask')}
 
 
 def _pipeline(source, cfg: DataConfig, tokenizer: Tokenizer, *, shuffle: bool, num_epochs: int | None,
@@ -140,11 +141,9 @@ def _pipeline(source, cfg: DataConfig, tokenizer: Tokenizer, *, shuffle: bool, n
             flags.FLAGS.mark_as_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers,
                                                          per_worker_buffer_size=max(cfg.prefetch, 1) * 16))
-    ds = _PackIterDataset(ds, cfg.seq_len, _separator(cfg, tokenizer), tokenizer.eos_id, tokenizer.pad_id)
-    ds = ds.batch(batch_size).map(functools.partial(_pad_batch, batch_size=batch_size))
-    if not cfg.document_masking:
-        ds = ds.map(_drop_document_fields)
-    return ds
+    ds = _PackIterDataset(ds, cfg.seq_len, _separator(cfg, tokenizer), tokenizer.eos_id, tokenizer.pad_id,
+                          cfg.document_masking)
+    return ds.batch(batch_size).map(functools.partial(_pad_batch, batch_size=batch_size))
 
 
 def per_process_batch_size(cfg: DataConfig, process_count: int) -> int:
