@@ -12,13 +12,13 @@ The variant acts in exactly one place, `Attention.value_states`.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from vrl import ops
 from vrl.config import ModelConfig
 from vrl.sharding import constrain
 
@@ -66,12 +66,7 @@ def attend(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: 
     """Softmax attention with grouped kv heads (no repetition); logits and softmax in float32."""
     B, L, H, Dh = q_BxLxHxDh.shape
     K = k_BxSxKxDh.shape[2]
-    q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, H // K, Dh)
-    logits_BxKxGxLxS = jnp.einsum('blkgd,bskd->bkgls', q_BxLxKxGxDh, k_BxSxKxDh,
-                                  preferred_element_type=jnp.float32) / math.sqrt(Dh)
-    logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], logits_BxKxGxLxS, -1e30)
-    probs = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(v_BxSxKxDh.dtype)
-    out_BxLxKxGxDh = jnp.einsum('bkgls,bskd->blkgd', probs, v_BxSxKxDh)
+    out_BxLxKxGxDh = ops.attention(q_BxLxHxDh.reshape(B, L, K, H // K, Dh), k_BxSxKxDh, v_BxSxKxDh, mask_BxLxS)
     return out_BxLxKxGxDh.reshape(B, L, H, Dh)
 
 
@@ -108,7 +103,7 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta
 
     def project_values(self, x_BxLxD: Array) -> Array:
-        return jnp.einsum('bld,dkh->blkh', x_BxLxD, self.wv[...].astype(x_BxLxD.dtype))
+        return ops.project(x_BxLxD, self.wv[...].astype(x_BxLxD.dtype), 1)
 
     def value_states(self, x_BxLxD: Array, v1_BxLxKxDh: Array | None, lambdas: Lambdas | None) -> Array:
         """The values this layer attends over; the only place the variant is read.
@@ -125,12 +120,12 @@ class Attention(nnx.Module):
 
     def qk(self, x_BxLxD: Array, positions_BxL: Array) -> tuple[Array, Array]:
         dtype = x_BxLxD.dtype
-        q = jnp.einsum('bld,dnh->blnh', x_BxLxD, self.wq[...].astype(dtype))
-        k = jnp.einsum('bld,dkh->blkh', x_BxLxD, self.wk[...].astype(dtype))
+        q = ops.project(x_BxLxD, self.wq[...].astype(dtype), 1)
+        k = ops.project(x_BxLxD, self.wk[...].astype(dtype), 1)
         return rope(q, positions_BxL, self.rope_theta), rope(k, positions_BxL, self.rope_theta)
 
     def output(self, o_BxLxHxDh: Array) -> Array:
-        return jnp.einsum('blnh,nhd->bld', o_BxLxHxDh, self.wo[...].astype(o_BxLxHxDh.dtype))
+        return ops.project(o_BxLxHxDh, self.wo[...].astype(o_BxLxHxDh.dtype), 2)
 
 
 class MLP(nnx.Module):
@@ -144,9 +139,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BxLxD: Array) -> Array:
         dtype = x_BxLxD.dtype
-        gate_BxLxF = jnp.einsum('bld,df->blf', x_BxLxD, self.w_gate[...].astype(dtype))
-        up_BxLxF = jnp.einsum('bld,df->blf', x_BxLxD, self.w_up[...].astype(dtype))
-        return jnp.einsum('blf,fd->bld', jax.nn.silu(gate_BxLxF) * up_BxLxF, self.w_down[...].astype(dtype))
+        gate_BxLxF = ops.project(x_BxLxD, self.w_gate[...].astype(dtype), 1)
+        up_BxLxF = ops.project(x_BxLxD, self.w_up[...].astype(dtype), 1)
+        return ops.project(ops.swiglu(gate_BxLxF, up_BxLxF), self.w_down[...].astype(dtype), 1)
 
 
 class Block(nnx.Module):
@@ -318,7 +313,6 @@ class Decoder(nnx.Module):
 
     def logits(self, x_BxLxD: Array) -> Array:
         head_DxV = self.embed[...].T if self.head is None else self.head[...]
-        logits_BxLxV = jnp.einsum('bld,dv->blv', x_BxLxD, head_DxV.astype(x_BxLxD.dtype),
-                                  preferred_element_type=jnp.float32)
+        logits_BxLxV = ops.project(x_BxLxD, head_DxV.astype(x_BxLxD.dtype), 1, jnp.float32)
         is_real_V = jnp.arange(logits_BxLxV.shape[-1]) < self.cfg.vocab_size
         return constrain(jnp.where(is_real_V, logits_BxLxV, -1e30), ('batch', 'length', 'vocab'))

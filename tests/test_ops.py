@@ -1,0 +1,121 @@
+"""vrl/ops.py: values and gradients of the hand-written backward passes, against float64
+autodiff of the plain formulations, on random inputs and cotangents."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vrl import ops
+
+
+def _rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _value_and_vjp(fn, args, cotangent):
+    out, vjp = jax.vjp(fn, *args)
+    return out, vjp(cotangent)
+
+
+def _check_against_float64(op, reference, args, n_grads: int, tol: float = 2e-6):
+    """op in float32 vs reference in float64: output and the first n_grads input gradients."""
+    out = op(*args)
+    cotangent = jax.random.normal(jax.random.key(99), out.shape, out.dtype)
+    out, grads = _value_and_vjp(op, args, cotangent)
+    with jax.enable_x64(True):
+        args64 = [jnp.asarray(np.asarray(a), jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
+                  for a in args]
+        ref_out, ref_grads = _value_and_vjp(reference, args64, jnp.asarray(np.asarray(cotangent), jnp.float64))
+    assert out.dtype == jnp.float32
+    assert _rel_err(out, ref_out) < tol
+    for grad, ref_grad in zip(grads[:n_grads], ref_grads[:n_grads]):
+        assert grad.dtype == jnp.float32
+        assert _rel_err(grad, ref_grad) < tol
+
+
+def _normal(seed: int, *shape: int) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+@pytest.mark.parametrize('x_shape,w_shape,n_contract', [
+    ((3, 5, 16), (16, 24), 1),  # x (B, L, D) @ (D, F): the MLP, where d_ff > d_model
+    ((3, 5, 24), (24, 16), 1),  # (B, L, F) @ (F, D): the other orientation
+    ((3, 5, 16), (16, 4, 6), 1),  # (B, L, D) @ (D, H, Dh): q, k, v
+    ((3, 5, 4, 6), (4, 6, 16), 2),  # (B, L, H, Dh) @ (H, Dh, D): the output projection
+])
+def test_project_matches_autodiff(x_shape, w_shape, n_contract):
+    x, w = _normal(0, *x_shape), _normal(1, *w_shape)
+    _check_against_float64(lambda x, w: ops.project(x, w, n_contract),
+                           lambda x, w: jnp.tensordot(x, w, axes=n_contract), [x, w], n_grads=2)
+
+
+def _plain_attention(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxLxS):
+    logits = jnp.einsum('blkgd,bskd->bkgls', q_BxLxKxGxDh, k_BxSxKxDh) / math.sqrt(q_BxLxKxGxDh.shape[-1])
+    probs = jax.nn.softmax(jnp.where(mask_BxLxS[:, None, None], logits, -1e30), axis=-1)
+    return jnp.einsum('bkgls,bskd->blkgd', probs, v_BxSxKxDh)
+
+
+def _masks(B: int, L: int, S: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    causal = np.broadcast_to(np.tril(np.ones((L, S), bool), S - L), (B, L, S))
+    documents = np.sort(rng.integers(0, 3, (B, S)), axis=1)  # packed, as with segment ids
+    left_padded = causal & (np.arange(S)[None, None, :] >= np.array([0, 2])[:B, None, None])
+    return {'causal': causal, 'documents': causal & (documents[:, S - L:, None] == documents[:, None, :]),
+            'left padded, rows 0-1 of sequence 1 see nothing': left_padded}
+
+
+@pytest.mark.parametrize('kv_heads,groups', [(2, 3), (4, 1), (1, 4)], ids=['gqa', 'mha', 'mqa'])
+@pytest.mark.parametrize('mask_name', list(_masks(2, 7, 7)))
+def test_attention_matches_autodiff(kv_heads, groups, mask_name):
+    B, L, Dh = 2, 7, 8
+    mask = jnp.asarray(_masks(B, L, L)[mask_name])
+    q, k, v = _normal(2, B, L, kv_heads, groups, Dh), _normal(3, B, L, kv_heads, Dh), _normal(4, B, L, kv_heads, Dh)
+    _check_against_float64(ops.attention, _plain_attention, [q, k, v, mask], n_grads=3)
+
+
+def test_attention_over_a_longer_cache():
+    """Decoding: T new queries over S >= T cached keys."""
+    B, T, S, K, G, Dh = 2, 3, 9, 2, 2, 8
+    mask = jnp.asarray(_masks(B, T, S)['causal'])
+    q, k, v = _normal(5, B, T, K, G, Dh), _normal(6, B, S, K, Dh), _normal(7, B, S, K, Dh)
+    _check_against_float64(ops.attention, _plain_attention, [q, k, v, mask], n_grads=3)
+
+
+def test_fully_masked_query_attends_uniformly():
+    B, L, K, G, Dh = 1, 4, 1, 1, 8
+    mask = jnp.zeros((B, L, L), bool).at[:, 1:].set(jnp.tril(jnp.ones((L - 1, L), bool), 1))
+    v = _normal(8, B, L, K, Dh)
+    out = ops.attention(_normal(9, B, L, K, G, Dh), _normal(10, B, L, K, Dh), v, mask)
+    assert _rel_err(out[0, 0, 0, 0], jnp.mean(v[0, :, 0], axis=0)) < 1e-6
+
+
+def test_swiglu_matches_autodiff():
+    gate, up = _normal(11, 3, 5, 24), _normal(12, 3, 5, 24)
+    _check_against_float64(ops.swiglu, lambda gate, up: jax.nn.silu(gate) * up, [gate, up], n_grads=2)
+
+
+def test_bfloat16_keeps_dtypes_and_follows_float32():
+    B, L, K, G, Dh = 2, 16, 2, 2, 16
+    mask = jnp.asarray(_masks(B, L, L)['causal'])
+    args = [_normal(13, B, L, K, G, Dh), _normal(14, B, L, K, Dh), _normal(15, B, L, K, Dh)]
+    cotangent = _normal(16, B, L, K, G, Dh)
+    out32, grads32 = _value_and_vjp(lambda q, k, v: ops.attention(q, k, v, mask), args, cotangent)
+    out16, grads16 = _value_and_vjp(lambda q, k, v: ops.attention(q, k, v, mask),
+                                    [a.astype(jnp.bfloat16) for a in args], cotangent.astype(jnp.bfloat16))
+    assert out16.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads16)
+    assert _rel_err(out16, out32) < 2e-2
+    for g16, g32 in zip(grads16, grads32):
+        assert _rel_err(g16, g32) < 5e-2
+
+    x, w = _normal(17, 4, 32), _normal(18, 32, 48)
+    logits = ops.project(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), 1, jnp.float32)
+    assert logits.dtype == jnp.float32 and _rel_err(logits, x @ w) < 2e-2
+    dx, dw = jax.grad(lambda x, w: jnp.sum(ops.project(x, w, 1, jnp.float32) ** 2), argnums=(0, 1))(
+        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    assert dx.dtype == dw.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(dx, np.float32)))

@@ -1,0 +1,172 @@
+"""The model's hot operations with hand-written backward passes: projection, attention, SwiGLU.
+
+Each computes what autodiff would (tests/test_ops.py checks them against float64 autodiff);
+they exist because of how XLA lays the autodiff graphs out. On XLA:CPU they took the 82M train
+step from 7.85 s to 4.68 s (`python bench/train_throughput.py`, README):
+
+- `project` (x @ W over the trailing dims of x): autodiff's weight gradient contracts over the
+  token axis, and XLA transposes the larger operand (the (tokens, d_ff) gradient) inside a slow
+  fused loop. Here the backward transposes whichever operand is smaller, on its own.
+- `attention`: autodiff keeps the (B, K, G, L, S) probabilities for the backward pass (stacked
+  over all layers under the scan) and differentiates the softmax through its normalisation.
+  Here only the output and the per-row softmax max and sum are kept; the backward recomputes the
+  probabilities from them, the memory-efficient ("flash") formulation. Its matmuls run with
+  batch and heads leading, and the products that contract over queries transpose the small
+  (L, Dh) operand rather than the (L, S) matrix.
+- `swiglu`: keeps gate and up for the backward instead of four (L, d_ff) intermediates.
+
+Shape suffixes as in vrl/model.py; T = B * L tokens, I / O the flattened contracted / output dims.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+_MASKED = -1e30  # the logit of a key a query may not see
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def project(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | None = None) -> Array:
+    """Contracts the last `n_contract` dims of x (..., *C) with the first of w (*C, *O) -> (..., *O).
+
+    The product accumulates in float32 and is returned in `out_dtype` (default: x's dtype).
+    """
+    return _project_fwd(x, w, n_contract, out_dtype)[0]
+
+
+def _as_matrices(x: Array, w: Array, n_contract: int) -> tuple[Array, Array]:
+    contracted = math.prod(w.shape[:n_contract])
+    return x.reshape(-1, contracted), w.reshape(contracted, -1)
+
+
+def _project_fwd(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | None):
+    x_TxI, w_IxO = _as_matrices(x, w, n_contract)
+    y_TxO = jnp.dot(x_TxI, w_IxO, preferred_element_type=jnp.float32)
+    y = y_TxO.astype(out_dtype or x.dtype).reshape(*x.shape[:x.ndim - n_contract], *w.shape[n_contract:])
+    return y, (x, w)
+
+
+def _project_bwd(n_contract: int, out_dtype: jnp.dtype | None, residuals, dy: Array):
+    del out_dtype
+    x, w = residuals
+    x_TxI, w_IxO = _as_matrices(x, w, n_contract)
+    dy_TxO = dy.reshape(x_TxI.shape[0], w_IxO.shape[1]).astype(x.dtype)
+    dx_TxI = jnp.dot(dy_TxO, w_IxO.T, preferred_element_type=jnp.float32)
+    # The weight gradient contracts over tokens. Transpose the smaller operand explicitly; the
+    # barrier keeps XLA from folding that transpose back into the dot and choosing the larger.
+    if x_TxI.shape[1] <= dy_TxO.shape[1]:
+        dw_IxO = jnp.dot(jax.lax.optimization_barrier(x_TxI.T), dy_TxO, preferred_element_type=jnp.float32)
+    else:
+        dw_IxO = jnp.dot(jax.lax.optimization_barrier(dy_TxO.T), x_TxI, preferred_element_type=jnp.float32).T
+    return dx_TxI.astype(x.dtype).reshape(x.shape), dw_IxO.astype(w.dtype).reshape(w.shape)
+
+
+project.defvjp(_project_fwd, _project_bwd)
+
+
+@jax.custom_vjp
+def attention(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array) -> Array:
+    """Softmax attention of grouped query heads over their kv head -> (B, L, K, G, Dh).
+
+    Logits and softmax are float32. A query whose keys are all masked attends uniformly.
+    """
+    out_BxKxGxLxDh, _ = _attend(*_heads_major(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, pin=False), mask_BxLxS)
+    return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4)
+
+
+def _pinned(x: Array, pin: bool) -> Array:
+    """x, kept by the barrier from being folded into its consumers (which XLA:CPU runs slower)."""
+    return jax.lax.optimization_barrier(x) if pin else x
+
+
+def _heads_major(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, pin: bool
+                 ) -> tuple[Array, Array, Array]:
+    """Batch and heads leading, as the batched matmuls want them; q is scaled by 1/sqrt(Dh)."""
+    q_BxLxKxGxDh = q_BxLxKxGxDh * (1 / math.sqrt(q_BxLxKxGxDh.shape[-1]))
+    return (_pinned(q_BxLxKxGxDh.transpose(0, 2, 3, 1, 4), pin), _pinned(k_BxSxKxDh.transpose(0, 2, 1, 3), pin),
+            _pinned(v_BxSxKxDh.transpose(0, 2, 1, 3), pin))
+
+
+def _logits(q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, mask_BxLxS: Array) -> Array:
+    logits_BxKxGxLxS = jnp.einsum('bkgld,bksd->bkgls', q_BxKxGxLxDh, k_BxKxSxDh, preferred_element_type=jnp.float32)
+    return jnp.where(mask_BxLxS[:, None, None], logits_BxKxGxLxS, _MASKED)
+
+
+def _probs(logits_BxKxGxLxS: Array, max_BxKxGxLx1: Array, sum_BxKxGxLx1: Array) -> Array:
+    return jnp.exp(logits_BxKxGxLxS - max_BxKxGxLx1) * (1 / sum_BxKxGxLx1)
+
+
+def _attend(q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, mask_BxLxS: Array
+            ) -> tuple[Array, tuple[Array, Array]]:
+    """(output (B, K, G, L, Dh), the float32 max and sum (B, K, G, L, 1) of each query's softmax)."""
+    logits_BxKxGxLxS = _logits(q_BxKxGxLxDh, k_BxKxSxDh, mask_BxLxS)
+    max_BxKxGxLx1 = jnp.max(logits_BxKxGxLxS, axis=-1, keepdims=True)
+    sum_BxKxGxLx1 = jnp.sum(jnp.exp(logits_BxKxGxLxS - max_BxKxGxLx1), axis=-1, keepdims=True)
+    probs = _probs(logits_BxKxGxLxS, max_BxKxGxLx1, sum_BxKxGxLx1).astype(v_BxKxSxDh.dtype)
+    out_BxKxGxLxDh = jnp.einsum('bkgls,bksd->bkgld', probs, v_BxKxSxDh)
+    return out_BxKxGxLxDh, (max_BxKxGxLx1, sum_BxKxGxLx1)
+
+
+def _attention_fwd(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array):
+    q, k, v = _heads_major(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, pin=True)
+    out_BxKxGxLxDh, softmax_stats = _attend(q, k, v, mask_BxLxS)
+    return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4), (q, k, v, mask_BxLxS, out_BxKxGxLxDh, softmax_stats)
+
+
+def _attention_bwd(residuals, d_out_BxLxKxGxDh: Array):
+    """Recomputes the probabilities P exactly as the forward did; dV = P^T dO, dP = dO V^T,
+    dlogits = P * (dP - <dO, O>) where unmasked (0 where masked), dQ = dlogits K, dK = dlogits^T Q. The two transposed products are formed as (.)^T of
+    products whose small operand (dO, Q) is transposed instead of the (L, S) matrices."""
+    q, k, v, mask_BxLxS, out_BxKxGxLxDh, (max_BxKxGxLx1, sum_BxKxGxLx1) = residuals
+    B, K, G, L, Dh = q.shape
+    probs_BxKxGxLxS = _probs(_logits(q, k, mask_BxLxS), max_BxKxGxLx1, sum_BxKxGxLx1)
+    d_out_BxKxGxLxDh = _pinned(d_out_BxLxKxGxDh.transpose(0, 2, 3, 1, 4), True)
+    d_probs = jnp.einsum('bkgld,bksd->bkgls', d_out_BxKxGxLxDh.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    row_BxKxGxLx1 = _pinned(jnp.sum(d_out_BxKxGxLxDh.astype(jnp.float32) * out_BxKxGxLxDh.astype(jnp.float32),
+                                    axis=-1, keepdims=True), True)
+    d_logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], probs_BxKxGxLxS * (d_probs - row_BxKxGxLx1), 0.0)
+    d_q_BxKxGxLxDh = jnp.einsum('bkgls,bksd->bkgld', d_logits_BxKxGxLxS.astype(q.dtype), k,
+                                preferred_element_type=jnp.float32) * (1 / math.sqrt(Dh))
+
+    def transposed_product(small_BxKxGxLxDh: Array, big_BxKxGxLxS: Array) -> Array:
+        """sum over (g, l) of small[..., l, d] * big[..., l, s] -> (B, S, K, Dh)."""
+        small_BxKxDhxGL = _pinned(small_BxKxGxLxDh.transpose(0, 1, 4, 2, 3), True).reshape(B, K, Dh, G * L)
+        out_BxKxDhxS = jnp.einsum('bkdx,bkxs->bkds', small_BxKxDhxGL.astype(big_BxKxGxLxS.dtype),
+                                  big_BxKxGxLxS.reshape(B, K, G * L, -1), preferred_element_type=jnp.float32)
+        return out_BxKxDhxS.transpose(0, 3, 1, 2)
+
+    d_v = transposed_product(d_out_BxKxGxLxDh, probs_BxKxGxLxS.astype(v.dtype))
+    d_k = transposed_product(q, d_logits_BxKxGxLxS.astype(q.dtype))
+    return (d_q_BxKxGxLxDh.transpose(0, 3, 1, 2, 4).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
+            None)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@jax.custom_vjp
+def swiglu(gate: Array, up: Array) -> Array:
+    """silu(gate) * up, elementwise; the backward keeps only gate and up and recomputes the sigmoid."""
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate: Array, up: Array):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(residuals, d_out: Array):
+    gate, up = residuals
+    sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32))
+    silu = gate.astype(jnp.float32) * sigmoid
+    d_out = d_out.astype(jnp.float32)
+    d_gate = d_out * up.astype(jnp.float32) * sigmoid * (1 + gate.astype(jnp.float32) * (1 - sigmoid))
+    return d_gate.astype(gate.dtype), (d_out * silu).astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
