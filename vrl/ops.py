@@ -31,6 +31,12 @@ Array = jax.Array
 _MASKED = -1e30  # the logit of a key a query may not see
 
 
+def _pinned(x: Array, pin: bool = True) -> Array:
+    """x (a transpose), kept by a barrier from being folded into the dot that consumes it, where
+    XLA:CPU would transpose the dot's other, larger operand in a slow fused loop instead."""
+    return jax.lax.optimization_barrier(x) if pin else x
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def project(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | None = None) -> Array:
     """Contracts the last `n_contract` dims of x (..., *C) with the first of w (*C, *O) -> (..., *O).
@@ -58,12 +64,11 @@ def _project_bwd(n_contract: int, out_dtype: jnp.dtype | None, residuals, dy: Ar
     x_TxI, w_IxO = _as_matrices(x, w, n_contract)
     dy_TxO = dy.reshape(x_TxI.shape[0], w_IxO.shape[1]).astype(x.dtype)
     dx_TxI = jnp.dot(dy_TxO, w_IxO.T, preferred_element_type=jnp.float32)
-    # The weight gradient contracts over tokens. Transpose the smaller operand explicitly; the
-    # barrier keeps XLA from folding that transpose back into the dot and choosing the larger.
+    # The weight gradient contracts over tokens: transpose the smaller operand, on its own.
     if x_TxI.shape[1] <= dy_TxO.shape[1]:
-        dw_IxO = jnp.dot(jax.lax.optimization_barrier(x_TxI.T), dy_TxO, preferred_element_type=jnp.float32)
+        dw_IxO = jnp.dot(_pinned(x_TxI.T), dy_TxO, preferred_element_type=jnp.float32)
     else:
-        dw_IxO = jnp.dot(jax.lax.optimization_barrier(dy_TxO.T), x_TxI, preferred_element_type=jnp.float32).T
+        dw_IxO = jnp.dot(_pinned(dy_TxO.T), x_TxI, preferred_element_type=jnp.float32).T
     return dx_TxI.astype(x.dtype).reshape(x.shape), dw_IxO.astype(w.dtype).reshape(w.shape)
 
 
@@ -78,11 +83,6 @@ def attention(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_Bx
     """
     out_BxKxGxLxDh, _ = _attend(*_heads_major(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, pin=False), mask_BxLxS)
     return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4)
-
-
-def _pinned(x: Array, pin: bool) -> Array:
-    """x, kept by the barrier from being folded into its consumers (which XLA:CPU runs slower)."""
-    return jax.lax.optimization_barrier(x) if pin else x
 
 
 def _heads_major(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, pin: bool
@@ -121,22 +121,22 @@ def _attention_fwd(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, ma
 
 def _attention_bwd(residuals, d_out_BxLxKxGxDh: Array):
     """Recomputes the probabilities P exactly as the forward did; dV = P^T dO, dP = dO V^T,
-    dlogits = P * (dP - <dO, O>) where unmasked (0 where masked), dQ = dlogits K, dK = dlogits^T Q. The two transposed products are formed as (.)^T of
-    products whose small operand (dO, Q) is transposed instead of the (L, S) matrices."""
+    dlogits = P * (dP - <dO, O>) where unmasked (0 where masked), dQ = dlogits K and
+    dK = dlogits^T Q. dV and dK transpose their small operand (dO, Q), not the (L, S) matrix."""
     q, k, v, mask_BxLxS, out_BxKxGxLxDh, (max_BxKxGxLx1, sum_BxKxGxLx1) = residuals
     B, K, G, L, Dh = q.shape
     probs_BxKxGxLxS = _probs(_logits(q, k, mask_BxLxS), max_BxKxGxLx1, sum_BxKxGxLx1)
-    d_out_BxKxGxLxDh = _pinned(d_out_BxLxKxGxDh.transpose(0, 2, 3, 1, 4), True)
+    d_out_BxKxGxLxDh = _pinned(d_out_BxLxKxGxDh.transpose(0, 2, 3, 1, 4))
     d_probs = jnp.einsum('bkgld,bksd->bkgls', d_out_BxKxGxLxDh.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    row_BxKxGxLx1 = _pinned(jnp.sum(d_out_BxKxGxLxDh.astype(jnp.float32) * out_BxKxGxLxDh.astype(jnp.float32),
-                                    axis=-1, keepdims=True), True)
+    row_BxKxGxLx1 = jnp.sum(d_out_BxKxGxLxDh.astype(jnp.float32) * out_BxKxGxLxDh.astype(jnp.float32),
+                            axis=-1, keepdims=True)
     d_logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], probs_BxKxGxLxS * (d_probs - row_BxKxGxLx1), 0.0)
     d_q_BxKxGxLxDh = jnp.einsum('bkgls,bksd->bkgld', d_logits_BxKxGxLxS.astype(q.dtype), k,
                                 preferred_element_type=jnp.float32) * (1 / math.sqrt(Dh))
 
     def transposed_product(small_BxKxGxLxDh: Array, big_BxKxGxLxS: Array) -> Array:
         """sum over (g, l) of small[..., l, d] * big[..., l, s] -> (B, S, K, Dh)."""
-        small_BxKxDhxGL = _pinned(small_BxKxGxLxDh.transpose(0, 1, 4, 2, 3), True).reshape(B, K, Dh, G * L)
+        small_BxKxDhxGL = _pinned(small_BxKxGxLxDh.transpose(0, 1, 4, 2, 3)).reshape(B, K, Dh, G * L)
         out_BxKxDhxS = jnp.einsum('bkdx,bkxs->bkds', small_BxKxDhxGL.astype(big_BxKxGxLxS.dtype),
                                   big_BxKxGxLxS.reshape(B, K, G * L, -1), preferred_element_type=jnp.float32)
         return out_BxKxDhxS.transpose(0, 3, 1, 2)
