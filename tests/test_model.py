@@ -11,7 +11,7 @@ from flax import nnx
 
 from tests.helpers import VARIANT_IDS, VARIANTS, small_model_config
 from vrl.config import ConfigError, ModelConfig
-from vrl.model import Decoder
+from vrl.model import Decoder, attend, causal_mask
 
 
 def _tokens(seed: int, B: int = 2, L: int = 11, vocab: int = 97) -> jax.Array:
@@ -252,8 +252,29 @@ def test_v1_is_not_detached():
     (dict(attention='resformer', lambda_mode='sparse', sparse_layers=(9,)), 'model.sparse_layers', '2..3'),
     (dict(remat='some'), 'model.remat', "'none', 'full', 'save_dots'"),
     (dict(lambda_mode='learned'), 'model.lambda_mode', "'identity', 'constant'"),
+    (dict(attention_chunks=0), 'model.attention_chunks', 'an integer >= 1'),
 ])
 def test_bad_config_names_field_and_allowed_values(overrides, field, allowed):
     with pytest.raises(ConfigError) as e:
         small_model_config(**overrides)
     assert field in str(e.value) and allowed in str(e.value)
+
+
+@pytest.mark.parametrize('chunks', [2, 3, 7, 9])
+def test_causal_chunks_match_one_pass(chunks):
+    """Chunked training attention (uneven chunks, and more chunks than tokens) == one pass,
+    values and gradients, with packed documents."""
+    B, L, H, K, Dh = 2, 7, 4, 2, 8
+    keys = jax.random.split(jax.random.key(chunks), 4)
+    q, r = jax.random.normal(keys[0], (B, L, H, Dh)), jax.random.normal(keys[3], (B, L, H, Dh))
+    k, v = jax.random.normal(keys[1], (B, L, K, Dh)), jax.random.normal(keys[2], (B, L, K, Dh))
+    mask = causal_mask(jnp.array([[0, 0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 2]]), B, L)
+
+    def loss(q, k, v, n):
+        return jnp.sum(attend(q, k, v, mask, n) * r)
+
+    one, one_grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, 1)
+    chunked, chunked_grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, chunks)
+    assert abs(float(chunked - one)) / abs(float(one)) < 1e-6
+    for a, b in zip(chunked_grads, one_grads):
+        assert _rel_err(a, b) < 1e-6

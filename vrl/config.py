@@ -55,6 +55,7 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
+    attention_chunks: int = 4  # training attention in this many query chunks, skipping unseen keys
     scan_layers: bool = True
     remat: str = 'none'  # none | full | save_dots
     compute_dtype: str = 'bfloat16'  # float32 | bfloat16; parameters are always float32
@@ -65,7 +66,7 @@ class ModelConfig:
         _choice('model.remat', self.remat, REMAT_POLICIES)
         _choice('model.compute_dtype', self.compute_dtype, COMPUTE_DTYPES)
         for name in ('vocab_size', 'vocab_pad_multiple', 'd_model', 'n_heads', 'n_kv_heads',
-                     'head_dim', 'd_ff'):
+                     'head_dim', 'd_ff', 'attention_chunks'):
             _require(getattr(self, name) >= 1, f'model.{name}', getattr(self, name), 'an integer >= 1')
         _require(self.n_layers >= 2, 'model.n_layers', self.n_layers, 'an integer >= 2')
         _require(self.n_heads % self.n_kv_heads == 0, 'model.n_kv_heads', self.n_kv_heads,

@@ -62,12 +62,21 @@ def rope(x_BxLxNxDh: Array, positions_BxL: Array, theta: float) -> Array:
     return out.astype(x_BxLxNxDh.dtype)
 
 
-def attend(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array) -> Array:
-    """Softmax attention with grouped kv heads (no repetition); logits and softmax in float32."""
+def attend(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array,
+           causal_chunks: int = 1) -> Array:
+    """Softmax attention with grouped kv heads (no repetition); logits and softmax in float32.
+
+    causal_chunks > 1 promises a causal mask over queries at the last L of the S key positions:
+    the queries are split into that many chunks, and each chunk skips the keys after its last
+    query, which it cannot see. With 1 chunk every query sees all S keys (decoding).
+    """
     B, L, H, Dh = q_BxLxHxDh.shape
-    K = k_BxSxKxDh.shape[2]
-    out_BxLxKxGxDh = ops.attention(q_BxLxHxDh.reshape(B, L, K, H // K, Dh), k_BxSxKxDh, v_BxSxKxDh, mask_BxLxS)
-    return out_BxLxKxGxDh.reshape(B, L, H, Dh)
+    S, K = k_BxSxKxDh.shape[1:3]
+    q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, H // K, Dh)
+    bounds = sorted({L * i // causal_chunks for i in range(causal_chunks + 1)})
+    outs = [ops.attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :S - L + end], v_BxSxKxDh[:, :S - L + end],
+                          mask_BxLxS[:, start:end, :S - L + end]) for start, end in zip(bounds[:-1], bounds[1:])]
+    return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
 
 
 class LayerCache(NamedTuple):
@@ -101,6 +110,7 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (H, Dh, D), ('heads', 'head_dim', 'embed'), std, stack)
         self.variant = cfg.attention
         self.rope_theta = cfg.rope_theta
+        self.causal_chunks = cfg.attention_chunks
 
     def project_values(self, x_BxLxD: Array) -> Array:
         return ops.project(x_BxLxD, self.wv[...].astype(x_BxLxD.dtype), 1)
@@ -170,7 +180,9 @@ class Block(nnx.Module):
             else:
                 values = jax.lax.dynamic_update_slice_in_dim(cache.v, values.astype(cache.v.dtype), index, axis=1)
             cache = LayerCache(keys, None if cache.v is None else values)
-        h_BxLxD = h_BxLxD + self.attn.output(attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask_BxLxS))
+        chunks = self.attn.causal_chunks if cache is None else 1  # without a cache the mask is causal
+        h_BxLxD = h_BxLxD + self.attn.output(attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask_BxLxS,
+                                                    chunks))
         h_BxLxD = h_BxLxD + self.mlp(self.mlp_norm(h_BxLxD))
         return h_BxLxD, v_BxLxKxDh, cache
 
