@@ -74,8 +74,11 @@ def attend(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: 
     S, K = k_BxSxKxDh.shape[1:3]
     q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, H // K, Dh)
     bounds = sorted({L * i // causal_chunks for i in range(causal_chunks + 1)})
-    outs = [ops.attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :S - L + end], v_BxSxKxDh[:, :S - L + end],
-                          mask_BxLxS[:, start:end, :S - L + end]) for start, end in zip(bounds[:-1], bounds[1:])]
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        seen = S - L + end  # keys [0, seen) are all the chunk's queries can see
+        outs.append(ops.attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :seen], v_BxSxKxDh[:, :seen],
+                                  mask_BxLxS[:, start:end, :seen]))
     return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
 
 
