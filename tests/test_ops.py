@@ -119,3 +119,45 @@ def test_bfloat16_keeps_dtypes_and_follows_float32():
     dx, dw = jax.grad(lambda x, w: jnp.sum(ops.project(x, w, 1, jnp.float32) ** 2), argnums=(0, 1))(
         x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
     assert dx.dtype == dw.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(dx, np.float32)))
+
+
+def _plain_cross_entropy_sums(x_BxLxD, w_DxV, targets_BxL, weights_BxL, vocab_size, z_loss):
+    logits = jnp.einsum('bld,dv->blv', x_BxLxD, w_DxV)[..., :vocab_size]
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    cross_entropy = (log_z - jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]) * weights_BxL
+    return jnp.sum(cross_entropy + z_loss * weights_BxL * log_z ** 2), jnp.sum(cross_entropy)
+
+
+@pytest.mark.parametrize('z_loss', [0.0, 0.3])
+@pytest.mark.parametrize('logit_scale', [1.0, 40.0], ids=['unit', 'large logits'])
+def test_cross_entropy_sums_match_autodiff(z_loss, logit_scale):
+    """Head + loss: both sums and the gradients of the first against float64 autodiff, with padded
+    vocab columns (never part of the softmax, zero gradient) and a random weight per token."""
+    B, L, D, V, vocab_size = 2, 5, 16, 24, 21
+    x, w = _normal(19, B, L, D), _normal(20, D, V) * (logit_scale / math.sqrt(D))
+    targets = jax.random.randint(jax.random.key(21), (B, L), 0, vocab_size)
+    weights = jax.random.uniform(jax.random.key(22), (B, L)) * (jnp.arange(L) != 2)  # one token masked out
+    d_loss = 1.7  # the cotangent of the loss, as a loss scale would be
+    sums, vjp = jax.vjp(lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, vocab_size, z_loss), x, w)
+    dx, dw = vjp((jnp.float32(d_loss), jnp.float32(0.0)))
+    with jax.enable_x64(True):
+        x64, w64, weights64 = (jnp.asarray(np.asarray(a), jnp.float64) for a in (x, w, weights))
+        ref_sums, ref_vjp = jax.vjp(lambda x, w: _plain_cross_entropy_sums(x, w, targets, weights64, vocab_size,
+                                                                           z_loss), x64, w64)
+        ref_dx, ref_dw = ref_vjp((jnp.float64(d_loss), jnp.float64(0.0)))
+    for value, ref in zip(sums, ref_sums):
+        assert abs(float(value) - float(ref)) / abs(float(ref)) < 2e-6
+    assert _rel_err(dx, ref_dx) < 2e-6 and _rel_err(dw, ref_dw) < 2e-6
+    assert np.all(np.asarray(dw)[:, vocab_size:] == 0)
+
+
+def test_cross_entropy_statistic_carries_no_gradient_and_eval_path_agrees():
+    B, L, D, V = 2, 3, 8, 16
+    x, w = _normal(23, B, L, D), _normal(24, D, V)
+    targets, weights = jax.random.randint(jax.random.key(25), (B, L), 0, 15), jnp.ones((B, L))
+    dx = jax.grad(lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0)[1])(x)
+    assert np.all(np.asarray(dx) == 0)
+    (loss, statistic), _ = jax.value_and_grad(
+        lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0), has_aux=True)(x)
+    plain = jax.jit(lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0))(x)  # not differentiated
+    assert float(loss) == float(statistic) and abs(float(plain[0]) - float(loss)) / float(loss) < 1e-6

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from tests.conftest import ROOT
@@ -162,16 +163,43 @@ def test_gradient_accumulation_equals_one_big_batch(small_corpus):
 
 
 def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path):
+    """LR 1e38: step 1 leaves huge but finite weights (saved); step 2's loss is not finite."""
     config = tiny_config(small_corpus, steps=4, checkpoint_every=1)
     exploding = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e38,
                                                                           init_lr=1e38, final_lr=1e38))
-    with pytest.raises(train.TrainingError, match='at step 1;'):
+    with pytest.raises(train.TrainingError, match=r'at step 2; no checkpoint of it was written \(latest saved: 1\)'):
         train.run(exploding, str(tmp_path / 'error'))
-    assert _saved_steps(tmp_path / 'error') == []  # no checkpoint of the bad update
+    assert _saved_steps(tmp_path / 'error') == [1]  # no checkpoint of the bad step
     skipping = dataclasses.replace(exploding, train=dataclasses.replace(exploding.train, nan_policy='skip'))
     result = train.run(skipping, str(tmp_path / 'skip'))
-    initial = Trainer(skipping, sharding.make_mesh(skipping.mesh)).init_state(0)
-    assert result.step == 4 and _params_equal(result.state.params, initial.params)
+    abstract_params = Trainer(skipping, sharding.make_mesh(skipping.mesh)).abstract_state.params
+    after_step_1 = checkpoint.restore_params(str(tmp_path / 'error'), abstract_params)
+    assert result.step == 4 and _params_equal(result.state.params, after_step_1)
+
+
+def test_update_that_overflows_is_not_finite(small_corpus):
+    """Finite loss and gradients, but Adam moments (mu >> sqrt(nu)) times the LR overflow float32:
+    the step reports non-finite weights, and under nan_policy=skip leaves the state as it was."""
+    config = tiny_config(small_corpus, nan_policy='skip')
+    config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e34,
+                                                                       init_lr=1e34, final_lr=1e34))
+    trainer = Trainer(config, sharding.make_mesh(config.mesh))
+    state = trainer.init_state(0)
+
+    def extreme_moments(opt_state):
+        if isinstance(opt_state, optax.ScaleByAdamState):
+            return opt_state._replace(mu=jax.tree.map(lambda m: m + 1e3, opt_state.mu),
+                                      nu=jax.tree.map(lambda n: n + 1e-12, opt_state.nu))
+        return opt_state
+
+    state = state._replace(opt_state=jax.tree.map(extreme_moments, state.opt_state,
+                                                  is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)))
+    before = jax.device_get(state)
+    batch = next(iter(data.train_dataset(config.data, data.load_tokenizer(config.data, 512), 0, 1)))
+    after, step_metrics = trainer.train_step(state, trainer.device_batch(batch))
+    assert np.isfinite(float(step_metrics['loss'])) and np.isfinite(float(step_metrics['grad_norm']))
+    assert not bool(step_metrics['finite'])
+    assert _params_equal(after.params, before.params) and _params_equal(after.opt_state, before.opt_state)
 
 
 def test_mismatched_checkpoint_is_refused_and_kept(small_corpus, tmp_path):

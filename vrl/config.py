@@ -138,6 +138,7 @@ class OptimizerConfig:
         _require(self.warmup_steps >= 0, 'optimizer.warmup_steps', self.warmup_steps, 'an integer >= 0')
         _require(self.decay_steps > self.warmup_steps, 'optimizer.decay_steps', self.decay_steps,
                  f'an integer > optimizer.warmup_steps={self.warmup_steps}')
+        _require(self.eps > 0, 'optimizer.eps', self.eps, 'a float > 0')
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, 'optimizer.b1/b2', (self.b1, self.b2), 'floats in [0, 1)')
         _require(self.grad_clip >= 0, 'optimizer.grad_clip', self.grad_clip, 'a float >= 0')
 

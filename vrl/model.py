@@ -266,11 +266,16 @@ class Decoder(nnx.Module):
 
         positions default to 0..L-1; with segment ids, attention stays within a document.
         """
+        return self.logits(self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL))
+
+    def hidden(self, tokens_BxL: Array, positions_BxL: Array | None = None,
+               segment_ids_BxL: Array | None = None) -> Array:
+        """The final-normalised hidden states (B, L, D) that `head_DxV` turns into logits."""
         B, L = tokens_BxL.shape
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
-        logits, _ = self._forward(tokens_BxL, positions_BxL, causal_mask(segment_ids_BxL, B, L), None)
-        return logits
+        h_BxLxD, _ = self._forward(tokens_BxL, positions_BxL, causal_mask(segment_ids_BxL, B, L), None)
+        return h_BxLxD
 
     def decode(self, tokens_BxT: Array, pad_B: Array, cache: KVCache) -> tuple[Array, KVCache]:
         """Runs T new tokens at cache positions [index, index + T) of left-padded sequences.
@@ -284,10 +289,12 @@ class Decoder(nnx.Module):
         key_index_S = jnp.arange(S)
         mask_BxTxS = ((key_index_S[None, None, :] <= query_index_BxT[:, :, None])
                       & (key_index_S[None, None, :] >= pad_B[:, None, None]))
-        return self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache)
+        h_BxTxD, cache = self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache)
+        return self.logits(h_BxTxD), cache
 
     def _forward(self, tokens_BxL: Array, positions_BxL: Array, mask_BxLxS: Array,
                  cache: KVCache | None) -> tuple[Array, KVCache | None]:
+        """The final-normalised hidden states (B, L, D) and, when decoding, the updated cache."""
         index = None if cache is None else cache.index
         h_BxLxD = constrain(self.embed[...].astype(self.compute_dtype)[tokens_BxL], _ACTIVATION)
         h_BxLxD, v1_BxLxKxDh, first_cache = self.first(
@@ -295,10 +302,10 @@ class Decoder(nnx.Module):
         h_BxLxD, layers_cache = self._stacked_layers(
             h_BxLxD, v1_BxLxKxDh, positions_BxL, mask_BxLxS, None if cache is None else cache.layers, index,
             None if cache is None else first_cache.v)
-        logits = self.logits(self.final_norm(h_BxLxD))
+        h_BxLxD = self.final_norm(h_BxLxD)
         if cache is None:
-            return logits, None
-        return logits, KVCache(first_cache, layers_cache, cache.index + tokens_BxL.shape[1])
+            return h_BxLxD, None
+        return h_BxLxD, KVCache(first_cache, layers_cache, cache.index + tokens_BxL.shape[1])
 
     def _stacked_layers(self, h_BxLxD: Array, v1_BxLxKxDh: Array, positions_BxL: Array, mask_BxLxS: Array,
                         caches: LayerCache | None, index: Array | None, v1_cache_BxSxKxDh: Array | None
@@ -326,8 +333,12 @@ class Decoder(nnx.Module):
             outputs.append(cache)
         return carry[0], None if caches is None else jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 
-    def logits(self, x_BxLxD: Array) -> Array:
+    def head_DxV(self) -> Array:
+        """The output head in the compute dtype: the embedding transposed when tied."""
         head_DxV = self.embed[...].T if self.head is None else self.head[...]
-        logits_BxLxV = ops.project(x_BxLxD, head_DxV.astype(x_BxLxD.dtype), 1, jnp.float32)
+        return head_DxV.astype(self.compute_dtype)
+
+    def logits(self, x_BxLxD: Array) -> Array:
+        logits_BxLxV = ops.project(x_BxLxD, self.head_DxV(), 1, jnp.float32)
         is_real_V = jnp.arange(logits_BxLxV.shape[-1]) < self.cfg.vocab_size
         return constrain(jnp.where(is_real_V, logits_BxLxV, -1e30), ('batch', 'length', 'vocab'))

@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from vrl import ops
 from vrl import optimizer as vrl_optimizer
 from vrl import sharding
 from vrl.config import Config, ModelConfig
@@ -36,19 +37,14 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
 
 
-def apply_model(graphdef: nnx.GraphDef, params: dict[str, Any], batch: Batch) -> jax.Array:
-    """Float32 logits (B, L, V)."""
+def loss_sums(graphdef: nnx.GraphDef, params: dict[str, Any], batch: Batch, z_loss: float
+              ) -> tuple[jax.Array, jax.Array]:
+    """Sums over unmasked tokens of (cross-entropy + z_loss * logZ^2) and of cross-entropy alone;
+    the second carries no gradient (vrl.ops.cross_entropy_sums)."""
     model = nnx.merge(graphdef, params)
-    return model(batch['inputs'], batch.get('positions'), batch.get('segment_ids'))
-
-
-def token_losses(logits_BxLxV: jax.Array, batch: Batch, z_loss: float) -> tuple[jax.Array, jax.Array]:
-    """Sums over unmasked tokens of (cross-entropy + z_loss * logZ^2) and of cross-entropy alone."""
-    mask = batch['loss_mask'].astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits_BxLxV, axis=-1)
-    target_logit = jnp.take_along_axis(logits_BxLxV, batch['targets'][..., None], axis=-1)[..., 0]
-    cross_entropy = (log_z - target_logit) * mask
-    return jnp.sum(cross_entropy + z_loss * jnp.square(log_z) * mask), jnp.sum(cross_entropy)
+    hidden_BxLxD = model.hidden(batch['inputs'], batch.get('positions'), batch.get('segment_ids'))
+    return ops.cross_entropy_sums(hidden_BxLxD, model.head_DxV(), batch['targets'],
+                                  batch['loss_mask'].astype(jnp.float32), model.cfg.vocab_size, z_loss)
 
 
 class Trainer:
@@ -95,11 +91,8 @@ class Trainer:
         return jax.jit(self._init, out_shardings=self.state_shardings)(jax.random.key(seed))
 
     def _loss_and_grads(self, params: dict, batch: Batch) -> tuple[tuple[jax.Array, jax.Array], Any]:
-        def loss(params, batch):
-            total, cross_entropy = token_losses(apply_model(self.graphdef, params, batch), batch,
-                                                self.config.optimizer.z_loss)
-            return total, cross_entropy
-        return jax.value_and_grad(loss, has_aux=True)(params, batch)
+        return jax.value_and_grad(loss_sums, argnums=1, has_aux=True)(self.graphdef, params, batch,
+                                                                      self.config.optimizer.z_loss)
 
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         k = self.config.train.microbatches
@@ -118,17 +111,19 @@ class Trainer:
         grads = jax.tree.map(lambda g: g / tokens, grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
-        new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                               opt_state=opt_state)
-        # a non-finite step never reaches the weights; the host stops or skips (train.nan_policy)
-        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
-        new_state = new_state._replace(step=state.step + 1)
+        params = optax.apply_updates(state.params, updates)
+        # finite weights also rule out an update that overflowed; the check fuses into the update
+        finite = (jnp.isfinite(total) & jnp.isfinite(grad_norm)
+                  & jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)])))
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        if self.config.train.nan_policy == 'skip':  # keep the old state; under 'error' the host stops
+            new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+            new_state = new_state._replace(step=state.step + 1)
         return new_state, {'loss': cross_entropy / tokens, 'grad_norm': grad_norm,
                            'lr': self.learning_rate(state.step), 'tokens': tokens, 'finite': finite}
 
     def _eval_step(self, params: dict, batch: Batch) -> Metrics:
-        _, cross_entropy = token_losses(apply_model(self.graphdef, params, batch), batch, 0.0)
+        _, cross_entropy = loss_sums(self.graphdef, params, batch, 0.0)
         return {'loss_sum': cross_entropy, 'tokens': jnp.sum(batch['loss_mask']).astype(jnp.float32)}
 
     def device_batch(self, local_batch: dict[str, np.ndarray]) -> Batch:

@@ -129,10 +129,10 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
         host = jax.device_get(step_metrics)
         if not host['finite']:
             if config.train.nan_policy == 'error':
-                raise TrainingError(f'non-finite loss, gradients or update at step {step}; it was not '
-                                    f'applied and no checkpoint of it was written (latest saved: '
+                raise TrainingError(f'non-finite loss, gradients or weights at step {step}; no checkpoint '
+                                    f'of it was written (latest saved: '
                                     f'{manager.latest_step()}). Lower the LR or set train.nan_policy=skip.')
-            logging.warning('step %d: non-finite loss, gradients or update; update skipped', step)
+            logging.warning('step %d: non-finite loss, gradients or weights; update skipped', step)
         losses[step] = float(host['loss'])
         interval_steps += 1
         if step % config.train.log_every == 0 or step == config.train.steps:
@@ -154,11 +154,14 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
             pending = (step, step_metrics)
             preempted = preemption.reached(step, config.train.log_every)
             at_end = step == config.train.steps
-            if step % config.train.checkpoint_every == 0 or preempted or at_end:
-                read(*pending)  # never save a step that the NaN policy rejects
+            saving = step % config.train.checkpoint_every == 0 or preempted or at_end
+            evaluating = bool(config.train.eval_every and step % config.train.eval_every == 0) or at_end
+            if saving or evaluating:
+                read(*pending)  # the NaN policy sees a step before it is saved or evaluated
                 pending = None
+            if saving:
                 checkpoint.save(manager, step, state, data_iterator, force=preempted or at_end)
-            if (config.train.eval_every and step % config.train.eval_every == 0) or at_end:
+            if evaluating:
                 eval_loss = evaluate(trainer, state.params, config, tokenizer)
                 writer.write(step, {'eval_loss': eval_loss, 'eval_perplexity': math.exp(min(eval_loss, 50))})
             if preempted and not at_end:
