@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import base  # noqa: E402
-from vrl import decode  # noqa: E402
+from vrl import decode, host_memory  # noqa: E402
 from vrl.config import from_configdict  # noqa: E402
 from vrl.model import Decoder  # noqa: E402
 
@@ -65,4 +65,5 @@ def main() -> None:
 
 
 if __name__ == '__main__':
+    host_memory.use_huge_pages()
     main()

@@ -1,17 +1,21 @@
 """Train-step throughput and MFU on this machine, per variant, for the tiny and the 82M configs.
 
-    python bench/train_throughput.py [--configs tiny,82m] [--seq_len 512] [--batch 4] [--steps 3]
+    python bench/train_throughput.py [--configs tiny,82m] [--seq_len 512] [--batch 4] [--steps 5]
 
 MFU counts model FLOPs only: 6 x (weight-matmul parameters, the output head included) per token
 plus the causal attention matmuls (vrl.accounting.training_flops_per_token). The peak is this
 host's float32 matmul FLOP/s, measured with a jitted 1024^3 matmul (vrl.metrics). Compute is
 float32 (CPU); on an accelerator the config's compute dtype and the device's bf16 peak are used.
+Step time is the median of the timed steps. Like `python -m vrl.main`, the script restarts itself
+with glibc's huge-page malloc (vrl/host_memory.py); VRL_HUGE_PAGES=0 measures without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,7 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import base, tiny  # noqa: E402
-from vrl import accounting, metrics, sharding  # noqa: E402
+from vrl import accounting, host_memory, metrics, sharding  # noqa: E402
 from vrl.config import Config, from_configdict  # noqa: E402
 from vrl.step import Trainer  # noqa: E402
 
@@ -37,7 +41,8 @@ def _config(name: str, attention: str, seq_len: int, batch: int, remat: str) -> 
 
 
 def measure(config: Config, steps: int) -> tuple[float, float]:
-    """(seconds per step, tokens/s), after one compile-and-warm-up step."""
+    """(seconds per step, tokens/s): the median of `steps` steps timed one by one, after one
+    compile-and-warm-up step (the median, because on a shared machine single steps stall)."""
     trainer = Trainer(config, sharding.make_mesh(config.mesh))
     state = trainer.init_state(0)
     rng = np.random.default_rng(0)
@@ -47,11 +52,13 @@ def measure(config: Config, steps: int) -> tuple[float, float]:
                                   'loss_mask': np.ones(shape, np.int32)})
     state, out = trainer.train_step(state, batch)
     jax.block_until_ready(out)
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        start = time.perf_counter()
         state, out = trainer.train_step(state, batch)
-    jax.block_until_ready(out)
-    seconds = (time.perf_counter() - start) / steps
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     return seconds, config.data.batch_size * config.data.seq_len / seconds
 
 
@@ -61,12 +68,14 @@ def main() -> None:
     parser.add_argument('--variants', default='vanilla,resformer,svformer')
     parser.add_argument('--seq_len', type=int, default=512)
     parser.add_argument('--batch', type=int, default=4)
-    parser.add_argument('--steps', type=int, default=3)
+    parser.add_argument('--steps', type=int, default=5)
     parser.add_argument('--remat', default='none')
     args = parser.parse_args()
     peak = metrics.peak_flops_per_device() * jax.device_count()
+    huge_pages = 'glibc.malloc.hugetlb' in os.environ.get('GLIBC_TUNABLES', '')
     print(f'{jax.device_count()} x {jax.devices()[0].device_kind}; peak {peak / 1e9:,.0f} GFLOP/s '
-          f'({"measured float32 matmul" if jax.default_backend() == "cpu" else "bf16 table"})')
+          f'({"measured float32 matmul" if jax.default_backend() == "cpu" else "bf16 table"}); '
+          f'huge-page malloc {"on" if huge_pages else "off"} (vrl/host_memory.py)')
     print(f'{"config":>6} | {"variant":>9} | {"batch x seq":>11} | {"step s":>7} | {"tokens/s":>9} | '
           f'{"GFLOP/s":>8} | {"MFU":>6}')
     for name in args.configs.split(','):
@@ -79,4 +88,5 @@ def main() -> None:
 
 
 if __name__ == '__main__':
+    host_memory.use_huge_pages()
     main()

@@ -13,7 +13,7 @@ from pathlib import Path
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vrl import accounting
+from vrl import accounting, host_memory
 from vrl.config import Config, ConfigError, from_configdict
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'A configs/*.py file (":arg" passes an argument).',
@@ -168,4 +168,5 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 if __name__ == '__main__':
+    host_memory.use_huge_pages()
     app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,59 @@
+"""vrl/host_memory.py: when the restart applies, and that it really cuts page faults."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from vrl import host_memory
+
+GLIBC = ('glibc', '2.36')
+MADVISE = 'always [madvise] never'
+
+
+@pytest.mark.parametrize('environ, libc, thp_modes, expected', [
+    ({}, GLIBC, MADVISE, 'glibc.malloc.hugetlb=1'),
+    ({'GLIBC_TUNABLES': 'glibc.malloc.arena_max=2'}, GLIBC, MADVISE, 'glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1'),
+    ({'GLIBC_TUNABLES': 'glibc.malloc.hugetlb=0'}, GLIBC, MADVISE, None),  # the user's own setting stands
+    ({'VRL_HUGE_PAGES': '0'}, GLIBC, MADVISE, None),
+    ({}, ('glibc', '2.31'), MADVISE, None),  # no hugetlb tunable before 2.35
+    ({}, ('', ''), MADVISE, None),  # not glibc
+    ({}, GLIBC, '[always] madvise never', None),
+    ({}, GLIBC, 'always madvise [never]', None),
+])
+def test_when_the_restart_applies(environ, libc, thp_modes, expected):
+    assert host_memory.tunables_with_huge_pages(environ, libc, thp_modes) == expected
+
+
+_PROBE = '''
+import ctypes, resource
+from vrl import host_memory
+print('started', flush=True)
+host_memory.use_huge_pages()
+libc, size = ctypes.CDLL(None), 256 * 2**20  # glibc's malloc, as XLA:CPU's buffers get (numpy madvises its own)
+libc.malloc.restype = ctypes.c_void_p
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+ctypes.memset(libc.malloc(size), 1, size)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+'''
+
+
+def _page_faults(extra_env: dict[str, str]) -> tuple[list[str], int]:
+    env = {k: v for k, v in os.environ.items() if k not in ('GLIBC_TUNABLES', 'VRL_HUGE_PAGES')}
+    out = subprocess.run([sys.executable, '-c', _PROBE], cwd=ROOT, env={**env, **extra_env},
+                         capture_output=True, text=True, check=True).stdout.split()
+    return out[:-1], int(out[-1])
+
+
+def test_restart_once_and_fewer_page_faults():
+    modes = host_memory.THP_MODE_FILE.read_text() if host_memory.THP_MODE_FILE.exists() else ''
+    if host_memory.tunables_with_huge_pages({}, platform.libc_ver(), modes) is None:
+        pytest.skip(f'huge-page malloc does not apply here (libc {platform.libc_ver()}, THP "{modes.strip()}")')
+    restarted, faults_huge = _page_faults({})
+    not_restarted, faults_small = _page_faults({'VRL_HUGE_PAGES': '0'})
+    assert restarted == ['started', 'started'] and not_restarted == ['started']
+    assert faults_small > 60_000  # 256 MiB in 4 KiB pages
+    assert faults_huge < faults_small / 10, (faults_huge, faults_small)
