@@ -44,7 +44,7 @@ def use_huge_pages() -> None:
 
     Call it first thing in a program's entry point, before any work is done.
     """
-    if sys.platform != 'linux' or not THP_MODE_FILE.exists():
+    if sys.platform != 'linux' or not sys.executable or not THP_MODE_FILE.exists():
         return
     tunables = tunables_with_huge_pages(dict(os.environ), platform.libc_ver(), THP_MODE_FILE.read_text())
     if tunables is None:
