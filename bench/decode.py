@@ -1,6 +1,7 @@
 """KV-cache bytes and decode tokens/s per variant, at a given filled context, for the 82M config.
 
     python bench/decode.py [--size 82m] [--contexts 512,2048,8192] [--batches 1,8] [--new_tokens 16]
+                           [--variants vanilla,resformer,svformer]   (vrl/presets.py names)
 
 The cache is filled with random keys and values up to the context (prefill is not timed:
 each decode step reads the whole cache, which is what the context length changes). Compute
@@ -22,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import base  # noqa: E402
-from vrl import decode, host_memory  # noqa: E402
+from vrl import decode, host_memory, presets  # noqa: E402
 from vrl.config import from_configdict  # noqa: E402
 from vrl.model import Decoder  # noqa: E402
 
@@ -53,15 +54,16 @@ def main() -> None:
     parser.add_argument('--variants', default='vanilla,resformer,svformer')
     args = parser.parse_args()
     print(f'{args.size}, {jax.devices()[0].device_kind}; {args.new_tokens} decode steps after the context')
-    print(f'{"variant":>9} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"decode tok/s":>12}')
+    width = max(map(len, args.variants.split(',')))
+    print(f'{"variant":>{width}} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"decode tok/s":>12}')
     for context in map(int, args.contexts.split(',')):
         for batch in map(int, args.batches.split(',')):
-            for attention in args.variants.split(','):
-                cfg = from_configdict(base.get_config(f'{attention},{args.size}')).model
+            for variant in args.variants.split(','):
+                cfg = presets.apply(variant, from_configdict(base.get_config(f'vanilla,{args.size}')).model)
                 if jax.default_backend() == 'cpu':
                     cfg = dataclasses.replace(cfg, compute_dtype='float32')
                 n_bytes, tokens_per_sec = decode_tokens_per_sec(cfg, batch, context, args.new_tokens)
-                print(f'{attention:>9} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | {tokens_per_sec:>12,.1f}')
+                print(f'{variant:>{width}} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | {tokens_per_sec:>12,.1f}')
 
 
 if __name__ == '__main__':

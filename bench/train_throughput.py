@@ -1,6 +1,10 @@
 """Train-step throughput and MFU on this machine, per variant, for the tiny and the 82M configs.
 
-    python bench/train_throughput.py [--configs tiny,82m] [--seq_len 512] [--batch 4] [--steps 5]
+    python bench/train_throughput.py [--configs tiny,82m] [--variants all|vanilla,svformer,...]
+                                     [--seq_len 512] [--batch 4] [--steps 5]
+
+Variants are vrl/presets.py's names (`--variants all`, the default, runs every preset); the
+`vs vanilla` column is each variant's step time over vanilla's, measured in the same run.
 
 MFU counts model FLOPs only: 6 x (weight-matmul parameters, the output head included) per token
 plus the causal attention matmuls (vrl.accounting.training_flops_per_token). The peak is this
@@ -26,18 +30,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import base, tiny  # noqa: E402
-from vrl import accounting, host_memory, metrics, sharding  # noqa: E402
+from vrl import accounting, host_memory, metrics, presets, sharding  # noqa: E402
 from vrl.config import Config, from_configdict  # noqa: E402
 from vrl.step import Trainer  # noqa: E402
 
 
-def _config(name: str, attention: str, seq_len: int, batch: int, remat: str) -> Config:
-    config_dict = tiny.get_config(attention) if name == 'tiny' else base.get_config(f'{attention},{name}')
-    config = from_configdict(config_dict)
+def _config(name: str, variant: str, seq_len: int, batch: int, remat: str) -> Config:
+    config = from_configdict(tiny.get_config() if name == 'tiny' else base.get_config(f'vanilla,{name}'))
     compute = 'float32' if jax.default_backend() == 'cpu' else config.model.compute_dtype
-    return dataclasses.replace(
-        config, model=dataclasses.replace(config.model, compute_dtype=compute, remat=remat),
-        data=dataclasses.replace(config.data, seq_len=seq_len, batch_size=batch))
+    model = presets.apply(variant, dataclasses.replace(config.model, compute_dtype=compute, remat=remat))
+    return dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, seq_len=seq_len,
+                                                                             batch_size=batch))
 
 
 def measure(config: Config, steps: int) -> tuple[float, float]:
@@ -65,7 +68,7 @@ def measure(config: Config, steps: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument('--configs', default='tiny,82m')
-    parser.add_argument('--variants', default='vanilla,resformer,svformer')
+    parser.add_argument('--variants', default='all', help='vrl/presets.py names, comma-separated, or all')
     parser.add_argument('--seq_len', type=int, default=512)
     parser.add_argument('--batch', type=int, default=4)
     parser.add_argument('--steps', type=int, default=5)
@@ -76,15 +79,22 @@ def main() -> None:
     print(f'{jax.device_count()} x {jax.devices()[0].device_kind}; peak {peak / 1e9:,.0f} GFLOP/s '
           f'({"measured float32 matmul" if jax.default_backend() == "cpu" else "bf16 table"}); '
           f'huge-page malloc {"on" if huge_pages else "off"} (vrl/host_memory.py)')
-    print(f'{"config":>6} | {"variant":>9} | {"batch x seq":>11} | {"step s":>7} | {"tokens/s":>9} | '
-          f'{"GFLOP/s":>8} | {"MFU":>6}')
+    variants = list(presets.PRESETS) if args.variants == 'all' else args.variants.split(',')
+    width = max(map(len, variants))
+    print(f'{"config":>6} | {"variant":>{width}} | {"batch x seq":>11} | {"params":>8} | {"step s":>7} | '
+          f'{"vs vanilla":>10} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6}')
     for name in args.configs.split(','):
-        for attention in args.variants.split(','):
-            config = _config(name, attention, args.seq_len, args.batch, args.remat)
+        vanilla_seconds = None
+        for variant in variants:
+            config = _config(name, variant, args.seq_len, args.batch, args.remat)
             seconds, tokens_per_sec = measure(config, args.steps)
+            vanilla_seconds = seconds if variant == 'vanilla' else vanilla_seconds
+            relative = f'{seconds / vanilla_seconds - 1:+.1%}' if vanilla_seconds else '-'
             flops = accounting.training_flops_per_token(config.model, config.data.seq_len) * tokens_per_sec
-            print(f'{name:>6} | {attention:>9} | {args.batch:>4} x {args.seq_len:<4} | {seconds:>7.3f} | '
-                  f'{tokens_per_sec:>9,.0f} | {flops / 1e9:>8,.1f} | {flops / peak:>6.1%}')
+            params = accounting.account(config.model, config.data.seq_len).params
+            print(f'{name:>6} | {variant:>{width}} | {args.batch:>4} x {args.seq_len:<4} | {params / 1e6:>7.2f}M | '
+                  f'{seconds:>7.3f} | {relative:>10} | {tokens_per_sec:>9,.0f} | {flops / 1e9:>8,.1f} | '
+                  f'{flops / peak:>6.1%}', flush=True)
 
 
 if __name__ == '__main__':

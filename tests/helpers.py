@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import numpy as np
+from flax import nnx
+
 from vrl.config import ModelConfig
 
 
@@ -14,14 +18,63 @@ def small_model_config(**overrides) -> ModelConfig:
     return dataclasses.replace(base, **overrides)
 
 
-# Every variant, and every ResFormer lambda mode.
-VARIANTS = [
-    dict(attention='vanilla'),
-    dict(attention='svformer'),
-    dict(attention='resformer', lambda_mode='identity'),
-    dict(attention='resformer', lambda_mode='constant', lambda1=1.5, lambda2=0.7),
-    dict(attention='resformer', lambda_mode='learnable'),
-    dict(attention='resformer', lambda_mode='learnable_plus'),
-    dict(attention='resformer', lambda_mode='sparse', sparse_layers=(3,), lambda1=5.0),
-]
-VARIANT_IDS = ['-'.join(str(v) for v in d.values()) for d in VARIANTS]
+# Every variant, every ResFormer lambda mode, the paper's baselines and the later family,
+# and some of their compositions (the small config has 3 layers and GQA: 4 heads, 2 kv heads).
+NAMED_VARIANTS = {
+    'vanilla': dict(attention='vanilla'),
+    'svformer': dict(attention='svformer'),
+    'resformer-identity': dict(attention='resformer', lambda_mode='identity'),
+    'resformer-constant': dict(attention='resformer', lambda_mode='constant', lambda1=1.5, lambda2=0.7),
+    'resformer-learnable': dict(attention='resformer', lambda_mode='learnable'),
+    'resformer-learnable_plus': dict(attention='resformer', lambda_mode='learnable_plus'),
+    'resformer-sparse': dict(attention='resformer', lambda_mode='sparse', sparse_layers=(3,), lambda1=5.0),
+    'resformer-per_token': dict(attention='resformer', lambda_mode='per_token'),
+    'neutreno': dict(attention='vanilla', neutreno=True),
+    'resformer-neutreno': dict(attention='resformer', neutreno=True, neutreno_lambda=0.2),
+    'denseformer': dict(attention='vanilla', denseformer=True),
+    'cla2': dict(attention='vanilla', kv_share=2),
+    'svformer-cla2': dict(attention='svformer', kv_share=2),
+    'value_embeds': dict(attention='vanilla', value_embed_layers=(1, 3)),
+    'resformer-value_embeds-shared': dict(attention='resformer', lambda_mode='learnable',
+                                          value_embed_layers=(1, 2, 3), value_embed_tables=(0, 1, 0)),
+    'all-baselines': dict(attention='vanilla', neutreno=True, denseformer=True, kv_share=2, value_embed_layers=(3,)),
+}
+VARIANTS = list(NAMED_VARIANTS.values())
+VARIANT_IDS = list(NAMED_VARIANTS)
+
+
+def random_tokens(seed: int, B: int = 2, L: int = 11, vocab: int = 97) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), (B, L), 0, vocab)
+
+
+def randomize(model: nnx.Module, seed: int) -> None:
+    """Fresh random values for every parameter (norm scales, lambdas and gates included)."""
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    nnx.update(model, jax.tree.unflatten(treedef, new))
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def copy_params(src: nnx.Module, dst: nnx.Module) -> None:
+    """Copies into dst every parameter that src has at the same path; dst keeps its own others
+    (e.g. a gate vanilla lacks), and may lack some of src's (e.g. SVFormer's W_V)."""
+    src_params = nnx.to_pure_dict(nnx.state(src, nnx.Param))
+
+    def pick(path, own):
+        tree = src_params
+        for key in path:
+            if key.key not in tree:
+                return own
+            tree = tree[key.key]
+        return tree
+
+    dst_state = nnx.state(dst, nnx.Param)
+    nnx.replace_by_pure_dict(dst_state, jax.tree_util.tree_map_with_path(pick, nnx.to_pure_dict(dst_state)))
+    nnx.update(dst, dst_state)

@@ -75,3 +75,26 @@ def test_summary_command_prints_table_and_json():
     expected = accounting.account(_paper_config('svformer', '468m').model, 2048)
     assert record['params'] == expected.params
     assert 'padded to 50304' in out and 'svformer' in out
+
+
+def test_each_variant_changes_the_count_by_its_formula():
+    """Against vanilla of the same shape, by hand: what each baseline and family member adds or removes."""
+    L, D, K, Dh, V = 6, 32, 2, 8, 128  # small_model_config pads vocab 97 to 128
+
+    def params(**overrides) -> int:
+        return accounting.account(small_model_config(n_layers=L, **overrides), 16).params
+
+    vanilla = params()
+    assert params(neutreno=True) == vanilla
+    assert params(denseformer=True) == vanilla + L * (L + 3) // 2
+    assert params(kv_share=2) == vanilla - (L // 2) * 2 * D * K * Dh  # layers 2, 4, 6 lose W_K and W_V
+    assert params(kv_share=3) == vanilla - 4 * 2 * D * K * Dh
+    assert params(attention='svformer', kv_share=2) == vanilla - (L // 2) * D * K * Dh - (L - 1) * D * K * Dh
+    assert params(attention='resformer', lambda_mode='per_token') == vanilla + (L - 1) * D * K
+    assert params(value_embed_layers=(1, 2, 5)) == vanilla + 3 * (V * K * Dh + D * K)
+    assert params(value_embed_layers=(1, 2, 5), value_embed_tables=(0, 1, 0)) == vanilla + 2 * V * K * Dh + 3 * D * K
+    # value-embedding tables are embeddings: not in the non-embedding count, not in the matmul FLOPs
+    ve = small_model_config(n_layers=L, value_embed_layers=(1,))
+    base = small_model_config(n_layers=L)
+    assert accounting.non_embedding_params(ve) - accounting.non_embedding_params(base) == D * K
+    assert accounting.training_flops_per_token(ve, 16) - accounting.training_flops_per_token(base, 16) == 6 * D * K

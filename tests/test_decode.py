@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from tests.helpers import VARIANT_IDS, VARIANTS, small_model_config
+from tests.helpers import VARIANT_IDS, VARIANTS, randomize, rel_err, small_model_config
 from vrl import decode, sharding
 from vrl.config import MeshConfig
 from vrl.model import Decoder
@@ -17,17 +17,8 @@ from vrl.model import Decoder
 
 def _model(seed=0, **overrides) -> Decoder:
     model = Decoder(small_model_config(**overrides), rngs=nnx.Rngs(seed))
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed + 100), len(leaves))
-    nnx.update(model, jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape)
-                                                     for x, k in zip(leaves, keys)]))
+    randomize(model, seed + 100)
     return model
-
-
-def _rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # every variant and lambda mode with GQA (2 kv heads for 4 query heads); MHA and MQA on two of them
@@ -54,7 +45,7 @@ def test_cached_decoding_equals_full_forward(variant, n_kv_heads):
         cached.append(np.asarray(step_logits))
     cached = np.concatenate(cached, axis=1)[..., :cfg.vocab_size]
     for t in range(L):
-        assert _rel_err(cached[:, t], full[:, t]) < 1e-5, t
+        assert rel_err(cached[:, t], full[:, t]) < 1e-5, t
     assert int(cache.index) == pad + L
 
 
@@ -143,9 +134,9 @@ def test_cache_is_sharded_like_training():
     mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     cache = decode.init_cache(cfg, batch=4, max_len=8)
     placed = jax.device_put(cache, decode.cache_shardings(cache, mesh))
-    assert placed.first.k.sharding.spec == PartitionSpec(('data', 'fsdp'), None, 'tensor', None)
-    assert placed.layers.v.sharding.spec == PartitionSpec(None, ('data', 'fsdp'), None, 'tensor', None)
-    assert len(placed.first.k.addressable_shards) == 8
-    assert placed.first.k.addressable_shards[0].data.shape == (1, 8, 1, cfg.head_dim)
+    for x in (placed.k, placed.v):
+        assert x.sharding.spec == PartitionSpec(None, ('data', 'fsdp'), None, 'tensor', None)
+        assert len(x.addressable_shards) == 8
+        assert x.addressable_shards[0].data.shape == (cfg.n_layers, 1, 8, 1, cfg.head_dim)
     single = decode.init_cache(cfg, batch=1, max_len=8)  # a batch the mesh does not divide stays whole
-    assert decode.cache_shardings(single, mesh).first.k.spec == PartitionSpec(None, None, 'tensor', None)
+    assert decode.cache_shardings(single, mesh).k.spec == PartitionSpec(None, None, None, 'tensor', None)

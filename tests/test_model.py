@@ -9,32 +9,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.helpers import VARIANT_IDS, VARIANTS, small_model_config
-from vrl.config import ConfigError, ModelConfig
+from tests import numpy_reference
+from tests.helpers import (NAMED_VARIANTS, VARIANT_IDS, VARIANTS, copy_params, randomize, rel_err,
+                           random_tokens, small_model_config)
+from vrl.config import ConfigError
 from vrl.model import Decoder, attend, causal_mask
-
-
-def _tokens(seed: int, B: int = 2, L: int = 11, vocab: int = 97) -> jax.Array:
-    return jax.random.randint(jax.random.key(seed), (B, L), 0, vocab)
-
-
-def _randomize(model: Decoder, seed: int) -> None:
-    """Fresh random values for every parameter (norm scales and lambdas included)."""
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    new = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
-    nnx.update(model, jax.tree.unflatten(treedef, new))
 
 
 def _loss(model: Decoder, tokens: jax.Array) -> jax.Array:
     logits = model(tokens)[..., :model.cfg.vocab_size]
     return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
-
-
-def _rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 class ShapesTest(chex.TestCase):
@@ -46,7 +30,7 @@ class ShapesTest(chex.TestCase):
             model = Decoder(cfg, rngs=nnx.Rngs(0))
             graphdef, state = nnx.split(model)
             forward = self.variant(lambda s, t: nnx.merge(graphdef, s)(t))
-            logits = forward(state, _tokens(1))
+            logits = forward(state, random_tokens(1))
             chex.assert_shape(logits, (2, 11, cfg.padded_vocab_size))
             chex.assert_type(logits, jnp.float32)
             chex.assert_tree_all_finite(logits)
@@ -59,8 +43,8 @@ class ShapesTest(chex.TestCase):
 @pytest.mark.parametrize('variant', VARIANTS, ids=VARIANT_IDS)
 def test_causality(variant):
     model = Decoder(small_model_config(**variant), rngs=nnx.Rngs(0))
-    _randomize(model, 1)
-    tokens = _tokens(2)
+    randomize(model, 1)
+    tokens = random_tokens(2)
     t = 6
     changed = tokens.at[:, t].set((tokens[:, t] + 1) % 97)
     a, b = model(tokens), model(changed)
@@ -70,128 +54,46 @@ def test_causality(variant):
 
 @pytest.mark.parametrize('variant, remat', [(v, 'none') for v in VARIANTS] + [
     (dict(attention='resformer', lambda_mode='learnable_plus'), 'full'),
-    (dict(attention='svformer'), 'save_dots')], ids=VARIANT_IDS + ['learnable_plus-full', 'svformer-save_dots'])
+    (dict(attention='svformer'), 'save_dots'),
+    (NAMED_VARIANTS['all-baselines'], 'full')],
+    ids=VARIANT_IDS + ['learnable_plus-full', 'svformer-save_dots', 'all-baselines-full'])
 def test_scan_equals_loop(variant, remat):
     cfg = small_model_config(n_layers=4, remat=remat, **variant)
     scanned = Decoder(cfg, rngs=nnx.Rngs(0))
-    _randomize(scanned, 3)
+    randomize(scanned, 3)
     looped = Decoder(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(5))
     nnx.update(looped, nnx.state(scanned, nnx.Param))
-    tokens = _tokens(4)
-    assert _rel_err(looped(tokens)[..., :97], scanned(tokens)[..., :97]) < 1e-5
+    tokens = random_tokens(4)
+    assert rel_err(looped(tokens)[..., :97], scanned(tokens)[..., :97]) < 1e-5
     g_scan = nnx.grad(_loss)(scanned, tokens)
     g_loop = nnx.grad(_loss)(looped, tokens)
     flat_scan = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g_scan)])
     flat_loop = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g_loop)])
-    assert _rel_err(flat_loop, flat_scan) < 1e-5
+    assert rel_err(flat_loop, flat_scan) < 1e-5
     # per parameter too; a scalar like learnable_plus's s sums many terms in another order
     for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(g_scan),
                                  jax.tree_util.tree_leaves_with_path(g_loop)):
-        assert _rel_err(b, a) < 1e-4, path
-
-
-def _copy_params(src: Decoder, dst: Decoder) -> None:
-    """Copies every parameter dst has from src (dst may lack some, e.g. SVFormer's W_V)."""
-    src_params = nnx.to_pure_dict(nnx.state(src, nnx.Param))
-    dst_state = nnx.state(dst, nnx.Param)
-    wanted = jax.tree_util.tree_map_with_path(
-        lambda path, _: _get(src_params, path), nnx.to_pure_dict(dst_state))
-    nnx.replace_by_pure_dict(dst_state, wanted)
-    nnx.update(dst, dst_state)
-
-
-def _get(tree: dict, path) -> jax.Array:
-    for key in path:
-        tree = tree[key.key]
-    return tree
+        assert rel_err(b, a) < 1e-4, path
 
 
 def test_resformer_limits_are_vanilla_and_svformer():
     vanilla = Decoder(small_model_config(attention='vanilla'), rngs=nnx.Rngs(0))
-    _randomize(vanilla, 7)
-    tokens = _tokens(8)
+    randomize(vanilla, 7)
+    tokens = random_tokens(8)
 
     as_vanilla = Decoder(small_model_config(attention='resformer', lambda_mode='constant', lambda1=0.0,
                                             lambda2=1.0), rngs=nnx.Rngs(1))
-    _copy_params(vanilla, as_vanilla)
-    assert _rel_err(as_vanilla(tokens)[..., :97], vanilla(tokens)[..., :97]) < 1e-6
+    copy_params(vanilla, as_vanilla)
+    assert rel_err(as_vanilla(tokens)[..., :97], vanilla(tokens)[..., :97]) < 1e-6
 
     as_svformer = Decoder(small_model_config(attention='resformer', lambda_mode='constant', lambda1=1.0,
                                              lambda2=0.0), rngs=nnx.Rngs(1))
-    _copy_params(vanilla, as_svformer)
+    copy_params(vanilla, as_svformer)
     svformer = Decoder(small_model_config(attention='svformer'), rngs=nnx.Rngs(2))
-    _copy_params(vanilla, svformer)
-    assert _rel_err(as_svformer(tokens)[..., :97], svformer(tokens)[..., :97]) < 1e-6
+    copy_params(vanilla, svformer)
+    assert rel_err(as_svformer(tokens)[..., :97], svformer(tokens)[..., :97]) < 1e-6
     # and the two limits differ from each other, so the test can fail
-    assert _rel_err(svformer(tokens)[..., :97], vanilla(tokens)[..., :97]) > 1e-3
-
-
-# --- an independent float64 NumPy forward ------------------------------------------------
-
-def _np_rms(x, scale, eps):
-    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * scale
-
-
-def _np_rope(x, theta):  # x: L x N x Dh
-    L, _, Dh = x.shape
-    half = Dh // 2
-    freq = theta ** (-np.arange(half) / half)
-    ang = np.arange(L)[:, None] * freq[None, :]
-    sin, cos = np.sin(ang)[:, None, :], np.cos(ang)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
-def _np_lambdas(cfg: ModelConfig, p: dict, n: int) -> tuple[float, float]:
-    """(lambda_1, lambda_2) of stacked layer n (model layer n + 2), or None for no mix."""
-    mode = cfg.lambda_mode
-    if mode == 'identity':
-        return 0.5, 0.5
-    if mode == 'constant':
-        return cfg.lambda1, cfg.lambda2
-    if mode == 'sparse':
-        return (cfg.lambda1, cfg.lambda2) if n + 2 in cfg.sparse_layers else (0.0, 1.0)
-    lam = p['lambdas']
-    if mode == 'learnable':
-        return lam['v1'][n], lam['vn'][n]
-    w = lam['w'] - lam['w'].max()
-    return lam['s'] * np.exp(w[n]) / np.exp(w).sum(), lam['vn'][n]
-
-
-def _np_forward(cfg: ModelConfig, p: dict, tokens: np.ndarray) -> np.ndarray:
-    """One sequence (L,) -> logits (L, vocab_size), straight from PAPER.md's equations."""
-    L = tokens.shape[0]
-    G = cfg.n_heads // cfg.n_kv_heads
-    h = p['embed'][tokens]
-    v1 = None
-    layers = [p['first']] + [jax.tree.map(lambda x, i=i: x[i], p['layers']) for i in range(cfg.n_stacked)]
-    for n, layer in enumerate(layers):
-        x = _np_rms(h, layer['attn_norm']['scale'], cfg.norm_eps)
-        a = layer['attn']
-        q = _np_rope(np.einsum('ld,dnh->lnh', x, a['wq']), cfg.rope_theta)
-        k = _np_rope(np.einsum('ld,dkh->lkh', x, a['wk']), cfg.rope_theta)
-        if n == 0:
-            v = v1 = np.einsum('ld,dkh->lkh', x, a['wv'])
-        elif cfg.attention == 'svformer':
-            v = v1
-        else:
-            v = np.einsum('ld,dkh->lkh', x, a['wv'])
-            if cfg.attention == 'resformer':
-                lam1, lam2 = _np_lambdas(cfg, p, n - 1)
-                v = lam2 * v + lam1 * v1
-        k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # GQA by repetition here
-        s = np.einsum('inh,jnh->nij', q, k) / np.sqrt(cfg.head_dim)
-        s = np.where(np.tril(np.ones((L, L), bool)), s, -np.inf)
-        att = np.exp(s - s.max(-1, keepdims=True))
-        att /= att.sum(-1, keepdims=True)
-        h = h + np.einsum('nij,jnh,nhd->id', att, v, a['wo'])
-        x = _np_rms(h, layer['mlp_norm']['scale'], cfg.norm_eps)
-        m = layer['mlp']
-        gate, up = x @ m['w_gate'], x @ m['w_up']
-        h = h + (gate / (1 + np.exp(-gate)) * up) @ m['w_down']
-    x = _np_rms(h, p['final_norm']['scale'], cfg.norm_eps)
-    head = p['embed'].T if cfg.tie_embeddings else p['head']
-    return (x @ head)[:, :cfg.vocab_size]
+    assert rel_err(svformer(tokens)[..., :97], vanilla(tokens)[..., :97]) > 1e-3
 
 
 @pytest.mark.parametrize('variant', VARIANTS + [dict(attention='vanilla', tie_embeddings=True)],
@@ -200,18 +102,18 @@ def test_matches_float64_numpy_reference(variant):
     cfg = small_model_config(**variant)
     assert cfg.n_layers == 3
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    _randomize(model, 11)
+    randomize(model, 11)
     params = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    tokens = np.asarray(_tokens(12, B=2, L=9))
+    tokens = np.asarray(random_tokens(12, B=2, L=9))
     logits = np.asarray(model(jnp.asarray(tokens)))[..., :cfg.vocab_size]
     for b in range(2):
-        assert _rel_err(logits[b], _np_forward(cfg, params, tokens[b])) < 1e-4
+        assert rel_err(logits[b], numpy_reference.forward(cfg, params, tokens[b])) < 1e-4
 
 
 def test_learnable_lambdas_get_gradients_fixed_ones_are_not_parameters():
     for mode, names in (('learnable', {'v1', 'vn'}), ('learnable_plus', {'vn', 'w', 's'})):
         model = Decoder(small_model_config(attention='resformer', lambda_mode=mode), rngs=nnx.Rngs(0))
-        grads = nnx.to_pure_dict(nnx.grad(_loss)(model, _tokens(13)))['lambdas']
+        grads = nnx.to_pure_dict(nnx.grad(_loss)(model, random_tokens(13)))['lambdas']
         assert set(grads) == names
         for name, g in grads.items():
             assert np.all(np.isfinite(g)) and np.any(np.asarray(g) != 0), (mode, name)
@@ -224,7 +126,7 @@ def test_learnable_lambdas_get_gradients_fixed_ones_are_not_parameters():
 @pytest.mark.parametrize('variant', VARIANTS, ids=VARIANT_IDS)
 def test_bfloat16_gradients_finite(variant):
     model = Decoder(small_model_config(compute_dtype='bfloat16', **variant), rngs=nnx.Rngs(0))
-    loss, grads = nnx.value_and_grad(_loss)(model, _tokens(14))
+    loss, grads = nnx.value_and_grad(_loss)(model, random_tokens(14))
     assert np.isfinite(float(loss))
     chex.assert_tree_all_finite(grads)
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
@@ -234,7 +136,7 @@ def test_v1_is_not_detached():
     """Layer-1's W_V gets gradient through the layers >= 2 that read V_1 (SVFormer: only that)."""
     cfg = small_model_config(attention='svformer')
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    tokens = _tokens(15)
+    tokens = random_tokens(15)
 
     def loss_without_layer1_output(m):
         # Scale layer 1's own attention output to zero contribution via W_O: any gradient left
@@ -277,4 +179,4 @@ def test_causal_chunks_match_one_pass(chunks):
     chunked, chunked_grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, chunks)
     assert abs(float(chunked - one)) / abs(float(one)) < 1e-6
     for a, b in zip(chunked_grads, one_grads):
-        assert _rel_err(a, b) < 1e-6
+        assert rel_err(a, b) < 1e-6

@@ -10,12 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import rel_err
 from vrl import ops
-
-
-def _rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _value_and_vjp(fn, args, cotangent):
@@ -33,10 +29,10 @@ def _check_against_float64(op, reference, args, n_grads: int, tol: float = 2e-6)
                   for a in args]
         ref_out, ref_grads = _value_and_vjp(reference, args64, jnp.asarray(np.asarray(cotangent), jnp.float64))
     assert out.dtype == jnp.float32
-    assert _rel_err(out, ref_out) < tol
+    assert rel_err(out, ref_out) < tol
     for grad, ref_grad in zip(grads[:n_grads], ref_grads[:n_grads]):
         assert grad.dtype == jnp.float32
-        assert _rel_err(grad, ref_grad) < tol
+        assert rel_err(grad, ref_grad) < tol
 
 
 def _normal(seed: int, *shape: int) -> jax.Array:
@@ -92,7 +88,7 @@ def test_fully_masked_query_attends_uniformly():
     mask = jnp.zeros((B, L, L), bool).at[:, 1:].set(jnp.tril(jnp.ones((L - 1, L), bool), 1))
     v = _normal(8, B, L, K, Dh)
     out = ops.attention(_normal(9, B, L, K, G, Dh), _normal(10, B, L, K, Dh), v, mask)
-    assert _rel_err(out[0, 0, 0, 0], jnp.mean(v[0, :, 0], axis=0)) < 1e-6
+    assert rel_err(out[0, 0, 0, 0], jnp.mean(v[0, :, 0], axis=0)) < 1e-6
 
 
 def test_swiglu_matches_autodiff():
@@ -109,13 +105,13 @@ def test_bfloat16_keeps_dtypes_and_follows_float32():
     out16, grads16 = _value_and_vjp(lambda q, k, v: ops.attention(q, k, v, mask),
                                     [a.astype(jnp.bfloat16) for a in args], cotangent.astype(jnp.bfloat16))
     assert out16.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads16)
-    assert _rel_err(out16, out32) < 2e-2
+    assert rel_err(out16, out32) < 2e-2
     for g16, g32 in zip(grads16, grads32):
-        assert _rel_err(g16, g32) < 5e-2
+        assert rel_err(g16, g32) < 5e-2
 
     x, w = _normal(17, 4, 32), _normal(18, 32, 48)
     logits = ops.project(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), 1, jnp.float32)
-    assert logits.dtype == jnp.float32 and _rel_err(logits, x @ w) < 2e-2
+    assert logits.dtype == jnp.float32 and rel_err(logits, x @ w) < 2e-2
     dx, dw = jax.grad(lambda x, w: jnp.sum(ops.project(x, w, 1, jnp.float32) ** 2), argnums=(0, 1))(
         x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
     assert dx.dtype == dw.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(dx, np.float32)))
@@ -147,7 +143,7 @@ def test_cross_entropy_sums_match_autodiff(z_loss, logit_scale):
         ref_dx, ref_dw = ref_vjp((jnp.float64(d_loss), jnp.float64(0.0)))
     for value, ref in zip(sums, ref_sums):
         assert abs(float(value) - float(ref)) / abs(float(ref)) < 2e-6
-    assert _rel_err(dx, ref_dx) < 2e-6 and _rel_err(dw, ref_dw) < 2e-6
+    assert rel_err(dx, ref_dx) < 2e-6 and rel_err(dw, ref_dw) < 2e-6
     assert np.all(np.asarray(dw)[:, vocab_size:] == 0)
 
 

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from tests.conftest import ROOT
+from tests.helpers import NAMED_VARIANTS
 from tests.test_train import _cli_args, tiny_config
 from vrl import data, sharding
 from vrl.config import ConfigError, Config, MeshConfig
@@ -57,6 +58,23 @@ def test_meshes_agree_with_one_device_and_shard_as_the_rules_say(small_corpus):
         assert embed.addressable_shards[0].data.shape == (512 // tensor, 32 // fsdp)
         mu = state.opt_state[1][0].mu['layers']['mlp']['w_down']  # Adam's moment, sharded like its weight
         assert mu.sharding.spec == PartitionSpec(None, 'tensor', 'fsdp')
+
+
+@pytest.mark.parametrize('variant', ['resformer-per_token', 'svformer-cla2', 'resformer-value_embeds-shared',
+                                     'all-baselines'])
+def test_every_baseline_trains_sharded_as_on_one_device(small_corpus, variant):
+    """The new variants' parameters (gates, tables, shared K/V, averaging weights) shard by the rules
+    and a (data, fsdp, tensor) = (2, 2, 2) mesh trains exactly as one device does."""
+    _, tokenizer = small_corpus
+    config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1))
+    model = dataclasses.replace(config.model, n_layers=4, **{'lambda_mode': 'identity', **NAMED_VARIANTS[variant]})
+    config = dataclasses.replace(config, model=model)
+    iterator = iter(data.train_dataset(config.data, tokenizer))
+    batches = [next(iterator) for _ in range(2)]
+    reference, _ = _losses(config, jax.devices()[:1], batches)
+    losses, _ = _losses(dataclasses.replace(config, mesh=MeshConfig(2, 2, 2)), jax.devices(), batches)
+    for got, want in zip(losses, reference):
+        assert abs(got - want) / want < 1e-5, (losses, reference)
 
 
 @pytest.mark.parametrize('mesh, message', [

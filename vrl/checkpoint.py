@@ -75,17 +75,24 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data
     return restored['state']
 
 
-def restore_params(path: str, abstract_params: Any) -> Any:
-    """Parameters only, from a workdir (its latest step) or a step folder: for --init_from."""
+def step_folder(path: str) -> tuple[epath.Path, int | None]:
+    """The folder holding `state/` for a workdir (its latest step) or a step folder, and its step
+    (None if the folder name is not one); FileNotFoundError names the place and how to make one."""
     root = epath.Path(path).absolute()
     if (root / 'checkpoints').exists():
         root = root / 'checkpoints'
-    if not (root / 'state').exists():
-        steps = ocp.utils.checkpoint_steps(root) if root.exists() else []
-        if not steps:
-            raise FileNotFoundError(f'no checkpoint in {path}: expected a workdir with checkpoints/ or a step '
-                                    'folder holding state/.')
-        root = root / str(max(steps))
+    if (root / 'state').exists():
+        return root, int(root.name) if root.name.isdigit() else None
+    steps = ocp.utils.checkpoint_steps(root) if root.is_dir() else []
+    if not steps:
+        raise FileNotFoundError(f'no checkpoint in {path}: expected a workdir with checkpoints/ or a step '
+                                'folder holding state/ (train one with `python -m vrl.main --workdir=...`).')
+    return root / str(max(steps)), max(steps)
+
+
+def restore_params(path: str, abstract_params: Any) -> Any:
+    """Parameters only, from a workdir (its latest step) or a step folder: for --init_from."""
+    root, _ = step_folder(path)
     checkpointer = ocp.PyTreeCheckpointer()
     check_compatible(checkpointer.metadata(root / 'state').item_metadata['params'], abstract_params,
                      f'checkpoint {root}')

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import ml_collections
 
 ATTENTION_VARIANTS = ('vanilla', 'resformer', 'svformer')
-LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse')
+LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse', 'per_token')
 REMAT_POLICIES = ('none', 'full', 'save_dots')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 NAN_POLICIES = ('error', 'skip')
@@ -36,13 +36,26 @@ def _choice(field: str, value: Any, allowed: Sequence[str]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Decoder shape and the value-residual variant (PAPER.md, 'The three attention variants')."""
+    """Decoder shape, the value-residual variant and the paper's baselines (PAPER.md).
+
+    The switches compose: `attention` picks the values layers >= 2 attend over; `neutreno`,
+    `denseformer`, `kv_share` (CLA) and `value_embed_layers` add the baselines and the later
+    value-residual family on top (vrl/model.py shows each in one place).
+    """
 
     attention: str = 'vanilla'  # vanilla | resformer | svformer
-    lambda_mode: str = 'identity'  # ResFormer only: identity | constant | learnable | learnable_plus | sparse
+    # ResFormer only: identity | constant | learnable | learnable_plus | sparse | per_token
+    # (per_token: x-transformers' learned mix, lambda = sigmoid(x W_mix) per token and kv head)
+    lambda_mode: str = 'identity'
     lambda1: float = 2.0  # weight of V_1 in 'constant' and 'sparse' modes
     lambda2: float = 1.0  # weight of V_n in 'constant' and 'sparse' modes
     sparse_layers: tuple[int, ...] = ()  # 1-based layers that get the residual in 'sparse' mode
+    neutreno: bool = False  # NeuTRENO: layers >= 2 add neutreno_lambda * (V_1 - V_n) to the attention output
+    neutreno_lambda: float = 0.4  # the paper's value; 0.2 when stacked on ResFormer
+    denseformer: bool = False  # DenseFormer: each block's input is a learned average of all earlier outputs
+    kv_share: int = 1  # CLA: this many adjacent layers share one K and V (2 = CLA2); the later ones own none
+    value_embed_layers: tuple[int, ...] = ()  # 1-based layers whose V adds a gated token-embedding lookup
+    value_embed_tables: tuple[int, ...] = ()  # the table of each of those layers (shared ids share); () = own
     vocab_size: int = 50277  # the tokenizer's vocabulary
     vocab_pad_multiple: int = 128  # the embedding is padded to this multiple for sharding
     n_layers: int = 8
@@ -78,6 +91,26 @@ class ModelConfig:
         if self.attention == 'resformer' and self.lambda_mode == 'sparse':
             _require(len(self.sparse_layers) > 0, 'model.sparse_layers', self.sparse_layers,
                      "a non-empty tuple of layers when model.lambda_mode='sparse'")
+        _require(self.kv_share >= 1, 'model.kv_share', self.kv_share, 'an integer >= 1 (2 = CLA2)')
+        if self.kv_share > 1:
+            _require(self.attention != 'resformer', 'model.kv_share', self.kv_share,
+                     "1 with model.attention='resformer' (CLA's later layers have no W_V to mix with V_1)")
+        if self.neutreno:
+            _require(self.attention != 'svformer', 'model.neutreno', self.neutreno,
+                     "False with model.attention='svformer' (its V_n is V_1, so V_1 - V_n is 0)")
+        self._check_value_embeddings()
+
+    def _check_value_embeddings(self) -> None:
+        layers, tables = self.value_embed_layers, self.value_embed_tables
+        _require(len(set(layers)) == len(layers) and all(1 <= n <= self.n_layers for n in layers),
+                 'model.value_embed_layers', layers, f'distinct 1-based layer indices in 1..{self.n_layers}')
+        owners = [n for n in layers if (n - 1) % self.kv_share == 0 and (n == 1 or self.attention != 'svformer')]
+        _require(owners == list(layers), 'model.value_embed_layers', layers,
+                 'layers that project their own values (layer 1 only for SVFormer; with model.kv_share='
+                 f'{self.kv_share}, layers 1, {1 + self.kv_share}, ...)')
+        _require(not tables or (len(tables) == len(layers) and set(tables) == set(range(max(tables) + 1))),
+                 'model.value_embed_tables', tables,
+                 f'() or one table id per value_embed_layers entry ({len(layers)}), using every id 0..T-1')
 
     @property
     def padded_vocab_size(self) -> int:
@@ -87,6 +120,49 @@ class ModelConfig:
     def n_stacked(self) -> int:
         """Layers 2..L, the ones the scan walks."""
         return self.n_layers - 1
+
+    def owns_kv(self, layer: int) -> bool:
+        """Whether 0-based `layer` projects its own K (and V): the first of each CLA group does."""
+        return layer % self.kv_share == 0
+
+    def key_slot(self, layer):
+        """The KV-cache slot of 0-based `layer`'s keys: one per CLA group. Works on traced ints."""
+        return layer // self.kv_share
+
+    def value_slot(self, layer):
+        """The KV-cache slot of the values `layer` attends over: SVFormer's are all V_1 (slot 0)."""
+        return 0 * layer if self.attention == 'svformer' else layer // self.kv_share
+
+    @property
+    def n_key_slots(self) -> int:
+        return self.key_slot(self.n_layers - 1) + 1
+
+    @property
+    def n_value_slots(self) -> int:
+        return self.value_slot(self.n_layers - 1) + 1
+
+    @property
+    def variant_name(self) -> str:
+        """What the model is, in a few words: 'resformer (learnable_plus) + NeuTRENO 0.2 + GQA4'."""
+        parts = [self.attention + (f' ({self.lambda_mode})' if self.attention == 'resformer' else '')]
+        if self.neutreno:
+            parts.append(f'NeuTRENO {self.neutreno_lambda:g}')
+        if self.denseformer:
+            parts.append('DenseFormer')
+        if self.kv_share > 1:
+            parts.append(f'CLA{self.kv_share}')
+        if self.value_embed_layers:
+            tables = max(self.value_embed_table_ids) + 1
+            parts.append(f'value embeddings on layers {",".join(map(str, self.value_embed_layers))} '
+                         f'({tables} table{"s" if tables > 1 else ""})')
+        if self.n_kv_heads != self.n_heads:
+            parts.append('MQA' if self.n_kv_heads == 1 else f'GQA{self.n_heads // self.n_kv_heads}')
+        return ' + '.join(parts)
+
+    @property
+    def value_embed_table_ids(self) -> tuple[int, ...]:
+        """The table of each layer in value_embed_layers."""
+        return self.value_embed_tables or tuple(range(len(self.value_embed_layers)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +272,16 @@ class Config:
                  self.train.microbatches, f'a divisor of data.batch_size={self.data.batch_size}')
 
 
+def _int_tuple(field: str, value: Any) -> tuple[int, ...]:
+    """A tuple of ints from a tuple/list, one int, or '1,2,3' as typed on the command line."""
+    if isinstance(value, str):
+        value = [v for v in value.replace('(', '').replace(')', '').split(',') if v.strip()]
+    try:
+        return tuple(int(v) for v in (value if isinstance(value, (tuple, list)) else [value]))
+    except (TypeError, ValueError):
+        raise ConfigError(f'{field}={value!r} is invalid: allowed integers such as 1,2,3.') from None
+
+
 def to_configdict(config: Config) -> ml_collections.ConfigDict:
     """The mutable form that configs/*.py return and the command line overrides."""
     return ml_collections.ConfigDict(dataclasses.asdict(config))
@@ -213,8 +299,9 @@ def from_configdict(config_dict: ml_collections.ConfigDict) -> Config:
         if unknown:
             raise ConfigError(f'{field.name}.{unknown[0]} is not a config field; '
                               f'allowed: {", ".join(sorted(known))}.')
-        if 'sparse_layers' in given:
-            given['sparse_layers'] = tuple(given['sparse_layers'])
+        for name in ('sparse_layers', 'value_embed_layers', 'value_embed_tables'):
+            if name in given:
+                given[name] = _int_tuple(f'{field.name}.{name}', given[name])
         sections[field.name] = section_cls(**given)
     if values:
         raise ConfigError(f'{sorted(values)[0]} is not a config section; allowed: '

@@ -2,8 +2,9 @@
 
 Prompts of different lengths are left-padded to one length P, so every sequence writes the
 same cache position each step; padding is masked out and RoPE positions count real tokens
-only. The cache (vrl.model.KVCache) holds K for every layer and V for every layer, except
-SVFormer, whose layers >= 2 all read layer 1's V: (L + 1) / (2L) of vanilla's bytes.
+only. The cache (vrl.model.KVCache) holds one stacked array of keys and one of values, a
+slot per layer that owns them: SVFormer's layers >= 2 all read layer 1's V ((L + 1) / (2L) of
+vanilla's bytes), CLA's groups share one slot of each (half with CLA2).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax.sharding import Mesh
 
 from vrl import sharding
 from vrl.config import ModelConfig
-from vrl.model import Decoder, KVCache, LayerCache
+from vrl.model import Decoder, KVCache
 
 
 class DecodeError(ValueError):
@@ -38,29 +39,23 @@ class Sampling:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    """Zeros in the compute dtype; no V for SVFormer's stacked layers."""
+    """Zeros in the compute dtype: cfg.n_key_slots x keys and cfg.n_value_slots x values."""
     dtype = jnp.dtype(cfg.compute_dtype)
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    stacked = (cfg.n_stacked, *shape)
-    return KVCache(
-        first=LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
-        layers=LayerCache(jnp.zeros(stacked, dtype),
-                          None if cfg.attention == 'svformer' else jnp.zeros(stacked, dtype)),
-        index=jnp.zeros((), jnp.int32))
+    return KVCache(k=jnp.zeros((cfg.n_key_slots, *shape), dtype), v=jnp.zeros((cfg.n_value_slots, *shape), dtype),
+                   index=jnp.zeros((), jnp.int32))
 
 
 def cache_bytes(cache: KVCache) -> int:
     """Bytes of the allocated key/value arrays."""
-    return sum(x.nbytes for x in jax.tree.leaves((cache.first, cache.layers)))
+    return cache.k.nbytes + cache.v.nbytes
 
 
 def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     """Batch over ('data', 'fsdp') and kv heads over 'tensor', by vrl/sharding.py's rules."""
     def spec(x):
-        names = ('batch', 'length', 'kv_heads', 'head_dim')
-        return sharding.fitted_sharding(mesh, ('layers', *names) if x.ndim == 5 else names, x.shape)
-    return KVCache(first=jax.tree.map(spec, cache.first), layers=jax.tree.map(spec, cache.layers),
-                   index=sharding.replicated(mesh))
+        return sharding.fitted_sharding(mesh, ('layers', 'batch', 'length', 'kv_heads', 'head_dim'), x.shape)
+    return KVCache(k=spec(cache.k), v=spec(cache.v), index=sharding.replicated(mesh))
 
 
 def sample(logits_BxV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:

@@ -7,17 +7,16 @@ completions and a summary: prefill and decode tokens/s and the KV cache's bytes.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import ml_collections
 from absl import app, flags, logging
 
 from vrl import checkpoint, data, decode, sharding
-from vrl.config import Config, from_configdict
+from vrl.config import Config
 from vrl.step import Trainer
 from vrl.tokenizer import Tokenizer
+from vrl.train import load_run
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A training workdir (config.json + checkpoints/).')
 _PROMPT = flags.DEFINE_multi_string('prompt', [], 'A prompt; repeat the flag for several.')
@@ -28,15 +27,6 @@ _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample from the k most likely tokens;
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass; 1 = off.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 _MAX_LEN = flags.DEFINE_integer('max_len', 0, 'Cache length (prompt + new tokens); 0 = the trained seq_len.')
-
-
-def load_run(workdir: str) -> tuple[Config, Tokenizer]:
-    config_file = Path(workdir) / 'config.json'
-    if not config_file.exists():
-        raise FileNotFoundError(f'{config_file} not found: --workdir must be a directory that '
-                                '`python -m vrl.main --workdir=...` trained in.')
-    config = from_configdict(ml_collections.ConfigDict(json.loads(config_file.read_text())['config']))
-    return config, data.load_tokenizer(config.data, config.model.vocab_size)
 
 
 def make_generator(config: Config, workdir: str, tokenizer: Tokenizer, max_len: int) -> decode.Generator:

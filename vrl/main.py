@@ -6,6 +6,7 @@ otherwise the config is trained (vrl/train.py). Overrides: `--config.train.steps
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -44,11 +45,11 @@ def _human(n: float) -> str:
 
 def summary_rows(config: Config) -> list[tuple[str, str]]:
     m, acc = config.model, accounting.account(config.model, config.data.seq_len)
-    variant = m.attention + (f' ({m.lambda_mode})' if m.attention == 'resformer' else '')
+    mha = accounting.account(accounting.vanilla_mha(m), config.data.seq_len)
     vocab = (f'{m.vocab_size} (padded to {m.padded_vocab_size})' if m.padded_vocab_size != m.vocab_size
              else str(m.vocab_size))
     return [
-        ('variant', variant),
+        ('variant', m.variant_name),
         ('layers', str(m.n_layers)),
         ('d_model', str(m.d_model)),
         ('heads / kv heads / head dim', f'{m.n_heads} / {m.n_kv_heads} / {m.head_dim}'),
@@ -59,7 +60,9 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
         ('params, unpadded vocab', f'{_human(acc.params_unpadded)} ({acc.params_unpadded:,})'),
         ('non-embedding params', f'{_human(acc.non_embedding_params)} ({acc.non_embedding_params:,})'),
         (f'train FLOPs / token (seq {config.data.seq_len})', _human(acc.flops_per_token)),
-        (f'KV cache / token ({m.compute_dtype})', f'{acc.kv_cache_bytes_per_token:,} B'),
+        (f'KV cache / token ({m.compute_dtype})', f'{acc.kv_cache_bytes_per_token:,} B '
+         f'({acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token:.3f} of vanilla MHA, '
+         f'{mha.kv_cache_bytes_per_token:,} B)'),
     ]
 
 
@@ -68,13 +71,12 @@ def print_summary(config: Config, as_json: bool) -> None:
     width = max(len(k) for k, _ in rows)
     print('\n'.join(f'{k:<{width}}  {v}' for k, v in rows))
     if as_json:
-        acc = accounting.account(config.model, config.data.seq_len)
-        print(json.dumps({'attention': config.model.attention, 'lambda_mode': config.model.lambda_mode,
-                          'n_layers': config.model.n_layers, 'params': acc.params,
-                          'params_unpadded': acc.params_unpadded,
-                          'non_embedding_params': acc.non_embedding_params,
-                          'flops_per_token': acc.flops_per_token,
-                          'kv_cache_bytes_per_token': acc.kv_cache_bytes_per_token}))
+        m = config.model
+        acc = accounting.account(m, config.data.seq_len)
+        mha = accounting.account(accounting.vanilla_mha(m), config.data.seq_len)
+        print(json.dumps({'variant': m.variant_name, 'attention': m.attention, 'lambda_mode': m.lambda_mode,
+                          'n_layers': m.n_layers, **dataclasses.asdict(acc),
+                          'kv_cache_vs_vanilla_mha': acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token}))
 
 
 def _enable_compilation_cache() -> None:

@@ -1,4 +1,4 @@
-"""A Llama-style decoder with value residual learning: vanilla, ResFormer and SVFormer.
+"""A Llama-style decoder with value residual learning, its baselines and its later family.
 
 Shape suffixes: B batch, L query length, S key length, D d_model, H query heads,
 K kv heads, G = H // K heads per kv head, Dh head dim, F d_ff, V padded vocab,
@@ -6,8 +6,15 @@ N = n_layers - 1 stacked layers.
 
 Layer 1 runs on its own and creates V_1 (its value projection of its normalised input,
 before GQA grouping, not detached). Layers 2..L are one stacked `Block` whose parameters
-carry a leading `layers` axis; `jax.lax.scan` walks them carrying `(hidden, V_1)`.
-The variant acts in exactly one place, `Attention.value_states`.
+carry a leading `layers` axis; `jax.lax.scan` walks them carrying a `Stream`: the hidden
+state, V_1, and what the baselines need (CLA's shared K/V, DenseFormer's block outputs,
+the KV cache). Every variant changes one of four things, each in one place:
+
+- the values a layer attends over (ResFormer, SVFormer, the per-token mix, value
+  embeddings): `Attention.values` and the value-embedding line of `Block.__call__`;
+- what is added to the attention output (NeuTRENO): `Block.__call__`;
+- which layer's K/V a layer uses (CLA): `Attention.keys_values`;
+- how block outputs combine into the next block's input (DenseFormer): `Decoder._layer`.
 """
 
 from __future__ import annotations
@@ -18,31 +25,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from vrl import ops
+from vrl import analysis, ops, params, variants
 from vrl.config import ModelConfig
 from vrl.sharding import constrain
+from vrl.variants import Lambdas, LayerKV, ValueEmbed
 
 Array = jax.Array
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float,
-           stack: int | None) -> nnx.Param:
-    """A float32 N(0, std) weight with logical axis names; `stack` prepends a layers axis."""
-    if stack is not None:
-        shape, axes = (stack, *shape), ('layers', *axes)
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
-
-
-def _constant(value: Array, axes: tuple[str, ...], stack: int | None) -> nnx.Param:
-    if stack is not None:
-        value, axes = jnp.broadcast_to(value, (stack, *value.shape)), ('layers', *axes)
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
-
-
 class RMSNorm(nnx.Module):
     def __init__(self, cfg: ModelConfig, stack: int | None):
-        self.scale = _constant(jnp.ones((cfg.d_model,), jnp.float32), ('embed',), stack)
+        self.scale = params.constant(jnp.ones((cfg.d_model,)), ('embed',), stack)
         self.eps = cfg.norm_eps
 
     def __call__(self, x_BxLxD: Array) -> Array:
@@ -82,60 +75,83 @@ def attend(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: 
     return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
 
 
-class LayerCache(NamedTuple):
-    """Cached keys and values (B, S, K, Dh) of one layer, or of N stacked layers (N, B, S, K, Dh).
+class KVCache(NamedTuple):
+    """Cached keys (key slots, B, S, K, Dh) and attended values (value slots, B, S, K, Dh).
 
-    v is None for SVFormer's layers >= 2: they attend over layer 1's cached values (V_1).
-    ResFormer caches the already-mixed values, so its cache is vanilla's size.
+    Layer n uses slots cfg.key_slot(n) and cfg.value_slot(n): one per layer for vanilla and
+    ResFormer (which caches its mixed values), one per group for CLA, and a single value slot,
+    V_1, for SVFormer. Layers that share a slot write the same rows into it.
     """
     k: Array
-    v: Array | None
-
-
-class KVCache(NamedTuple):
-    first: LayerCache  # layer 1; its values are V_1
-    layers: LayerCache  # layers 2..L, stacked
+    v: Array
     index: Array  # int32 scalar: cache positions [0, index) are filled
 
-
-class Lambdas(NamedTuple):
-    """ResFormer's value mix for one layer (scalars) or for all stacked layers (N,)."""
-    v1: Array  # lambda_1, the weight of V_1
-    vn: Array  # lambda_2, the weight of this layer's own V_n
+    def update(self, cfg: ModelConfig, layer: Array, k_BxTxKxDh: Array, v_BxTxKxDh: Array
+               ) -> tuple[Array, Array, KVCache]:
+        """Writes T new keys and values at [index, index + T) of the layer's slots, in place;
+        returns the layer's whole (B, S, K, Dh) keys and values, and the cache."""
+        k_slot, v_slot = cfg.key_slot(layer), cfg.value_slot(layer)
+        zero = jnp.zeros((), jnp.int32)
+        k_all = jax.lax.dynamic_update_slice(self.k, k_BxTxKxDh[None].astype(self.k.dtype),
+                                             (jnp.asarray(k_slot, jnp.int32), zero, self.index, zero, zero))
+        v_all = jax.lax.dynamic_update_slice(self.v, v_BxTxKxDh[None].astype(self.v.dtype),
+                                             (jnp.asarray(v_slot, jnp.int32), zero, self.index, zero, zero))
+        return k_all[k_slot], v_all[v_slot], KVCache(k_all, v_all, self.index)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, has_value_proj: bool, stack: int | None, rngs: nnx.Rngs):
+    """W_Q and W_O; W_K and W_V where the layer owns them (CLA keeps the stacked owners' in
+    variants.SharedKeyValues, SVFormer's layers >= 2 have no W_V); the per-token mix's W_mix."""
+
+    def __init__(self, cfg: ModelConfig, *, first: bool, stack: int | None, rngs: nnx.Rngs):
         D, H, K, Dh, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std
-        self.wq = _param(rngs, (D, H, Dh), ('embed', 'heads', 'head_dim'), std, stack)
-        self.wk = _param(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, stack)
-        self.wv = _param(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, stack) if has_value_proj else None
-        self.wo = _param(rngs, (H, Dh, D), ('heads', 'head_dim', 'embed'), std, stack)
+        owns_kv = first or cfg.kv_share == 1
+        self.wq = params.normal(rngs, (D, H, Dh), ('embed', 'heads', 'head_dim'), std, stack)
+        self.wk = params.normal(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, stack) if owns_kv else None
+        self.wv = (params.normal(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, stack)
+                   if owns_kv and (first or cfg.attention != 'svformer') else None)
+        self.wo = params.normal(rngs, (H, Dh, D), ('heads', 'head_dim', 'embed'), std, stack)
+        per_token = not first and cfg.attention == 'resformer' and cfg.lambda_mode == 'per_token'
+        self.w_mix = params.normal(rngs, (D, K), ('embed', 'kv_heads'), std, stack) if per_token else None
         self.variant = cfg.attention
         self.rope_theta = cfg.rope_theta
-        self.causal_chunks = cfg.attention_chunks
 
-    def project_values(self, x_BxLxD: Array) -> Array:
-        return ops.project(x_BxLxD, self.wv[...].astype(x_BxLxD.dtype), 1)
+    def queries(self, x_BxLxD: Array, positions_BxL: Array) -> Array:
+        return rope(ops.project(x_BxLxD, self.wq[...].astype(x_BxLxD.dtype), 1), positions_BxL, self.rope_theta)
 
-    def value_states(self, x_BxLxD: Array, v1_BxLxKxDh: Array | None, lambdas: Lambdas | None) -> Array:
-        """The values this layer attends over; the only place the variant is read.
+    def keys_values(self, x_BxLxD: Array, positions_BxL: Array, v1_BxLxKxDh: Array | None, kv: LayerKV | None,
+                    borrowed: tuple[Array, Array] | None) -> tuple[Array, Array]:
+        """Keys (with RoPE) and the layer's own values V_n: x W_V, or V_1 where the layer has no W_V.
 
-        Layer 1 (v1 is None) projects its own values, which become V_1 for every variant.
+        CLA (kv given): only the first layer of a group projects; the others borrow its keys and
+        the values it attended over.
         """
-        if v1_BxLxKxDh is None or self.variant == 'vanilla':
-            return self.project_values(x_BxLxD)
-        if self.variant == 'svformer':
-            return v1_BxLxKxDh
-        v_BxLxKxDh = self.project_values(x_BxLxD)
-        dtype = v_BxLxKxDh.dtype
-        return lambdas.vn.astype(dtype) * v_BxLxKxDh + lambdas.v1.astype(dtype) * v1_BxLxKxDh
+        def project(wk_DxKxDh: Array, wv_DxKxDh: Array | None) -> tuple[Array, Array]:
+            dtype = x_BxLxD.dtype
+            k = rope(ops.project(x_BxLxD, wk_DxKxDh.astype(dtype), 1), positions_BxL, self.rope_theta)
+            return k, v1_BxLxKxDh if wv_DxKxDh is None else ops.project(x_BxLxD, wv_DxKxDh.astype(dtype), 1)
 
-    def qk(self, x_BxLxD: Array, positions_BxL: Array) -> tuple[Array, Array]:
-        dtype = x_BxLxD.dtype
-        q = ops.project(x_BxLxD, self.wq[...].astype(dtype), 1)
-        k = ops.project(x_BxLxD, self.wk[...].astype(dtype), 1)
-        return rope(q, positions_BxL, self.rope_theta), rope(k, positions_BxL, self.rope_theta)
+        if kv is None:
+            return project(self.wk[...], None if self.wv is None else self.wv[...])
+        return jax.lax.cond(kv.owns, lambda: project(kv.wk, kv.wv), lambda: borrowed)
+
+    def values(self, x_BxLxD: Array, v_n: Array, v1: Array | None, lambdas: Lambdas | None) -> Array:
+        """The values (B, L, K, Dh) this layer attends over: where the variants differ in V.
+
+        Layer 1 (v1 is None) attends over its own V_n, which is V_1 for every variant.
+        """
+        if v1 is None or self.variant == 'vanilla':
+            return v_n
+        if self.variant == 'svformer':
+            return v1
+        if self.w_mix is not None:  # per-token mix: lambda = sigmoid(x W_mix) per token and kv head
+            mix_BxLxKx1 = self.mix_gate(x_BxLxD)
+            return (mix_BxLxKx1 * v1 + (1 - mix_BxLxKx1) * v_n).astype(v_n.dtype)
+        return lambdas.vn.astype(v_n.dtype) * v_n + lambdas.v1.astype(v_n.dtype) * v1
+
+    def mix_gate(self, x_BxLxD: Array) -> Array:
+        """The per-token mix's weight of V_1, (B, L, K, 1) in [0, 1]."""
+        return variants.gate(x_BxLxD, self.w_mix[...])
 
     def output(self, o_BxLxHxDh: Array) -> Array:
         return ops.project(o_BxLxHxDh, self.wo[...].astype(o_BxLxHxDh.dtype), 2)
@@ -146,9 +162,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, stack: int | None, rngs: nnx.Rngs):
         D, F, std = cfg.d_model, cfg.d_ff, cfg.init_std
-        self.w_gate = _param(rngs, (D, F), ('embed', 'mlp'), std, stack)
-        self.w_up = _param(rngs, (D, F), ('embed', 'mlp'), std, stack)
-        self.w_down = _param(rngs, (F, D), ('mlp', 'embed'), std, stack)
+        self.w_gate = params.normal(rngs, (D, F), ('embed', 'mlp'), std, stack)
+        self.w_up = params.normal(rngs, (D, F), ('embed', 'mlp'), std, stack)
+        self.w_down = params.normal(rngs, (F, D), ('mlp', 'embed'), std, stack)
 
     def __call__(self, x_BxLxD: Array) -> Array:
         dtype = x_BxLxD.dtype
@@ -157,76 +173,66 @@ class MLP(nnx.Module):
         return ops.project(ops.swiglu(gate_BxLxF, up_BxLxF), self.w_down[...].astype(dtype), 1)
 
 
+class LayerInputs(NamedTuple):
+    """A layer's share of the variants' per-layer inputs; for layers 2..L each has a leading N axis
+    that the scan slices."""
+    layer: Array  # int32, the 0-based layer index
+    lambdas: Lambdas | None  # ResFormer's scalar mix
+    kv: LayerKV | None  # CLA: the layer's W_K, W_V (zeros where it borrows) and whether it owns them
+    value_embed: ValueEmbed | None  # value embeddings: the layer's lookup and gate weight (zeros: none)
+    dense_row: Array | None  # DenseFormer: (L + 1,) weights over B_0..B_L, zero past this block
+
+
+class Stream(NamedTuple):
+    """What each layer hands the next: the layer scan's carry."""
+    h: Array  # (B, L, D) the next block's input
+    v1: Array | None  # (B, L, K, Dh) V_1, once layer 1 has run
+    kv: tuple[Array, Array] | None  # CLA: the current group's keys and attended values (B, L, K, Dh)
+    blocks: Array | None  # DenseFormer: (L + 1, B, L, D) the embedding output and the block outputs so far
+    cache: KVCache | None  # decoding: every layer's keys and values
+
+
 class Block(nnx.Module):
     """Pre-norm attention + SwiGLU. With `stack`, one module holds N layers' parameters."""
 
-    def __init__(self, cfg: ModelConfig, *, has_value_proj: bool, stack: int | None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, first: bool, stack: int | None, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg, stack)
-        self.attn = Attention(cfg, has_value_proj=has_value_proj, stack=stack, rngs=rngs)
+        self.attn = Attention(cfg, first=first, stack=stack, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, stack)
         self.mlp = MLP(cfg, stack=stack, rngs=rngs)
+        self.cfg = cfg
+        self.neutreno_lambda = cfg.neutreno_lambda if cfg.neutreno else None
 
-    def __call__(self, h_BxLxD: Array, v1_BxLxKxDh: Array | None, lambdas: Lambdas | None,
-                 positions_BxL: Array, mask_BxLxS: Array, cache: LayerCache | None = None,
-                 index: Array | None = None, v1_cache_BxSxKxDh: Array | None = None
-                 ) -> tuple[Array, Array, LayerCache | None]:
-        """Returns the new hidden state, this layer's values for the L new tokens (V_1 for layer 1)
-        and, when decoding, its cache with the new keys and values written at `index`."""
-        x_BxLxD = self.attn_norm(h_BxLxD)
-        v_BxLxKxDh = self.attn.value_states(x_BxLxD, v1_BxLxKxDh, lambdas)
-        q, k = self.attn.qk(x_BxLxD, positions_BxL)
-        keys, values = k, v_BxLxKxDh
+    def __call__(self, s: Stream, p: LayerInputs, positions_BxL: Array, mask_BxLxS: Array, record: bool
+                 ) -> tuple[Array, tuple[Array, Array], KVCache | None, analysis.AttentionStats | None]:
+        """The block's output (B, L, D), its keys and attended values for the L tokens, the cache with
+        them written and, when recording, its attention statistics."""
+        x_BxLxD = self.attn_norm(s.h)
+        q_BxLxHxDh = self.attn.queries(x_BxLxD, positions_BxL)
+        k_BxLxKxDh, v_n = self.attn.keys_values(x_BxLxD, positions_BxL, s.v1, p.kv, s.kv)  # CLA
+        if p.value_embed is not None:  # value embeddings: V_n + 2 sigmoid(x W_gate) * table[token]
+            scale_BxLxKx1 = variants.VALUE_EMBED_GATE_SCALE * variants.gate(x_BxLxD, p.value_embed.gate_w)
+            v_n = v_n + (scale_BxLxKx1 * p.value_embed.e).astype(v_n.dtype)
+        v_BxLxKxDh = self.attn.values(x_BxLxD, v_n, s.v1, p.lambdas)  # ResFormer, SVFormer, per-token mix
+        keys, values, cache = k_BxLxKxDh, v_BxLxKxDh, s.cache
         if cache is not None:
-            keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), index, axis=1)
-            if cache.v is None:
-                values = v1_cache_BxSxKxDh
-            else:
-                values = jax.lax.dynamic_update_slice_in_dim(cache.v, values.astype(cache.v.dtype), index, axis=1)
-            cache = LayerCache(keys, None if cache.v is None else values)
-        chunks = self.attn.causal_chunks if cache is None else 1  # without a cache the mask is causal
-        h_BxLxD = h_BxLxD + self.attn.output(attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask_BxLxS,
-                                                    chunks))
+            keys, values, cache = cache.update(self.cfg, p.layer, k_BxLxKxDh, v_BxLxKxDh)
+        chunks = self.cfg.attention_chunks if cache is None else 1  # without a cache the mask is causal
+        o_BxLxHxDh = attend(q_BxLxHxDh, keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype),
+                            mask_BxLxS, chunks)
+        if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - V_n)
+            o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_n), o_BxLxHxDh.shape)
+        h_BxLxD = s.h + self.attn.output(o_BxLxHxDh)
         h_BxLxD = h_BxLxD + self.mlp(self.mlp_norm(h_BxLxD))
-        return h_BxLxD, v_BxLxKxDh, cache
+        stats = analysis.attention_stats(q_BxLxHxDh, keys, values, mask_BxLxS) if record else None
+        return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), cache, stats
 
 
-class ValueResidualLambdas(nnx.Module):
-    """ResFormer's (lambda_1, lambda_2) for layers 2..L, each of shape (N,).
-
-    identity: 0.5 / 0.5. constant: cfg.lambda1 / cfg.lambda2 everywhere. learnable: per-layer
-    parameters, both initialised to 0.5. learnable_plus: lambda_2 per layer (init 0.5) and
-    lambda_1 = s * softmax(w) over layers 2..L, w init 0 and s shared, init L. sparse:
-    cfg.lambda1 / cfg.lambda2 on cfg.sparse_layers, vanilla (0 / 1) elsewhere.
-    Fixed modes hold no parameters.
-    """
-
-    def __init__(self, cfg: ModelConfig):
-        N, mode = cfg.n_stacked, cfg.lambda_mode
-        self.mode = mode
-        if mode == 'learnable':
-            self.v1 = _constant(jnp.full((N,), 0.5), ('layers',), None)
-            self.vn = _constant(jnp.full((N,), 0.5), ('layers',), None)
-        elif mode == 'learnable_plus':
-            self.vn = _constant(jnp.full((N,), 0.5), ('layers',), None)
-            self.w = _constant(jnp.zeros((N,)), ('layers',), None)
-            self.s = _constant(jnp.array(float(cfg.n_layers)), (), None)
-        else:
-            if mode == 'identity':
-                v1, vn = [0.5] * N, [0.5] * N
-            elif mode == 'constant':
-                v1, vn = [cfg.lambda1] * N, [cfg.lambda2] * N
-            else:  # sparse; stacked index i is layer i + 2
-                chosen = [i + 2 in cfg.sparse_layers for i in range(N)]
-                v1 = [cfg.lambda1 if c else 0.0 for c in chosen]
-                vn = [cfg.lambda2 if c else 1.0 for c in chosen]
-            self.fixed = (tuple(v1), tuple(vn))  # static: not parameters
-
-    def __call__(self) -> Lambdas:
-        if self.mode == 'learnable':
-            return Lambdas(v1=self.v1[...], vn=self.vn[...])
-        if self.mode == 'learnable_plus':
-            return Lambdas(v1=self.s[...] * jax.nn.softmax(self.w[...]), vn=self.vn[...])
-        return Lambdas(v1=jnp.array(self.fixed[0], jnp.float32), vn=jnp.array(self.fixed[1], jnp.float32))
+def _per_query_head(x_BxLxKxDh: Array, shape_BxLxHxDh: tuple[int, ...]) -> Array:
+    """A kv head's vector for each of the G query heads of its group: (B, L, K, Dh) -> (B, L, H, Dh)."""
+    B, L, K, Dh = x_BxLxKxDh.shape
+    G = shape_BxLxHxDh[2] // K
+    return jnp.broadcast_to(x_BxLxKxDh[:, :, :, None], (B, L, K, G, Dh)).reshape(shape_BxLxHxDh)
 
 
 _ACTIVATION = ('batch', 'length', 'act_embed')  # the hidden state between blocks
@@ -249,12 +255,16 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         V, D = cfg.padded_vocab_size, cfg.d_model
-        self.embed = _param(rngs, (V, D), ('vocab', 'embed'), cfg.init_std, None)
-        self.first = Block(cfg, has_value_proj=True, stack=None, rngs=rngs)
-        self.layers = Block(cfg, has_value_proj=cfg.attention != 'svformer', stack=cfg.n_stacked, rngs=rngs)
-        self.lambdas = ValueResidualLambdas(cfg) if cfg.attention == 'resformer' else None
+        self.embed = params.normal(rngs, (V, D), ('vocab', 'embed'), cfg.init_std)
+        self.first = Block(cfg, first=True, stack=None, rngs=rngs)
+        self.layers = Block(cfg, first=False, stack=cfg.n_stacked, rngs=rngs)
+        scalar_lambdas = cfg.attention == 'resformer' and cfg.lambda_mode != 'per_token'
+        self.lambdas = variants.ValueResidualLambdas(cfg) if scalar_lambdas else None
+        self.shared_kv = variants.SharedKeyValues(cfg, rngs) if cfg.kv_share > 1 else None
+        self.value_embeds = variants.ValueEmbeddings(cfg, rngs) if cfg.value_embed_layers else None
+        self.depth_weights = variants.DepthWeights(cfg) if cfg.denseformer else None
         self.final_norm = RMSNorm(cfg, None)
-        self.head = None if cfg.tie_embeddings else _param(rngs, (D, V), ('embed', 'vocab'), cfg.init_std, None)
+        self.head = None if cfg.tie_embeddings else params.normal(rngs, (D, V), ('embed', 'vocab'), cfg.init_std)
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -274,8 +284,16 @@ class Decoder(nnx.Module):
         B, L = tokens_BxL.shape
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
-        h_BxLxD, _ = self._forward(tokens_BxL, positions_BxL, causal_mask(segment_ids_BxL, B, L), None)
+        h_BxLxD, _, _ = self._forward(tokens_BxL, positions_BxL, causal_mask(segment_ids_BxL, B, L), None, False)
         return h_BxLxD
+
+    def layer_stats(self, tokens_BxL: Array) -> analysis.LayerStats:
+        """Per-layer attention, value and hidden-state statistics of causal sequences (vrl/analysis.py),
+        each (L, B), computed one layer at a time; `similarity` (L + 1, B) starts at the embedding."""
+        B, L = tokens_BxL.shape
+        positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
+        _, _, stats = self._forward(tokens_BxL, positions_BxL, causal_mask(None, B, L), None, True)
+        return stats
 
     def decode(self, tokens_BxT: Array, pad_B: Array, cache: KVCache) -> tuple[Array, KVCache]:
         """Runs T new tokens at cache positions [index, index + T) of left-padded sequences.
@@ -284,54 +302,76 @@ class Decoder(nnx.Module):
         token attends to the real tokens up to itself; RoPE positions count real tokens only.
         """
         B, T = tokens_BxT.shape
-        S = cache.first.k.shape[1]
+        S = cache.k.shape[2]
         query_index_BxT = jnp.broadcast_to(cache.index + jnp.arange(T), (B, T))
         key_index_S = jnp.arange(S)
         mask_BxTxS = ((key_index_S[None, None, :] <= query_index_BxT[:, :, None])
                       & (key_index_S[None, None, :] >= pad_B[:, None, None]))
-        h_BxTxD, cache = self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache)
+        h_BxTxD, cache, _ = self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache, False)
         return self.logits(h_BxTxD), cache
 
-    def _forward(self, tokens_BxL: Array, positions_BxL: Array, mask_BxLxS: Array,
-                 cache: KVCache | None) -> tuple[Array, KVCache | None]:
-        """The final-normalised hidden states (B, L, D) and, when decoding, the updated cache."""
-        index = None if cache is None else cache.index
-        h_BxLxD = constrain(self.embed[...].astype(self.compute_dtype)[tokens_BxL], _ACTIVATION)
-        h_BxLxD, v1_BxLxKxDh, first_cache = self.first(
-            h_BxLxD, None, None, positions_BxL, mask_BxLxS, None if cache is None else cache.first, index)
-        h_BxLxD, layers_cache = self._stacked_layers(
-            h_BxLxD, v1_BxLxKxDh, positions_BxL, mask_BxLxS, None if cache is None else cache.layers, index,
-            None if cache is None else first_cache.v)
-        h_BxLxD = self.final_norm(h_BxLxD)
-        if cache is None:
-            return h_BxLxD, None
-        return h_BxLxD, KVCache(first_cache, layers_cache, cache.index + tokens_BxL.shape[1])
+    def _forward(self, tokens_BxL: Array, positions_BxL: Array, mask_BxLxS: Array, cache: KVCache | None,
+                 record: bool) -> tuple[Array, KVCache | None, analysis.LayerStats | None]:
+        """The final-normalised hidden states (B, L, D), the updated cache when decoding, and the
+        per-layer statistics when recording."""
+        dtype, L = self.compute_dtype, self.cfg.n_layers
+        h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION)
+        blocks = None
+        if self.depth_weights is not None:
+            blocks = jnp.zeros((L + 1, *h_BxLxD.shape), dtype).at[0].set(h_BxLxD)
+        dense_LxL1 = None if self.depth_weights is None else self.depth_weights.matrix()
+        ve = self.value_embeds
+        first = LayerInputs(layer=jnp.zeros((), jnp.int32), lambdas=None, kv=None,
+                            value_embed=None if ve is None else ve.for_first(tokens_BxL, dtype),
+                            dense_row=None if dense_LxL1 is None else dense_LxL1[0])
+        stacked = LayerInputs(layer=jnp.arange(1, L, dtype=jnp.int32),
+                              lambdas=None if self.lambdas is None else self.lambdas.for_stack(),
+                              kv=None if self.shared_kv is None else self.shared_kv.for_stack(),
+                              value_embed=None if ve is None else ve.for_stack(tokens_BxL, dtype),
+                              dense_row=None if dense_LxL1 is None else dense_LxL1[1:])
+        s, first_stats = self._layer(self.first, Stream(h_BxLxD, None, None, blocks, cache), first,
+                                     positions_BxL, mask_BxLxS, record)
+        s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask_BxLxS, record)
+        h_BxLxD = self.final_norm(s.h)
+        cache = None if cache is None else s.cache._replace(index=cache.index + tokens_BxL.shape[1])
+        if not record:
+            return h_BxLxD, cache, None
+        stats = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first_stats, stacked_stats)
+        embedding_similarity = analysis.token_similarity(self.embed[...].astype(dtype)[tokens_BxL])
+        return h_BxLxD, cache, stats._replace(similarity=jnp.concatenate([embedding_similarity[None],
+                                                                           stats.similarity]))
 
-    def _stacked_layers(self, h_BxLxD: Array, v1_BxLxKxDh: Array, positions_BxL: Array, mask_BxLxS: Array,
-                        caches: LayerCache | None, index: Array | None, v1_cache_BxSxKxDh: Array | None
-                        ) -> tuple[Array, LayerCache | None]:
-        """Layers 2..L: a scan (or loop) over the stacked parameters (and caches), carrying (h, V_1)."""
+    def _layer(self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask_BxLxS: Array,
+               record: bool) -> tuple[Stream, analysis.LayerStats | None]:
+        """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average."""
+        h_BxLxD, kv, cache, attention_stats = block(s, p, positions_BxL, mask_BxLxS, record)
+        blocks = s.blocks
+        if blocks is not None:  # DenseFormer: the next input is a learned average of B_0..B_layer+1
+            blocks = jax.lax.dynamic_update_index_in_dim(blocks, h_BxLxD, p.layer + 1, 0)
+            h_BxLxD = jnp.einsum('j,jbld->bld', p.dense_row.astype(blocks.dtype), blocks)
+        h_BxLxD = constrain(h_BxLxD, _ACTIVATION)
+        v1 = kv[1] if s.v1 is None else s.v1
+        s = Stream(h_BxLxD, v1, kv if self.cfg.kv_share > 1 else None, blocks, cache)
+        return s, analysis.layer_stats(attention_stats, h_BxLxD) if record else None
+
+    def _stacked_layers(self, s: Stream, inputs: LayerInputs, positions_BxL: Array, mask_BxLxS: Array,
+                        record: bool) -> tuple[Stream, analysis.LayerStats | None]:
+        """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`."""
         graphdef, stacked_state = nnx.split(self.layers)
-        lambdas_N = self.lambdas() if self.lambdas is not None else None
 
-        def body(carry, per_layer):
-            h, v1 = carry
-            layer_state, lambdas, cache = per_layer
-            h, _, cache = nnx.merge(graphdef, layer_state)(h, v1, lambdas, positions_BxL, mask_BxLxS, cache,
-                                                           index, v1_cache_BxSxKxDh)
-            return (constrain(h, _ACTIVATION), v1), cache
+        def body(s: Stream, per_layer):
+            layer_state, p = per_layer
+            return self._layer(nnx.merge(graphdef, layer_state), s, p, positions_BxL, mask_BxLxS, record)
 
         if self.cfg.remat != 'none':
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        carry, per_layer = (h_BxLxD, v1_BxLxKxDh), (stacked_state, lambdas_N, caches)
         if self.cfg.scan_layers:
-            (h_BxLxD, _), caches = jax.lax.scan(body, carry, per_layer)
-            return h_BxLxD, caches
+            return jax.lax.scan(body, s, (stacked_state, inputs))
         outputs = []
         for i in range(self.cfg.n_stacked):
-            carry, cache = body(carry, jax.tree.map(lambda x: x[i], per_layer))
-            outputs.append(cache)
-        return carry[0], None if caches is None else jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+            s, stats = body(s, jax.tree.map(lambda x: x[i], (stacked_state, inputs)))
+            outputs.append(stats)
+        return s, None if not record else jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 
     def head_DxV(self) -> Array:
         """The output head in the compute dtype: the embedding transposed when tied."""

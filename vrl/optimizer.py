@@ -9,7 +9,8 @@ import optax
 
 from vrl.config import OptimizerConfig
 
-_NOT_DECAYED = ('scale', 'lambdas')  # RMSNorm weights (leaf 'scale') and ResFormer's lambdas
+# RMSNorm weights (leaf 'scale'), ResFormer's lambdas and DenseFormer's averaging weights
+_NOT_DECAYED = ('scale', 'lambdas', 'depth_weights')
 
 
 def learning_rate(cfg: OptimizerConfig) -> optax.Schedule:

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 
 from vrl import accounting, checkpoint, data, decode, metrics, sharding
-from vrl.config import Config
+from vrl.config import Config, from_configdict
 from vrl.step import TrainState, Trainer
+from vrl.tokenizer import Tokenizer
 
 
 class TrainingError(RuntimeError):
@@ -74,6 +76,16 @@ def _check_workdir(workdir: str) -> Path:
         raise TrainingError(f'cannot write to workdir {workdir!r} ({e.strerror}); choose a writable '
                             '--workdir.') from e
     return path
+
+
+def load_run(workdir: str) -> tuple[Config, Tokenizer]:
+    """The config a workdir was trained with (its config.json) and the run's tokenizer."""
+    config_file = Path(workdir) / 'config.json'
+    if not config_file.exists():
+        raise FileNotFoundError(f'{config_file} not found: --workdir must be a directory that '
+                                '`python -m vrl.main --workdir=...` trained in.')
+    config = from_configdict(ml_collections.ConfigDict(json.loads(config_file.read_text())['config']))
+    return config, data.load_tokenizer(config.data, config.model.vocab_size)
 
 
 def evaluate(trainer: Trainer, params: Any, config: Config, tokenizer) -> float:

@@ -1,0 +1,135 @@
+"""An independent float64 NumPy forward of the decoder and every variant, from PAPER.md's equations.
+
+Parameters come as the model's pure dict (numpy float64); nothing here calls vrl's code.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from vrl.config import ModelConfig
+
+
+def _np_rms(x, scale, eps):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * scale
+
+
+def _np_rope(x, theta):  # x: L x N x Dh
+    L, _, Dh = x.shape
+    half = Dh // 2
+    freq = theta ** (-np.arange(half) / half)
+    ang = np.arange(L)[:, None] * freq[None, :]
+    sin, cos = np.sin(ang)[:, None, :], np.cos(ang)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def _np_lambdas(cfg: ModelConfig, p: dict, n: int, x: np.ndarray) -> tuple:
+    """(lambda_1, lambda_2) of model layer n + 2 (stacked index n): scalars, or (L, K, 1) per token."""
+    mode = cfg.lambda_mode
+    if mode == 'identity':
+        return 0.5, 0.5
+    if mode == 'constant':
+        return cfg.lambda1, cfg.lambda2
+    if mode == 'sparse':
+        return (cfg.lambda1, cfg.lambda2) if n + 2 in cfg.sparse_layers else (0.0, 1.0)
+    if mode == 'per_token':
+        mix = _np_sigmoid(x @ p['layers']['attn']['w_mix'][n])[:, :, None]
+        return mix, 1 - mix
+    lam = p['lambdas']
+    if mode == 'learnable':
+        return lam['v1'][n], lam['vn'][n]
+    w = lam['w'] - lam['w'].max()
+    return lam['s'] * np.exp(w[n]) / np.exp(w).sum(), lam['vn'][n]
+
+
+def _np_sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def _np_kv_weights(cfg: ModelConfig, p: dict, n: int, layer: dict) -> tuple:
+    """(W_K, W_V or None) of 0-based layer n, which owns a K/V group (CLA keeps stacked owners apart)."""
+    if n == 0 or cfg.kv_share == 1:
+        return layer['attn']['wk'], layer['attn'].get('wv')
+    owner = [m for m in range(1, cfg.n_layers) if m % cfg.kv_share == 0].index(n)
+    shared = p['shared_kv']
+    return shared['wk'][owner], None if shared.get('wv') is None else shared['wv'][owner]
+
+
+def _np_value_embedding(cfg: ModelConfig, p: dict, n: int, x: np.ndarray, tokens: np.ndarray):
+    """2 sigmoid(x W_gate) * table[token] for layer n + 1 if it has a value embedding, else None."""
+    if n + 1 not in cfg.value_embed_layers:
+        return None
+    entry = cfg.value_embed_layers.index(n + 1)
+    table = cfg.value_embed_tables[entry] if cfg.value_embed_tables else entry
+    gate = 2 * _np_sigmoid(x @ p['value_embeds']['gates'][entry])[:, :, None]
+    return gate * p['value_embeds']['tables'][table][tokens]
+
+
+def _np_depth_weights(cfg: ModelConfig, p: dict) -> np.ndarray:
+    """DenseFormer's (L, L + 1) weights: row i weighs the embedding and blocks 1..i+1, in row-major order."""
+    L, flat = cfg.n_layers, list(p['depth_weights']['alpha'])
+    alpha = np.zeros((L, L + 1))
+    for i in range(L):
+        for j in range(i + 2):
+            alpha[i, j] = flat.pop(0)
+    assert not flat
+    return alpha
+
+
+def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = None) -> np.ndarray:
+    """One sequence (L,) -> logits (L, vocab_size), straight from PAPER.md's equations.
+
+    With `trace`, appends per layer (attention (heads, L, L), attended values (L, K, Dh), output (L, D)).
+    """
+    L = tokens.shape[0]
+    G = cfg.n_heads // cfg.n_kv_heads
+    h = p['embed'][tokens]
+    blocks = [h]
+    v1 = group_kv = None
+    layers = [p['first']] + [jax.tree.map(lambda x, i=i: x[i], p['layers']) for i in range(cfg.n_stacked)]
+    for n, layer in enumerate(layers):
+        x = _np_rms(h, layer['attn_norm']['scale'], cfg.norm_eps)
+        a = layer['attn']
+        q = _np_rope(np.einsum('ld,dnh->lnh', x, a['wq']), cfg.rope_theta)
+        if n % cfg.kv_share == 0:  # the first layer of a CLA group projects K and V
+            wk, wv = _np_kv_weights(cfg, p, n, layer)
+            k = _np_rope(np.einsum('ld,dkh->lkh', x, wk), cfg.rope_theta)
+            v_n = v1 if wv is None else np.einsum('ld,dkh->lkh', x, wv)
+        else:  # the others attend with its keys and values
+            k, v_n = group_kv
+        ve = _np_value_embedding(cfg, p, n, x, tokens)
+        if ve is not None:
+            v_n = v_n + ve
+        if n == 0:
+            v = v1 = v_n
+        elif cfg.attention == 'svformer':
+            v = v1
+        elif cfg.attention == 'resformer' and n % cfg.kv_share == 0:
+            lam1, lam2 = _np_lambdas(cfg, p, n - 1, x)
+            v = lam2 * v_n + lam1 * v1
+        else:
+            v = v_n
+        group_kv = (k, v) if n % cfg.kv_share == 0 else group_kv
+        k_rep, v_rep = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # GQA by repetition here
+        s = np.einsum('inh,jnh->nij', q, k_rep) / np.sqrt(cfg.head_dim)
+        s = np.where(np.tril(np.ones((L, L), bool)), s, -np.inf)
+        att = np.exp(s - s.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        o = np.einsum('nij,jnh->inh', att, v_rep)
+        if cfg.neutreno and n > 0:
+            o = o + cfg.neutreno_lambda * np.repeat(v1 - v_n, G, axis=1)
+        h = h + np.einsum('inh,nhd->id', o, a['wo'])
+        x = _np_rms(h, layer['mlp_norm']['scale'], cfg.norm_eps)
+        m = layer['mlp']
+        gate, up = x @ m['w_gate'], x @ m['w_up']
+        h = h + (gate / (1 + np.exp(-gate)) * up) @ m['w_down']
+        if cfg.denseformer:
+            blocks.append(h)
+            h = sum(w * b for w, b in zip(_np_depth_weights(cfg, p)[n], blocks))
+        if trace is not None:
+            trace.append((att, v, h))
+    x = _np_rms(h, p['final_norm']['scale'], cfg.norm_eps)
+    head = p['embed'].T if cfg.tie_embeddings else p['head']
+    return (x @ head)[:, :cfg.vocab_size]

@@ -1,0 +1,134 @@
+"""Attention-concentration analysis: known answers, the model's statistics against the float64 NumPy
+reference's attention maps, and `python -m vrl.analyze` on real trained checkpoints."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests import numpy_reference
+from tests.conftest import ROOT
+from tests.helpers import NAMED_VARIANTS, randomize, rel_err, random_tokens, small_model_config
+from tests.test_train import tiny_config
+from vrl import analysis, train
+from vrl.model import Decoder
+
+STATISTICS = analysis.LayerStats._fields
+
+
+def test_entropy_of_uniform_and_of_one_key():
+    n = 7
+    uniform = jnp.full((2, n, n), 1 / n)
+    np.testing.assert_allclose(analysis.attention_entropy(uniform), [math.log(n)] * 2, rtol=1e-6)
+    one_key = jnp.zeros((2, n, n)).at[:, :, 3].set(1.0)
+    np.testing.assert_allclose(analysis.attention_entropy(one_key), [0.0, 0.0], atol=1e-7)
+    assert np.all(np.asarray(analysis.first_token_attention(one_key)) == 0)
+    np.testing.assert_allclose(analysis.first_token_attention(uniform), [1 / n] * 2, rtol=1e-6)
+
+
+def test_similarity_of_identical_and_of_orthogonal_tokens():
+    same = jnp.broadcast_to(jax.random.normal(jax.random.key(0), (1, 1, 16)), (1, 5, 16))
+    np.testing.assert_allclose(analysis.token_similarity(same), [1.0], rtol=1e-6)
+    orthogonal = (3.0 * jnp.eye(16)[:5])[None]  # 5 tokens along different axes
+    np.testing.assert_allclose(analysis.token_similarity(orthogonal), [0.0], atol=1e-7)
+
+
+def test_first_and_rest_norms():
+    x = jnp.zeros((1, 3, 2, 2)).at[0, 0, 0, 0].set(3.0).at[0, 0, 1, 1].set(4.0).at[0, 1, 0, 0].set(1.0)
+    first, rest = analysis.first_and_rest_norms(x.at[0, 2, 1, 0].set(-2.0))
+    np.testing.assert_allclose(first, [5.0]) and np.testing.assert_allclose(rest, [1.5])
+
+
+@pytest.mark.parametrize('variant', ['vanilla', 'resformer-learnable_plus', 'svformer-cla2', 'all-baselines'])
+def test_layer_stats_match_the_numpy_reference(variant):
+    cfg = small_model_config(**NAMED_VARIANTS[variant])
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    randomize(model, 1)
+    params = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    tokens = np.asarray(random_tokens(2, B=2, L=10))
+    stats = model.layer_stats(jnp.asarray(tokens))
+    for b in range(2):
+        trace = []
+        numpy_reference.forward(cfg, params, tokens[b], trace)
+        expected = {name: [] for name in STATISTICS}
+        expected['similarity'].append(_np_similarity(params['embed'][tokens[b]]))
+        for att_HxLxL, v_LxKxDh, h_LxD in trace:
+            importance = att_HxLxL.mean(0).sum(0) / att_HxLxL.mean(0).sum()
+            expected['entropy'].append(-np.sum(importance * np.log(importance)))
+            expected['first_token_attention'].append(att_HxLxL.mean(0)[:, 0].mean())
+            v_norms, h_norms = np.linalg.norm(v_LxKxDh.reshape(10, -1), axis=-1), np.linalg.norm(h_LxD, axis=-1)
+            expected['value_norm_first'].append(v_norms[0])
+            expected['value_norm_rest'].append(v_norms[1:].mean())
+            expected['hidden_norm_first'].append(h_norms[0])
+            expected['hidden_norm_rest'].append(h_norms[1:].mean())
+            expected['similarity'].append(_np_similarity(h_LxD))
+        for name in STATISTICS:
+            got = np.asarray(getattr(stats, name))[:, b]
+            assert got.shape == (cfg.n_layers + (name == 'similarity'),), name
+            assert rel_err(got, expected[name]) < 1e-4, name
+
+
+def _np_similarity(h_LxD: np.ndarray) -> float:
+    unit = h_LxD / np.linalg.norm(h_LxD, axis=-1, keepdims=True)
+    cos = unit @ unit.T
+    L = len(h_LxD)
+    return float((cos.sum() - np.trace(cos)) / (L * (L - 1)))
+
+
+@pytest.fixture(scope='module')
+def two_runs(small_corpus, tmp_path_factory):
+    """Tiny trained checkpoints of vanilla and ResFormer, 3 layers each."""
+    root = tmp_path_factory.mktemp('analyze_runs')
+    for attention in ('vanilla', 'resformer'):
+        config = tiny_config(small_corpus, attention=attention, steps=4, checkpoint_every=4)
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3))
+        train.run(config, str(root / attention))
+    return root
+
+
+def _analyze(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, '-m', 'vrl.analyze', *args], capture_output=True, text=True,
+                          cwd=str(ROOT), timeout=600)
+
+
+def test_analyze_command_writes_json_and_plots(two_runs, tmp_path):
+    out = tmp_path / 'out'
+    result = _analyze(f'--workdir={two_runs / "vanilla"}', f'--workdir={two_runs / "resformer"}', f'--out={out}',
+                      '--sequences=6', '--seq_len=32', '--batch_size=4')
+    assert result.returncode == 0, result.stderr[-3000:]
+    for run, variant in (('vanilla', 'vanilla'), ('resformer', 'resformer (learnable)')):
+        record = json.loads((out / run / 'analysis.json').read_text())
+        assert set(record) == set(STATISTICS) | {'variant', 'step', 'sequences', 'seq_len'}
+        assert (record['variant'], record['step'], record['sequences'], record['seq_len']) == (variant, 4, 6, 32)
+        for name in STATISTICS:
+            assert len(record[name]) == 3 + (name == 'similarity') and all(np.isfinite(record[name])), name
+        assert all(0 <= e <= math.log(32) + 1e-6 for e in record['entropy'])
+        assert all(0 < m <= 1 for m in record['first_token_attention'])
+    for name in ('entropy', 'similarity', 'first_token_attention', 'value_norms', 'hidden_norms'):
+        assert (out / f'{name}.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert 'entropy per layer' in result.stdout
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--workdir={empty}'], 'config.json not found'),
+    (['--workdir={config_only}'], 'no checkpoint in'),
+    (['--workdir={vanilla}', '--seq_len=65'], '--seq_len=65 is invalid: allowed 2..64'),
+    (['--workdir={vanilla}', '--sequences=0'], '--sequences=0 is invalid'),
+    (['--workdir={vanilla}', '--sequences=100000'], 'fewer than --sequences=100000'),
+])
+def test_analyze_bad_input_is_one_clear_line(two_runs, tmp_path, args, message):
+    (tmp_path / 'empty').mkdir()
+    (tmp_path / 'config_only').mkdir()
+    (tmp_path / 'config_only' / 'config.json').write_text((two_runs / 'vanilla' / 'config.json').read_text())
+    places = {'empty': tmp_path / 'empty', 'config_only': tmp_path / 'config_only', 'vanilla': two_runs / 'vanilla'}
+    result = _analyze(*[a.format(**places) for a in args], f'--out={tmp_path / "out"}')
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+    assert 'Traceback' not in result.stderr
+    assert not (tmp_path / 'out').exists()  # nothing half-written

@@ -1,0 +1,148 @@
+"""The baselines and the later value-residual family: identities from the same weights, the cache
+savings they promise, their parameters, and the config checks that keep combinations meaningful."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from tests.helpers import copy_params, randomize, rel_err, random_tokens, small_model_config
+from vrl import accounting, decode, presets, variants
+from vrl.config import ConfigError
+from vrl.model import Decoder
+
+
+def _logits(model: Decoder, tokens) -> jnp.ndarray:
+    return model(tokens)[..., :model.cfg.vocab_size]
+
+
+@pytest.fixture(scope='module')
+def vanilla() -> Decoder:
+    model = Decoder(small_model_config(n_layers=4), rngs=nnx.Rngs(0))
+    randomize(model, 1)
+    return model
+
+
+def _like(vanilla: Decoder, **overrides) -> Decoder:
+    """A model of another variant holding vanilla's weights wherever it has the same parameter."""
+    model = Decoder(small_model_config(n_layers=4, **overrides), rngs=nnx.Rngs(2))
+    randomize(model, 3)  # its own parameters (gates, tables, ...) are random, not at their init
+    copy_params(vanilla, model)
+    return model
+
+
+def test_denseformer_at_its_initialisation_is_vanilla(vanilla):
+    tokens = random_tokens(4)
+    dense = Decoder(small_model_config(n_layers=4, denseformer=True), rngs=nnx.Rngs(2))
+    copy_params(vanilla, dense)  # every weight but the averaging weights, which stay at their init
+    assert rel_err(_logits(dense, tokens), _logits(vanilla, tokens)) < 1e-6
+    randomize(dense, 5)
+    assert rel_err(_logits(dense, tokens), _logits(vanilla, tokens)) > 1e-3
+
+
+def test_neutreno_with_lambda_zero_is_vanilla(vanilla):
+    tokens = random_tokens(6)
+    assert rel_err(_logits(_like(vanilla, neutreno=True, neutreno_lambda=0.0), tokens), _logits(vanilla, tokens)) < 1e-6
+    assert rel_err(_logits(_like(vanilla, neutreno=True), tokens), _logits(vanilla, tokens)) > 1e-3
+
+
+@pytest.mark.parametrize('pinned, limit', [(0.0, 'vanilla'), (1.0, 'svformer')])
+def test_per_token_mix_pinned_is_vanilla_or_svformer(vanilla, monkeypatch, pinned, limit):
+    tokens = random_tokens(7)
+    mix = _like(vanilla, attention='resformer', lambda_mode='per_token')
+    reference = vanilla if limit == 'vanilla' else _like(vanilla, attention='svformer')
+    assert rel_err(_logits(mix, tokens), _logits(reference, tokens)) > 1e-3  # unpinned, it is neither
+    monkeypatch.setattr(variants, 'gate', lambda x, w: jnp.full((*x.shape[:2], w.shape[-1], 1), pinned))
+    assert rel_err(_logits(mix, tokens), _logits(reference, tokens)) < 1e-6
+
+
+def test_value_embeddings_with_gates_shut_are_vanilla(vanilla, monkeypatch):
+    tokens = random_tokens(8)
+    ve = _like(vanilla, value_embed_layers=(1, 2, 4), value_embed_tables=(0, 1, 0))
+    assert rel_err(_logits(ve, tokens), _logits(vanilla, tokens)) > 1e-3
+    monkeypatch.setattr(variants, 'gate', lambda x, w: jnp.zeros((*x.shape[:2], w.shape[-1], 1)))
+    assert rel_err(_logits(ve, tokens), _logits(vanilla, tokens)) < 1e-6
+
+
+def test_value_embeddings_tables_shared_as_configured():
+    shared = Decoder(small_model_config(value_embed_layers=(1, 2, 3), value_embed_tables=(0, 0, 0)), rngs=nnx.Rngs(0))
+    own = Decoder(small_model_config(value_embed_layers=(1, 2, 3)), rngs=nnx.Rngs(0))
+    assert shared.value_embeds.tables.shape[0] == 1 and own.value_embeds.tables.shape[0] == 3
+    assert shared.value_embeds.gates.shape[0] == own.value_embeds.gates.shape[0] == 3  # a gate per layer
+
+
+def test_value_embeddings_gates_and_tables_learn():
+    model = Decoder(small_model_config(value_embed_layers=(1, 3), attention='resformer', lambda_mode='per_token'),
+                    rngs=nnx.Rngs(0))
+    tokens = random_tokens(9)
+    grads = nnx.to_pure_dict(nnx.grad(lambda m: jnp.mean(_logits(m, tokens) ** 2))(model))
+    for g in (grads['value_embeds']['tables'], grads['value_embeds']['gates'], grads['layers']['attn']['w_mix']):
+        assert float(jnp.abs(g).max()) > 0
+
+
+def test_cla2_halves_the_allocated_cache_and_composes_with_gqa_and_svformer():
+    def cache_bytes(**overrides) -> int:
+        cfg = small_model_config(n_layers=6, n_heads=8, **({'n_kv_heads': 8} | overrides))
+        return decode.cache_bytes(decode.init_cache(cfg, batch=3, max_len=32))
+
+    vanilla = cache_bytes()
+    assert cache_bytes(kv_share=2) * 2 == vanilla
+    assert cache_bytes(kv_share=2, n_kv_heads=2) * 8 == vanilla  # CLA2 + GQA4
+    assert cache_bytes(kv_share=3) * 3 == vanilla
+    # SVFormer + CLA2: keys for 3 groups, values once: (3 + 1) / 12 of vanilla's 12 slots
+    assert cache_bytes(attention='svformer', kv_share=2) * 12 == vanilla * 4
+
+
+def test_svformer_gqa4_cache_is_about_an_eighth_of_vanilla_mha():
+    cfg = small_model_config(n_layers=8, n_heads=8, n_kv_heads=2, attention='svformer')
+    ratio = accounting.kv_cache_bytes_per_token(cfg) / accounting.kv_cache_bytes_per_token(accounting.vanilla_mha(cfg))
+    assert ratio == (8 + 1) / (2 * 8) / 4  # 0.14, about 1/8
+
+
+def test_cla_later_layers_have_no_key_or_value_projection():
+    model = Decoder(small_model_config(n_layers=5, kv_share=2), rngs=nnx.Rngs(0))
+    assert model.layers.attn.wk is None and model.layers.attn.wv is None
+    assert model.shared_kv.wk.shape[0] == 2  # layers 3 and 5 own their K/V; 2 and 4 borrow
+
+
+@pytest.mark.parametrize('overrides, field, allowed', [
+    (dict(attention='resformer', kv_share=2), 'model.kv_share', "1 with model.attention='resformer'"),
+    (dict(kv_share=0), 'model.kv_share', 'an integer >= 1'),
+    (dict(attention='svformer', neutreno=True), 'model.neutreno', "False with model.attention='svformer'"),
+    (dict(value_embed_layers=(0, 2)), 'model.value_embed_layers', 'in 1..3'),
+    (dict(value_embed_layers=(2, 2)), 'model.value_embed_layers', 'distinct'),
+    (dict(attention='svformer', value_embed_layers=(2,)), 'model.value_embed_layers', 'layer 1 only for SVFormer'),
+    (dict(kv_share=2, value_embed_layers=(2,)), 'model.value_embed_layers', 'layers 1, 3, ...'),
+    (dict(value_embed_layers=(1, 2), value_embed_tables=(0,)), 'model.value_embed_tables', 'one table id per'),
+    (dict(value_embed_layers=(1, 2), value_embed_tables=(0, 2)), 'model.value_embed_tables', 'every id 0..T-1'),
+    (dict(lambda_mode='per-token'), 'model.lambda_mode', "'per_token'"),
+])
+def test_meaningless_combinations_are_refused(overrides, field, allowed):
+    with pytest.raises(ConfigError) as e:
+        small_model_config(**overrides)
+    assert field in str(e.value) and allowed in str(e.value)
+
+
+@pytest.mark.parametrize('size', ['tiny', '82m'])
+def test_every_preset_builds_on_the_shipped_shapes(size):
+    from configs import base, tiny
+    from vrl.config import from_configdict
+    config = from_configdict(tiny.get_config() if size == 'tiny' else base.get_config(f'vanilla,{size}'))
+    names = set()
+    for name in presets.PRESETS:
+        cfg = presets.apply(name, config.model)
+        names.add(cfg.variant_name)
+        assert accounting.account(cfg, 128).params > 0
+    assert len(names) == len(presets.PRESETS)  # every preset is a different model
+    sparse = presets.apply('resformer:sparse', config.model)
+    assert sparse.sparse_layers[-1] == sparse.n_layers and sparse.lambda1 == 5.0
+    # a preset sets the whole variant: nothing of another one leaks through
+    dense_cla = dataclasses.replace(config.model, denseformer=True, kv_share=2)
+    assert presets.apply('resformer', dense_cla) == presets.apply('resformer', config.model)
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ConfigError, match="unknown variant preset 'resformer:learned'; allowed: vanilla, resformer,"):
+        presets.apply('resformer:learned', small_model_config())
+    assert 'svformer:gqa4' in presets.listing() and 'NeuTRENO' in presets.listing()

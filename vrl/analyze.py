@@ -1,0 +1,138 @@
+"""Attention concentration of trained runs: `python -m vrl.analyze --workdir=A --workdir=B --out=OUT`.
+
+For the latest checkpoint of each run, over --sequences validation sequences of --seq_len tokens
+from the run's own dataset, computes per layer (vrl/analysis.py): attention entropy, first-token
+attention, token similarity (embedding output first), and value- and hidden-state norms of the
+first token and of the rest. Writes OUT/<run name>/analysis.json (one float per layer for each
+statistic, plus `variant`, `step`, `sequences`, `seq_len`) and OUT/*.png, one line per run.
+The model runs one layer at a time, so only one layer's (L x L) attention maps exist at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+
+from vrl import analysis, checkpoint, corpus, data, plots, sharding, tokenizer
+from vrl.step import Trainer
+from vrl.train import load_run
+
+_WORKDIRS = flags.DEFINE_multi_string('workdir', [], 'A training workdir; repeat the flag for several runs.')
+_OUT = flags.DEFINE_string('out', None, 'Where analysis.json files and plots go.')
+_SEQUENCES = flags.DEFINE_integer('sequences', 32, 'Validation sequences to average over.')
+_SEQ_LEN = flags.DEFINE_integer('seq_len', 0, 'Tokens per sequence; 0 = the run\'s trained data.seq_len.')
+_BATCH = flags.DEFINE_integer('batch_size', 8, 'Sequences per forward pass.')
+
+STATISTICS = analysis.LayerStats._fields
+
+
+class AnalysisError(ValueError):
+    """Bad analysis input; the message names the problem."""
+
+
+def validation_sequences(config, tok: tokenizer.Tokenizer, n: int, seq_len: int) -> np.ndarray:
+    """The first n full windows (every token real) of the run's validation split: (n, seq_len) int32."""
+    cfg = dataclasses.replace(config.data, seq_len=seq_len, batch_size=n, num_workers=0, document_masking=False)
+    rows = []
+    for batch in data.eval_batches(cfg, tok, 0):
+        rows += [x for x, mask in zip(batch['inputs'], batch['loss_mask']) if mask.all()]
+        if len(rows) >= n:
+            return np.stack(rows[:n])
+    raise AnalysisError(f'the {cfg.eval_split} split of {cfg.name!r} holds only {len(rows)} full sequences of '
+                        f'{seq_len} tokens, fewer than --sequences={n}: lower --sequences or --seq_len.')
+
+
+def analyze_run(workdir: str, sequences: int, seq_len: int, batch_size: int) -> dict:
+    """The run's per-layer statistics averaged over `sequences` validation sequences."""
+    if sequences < 1:
+        raise AnalysisError(f'--sequences={sequences} is invalid: allowed an integer >= 1.')
+    config, tok = load_run(workdir)
+    _, step = checkpoint.step_folder(workdir)
+    seq_len = seq_len or config.data.seq_len
+    if not 2 <= seq_len <= config.data.seq_len:
+        raise AnalysisError(f'--seq_len={seq_len} is invalid: allowed 2..{config.data.seq_len}, the sequence length '
+                            f'{workdir} was trained at (RoPE positions beyond it were never seen).')
+    trainer = Trainer(config, sharding.make_mesh(config.mesh))
+    params = checkpoint.restore_params(workdir, trainer.abstract_state.params)
+    stats_fn = jax.jit(sharding.traced_in(trainer.mesh, lambda p, t: nnx.merge(trainer.graphdef, p).layer_stats(t)))
+    tokens = validation_sequences(config, tok, sequences, seq_len)
+    sums = None
+    for start in range(0, sequences, batch_size):
+        batch = tokens[start:start + batch_size]
+        placed = jax.device_put(batch, sharding.fitted_sharding(trainer.mesh, ('batch', 'length'), batch.shape))
+        per_sequence = jax.device_get(stats_fn(params, placed))  # each (layers, B)
+        batch_sums = {k: np.asarray(v, np.float64).sum(axis=1) for k, v in per_sequence._asdict().items()}
+        sums = batch_sums if sums is None else {k: sums[k] + batch_sums[k] for k in sums}
+    return {'variant': config.model.variant_name, 'step': step, 'sequences': sequences, 'seq_len': seq_len,
+            **{k: (sums[k] / sequences).tolist() for k in STATISTICS}}
+
+
+_PLOTS = {  # file -> (title, y label, [(statistic, line style)])
+    'entropy': ('Attention entropy (key importance)', 'entropy (nats)', [('entropy', '-')]),
+    'similarity': ('Token similarity', 'mean pairwise cosine', [('similarity', '-')]),
+    'first_token_attention': ('Attention on the first token', 'mass', [('first_token_attention', '-')]),
+    'value_norms': ('Value-state norms (solid: first token, dashed: the rest)', 'L2 norm',
+                    [('value_norm_first', '-'), ('value_norm_rest', '--')]),
+    'hidden_norms': ('Hidden-state norms (solid: first token, dashed: the rest)', 'L2 norm',
+                     [('hidden_norm_first', '-'), ('hidden_norm_rest', '--')]),
+}
+
+
+def plot(results: dict[str, dict], out: Path) -> list[Path]:
+    """One PNG per statistic in `out`, one colour per run, layers on the x axis."""
+    written = []
+    for name, (title, ylabel, statistics) in _PLOTS.items():
+        lines = []
+        for color, (run, result) in enumerate(results.items()):
+            for statistic, style in statistics:
+                first_layer = 0 if statistic == 'similarity' else 1  # similarity starts at the embedding
+                values = result[statistic]
+                lines.append(plots.Line(f'{run} ({result["variant"]})' if style == '-' else None,
+                                        range(first_layer, first_layer + len(values)), values, style, color))
+        xlabel = 'layer (0 = embedding output)' if name == 'similarity' else 'layer'
+        written.append(plots.line_plot(out / f'{name}.png', title, xlabel, ylabel, lines))
+    return written
+
+
+def run_names(workdirs: list[str]) -> list[str]:
+    names = [Path(w).absolute().name for w in workdirs]
+    for name in names:
+        if names.count(name) > 1:
+            raise AnalysisError(f'two --workdir folders are named {name!r}; their results would share '
+                                f'OUT/{name}: give each run a distinct folder name.')
+    return names
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    if not _WORKDIRS.value or not _OUT.value:
+        raise app.UsageError('give --workdir (one or more) and --out')
+    logging.set_verbosity(logging.WARNING)
+    out = Path(_OUT.value)
+    try:
+        names = run_names(_WORKDIRS.value)
+        results = {name: analyze_run(workdir, _SEQUENCES.value, _SEQ_LEN.value, _BATCH.value)
+                   for name, workdir in zip(names, _WORKDIRS.value)}
+        for name, result in results.items():
+            (out / name).mkdir(parents=True, exist_ok=True)
+            (out / name / 'analysis.json').write_text(json.dumps(result, indent=2))
+        plots = plot(results, out)
+    except (AnalysisError, FileNotFoundError, checkpoint.CheckpointMismatchError, corpus.DataError,
+            tokenizer.TokenizerError, plots.PlotError) as e:
+        sys.exit(f'error: {e}')
+    for name, result in results.items():
+        entropy = ' '.join(f'{x:.2f}' for x in result['entropy'])
+        print(f'{name} ({result["variant"]}, step {result["step"]}): entropy per layer {entropy}')
+    print(f'wrote {len(results)} analysis.json and {len(plots)} plots to {out}')
+
+
+if __name__ == '__main__':
+    app.run(main)

@@ -1,0 +1,41 @@
+"""Line plots for the analysis and comparison commands (matplotlib, from requirements-extra.txt)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+
+class PlotError(RuntimeError):
+    """matplotlib is missing; the message says which requirements file brings it."""
+
+
+class Line(NamedTuple):
+    label: str | None  # legend entry; None = no entry (e.g. the dashed twin of a solid line)
+    x: Sequence[float]
+    y: Sequence[float]
+    style: str  # '-' solid, '--' dashed
+    color: int  # index into the colour cycle: one colour per run or variant
+
+
+def line_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list[Line], markers: bool = True) -> Path:
+    """Writes a PNG of `lines` to path and returns path."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError('plots need matplotlib: pip install -r requirements-extra.txt') from None
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for line in lines:
+        ax.plot(line.x, line.y, line.style, color=colors[line.color % len(colors)], label=line.label,
+                marker='o' if markers else None, markersize=3)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    if any(line.label for line in lines):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
