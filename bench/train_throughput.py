@@ -3,8 +3,10 @@
     python bench/train_throughput.py [--configs tiny,82m] [--variants all|vanilla,svformer,...]
                                      [--seq_len 512] [--batch 4] [--steps 5]
 
-Variants are vrl/presets.py's names (`--variants all`, the default, runs every preset); the
-`vs vanilla` column is each variant's step time over vanilla's, measured in the same run.
+Variants are vrl/presets.py's names (`--variants all`, the default, runs every preset). On a
+shared host step times drift by several percent over minutes, so each variant's steps alternate
+with vanilla's in one process: `vs vanilla` is the ratio of the two medians taken side by side,
+and vanilla's own row is the median over all its steps.
 
 MFU counts model FLOPs only: 6 x (weight-matmul parameters, the output head included) per token
 plus the causal attention matmuls (vrl.accounting.training_flops_per_token). The peak is this
@@ -43,26 +45,37 @@ def _config(name: str, variant: str, seq_len: int, batch: int, remat: str) -> Co
                                                                              batch_size=batch))
 
 
-def measure(config: Config, steps: int) -> tuple[float, float]:
-    """(seconds per step, tokens/s): the median of `steps` steps timed one by one, after one
-    compile-and-warm-up step (the median, because on a shared machine single steps stall)."""
-    trainer = Trainer(config, sharding.make_mesh(config.mesh))
-    state = trainer.init_state(0)
-    rng = np.random.default_rng(0)
-    shape = (config.data.batch_size, config.data.seq_len)
-    batch = trainer.device_batch({'inputs': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
-                                  'targets': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
-                                  'loss_mask': np.ones(shape, np.int32)})
-    state, out = trainer.train_step(state, batch)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(steps):
+class _Stepper:
+    """One config's sharded state, a fixed random batch and its jitted step, compiled and warmed up."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.trainer = Trainer(config, sharding.make_mesh(config.mesh))
+        self.state = self.trainer.init_state(0)
+        rng = np.random.default_rng(0)
+        shape = (config.data.batch_size, config.data.seq_len)
+        self.batch = self.trainer.device_batch({
+            'inputs': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
+            'targets': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
+            'loss_mask': np.ones(shape, np.int32)})
+        self.step()  # compile and warm up
+
+    def step(self) -> float:
+        """Seconds for one train step."""
         start = time.perf_counter()
-        state, out = trainer.train_step(state, batch)
+        self.state, out = self.trainer.train_step(self.state, self.batch)
         jax.block_until_ready(out)
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    return seconds, config.data.batch_size * config.data.seq_len / seconds
+        return time.perf_counter() - start
+
+
+def measure_against(vanilla: _Stepper, config: Config, steps: int) -> tuple[float, float]:
+    """(median step seconds of `config`, median of vanilla's steps taken in between)."""
+    variant = _Stepper(config)
+    times, vanilla_times = [], []
+    for _ in range(steps):
+        vanilla_times.append(vanilla.step())
+        times.append(variant.step())
+    return statistics.median(times), statistics.median(vanilla_times)
 
 
 def main() -> None:
@@ -80,21 +93,31 @@ def main() -> None:
           f'({"measured float32 matmul" if jax.default_backend() == "cpu" else "bf16 table"}); '
           f'huge-page malloc {"on" if huge_pages else "off"} (vrl/host_memory.py)')
     variants = list(presets.PRESETS) if args.variants == 'all' else args.variants.split(',')
-    width = max(map(len, variants))
-    print(f'{"config":>6} | {"variant":>{width}} | {"batch x seq":>11} | {"params":>8} | {"step s":>7} | '
-          f'{"vs vanilla":>10} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6}')
+    args.width = max(map(len, variants))
+    print(f'{"config":>6} | {"variant":>{args.width}} | {"batch x seq":>11} | {"params":>8} | {"step s":>7} | '
+          f'{"vs vanilla":>11} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6}')
     for name in args.configs.split(','):
-        vanilla_seconds = None
+        vanilla = _Stepper(_config(name, 'vanilla', args.seq_len, args.batch, args.remat))
+        vanilla_all = []
         for variant in variants:
+            if variant == 'vanilla':
+                continue
             config = _config(name, variant, args.seq_len, args.batch, args.remat)
-            seconds, tokens_per_sec = measure(config, args.steps)
-            vanilla_seconds = seconds if variant == 'vanilla' else vanilla_seconds
-            relative = f'{seconds / vanilla_seconds - 1:+.1%}' if vanilla_seconds else '-'
-            flops = accounting.training_flops_per_token(config.model, config.data.seq_len) * tokens_per_sec
-            params = accounting.account(config.model, config.data.seq_len).params
-            print(f'{name:>6} | {variant:>{width}} | {args.batch:>4} x {args.seq_len:<4} | {params / 1e6:>7.2f}M | '
-                  f'{seconds:>7.3f} | {relative:>10} | {tokens_per_sec:>9,.0f} | {flops / 1e9:>8,.1f} | '
-                  f'{flops / peak:>6.1%}', flush=True)
+            seconds, vanilla_seconds = measure_against(vanilla, config, args.steps)
+            vanilla_all.append(vanilla_seconds)
+            _print_row(name, variant, config, seconds, f'{seconds / vanilla_seconds - 1:+.1%}', args, peak)
+        if 'vanilla' in variants:
+            seconds = statistics.median(vanilla_all or [vanilla.step() for _ in range(args.steps)])
+            _print_row(name, 'vanilla', vanilla.config, seconds, '(reference)', args, peak)
+
+
+def _print_row(name: str, variant: str, config: Config, seconds: float, relative: str, args, peak: float) -> None:
+    tokens_per_sec = config.data.batch_size * config.data.seq_len / seconds
+    flops = accounting.training_flops_per_token(config.model, config.data.seq_len) * tokens_per_sec
+    params = accounting.account(config.model, config.data.seq_len).params
+    print(f'{name:>6} | {variant:>{args.width}} | {args.batch:>4} x {args.seq_len:<4} | {params / 1e6:>7.2f}M | '
+          f'{seconds:>7.3f} | {relative:>11} | {tokens_per_sec:>9,.0f} | {flops / 1e9:>8,.1f} | '
+          f'{flops / peak:>6.1%}', flush=True)
 
 
 if __name__ == '__main__':

@@ -24,12 +24,6 @@ from vrl import analysis, checkpoint, corpus, data, plots, sharding, tokenizer
 from vrl.step import Trainer
 from vrl.train import load_run
 
-_WORKDIRS = flags.DEFINE_multi_string('workdir', [], 'A training workdir; repeat the flag for several runs.')
-_OUT = flags.DEFINE_string('out', None, 'Where analysis.json files and plots go.')
-_SEQUENCES = flags.DEFINE_integer('sequences', 32, 'Validation sequences to average over.')
-_SEQ_LEN = flags.DEFINE_integer('seq_len', 0, 'Tokens per sequence; 0 = the run\'s trained data.seq_len.')
-_BATCH = flags.DEFINE_integer('batch_size', 8, 'Sequences per forward pass.')
-
 STATISTICS = analysis.LayerStats._fields
 
 
@@ -110,17 +104,29 @@ def run_names(workdirs: list[str]) -> list[str]:
     return names
 
 
-def main(argv: list[str]) -> None:
+def _define_flags() -> dict[str, flags.FlagHolder]:
+    """The command's flags, defined only when it runs (vrl.compare imports this module's functions)."""
+    return {
+        'workdir': flags.DEFINE_multi_string('workdir', [], 'A training workdir; repeat the flag for several runs.'),
+        'out': flags.DEFINE_string('out', None, 'Where analysis.json files and plots go.'),
+        'sequences': flags.DEFINE_integer('sequences', 32, 'Validation sequences to average over.'),
+        'seq_len': flags.DEFINE_integer('seq_len', 0, "Tokens per sequence; 0 = the run's trained data.seq_len."),
+        'batch_size': flags.DEFINE_integer('batch_size', 8, 'Sequences per forward pass.'),
+    }
+
+
+def main(argv: list[str], args: dict[str, flags.FlagHolder]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    if not _WORKDIRS.value or not _OUT.value:
+    workdirs = args['workdir'].value
+    if not workdirs or not args['out'].value:
         raise app.UsageError('give --workdir (one or more) and --out')
     logging.set_verbosity(logging.WARNING)
-    out = Path(_OUT.value)
+    out = Path(args['out'].value)
     try:
-        names = run_names(_WORKDIRS.value)
-        results = {name: analyze_run(workdir, _SEQUENCES.value, _SEQ_LEN.value, _BATCH.value)
-                   for name, workdir in zip(names, _WORKDIRS.value)}
+        names = run_names(workdirs)
+        results = {name: analyze_run(workdir, args['sequences'].value, args['seq_len'].value,
+                                     args['batch_size'].value) for name, workdir in zip(names, workdirs)}
         for name, result in results.items():
             (out / name).mkdir(parents=True, exist_ok=True)
             (out / name / 'analysis.json').write_text(json.dumps(result, indent=2))
@@ -135,4 +141,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == '__main__':
-    app.run(main)
+    _ARGS = _define_flags()
+    app.run(lambda argv: main(argv, _ARGS))

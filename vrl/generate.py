@@ -18,15 +18,6 @@ from vrl.step import Trainer
 from vrl.tokenizer import Tokenizer
 from vrl.train import load_run
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'A training workdir (config.json + checkpoints/).')
-_PROMPT = flags.DEFINE_multi_string('prompt', [], 'A prompt; repeat the flag for several.')
-_PROMPTS_FILE = flags.DEFINE_string('prompts_file', None, 'A file with one prompt per line.')
-_MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 64, 'Tokens to generate per prompt.')
-_TEMPERATURE = flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
-_TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample from the k most likely tokens; 0 = off.')
-_TOP_P = flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass; 1 = off.')
-_SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
-_MAX_LEN = flags.DEFINE_integer('max_len', 0, 'Cache length (prompt + new tokens); 0 = the trained seq_len.')
 
 
 def make_generator(config: Config, workdir: str, tokenizer: Tokenizer, max_len: int) -> decode.Generator:
@@ -37,24 +28,39 @@ def make_generator(config: Config, workdir: str, tokenizer: Tokenizer, max_len: 
                             mesh=trainer.mesh)
 
 
-def main(argv: list[str]) -> None:
+def _define_flags() -> dict:
+    """The command's flags, defined only when it runs (the notebook and vrl.compare import this module)."""
+    return {
+        'workdir': flags.DEFINE_string('workdir', None, 'A training workdir (config.json + checkpoints/).'),
+        'prompt': flags.DEFINE_multi_string('prompt', [], 'A prompt; repeat the flag for several.'),
+        'prompts_file': flags.DEFINE_string('prompts_file', None, 'A file with one prompt per line.'),
+        'max_new_tokens': flags.DEFINE_integer('max_new_tokens', 64, 'Tokens to generate per prompt.'),
+        'temperature': flags.DEFINE_float('temperature', 0.0, '0 = greedy.'),
+        'top_k': flags.DEFINE_integer('top_k', 0, 'Sample from the k most likely tokens; 0 = off.'),
+        'top_p': flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass; 1 = off.'),
+        'seed': flags.DEFINE_integer('seed', 0, 'Sampling seed.'),
+        'max_len': flags.DEFINE_integer('max_len', 0, 'Cache length (prompt + new tokens); 0 = the trained seq_len.'),
+    }
+
+
+def main(argv: list[str], args: dict) -> None:
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    if not _WORKDIR.value:
+    if not args['workdir'].value:
         raise app.UsageError('--workdir is required')
     logging.set_verbosity(logging.WARNING)
-    prompts = list(_PROMPT.value)
-    if _PROMPTS_FILE.value:
-        prompts += Path(_PROMPTS_FILE.value).read_text().splitlines()
+    prompts = list(args['prompt'].value)
+    if args['prompts_file'].value:
+        prompts += Path(args['prompts_file'].value).read_text().splitlines()
     try:
         if not prompts or any(not p.strip() for p in prompts):
             raise decode.DecodeError('empty prompt: give --prompt="some text" (or a --prompts_file without '
                                      'blank lines).')
-        config, tokenizer = load_run(_WORKDIR.value)
-        max_len = _MAX_LEN.value or config.data.seq_len
-        generator = make_generator(config, _WORKDIR.value, tokenizer, max_len)
-        sampling = decode.Sampling(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
-                                   max_new_tokens=_MAX_NEW_TOKENS.value, seed=_SEED.value)
+        config, tokenizer = load_run(args['workdir'].value)
+        max_len = args['max_len'].value or config.data.seq_len
+        generator = make_generator(config, args['workdir'].value, tokenizer, max_len)
+        sampling = decode.Sampling(temperature=args['temperature'].value, top_k=args['top_k'].value, top_p=args['top_p'].value,
+                                   max_new_tokens=args['max_new_tokens'].value, seed=args['seed'].value)
         encoded = [data.prompt_tokens(config.data, tokenizer, p) for p in prompts]
         result = generator.generate(encoded, sampling)
     except (decode.DecodeError, FileNotFoundError, checkpoint.CheckpointMismatchError) as e:
@@ -70,4 +76,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == '__main__':
-    app.run(main)
+    _ARGS = _define_flags()
+    app.run(lambda argv: main(argv, _ARGS))

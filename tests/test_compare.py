@@ -1,0 +1,117 @@
+"""The comparison runner: curve helpers with known answers, a real tiny comparison that reuses
+finished runs, and bad input refused before anything is written."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_train import tiny_config
+from vrl import compare
+
+
+def test_moving_average_is_trailing_and_keeps_length():
+    np.testing.assert_allclose(compare.moving_average([1, 2, 3, 4, 10], 2), [1, 1.5, 2.5, 3.5, 7])
+    np.testing.assert_allclose(compare.moving_average([4, 2, 6], 100), [4, 3, 4])
+
+
+def test_relative_loss_over_common_steps():
+    baseline = {s: 5.0 - 0.01 * s for s in range(1, 301)}
+    better = {s: v - 0.2 for s, v in baseline.items() if s % 3}  # a curve logged on fewer steps
+    steps, relative = compare.relative_loss(better, baseline, 100)
+    assert steps == [s for s in range(1, 301) if s % 3]
+    np.testing.assert_allclose(relative, -0.2, atol=1e-12)
+    crossing = {s: baseline[s] + (0.3 if s <= 150 else -0.3) for s in baseline}
+    _, relative = compare.relative_loss(crossing, baseline, 100)
+    assert relative[0] == pytest.approx(0.3) and relative[-1] == pytest.approx(-0.3)
+    assert relative[199] == pytest.approx(-0.3 * 50 / 100 + 0.3 * 50 / 100)  # window over the crossing
+
+
+def test_summary_pairs_seeds_with_vanilla():
+    results = [dict(variant=v, seed=s, eval_loss=loss, model=v, params=1, kv_cache_bytes_per_token=2,
+                    tokens_per_sec=3.0)
+               for v, s, loss in [('vanilla', 0, 3.0), ('vanilla', 1, 3.2), ('resformer', 0, 2.9), ('resformer', 1, 3.0)]]
+    vanilla, resformer = compare.summarize(results, ['vanilla', 'resformer'])
+    assert vanilla['eval_loss'] == pytest.approx(3.1) and vanilla['delta_vs_vanilla'] == 0
+    assert resformer['delta_vs_vanilla'] == pytest.approx(-0.15)
+    assert resformer['delta_spread'] == pytest.approx(np.std([-0.1, -0.2], ddof=1))
+
+
+def _compare(small_corpus, workdir, *args: str, steps: int = 4) -> subprocess.CompletedProcess:
+    config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3))
+    overrides = [f'--config.{section}.{key}={value}' for section, values in dataclasses.asdict(config).items()
+                 for key, value in values.items()]
+    return subprocess.run([sys.executable, '-m', 'vrl.compare', '--config=configs/tiny.py', f'--workdir={workdir}',
+                           '--analysis_sequences=4', *overrides, *args],
+                          capture_output=True, text=True, cwd=str(ROOT), timeout=900)
+
+
+@pytest.fixture(scope='module')
+def compared(small_corpus, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp('compare')
+    first = _compare(small_corpus, workdir, '--variants=vanilla,resformer:learnable_plus', '--seeds=0,1')
+    assert first.returncode == 0, first.stderr[-3000:]
+    return workdir, first
+
+
+def test_compare_writes_report_results_and_plots(compared):
+    workdir, first = compared
+    results = json.loads((workdir / 'results.json').read_text())
+    assert [r['variant'] for r in results['table']] == ['vanilla', 'resformer:learnable_plus']
+    assert len(results['runs']) == 4 and {r['seed'] for r in results['runs']} == {0, 1}
+    for run in results['runs']:
+        assert run['step'] == 4 and np.isfinite(run['eval_loss']) and len(run['train_loss']) == 4
+        assert len(run['analysis']['entropy']) == 3
+    resformer = results['table'][1]
+    assert resformer['params'] > results['table'][0]['params']  # learnable_plus adds 2 N + 1 scalars
+    report = (workdir / 'report.md').read_text()
+    assert report.count('| vanilla |') == 1 and report.count('| resformer:learnable_plus |') == 1
+    for name in ('eval_loss', 'relative_train_loss', 'entropy', 'similarity', 'value_norms'):
+        assert (workdir / f'{name}.png').read_bytes()[:4] == b'\x89PNG' and f'({name}.png)' in report
+    assert 'resformer:learnable_plus: eval loss' in first.stdout
+
+
+def test_a_second_invocation_trains_only_the_new_variant(compared, small_corpus):
+    workdir, _ = compared
+    before = {p.parent.name: p.stat().st_mtime_ns for p in (workdir / 'runs').glob('*/result.json')}
+    assert len(before) == 4
+    again = _compare(small_corpus, workdir, '--variants=vanilla,resformer:learnable_plus,svformer', '--seeds=0,1')
+    assert again.returncode == 0, again.stderr[-3000:]
+    after = {p.parent.name: p.stat().st_mtime_ns for p in (workdir / 'runs').glob('*/result.json')}
+    assert set(after) - set(before) == {'svformer-s0', 'svformer-s1'}
+    assert all(after[name] == before[name] for name in before)  # reused, not retrained
+    assert again.stderr.count('finished before, reused') == 4
+    table = json.loads((workdir / 'results.json').read_text())['table']
+    assert [r['variant'] for r in table] == ['vanilla', 'resformer:learnable_plus', 'svformer']
+    assert table[2]['kv_cache_bytes_per_token'] < table[0]['kv_cache_bytes_per_token']
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--variants=vanilla,resformer:learned'], "unknown variant preset 'resformer:learned'; allowed: vanilla,"),
+    (['--variants='], '--variants is empty'),
+    (['--variants=vanilla', '--seeds=0,x'], '--seeds=0,x is invalid'),
+])
+def test_bad_variants_are_refused_before_anything_is_written(small_corpus, tmp_path, args, message):
+    result = _compare(small_corpus, tmp_path / 'new', *args)
+    assert result.returncode != 0 and message in result.stderr and 'Traceback' not in result.stderr
+    assert not (tmp_path / 'new').exists()
+
+
+def test_a_workdir_of_another_config_is_refused_and_left_alone(compared, small_corpus):
+    workdir, _ = compared
+    saved = (workdir / 'compare.json').read_bytes()
+    result = _compare(small_corpus, workdir, '--variants=vanilla', steps=5)
+    assert result.returncode != 0 and 'train.steps was 4 there and is 5 now' in result.stderr
+    assert (workdir / 'compare.json').read_bytes() == saved
+    assert not (workdir / 'runs' / 'vanilla-s0' / 'checkpoints' / '5').exists()
+
+
+def test_list_variants():
+    out = subprocess.run([sys.executable, '-m', 'vrl.compare', '--list_variants'], capture_output=True, text=True,
+                         cwd=str(ROOT), check=True).stdout
+    assert 'resformer:learnable_plus' in out and 'denseformer' in out and 'cla2' in out

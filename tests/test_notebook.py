@@ -1,0 +1,23 @@
+"""notebooks/vrl_quickstart.ipynb runs top to bottom (a CPU-sized budget), showing its plots and a sample."""
+
+import nbformat
+from nbclient import NotebookClient
+
+from tests.conftest import ROOT
+
+
+def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
+    notebook = nbformat.read(ROOT / 'notebooks' / 'vrl_quickstart.ipynb', as_version=4)
+    parameters = [c for c in notebook.cells if 'parameters' in c.metadata.get('tags', [])]
+    assert len(parameters) == 1
+    parameters[0].source += f'\nSTEPS = 40\nWORKDIR = {str(tmp_path / "quickstart")!r}\n'
+    NotebookClient(notebook, timeout=600, kernel_name='python3',
+                   resources={'metadata': {'path': str(ROOT)}}).execute()
+    outputs = [o for c in notebook.cells if c.cell_type == 'code' for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == 'error']
+    images = [o for o in outputs if o.output_type == 'display_data' and 'image/png' in o.data]
+    assert len(images) == 3  # eval loss, relative training loss, entropy
+    text = ''.join(o.get('text', '') for o in outputs if o.output_type == 'stream')
+    assert 'ROMEO:' in text and '| resformer |' in ''.join(o.data.get('text/markdown', '') for o in outputs
+                                                            if o.output_type == 'display_data')
+    assert (tmp_path / 'quickstart' / 'report.md').exists()
