@@ -130,14 +130,14 @@ def main(argv: list[str], args: dict[str, flags.FlagHolder]) -> None:
         for name, result in results.items():
             (out / name).mkdir(parents=True, exist_ok=True)
             (out / name / 'analysis.json').write_text(json.dumps(result, indent=2))
-        plots = plot(results, out)
+        figures = plot(results, out)
     except (AnalysisError, FileNotFoundError, checkpoint.CheckpointMismatchError, corpus.DataError,
             tokenizer.TokenizerError, plots.PlotError) as e:
         sys.exit(f'error: {e}')
     for name, result in results.items():
         entropy = ' '.join(f'{x:.2f}' for x in result['entropy'])
         print(f'{name} ({result["variant"]}, step {result["step"]}): entropy per layer {entropy}')
-    print(f'wrote {len(results)} analysis.json and {len(plots)} plots to {out}')
+    print(f"wrote {len(results)} analysis.json and {len(figures)} plots to {out}")
 
 
 if __name__ == '__main__':

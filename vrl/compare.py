@@ -180,13 +180,13 @@ def write_plots(results: list[dict], variants: list[str], workdir: Path) -> list
         if BASELINE in train_curves:
             steps, relative = relative_loss(train_curves[variant], train_curves[BASELINE], MOVING_AVERAGE_STEPS)
             relative_lines.append(plots.Line(variant, steps, relative, '-', color))
-    written = [plots.line_plot(workdir / 'eval_loss.png', 'Validation loss (mean over seeds)', 'step', 'eval loss',
+    written = [plots.line_plot(workdir / 'eval_loss.png', 'Validation loss', 'step', 'eval loss (mean over seeds)',
                                eval_lines)]
     if relative_lines:
         written.append(plots.line_plot(
             workdir / 'relative_train_loss.png',
-            f'Training loss minus vanilla\'s ({MOVING_AVERAGE_STEPS}-step moving average, mean over seeds)',
-            'step', 'relative training loss', relative_lines, markers=False))
+            f'Training loss minus vanilla\'s ({MOVING_AVERAGE_STEPS}-step moving average)',
+            'step', 'relative training loss (mean over seeds)', relative_lines, markers=False))
     mean_analysis = {}
     for variant, runs in by_variant.items():
         analyses = [r['analysis'] for r in runs]

@@ -126,7 +126,7 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
             {'config': dataclasses.asdict(config), 'params': account.params,
              'non_embedding_params': account.non_embedding_params}, indent=2))
     writer = metrics.MetricsWriter(workdir, config.train.steps, start_step, enabled=is_writer)
-    writer.print(f'{config.model.attention}: {account.params:,} params, mesh {dict(mesh.shape)}, '
+    writer.print(f'{config.model.variant_name}: {account.params:,} params, mesh {dict(mesh.shape)}, '
                  f'{"resumed at step " + str(start_step) if latest is not None else "fresh start"}')
 
     preemption = _Preemption()
