@@ -11,7 +11,7 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
     parameters = [c for c in notebook.cells if 'parameters' in c.metadata.get('tags', [])]
     assert len(parameters) == 1
     parameters[0].source += f'\nSTEPS = 40\nWORKDIR = {str(tmp_path / "quickstart")!r}\n'
-    NotebookClient(notebook, timeout=600, kernel_name='python3',
+    NotebookClient(notebook, timeout=1200, kernel_name='python3',
                    resources={'metadata': {'path': str(ROOT)}}).execute()
     outputs = [o for c in notebook.cells if c.cell_type == 'code' for o in c.outputs]
     assert not [o for o in outputs if o.output_type == 'error']

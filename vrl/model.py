@@ -133,7 +133,10 @@ class Attention(nnx.Module):
 
         if kv is None:
             return project(self.wk[...], None if self.wv is None else self.wv[...])
-        return jax.lax.cond(kv.owns, lambda: project(kv.wk, kv.wv), lambda: borrowed)
+        # a select, not lax.cond: a cond inside the sharded layer scan crashed XLA:CPU once in CI
+        # (tests/test_sharding.py, svformer-cla2); the borrowing layers' projection (zero weights) is wasted
+        own = project(kv.wk, kv.wv)
+        return tuple(jnp.where(kv.owns, mine, theirs) for mine, theirs in zip(own, borrowed))
 
     def values(self, x_BxLxD: Array, v_n: Array, v1: Array | None, lambdas: Lambdas | None) -> Array:
         """The values (B, L, K, Dh) this layer attends over: where the variants differ in V.
