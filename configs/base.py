@@ -19,7 +19,11 @@ SIZES = {
 
 def get_config(arg: str = 'vanilla,82m') -> ml_collections.ConfigDict:
     """arg: 'VARIANT,SIZE', e.g. 'resformer,180m'."""
-    attention, size = arg.split(',')
+    parts = arg.split(',')
+    if len(parts) != 2:
+        raise vrl_config.ConfigError(f'configs/base.py:{arg} is invalid: allowed VARIANT,SIZE such as '
+                                     f'resformer,180m (sizes: {", ".join(sorted(SIZES))}).')
+    attention, size = parts
     if size not in SIZES:
         raise vrl_config.ConfigError(f'size {size!r} is invalid: allowed one of {sorted(SIZES)}.')
     model = dataclasses.replace(vrl_config.ModelConfig(), attention=attention, **SIZES[size])

@@ -16,7 +16,7 @@ from flax import nnx
 from tests import numpy_reference
 from tests.conftest import ROOT
 from tests.helpers import NAMED_VARIANTS, randomize, rel_err, random_tokens, small_model_config
-from tests.test_train import tiny_config
+from tests.runs import tiny_config
 from vrl import analysis, train
 from vrl.model import Decoder
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_train import tiny_config
+from tests.runs import tiny_config
 from vrl import compare
 
 

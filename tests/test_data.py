@@ -12,6 +12,7 @@ import tensorflow_datasets as tfds
 
 from vrl import corpus, data
 from vrl.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError
+from vrl.tokenizer import train as train_tokenizer
 
 def _all_batches(ds) -> list[dict]:
     return list(ds)
@@ -220,3 +221,38 @@ def test_bad_inputs_give_clear_errors(tmp_path, caplog):
                                  validation_fraction=0.0)
     assert 'skipped 2 empty documents' in caplog.text
     assert len(tfds.data_source('blanks', data_dir=str(tmp_path / 'd'), split='train')) == 3
+
+
+def test_prepare_refuses_changed_input_unless_overwrite(tmp_path):
+    texts = tmp_path / 'texts'
+    texts.mkdir()
+    for i in range(4):
+        (texts / f'doc{i}.txt').write_text(f'document {i}\n')
+    data_dir = str(tmp_path / 'tfds')
+    corpus.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.25)
+    corpus.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.25)  # same input: kept
+    for i in range(4, 8):
+        (texts / f'doc{i}.txt').write_text(f'document {i}\n')
+    with pytest.raises(corpus.DataError, match=r"'grows' in .* was prepared from other inputs \(4 input file\(s\) "
+                                               r'then, 8 now\); pass --overwrite'):
+        corpus.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.25)
+    assert sum(len(corpus.open_split('grows', data_dir, s)) for s in ('train', 'validation')) == 4  # kept
+    corpus.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.25, overwrite=True)
+    assert sum(len(corpus.open_split('grows', data_dir, s)) for s in ('train', 'validation')) == 8
+    with pytest.raises(corpus.DataError, match='validation_fraction was 0.25, now 0.5'):
+        corpus.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.5)
+
+
+def test_too_small_for_validation_and_data_dir_a_file_fail_at_prepare(tmp_path):
+    (tmp_path / 'one.txt').write_text('a single document\n')
+    with pytest.raises(corpus.DataError, match=r'1 document\(s\) are too few to hold out a validation split'):
+        corpus.prepare_from_glob(str(tmp_path / 'one.txt'), 'tiny_one', str(tmp_path / 'd'), validation_fraction=0.1)
+    (tmp_path / 'a_file').write_text('x')
+    with pytest.raises(corpus.DataError, match="data_dir '.*a_file' is a file, not a folder"):
+        corpus.open_split('anything', str(tmp_path / 'a_file'), 'train')
+
+
+def test_vocabulary_too_large_for_the_corpus(tmp_path):
+    with pytest.raises(TokenizerError, match=r'vocab_size=5000 is too large for this corpus: sentencepiece can make '
+                                             r'at most \d+ pieces'):
+        train_tokenizer(['a small corpus of a few words'] * 10, 5000, str(tmp_path / 'x.model'))

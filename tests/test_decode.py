@@ -1,6 +1,7 @@
 """KV-cache decoding: equals the full forward, realises SVFormer's cache saving, batches correctly."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +141,14 @@ def test_cache_is_sharded_like_training():
         assert x.addressable_shards[0].data.shape == (cfg.n_layers, 1, 8, 1, cfg.head_dim)
     single = decode.init_cache(cfg, batch=1, max_len=8)  # a batch the mesh does not divide stays whole
     assert decode.cache_shardings(single, mesh).k.spec == PartitionSpec(None, None, None, 'tensor', None)
+
+
+@pytest.mark.parametrize('field, value, allowed', [
+    ('temperature', -1.0, '>= 0'), ('top_p', 0.0, 'in (0, 1]'), ('top_p', 1.5, 'in (0, 1]'), ('top_k', -2, '>= 0'),
+    ('max_new_tokens', 0, '>= 1'),
+])
+def test_sampling_values_out_of_range_are_refused(field, value, allowed):
+    with pytest.raises(decode.DecodeError, match=re.escape(f'{field}={value!r} is invalid: allowed {allowed}')):
+        decode.Sampling(**{field: value})
+    with pytest.raises(decode.DecodeError, match=re.escape('top_k=600 is invalid: allowed 0..512')):
+        decode.Sampling(top_k=600).check_vocab(512)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 
 from tests.conftest import ROOT
 from tests.helpers import NAMED_VARIANTS
-from tests.test_train import _cli_args, tiny_config
+from tests.runs import cli_args, tiny_config
 from vrl import data, sharding
 from vrl.config import ConfigError, Config, MeshConfig
 from vrl.step import Trainer
@@ -86,10 +86,17 @@ def test_bad_mesh_sizes(mesh, message):
         sharding.make_mesh(mesh)
 
 
-def test_tensor_size_must_divide_heads(small_corpus):
-    config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=8))
-    with pytest.raises(ConfigError, match='mesh.tensor=8 is invalid: it must divide model.n_heads=4'):
-        sharding.check_model_fits_mesh(config.model, (1, 1, 8))
+@pytest.mark.parametrize('shape, batch, d_model, message', [
+    ((1, 1, 8), 8, 32, 'mesh.tensor=8 is invalid: it must divide model.n_heads=4'),
+    ((1, 8, 1), 6, 32, 'data.batch_size=6 is invalid: .* split over mesh data x fsdp = 8 devices; use a multiple of 8'),
+    ((1, 8, 1), 8, 36, 'mesh.fsdp=8 is invalid: it must divide model.d_model=36'),
+])
+def test_what_does_not_split_over_the_mesh_is_named(small_corpus, shape, batch, d_model, message):
+    config = _sharding_config(small_corpus, MeshConfig(*shape))
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=batch),
+                                 model=dataclasses.replace(config.model, d_model=d_model))
+    with pytest.raises(ConfigError, match=message):
+        sharding.check_fits_mesh(config, shape)
 
 
 def _free_port() -> int:
@@ -101,7 +108,7 @@ def _free_port() -> int:
 def _run_two_processes(config: Config, workdir) -> None:
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu')
-    procs = [subprocess.Popen(_cli_args(config, workdir) + [f'--coordinator_address=localhost:{port}',
+    procs = [subprocess.Popen(cli_args(config, workdir) + [f'--coordinator_address=localhost:{port}',
                                                             '--num_processes=2', f'--process_id={i}'],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]

@@ -3,10 +3,10 @@
 import dataclasses
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -15,37 +15,10 @@ import optax
 import pytest
 
 from tests.conftest import ROOT
+from tests.runs import logged_steps, params_equal, saved_steps, start_run, tiny_config, wait_for
 from vrl import checkpoint, data, train
-from vrl.config import Config, ModelConfig, OptimizerConfig, TrainConfig
 from vrl.step import Trainer
 from vrl import sharding
-
-TINY_MODEL = dict(vocab_size=512, vocab_pad_multiple=64, n_layers=2, d_model=32, n_heads=2, n_kv_heads=2,
-                  head_dim=16, d_ff=64, compute_dtype='float32')
-
-
-def tiny_config(small_corpus, attention='resformer', **train_fields) -> Config:
-    data_cfg, _ = small_corpus
-    train_cfg = dict(steps=12, log_every=4, eval_every=0, eval_batches=2, checkpoint_every=4, sample_prompt='')
-    train_cfg.update(train_fields)
-    return Config(model=ModelConfig(attention=attention, lambda_mode='learnable', **TINY_MODEL),
-                  data=dataclasses.replace(data_cfg, num_epochs=0),
-                  optimizer=OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=3, decay_steps=60),
-                  train=TrainConfig(**train_cfg))
-
-
-def _cli_args(config: Config, workdir: Path) -> list[str]:
-    """The same config as command-line overrides of configs/tiny.py."""
-    args = [sys.executable, '-m', 'vrl.main', '--config=configs/tiny.py', f'--workdir={workdir}']
-    for section, values in dataclasses.asdict(config).items():
-        for key, value in values.items():
-            args.append(f'--config.{section}.{key}={value}')
-    return args
-
-
-def _params_equal(a, b) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
 
 def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path):
     config = tiny_config(small_corpus, steps=40, eval_every=20, sample_prompt='HAMLET.', sample_tokens=8,
@@ -88,57 +61,34 @@ def test_resume_is_exact(small_corpus, tmp_path):
     second = train.run(tiny_config(small_corpus, steps=12), str(tmp_path / 'resumed'))
     assert first.step == 6 and min(second.losses) == 7  # the second run started at step 7
     assert {**first.losses, **second.losses} == straight.losses
-    assert _params_equal(second.state.params, straight.state.params)
-    assert _params_equal(second.state.opt_state, straight.state.opt_state)
-
-
-def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f'run ended early: {proc.stdout.read()}')
-        if time.time() > deadline:
-            proc.kill()
-            raise AssertionError('timed out waiting for the run')
-        time.sleep(0.05)
-
-
-def _logged_steps(workdir: Path) -> int:
-    path = workdir / 'metrics.jsonl'
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def _saved_steps(workdir: Path) -> list[int]:
-    folder = workdir / 'checkpoints'
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
+    assert params_equal(second.state.params, straight.state.params)
+    assert params_equal(second.state.opt_state, straight.state.opt_state)
 
 
 def test_sigterm_saves_and_resume_matches_uninterrupted(small_corpus, tmp_path):
     config = tiny_config(small_corpus, steps=60, log_every=1, checkpoint_every=1000)
     workdir = tmp_path / 'preempted'
-    proc = subprocess.Popen(_cli_args(config, workdir), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    _wait_for(lambda: _logged_steps(workdir) >= 3, 120, proc)
+    proc = start_run(config, workdir)
+    wait_for(lambda: logged_steps(workdir) >= 3, 120, proc)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
-    saved = _saved_steps(workdir)
+    saved = saved_steps(workdir)
     assert len(saved) == 1 and 3 <= saved[0] < 60 and 'preempted: saved step' in output
     resumed = train.run(config, str(workdir))
     straight = train.run(config, str(tmp_path / 'straight'))
     assert min(resumed.losses) == saved[0] + 1
-    assert _params_equal(resumed.state.params, straight.state.params)
+    assert params_equal(resumed.state.params, straight.state.params)
 
 
 def test_kill_during_async_save_leaves_last_complete_checkpoint(small_corpus, tmp_path):
     config = tiny_config(small_corpus, steps=10_000, log_every=1, checkpoint_every=1, keep_checkpoints=2)
     workdir = tmp_path / 'killed'
-    proc = subprocess.Popen(_cli_args(config, workdir), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    _wait_for(lambda: len(_saved_steps(workdir)) >= 2 and _logged_steps(workdir) >= 8, 120, proc)
+    proc = start_run(config, workdir)
+    wait_for(lambda: len(saved_steps(workdir)) >= 2 and logged_steps(workdir) >= 8, 120, proc)
     proc.kill()  # SIGKILL: saves are in flight every step
     proc.wait()
-    complete = _saved_steps(workdir)
+    complete = saved_steps(workdir)
     resumed = train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=complete[-1] + 2)),
                         str(workdir))
     assert min(resumed.losses) == complete[-1] + 1 and resumed.step == complete[-1] + 2
@@ -169,12 +119,17 @@ def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path):
                                                                           init_lr=1e38, final_lr=1e38))
     with pytest.raises(train.TrainingError, match=r'at step 2; no checkpoint of it was written \(latest saved: 1\)'):
         train.run(exploding, str(tmp_path / 'error'))
-    assert _saved_steps(tmp_path / 'error') == [1]  # no checkpoint of the bad step
+    assert saved_steps(tmp_path / 'error') == [1]  # no checkpoint of the bad step
     skipping = dataclasses.replace(exploding, train=dataclasses.replace(exploding.train, nan_policy='skip'))
     result = train.run(skipping, str(tmp_path / 'skip'))
     abstract_params = Trainer(skipping, sharding.make_mesh(skipping.mesh)).abstract_state.params
     after_step_1 = checkpoint.restore_params(str(tmp_path / 'error'), abstract_params)
-    assert result.step == 4 and _params_equal(result.state.params, after_step_1)
+    assert result.step == 4 and params_equal(result.state.params, after_step_1)
+    # steps 2, 3, 4 are non-finite: a limit of 2 skips in a row stops at step 4, naming it
+    limited = dataclasses.replace(skipping, train=dataclasses.replace(skipping.train, max_skipped_steps=2, steps=6))
+    with pytest.raises(train.TrainingError, match=r'3 steps in a row up to step 4 were non-finite and skipped '
+                                                  r'\(train.max_skipped_steps=2\)'):
+        train.run(limited, str(tmp_path / 'limited'))
 
 
 def test_update_that_overflows_is_not_finite(small_corpus):
@@ -199,21 +154,41 @@ def test_update_that_overflows_is_not_finite(small_corpus):
     after, step_metrics = trainer.train_step(state, trainer.device_batch(batch))
     assert np.isfinite(float(step_metrics['loss'])) and np.isfinite(float(step_metrics['grad_norm']))
     assert not bool(step_metrics['finite'])
-    assert _params_equal(after.params, before.params) and _params_equal(after.opt_state, before.opt_state)
+    assert params_equal(after.params, before.params) and params_equal(after.opt_state, before.opt_state)
 
 
-def test_mismatched_checkpoint_is_refused_and_kept(small_corpus, tmp_path):
-    train.run(tiny_config(small_corpus, steps=4), str(tmp_path))
-    before = _saved_steps(tmp_path)
-    wider = tiny_config(small_corpus, steps=8)
-    wider = dataclasses.replace(wider, model=dataclasses.replace(wider.model, d_ff=96))
-    with pytest.raises(checkpoint.CheckpointMismatchError, match=r'mlp.w_down has shape \(64, 32\) but the '
-                                                                  r'config needs \(96, 32\)'):
-        train.run(wider, str(tmp_path))
-    svformer = tiny_config(small_corpus, attention='svformer', steps=8)
+def _tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob('*')) if p.is_file()}
+
+
+@pytest.mark.parametrize('field, value', [('attention', 'svformer'), ('rope_theta', 500_000.0),
+                                          ('lambda_mode', 'learnable_plus'), ('d_ff', 96)])
+def test_resuming_another_model_is_refused_and_changes_nothing(small_corpus, tmp_path_factory, field, value):
+    workdir = tmp_path_factory.getbasetemp() / 'mismatch_run'
+    if not workdir.exists():
+        train.run(tiny_config(small_corpus, steps=4), str(workdir))
+    before = _tree_bytes(workdir)
+    config = tiny_config(small_corpus, steps=8)
+    other = dataclasses.replace(config, model=dataclasses.replace(config.model, **{field: value}))
+    saved = getattr(config.model, field)
+    with pytest.raises(checkpoint.CheckpointMismatchError,
+                       match=re.escape(f'trained with model.{field}={saved!r} but the config has model.{field}={value!r}')):
+        train.run(other, str(workdir))
+    assert _tree_bytes(workdir) == before
+
+
+def test_init_from_checks_shapes(small_corpus, tmp_path):
+    train.run(tiny_config(small_corpus, steps=1, checkpoint_every=1), str(tmp_path))
+    config = tiny_config(small_corpus)
+    wider = dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=96))
+    abstract = Trainer(wider, sharding.make_mesh(wider.mesh)).abstract_state.params
+    with pytest.raises(checkpoint.CheckpointMismatchError,
+                       match=r'mlp.w_down has shape \(64, 32\) but the config needs \(96, 32\)'):
+        checkpoint.restore_params(str(tmp_path), abstract)
+    svformer = tiny_config(small_corpus, attention='svformer')
+    abstract = Trainer(svformer, sharding.make_mesh(svformer.mesh)).abstract_state.params
     with pytest.raises(checkpoint.CheckpointMismatchError, match='has parameter (lambdas|layers).* that the config does not'):
-        train.run(svformer, str(tmp_path))
-    assert _saved_steps(tmp_path) == before
+        checkpoint.restore_params(str(tmp_path), abstract)
 
 
 def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, monkeypatch):
@@ -222,7 +197,7 @@ def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, mo
     config = tiny_config(small_corpus, steps=1)
     mesh = sharding.make_mesh(config.mesh)
     restored = checkpoint.restore_params('runs/source', Trainer(config, mesh).abstract_state.params)
-    assert _params_equal(restored, source.state.params)
+    assert params_equal(restored, source.state.params)
 
 
 @pytest.mark.parametrize('args, message', [
@@ -231,8 +206,21 @@ def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, mo
     (['--config=configs/tiny.py', '--summary', '--config.model.attention=mamba'],
      "model.attention='mamba' is invalid: allowed one of 'vanilla', 'resformer', 'svformer'"),
     (['--config=configs/tiny.py', '--workdir=/proc/vrl_cannot_write'], "cannot write to workdir '/proc/vrl_cannot_write'"),
+    (['--config=configs/base.py:resformer', '--summary'], 'configs/base.py:resformer is invalid: allowed VARIANT,SIZE'),
+    (['--config=configs/tiny.py', '--summary', '--config.trian.steps=3'],
+     "--config.trian.steps: 'trian' is not a config section; allowed: model, data, optimizer, train, mesh"),
+    (['--config=configs/tiny.py', '--summary', '--config.optimizer.final_lr=-1e-4'],
+     'optimizer.final_lr=-0.0001 is invalid: allowed a float >= 0'),
 ])
 def test_command_line_errors_are_clear(args, message):
     out = subprocess.run([sys.executable, '-m', 'vrl.main', *args], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode != 0
     assert message in out.stderr and 'Traceback' not in out.stderr
+
+
+def test_config_file_with_a_syntax_error(tmp_path):
+    (tmp_path / 'broken.py').write_text('def get_config(:\n    pass\n')
+    out = subprocess.run([sys.executable, '-m', 'vrl.main', f'--config={tmp_path}/broken.py', '--summary'], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and 'Traceback' not in out.stderr
+    assert f'the config file {tmp_path}/broken.py does not parse: invalid syntax (line 1)' in out.stderr

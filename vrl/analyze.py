@@ -23,6 +23,7 @@ from flax import nnx
 from vrl import analysis, checkpoint, corpus, data, plots, sharding, tokenizer
 from vrl.step import Trainer
 from vrl.train import load_run
+from vrl.workdir import WorkdirError
 
 STATISTICS = analysis.LayerStats._fields
 
@@ -54,7 +55,7 @@ def analyze_run(workdir: str, sequences: int, seq_len: int, batch_size: int) -> 
         raise AnalysisError(f'--seq_len={seq_len} is invalid: allowed 2..{config.data.seq_len}, the sequence length '
                             f'{workdir} was trained at (RoPE positions beyond it were never seen).')
     trainer = Trainer(config, sharding.make_mesh(config.mesh))
-    params = checkpoint.restore_params(workdir, trainer.abstract_state.params)
+    params = checkpoint.restore_params(workdir, trainer.abstract_state.params, config.model)
     stats_fn = jax.jit(sharding.traced_in(trainer.mesh, lambda p, t: nnx.merge(trainer.graphdef, p).layer_stats(t)))
     tokens = validation_sequences(config, tok, sequences, seq_len)
     sums = None
@@ -131,7 +132,7 @@ def main(argv: list[str], args: dict[str, flags.FlagHolder]) -> None:
             (out / name).mkdir(parents=True, exist_ok=True)
             (out / name / 'analysis.json').write_text(json.dumps(result, indent=2))
         figures = plot(results, out)
-    except (AnalysisError, FileNotFoundError, checkpoint.CheckpointMismatchError, corpus.DataError,
+    except (AnalysisError, FileNotFoundError, checkpoint.CheckpointError, WorkdirError, corpus.DataError,
             tokenizer.TokenizerError, plots.PlotError) as e:
         sys.exit(f'error: {e}')
     for name, result in results.items():

@@ -97,7 +97,7 @@ class CompileReport:
 def compile_train_step(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None) -> CompileReport:
     """Lowers and compiles the real train step for `devices` (no arrays are allocated)."""
     mesh = sharding.make_mesh(config.mesh, devices)
-    sharding.check_model_fits_mesh(config.model, mesh.devices.shape)
+    sharding.check_fits_mesh(config, mesh.devices.shape)
     trainer = Trainer(config, mesh)
     shape = (config.data.batch_size, config.data.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)

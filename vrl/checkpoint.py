@@ -1,44 +1,135 @@
-"""Orbax checkpoints of {train state, data iterator position} in `WORKDIR/checkpoints`.
+"""Orbax checkpoints of {train state, data iterator position, meta} in `WORKDIR/checkpoints`.
 
 Saves are asynchronous; Orbax writes each step to a temporary folder and renames it when
 complete, so a process killed mid-save leaves the previous step restorable. The data
-iterator state is one JSON file per process (grain's handler). Restoring checks the
-checkpoint's parameter shapes against the config first and names the first mismatch.
+iterator state is one JSON file per process (grain's handler). `meta` (JSON) holds the
+model config the step was trained with and a fingerprint of every array of the state.
+
+Restoring checks the saved model config against the config (a different model is refused,
+naming the field), then the parameter shapes, then restores and recomputes the fingerprint.
+A step that cannot be read or whose fingerprint differs is moved to
+`WORKDIR/rejected_checkpoints/` (never deleted) and the previous complete step is restored.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
-from typing import Any
+import os
+import shutil
+import time
+from typing import Any, Callable, Iterator
 
 import grain
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from vrl.config import TrainConfig
+from vrl.config import ModelConfig, TrainConfig
+
+# Model fields that change how the step runs, not what the model is: a resume may change them.
+EXECUTION_FIELDS = ('attention_chunks', 'scan_layers', 'remat', 'compute_dtype')
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message says which and why."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint does not fit the config; the message names the first difference."""
 
 
+class SaveError(CheckpointError, RuntimeError):
+    """An asynchronous save failed (e.g. a full disk); its partial folder has been removed."""
+
+
+class CorruptCheckpointError(CheckpointError, RuntimeError):
+    """A checkpoint step cannot be read, or its arrays are not the ones saved."""
+
+
+class _FailedSaveLogs(logging.Filter):
+    """Drops Orbax's own multi-line error logs of a failed save: `check_saves` reports it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f'{os.sep}orbax{os.sep}' in record.pathname)
+
+
+_FAILED_SAVE_LOGS = _FailedSaveLogs()
+
+
 def make_manager(workdir: str, cfg: TrainConfig) -> ocp.CheckpointManager:
+    logging.getLogger('absl').addFilter(_FAILED_SAVE_LOGS)  # once: a filter is added only if absent
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep_checkpoints, keep_period=cfg.keep_period or None,
         enable_async_checkpointing=True, create=True)
     return ocp.CheckpointManager(epath.Path(workdir) / 'checkpoints', options=options,
                                  item_handlers={'state': ocp.StandardCheckpointHandler(),
-                                                'data': grain.checkpoint.CheckpointHandler()})
+                                                'data': grain.checkpoint.CheckpointHandler(),
+                                                'meta': ocp.JsonCheckpointHandler()})
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any,
+def _leaf_fingerprint(x: jax.Array) -> jax.Array:
+    """[sum of the bit patterns, sum of bit pattern x (2 i + 1)] mod 2^32: any single flipped bit
+    or swapped pair of elements changes it."""
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f'uint{8 * x.dtype.itemsize}')).astype(jnp.uint32)
+    odd = (2 * jnp.arange(x.size, dtype=jnp.uint32) + 1).reshape(x.shape)
+    return jnp.stack([bits.sum(dtype=jnp.uint32), (bits * odd).sum(dtype=jnp.uint32)])
+
+
+_fingerprints = jax.jit(lambda tree: jax.tree.map(_leaf_fingerprint, tree))
+
+
+def fingerprint(tree: Any) -> dict[str, list[int]]:
+    """Per array of `tree` (by path name), two uint32 checksums computed where the array lies."""
+    host = jax.device_get(_fingerprints(tree))
+    return {_path_name(p): [int(v) for v in np.asarray(x)] for p, x in jax.tree_util.tree_leaves_with_path(host)}
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any, model: ModelConfig,
          force: bool = False) -> bool:
-    """Starts an async save of `state` (and the iterator's position, if any)."""
-    items = {'state': ocp.args.StandardSave(state)}
+    """Starts an async save of `state`, the iterator's position (if any) and the meta record."""
+    meta = {'model': dataclasses.asdict(model), 'fingerprint': fingerprint(state)}
+    items = {'state': ocp.args.StandardSave(state), 'meta': ocp.args.JsonSave(meta)}
     if data_iterator is not None:
         items['data'] = grain.checkpoint.CheckpointSave(data_iterator)
-    return manager.save(step, args=ocp.args.Composite(**items), force=force)
+    with _save_errors(manager):  # the save waits for the previous one, which may have failed
+        return manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+
+def check_saves(manager: ocp.CheckpointManager, wait: bool = False) -> None:
+    """Raises SaveError if an earlier asynchronous save failed; with `wait`, waits for the one in
+    flight first. Without, it costs nothing while a save is still running."""
+    if wait or not manager.is_saving_in_progress():
+        with _save_errors(manager):
+            manager.wait_until_finished()  # returns at once when done, raises if that save failed
+
+
+@contextlib.contextmanager
+def _save_errors(manager: ocp.CheckpointManager) -> Iterator[None]:
+    """A failed save as one SaveError line (`close` removes its partial folder; the steps before it stay)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - whatever the writer raised, the save is lost
+        reason = 'no space left on device' if 'No space left on device' in str(e) else _one_line(e)
+        folder = epath.Path(manager.directory)
+        latest = latest_step(folder.parent)
+        kept = f'the latest complete checkpoint is step {latest}' if latest is not None else 'no checkpoint is complete yet'
+        raise SaveError(f'saving a checkpoint in {folder} failed ({reason}); its partial folder is removed and '
+                        f'{kept}. Fix the cause and run the same command to resume.') from None
+
+
+def close(manager: ocp.CheckpointManager) -> None:
+    """Closes the manager; then any `*.orbax-checkpoint-tmp` folder is a failed save's, and is removed."""
+    manager.close()
+    if jax.process_index() == 0:
+        for partial in epath.Path(manager.directory).glob('*.orbax-checkpoint-tmp*'):
+            shutil.rmtree(partial, ignore_errors=True)
 
 
 def _path_name(path) -> str:
@@ -63,16 +154,124 @@ def check_compatible(saved: Any, expected: Any, where: str) -> None:
                                       'written for another model config.')
 
 
-def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iterator: Any) -> Any:
-    """The train state at `step` (and the iterator moved to its saved position)."""
-    metadata = manager.item_metadata(step)['state']
-    check_compatible(metadata['params'], abstract_state.params, f'checkpoint {manager.directory}/{step}')
+def _read_meta(step_dir: epath.Path) -> dict | None:
+    """The step's meta record; None for a checkpoint written before vrl saved one."""
+    if not (step_dir / 'meta').exists():
+        return None
+    try:
+        return ocp.JsonCheckpointHandler().restore(step_dir / 'meta')
+    except Exception as e:  # noqa: BLE001 - any read failure means the step is damaged
+        raise CorruptCheckpointError(f'its meta record cannot be read ({_one_line(e)})') from e
+
+
+def check_model(saved: dict | None, model: ModelConfig, where: str) -> None:
+    """Refuses a checkpoint whose saved model config differs from `model` in a field that changes
+    the model (execution settings such as remat may change); names the field and both values."""
+    if saved is None:
+        return
+    current = dataclasses.asdict(model)
+    for name, value in saved['model'].items():
+        if name in EXECUTION_FIELDS or name not in current:
+            continue
+        if _normalized(value) != _normalized(current[name]):
+            raise CheckpointMismatchError(
+                f'{where} was trained with model.{name}={_normalized(value)!r} but the config has '
+                f'model.{name}={_normalized(current[name])!r}; a different model cannot resume this run '
+                '(start it from these weights in a new --workdir with --init_from).')
+
+
+def _normalized(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _one_line(e: BaseException) -> str:
+    text = ' '.join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + '...'
+
+
+def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iterator: Any,
+                  model: ModelConfig) -> Any:
+    """Step `step`'s verified state; CheckpointMismatchError for another model, CorruptCheckpointError
+    for a step that cannot be read or whose arrays differ from the ones saved."""
+    where = f'checkpoint {manager.directory}/{step}'
+    meta = _read_meta(epath.Path(manager.directory) / str(step))
+    check_model(meta, model, where)
+    try:
+        metadata = manager.item_metadata(step)['state']
+    except Exception as e:  # noqa: BLE001
+        raise CorruptCheckpointError(f'its array metadata cannot be read ({_one_line(e)})') from e
+    check_compatible(metadata['params'], abstract_state.params, where)
     items = {'state': ocp.args.StandardRestore(abstract_state)}
     if data_iterator is not None:
         items['data'] = grain.checkpoint.CheckpointRestore(data_iterator)
-    restored = manager.restore(step, args=ocp.args.Composite(**items))
-    logging.info('restored step %d from %s', step, manager.directory)
-    return restored['state']
+    try:
+        state = manager.restore(step, args=ocp.args.Composite(**items))['state']
+    except Exception as e:  # noqa: BLE001
+        raise CorruptCheckpointError(f'it cannot be read ({_one_line(e)})') from e
+    if meta is not None:
+        restored = fingerprint(state)
+        for name, saved in meta['fingerprint'].items():
+            if restored.get(name) != saved:
+                raise CorruptCheckpointError(f'array {name} differs from the one saved (checksum mismatch)')
+    return state
+
+
+def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any, data_iterator: Any,
+                   model: ModelConfig, say: Callable[[str], None] = print) -> tuple[Any, int] | None:
+    """The newest step that reads back intact, as (state, step); None if there is no checkpoint.
+
+    Newer steps that are damaged are reported in one line each and moved to
+    `rejected_checkpoints/` next to `checkpoints/` (never deleted), so the run re-saves those steps.
+    If no step can be restored, nothing is moved and CorruptCheckpointError names each reason.
+    """
+    steps = sorted(manager.all_steps(), reverse=True)
+    damaged: list[tuple[int, str]] = []
+    for step in steps:
+        state, reason = None, ''
+        try:
+            state = _restore_step(manager, step, abstract_state, data_iterator, model)
+        except CorruptCheckpointError as e:
+            reason = str(e)
+        if jax.process_count() > 1:  # every host restored its own shards: all must have succeeded
+            from jax.experimental import multihost_utils
+            if not np.all(multihost_utils.process_allgather(np.array(not reason))):
+                reason = reason or 'another host could not read its shards'
+        if not reason:
+            for bad_step, why in damaged:
+                moved = _reject(manager, bad_step, why)
+                say(f'checkpoint step {bad_step} is damaged: {why}; moved to {moved}, resuming from step {step}')
+            if damaged:
+                manager.reload()
+            logging.info('restored step %d from %s', step, manager.directory)
+            return state, step
+        damaged.append((step, reason))
+    if damaged:
+        raise CorruptCheckpointError(
+            f'no checkpoint in {manager.directory} can be restored: '
+            + '; '.join(f'step {s}: {why}' for s, why in damaged)
+            + '. Nothing was moved; start a new --workdir (optionally --init_from a copy you trust).')
+    return None
+
+
+def _reject(manager: ocp.CheckpointManager, step: int, reason: str) -> epath.Path:
+    """Moves a damaged step out of the manager's sight, with a note of why (process 0 only)."""
+    source = epath.Path(manager.directory) / str(step)
+    target = epath.Path(manager.directory).parent / 'rejected_checkpoints' / f'{step}-{time.strftime("%Y%m%dT%H%M%S")}'
+    if jax.process_index() == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(target)
+        (target / 'REJECTED.txt').write_text(reason + '\n')
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(f'vrl rejected checkpoint {step}')
+    return target
+
+
+def latest_step(workdir: str | epath.Path) -> int | None:
+    """The newest complete step saved in `workdir` (None if none), without a manager."""
+    folder = epath.Path(workdir) / 'checkpoints'
+    steps = ocp.utils.checkpoint_steps(folder) if folder.is_dir() else []
+    return max(steps) if steps else None
 
 
 def step_folder(path: str) -> tuple[epath.Path, int | None]:
@@ -90,9 +289,12 @@ def step_folder(path: str) -> tuple[epath.Path, int | None]:
     return root / str(max(steps)), max(steps)
 
 
-def restore_params(path: str, abstract_params: Any) -> Any:
-    """Parameters only, from a workdir (its latest step) or a step folder: for --init_from."""
+def restore_params(path: str, abstract_params: Any, model: ModelConfig | None = None) -> Any:
+    """Parameters only, from a workdir (its latest step) or a step folder: for --init_from (any
+    model whose shapes match) and for decoding (`model` given: the saved model config must match)."""
     root, _ = step_folder(path)
+    if model is not None:
+        check_model(_read_meta(root), model, f'checkpoint {root}')
     checkpointer = ocp.PyTreeCheckpointer()
     check_compatible(checkpointer.metadata(root / 'state').item_metadata['params'], abstract_params,
                      f'checkpoint {root}')

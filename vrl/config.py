@@ -216,7 +216,8 @@ class OptimizerConfig:
                  f'an integer > optimizer.warmup_steps={self.warmup_steps}')
         _require(self.eps > 0, 'optimizer.eps', self.eps, 'a float > 0')
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, 'optimizer.b1/b2', (self.b1, self.b2), 'floats in [0, 1)')
-        _require(self.grad_clip >= 0, 'optimizer.grad_clip', self.grad_clip, 'a float >= 0')
+        for name in ('init_lr', 'final_lr', 'weight_decay', 'grad_clip', 'z_loss'):
+            _require(getattr(self, name) >= 0, f'optimizer.{name}', getattr(self, name), 'a float >= 0')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +234,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     keep_period: int = 0  # also keep every k-th step forever; 0 = off
     nan_policy: str = 'error'  # error: stop naming the step | skip: drop that update
+    max_skipped_steps: int = 20  # with nan_policy=skip: stop after more non-finite steps than this in a row
     sample_prompt: str = 'ROMEO:'  # printed with a greedy continuation at the end; '' = none
     sample_tokens: int = 48
     peak_flops: float = 0.0  # per device, for MFU; 0 = device table, or a matmul probe on CPU
@@ -241,7 +243,7 @@ class TrainConfig:
         _choice('train.nan_policy', self.nan_policy, NAN_POLICIES)
         for name in ('steps', 'microbatches', 'log_every', 'checkpoint_every', 'keep_checkpoints'):
             _require(getattr(self, name) >= 1, f'train.{name}', getattr(self, name), 'an integer >= 1')
-        for name in ('eval_every', 'eval_batches', 'keep_period', 'sample_tokens'):
+        for name in ('eval_every', 'eval_batches', 'keep_period', 'sample_tokens', 'max_skipped_steps'):
             _require(getattr(self, name) >= 0, f'train.{name}', getattr(self, name), 'an integer >= 0')
 
 

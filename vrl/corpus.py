@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import tensorflow_datasets as tfds
+from etils import epath
 
 tfds.disable_progress_bar()
 
@@ -153,8 +154,11 @@ class _TextCorpusBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True
                     yield key, {'text': text}
 
         if not validation:
-            logging.warning('no validation split: %d unit(s) at validation_fraction=%s',
-                            len(units), self.spec.validation_fraction)
+            if self.spec.validation_fraction > 0:
+                raise DataError(f'{len(units)} {self.spec.holdout_unit}(s) are too few to hold out a validation '
+                                f'split at validation_fraction={self.spec.validation_fraction}: give more input '
+                                '(at least 2), or --validation_fraction=0 and evaluate on another dataset.')
+            logging.warning('no validation split (validation_fraction=0)')
             return {'train': generate(False)}
         return {'train': generate(False), 'validation': generate(True)}
 
@@ -165,8 +169,39 @@ class _TextCorpusBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True
 _NAME = re.compile(r'^[a-z][a-z0-9_]*$')
 
 
-def prepare(spec: CorpusSpec, name: str, data_dir: str) -> str:
-    """Builds the TFDS dataset `name` in `data_dir` (array_record); returns its folder."""
+def _checked_data_dir(data_dir: str) -> str:
+    data_dir = data_dir or default_data_dir()
+    if Path(data_dir).exists() and not Path(data_dir).is_dir():
+        raise DataError(f'data_dir {data_dir!r} is a file, not a folder: point data.data_dir (or --data_dir) '
+                        'at the folder that holds the prepared datasets.')
+    return data_dir
+
+
+def _inputs_record(spec: CorpusSpec) -> dict:
+    """What a dataset was prepared from: its files' contents (wherever they lie) and the split settings."""
+    def digest(file: str) -> str:
+        h = hashlib.sha256()
+        with open(file, 'rb') as f:
+            for chunk in iter(lambda: f.read(1 << 20), b''):
+                h.update(chunk)
+        return h.hexdigest()
+    settings = dataclasses.asdict(spec)
+    del settings['files']
+    return {'file_sha256': sorted(digest(f) for f in spec.files), **settings}
+
+
+def _difference(saved: dict, current: dict) -> str:
+    if saved['file_sha256'] != current['file_sha256']:
+        n_then, n_now = len(saved['file_sha256']), len(current['file_sha256'])
+        return f'{n_then} input file(s) then, {n_now} now' if n_then != n_now else 'the input files\' contents differ'
+    return ', '.join(f'{k} was {saved.get(k)!r}, now {v!r}' for k, v in current.items() if saved.get(k) != v)
+
+
+def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False) -> str:
+    """Builds the TFDS dataset `name` in `data_dir` (array_record); returns its folder.
+
+    A dataset already there is kept if it was prepared from the same inputs; from other inputs,
+    DataError names the difference unless `overwrite` (then it is rebuilt)."""
     if not _NAME.match(name):
         raise DataError(f'dataset name {name!r} is invalid: use lower_snake_case (letters, digits, _).')
     if not 0 <= spec.validation_fraction < 1:
@@ -175,13 +210,25 @@ def prepare(spec: CorpusSpec, name: str, data_dir: str) -> str:
         raise DataError(f'split_mode={spec.split_mode!r} is invalid: allowed one of {SPLIT_MODES}.')
     builder_cls = types.new_class(name, (_TextCorpusBuilder,), {'skip_registration': True},
                                   lambda namespace: namespace.update(name=name, spec=spec))
-    builder = builder_cls(data_dir=data_dir or default_data_dir(), file_format='array_record')
+    data_dir = _checked_data_dir(data_dir)
+    builder = builder_cls(data_dir=data_dir, file_format='array_record')
+    inputs = _inputs_record(spec)
+    record = epath.Path(builder.data_path) / 'vrl_inputs.json'  # local or gs://
+    if record.exists() and json.loads(record.read_text()) != inputs:
+        difference = _difference(json.loads(record.read_text()), inputs)
+        if not overwrite:
+            raise DataError(f'dataset {name!r} in {data_dir} was prepared from other inputs ({difference}); '
+                            'pass --overwrite to rebuild it, or choose another --name.')
+        logging.warning('rebuilding %s: %s', name, difference)
+        epath.Path(builder.data_path).rmtree()
+        builder = builder_cls(data_dir=data_dir, file_format='array_record')
     builder.download_and_prepare()
+    record.write_text(json.dumps(inputs))
     return str(builder.data_path)
 
 
-def prepare_from_glob(input_glob: str, name: str, data_dir: str, **spec_fields) -> str:
-    return prepare(CorpusSpec(files=_resolve_files(input_glob), **spec_fields), name, data_dir)
+def prepare_from_glob(input_glob: str, name: str, data_dir: str, overwrite: bool = False, **spec_fields) -> str:
+    return prepare(CorpusSpec(files=_resolve_files(input_glob), **spec_fields), name, data_dir, overwrite)
 
 
 def shakespeare_spec() -> CorpusSpec:
@@ -198,7 +245,7 @@ def shakespeare_spec() -> CorpusSpec:
 
 def open_split(name: str, data_dir: str, split: str):
     """A random-access source over one split (`tfds.data_source`); builds Shakespeare on first use."""
-    data_dir = data_dir or default_data_dir()
+    data_dir = _checked_data_dir(data_dir)
     if name == SHAKESPEARE and not (Path(data_dir) / SHAKESPEARE).exists():
         logging.info('building the embedded Shakespeare corpus in %s (once)', data_dir)
         prepare(shakespeare_spec(), SHAKESPEARE, data_dir)

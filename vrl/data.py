@@ -13,7 +13,7 @@ last window is padded (loss_mask 0). With `document_masking`, segment ids (1, 2,
 window; 0 = padding) and positions restarting at each group keep attention and RoPE within
 a document.
 
-    python -m vrl.data prepare --input=GLOB --name=NAME --data_dir=DIR [--validation_fraction=F]
+    python -m vrl.data prepare --input=GLOB --name=NAME --data_dir=DIR [--validation_fraction=F] [--overwrite]
     python -m vrl.data stats --name=NAME --data_dir=DIR [--tokenizer=PATH]
 """
 
@@ -243,7 +243,8 @@ def main(argv: list[str]) -> None:
             mode = FLAGS.split_mode or ('jsonl' if '.jsonl' in FLAGS.input else 'file')
             path = corpus.prepare_from_glob(FLAGS.input, FLAGS.name, FLAGS.data_dir, split_mode=mode,
                                             jsonl_field=FLAGS.jsonl_field,
-                                            validation_fraction=FLAGS.validation_fraction)
+                                            validation_fraction=FLAGS.validation_fraction,
+                                            overwrite=FLAGS.overwrite)
             print(f'prepared {FLAGS.name} in {path}')
             command = 'stats'
         tokenizer = Tokenizer.load(FLAGS.tokenizer) if FLAGS.tokenizer else None
@@ -263,6 +264,7 @@ if __name__ == '__main__':
                       'prepare: one document per file, per blank-line block, or per JSONL record '
                       '(default: jsonl for *.jsonl inputs, else file)')
     flags.DEFINE_string('jsonl_field', 'text', 'prepare: the JSONL field holding the text')
+    flags.DEFINE_bool('overwrite', False, 'prepare: rebuild a dataset that was prepared from other inputs')
     flags.DEFINE_string('tokenizer', None, 'stats: a sentencepiece .model to count tokens with')
     FLAGS = flags.FLAGS
     app.run(main)

@@ -31,11 +31,25 @@ class DecodeError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
+    """How tokens are drawn; DecodeError names a value outside its range."""
+
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     max_new_tokens: int = 64
     seed: int = 0
+
+    def __post_init__(self):
+        for name, ok, allowed in (('temperature', self.temperature >= 0, '>= 0 (0 = greedy)'),
+                                  ('top_k', self.top_k >= 0, '>= 0 (0 = off)'),
+                                  ('top_p', 0 < self.top_p <= 1, 'in (0, 1] (1 = off)'),
+                                  ('max_new_tokens', self.max_new_tokens >= 1, '>= 1')):
+            if not ok:
+                raise DecodeError(f'{name}={getattr(self, name)!r} is invalid: allowed {allowed}.')
+
+    def check_vocab(self, vocab_size: int) -> None:
+        if self.top_k > vocab_size:
+            raise DecodeError(f'top_k={self.top_k} is invalid: allowed 0..{vocab_size} (the vocabulary).')
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:

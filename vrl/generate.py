@@ -17,13 +17,14 @@ from vrl.config import Config
 from vrl.step import Trainer
 from vrl.tokenizer import Tokenizer
 from vrl.train import load_run
+from vrl.workdir import WorkdirError
 
 
 
 def make_generator(config: Config, workdir: str, tokenizer: Tokenizer, max_len: int) -> decode.Generator:
     """The latest checkpoint's parameters, sharded by the training rules, behind a Generator."""
     trainer = Trainer(config, sharding.make_mesh(config.mesh))
-    params = checkpoint.restore_params(workdir, trainer.abstract_state.params)
+    params = checkpoint.restore_params(workdir, trainer.abstract_state.params, config.model)
     return decode.Generator(config.model, trainer.graphdef, params, max_len=max_len, eos_id=tokenizer.eos_id,
                             mesh=trainer.mesh)
 
@@ -56,14 +57,22 @@ def main(argv: list[str], args: dict) -> None:
         if not prompts or any(not p.strip() for p in prompts):
             raise decode.DecodeError('empty prompt: give --prompt="some text" (or a --prompts_file without '
                                      'blank lines).')
+        sampling = decode.Sampling(temperature=args['temperature'].value, top_k=args['top_k'].value,
+                                   top_p=args['top_p'].value, max_new_tokens=args['max_new_tokens'].value,
+                                   seed=args['seed'].value)
+        if args['max_len'].value < 0:
+            raise decode.DecodeError(f'max_len={args["max_len"].value} is invalid: allowed >= 1 (0 = the trained '
+                                     'seq_len).')
         config, tokenizer = load_run(args['workdir'].value)
+        sampling.check_vocab(config.model.vocab_size)
         max_len = args['max_len'].value or config.data.seq_len
+        if max_len > config.data.seq_len:
+            print(f'warning: --max_len={max_len} is beyond the trained seq_len {config.data.seq_len}: RoPE '
+                  'positions past it were never seen in training.', file=sys.stderr)
         generator = make_generator(config, args['workdir'].value, tokenizer, max_len)
-        sampling = decode.Sampling(temperature=args['temperature'].value, top_k=args['top_k'].value, top_p=args['top_p'].value,
-                                   max_new_tokens=args['max_new_tokens'].value, seed=args['seed'].value)
         encoded = [data.prompt_tokens(config.data, tokenizer, p) for p in prompts]
         result = generator.generate(encoded, sampling)
-    except (decode.DecodeError, FileNotFoundError, checkpoint.CheckpointMismatchError) as e:
+    except (decode.DecodeError, FileNotFoundError, checkpoint.CheckpointError, WorkdirError) as e:
         sys.exit(f'error: {e}')
     for prompt, tokens in zip(prompts, result.tokens):
         print(f'--- {prompt}{tokenizer.decode(t for t in tokens if t != tokenizer.eos_id)}')

@@ -7,7 +7,10 @@ otherwise the config is trained (vrl/train.py). Overrides: `--config.train.steps
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -22,8 +25,8 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'A configs/*.py file (
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and TensorBoard logs go here.')
 _SUMMARY = flags.DEFINE_bool('summary', False, 'Print the model summary and exit.')
 _SUMMARY_JSON = flags.DEFINE_bool('summary_json', False, 'With --summary: also one JSON line at the end.')
-_FRESH = flags.DEFINE_bool('fresh', False, 'Ignore checkpoints in --workdir and start from step 0 '
-                           '(existing checkpoints are kept until newer ones replace them).')
+_FRESH = flags.DEFINE_bool('fresh', False, 'Start over from step 0: the run in --workdir moves to '
+                           'WORKDIR/previous_runs/ (a run --fresh started resumes under the same command).')
 _COMPILE_ONLY = flags.DEFINE_bool('compile_only', False, 'Compile the train step ahead of time, print '
                                    'per-device memory and FLOPs, exit non-zero if it does not fit.')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'With --compile_only: a TPU slice such as v5e:4x4 '
@@ -88,8 +91,6 @@ def _enable_compilation_cache() -> None:
 
 def _initialize_distributed() -> None:
     """jax.distributed for several processes: explicit flags, or a detected Cloud TPU pod / SLURM job."""
-    import os
-
     import jax
     if _COORDINATOR.value:
         jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU processes talk over gloo
@@ -101,8 +102,6 @@ def _initialize_distributed() -> None:
 def _compile_only(config: Config) -> None:
     from vrl import aot
     if _TOPOLOGY.value:
-        import os
-
         import jax
         # compile for the described slice only: no TPU runtime here to start, no executable to cache,
         # and no claim on libtpu's one-process lockfile (several compiles may run side by side)
@@ -149,24 +148,46 @@ def main(argv: list[str]) -> None:
     _initialize_distributed()
     if not _WORKDIR.value:
         raise app.UsageError('--workdir is required to train, e.g. --workdir=runs/tiny')
-    from vrl import checkpoint, corpus, tokenizer, train  # here, so that --summary needs no data stack
+    from vrl import checkpoint, corpus, tokenizer, train, workdir  # here, so that --summary needs no data stack
     try:
         train.run(config, _WORKDIR.value, fresh=_FRESH.value, init_from=_INIT_FROM.value)
-    except (ConfigError, corpus.DataError, tokenizer.TokenizerError, checkpoint.CheckpointMismatchError,
-            train.TrainingError, FileNotFoundError) as e:
+    except checkpoint.SaveError as e:
+        # the failed save's writer threads can still print asyncio noise while Python shuts down:
+        # end the process here, so that this line is the last one
+        print(f'error: {e}', file=sys.stderr, flush=True)
+        os._exit(1)
+    except (ConfigError, corpus.DataError, tokenizer.TokenizerError, checkpoint.CheckpointError,
+            train.TrainingError, workdir.WorkdirError, FileNotFoundError) as e:
         sys.exit(f'error: {e}')
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        sys.exit(f'error: no space left on device writing {e.filename or _WORKDIR.value}; free space and run the '
+                 'same command to resume.')
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, with config errors (unknown key, missing file) as one clear line."""
+    """absl's parser, with config errors (unknown key, missing or broken file) as one clear line."""
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
-        sys.exit(f'error: {e}\nPass --help for usage.')
-    except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:  # raised by --config.x=...
-        message = str(e.args[0] if e.args else e).replace("\\'", "'").replace('\\n', ' ').replace('\n', ' ')
-        message = message.strip("'")
-        sys.exit(f'error: bad --config or override: {message}')
+        text = str(e)
+        if 'Traceback' in text:  # a config file raised: its exception's last line says why
+            text = text.strip().splitlines()[-1].split(': ', 1)[-1]
+        sys.exit(f'error: {" ".join(text.split())}\nPass --help for usage.')
+    except SyntaxError as e:
+        sys.exit(f'error: the config file {e.filename} does not parse: {e.msg} (line {e.lineno})')
+    except KeyError as e:  # --config.SECTION.x=... with an unknown SECTION
+        text = str(e.args[0]) if e.args else '?'
+        key = re.split(r"['\\\n]", text.strip("'"), maxsplit=1)[0]
+        given = next((a.split('=')[0] for a in argv if a.startswith(f'--config.{key}.')), f'--config.{key}')
+        hint = re.search(r'Did you mean "(\w+)"', text)
+        sys.exit(f'error: {given}: {key!r} is not a config section; allowed: '
+                 + ', '.join(f.name for f in dataclasses.fields(Config))
+                 + (f' (did you mean {hint.group(1)!r}?)' if hint else ''))
+    except (AttributeError, TypeError, ValueError, OSError) as e:  # raised by --config.x=...
+        message = ' '.join(str(e.args[0] if e.args else e).replace("\\'", "'").replace('\\n', ' ').split())
+        sys.exit(f'error: bad --config or override: {message.strip(chr(39))}'.replace("' Did you", ': Did you'))
 
 
 if __name__ == '__main__':

@@ -85,6 +85,13 @@ class MetricsWriter:
                 self._tensorboard.add_scalar(key, value, step)
         self._echo(step, record)
 
+    def mark_start(self, step: int, how: str, **details: Any) -> None:
+        """A record that a run (re)started at `step`: later records of a step supersede earlier ones."""
+        if self.enabled:
+            self._jsonl.write(json.dumps({'step': step, 'event': how, 'time': time.strftime('%Y-%m-%d %H:%M:%S'),
+                                          **{k: v for k, v in details.items() if v}}) + '\n')
+            self._jsonl.flush()
+
     def _echo(self, step: int, record: dict[str, Any]) -> None:
         if 'eval_loss' in record:
             self.print(f'step {step}: eval_loss {record["eval_loss"]:.4f}  '

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from vrl.config import ConfigError, MeshConfig, ModelConfig
+from vrl.config import Config, ConfigError, MeshConfig
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
@@ -53,12 +53,22 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
     return tuple(sizes)
 
 
-def check_model_fits_mesh(model: ModelConfig, shape: tuple[int, int, int]) -> None:
-    tensor = shape[2]
+def check_fits_mesh(config: Config, shape: tuple[int, int, int]) -> None:
+    """ConfigError naming the field if a parameter or the batch cannot split evenly over the mesh."""
+    data, fsdp, tensor = shape
+    model = config.model
     for field in ('n_heads', 'n_kv_heads', 'd_ff'):
         if getattr(model, field) % tensor:
             raise ConfigError(f'mesh.tensor={tensor} is invalid: it must divide model.{field}='
                               f'{getattr(model, field)}.')
+    if model.d_model % fsdp:
+        raise ConfigError(f'mesh.fsdp={fsdp} is invalid: it must divide model.d_model={model.d_model} '
+                          '(parameters are sharded over fsdp on d_model).')
+    batch, parts = config.data.batch_size, config.train.microbatches
+    if (batch // parts) % (data * fsdp):
+        raise ConfigError(f'data.batch_size={batch} is invalid: each of its train.microbatches={parts} '
+                          f'part(s) is split over mesh data x fsdp = {data * fsdp} devices; use a multiple '
+                          f'of {parts * data * fsdp}.')
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import time
 from typing import Iterable, Iterator
 
@@ -86,18 +87,30 @@ def train(texts: Iterable[str], vocab_size: int, out: str, model_type: str = 'bp
 
     model = io.BytesIO()
     start = time.perf_counter()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=lines(), model_writer=model, vocab_size=vocab_size, model_type=model_type,
-        byte_fallback=True, pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
-        normalization_rule_name='identity', add_dummy_prefix=False, remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, split_digits=True, character_coverage=0.9995,
-        input_sentence_size=2_000_000, shuffle_input_sentence=True, max_sentence_length=1 << 16,
-        num_threads=2, minloglevel=2)
+    try:
+        _train_sentencepiece(lines(), model, vocab_size, model_type)
+    except RuntimeError as e:
+        too_high = re.search(r'Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)', str(e))
+        if not too_high:
+            raise
+        raise TokenizerError(f'vocab_size={vocab_size} is too large for this corpus: sentencepiece can make at '
+                             f'most {too_high.group(2)} pieces from it; use a smaller vocabulary (model.vocab_size '
+                             'or --vocab_size) or more text.') from None
     logging.info('trained a %d-piece %s tokenizer in %.1fs', vocab_size, model_type, time.perf_counter() - start)
     out_path = epath.Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_bytes(model.getvalue())
     return Tokenizer(model.getvalue(), out)
+
+
+def _train_sentencepiece(lines: Iterator[str], model: io.BytesIO, vocab_size: int, model_type: str) -> None:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines, model_writer=model, vocab_size=vocab_size, model_type=model_type,
+        byte_fallback=True, pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
+        normalization_rule_name='identity', add_dummy_prefix=False, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, split_digits=True, character_coverage=0.9995,
+        input_sentence_size=2_000_000, shuffle_input_sentence=True, max_sentence_length=1 << 16,
+        num_threads=2, minloglevel=2)
 
 
 def main(argv: list[str]) -> None:
@@ -108,9 +121,12 @@ def main(argv: list[str]) -> None:
     for flag in ('name', 'vocab_size', 'out'):
         if not getattr(FLAGS, flag):
             raise app.UsageError(f'--{flag} is required')
-    texts = corpus.texts(corpus.open_split(FLAGS.name, FLAGS.data_dir, FLAGS.split), FLAGS.text_field,
-                         limit=FLAGS.max_docs)
-    tok = train(texts, FLAGS.vocab_size, FLAGS.out, FLAGS.model_type)
+    try:
+        texts = corpus.texts(corpus.open_split(FLAGS.name, FLAGS.data_dir, FLAGS.split), FLAGS.text_field,
+                             limit=FLAGS.max_docs)
+        tok = train(texts, FLAGS.vocab_size, FLAGS.out, FLAGS.model_type)
+    except (corpus.DataError, TokenizerError) as e:
+        raise SystemExit(f'error: {e}') from None
     print(f'wrote {FLAGS.out}: {tok.vocab_size} pieces, pad={tok.pad_id} eos={tok.eos_id} bos={tok.bos_id}')
 
 

@@ -1,8 +1,9 @@
 """The training loop: data -> jitted step -> lagged metrics -> eval / checkpoint -> sample.
 
 The host reads step n's metrics only after dispatching step n + 1, so the device never
-waits on logging. SIGTERM (what Cloud TPU sends before preemption) finishes the current
-step, saves, waits for the save to be durable and returns normally.
+waits on logging. SIGTERM (what Cloud TPU sends before preemption) and a first Ctrl-C finish
+the current step, save, wait for the save to be durable and return normally (a second Ctrl-C
+aborts). Process 0 holds the workdir's lock for the whole run (vrl/workdir.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from vrl import accounting, checkpoint, data, decode, metrics, sharding
+from vrl import accounting, checkpoint, data, decode, metrics, sharding, workdir as workdir_lib
 from vrl.config import Config, from_configdict
 from vrl.step import TrainState, Trainer
 from vrl.tokenizer import Tokenizer
@@ -41,14 +42,18 @@ class RunResult:
 
 
 class _Preemption:
-    """Turns SIGTERM into a flag the loop checks after each step."""
+    """Turns SIGTERM and the first Ctrl-C into a flag the loop checks after each step."""
 
     def __init__(self):
         self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
-        logging.warning('SIGTERM: finishing this step, then saving and exiting')
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt  # the second Ctrl-C aborts
+        name = 'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'
+        print(f'{name}: finishing this step, then saving and exiting'
+              + (' (Ctrl-C again to abort without saving)' if signum == signal.SIGINT else ''), flush=True)
         self.requested = True
 
     def reached(self, step: int, every: int) -> bool:
@@ -61,7 +66,8 @@ class _Preemption:
         return bool(np.any(multihost_utils.process_allgather(np.array(self.requested))))
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _check_workdir(workdir: str) -> Path:
@@ -81,10 +87,14 @@ def _check_workdir(workdir: str) -> Path:
 def load_run(workdir: str) -> tuple[Config, Tokenizer]:
     """The config a workdir was trained with (its config.json) and the run's tokenizer."""
     config_file = Path(workdir) / 'config.json'
-    if not config_file.exists():
+    if not config_file.is_file():
         raise FileNotFoundError(f'{config_file} not found: --workdir must be a directory that '
                                 '`python -m vrl.main --workdir=...` trained in.')
-    config = from_configdict(ml_collections.ConfigDict(json.loads(config_file.read_text())['config']))
+    try:
+        config = from_configdict(ml_collections.ConfigDict(json.loads(config_file.read_text())['config']))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON, no 'config', unknown field
+        raise workdir_lib.WorkdirError(f'{config_file} is not a readable vrl run record '
+                                       f'({" ".join(str(e).split())}); restore it from the run.') from None
     return config, data.load_tokenizer(config.data, config.model.vocab_size)
 
 
@@ -97,21 +107,52 @@ def evaluate(trainer: Trainer, params: Any, config: Config, tokenizer) -> float:
     return loss_sum / max(tokens, 1.0)
 
 
+def _sync(name: str) -> None:
+    """All processes wait here (process 0 may have changed the workdir)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
 def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None = None) -> RunResult:
-    """Trains `config` in `workdir`, resuming from its latest checkpoint unless `fresh`."""
-    is_writer = jax.process_index() == 0
+    """Trains `config` in `workdir`, resuming from its latest intact checkpoint; `fresh` starts over,
+    moving the old run aside (vrl/workdir.py). WorkdirError if another run holds the workdir."""
     path = _check_workdir(workdir)
+    lock = workdir_lib.Lock(path)
+    if jax.process_index() == 0:
+        lock.acquire()
+    preemption = _Preemption()  # from here on, a signal during setup or the first compile saves too
+    try:
+        return _run(config, path, fresh, init_from, preemption)
+    finally:
+        preemption.restore()
+        lock.release()
+
+
+def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preemption: _Preemption) -> RunResult:
+    is_writer = jax.process_index() == 0
+    say = print if is_writer else (lambda line: None)
     workdir = str(path)
     mesh = sharding.make_mesh(config.mesh)
-    sharding.check_model_fits_mesh(config.model, mesh.devices.shape)
+    sharding.check_fits_mesh(config, mesh.devices.shape)
     tokenizer = data.load_tokenizer(config.data, config.model.vocab_size)
     trainer = Trainer(config, mesh)
+    if fresh and is_writer:
+        say(workdir_lib.start_over(path, config, checkpoint.latest_step(path)))
+    _sync('vrl workdir ready')
     manager = checkpoint.make_manager(workdir, config.train)
     data_iterator = iter(data.train_dataset(config.data, tokenizer, jax.process_index(), jax.process_count()))
 
-    latest = None if fresh else manager.latest_step()
-    if latest is not None:
-        state = checkpoint.restore(manager, latest, trainer.abstract_state, data_iterator)
+    latest = manager.latest_step()
+    if latest is not None and latest > config.train.steps:
+        raise TrainingError(f'train.steps={config.train.steps} is below the step of the checkpoint in {workdir} '
+                            f'({latest}): raise train.steps to go on, or use --fresh to start over.')
+    restored = checkpoint.restore_latest(manager, trainer.abstract_state, data_iterator, config.model, say)
+    if restored is not None:
+        state, latest = restored
+        if init_from:
+            say(f'--init_from ignored: the workdir has a checkpoint, so this run resumes from step {latest} '
+                '(use --fresh to start over from --init_from)')
     else:
         state = trainer.init_state(config.train.seed)
         if init_from:
@@ -122,29 +163,40 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
     tokens_per_step = config.data.batch_size * config.data.seq_len
     peak = metrics.peak_flops_per_device(config.train.peak_flops) * jax.device_count()
     if is_writer:
-        (path / 'config.json').write_text(json.dumps(
-            {'config': dataclasses.asdict(config), 'params': account.params,
-             'non_embedding_params': account.non_embedding_params}, indent=2))
+        changed = workdir_lib.record_start(path, config, start_step, fresh, {
+            'params': account.params, 'non_embedding_params': account.non_embedding_params})
+        for name, (old, new) in changed.items():
+            say(f'{name} changed since the last start: {old!r} -> {new!r}')
     writer = metrics.MetricsWriter(workdir, config.train.steps, start_step, enabled=is_writer)
+    writer.mark_start(start_step, 'resumed' if restored is not None else 'started', init_from=init_from)
     writer.print(f'{config.model.variant_name}: {account.params:,} params, mesh {dict(mesh.shape)}, '
-                 f'{"resumed at step " + str(start_step) if latest is not None else "fresh start"}')
+                 f'{"resumed at step " + str(start_step) if restored is not None else "fresh start"}')
+    if start_step >= config.train.steps:
+        writer.print(f'nothing to train: the checkpoint is at step {start_step} = train.steps')
 
-    preemption = _Preemption()
     losses: dict[int, float] = {}
     eval_loss = None
     pending: tuple[int, dict] | None = None
     interval_start, interval_steps = time.perf_counter(), 0
+    skipped_in_a_row = 0
 
     def read(step: int, step_metrics: dict) -> None:
         """Host side of step `step`: NaN policy, loss record, periodic log line."""
-        nonlocal interval_start, interval_steps
+        nonlocal interval_start, interval_steps, skipped_in_a_row
         host = jax.device_get(step_metrics)
         if not host['finite']:
             if config.train.nan_policy == 'error':
                 raise TrainingError(f'non-finite loss, gradients or weights at step {step}; no checkpoint '
                                     f'of it was written (latest saved: '
                                     f'{manager.latest_step()}). Lower the LR or set train.nan_policy=skip.')
+            skipped_in_a_row += 1
+            if skipped_in_a_row > config.train.max_skipped_steps:
+                raise TrainingError(f'{skipped_in_a_row} steps in a row up to step {step} were non-finite and '
+                                    f'skipped (train.max_skipped_steps={config.train.max_skipped_steps}): the '
+                                    'run is not learning; lower the LR.')
             logging.warning('step %d: non-finite loss, gradients or weights; update skipped', step)
+        else:
+            skipped_in_a_row = 0
         losses[step] = float(host['loss'])
         interval_steps += 1
         if step % config.train.log_every == 0 or step == config.train.steps:
@@ -161,6 +213,7 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
             batch = trainer.device_batch(next(data_iterator))
             state, step_metrics = trainer.train_step(state, batch)
             step += 1
+            checkpoint.check_saves(manager)  # a failed async save stops the run at the next step
             if pending is not None:
                 read(*pending)
             pending = (step, step_metrics)
@@ -172,18 +225,18 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
                 read(*pending)  # the NaN policy sees a step before it is saved or evaluated
                 pending = None
             if saving:
-                checkpoint.save(manager, step, state, data_iterator, force=preempted or at_end)
+                checkpoint.save(manager, step, state, data_iterator, config.model, force=preempted or at_end)
             if evaluating:
                 eval_loss = evaluate(trainer, state.params, config, tokenizer)
                 writer.write(step, {'eval_loss': eval_loss, 'eval_perplexity': math.exp(min(eval_loss, 50))})
             if preempted and not at_end:
-                manager.wait_until_finished()
+                checkpoint.check_saves(manager, wait=True)
                 writer.print(f'preempted: saved step {step}; run the same command to resume')
                 return RunResult(step, losses, eval_loss, state, preempted=True)
         if pending is not None:
             read(*pending)
-        manager.wait_until_finished()
-        if config.train.sample_prompt and config.train.sample_tokens:
+        checkpoint.check_saves(manager, wait=True)
+        if config.train.sample_prompt and config.train.sample_tokens and step > start_step:
             generator = decode.Generator(config.model, trainer.graphdef, state.params, config.data.seq_len,
                                          tokenizer.eos_id, trainer.mesh)
             prompt = data.prompt_tokens(config.data, tokenizer, config.train.sample_prompt)
@@ -192,8 +245,9 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
             writer.print(f'sample (greedy): {config.train.sample_prompt}{tokenizer.decode(completion)}')
         return RunResult(step, losses, eval_loss, state, preempted=False)
     finally:
-        manager.wait_until_finished()
-        manager.close()
-        preemption.restore()
-        writer.close()
+        try:
+            checkpoint.check_saves(manager, wait=True)
+        finally:
+            checkpoint.close(manager)
+            writer.close()
         getattr(data_iterator, 'close', lambda: None)()

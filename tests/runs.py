@@ -1,0 +1,70 @@
+"""Helpers for tests that train real runs: a tiny config over the test corpus, the same config
+as `python -m vrl.main` arguments, and waiting on a run in a subprocess."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from vrl.config import Config, ModelConfig, OptimizerConfig, TrainConfig
+
+TINY_MODEL = dict(vocab_size=512, vocab_pad_multiple=64, n_layers=2, d_model=32, n_heads=2, n_kv_heads=2,
+                  head_dim=16, d_ff=64, compute_dtype='float32')
+
+
+def tiny_config(small_corpus, attention='resformer', **train_fields) -> Config:
+    data_cfg, _ = small_corpus
+    train_cfg = dict(steps=12, log_every=4, eval_every=0, eval_batches=2, checkpoint_every=4, sample_prompt='')
+    train_cfg.update(train_fields)
+    return Config(model=ModelConfig(attention=attention, lambda_mode='learnable', **TINY_MODEL),
+                  data=dataclasses.replace(data_cfg, num_epochs=0),
+                  optimizer=OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=3, decay_steps=60),
+                  train=TrainConfig(**train_cfg))
+
+
+def cli_args(config: Config, workdir: Path) -> list[str]:
+    """The same config as command-line overrides of configs/tiny.py."""
+    args = [sys.executable, '-m', 'vrl.main', '--config=configs/tiny.py', f'--workdir={workdir}']
+    for section, values in dataclasses.asdict(config).items():
+        for key, value in values.items():
+            args.append(f'--config.{section}.{key}={value}')
+    return args
+
+
+def start_run(config: Config, workdir: Path) -> subprocess.Popen:
+    """`python -m vrl.main` on `config` in the background, stdout and stderr together."""
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.Popen(cli_args(config, workdir), cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def params_equal(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f'run ended early: {proc.stdout.read()}')
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError('timed out waiting for the run')
+        time.sleep(0.05)
+
+
+def logged_steps(workdir: Path) -> int:
+    """How many training-loss records metrics.jsonl holds."""
+    path = workdir / 'metrics.jsonl'
+    return path.read_text().count('"loss"') if path.exists() else 0
+
+
+def saved_steps(workdir: Path) -> list[int]:
+    folder = workdir / 'checkpoints'
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []

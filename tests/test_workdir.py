@@ -1,0 +1,209 @@
+"""The workdir under mistakes and failures: a second writer, a killed holder, Ctrl-C, damaged
+checkpoints, --fresh, restarts in the record. Real processes, real Orbax, temp dirs."""
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.runs import cli_args, logged_steps, saved_steps, start_run, tiny_config, wait_for
+from vrl import checkpoint, train
+from vrl.config import MeshConfig
+from vrl.workdir import WorkdirError
+
+
+def _records(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+
+
+def test_one_writer_a_killed_holder_does_not_block_and_ctrl_c_saves(small_corpus, tmp_path):
+    config = tiny_config(small_corpus, steps=100_000, log_every=1, checkpoint_every=100_000)
+    workdir = tmp_path / 'run'
+    first = start_run(config, workdir)
+    wait_for(lambda: logged_steps(workdir) >= 2, 180, first)
+    second = subprocess.run(cli_args(config, workdir), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert second.returncode != 0 and 'Traceback' not in second.stderr
+    assert f'is in use by another run (host {os.uname().nodename}, pid {first.pid}' in second.stderr
+
+    first.send_signal(signal.SIGINT)  # Ctrl-C: the step finishes, is saved, the run exits normally
+    output, _ = first.communicate(timeout=120)
+    assert first.returncode == 0, output
+    assert 'Ctrl-C: finishing this step' in output and 'Traceback' not in output
+    (interrupted_at,) = saved_steps(workdir)
+    assert interrupted_at >= 2
+
+    killed = start_run(config, workdir)
+    wait_for(lambda: logged_steps(workdir) >= interrupted_at + 2, 180, killed)
+    killed.kill()  # kill -9 while holding the lock
+    killed.wait()
+    resumed = train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=interrupted_at + 1)),
+                        str(workdir))
+    assert min(resumed.losses) == interrupted_at + 1
+    starts = [r['event'] for r in _records(workdir) if 'event' in r]
+    assert starts == ['started', 'resumed', 'resumed']
+
+
+def _array_files(step_dir: Path) -> list[Path]:
+    """The step's array data files (OCDBT data of each process; not every one is read back)."""
+    return sorted(p for p in (step_dir / 'state').glob('ocdbt.process_*/d/*') if p.is_file())
+
+
+def _flip_one_bit_in_each(step_dir: Path) -> None:
+    for file in _array_files(step_dir):
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        file.write_bytes(bytes(data))
+
+
+def _truncate_each(step_dir: Path) -> None:
+    for file in _array_files(step_dir):
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 3])
+
+
+def _delete_a_folder(step_dir: Path) -> None:
+    shutil.rmtree(next((step_dir / 'state').glob('ocdbt.process_*')))
+
+
+@pytest.mark.parametrize('damage, reason', [(_flip_one_bit_in_each, 'differs from the one saved (checksum mismatch)'),
+                                            (_truncate_each, 'cannot be read'), (_delete_a_folder, 'cannot be read')])
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(small_corpus, tmp_path, capsys, damage, reason):
+    workdir = tmp_path / 'run'
+    config = tiny_config(small_corpus, steps=8, checkpoint_every=4)
+    first = train.run(config, str(workdir))
+    assert saved_steps(workdir) == [4, 8]
+    damage(workdir / 'checkpoints' / '8')
+    capsys.readouterr()
+    resumed = train.run(config, str(workdir))
+    said = capsys.readouterr().out
+    assert 'checkpoint step 8 is damaged: ' in said and reason in said and 'resuming from step 4' in said
+    assert len([line for line in said.splitlines() if 'damaged' in line]) == 1  # one line, no traceback
+    # resumed from step 4: steps 5..8 again, exactly as the first time
+    assert resumed.losses == {s: first.losses[s] for s in range(5, 9)}
+    (rejected,) = (workdir / 'rejected_checkpoints').iterdir()  # kept, with the reason
+    assert rejected.name.startswith('8-') and reason in (rejected / 'REJECTED.txt').read_text()
+    assert saved_steps(workdir) == [4, 8]  # step 8 saved again by the resumed run
+
+
+def test_no_restorable_checkpoint_moves_nothing(small_corpus, tmp_path):
+    workdir = tmp_path / 'run'
+    config = tiny_config(small_corpus, steps=4, checkpoint_every=4)
+    train.run(config, str(workdir))
+    _flip_one_bit_in_each(workdir / 'checkpoints' / '4')
+    with pytest.raises(checkpoint.CorruptCheckpointError, match='no checkpoint in .* can be restored: step 4: '):
+        train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=8)), str(workdir))
+    assert saved_steps(workdir) == [4] and not (workdir / 'rejected_checkpoints').exists()
+
+
+def _sigterm_after(workdir: Path, steps: int) -> threading.Thread:
+    """SIGTERM to this process (what a preemption sends) once `steps` steps are logged."""
+    def watch():
+        deadline = time.time() + 300
+        while logged_steps(workdir) < steps and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_fresh_keeps_the_old_run_and_resumes_its_own(small_corpus, tmp_path, capsys):
+    workdir = tmp_path / 'run'
+    old = train.run(tiny_config(small_corpus, steps=8, checkpoint_every=4), str(workdir))
+    config = tiny_config(small_corpus, steps=30, log_every=1, checkpoint_every=1000, seed=1)
+    watcher = _sigterm_after(workdir, 3)
+    preempted = train.run(config, str(workdir), fresh=True)
+    watcher.join()
+    assert preempted.preempted and min(preempted.losses) == 1
+    (previous,) = (workdir / 'previous_runs').iterdir()  # the old run, whole
+    assert saved_steps(previous) == [4, 8] and (previous / 'metrics.jsonl').exists()
+    assert old.step == 8 and saved_steps(workdir) == [preempted.step]
+
+    capsys.readouterr()
+    again = train.run(config, str(workdir), fresh=True)  # the same command: the fresh run goes on
+    assert '--fresh: resuming the run that --fresh started' in capsys.readouterr().out
+    assert min(again.losses) == preempted.step + 1 and again.step == 30
+    assert len(list((workdir / 'previous_runs').iterdir())) == 1
+    record = json.loads((workdir / 'config.json').read_text())
+    assert [h['step'] for h in record['history']] == [0, preempted.step] and record['started_fresh']
+
+    finished = train.run(config, str(workdir), fresh=True)  # a finished fresh run: --fresh starts over
+    assert min(finished.losses) == 1 and len(list((workdir / 'previous_runs').iterdir())) == 2
+
+
+def test_restarts_say_what_they_do(small_corpus, tmp_path, capsys):
+    workdir = tmp_path / 'run'
+    config = tiny_config(small_corpus, steps=4, checkpoint_every=2)
+    train.run(config, str(workdir))
+    with pytest.raises(train.TrainingError, match=r'train.steps=2 is below the step of the checkpoint .* \(4\)'):
+        train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2)), str(workdir))
+    capsys.readouterr()
+    longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6))
+    train.run(longer, str(workdir), init_from=str(workdir))
+    said = capsys.readouterr().out
+    assert '--init_from ignored: the workdir has a checkpoint, so this run resumes from step 4' in said
+    assert 'train.steps changed since the last start: 4 -> 6' in said
+    train.run(longer, str(workdir))
+    assert 'nothing to train: the checkpoint is at step 6' in capsys.readouterr().out
+    history = json.loads((workdir / 'config.json').read_text())['history']
+    assert history[1]['changed'] == {'train.steps': [4, 6]} and history[2]['changed'] == {}
+    events = [(r['step'], r['event']) for r in _records(workdir) if 'event' in r]
+    assert events == [(0, 'started'), (4, 'resumed'), (6, 'resumed')]
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(small_corpus, tmp_path):
+    config = tiny_config(small_corpus, steps=40, checkpoint_every=2, log_every=1)
+    probe = tmp_path / 'probe'
+    train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2)), str(probe))
+    one_checkpoint = sum(p.stat().st_blocks * 512 for p in (probe / 'checkpoints' / '2').rglob('*') if p.is_file())
+    small = tmp_path / 'small_disk'
+    small.mkdir()  # room for one checkpoint and the run's logs, not for two
+    size_kib = (one_checkpoint * 3 // 2 + 200_000) // 1024
+    if subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size_kib}k', 'tmpfs', str(small)],
+                      capture_output=True).returncode:
+        pytest.skip('cannot mount a small tmpfs here (needs root); the full-disk path is untested')
+    try:
+        workdir = small / 'run'
+        out = subprocess.run(cli_args(config, workdir), cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode != 0
+        last_line = out.stderr.strip().splitlines()[-1]
+        assert last_line.startswith('error: saving a checkpoint in') and 'no space left on device' in last_line
+        assert not list((workdir / 'checkpoints').glob('*.orbax-checkpoint-tmp*'))  # no partial folder
+        kept = saved_steps(workdir)[-1]  # the steps saved before the disk filled up are intact
+        copy = tmp_path / 'copy'
+        shutil.copytree(workdir, copy)
+    finally:
+        subprocess.run(['umount', str(small)], check=True)
+    resumed = train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=kept + 1)), str(copy))
+    assert min(resumed.losses) == kept + 1
+
+
+@pytest.mark.parametrize('text, reason', [('{"config": {"model": {', 'Expecting'),
+                                          ('{"config": {"model": {"n_layerz": 2}}}', 'model.n_layerz is not a config field'),
+                                          ('{"params": 3}', "'config'")])
+def test_a_damaged_run_record_is_one_line(tmp_path, text, reason):
+    (tmp_path / 'config.json').write_text(text)
+    with pytest.raises(WorkdirError, match=f'config.json is not a readable vrl run record .*{re.escape(reason)}'):
+        train.load_run(str(tmp_path))
+
+
+def test_resume_on_another_mesh_split(small_corpus, tmp_path, capsys):
+    config = tiny_config(small_corpus, steps=4, checkpoint_every=2)
+    straight = train.run(config, str(tmp_path / 'straight'))  # fsdp over all 8 devices
+    first = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2))
+    train.run(first, str(tmp_path / 'resharded'))
+    other_mesh = dataclasses.replace(config, mesh=MeshConfig(data=1, fsdp=4, tensor=2))
+    capsys.readouterr()
+    resumed = train.run(other_mesh, str(tmp_path / 'resharded'))
+    assert 'mesh.fsdp changed since the last start: -1 -> 4' in capsys.readouterr().out
+    assert sorted(resumed.losses) == [3, 4]
+    for step in (3, 4):
+        assert abs(resumed.losses[step] - straight.losses[step]) / straight.losses[step] < 1e-5
