@@ -6,6 +6,10 @@
 The cache is filled with random keys and values up to the context (prefill is not timed:
 each decode step reads the whole cache, which is what the context length changes). Compute
 is float32 on CPU (caches too), the config's dtype on accelerators.
+
+`of bound`: the bytes one decode step must read (the parameters, and the filled part of the
+cache) per second, as a fraction of this host's memory bandwidth, measured in the same run as
+a jitted copy of a 1 GiB array (2 GiB moved: read + write).
 """
 
 from __future__ import annotations
@@ -23,12 +27,31 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import base  # noqa: E402
-from vrl import decode, host_memory, presets  # noqa: E402
+from vrl import accounting, decode, host_memory, presets  # noqa: E402
 from vrl.config import from_configdict  # noqa: E402
 from vrl.model import Decoder  # noqa: E402
 
 
-def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tuple[int, float]:
+def memory_bandwidth(n_bytes: int = 2**30, repeats: int = 5) -> float:
+    """Bytes/s moved by the best of `repeats` jitted copies of an n_bytes float32 array (read + write)."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0000001)  # a real pass over the data, not an aliased no-op
+    jax.block_until_ready(copy(x))
+    best = float('inf')
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(copy(x))
+        best = min(best, time.perf_counter() - start)
+    return 2 * n_bytes / best
+
+
+def bytes_per_step(cfg, params, batch: int, context: int) -> int:
+    """What one decode step must read: every parameter and the filled cache of each sequence."""
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    return weights + batch * context * accounting.kv_cache_bytes_per_token(cfg)
+
+
+def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tuple[int, float, int]:
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     generator = decode.Generator(cfg, graphdef, nnx.to_pure_dict(state), max_len=context + new_tokens, eos_id=-1)
@@ -42,7 +65,8 @@ def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tup
     jax.block_until_ready(loop(generator.params, cache, logits, pad, jax.random.key(0)))  # compile
     start = time.perf_counter()
     jax.block_until_ready(loop(generator.params, cache, logits, pad, jax.random.key(0)))
-    return decode.cache_bytes(cache), batch * new_tokens / (time.perf_counter() - start)
+    tokens_per_sec = batch * new_tokens / (time.perf_counter() - start)
+    return decode.cache_bytes(cache), tokens_per_sec, bytes_per_step(cfg, generator.params, batch, context)
 
 
 def main() -> None:
@@ -53,17 +77,22 @@ def main() -> None:
     parser.add_argument('--new_tokens', type=int, default=16)
     parser.add_argument('--variants', default='vanilla,resformer,svformer')
     args = parser.parse_args()
-    print(f'{args.size}, {jax.devices()[0].device_kind}; {args.new_tokens} decode steps after the context')
+    bandwidth = memory_bandwidth()
+    print(f'{args.size}, {jax.devices()[0].device_kind}; {args.new_tokens} decode steps after the context; '
+          f'memory bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB copy)')
     width = max(map(len, args.variants.split(',')))
-    print(f'{"variant":>{width}} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"decode tok/s":>12}')
+    print(f'{"variant":>{width}} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"decode tok/s":>12} | '
+          f'{"of bound":>8}')
     for context in map(int, args.contexts.split(',')):
         for batch in map(int, args.batches.split(',')):
             for variant in args.variants.split(','):
                 cfg = presets.apply(variant, from_configdict(base.get_config(f'vanilla,{args.size}')).model)
                 if jax.default_backend() == 'cpu':
                     cfg = dataclasses.replace(cfg, compute_dtype='float32')
-                n_bytes, tokens_per_sec = decode_tokens_per_sec(cfg, batch, context, args.new_tokens)
-                print(f'{variant:>{width}} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | {tokens_per_sec:>12,.1f}')
+                n_bytes, tokens_per_sec, step_bytes = decode_tokens_per_sec(cfg, batch, context, args.new_tokens)
+                of_bound = step_bytes * tokens_per_sec / batch / bandwidth
+                print(f'{variant:>{width}} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | '
+                      f'{tokens_per_sec:>12,.1f} | {of_bound:>8.1%}')
 
 
 if __name__ == '__main__':

@@ -1,5 +1,6 @@
 """Counts from the config alone equal the real module's; the paper's sizes and ratios hold."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -98,3 +99,24 @@ def test_each_variant_changes_the_count_by_its_formula():
     base = small_model_config(n_layers=L)
     assert accounting.non_embedding_params(ve) - accounting.non_embedding_params(base) == D * K
     assert accounting.training_flops_per_token(ve, 16) - accounting.training_flops_per_token(base, 16) == 6 * D * K
+
+
+@pytest.mark.parametrize('variant', VARIANTS, ids=VARIANT_IDS)
+def test_max_batch_for_cache_is_the_largest_allocated_cache_that_fits(variant):
+    from vrl import decode
+    cfg = small_model_config(**variant)
+    context, memory = 40, 3_000_000
+
+    def allocated(batch: int) -> int:
+        shapes = jax.eval_shape(lambda: decode.init_cache(cfg, batch, context))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes) if x.ndim > 1)
+    batch = accounting.max_batch_for_cache(cfg, context, memory)
+    assert batch > 0 and allocated(batch) <= memory < allocated(batch + 1)
+
+
+def test_svformer_fits_about_2l_over_l_plus_1_times_the_batch():
+    model = from_configdict(base.get_config('vanilla,82m')).model
+    L = model.n_layers
+    vanilla = accounting.max_batch_for_cache(model, 8192, 64 * 2**30)
+    svformer = accounting.max_batch_for_cache(dataclasses.replace(model, attention='svformer'), 8192, 64 * 2**30)
+    assert abs(svformer / vanilla - 2 * L / (L + 1)) < 0.01

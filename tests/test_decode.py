@@ -152,3 +152,25 @@ def test_sampling_values_out_of_range_are_refused(field, value, allowed):
         decode.Sampling(**{field: value})
     with pytest.raises(decode.DecodeError, match=re.escape('top_k=600 is invalid: allowed 0..512')):
         decode.Sampling(top_k=600).check_vocab(512)
+
+
+@pytest.mark.parametrize('variant', VARIANTS, ids=VARIANT_IDS)
+def test_chunked_prefill_equals_one_shot(variant):
+    """Prompts of 3 and 11 tokens (left-padded to 11) in chunks of 4: a remainder chunk of 3, then
+    two full ones; the last logits and the whole cache equal one-shot prefill's."""
+    model = _model(seed=3, **variant)
+    randomize(model, seed=4)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    tokens_BxP = jax.random.randint(jax.random.key(5), (2, 11), 2, model.cfg.vocab_size)
+    pad_B = jnp.array([8, 0], jnp.int32)
+    results = []
+    for chunk in (4, 64):
+        generator = decode.Generator(model.cfg, graphdef, params, max_len=16, eos_id=1, prefill_chunk=chunk)
+        results.append(jax.jit(generator._prefill_fn)(params, generator.new_cache(2), tokens_BxP, pad_B))
+    (chunked_logits, chunked_cache), (one_shot_logits, one_shot_cache) = results
+    assert rel_err(chunked_logits, one_shot_logits) < 1e-5
+    assert int(chunked_cache.index) == int(one_shot_cache.index) == 11
+    for got, want in ((chunked_cache.k, one_shot_cache.k), (chunked_cache.v, one_shot_cache.v)):
+        assert rel_err(got[:, 0, 8:11], want[:, 0, 8:11]) < 1e-5  # row 0's real tokens start at 8
+        assert rel_err(got[:, 1, :11], want[:, 1, :11]) < 1e-5

@@ -79,6 +79,11 @@ def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
     return _kv_projections(cfg) * cfg.n_kv_heads * cfg.head_dim * itemsize
 
 
+def max_batch_for_cache(cfg: ModelConfig, context: int, memory_bytes: float) -> int:
+    """The most sequences of `context` tokens whose KV cache fits in `memory_bytes`."""
+    return int(memory_bytes // (kv_cache_bytes_per_token(cfg) * context))
+
+
 def vanilla_mha(cfg: ModelConfig) -> ModelConfig:
     """The same shape as plain multi-head attention: the reference for cache and parameter ratios."""
     return dataclasses.replace(cfg, attention='vanilla', n_kv_heads=cfg.n_heads, kv_share=1, neutreno=False,

@@ -103,17 +103,30 @@ class Generator:
     """Jitted prefill and decode loop for one model, batch size and cache length."""
 
     def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, params: Any, max_len: int,
-                 eos_id: int, mesh: Mesh | None = None):
+                 eos_id: int, mesh: Mesh | None = None, prefill_chunk: int = 512):
         self.cfg, self.graphdef, self.params = cfg, graphdef, params
         self.max_len, self.eos_id, self.mesh = max_len, eos_id, mesh
+        self.prefill_chunk = prefill_chunk
         self._compiled: dict[tuple, tuple[Any, Any]] = {}  # (B, P, sampling) -> (prefill, decode)
 
     def _model(self, params) -> Decoder:
         return nnx.merge(self.graphdef, params)
 
     def _prefill_fn(self, params, cache: KVCache, tokens_BxP, pad_B):
-        logits, cache = self._model(params).decode(tokens_BxP, pad_B, cache)
-        return logits[:, -1], cache
+        """The prompt in chunks of at most `prefill_chunk` tokens (the first takes the remainder), so
+        attention scores are (chunk x cache length) at a time, never (prompt x cache length)."""
+        model, (B, P), C = self._model(params), tokens_BxP.shape, self.prefill_chunk
+        head = P % C or min(P, C)
+        logits_BxTxV, cache = model.decode(tokens_BxP[:, :head], pad_B, cache)
+        if P == head:
+            return logits_BxTxV[:, -1], cache
+        chunks_NxBxC = tokens_BxP[:, head:].reshape(B, -1, C).swapaxes(0, 1)
+
+        def chunk(cache, tokens_BxC):
+            logits_BxCxV, cache = model.decode(tokens_BxC, pad_B, cache)
+            return cache, logits_BxCxV[:, -1]
+        cache, last_NxBxV = jax.lax.scan(chunk, cache, chunks_NxBxC)
+        return last_NxBxV[-1], cache
 
     def _decode_fn(self, params, cache: KVCache, first_logits_BxV, pad_B, key, sampling: Sampling):
         B = first_logits_BxV.shape[0]
