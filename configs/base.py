@@ -1,7 +1,10 @@
 """The paper's recipe (vrl/config.py defaults) at one of its three sizes, for one variant.
 
 Use directly as `--config=configs/base.py:svformer,468m`, or through the thin named files
-(`configs/svformer_468m.py`). Sizes are PAPER.md's 'Model sizes' table.
+(`configs/svformer_468m.py`). Sizes are PAPER.md's 'Model sizes' table. A third part picks
+one of the paper's sequence lengths with its batch, ~2M tokens per step (PAPER.md):
+`configs/base.py:svformer,82m,64k` is 65,536 x 32. RoPE theta stays the paper's 10,000;
+override it with `--config.model.rope_theta=...`.
 """
 
 import dataclasses
@@ -17,15 +20,23 @@ SIZES = {
 }
 
 
+# the paper's sequence-length study: sequence length -> sequences per step (~2M tokens)
+SEQUENCES = {'512': (512, 4096), '2k': (2048, 1024), '8k': (8192, 256), '32k': (32768, 64), '64k': (65536, 32)}
+
+
 def get_config(arg: str = 'vanilla,82m') -> ml_collections.ConfigDict:
-    """arg: 'VARIANT,SIZE', e.g. 'resformer,180m'."""
+    """arg: 'VARIANT,SIZE[,SEQ]', e.g. 'resformer,180m' or 'svformer,82m,64k'."""
     parts = arg.split(',')
-    if len(parts) != 2:
-        raise vrl_config.ConfigError(f'configs/base.py:{arg} is invalid: allowed VARIANT,SIZE such as '
-                                     f'resformer,180m (sizes: {", ".join(sorted(SIZES))}).')
-    attention, size = parts
+    if len(parts) not in (2, 3):
+        raise vrl_config.ConfigError(f'configs/base.py:{arg} is invalid: allowed VARIANT,SIZE[,SEQ] such as '
+                                     f'resformer,180m (sizes: {", ".join(sorted(SIZES))}; sequence lengths: '
+                                     f'{", ".join(SEQUENCES)}).')
+    attention, size, seq = (*parts, '2k')[:3]
     if size not in SIZES:
         raise vrl_config.ConfigError(f'size {size!r} is invalid: allowed one of {sorted(SIZES)}.')
+    if seq not in SEQUENCES:
+        raise vrl_config.ConfigError(f'sequence length {seq!r} is invalid: allowed one of {list(SEQUENCES)}.')
+    seq_len, batch_size = SEQUENCES[seq]
     model = dataclasses.replace(vrl_config.ModelConfig(), attention=attention, **SIZES[size])
-    data = dataclasses.replace(vrl_config.DataConfig(), name='c4/en:3.1.0')
+    data = dataclasses.replace(vrl_config.DataConfig(), name='c4/en:3.1.0', seq_len=seq_len, batch_size=batch_size)
     return vrl_config.to_configdict(vrl_config.Config(model=model, data=data))

@@ -120,3 +120,13 @@ def test_svformer_fits_about_2l_over_l_plus_1_times_the_batch():
     vanilla = accounting.max_batch_for_cache(model, 8192, 64 * 2**30)
     svformer = accounting.max_batch_for_cache(dataclasses.replace(model, attention='svformer'), 8192, 64 * 2**30)
     assert abs(svformer / vanilla - 2 * L / (L + 1)) < 0.01
+
+
+def test_sequence_length_study_configs_keep_2m_tokens_per_step():
+    from vrl.config import ConfigError
+    for seq, want_len in (('512', 512), ('2k', 2048), ('8k', 8192), ('32k', 32768), ('64k', 65536)):
+        config = from_configdict(base.get_config(f'svformer,82m,{seq}'))
+        assert config.data.seq_len == want_len and config.data.seq_len * config.data.batch_size == 2**21
+    assert from_configdict(base.get_config('svformer,82m')).data.seq_len == 2048
+    with pytest.raises(ConfigError, match="sequence length '16k' is invalid"):
+        base.get_config('svformer,82m,16k')
