@@ -256,3 +256,12 @@ def test_vocabulary_too_large_for_the_corpus(tmp_path):
     with pytest.raises(TokenizerError, match=r'vocab_size=5000 is too large for this corpus: sentencepiece can make '
                                              r'at most \d+ pieces'):
         train_tokenizer(['a small corpus of a few words'] * 10, 5000, str(tmp_path / 'x.model'))
+
+
+def test_utf8_bytes_of_the_ids_sum_to_the_text_length(small_corpus):
+    _, tokenizer = small_corpus
+    text = 'Ophelia: “Thou art più bello”, naïve café — 東京 🎭\n\n   spaces\tand tabs.'
+    ids = tokenizer.encode(text)
+    assert any(tokenizer._sp.is_byte(int(i)) for i in ids)  # byte fallback is exercised (東, 🎭)
+    assert int(tokenizer.utf8_bytes[ids].sum()) == len(text.encode('utf-8'))
+    assert tokenizer.utf8_bytes[tokenizer.eos_id] == 0

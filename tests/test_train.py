@@ -224,3 +224,20 @@ def test_config_file_with_a_syntax_error(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode != 0 and 'Traceback' not in out.stderr
     assert f'the config file {tmp_path}/broken.py does not parse: invalid syntax (line 1)' in out.stderr
+
+
+def test_eval_bits_per_byte_is_the_loss_over_the_bytes(small_corpus):
+    config = tiny_config(small_corpus, eval_batches=3)
+    _, tokenizer = small_corpus
+    trainer = Trainer(config, sharding.make_mesh(config.mesh))
+    params = trainer.init_state(0).params
+    evaluation = train.evaluate(trainer, params, config, tokenizer)
+    tokens = n_bytes = 0
+    for batch in data.eval_batches(config.data, tokenizer, 3):
+        mask = batch['loss_mask'] > 0
+        tokens += int(mask.sum())
+        n_bytes += sum(len(tokenizer.decode(row[m]).encode('utf-8')) for row, m in zip(batch['targets'], mask))
+    assert n_bytes > tokens > 0
+    # the independent byte count decodes each row's targets, so it can differ by a cut multi-byte character
+    want = evaluation.loss * tokens / math.log(2) / n_bytes
+    assert abs(evaluation.bits_per_byte - want) / want < 1e-3

@@ -123,8 +123,12 @@ class Trainer:
                            'lr': self.learning_rate(state.step), 'tokens': tokens, 'finite': finite}
 
     def _eval_step(self, params: dict, batch: Batch) -> Metrics:
+        """Sums over the batch's unmasked targets: cross-entropy (nats), tokens, and the UTF-8 bytes
+        they stand for (batch['target_bytes'], from Tokenizer.utf8_bytes)."""
         _, cross_entropy = loss_sums(self.graphdef, params, batch, 0.0)
-        return {'loss_sum': cross_entropy, 'tokens': jnp.sum(batch['loss_mask']).astype(jnp.float32)}
+        mask = batch['loss_mask'].astype(jnp.float32)
+        return {'loss_sum': cross_entropy, 'tokens': jnp.sum(mask),
+                'bytes': jnp.sum(batch['target_bytes'].astype(jnp.float32) * mask)}
 
     def device_batch(self, local_batch: dict[str, np.ndarray]) -> Batch:
         """This process's rows -> one global array per field, sharded over ('data', 'fsdp')."""

@@ -8,6 +8,7 @@ any UTF-8 text, and declare the special ids below.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import re
@@ -56,6 +57,19 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
+
+    @functools.cached_property
+    def utf8_bytes(self) -> np.ndarray:
+        """(vocab_size,) int32: the UTF-8 bytes of text each token stands for (a byte-fallback
+        piece is one byte; control tokens none), so summing over a text's ids gives its length in
+        bytes: the denominator of bits per byte."""
+        sizes = np.zeros(self.vocab_size, np.int32)
+        for i in range(self.vocab_size):
+            if self._sp.is_byte(i):
+                sizes[i] = 1
+            elif not (self._sp.is_control(i) or self._sp.is_unknown(i)):
+                sizes[i] = len(self._sp.id_to_piece(i).replace('\u2581', ' ').encode('utf-8'))
+        return sizes
 
     @property
     def eos_id(self) -> int:

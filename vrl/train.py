@@ -98,13 +98,25 @@ def load_run(workdir: str) -> tuple[Config, Tokenizer]:
     return config, data.load_tokenizer(config.data, config.model.vocab_size)
 
 
-def evaluate(trainer: Trainer, params: Any, config: Config, tokenizer) -> float:
-    loss_sum = tokens = 0.0
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    loss: float  # nats per target token
+    bits_per_byte: float  # summed token losses / ln 2 / UTF-8 bytes of the text they stand for
+
+    def record(self) -> dict[str, float]:
+        return {'eval_loss': self.loss, 'eval_perplexity': math.exp(min(self.loss, 50)),
+                'eval_bpb': self.bits_per_byte}
+
+
+def evaluate(trainer: Trainer, params: Any, config: Config, tokenizer) -> Evaluation:
+    loss_sum = tokens = n_bytes = 0.0
     for batch in data.eval_batches(config.data, tokenizer, config.train.eval_batches,
                                    jax.process_index(), jax.process_count()):
+        batch['target_bytes'] = tokenizer.utf8_bytes[batch['targets']]
         out = trainer.eval_step(params, trainer.device_batch(batch))
-        loss_sum, tokens = loss_sum + float(out['loss_sum']), tokens + float(out['tokens'])
-    return loss_sum / max(tokens, 1.0)
+        loss_sum, tokens, n_bytes = (loss_sum + float(out['loss_sum']), tokens + float(out['tokens']),
+                                     n_bytes + float(out['bytes']))
+    return Evaluation(loss_sum / max(tokens, 1.0), loss_sum / math.log(2) / max(n_bytes, 1.0))
 
 
 def _sync(name: str) -> None:
@@ -227,8 +239,9 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
             if saving:
                 checkpoint.save(manager, step, state, data_iterator, config.model, force=preempted or at_end)
             if evaluating:
-                eval_loss = evaluate(trainer, state.params, config, tokenizer)
-                writer.write(step, {'eval_loss': eval_loss, 'eval_perplexity': math.exp(min(eval_loss, 50))})
+                evaluation = evaluate(trainer, state.params, config, tokenizer)
+                eval_loss = evaluation.loss
+                writer.write(step, evaluation.record())
             if preempted and not at_end:
                 checkpoint.check_saves(manager, wait=True)
                 writer.print(f'preempted: saved step {step}; run the same command to resume')
