@@ -207,3 +207,18 @@ def test_resume_on_another_mesh_split(small_corpus, tmp_path, capsys):
     assert sorted(resumed.losses) == [3, 4]
     for step in (3, 4):
         assert abs(resumed.losses[step] - straight.losses[step]) / straight.losses[step] < 1e-5
+
+
+def test_a_damaged_checkpoint_is_one_line_on_the_command_line(small_corpus, tmp_path):
+    """What Orbax and tensorstore leave behind after a failed read (hundreds of traceback lines)
+    does not reach the terminal."""
+    workdir = tmp_path / 'run'
+    config = tiny_config(small_corpus, steps=4, checkpoint_every=2)
+    train.run(config, str(workdir))
+    _truncate_each(workdir / 'checkpoints' / '4')
+    longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6))
+    out = subprocess.run(cli_args(longer, workdir), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert 'checkpoint step 4 is damaged: it cannot be read' in out.stdout and 'resuming from step 2' in out.stdout
+    printed = out.stdout + out.stderr
+    assert 'Traceback' not in printed and 'Exception ignored' not in printed

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -60,8 +61,35 @@ class _FailedSaveLogs(logging.Filter):
 _FAILED_SAVE_LOGS = _FailedSaveLogs()
 
 
+def _is_async_leftover(value: BaseException | None, obj: Any = None) -> bool:
+    """What a failed Orbax read or write leaves behind: tensorstore callbacks into a closed event loop,
+    and Orbax coroutines garbage-collected unfinished. Neither says more than the one-line error."""
+    if isinstance(value, RuntimeError) and str(value) == 'Event loop is closed':
+        return True
+    code = getattr(obj, 'cr_code', None)
+    return code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename
+
+
+def _quiet_async_leftovers() -> None:
+    """Drops those leftovers' tracebacks (hundreds of lines per failure); everything else is printed."""
+    if getattr(sys.excepthook, 'vrl_quiet', False):
+        return
+    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+    def quiet_excepthook(kind, value, tb):
+        if not _is_async_leftover(value):
+            excepthook(kind, value, tb)
+
+    def quiet_unraisablehook(unraisable):
+        if not _is_async_leftover(unraisable.exc_value, unraisable.object):
+            unraisablehook(unraisable)
+    quiet_excepthook.vrl_quiet = True
+    sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
+
+
 def make_manager(workdir: str, cfg: TrainConfig) -> ocp.CheckpointManager:
     logging.getLogger('absl').addFilter(_FAILED_SAVE_LOGS)  # once: a filter is added only if absent
+    _quiet_async_leftovers()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep_checkpoints, keep_period=cfg.keep_period or None,
         enable_async_checkpointing=True, create=True)
@@ -185,7 +213,7 @@ def _normalized(value: Any) -> Any:
 
 
 def _one_line(e: BaseException) -> str:
-    text = ' '.join(str(e).split()) or type(e).__name__
+    text = ' '.join(str(e).split()).split(' See full TensorStore details')[0] or type(e).__name__
     return text if len(text) <= 300 else text[:297] + '...'
 
 
