@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from typing import Any, Callable, Iterator
 
 import grain
@@ -52,10 +53,21 @@ class CorruptCheckpointError(CheckpointError, RuntimeError):
 
 
 class _FailedSaveLogs(logging.Filter):
-    """Drops Orbax's own multi-line error logs of a failed save: `check_saves` reports it in one line."""
+    """Drops the multi-line error logs of a failed Orbax read or write (Orbax's own, and asyncio's
+    'Task exception was never retrieved' for its tasks): vrl reports each failure in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and f'{os.sep}orbax{os.sep}' in record.pathname)
+        if record.levelno < logging.ERROR:
+            return True
+        orbax = f'{os.sep}orbax{os.sep}'
+        if orbax in record.pathname:
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        while error is not None:
+            if any(orbax in frame.filename for frame in traceback.extract_tb(error.__traceback__)):
+                return False
+            error = error.__cause__ or error.__context__
+        return True
 
 
 _FAILED_SAVE_LOGS = _FailedSaveLogs()
@@ -88,7 +100,8 @@ def _quiet_async_leftovers() -> None:
 
 
 def make_manager(workdir: str, cfg: TrainConfig) -> ocp.CheckpointManager:
-    logging.getLogger('absl').addFilter(_FAILED_SAVE_LOGS)  # once: a filter is added only if absent
+    for logger in ('absl', 'asyncio'):
+        logging.getLogger(logger).addFilter(_FAILED_SAVE_LOGS)  # once: a filter is added only if absent
     _quiet_async_leftovers()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep_checkpoints, keep_period=cfg.keep_period or None,
