@@ -52,7 +52,7 @@ class CorruptCheckpointError(CheckpointError, RuntimeError):
     """A checkpoint step cannot be read, or its arrays are not the ones saved."""
 
 
-class _FailedSaveLogs(logging.Filter):
+class _OrbaxFailureLogs(logging.Filter):
     """Drops the multi-line error logs of a failed Orbax read or write (Orbax's own, and asyncio's
     'Task exception was never retrieved' for its tasks): vrl reports each failure in one line."""
 
@@ -70,7 +70,7 @@ class _FailedSaveLogs(logging.Filter):
         return True
 
 
-_FAILED_SAVE_LOGS = _FailedSaveLogs()
+_ORBAX_FAILURE_LOGS = _OrbaxFailureLogs()
 
 
 def _is_async_leftover(value: BaseException | None, obj: Any = None) -> bool:
@@ -101,7 +101,7 @@ def _quiet_async_leftovers() -> None:
 
 def make_manager(workdir: str, cfg: TrainConfig) -> ocp.CheckpointManager:
     for logger in ('absl', 'asyncio'):
-        logging.getLogger(logger).addFilter(_FAILED_SAVE_LOGS)  # once: a filter is added only if absent
+        logging.getLogger(logger).addFilter(_ORBAX_FAILURE_LOGS)  # once: a filter is added only if absent
     _quiet_async_leftovers()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep_checkpoints, keep_period=cfg.keep_period or None,

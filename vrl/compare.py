@@ -33,6 +33,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from vrl import accounting, analyze, checkpoint, corpus, plots, presets, tokenizer, train
+from vrl import workdir as workdir_lib
 from vrl.config import Config, ConfigError, from_configdict
 
 MOVING_AVERAGE_STEPS = 100
@@ -77,13 +78,9 @@ def check_same_base(workdir: Path, base: Config) -> None:
     if not record.exists():
         return
     saved = json.loads(record.read_text())['base_config']
-    given = json.loads(json.dumps(dataclasses.asdict(base)))  # tuples as lists, as saved
-    for section, fields in given.items():
-        for field, value in fields.items():
-            old = saved.get(section, {}).get(field)
-            if old != value:
-                raise CompareError(f'{workdir} holds a comparison of another config: {section}.{field} was '
-                                   f'{old!r} there and is {value!r} now; use another --workdir (nothing was changed).')
+    for name, (old, value) in workdir_lib.changes(saved, workdir_lib.as_json(base)).items():
+        raise CompareError(f'{workdir} holds a comparison of another config: {name} was {old!r} there and is '
+                           f'{value!r} now; use another --workdir (nothing was changed).')
 
 
 def train_or_reuse(run: Run, workdir: Path, analysis_sequences: int) -> dict[str, Any]:

@@ -76,7 +76,7 @@ def start_over(workdir: Path, config: Config, latest_step: int | None) -> str:
     """`--fresh`: moves the workdir's run aside, unless it is the unfinished run that `--fresh`
     started with this same config (then it resumes). Returns what was done, for the log."""
     record = _read_record(workdir)
-    if (record is not None and record.get('started_fresh') and record.get('config') == _plain(config)
+    if (record is not None and record.get('started_fresh') and record.get('config') == as_json(config)
             and latest_step is not None and latest_step < config.train.steps):
         return (f'--fresh: resuming the run that --fresh started at {record.get("started", "?")} with this '
                 f'config (step {latest_step}); to start over again, change the command or workdir')
@@ -90,12 +90,13 @@ def start_over(workdir: Path, config: Config, latest_step: int | None) -> str:
     return f'--fresh: moved the previous run to {target}'
 
 
-def _plain(config: Config) -> dict[str, Any]:
+def as_json(config: Config) -> dict[str, Any]:
     """The config as config.json stores it (tuples become lists)."""
     return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
-def _changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+def changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """'section.field' -> [old, new] for each field of `new` (an as_json config) that differs in `old`."""
     return {f'{section}.{key}': [old.get(section, {}).get(key), value]
             for section, values in new.items() for key, value in values.items()
             if old.get(section, {}).get(key) != value}
@@ -104,8 +105,8 @@ def _changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
 def record_start(workdir: Path, config: Config, step: int, fresh: bool, extra: dict[str, Any]) -> dict[str, list]:
     """Writes config.json for a start at `step` and returns the settings changed since the last start."""
     record = _read_record(workdir) or {}
-    new = _plain(config)
-    changed = _changes(record['config'], new) if step and 'config' in record else {}
+    new = as_json(config)
+    changed = changes(record['config'], new) if step and 'config' in record else {}
     history = record.get('history', []) + [{'step': step, 'time': time.strftime('%Y-%m-%d %H:%M:%S'),
                                             'changed': changed}]
     started_fresh = record.get('started_fresh', False) if step else fresh
