@@ -1,9 +1,10 @@
 """Helpers for tests that train real runs: a tiny config over the test corpus, the same config
-as `python -m vrl.main` arguments, and waiting on a run in a subprocess."""
+as `python -m vrl.main` arguments, waiting on a run in a subprocess, and a local lm-eval task."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import time
@@ -68,3 +69,34 @@ def logged_steps(workdir: Path) -> int:
 def saved_steps(workdir: Path) -> list[int]:
     folder = workdir / 'checkpoints'
     return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
+
+
+CHOICE_TASK = """task: toy_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+CHOICE_DOCS = [{'question': 'HAMLET: To be, or not to b', 'choices': ['e', 'ee', 'lue'], 'answer': 0},
+               {'question': 'KING: My lord, what news from', 'choices': [' France?', ' the moon?'], 'answer': 0},
+               {'question': 'Who is there?', 'choices': [' Nay, answer me.', ' café', ' 日本'], 'answer': 1}]
+
+
+def write_choice_task(folder: Path, docs: list[dict] | None = CHOICE_DOCS) -> Path:
+    """An lm-eval multiple-choice task `toy_choice` over local JSONL (missing when docs is None), in folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / 'toy_choice.jsonl'
+    if docs is not None:
+        data.write_text(''.join(json.dumps(d) + '\n' for d in docs))
+    (folder / 'toy_choice.yaml').write_text(CHOICE_TASK.format(data=data))
+    return folder

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
-from tests.runs import tiny_config
+from tests.runs import saved_steps, tiny_config, write_choice_task
 from vrl import compare
 
 
@@ -76,19 +76,31 @@ def test_compare_writes_report_results_and_plots(compared):
     assert 'resformer:learnable_plus: eval loss' in first.stdout
 
 
-def test_a_second_invocation_trains_only_the_new_variant(compared, small_corpus):
+def test_a_second_invocation_trains_only_the_new_variant_and_evaluates_all(compared, small_corpus, tmp_path):
     workdir, _ = compared
     before = {p.parent.name: p.stat().st_mtime_ns for p in (workdir / 'runs').glob('*/result.json')}
     assert len(before) == 4
-    again = _compare(small_corpus, workdir, '--variants=vanilla,resformer:learnable_plus,svformer', '--seeds=0,1')
+    before_steps = {name: saved_steps(workdir / 'runs' / name) for name in before}
+    tasks = write_choice_task(tmp_path / 'tasks')
+    again = _compare(small_corpus, workdir, '--variants=vanilla,resformer:learnable_plus,svformer', '--seeds=0,1',
+                     '--tasks=toy_choice', f'--include_path={tasks}')
     assert again.returncode == 0, again.stderr[-3000:]
-    after = {p.parent.name: p.stat().st_mtime_ns for p in (workdir / 'runs').glob('*/result.json')}
+    after = {p.parent.name: p for p in (workdir / 'runs').glob('*/result.json')}
     assert set(after) - set(before) == {'svformer-s0', 'svformer-s1'}
-    assert all(after[name] == before[name] for name in before)  # reused, not retrained
+    assert all(saved_steps(workdir / 'runs' / name) == before_steps[name] for name in before)  # not retrained
     assert again.stderr.count('finished before, reused') == 4
-    table = json.loads((workdir / 'results.json').read_text())['table']
+    results = json.loads((workdir / 'results.json').read_text())
+    table = results['table']
     assert [r['variant'] for r in table] == ['vanilla', 'resformer:learnable_plus', 'svformer']
     assert table[2]['kv_cache_bytes_per_token'] < table[0]['kv_cache_bytes_per_token']
+    # every run, reused or new, was evaluated on the task; the table has the mean over seeds
+    for name, result_file in after.items():
+        lm_eval_results = json.loads(next((workdir / 'runs' / name / 'lm_eval').glob('results_*.json')).read_text())
+        run_acc = json.loads(result_file.read_text())['downstream']['toy_choice']['acc']
+        assert run_acc == lm_eval_results['results']['toy_choice']['acc,none']
+    accuracies = [r['downstream']['toy_choice']['acc'] for r in results['runs'] if r['variant'] == 'svformer']
+    assert table[2]['downstream']['toy_choice']['acc'] == pytest.approx(np.mean(accuracies))
+    assert '| variant | toy_choice acc |' in (workdir / 'report.md').read_text()
 
 
 @pytest.mark.parametrize('args, message', [

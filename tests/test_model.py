@@ -21,33 +21,20 @@ def _loss(model: Decoder, tokens: jax.Array) -> jax.Array:
     return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
 
 
-class ShapesTest(chex.TestCase):
-
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_shapes_and_dtypes_every_variant(self):
-        for variant in VARIANTS:
-            cfg = small_model_config(**variant)
-            model = Decoder(cfg, rngs=nnx.Rngs(0))
-            graphdef, state = nnx.split(model)
-            forward = self.variant(lambda s, t: nnx.merge(graphdef, s)(t))
-            logits = forward(state, random_tokens(1))
-            chex.assert_shape(logits, (2, 11, cfg.padded_vocab_size))
-            chex.assert_type(logits, jnp.float32)
-            chex.assert_tree_all_finite(logits)
-            # padded vocabulary entries can never be predicted
-            assert np.all(np.asarray(logits[..., cfg.vocab_size:]) < -1e29), variant
-            for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
-                assert leaf.dtype == jnp.float32, variant
-
-
 @pytest.mark.parametrize('variant', VARIANTS, ids=VARIANT_IDS)
-def test_causality(variant):
-    model = Decoder(small_model_config(**variant), rngs=nnx.Rngs(0))
+def test_shapes_dtypes_and_causality(variant):
+    cfg = small_model_config(**variant)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, 1)
     tokens = random_tokens(2)
     t = 6
     changed = tokens.at[:, t].set((tokens[:, t] + 1) % 97)
     a, b = model(tokens), model(changed)
+    chex.assert_shape(a, (2, 11, cfg.padded_vocab_size))
+    chex.assert_type(a, jnp.float32)
+    chex.assert_tree_all_finite(a)
+    assert np.all(np.asarray(a[..., cfg.vocab_size:]) < -1e29)  # padded vocabulary entries are never predicted
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     np.testing.assert_array_equal(np.asarray(a[:, :t]), np.asarray(b[:, :t]))
     assert not np.allclose(np.asarray(a[:, t:, :97]), np.asarray(b[:, t:, :97]))
 

@@ -73,24 +73,29 @@ def _delete_a_folder(step_dir: Path) -> None:
     shutil.rmtree(next((step_dir / 'state').glob('ocdbt.process_*')))
 
 
-@pytest.mark.parametrize('damage, reason', [(_flip_one_bit_in_each, 'differs from the one saved (checksum mismatch)'),
-                                            (_truncate_each, 'cannot be read'), (_delete_a_folder, 'cannot be read')])
-def test_damaged_latest_checkpoint_falls_back_to_the_previous(small_corpus, tmp_path, capsys, damage, reason):
+def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(small_corpus, tmp_path, capsys):
+    """Steps 12, 9 and 6 damaged three ways: each is named in one line and set aside, with its
+    reason; the run resumes from step 3 and retraces the first run's losses exactly."""
     workdir = tmp_path / 'run'
-    config = tiny_config(small_corpus, steps=8, checkpoint_every=4)
+    config = tiny_config(small_corpus, steps=12, checkpoint_every=3, keep_checkpoints=4)
     first = train.run(config, str(workdir))
-    assert saved_steps(workdir) == [4, 8]
-    damage(workdir / 'checkpoints' / '8')
+    assert saved_steps(workdir) == [3, 6, 9, 12]
+    damages = {12: (_flip_one_bit_in_each, 'differs from the one saved (checksum mismatch)'),
+               9: (_truncate_each, 'cannot be read'), 6: (_delete_a_folder, 'cannot be read')}
+    for step, (damage, _) in damages.items():
+        damage(workdir / 'checkpoints' / str(step))
     capsys.readouterr()
     resumed = train.run(config, str(workdir))
     said = capsys.readouterr().out
-    assert 'checkpoint step 8 is damaged: ' in said and reason in said and 'resuming from step 4' in said
-    assert len([line for line in said.splitlines() if 'damaged' in line]) == 1  # one line, no traceback
-    # resumed from step 4: steps 5..8 again, exactly as the first time
-    assert resumed.losses == {s: first.losses[s] for s in range(5, 9)}
-    (rejected,) = (workdir / 'rejected_checkpoints').iterdir()  # kept, with the reason
-    assert rejected.name.startswith('8-') and reason in (rejected / 'REJECTED.txt').read_text()
-    assert saved_steps(workdir) == [4, 8]  # step 8 saved again by the resumed run
+    damaged_lines = [line for line in said.splitlines() if 'damaged' in line]
+    assert len(damaged_lines) == 3  # one line each, no traceback
+    for step, (_, reason) in damages.items():
+        assert any(f'checkpoint step {step} is damaged: ' in line and reason in line for line in damaged_lines)
+        (rejected,) = (workdir / 'rejected_checkpoints').glob(f'{step}-*')  # kept, with the reason
+        assert reason in (rejected / 'REJECTED.txt').read_text()
+    assert 'resuming from step 3' in said
+    assert resumed.losses == {s: first.losses[s] for s in range(4, 13)}
+    assert saved_steps(workdir) == [3, 6, 9, 12]  # saved again by the resumed run
 
 
 def test_no_restorable_checkpoint_moves_nothing(small_corpus, tmp_path):

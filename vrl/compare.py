@@ -15,7 +15,10 @@ DIR gets report.md (a table per variant: final eval loss, mean and spread over s
 difference from vanilla's, seed by seed; parameters; KV-cache bytes per token; train tokens/s),
 results.json (the same numbers and the curves), and PNGs: eval loss, training loss relative to
 vanilla after a 100-step moving average (the paper's "relative training loss"), and vrl.analyze's
-per-layer entropy, similarity, first-token attention and norms, averaged over seeds.
+per-layer entropy, similarity, first-token attention and norms, averaged over seeds. With
+--tasks (lm-eval task names; needs requirements-extra.txt), each run is also evaluated on them
+by vrl.evaluate and the report gets a table of their metrics, mean over seeds; tasks added later
+are evaluated on the finished runs without training them again.
 """
 
 from __future__ import annotations
@@ -83,13 +86,62 @@ def check_same_base(workdir: Path, base: Config) -> None:
                            f'{value!r} now; use another --workdir (nothing was changed).')
 
 
-def train_or_reuse(run: Run, workdir: Path, analysis_sequences: int) -> dict[str, Any]:
-    """The run's result: read back if it finished before, else trained (or resumed), evaluated, analysed."""
+@dataclasses.dataclass
+class Downstream:
+    """lm-eval tasks to run on every run (vrl.evaluate), with one task index for all of them."""
+    tasks: list[str]
+    limit: float | None = None
+    include_path: str | None = None
+    _task_manager: Any = dataclasses.field(default=None, init=False, repr=False)
+
+    def index(self) -> Any:
+        """lm-eval's TaskManager for the tasks, built once; EvaluateError names an unknown task."""
+        from vrl import evaluate  # lm-eval: requirements-extra.txt
+        if self._task_manager is None:
+            self._task_manager = evaluate.task_manager_for(self.tasks, self.include_path)
+        return self._task_manager
+
+    def metrics(self, run_dir: Path, tasks: list[str]) -> dict[str, dict[str, float]]:
+        """{requested task: {metric: value}}: lm-eval's numbers without their stderr and filter suffix; a
+        group without its own aggregate gets each subtask's, named 'subtask/metric'."""
+        from vrl import evaluate  # lm-eval: requirements-extra.txt
+        results = evaluate.evaluate(str(run_dir), tasks, limit=self.limit, task_manager=self.index()).results
+
+        def numbers(task: str, prefix: str = '') -> dict[str, float]:
+            return {prefix + name.split(',')[0]: float(value) for name, value in results['results'].get(task, {}).items()
+                    if isinstance(value, (int, float)) and '_stderr' not in name}
+        by_task = {}
+        for task in tasks:
+            by_task[task] = numbers(task)
+            if not by_task[task]:
+                for subtask in results.get('group_subtasks', {}).get(task, []):
+                    by_task[task].update(numbers(subtask, f'{subtask}/'))
+        return by_task
+
+
+def train_or_reuse(run: Run, workdir: Path, analysis_sequences: int, downstream: Downstream | None = None
+                   ) -> dict[str, Any]:
+    """The run's result: read back if it finished before, else trained (or resumed), evaluated, analysed;
+    then evaluated on the downstream tasks it has no result for."""
     run_dir = workdir / 'runs' / run.name
     result_file = run_dir / 'result.json'
-    if result_file.exists():
+    reused = result_file.exists()
+    if reused:
         logging.warning('%s: finished before, reused', run.name)
-        return json.loads(result_file.read_text())
+        result = json.loads(result_file.read_text())
+    else:
+        result = _train(run, run_dir, analysis_sequences)
+    result.setdefault('downstream', {})
+    missing = [t for t in (downstream.tasks if downstream else []) if t not in result['downstream']]
+    if missing:
+        result['downstream'].update(downstream.metrics(run_dir, missing))
+    if (missing or not reused) and jax.process_index() == 0:
+        result_file.write_text(json.dumps(result))
+    return json.loads(json.dumps(result))  # keys as strings, as when read back
+
+
+def _train(run: Run, run_dir: Path, analysis_sequences: int) -> dict[str, Any]:
+    """Trains (or resumes) the run, analyses it, and gathers its numbers from metrics.jsonl."""
     outcome = train.run(run.config, str(run_dir))
     if outcome.preempted:
         raise SystemExit(f'{run.name} was preempted and saved; run the same command to resume')
@@ -111,9 +163,7 @@ def train_or_reuse(run: Run, workdir: Path, analysis_sequences: int) -> dict[str
         'eval_curve': eval_curve,
         'analysis': analysis,
     }
-    if jax.process_index() == 0:
-        result_file.write_text(json.dumps(result))
-    return json.loads(json.dumps(result))  # keys as strings, as when read back
+    return result
 
 
 def _metrics(path: Path) -> dict[int, dict]:
@@ -158,8 +208,16 @@ def summarize(results: list[dict], variants: list[str]) -> list[dict]:
                      'eval_loss': loss, 'eval_loss_spread': loss_spread, 'delta_vs_vanilla': delta,
                      'delta_spread': delta_spread, 'params': runs[0]['params'],
                      'kv_cache_bytes_per_token': runs[0]['kv_cache_bytes_per_token'],
-                     'tokens_per_sec': float(np.mean([r['tokens_per_sec'] for r in runs]))})
+                     'tokens_per_sec': float(np.mean([r['tokens_per_sec'] for r in runs])),
+                     'downstream': _mean_downstream([r.get('downstream', {}) for r in runs])})
     return rows
+
+
+def _mean_downstream(per_run: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """{task: {metric: mean over the runs}} for the metrics every run has."""
+    tasks = set.intersection(*(set(d) for d in per_run)) if per_run else set()
+    return {task: {metric: float(np.mean([d[task][metric] for d in per_run]))
+                   for metric in set.intersection(*(set(d[task]) for d in per_run))} for task in sorted(tasks)}
 
 
 def _mean_curve(curves: list[dict[str, float]]) -> dict[int, float]:
@@ -207,20 +265,31 @@ def report(rows: list[dict], figures: list[Path], base: Config, seeds: list[int]
         delta = '—' if math.isnan(r['delta_vs_vanilla']) else f'{r["delta_vs_vanilla"]:+.4f} ± {r["delta_spread"]:.4f}'
         lines.append(f'| {r["variant"]} | {r["model"]} | {r["eval_loss"]:.4f} ± {r["eval_loss_spread"]:.4f} | '
                      f'{delta} | {r["params"]:,} | {r["kv_cache_bytes_per_token"]:,} | {r["tokens_per_sec"]:,.0f} |')
+    columns = sorted({(task, metric) for r in rows for task, metrics in r['downstream'].items() for metric in metrics})
+    if columns:
+        lines += ['', '## Downstream tasks (lm-eval, mean over seeds)', '',
+                  '| variant | ' + ' | '.join(f'{task} {metric}' for task, metric in columns) + ' |',
+                  '|---|' + '---|' * len(columns)]
+        for r in rows:
+            lines.append(f'| {r["variant"]} | ' + ' | '.join(
+                f'{r["downstream"][t][m]:.4f}' if m in r['downstream'].get(t, {}) else '—' for t, m in columns) + ' |')
     lines += ['', '## Figures', ''] + [f'![{f.stem}]({f.name})' for f in figures]
     return '\n'.join(lines) + '\n'
 
 
-def compare(base: Config, variants: list[str], seeds: list[int], workdir: Path, analysis_sequences: int) -> list[dict]:
+def compare(base: Config, variants: list[str], seeds: list[int], workdir: Path, analysis_sequences: int,
+            downstream: Downstream | None = None) -> list[dict]:
     """Trains what is missing, then writes report.md, results.json and the plots; returns the table rows."""
     runs = plan(base, variants, seeds)
     check_same_base(workdir, base)
+    if downstream:
+        downstream.index()  # an unknown task is an error before anything trains
     if BASELINE not in variants:
         logging.warning('no vanilla among --variants: the deltas and relative-loss plot need it')
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (workdir / 'compare.json').write_text(json.dumps({'base_config': dataclasses.asdict(base)}, indent=2))
-    results = [train_or_reuse(run, workdir, analysis_sequences) for run in runs]
+    results = [train_or_reuse(run, workdir, analysis_sequences, downstream) for run in runs]
     rows = summarize(results, variants)
     if jax.process_index() == 0:
         figures = write_plots(results, variants, workdir)
@@ -240,6 +309,9 @@ def _define_flags() -> dict:
         'list_variants': flags.DEFINE_bool('list_variants', False, 'Print the variant presets and exit.'),
         'analysis_sequences': flags.DEFINE_integer('analysis_sequences', 16,
                                                    'Validation sequences for vrl.analyze per run.'),
+        'tasks': flags.DEFINE_list('tasks', [], 'lm-eval tasks to evaluate every run on (vrl.evaluate).'),
+        'task_limit': flags.DEFINE_float('task_limit', None, 'Examples per task (< 1: a fraction).'),
+        'include_path': flags.DEFINE_string('include_path', None, 'A folder of lm-eval task YAMLs of your own.'),
     }
 
 
@@ -256,12 +328,22 @@ def main(argv: list[str], args: dict) -> None:
         seeds = [int(s) for s in args['seeds'].value]
     except ValueError:
         sys.exit(f'error: --seeds={",".join(args["seeds"].value)} is invalid: allowed integers such as 0,1,2.')
+    errors = (CompareError, ConfigError, analyze.AnalysisError, FileNotFoundError, checkpoint.CheckpointMismatchError,
+              corpus.DataError, tokenizer.TokenizerError, train.TrainingError, plots.PlotError)
+    if args['tasks'].value:
+        try:
+            from vrl import evaluate
+        except ImportError as e:
+            sys.exit(f'error: --tasks {e}')
+        errors += (evaluate.EvaluateError,)
     try:
         workdir = Path(args['workdir'].value).absolute()
+        limit = args['task_limit'].value
+        downstream = Downstream(args['tasks'].value, int(limit) if limit and limit >= 1 else limit,
+                                args['include_path'].value) if args['tasks'].value else None
         rows = compare(from_configdict(args['config'].value), args['variants'].value, seeds, workdir,
-                       args['analysis_sequences'].value)
-    except (CompareError, ConfigError, analyze.AnalysisError, FileNotFoundError, checkpoint.CheckpointMismatchError,
-            corpus.DataError, tokenizer.TokenizerError, train.TrainingError, plots.PlotError) as e:
+                       args['analysis_sequences'].value, downstream)
+    except errors as e:
         sys.exit(f'error: {e}')
     for r in rows:
         print(f'{r["variant"]}: eval loss {r["eval_loss"]:.4f} ± {r["eval_loss_spread"]:.4f}, '

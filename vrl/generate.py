@@ -12,21 +12,16 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from vrl import checkpoint, data, decode, sharding
-from vrl.config import Config
-from vrl.step import Trainer
-from vrl.tokenizer import Tokenizer
-from vrl.train import load_run
+from vrl import checkpoint, data, decode
+from vrl.train import TrainedRun, load_trained
 from vrl.workdir import WorkdirError
 
 
 
-def make_generator(config: Config, workdir: str, tokenizer: Tokenizer, max_len: int) -> decode.Generator:
-    """The latest checkpoint's parameters, sharded by the training rules, behind a Generator."""
-    trainer = Trainer(config, sharding.make_mesh(config.mesh))
-    params = checkpoint.restore_params(workdir, trainer.abstract_state.params, config.model)
-    return decode.Generator(config.model, trainer.graphdef, params, max_len=max_len, eos_id=tokenizer.eos_id,
-                            mesh=trainer.mesh)
+def make_generator(run: TrainedRun, max_len: int) -> decode.Generator:
+    """A Generator over the run's parameters, on its mesh."""
+    return decode.Generator(run.config.model, run.trainer.graphdef, run.params, max_len=max_len,
+                            eos_id=run.tokenizer.eos_id, mesh=run.trainer.mesh)
 
 
 def _define_flags() -> dict:
@@ -63,13 +58,14 @@ def main(argv: list[str], args: dict) -> None:
         if args['max_len'].value < 0:
             raise decode.DecodeError(f'max_len={args["max_len"].value} is invalid: allowed >= 1 (0 = the trained '
                                      'seq_len).')
-        config, tokenizer = load_run(args['workdir'].value)
+        run = load_trained(args['workdir'].value)
+        config, tokenizer = run.config, run.tokenizer
         sampling.check_vocab(config.model.vocab_size)
         max_len = args['max_len'].value or config.data.seq_len
         if max_len > config.data.seq_len:
             print(f'warning: --max_len={max_len} is beyond the trained seq_len {config.data.seq_len}: RoPE '
                   'positions past it were never seen in training.', file=sys.stderr)
-        generator = make_generator(config, args['workdir'].value, tokenizer, max_len)
+        generator = make_generator(run, max_len)
         encoded = [data.prompt_tokens(config.data, tokenizer, p) for p in prompts]
         result = generator.generate(encoded, sampling)
     except (decode.DecodeError, FileNotFoundError, checkpoint.CheckpointError, WorkdirError) as e:

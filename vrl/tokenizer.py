@@ -86,6 +86,18 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._sp.encode(text), np.int32)
 
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """`context + continuation` encoded as one text, split before the first token that covers
+        any of the continuation's bytes: a token merging the context's last characters with the
+        continuation's first belongs to the continuation, so the pair's ids are exactly the whole
+        text's ids and the continuation's are the ones the model must predict."""
+        boundary = len(context.encode('utf-8'))
+        pieces = self._sp.encode(context + continuation, out_type='proto').pieces
+        # byte-fallback pieces of one character: all but the last are empty spans at its start
+        split = next((i for i, p in enumerate(pieces) if p.end > boundary or p.begin >= boundary), len(pieces))
+        ids = [p.id for p in pieces]
+        return ids[:split], ids[split:]
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 

@@ -16,7 +16,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -96,6 +96,25 @@ def load_run(workdir: str) -> tuple[Config, Tokenizer]:
         raise workdir_lib.WorkdirError(f'{config_file} is not a readable vrl run record '
                                        f'({" ".join(str(e).split())}); restore it from the run.') from None
     return config, data.load_tokenizer(config.data, config.model.vocab_size)
+
+
+class TrainedRun(NamedTuple):
+    """A workdir's latest checkpoint, ready to run: parameters sharded by the training rules on a
+    mesh of this machine's devices shaped by the run's mesh config."""
+    config: Config
+    tokenizer: Tokenizer
+    trainer: Trainer
+    params: Any
+    step: int | None
+
+
+def load_trained(workdir: str) -> TrainedRun:
+    """The run's config, tokenizer and latest parameters (checked against the saved model config)."""
+    config, tokenizer = load_run(workdir)
+    _, step = checkpoint.step_folder(workdir)
+    trainer = Trainer(config, sharding.make_mesh(config.mesh))
+    params = checkpoint.restore_params(workdir, trainer.abstract_state.params, config.model)
+    return TrainedRun(config, tokenizer, trainer, params, step)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,147 @@
+"""vrl.evaluate: lm-evaluation-harness requests against direct forward passes, and the command on a
+local multiple-choice task."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from lm_eval.api.instance import Instance
+
+from tests.runs import CHOICE_DOCS, tiny_config, write_choice_task
+from vrl import evaluate, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope='module')
+def workdir(small_corpus, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp('evaluate') / 'svformer'
+    train.run(tiny_config(small_corpus, attention='svformer', steps=8, checkpoint_every=8), str(path))
+    return path
+
+
+@pytest.fixture(scope='module')
+def lm(workdir) -> evaluate.VrlLM:
+    return evaluate.VrlLM(str(workdir), batch_size=3)
+
+
+def forward_log_probs(lm: evaluate.VrlLM, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """float64 log p(ids[t] | ids[:t]) for t = 1.., and whether ids[t] is the argmax: one forward pass."""
+    model = nnx.merge(lm.run.trainer.graphdef, jax.device_get(lm.run.params))
+    logits = np.asarray(model(jnp.asarray([ids[:-1]])), np.float64)[0]
+    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    targets = np.asarray(ids[1:])
+    return log_probs[np.arange(len(targets)), targets], logits.argmax(-1) == targets
+
+
+def expected_loglikelihood(lm: evaluate.VrlLM, context: str, continuation: str) -> tuple[float, bool]:
+    """The continuation's tokens are those of the whole text past the last token that ends within
+    the context's bytes (counted with Tokenizer.utf8_bytes, not the adapter's piece offsets)."""
+    tok = lm.tokenizer
+    whole = tok.encode(context + continuation).tolist()
+    ends = np.cumsum(tok.utf8_bytes[whole])
+    n_context = int(np.sum(ends <= len(context.encode('utf-8'))))
+    ids = (lm.separator + whole)[-(lm.max_len + 1):]
+    n_scored = len(whole) - n_context
+    log_probs, greedy = forward_log_probs(lm, ids)
+    return float(log_probs[-n_scored:].sum()), bool(greedy[-n_scored:].all())
+
+
+def test_loglikelihood_equals_the_forward_pass(lm):
+    long_context = 'To be, or not to be, that is the question. ' * 12
+    pairs = [('To be, or not to b', 'e, that is the question'),  # '▁be' spans the boundary
+             ('', 'HAMLET: Who is there?'),
+             ('The queen said: ', 'café naïve 日本'),  # multi-byte characters, byte-fallback pieces
+             ('Good my lord,', ' I pray you'),
+             (long_context, ' Whether tis nobler')]  # longer than seq_len: left-truncated
+    tok = lm.tokenizer
+    merged = [c for c, x in pairs if c and tok.encode(c).tolist() != tok.encode(c + x).tolist()[:len(tok.encode(c))]]
+    assert merged, 'no pair has a token merging context and continuation: the test would not test that'
+    assert len(tok.encode(long_context)) > lm.max_len
+    requests = [Instance('loglikelihood', {}, pair, i) for i, pair in enumerate(pairs)]
+    results = lm.loglikelihood(requests)
+    for pair, (log_prob, greedy) in zip(pairs, results):
+        expected, expected_greedy = expected_loglikelihood(lm, *pair)
+        assert log_prob < 0
+        assert abs(log_prob - expected) <= 1e-5 * abs(expected), pair
+        assert greedy == expected_greedy
+
+
+def test_loglikelihood_rolling_sums_every_token_once(lm):
+    tok = lm.tokenizer
+    short = 'Who is there? Nay, answer me: stand, and unfold yourself.'
+    long = ' '.join(['Long live the king!', 'Bernardo?', 'He.', 'You come most carefully upon your hour.'] * 12)
+    ids = tok.encode(long).tolist()
+    assert len(ids) > 2 * lm.max_len
+    results = lm.loglikelihood_rolling([Instance('loglikelihood_rolling', {}, (t,), i) for i, t in enumerate([short, long])])
+
+    short_ids = lm.separator + tok.encode(short).tolist()
+    assert abs(results[0] - forward_log_probs(lm, short_ids)[0][len(lm.separator) - 1:].sum()) <= 1e-5 * abs(results[0])
+
+    # lm-eval's windows by hand: predictions stream[s:e], at most L at a time, each window's inputs
+    # the L tokens before e - 1 (the first from the stream's start); the separator is not scored
+    stream, L = lm.separator + ids, lm.max_len
+    total, s = 0.0, 1
+    while s < len(stream):
+        e = min(len(stream), s + L)
+        first = max(0, e - 1 - L)
+        log_probs = forward_log_probs(lm, stream[first:e])[0]
+        total += log_probs[max(s, len(lm.separator)) - first - 1:].sum()
+        s = e
+    assert abs(results[1] - total) <= 1e-5 * abs(total)
+
+
+def test_generate_until_cuts_at_the_first_stop_string(lm):
+    context = 'HAMLET:'
+    free = lm.generate_until([Instance('generate_until', {}, (context, {'until': [], 'max_gen_toks': 24}), 0)])[0]
+    assert len(free) > 8
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    requests = [Instance('generate_until', {}, (context, {'until': [stop], 'max_gen_toks': 24}), 0),
+                Instance('generate_until', {}, ('OPHELIA:', {'until': ['\n'], 'max_gen_toks': 24}), 1)]
+    cut, other = lm.generate_until(requests)
+    assert cut == free[:free.index(stop)]
+    assert '\n' not in other
+
+
+def test_the_command_runs_a_local_task_and_its_scores_are_the_models(lm, workdir, tmp_path):
+    tasks = write_choice_task(tmp_path / 'tasks')
+    out = subprocess.run([sys.executable, '-m', 'vrl.evaluate', f'--workdir={workdir}', '--tasks=toy_choice',
+                          f'--include_path={tasks}', '--log_samples', '--batch_size=4'],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert '|toy_choice|' in out.stdout
+    results = json.loads(next((workdir / 'lm_eval').glob('results_*.json')).read_text())
+    assert results['vrl']['step'] == 8
+    samples = [json.loads(line) for line in next((workdir / 'lm_eval').glob('samples_toy_choice_*.jsonl')).open()]
+    assert len(samples) == len(CHOICE_DOCS)
+    correct = []
+    for sample in samples:
+        scores = [expected_loglikelihood(lm, *request)[0] for request in sample['arguments'].values()] \
+            if isinstance(sample['arguments'], dict) else [expected_loglikelihood(lm, *a)[0] for a in sample['arguments']]
+        returned = [float(r[0][0]) for r in sample['resps']]
+        np.testing.assert_allclose(returned, scores, rtol=1e-5)
+        correct.append(float(np.argmax(scores) == sample['target']))
+    assert results['results']['toy_choice']['acc,none'] == pytest.approx(np.mean(correct))
+
+
+def test_bad_input_is_named(workdir, small_corpus, tmp_path):
+    with pytest.raises(evaluate.EvaluateError, match=r"unknown task\(s\) 'hellaswagg'.*did you mean hellaswag"):
+        evaluate.evaluate(str(workdir), ['hellaswagg'])
+    tasks = write_choice_task(tmp_path / 'tasks', docs=None)
+    with pytest.raises(evaluate.EvaluateError, match=r"task 'toy_choice': its data could not be loaded"):
+        evaluate.evaluate(str(workdir), ['toy_choice'], include_path=str(tasks))
+    empty = tmp_path / 'untrained'
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match='no checkpoint in'):
+        evaluate.evaluate(str(empty), ['toy_choice'], include_path=str(tasks))
+    with pytest.raises(evaluate.EvaluateError, match='batch_size=0 is invalid'):
+        evaluate.VrlLM(str(workdir), batch_size=0)
