@@ -74,6 +74,9 @@ def test_loglikelihood_equals_the_forward_pass(lm):
         assert log_prob < 0
         assert abs(log_prob - expected) <= 1e-5 * abs(expected), pair
         assert greedy == expected_greedy
+    # logits 16 positions at a time (4 chunks of a 64-token row): the same sums
+    in_chunks = evaluate.Scorer(lm.run, batch_size=2, chunk=16).score([lm._request_sequence(*p) for p in pairs])
+    np.testing.assert_allclose([r[0] for r in in_chunks], [r[0] for r in results], rtol=1e-5)
 
 
 def test_loglikelihood_rolling_sums_every_token_once(lm):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -60,22 +61,34 @@ Sequence = tuple[list[int], int]  # (token ids, n): score ids[n:], each given th
 
 class Scorer:
     """Sums of log-probabilities of chosen tokens under a trained model, in batches of fixed
-    shape (batch_size x a power-of-two length up to seq_len), so a few programs serve any request mix."""
+    shape (batch_size x a multiple of `chunk` up to seq_len), so a few programs serve any request mix."""
 
-    def __init__(self, run: TrainedRun, batch_size: int):
-        self.run, self.batch_size, self.max_len = run, batch_size, run.config.data.seq_len
+    def __init__(self, run: TrainedRun, batch_size: int, chunk: int = 64):
+        """chunk: positions whose logits exist at once ((B, L, V) float32 would be GiBs)."""
+        self.run, self.batch_size, self.chunk, self.max_len = run, batch_size, chunk, run.config.data.seq_len
         self._scores = jax.jit(sharding.traced_in(run.trainer.mesh, self._token_scores))
 
     def _token_scores(self, params: Any, inputs_BxL: jax.Array, targets_BxL: jax.Array
                       ) -> tuple[jax.Array, jax.Array]:
-        """Float32 log p(target) (B, L) and whether the target is the most likely token (B, L)."""
-        logits_BxLxV = nnx.merge(self.run.trainer.graphdef, params)(inputs_BxL)
-        log_probs_BxLxV = jax.nn.log_softmax(logits_BxLxV, axis=-1)
-        target_log_probs_BxL = jnp.take_along_axis(log_probs_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
-        return target_log_probs_BxL, logits_BxLxV.argmax(axis=-1) == targets_BxL
+        """Float32 log p(target) (B, L) and whether the target is the most likely token (B, L), from
+        the logits of `chunk` positions at a time."""
+        model = nnx.merge(self.run.trainer.graphdef, params)
+        hidden_BxLxD = model.hidden(inputs_BxL)
+        B, L, D = hidden_BxLxD.shape
+        C = math.gcd(L, self.chunk)
+
+        def score(chunk):
+            hidden_BxCxD, targets_BxC = chunk
+            logits_BxCxV = model.logits(hidden_BxCxD)
+            target_logits_BxC = jnp.take_along_axis(logits_BxCxV, targets_BxC[..., None], axis=-1)[..., 0]
+            return (target_logits_BxC - jax.nn.logsumexp(logits_BxCxV, axis=-1),
+                    logits_BxCxV.argmax(axis=-1) == targets_BxC)
+        chunks = (hidden_BxLxD.reshape(B, L // C, C, D).swapaxes(0, 1), targets_BxL.reshape(B, L // C, C).swapaxes(0, 1))
+        log_probs_NxBxC, greedy_NxBxC = jax.lax.map(score, chunks)
+        return log_probs_NxBxC.swapaxes(0, 1).reshape(B, L), greedy_NxBxC.swapaxes(0, 1).reshape(B, L)
 
     def _length_bucket(self, n: int) -> int:
-        return min(self.max_len, max(16, 1 << (n - 1).bit_length()))
+        return min(self.max_len, -(-n // self.chunk) * self.chunk)
 
     def score(self, sequences: list[Sequence]) -> list[tuple[float, bool]]:
         """For each (ids, n), 1 <= n < len(ids) <= seq_len + 1: (sum over t >= n of log p(ids[t] | ids[:t])
