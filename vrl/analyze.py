@@ -32,14 +32,16 @@ class AnalysisError(ValueError):
 
 
 def validation_sequences(config, tok: tokenizer.Tokenizer, n: int, seq_len: int) -> np.ndarray:
-    """The first n full windows (every token real) of the run's validation split: (n, seq_len) int32."""
+    """The first n full windows (every token real) of the run's validation split (a mixture's first
+    dataset's): (n, seq_len) int32."""
     cfg = dataclasses.replace(config.data, seq_len=seq_len, batch_size=n, num_workers=0, document_masking=False)
+    name = cfg.sources()[0][0]
     rows = []
-    for batch in data.eval_batches(cfg, tok, 0):
+    for batch in data.eval_batches(cfg, tok, 0, name=name):
         rows += [x for x, mask in zip(batch['inputs'], batch['loss_mask']) if mask.all()]
         if len(rows) >= n:
             return np.stack(rows[:n])
-    raise AnalysisError(f'the {cfg.eval_split} split of {cfg.name!r} holds only {len(rows)} full sequences of '
+    raise AnalysisError(f'the {cfg.eval_split} split of {name!r} holds only {len(rows)} full sequences of '
                         f'{seq_len} tokens, fewer than --sequences={n}: lower --sequences or --seq_len.')
 
 

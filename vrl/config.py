@@ -184,6 +184,9 @@ class DataConfig:
     prefetch: int = 2  # batches read ahead per worker
     add_bos: bool = False  # put BOS at every document start (EOS always ends one)
     document_masking: bool = False  # segment ids + per-document positions: no attention across docs
+    # several datasets instead of `name`: 'NAME=WEIGHT,NAME=WEIGHT' (documents are drawn in these
+    # proportions; each dataset's validation split is evaluated on its own); '' = `name` alone
+    mixture: str = ''
 
     def __post_init__(self):
         for name in ('seq_len', 'batch_size', 'tokenizer_train_docs'):
@@ -191,6 +194,29 @@ class DataConfig:
         for name in ('num_epochs', 'num_workers', 'prefetch'):
             _require(getattr(self, name) >= 0, f'data.{name}', getattr(self, name), 'an integer >= 0')
         _require(bool(self.name), 'data.name', self.name, 'a non-empty TFDS dataset name')
+        if self.mixture:
+            self.sources()  # parses, or names what is wrong
+            _require(self.num_epochs == 0, 'data.num_epochs', self.num_epochs,
+                     '0 with data.mixture (a mixture repeats its datasets forever; stop with train.steps)')
+
+    def sources(self) -> list[tuple[str, float]]:
+        """(dataset name, weight) for each dataset trained on: data.mixture's, or [(data.name, 1.0)]."""
+        if not self.mixture:
+            return [(self.name, 1.0)]
+        allowed = 'comma-separated NAME=WEIGHT pairs with distinct names and weights > 0, e.g. wiki=3,books=1'
+        sources = []
+        for entry in self.mixture.split(','):
+            name, _, weight = entry.strip().rpartition('=')
+            try:
+                value = float(weight)
+            except ValueError:
+                value = math.nan
+            _require(bool(name) and math.isfinite(value) and value > 0, 'data.mixture', self.mixture,
+                     f'{allowed} ({entry.strip()!r} is not)')
+            sources.append((name, value))
+        names = [name for name, _ in sources]
+        _require(len(set(names)) == len(names), 'data.mixture', self.mixture, allowed)
+        return sources
 
 
 @dataclasses.dataclass(frozen=True)

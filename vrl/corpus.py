@@ -45,6 +45,8 @@ class CorpusSpec:
     jsonl_field: str = 'text'
     validation_fraction: float = 0.05
     holdout_unit: str = 'document'  # document | file: whole files go to one split
+    domain_field: str = ''  # jsonl: a (dotted) field; only records whose value is `domain` are read
+    domain: str = ''
 
 
 def _resolve_files(input_glob: str) -> tuple[str, ...]:
@@ -97,24 +99,49 @@ def read_documents(spec: CorpusSpec, skipped: SkipCounter) -> Iterator[tuple[str
         elif spec.split_mode == 'blank_line':
             docs = re.split(r'\n[ \t\r]*\n', text)
         else:
-            docs = []
-            for line_no, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f'{file}:{line_no} is not valid JSON ({e.msg}).') from e
-                if not isinstance(record, dict) or spec.jsonl_field not in record:
-                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                    raise DataError(f'{file}:{line_no} has no field {spec.jsonl_field!r} (it has {keys}); '
-                                    'pass the right one with --jsonl_field=NAME.')
-                docs.append(str(record[spec.jsonl_field]))
+            docs = [str(_field(record, spec.jsonl_field, where, '--jsonl_field'))
+                    for where, record in _jsonl_records(file, text)
+                    if not spec.domain_field or _domain(record, spec.domain_field, where) == spec.domain]
         for i, doc in enumerate(docs):
             if doc.strip():
                 yield file_id, f'{file_id}#{i}', doc
             else:
                 skipped.skip(f'empty documents ({spec.split_mode} mode)')
+
+
+def _jsonl_records(file: str, text: str) -> Iterator[tuple[str, dict]]:
+    """('file:line', record) for each non-blank line of a JSONL file."""
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f'{file}:{line_no} is not valid JSON ({e.msg}).') from e
+            if not isinstance(record, dict):
+                raise DataError(f'{file}:{line_no} is a JSON {type(record).__name__}, not an object.')
+            yield f'{file}:{line_no}', record
+
+
+def _field(record: dict, dotted: str, where: str, flag: str):
+    """record['a']['b'] for 'a.b'; DataError names the place and the keys there."""
+    value = record
+    for key in dotted.split('.'):
+        if not isinstance(value, dict) or key not in value:
+            keys = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise DataError(f'{where} has no field {dotted!r} ({key!r} missing; there: {keys}); pass the right '
+                            f'one with {flag}=NAME.')
+        value = value[key]
+    return value
+
+
+def _domain(record: dict, dotted: str, where: str) -> str:
+    return str(_field(record, dotted, where, '--domain_field'))
+
+
+def domains(spec: CorpusSpec) -> list[str]:
+    """The distinct values of spec.domain_field over the JSONL inputs, sorted."""
+    return sorted({_domain(record, spec.domain_field, where)
+                   for file in spec.files for where, record in _jsonl_records(file, _read_utf8(file))})
 
 
 def _hash(key: str) -> str:
@@ -229,6 +256,23 @@ def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False)
 
 def prepare_from_glob(input_glob: str, name: str, data_dir: str, overwrite: bool = False, **spec_fields) -> str:
     return prepare(CorpusSpec(files=_resolve_files(input_glob), **spec_fields), name, data_dir, overwrite)
+
+
+def prepare_domains(input_glob: str, name: str, data_dir: str, domain_field: str, overwrite: bool = False,
+                    **spec_fields) -> dict[str, str]:
+    """One dataset per value of `domain_field` in JSONL records (e.g. SlimPajama's
+    meta.redpajama_set_name), named NAME_<value in lower_snake_case>, each with its own validation
+    split; returns {domain: dataset name}. Train on them with data.mixture."""
+    spec = CorpusSpec(files=_resolve_files(input_glob), split_mode='jsonl', domain_field=domain_field, **spec_fields)
+    names = {domain: f'{name}_{re.sub(r"[^a-z0-9]+", "_", domain.lower()).strip("_")}' for domain in domains(spec)}
+    for domain, dataset in names.items():
+        clash = [d for d, n in names.items() if n == dataset and d != domain]
+        if clash or dataset == f'{name}_':
+            raise DataError(f'domains {[domain, *clash]} of {domain_field!r} make the same dataset name {dataset!r}; '
+                            'rename them in the input.')
+    for domain, dataset in names.items():
+        prepare(dataclasses.replace(spec, domain=domain), dataset, data_dir, overwrite)
+    return names
 
 
 def shakespeare_spec() -> CorpusSpec:

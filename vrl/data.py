@@ -14,12 +14,14 @@ window; 0 = padding) and positions restarting at each group keep attention and R
 a document.
 
     python -m vrl.data prepare --input=GLOB --name=NAME --data_dir=DIR [--validation_fraction=F] [--overwrite]
+                               [--domain_field=meta.redpajama_set_name]   (JSONL: one dataset per domain)
     python -m vrl.data stats --name=NAME --data_dir=DIR [--tokenizer=PATH]
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from pathlib import Path
 from typing import Any, Iterator
@@ -127,14 +129,23 @@ def prompt_tokens(cfg: DataConfig, tokenizer: Tokenizer, text: str) -> list[int]
     return _separator(cfg, tokenizer).tolist() + tokenizer.encode(text).tolist()
 
 
-def _pipeline(source, cfg: DataConfig, tokenizer: Tokenizer, *, shuffle: bool, num_epochs: int | None,
-              process_index: int, process_count: int) -> grain.IterDataset:
+def _documents(cfg: DataConfig, split: str, name: str | None, shuffle: bool, num_epochs: int | None
+               ) -> grain.MapDataset:
+    """The split's records: of dataset `name`, or of data.sources() mixed by weight (each shuffled
+    with its own seed and repeated, then interleaved in the weights' proportions by grain)."""
+    sources = [(name, 1.0)] if name else cfg.sources()
+    members = []
+    for i, (member, _) in enumerate(sources):
+        ds = grain.MapDataset.source(corpus.open_split(member, cfg.data_dir, split))
+        members.append((ds.shuffle(seed=cfg.seed + i) if shuffle else ds).repeat(num_epochs))
+    return members[0] if len(members) == 1 else grain.MapDataset.mix(members, [w for _, w in sources])
+
+
+def _pipeline(documents: grain.MapDataset, cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int,
+              process_count: int) -> grain.IterDataset:
     """Batches of this process's share; a finite pass ends with a padded (loss_mask 0) batch."""
     batch_size = per_process_batch_size(cfg, process_count)
-    ds = grain.MapDataset.source(source)
-    if shuffle:
-        ds = ds.shuffle(seed=cfg.seed)
-    ds = ds.repeat(num_epochs)[process_index::process_count]
+    ds = documents[process_index::process_count]
     ds = ds.map(_Tokenize(tokenizer, cfg.text_field)).to_iter_dataset()
     if cfg.num_workers:
         if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; notebooks never parse them
@@ -155,22 +166,22 @@ def per_process_batch_size(cfg: DataConfig, process_count: int) -> int:
 
 def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0,
                   process_count: int = 1) -> grain.IterDataset:
-    """Endless (or data.num_epochs) shuffled, packed batches of this process's share of the global batch."""
-    source = corpus.open_split(cfg.name, cfg.data_dir, cfg.train_split)
-    return _pipeline(source, cfg, tokenizer, shuffle=True, num_epochs=cfg.num_epochs or None,
-                     process_index=process_index, process_count=process_count)
+    """Endless (or data.num_epochs) shuffled, packed batches of this process's share of the global
+    batch, from data.name or the data.mixture."""
+    documents = _documents(cfg, cfg.train_split, None, shuffle=True, num_epochs=cfg.num_epochs or None)
+    return _pipeline(documents, cfg, tokenizer, process_index=process_index, process_count=process_count)
 
 
 def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, max_batches: int, process_index: int = 0,
-                 process_count: int = 1) -> Iterator[Batch]:
-    """The validation split in a fixed order, one pass, every batch full size (padding has loss_mask 0).
+                 process_count: int = 1, name: str | None = None) -> Iterator[Batch]:
+    """The validation split of dataset `name` (default data.name) in a fixed order, one pass,
+    every batch full size (padding has loss_mask 0).
 
     With max_batches > 0 exactly that many batches come (all-padding ones after the split ends),
     so every process runs the same number of eval steps.
     """
-    source = corpus.open_split(cfg.name, cfg.data_dir, cfg.eval_split)
-    ds = _pipeline(source, cfg, tokenizer, shuffle=False, num_epochs=1, process_index=process_index,
-                   process_count=process_count)
+    documents = _documents(cfg, cfg.eval_split, name or cfg.name, shuffle=False, num_epochs=1)
+    ds = _pipeline(documents, cfg, tokenizer, process_index=process_index, process_count=process_count)
     count = 0
     for batch in ds:
         if max_batches and count == max_batches:
@@ -199,16 +210,20 @@ def load_tokenizer(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
         tokenizer = Tokenizer.load(cfg.tokenizer)
     else:
         data_dir = cfg.data_dir or corpus.default_data_dir()
-        path = Path(data_dir) / 'vrl_tokenizers' / f'{cfg.name.replace("/", "_")}_{model_vocab_size}.model'
+        names = [name for name, _ in cfg.sources()]
+        path = Path(data_dir) / 'vrl_tokenizers' / f'{"+".join(names).replace("/", "_")}_{model_vocab_size}.model'
         if path.exists():
             tokenizer = Tokenizer.load(str(path))
         else:
-            logging.info('training a %d-piece tokenizer on %s (once; cached at %s)', model_vocab_size, cfg.name, path)
-            source = corpus.open_split(cfg.name, cfg.data_dir, cfg.train_split)
+            logging.info('training a %d-piece tokenizer on %s (once; cached at %s)', model_vocab_size,
+                         ', '.join(names), path)
             import sentencepiece
             sentencepiece.set_random_generator_seed(cfg.seed)  # the same model on every host
-            tokenizer = train_tokenizer(corpus.texts(source, cfg.text_field, limit=cfg.tokenizer_train_docs),
-                                        model_vocab_size, str(path))
+            per_dataset = -(-cfg.tokenizer_train_docs // len(names))  # a mixture's datasets, equally
+            texts = itertools.chain.from_iterable(
+                corpus.texts(corpus.open_split(name, cfg.data_dir, cfg.train_split), cfg.text_field,
+                             limit=per_dataset) for name in names)
+            tokenizer = train_tokenizer(texts, model_vocab_size, str(path))
     if tokenizer.vocab_size > model_vocab_size:
         raise TokenizerError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but '
                              f'model.vocab_size={model_vocab_size}: set --config.model.vocab_size='
@@ -240,6 +255,16 @@ def main(argv: list[str]) -> None:
         if command == 'prepare':
             if not FLAGS.input:
                 raise app.UsageError('--input is required: a folder or a glob of text/JSONL files')
+            if FLAGS.domain_field:
+                names = corpus.prepare_domains(FLAGS.input, FLAGS.name, FLAGS.data_dir, FLAGS.domain_field,
+                                               jsonl_field=FLAGS.jsonl_field,
+                                               validation_fraction=FLAGS.validation_fraction,
+                                               overwrite=FLAGS.overwrite)
+                for domain, dataset in names.items():
+                    print(f'prepared {dataset} ({FLAGS.domain_field} = {domain!r})')
+                print('train on all of them, equally weighted: --config.data.mixture=' +
+                      ','.join(f'{dataset}=1' for dataset in names.values()))
+                return
             mode = FLAGS.split_mode or ('jsonl' if '.jsonl' in FLAGS.input else 'file')
             path = corpus.prepare_from_glob(FLAGS.input, FLAGS.name, FLAGS.data_dir, split_mode=mode,
                                             jsonl_field=FLAGS.jsonl_field,
@@ -264,6 +289,8 @@ if __name__ == '__main__':
                       'prepare: one document per file, per blank-line block, or per JSONL record '
                       '(default: jsonl for *.jsonl inputs, else file)')
     flags.DEFINE_string('jsonl_field', 'text', 'prepare: the JSONL field holding the text')
+    flags.DEFINE_string('domain_field', None, 'prepare: one dataset per value of this (dotted) JSONL field, '
+                        'e.g. meta.redpajama_set_name')
     flags.DEFINE_bool('overwrite', False, 'prepare: rebuild a dataset that was prepared from other inputs')
     flags.DEFINE_string('tokenizer', None, 'stats: a sentencepiece .model to count tokens with')
     FLAGS = flags.FLAGS

@@ -94,8 +94,11 @@ class MetricsWriter:
 
     def _echo(self, step: int, record: dict[str, Any]) -> None:
         if 'eval_loss' in record:
+            domains = ''.join(f'  {key[len("eval_loss/"):]} {value:.4f}' for key, value in record.items()
+                              if key.startswith('eval_loss/'))
             self.print(f'step {step}: eval_loss {record["eval_loss"]:.4f}  '
-                       f'eval_perplexity {record["eval_perplexity"]:.2f}  eval_bpb {record["eval_bpb"]:.4f}')
+                       f'eval_perplexity {record["eval_perplexity"]:.2f}  eval_bpb {record["eval_bpb"]:.4f}'
+                       + (f'  (per dataset:{domains})' if domains else ''))
             return
         short = (f'loss {record["loss"]:.4f}  lr {record["lr"]:.2e}  tok/s {record["tokens_per_sec"]:,.0f}  '
                  f'mfu {record["mfu"]:.1%}')

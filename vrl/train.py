@@ -119,23 +119,41 @@ def load_trained(workdir: str) -> TrainedRun:
 
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
-    loss: float  # nats per target token
-    bits_per_byte: float  # summed token losses / ln 2 / UTF-8 bytes of the text they stand for
+    """Per validation set (data.name, or each dataset of data.mixture): (nats per target token,
+    bits per byte = summed token losses / ln 2 / UTF-8 bytes of the text they stand for)."""
+    domains: dict[str, tuple[float, float]]
+
+    @property
+    def loss(self) -> float:
+        """The unweighted mean over the validation sets (the paper's metric for SlimPajama's 7 domains)."""
+        return float(np.mean([loss for loss, _ in self.domains.values()]))
+
+    @property
+    def bits_per_byte(self) -> float:
+        return float(np.mean([bpb for _, bpb in self.domains.values()]))
 
     def record(self) -> dict[str, float]:
-        return {'eval_loss': self.loss, 'eval_perplexity': math.exp(min(self.loss, 50)),
-                'eval_bpb': self.bits_per_byte}
+        record = {'eval_loss': self.loss, 'eval_perplexity': math.exp(min(self.loss, 50)),
+                  'eval_bpb': self.bits_per_byte}
+        if len(self.domains) > 1:
+            for name, (loss, bpb) in self.domains.items():
+                record |= {f'eval_loss/{name}': loss, f'eval_bpb/{name}': bpb}
+        return record
 
 
 def evaluate(trainer: Trainer, params: Any, config: Config, tokenizer) -> Evaluation:
-    loss_sum = tokens = n_bytes = 0.0
-    for batch in data.eval_batches(config.data, tokenizer, config.train.eval_batches,
-                                   jax.process_index(), jax.process_count()):
-        batch['target_bytes'] = tokenizer.utf8_bytes[batch['targets']]
-        out = trainer.eval_step(params, trainer.device_batch(batch))
-        loss_sum, tokens, n_bytes = (loss_sum + float(out['loss_sum']), tokens + float(out['tokens']),
-                                     n_bytes + float(out['bytes']))
-    return Evaluation(loss_sum / max(tokens, 1.0), loss_sum / math.log(2) / max(n_bytes, 1.0))
+    """train.eval_batches batches of each validation set."""
+    domains = {}
+    for name, _ in config.data.sources():
+        loss_sum = tokens = n_bytes = 0.0
+        for batch in data.eval_batches(config.data, tokenizer, config.train.eval_batches,
+                                       jax.process_index(), jax.process_count(), name=name):
+            batch['target_bytes'] = tokenizer.utf8_bytes[batch['targets']]
+            out = trainer.eval_step(params, trainer.device_batch(batch))
+            loss_sum, tokens, n_bytes = (loss_sum + float(out['loss_sum']), tokens + float(out['tokens']),
+                                         n_bytes + float(out['bytes']))
+        domains[name] = (loss_sum / max(tokens, 1.0), loss_sum / math.log(2) / max(n_bytes, 1.0))
+    return Evaluation(domains)
 
 
 def _sync(name: str) -> None:

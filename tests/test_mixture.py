@@ -1,0 +1,121 @@
+"""Training on a mixture of datasets (data.mixture), per-domain datasets from JSONL, and per-domain eval."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tests.runs import tiny_config
+from vrl import corpus, data, train
+from vrl.config import ConfigError, DataConfig
+from vrl.tokenizer import EOS_ID
+
+ALPHA = 'x x x x x x x x x x x x x x x x x x x x x x x x'  # one domain's documents: x runs, then a number
+BETA = 'z z z z z z z z z z z z z z z z z z z z z z z ž'  # the other's: z runs (and a 2-byte character)
+
+
+@pytest.fixture(scope='module')
+def domains(tmp_path_factory, small_corpus):
+    """Two datasets split from one JSONL file by meta.set: 300 alpha and 120 beta documents."""
+    folder = tmp_path_factory.mktemp('mixture')
+    records = ([{'text': f'{ALPHA} {i}', 'meta': {'set': 'Alpha'}} for i in range(300)]
+               + [{'text': f'{BETA} {i}', 'meta': {'set': 'Beta Set'}} for i in range(120)])
+    (folder / 'slim.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+    names = corpus.prepare_domains(str(folder / 'slim.jsonl'), 'slim', str(folder / 'tfds'), 'meta.set',
+                                   validation_fraction=0.1)
+    assert names == {'Alpha': 'slim_alpha', 'Beta Set': 'slim_beta_set'}
+    cfg, tokenizer = small_corpus
+    cfg = dataclasses.replace(cfg, data_dir=str(folder / 'tfds'), num_epochs=0,
+                              mixture='slim_alpha=3,slim_beta_set=1')
+    return cfg, tokenizer
+
+
+def _documents(batches: list[dict]) -> list[tuple[int, ...]]:
+    """The complete documents among the batches' targets (EOS-delimited; the unfinished last one dropped)."""
+    stream = np.concatenate([b['targets'][b['loss_mask'] == 1] for b in batches])
+    pieces = np.split(stream, np.flatnonzero(stream == EOS_ID) + 1)
+    return [tuple(p[:-1]) for p in pieces[1:-1]]  # the first may have lost its start to the window
+
+
+def _first_batches(cfg, tokenizer, n, **process) -> list[dict]:
+    it = iter(data.train_dataset(cfg, tokenizer, **process))
+    return [next(it) for _ in range(n)]
+
+
+def test_prepare_splits_jsonl_by_domain_each_with_validation(domains):
+    cfg, _ = domains
+    for name, count in (('slim_alpha', 300), ('slim_beta_set', 120)):
+        sizes = {split: len(corpus.open_split(name, cfg.data_dir, split)) for split in ('train', 'validation')}
+        assert sizes == {'train': count - round(count * 0.1), 'validation': round(count * 0.1)}
+        text = next(corpus.texts(corpus.open_split(name, cfg.data_dir, 'train')))
+        assert text.startswith(ALPHA if name == 'slim_alpha' else BETA)
+
+
+def test_tokens_follow_the_weights(domains):
+    cfg, tokenizer = domains
+    x_ids = set(tokenizer.encode(ALPHA).tolist()) - set(tokenizer.encode(BETA).tolist())
+    z_ids = set(tokenizer.encode(BETA).tolist()) - set(tokenizer.encode(ALPHA).tolist())
+    assert x_ids and z_ids
+    targets = np.concatenate([b['targets'][b['loss_mask'] == 1] for b in _first_batches(cfg, tokenizer, 60)])
+    x, z = np.isin(targets, list(x_ids)).sum(), np.isin(targets, list(z_ids)).sum()
+    per_doc_x = np.isin(tokenizer.encode(ALPHA), list(x_ids)).sum()
+    per_doc_z = np.isin(tokenizer.encode(BETA), list(z_ids)).sum()
+    documents = x / per_doc_x, z / per_doc_z  # documents drawn from each
+    assert documents[0] / documents[1] == pytest.approx(3, rel=0.05)
+    # documents arrive whole and each dataset's are all there is
+    texts = [tokenizer.decode(d) for d in _documents(_first_batches(cfg, tokenizer, 20))]
+    assert texts and all(t.rsplit(' ', 1)[0] in (ALPHA, BETA) for t in texts)
+
+
+def test_resume_and_process_shards(domains):
+    cfg, tokenizer = domains
+    k, m = 6, 4
+    reference = _first_batches(cfg, tokenizer, k + m)
+    first = iter(data.train_dataset(cfg, tokenizer))
+    for _ in range(k):
+        next(first)
+    resumed = iter(data.train_dataset(cfg, tokenizer))
+    resumed.set_state(json.loads(json.dumps(first.get_state())))  # what the checkpoint stores
+    for expected in reference[k:]:
+        got = next(resumed)
+        for key in expected:
+            np.testing.assert_array_equal(got[key], expected[key])
+    two = dataclasses.replace(cfg, batch_size=16)
+    shards = [set(_documents(_first_batches(two, tokenizer, 12, process_index=i, process_count=2))) for i in range(2)]
+    assert shards[0] and shards[1] and not shards[0] & shards[1]
+
+
+def test_eval_reports_each_domain_and_their_unweighted_mean(domains, tmp_path):
+    cfg, tokenizer = domains
+    config = tiny_config((dataclasses.replace(cfg, tokenizer=tokenizer.path), tokenizer), steps=4,
+                         checkpoint_every=4, eval_batches=0)
+    result = train.run(config, str(tmp_path / 'run'))
+    records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+    final = [r for r in records if 'eval_loss' in r][-1]
+    trainer = train.Trainer(config, train.sharding.make_mesh(config.mesh))
+    by_hand = {}
+    for name in ('slim_alpha', 'slim_beta_set'):  # each validation split alone, as a single-dataset run
+        alone = dataclasses.replace(config, data=dataclasses.replace(config.data, mixture='', name=name))
+        by_hand[name] = train.evaluate(trainer, result.state.params, alone, tokenizer).domains[name]
+        assert final[f'eval_loss/{name}'] == pytest.approx(by_hand[name][0], rel=1e-6)
+        assert final[f'eval_bpb/{name}'] == pytest.approx(by_hand[name][1], rel=1e-6)
+    losses = [loss for loss, _ in by_hand.values()]
+    assert final['eval_loss'] == pytest.approx(np.mean(losses), rel=1e-6)
+    assert final['eval_bpb'] == pytest.approx(np.mean([bpb for _, bpb in by_hand.values()]), rel=1e-6)
+    assert final['eval_perplexity'] == pytest.approx(math.exp(np.mean(losses)), rel=1e-6)
+    assert abs(losses[0] - losses[1]) > 1e-3  # the domains differ, so the mean is a real average
+
+
+def test_bad_mixtures_are_named(domains):
+    cfg, tokenizer = domains
+    with pytest.raises(ConfigError, match=r"data.mixture='a=0,b=1' is invalid: .*weights > 0.*\('a=0' is not\)"):
+        DataConfig(mixture='a=0,b=1')
+    with pytest.raises(ConfigError, match='data.num_epochs=1 is invalid: allowed 0 with data.mixture'):
+        DataConfig(mixture='a=1', num_epochs=1)
+    missing = dataclasses.replace(cfg, mixture='slim_alpha=1,slim_gamma=1')
+    with pytest.raises(corpus.DataError, match='slim_gamma'):
+        next(iter(data.train_dataset(missing, tokenizer)))
