@@ -103,6 +103,12 @@ def test_eval_reports_each_domain_and_their_unweighted_mean(domains, tmp_path):
         by_hand[name] = train.evaluate(trainer, result.state.params, alone, tokenizer).domains[name]
         assert final[f'eval_loss/{name}'] == pytest.approx(by_hand[name][0], rel=1e-6)
         assert final[f'eval_bpb/{name}'] == pytest.approx(by_hand[name][1], rel=1e-6)
+        # bits per byte from the split's own texts: every document's tokens and its EOS are targets
+        texts = list(corpus.texts(corpus.open_split(name, cfg.data_dir, 'validation')))
+        tokens = sum(len(tokenizer.encode(t)) + 1 for t in texts)
+        n_bytes = sum(len(t.encode('utf-8')) for t in texts)
+        assert n_bytes > sum(map(len, texts)) or name == 'slim_alpha'  # beta's 'ž' is 2 bytes
+        assert final[f'eval_bpb/{name}'] == pytest.approx(by_hand[name][0] * tokens / math.log(2) / n_bytes, rel=1e-5)
     losses = [loss for loss, _ in by_hand.values()]
     assert final['eval_loss'] == pytest.approx(np.mean(losses), rel=1e-6)
     assert final['eval_bpb'] == pytest.approx(np.mean([bpb for _, bpb in by_hand.values()]), rel=1e-6)
