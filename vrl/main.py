@@ -36,7 +36,8 @@ _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'Multi-process: 
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Multi-process: how many processes.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'Multi-process: this process\'s index.')
 _INIT_FROM = flags.DEFINE_string('init_from', None, 'Initialise parameters from this checkpoint '
-                                 'directory (a step folder or a workdir) instead of at random.')
+                                 'directory (a step folder or a workdir), or from a Hugging Face Llama '
+                                 'directory as hf:DIR, instead of at random.')
 
 
 def _human(n: float) -> str:

@@ -178,6 +178,16 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
         lock.release()
 
 
+def _initial_params(init_from: str, trainer: Trainer, config: Config) -> Any:
+    """--init_from: another run's checkpoint (any model whose shapes match), or `hf:DIR`, a Hugging
+    Face Llama directory (vrl/hf.py), placed in the training layout."""
+    if not init_from.startswith('hf:'):
+        return checkpoint.restore_params(init_from, trainer.abstract_state.params)
+    from vrl import hf  # safetensors: requirements-extra.txt
+    shapes = jax.tree.map(lambda a: a.shape, trainer.abstract_state.params)
+    return jax.device_put(hf.load_params(init_from[3:], config.model, shapes), trainer.param_shardings)
+
+
 def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preemption: _Preemption) -> RunResult:
     is_writer = jax.process_index() == 0
     say = print if is_writer else (lambda line: None)
@@ -205,7 +215,7 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
     else:
         state = trainer.init_state(config.train.seed)
         if init_from:
-            state = state._replace(params=checkpoint.restore_params(init_from, trainer.abstract_state.params))
+            state = state._replace(params=_initial_params(init_from, trainer, config))
     start_step = int(state.step)
 
     account = accounting.account(config.model, config.data.seq_len)
