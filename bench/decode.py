@@ -61,10 +61,11 @@ def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tup
     cache = cache._replace(index=jnp.asarray(context, jnp.int32))
     logits = jax.random.normal(jax.random.key(2), (batch, cfg.padded_vocab_size))
     pad = jnp.zeros((batch,), jnp.int32)
-    loop = generator.decode_fn(decode.Sampling(max_new_tokens=new_tokens))
-    jax.block_until_ready(loop(generator.params, cache, logits, pad, jax.random.key(0)))  # compile
+    loop = generator.decode_fn(decode.Sampling(max_new_tokens=new_tokens))  # donates the cache: pass copies
+    jax.block_until_ready(loop(generator.params, jax.tree.map(jnp.copy, cache), logits, pad, jax.random.key(0)))
+    fresh = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
     start = time.perf_counter()
-    jax.block_until_ready(loop(generator.params, cache, logits, pad, jax.random.key(0)))
+    jax.block_until_ready(loop(generator.params, fresh, logits, pad, jax.random.key(0)))
     tokens_per_sec = batch * new_tokens / (time.perf_counter() - start)
     return decode.cache_bytes(cache), tokens_per_sec, bytes_per_step(cfg, generator.params, batch, context)
 

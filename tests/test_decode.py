@@ -136,11 +136,11 @@ def test_cache_is_sharded_like_training():
     cache = decode.init_cache(cfg, batch=4, max_len=8)
     placed = jax.device_put(cache, decode.cache_shardings(cache, mesh))
     for x in (placed.k, placed.v):
-        assert x.sharding.spec == PartitionSpec(None, ('data', 'fsdp'), None, 'tensor', None)
+        assert x.sharding.spec == PartitionSpec(None, ('data', 'fsdp'), 'tensor', None, None)  # (slots, B, K, S, Dh)
         assert len(x.addressable_shards) == 8
-        assert x.addressable_shards[0].data.shape == (cfg.n_layers, 1, 8, 1, cfg.head_dim)
+        assert x.addressable_shards[0].data.shape == (cfg.n_layers, 1, 1, 8, cfg.head_dim)
     single = decode.init_cache(cfg, batch=1, max_len=8)  # a batch the mesh does not divide stays whole
-    assert decode.cache_shardings(single, mesh).k.spec == PartitionSpec(None, None, None, 'tensor', None)
+    assert decode.cache_shardings(single, mesh).k.spec == PartitionSpec(None, None, 'tensor', None, None)
 
 
 @pytest.mark.parametrize('field, value, allowed', [
@@ -176,5 +176,24 @@ def test_chunked_prefill_equals_one_shot(variant):
     assert rel_err(chunked_logits, one_shot_logits) < 1e-5
     assert int(chunked_cache.index) == int(one_shot_cache.index) == 11
     for got, want in ((chunked_cache.k, one_shot_cache.k), (chunked_cache.v, one_shot_cache.v)):
-        assert rel_err(got[:, 0, 8:11], want[:, 0, 8:11]) < 1e-5  # row 0's real tokens start at 8
-        assert rel_err(got[:, 1, :11], want[:, 1, :11]) < 1e-5
+        # (slots, B, K, S, Dh), a single slot without its axis: row 0's real tokens start at position 8
+        got, want = (x if x.ndim == 5 else x[None] for x in (got, want))
+        assert rel_err(got[:, 0, :, 8:11], want[:, 0, :, 8:11]) < 1e-5
+        assert rel_err(got[:, 1, :, :11], want[:, 1, :, :11]) < 1e-5
+
+
+@pytest.mark.parametrize('variant', [NAMED_VARIANTS[n] for n in _PREFILL_CASES], ids=_PREFILL_CASES)
+def test_the_decode_loop_never_copies_the_cache(variant):
+    """The compiled loop writes each new position where the cache lies: no copy of anything a cache
+    slot's size or larger, inside the loop or at its start (the cache is donated and returned)."""
+    model = _model(**variant)
+    graphdef, state = nnx.split(model)
+    generator = decode.Generator(model.cfg, graphdef, nnx.to_pure_dict(state), max_len=256, eos_id=-1)
+    cache = generator.new_cache(2)
+    logits = jnp.zeros((2, model.cfg.padded_vocab_size))
+    compiled = generator.decode_fn(decode.Sampling(max_new_tokens=4)).lower(
+        generator.params, cache, logits, jnp.zeros((2,), jnp.int32), jax.random.key(0)).compile()
+    slot_elements = cache.v.shape[-4] * cache.v.shape[-3] * cache.v.shape[-2] * cache.v.shape[-1]
+    copies = [m.group(0) for m in re.finditer(r'f32\[([\d,]+)\]\{[^}]*\} copy\(', compiled.as_text())
+              if np.prod([int(d) for d in m.group(1).split(',')]) >= slot_elements]
+    assert not copies

@@ -53,11 +53,14 @@ class Sampling:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    """Zeros in the compute dtype: cfg.n_key_slots x keys and cfg.n_value_slots x values."""
+    """Zeros in the compute dtype: cfg.n_key_slots x keys and cfg.n_value_slots x values, each
+    (B, K, S, Dh); a single slot without its axis (vrl.model.KVCache)."""
     dtype = jnp.dtype(cfg.compute_dtype)
-    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    return KVCache(k=jnp.zeros((cfg.n_key_slots, *shape), dtype), v=jnp.zeros((cfg.n_value_slots, *shape), dtype),
-                   index=jnp.zeros((), jnp.int32))
+    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+
+    def slots(n: int) -> jax.Array:
+        return jnp.zeros(shape if n == 1 else (n, *shape), dtype)
+    return KVCache(k=slots(cfg.n_key_slots), v=slots(cfg.n_value_slots), index=jnp.zeros((), jnp.int32))
 
 
 def cache_bytes(cache: KVCache) -> int:
@@ -68,7 +71,8 @@ def cache_bytes(cache: KVCache) -> int:
 def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     """Batch over ('data', 'fsdp') and kv heads over 'tensor', by vrl/sharding.py's rules."""
     def spec(x):
-        return sharding.fitted_sharding(mesh, ('layers', 'batch', 'length', 'kv_heads', 'head_dim'), x.shape)
+        axes = ('layers', 'batch', 'kv_heads', 'length', 'head_dim')
+        return sharding.fitted_sharding(mesh, axes[-x.ndim:], x.shape)
     return KVCache(k=spec(cache.k), v=spec(cache.v), index=sharding.replicated(mesh))
 
 
@@ -149,21 +153,24 @@ class Generator:
 
         carry = (cache, first_logits_BxV, out_BxN, jnp.zeros((B,), bool), jnp.zeros((), jnp.int32), key)
         cache, _, out_BxN, _, step, _ = jax.lax.while_loop(cond, body, carry)
-        return out_BxN, step
+        return out_BxN, step, cache
 
     def _compile(self, cache: KVCache, tokens_BxP, pad_B, key, sampling: Sampling) -> tuple[Any, Any]:
         """Ahead-of-time compiled prefill and decode loop, once per (batch, prompt length, sampling)."""
         signature = (*tokens_BxP.shape, sampling)
         if signature not in self._compiled:
-            prefill = jax.jit(sharding.traced_in(self.mesh, self._prefill_fn)).lower(self.params, cache, tokens_BxP, pad_B).compile()
+            prefill = jax.jit(sharding.traced_in(self.mesh, self._prefill_fn), donate_argnums=1).lower(
+                self.params, cache, tokens_BxP, pad_B).compile()
             logits, cache = jax.eval_shape(self._prefill_fn, self.params, cache, tokens_BxP, pad_B)
             decode = self.decode_fn(sampling).lower(self.params, cache, logits, pad_B, key).compile()
             self._compiled[signature] = (prefill, decode)
         return self._compiled[signature]
 
     def decode_fn(self, sampling: Sampling):
-        """The jitted decode loop: (params, cache, first logits (B, V), pad (B,), key) -> (tokens (B, N), steps)."""
-        return jax.jit(sharding.traced_in(self.mesh, functools.partial(self._decode_fn, sampling=sampling)))
+        """The jitted decode loop: (params, cache, first logits (B, V), pad (B,), key) -> (tokens (B, N),
+        steps, cache). The cache is donated and returned: the loop writes into it where it lies."""
+        return jax.jit(sharding.traced_in(self.mesh, functools.partial(self._decode_fn, sampling=sampling)),
+                       donate_argnums=1)
 
     def new_cache(self, batch: int) -> KVCache:
         cache = init_cache(self.cfg, batch, self.max_len)
@@ -191,7 +198,7 @@ class Generator:
         jax.block_until_ready(logits)
         prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        out_BxN, steps = decode(self.params, cache, logits, pad_B, key)
+        out_BxN, steps, _ = decode(self.params, cache, logits, pad_B, key)
         out_BxN, steps = np.asarray(out_BxN), int(steps)
         decode_seconds = time.perf_counter() - start
         completions = []

@@ -76,7 +76,11 @@ def attend(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: 
 
 
 class KVCache(NamedTuple):
-    """Cached keys (key slots, B, S, K, Dh) and attended values (value slots, B, S, K, Dh).
+    """Cached keys (key slots, B, K, S, Dh) and attended values (value slots, B, K, S, Dh), heads
+    before positions as attention reads them, so a step reads each slot where it lies (a (B, S, K,
+    Dh) layout made every layer copy its slots into this one, every step). An array of a single
+    slot (SVFormer's values) is stored without the slot axis, (B, K, S, Dh): XLA:CPU copied a
+    written array with a leading axis of 1 once per reader, every step.
 
     Layer n uses slots cfg.key_slot(n) and cfg.value_slot(n): one per layer for vanilla and
     ResFormer (which caches its mixed values), one per group for CLA, and a single value slot,
@@ -89,14 +93,22 @@ class KVCache(NamedTuple):
     def update(self, cfg: ModelConfig, layer: Array, k_BxTxKxDh: Array, v_BxTxKxDh: Array
                ) -> tuple[Array, Array, KVCache]:
         """Writes T new keys and values at [index, index + T) of the layer's slots, in place;
-        returns the layer's whole (B, S, K, Dh) keys and values, and the cache."""
+        returns the layer's whole (B, K, S, Dh) keys and values, and the cache."""
         k_slot, v_slot = cfg.key_slot(layer), cfg.value_slot(layer)
         zero = jnp.zeros((), jnp.int32)
-        k_all = jax.lax.dynamic_update_slice(self.k, k_BxTxKxDh[None].astype(self.k.dtype),
-                                             (jnp.asarray(k_slot, jnp.int32), zero, self.index, zero, zero))
-        v_all = jax.lax.dynamic_update_slice(self.v, v_BxTxKxDh[None].astype(self.v.dtype),
-                                             (jnp.asarray(v_slot, jnp.int32), zero, self.index, zero, zero))
-        return k_all[k_slot], v_all[v_slot], KVCache(k_all, v_all, self.index)
+
+        def write(all_slots, slot, new_BxTxKxDh):
+            new_BxKxTxDh = new_BxTxKxDh.transpose(0, 2, 1, 3).astype(all_slots.dtype)
+            if all_slots.ndim == 4:  # the single slot
+                return jax.lax.dynamic_update_slice(all_slots, new_BxKxTxDh, (zero, zero, self.index, zero))
+            return jax.lax.dynamic_update_slice(all_slots, new_BxKxTxDh[None], (jnp.asarray(slot, jnp.int32), zero,
+                                                                                zero, self.index, zero))
+
+        def read(all_slots, slot):
+            return all_slots if all_slots.ndim == 4 else all_slots[slot]
+        k_all = write(self.k, k_slot, k_BxTxKxDh)
+        v_all = write(self.v, v_slot, v_BxTxKxDh)
+        return read(k_all, k_slot), read(v_all, v_slot), KVCache(k_all, v_all, self.index)
 
 
 class Attention(nnx.Module):
@@ -220,9 +232,12 @@ class Block(nnx.Module):
         keys, values, cache = k_BxLxKxDh, v_BxLxKxDh, s.cache
         if cache is not None:
             keys, values, cache = cache.update(self.cfg, p.layer, k_BxLxKxDh, v_BxLxKxDh)
-        chunks = self.cfg.attention_chunks if cache is None else 1  # without a cache the mask is causal
-        o_BxLxHxDh = attend(q_BxLxHxDh, keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype),
-                            mask_BxLxS, chunks)
+        if cache is None:  # the mask is causal: chunks skip the keys they cannot see
+            o_BxLxHxDh = attend(q_BxLxHxDh, keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype),
+                                mask_BxLxS, self.cfg.attention_chunks)
+        else:  # the cache's (B, K, S, Dh) slots as they lie
+            o_BxLxHxDh = ops.attend_heads_major(q_BxLxHxDh, keys.astype(q_BxLxHxDh.dtype),
+                                                values.astype(q_BxLxHxDh.dtype), mask_BxLxS)
         if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - V_n)
             o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_n), o_BxLxHxDh.shape)
         h_BxLxD = s.h + self.attn.output(o_BxLxHxDh)
@@ -305,7 +320,7 @@ class Decoder(nnx.Module):
         token attends to the real tokens up to itself; RoPE positions count real tokens only.
         """
         B, T = tokens_BxT.shape
-        S = cache.k.shape[2]
+        S = cache.k.shape[-2]
         query_index_BxT = jnp.broadcast_to(cache.index + jnp.arange(T), (B, T))
         key_index_S = jnp.arange(S)
         mask_BxTxS = ((key_index_S[None, None, :] <= query_index_BxT[:, :, None])
@@ -361,7 +376,6 @@ class Decoder(nnx.Module):
                         record: bool) -> tuple[Stream, analysis.LayerStats | None]:
         """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`."""
         graphdef, stacked_state = nnx.split(self.layers)
-
         def body(s: Stream, per_layer):
             layer_state, p = per_layer
             return self._layer(nnx.merge(graphdef, layer_state), s, p, positions_BxL, mask_BxLxS, record)

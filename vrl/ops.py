@@ -93,6 +93,16 @@ def attention(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_Bx
     return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4)
 
 
+def attend_heads_major(q_BxLxHxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, mask_BxLxS: Array) -> Array:
+    """Attention over keys and values already laid out heads-major (a KV cache's), forward only:
+    only the L queries are transposed -> (B, L, H, Dh)."""
+    B, L, H, Dh = q_BxLxHxDh.shape
+    K = k_BxKxSxDh.shape[1]
+    q_BxKxGxLxDh = (q_BxLxHxDh * (1 / math.sqrt(Dh))).reshape(B, L, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
+    out_BxKxGxLxDh, _ = _attend(q_BxKxGxLxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxLxS)
+    return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4).reshape(B, L, H, Dh)
+
+
 def _heads_major(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, pin: bool
                  ) -> tuple[Array, Array, Array]:
     """Batch and heads leading, as the batched matmuls want them; q is scaled by 1/sqrt(Dh)."""
