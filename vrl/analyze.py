@@ -21,7 +21,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from vrl import analysis, checkpoint, corpus, data, plots, sharding, tokenizer
-from vrl.train import load_run, load_trained
+from vrl.train import load_trained
 from vrl.workdir import WorkdirError
 
 STATISTICS = analysis.LayerStats._fields
@@ -49,12 +49,11 @@ def analyze_run(workdir: str, sequences: int, seq_len: int, batch_size: int) -> 
     """The run's per-layer statistics averaged over `sequences` validation sequences."""
     if sequences < 1:
         raise AnalysisError(f'--sequences={sequences} is invalid: allowed an integer >= 1.')
-    config, tok = load_run(workdir)
+    config, tok, trainer, params, step = load_trained(workdir)
     seq_len = seq_len or config.data.seq_len
     if not 2 <= seq_len <= config.data.seq_len:
         raise AnalysisError(f'--seq_len={seq_len} is invalid: allowed 2..{config.data.seq_len}, the sequence length '
                             f'{workdir} was trained at (RoPE positions beyond it were never seen).')
-    _, _, trainer, params, step = load_trained(workdir)
     stats_fn = jax.jit(sharding.traced_in(trainer.mesh, lambda p, t: nnx.merge(trainer.graphdef, p).layer_stats(t)))
     tokens = validation_sequences(config, tok, sequences, seq_len)
     sums = None

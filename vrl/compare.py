@@ -338,9 +338,8 @@ def main(argv: list[str], args: dict) -> None:
         errors += (evaluate.EvaluateError,)
     try:
         workdir = Path(args['workdir'].value).absolute()
-        limit = args['task_limit'].value
-        downstream = Downstream(args['tasks'].value, int(limit) if limit and limit >= 1 else limit,
-                                args['include_path'].value) if args['tasks'].value else None
+        downstream = (Downstream(args['tasks'].value, args['task_limit'].value, args['include_path'].value)
+                      if args['tasks'].value else None)
         rows = compare(from_configdict(args['config'].value), args['variants'].value, seeds, workdir,
                        args['analysis_sequences'].value, downstream)
     except errors as e:

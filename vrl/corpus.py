@@ -7,6 +7,7 @@ through `tfds.data_source` (random access, no TensorFlow).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 import types
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -45,8 +47,6 @@ class CorpusSpec:
     jsonl_field: str = 'text'
     validation_fraction: float = 0.05
     holdout_unit: str = 'document'  # document | file: whole files go to one split
-    domain_field: str = ''  # jsonl: a (dotted) field; only records whose value is `domain` are read
-    domain: str = ''
 
 
 def _resolve_files(input_glob: str) -> tuple[str, ...]:
@@ -100,8 +100,7 @@ def read_documents(spec: CorpusSpec, skipped: SkipCounter) -> Iterator[tuple[str
             docs = re.split(r'\n[ \t\r]*\n', text)
         else:
             docs = [str(_field(record, spec.jsonl_field, where, '--jsonl_field'))
-                    for where, record in _jsonl_records(file, text)
-                    if not spec.domain_field or _domain(record, spec.domain_field, where) == spec.domain]
+                    for where, record in _jsonl_records(file, text)]
         for i, doc in enumerate(docs):
             if doc.strip():
                 yield file_id, f'{file_id}#{i}', doc
@@ -132,16 +131,6 @@ def _field(record: dict, dotted: str, where: str, flag: str):
                             f'one with {flag}=NAME.')
         value = value[key]
     return value
-
-
-def _domain(record: dict, dotted: str, where: str) -> str:
-    return str(_field(record, dotted, where, '--domain_field'))
-
-
-def domains(spec: CorpusSpec) -> list[str]:
-    """The distinct values of spec.domain_field over the JSONL inputs, sorted."""
-    return sorted({_domain(record, spec.domain_field, where)
-                   for file in spec.files for where, record in _jsonl_records(file, _read_utf8(file))})
 
 
 def _hash(key: str) -> str:
@@ -262,17 +251,28 @@ def prepare_domains(input_glob: str, name: str, data_dir: str, domain_field: str
                     **spec_fields) -> dict[str, str]:
     """One dataset per value of `domain_field` in JSONL records (e.g. SlimPajama's
     meta.redpajama_set_name), named NAME_<value in lower_snake_case>, each with its own validation
-    split; returns {domain: dataset name}. Train on them with data.mixture."""
-    spec = CorpusSpec(files=_resolve_files(input_glob), split_mode='jsonl', domain_field=domain_field, **spec_fields)
-    names = {domain: f'{name}_{re.sub(r"[^a-z0-9]+", "_", domain.lower()).strip("_")}' for domain in domains(spec)}
-    for domain, dataset in names.items():
-        clash = [d for d, n in names.items() if n == dataset and d != domain]
-        if clash or dataset == f'{name}_':
-            raise DataError(f'domains {[domain, *clash]} of {domain_field!r} make the same dataset name {dataset!r}; '
-                            'rename them in the input.')
-    for domain, dataset in names.items():
-        prepare(dataclasses.replace(spec, domain=domain), dataset, data_dir, overwrite)
-    return names
+    split; returns {domain: dataset name}. Train on them with data.mixture. The input is read once,
+    into a JSONL file per domain (in a temporary folder), and each of those is prepared."""
+    names: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as files:
+        outputs = {}
+        for file in _resolve_files(input_glob):
+            for where, record in _jsonl_records(file, _read_utf8(file)):
+                domain = str(_field(record, domain_field, where, '--domain_field'))
+                if domain not in outputs:
+                    dataset = f'{name}_{re.sub(r"[^a-z0-9]+", "_", domain.lower()).strip("_")}'
+                    clash = [d for d, n in names.items() if n == dataset]
+                    if clash or dataset == f'{name}_':
+                        raise DataError(f'domains {[domain, *clash]} of {domain_field!r} make the same dataset name '
+                                        f'{dataset!r}; rename them in the input.')
+                    names[domain] = dataset
+                    outputs[domain] = files.enter_context(open(Path(folder) / f'{dataset}.jsonl', 'w', encoding='utf-8'))
+                outputs[domain].write(json.dumps(record, ensure_ascii=False) + '\n')
+        files.close()
+        for domain in sorted(names):
+            spec = CorpusSpec(files=(str(Path(folder) / f'{names[domain]}.jsonl'),), split_mode='jsonl', **spec_fields)
+            prepare(spec, names[domain], data_dir, overwrite)
+    return dict(sorted(names.items()))
 
 
 def shakespeare_spec() -> CorpusSpec:

@@ -211,9 +211,9 @@ def check_tasks(task_manager: TaskManager, tasks: list[str]) -> None:
     """EvaluateError naming each task lm-eval does not know, with close matches."""
     unknown = [t for t in tasks if not task_manager.match_tasks([t])]
     if unknown:
-        hints = '; '.join(f'{t!r}: did you mean {", ".join(difflib.get_close_matches(t, task_manager.all_tasks, 3))}?'
-                          if difflib.get_close_matches(t, task_manager.all_tasks, 3) else f'{t!r}: no close match'
-                          for t in unknown)
+        close = {t: difflib.get_close_matches(t, task_manager.all_tasks, 3) for t in unknown}
+        hints = '; '.join(f'{t!r}: did you mean {", ".join(matches)}?' if matches else f'{t!r}: no close match'
+                          for t, matches in close.items())
         raise EvaluateError(f'unknown task(s) {", ".join(map(repr, unknown))} ({hints}). `lm-eval ls tasks` lists '
                             f'the {len(task_manager.all_tasks)} names lm-eval {lm_eval.__version__} knows; a task of '
                             'your own is a YAML file in a folder passed with --include_path.')
@@ -264,7 +264,10 @@ def evaluate(workdir: str, tasks: list[str], num_fewshot: int | None = None, lim
              batch_size: int = 16, include_path: str | None = None, log_samples: bool = False,
              task_manager: TaskManager | None = None) -> EvalOutputs:
     """Runs lm-eval's tasks on the workdir's latest checkpoint and writes WORKDIR/lm_eval/results_<time>.*
-    (task_manager: one from task_manager_for, to share among several workdirs)."""
+    (limit: examples per task, or a fraction below 1; task_manager: one from task_manager_for, to share
+    among several workdirs)."""
+    if limit is not None and limit >= 1:
+        limit = int(limit)  # lm-eval reads a float as a fraction
     checkpoint.step_folder(workdir)  # no checkpoint: say so before indexing thousands of tasks
     task_manager = task_manager or task_manager_for(tasks, include_path)
     model = VrlLM(workdir, batch_size)
@@ -312,11 +315,10 @@ def main(argv: list[str], args: dict[str, flags.FlagHolder]) -> None:
     if not args['workdir'].value:
         raise app.UsageError('--workdir is required')
     logging.set_verbosity(logging.WARNING)
-    limit = args['limit'].value
     try:
         outputs = evaluate(args['workdir'].value, args['tasks'].value, args['num_fewshot'].value,
-                           int(limit) if limit is not None and limit >= 1 else limit, args['batch_size'].value,
-                           args['include_path'].value, args['log_samples'].value)
+                           args['limit'].value, args['batch_size'].value, args['include_path'].value,
+                           args['log_samples'].value)
     except (EvaluateError, decode.DecodeError, FileNotFoundError, checkpoint.CheckpointError, WorkdirError,
             corpus.DataError, tokenizer_lib.TokenizerError) as e:
         sys.exit(f'error: {e}')

@@ -232,12 +232,11 @@ class Block(nnx.Module):
         keys, values, cache = k_BxLxKxDh, v_BxLxKxDh, s.cache
         if cache is not None:
             keys, values, cache = cache.update(self.cfg, p.layer, k_BxLxKxDh, v_BxLxKxDh)
+        keys, values = keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype)
         if cache is None:  # the mask is causal: chunks skip the keys they cannot see
-            o_BxLxHxDh = attend(q_BxLxHxDh, keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype),
-                                mask_BxLxS, self.cfg.attention_chunks)
+            o_BxLxHxDh = attend(q_BxLxHxDh, keys, values, mask_BxLxS, self.cfg.attention_chunks)
         else:  # the cache's (B, K, S, Dh) slots as they lie
-            o_BxLxHxDh = ops.attend_heads_major(q_BxLxHxDh, keys.astype(q_BxLxHxDh.dtype),
-                                                values.astype(q_BxLxHxDh.dtype), mask_BxLxS)
+            o_BxLxHxDh = ops.attend_heads_major(q_BxLxHxDh, keys, values, mask_BxLxS)
         if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - V_n)
             o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_n), o_BxLxHxDh.shape)
         h_BxLxD = s.h + self.attn.output(o_BxLxHxDh)

@@ -97,17 +97,21 @@ def attend_heads_major(q_BxLxHxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, 
     """Attention over keys and values already laid out heads-major (a KV cache's), forward only:
     only the L queries are transposed -> (B, L, H, Dh)."""
     B, L, H, Dh = q_BxLxHxDh.shape
-    K = k_BxKxSxDh.shape[1]
-    q_BxKxGxLxDh = (q_BxLxHxDh * (1 / math.sqrt(Dh))).reshape(B, L, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
+    q_BxKxGxLxDh = _queries_heads_major(q_BxLxHxDh.reshape(B, L, k_BxKxSxDh.shape[1], -1, Dh), pin=False)
     out_BxKxGxLxDh, _ = _attend(q_BxKxGxLxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxLxS)
     return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4).reshape(B, L, H, Dh)
+
+
+def _queries_heads_major(q_BxLxKxGxDh: Array, pin: bool) -> Array:
+    """(B, K, G, L, Dh), scaled by 1/sqrt(Dh)."""
+    q_BxLxKxGxDh = q_BxLxKxGxDh * (1 / math.sqrt(q_BxLxKxGxDh.shape[-1]))
+    return _pinned(q_BxLxKxGxDh.transpose(0, 2, 3, 1, 4), pin)
 
 
 def _heads_major(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, pin: bool
                  ) -> tuple[Array, Array, Array]:
     """Batch and heads leading, as the batched matmuls want them; q is scaled by 1/sqrt(Dh)."""
-    q_BxLxKxGxDh = q_BxLxKxGxDh * (1 / math.sqrt(q_BxLxKxGxDh.shape[-1]))
-    return (_pinned(q_BxLxKxGxDh.transpose(0, 2, 3, 1, 4), pin), _pinned(k_BxSxKxDh.transpose(0, 2, 1, 3), pin),
+    return (_queries_heads_major(q_BxLxKxGxDh, pin), _pinned(k_BxSxKxDh.transpose(0, 2, 1, 3), pin),
             _pinned(v_BxSxKxDh.transpose(0, 2, 1, 3), pin))
 
 
