@@ -46,7 +46,8 @@ def start_run(config: Config, workdir: Path) -> subprocess.Popen:
 
 
 def params_equal(a, b) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    a, b = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 def wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:

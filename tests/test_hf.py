@@ -1,4 +1,7 @@
-"""The Hugging Face way out and in: vrl.export -> transformers (PyTorch, CPU) and --init_from=hf:."""
+"""The Hugging Face way out and in: vrl.export -> transformers (PyTorch, CPU) and --init_from=hf:.
+
+A trained vanilla run goes through the real command as a plain LlamaForCausalLM; every variant
+(random parameters) goes through hf.export as a VrlForCausalLM with vrl's modeling file."""
 
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.helpers import NAMED_VARIANTS, VARIANT_IDS, randomize, rel_err, small_model_config
 from tests.runs import params_equal, tiny_config
 from vrl import data, decode, hf, train
+from vrl.model import Decoder
 from vrl.step import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,5 +92,103 @@ def test_bad_directories_are_named(exported, tmp_path):
         train._initial_params(copy(drop='model.layers.1.mlp.up_proj.weight'), trainer, run.config)
     with pytest.raises(hf.HFError, match=r'num_key_value_heads=2 but the config has model.n_kv_heads=1'):
         train._initial_params(copy({'num_key_value_heads': 2}), trainer, run.config)
-    with pytest.raises(hf.HFError, match=r'svformer \+ MQA is not a plain Llama decoder'):
-        hf.check_exportable(dataclasses.replace(run.config.model, attention='svformer'))
+    with pytest.raises(hf.HFError, match=r"no 'model.value_lambdas.v1' \(resformer \(learnable\) \+ MQA needs it\)"):
+        config = dataclasses.replace(run.config, model=dataclasses.replace(
+            run.config.model, attention='resformer', lambda_mode='learnable'))
+        train._initial_params(f'hf:{folder}', Trainer(config, run.trainer.mesh), config)
+    with pytest.raises(hf.HFError, match=r"'model.layers.1.self_attn.v_proj.weight'.*svformer \+ MQA has no place for"):
+        config = dataclasses.replace(run.config, model=dataclasses.replace(run.config.model, attention='svformer'))
+        train._initial_params(f'hf:{folder}', Trainer(config, run.trainer.mesh), config)
+
+
+def _variant(name: str, tokenizer) -> tuple:
+    """A random model of the named variant (the tokenizer's vocabulary) and its parameters."""
+    cfg = small_model_config(vocab_size=tokenizer.vocab_size, **NAMED_VARIANTS[name])
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    randomize(model, seed=len(name))
+    return cfg, model
+
+
+@pytest.mark.parametrize('name', VARIANT_IDS)
+def test_every_variant_exports_and_comes_back(name, exported, tmp_path):
+    run, _ = exported
+    cfg, model = _variant(name, run.tokenizer)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    hf.export(params, cfg, 64, run.tokenizer, tmp_path)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == ('LlamaForCausalLM' if name == 'vanilla' else 'VrlForCausalLM')
+    tokens = np.random.default_rng(len(name)).integers(0, cfg.vocab_size, (2, 13))
+    with torch.no_grad():
+        their_logits = theirs(torch.tensor(tokens)).logits.numpy()
+    assert rel_err(their_logits, np.asarray(model(jnp.asarray(tokens)))) < 1e-4
+    back = hf.load_params(str(tmp_path), cfg, jax.tree.map(np.shape, params))
+    assert params_equal(back, params)
+
+
+def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
+    return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+@pytest.mark.parametrize('name', ['svformer-cla2', 'resformer-per_token', 'all-baselines',
+                                  'resformer-value_embeds-shared'])
+def test_transformers_generate_matches_vrl_decoding(name, exported, tmp_path):
+    """Greedy tokens of two left-padded prompts, through transformers' cache (every kind of cache
+    entry: keys and values, keys only, none) and vrl's."""
+    run, _ = exported
+    cfg, model = _variant(name, run.tokenizer)
+    hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, 64, run.tokenizer, tmp_path)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
+    eos = run.tokenizer.eos_id
+    prompts = [data.prompt_tokens(run.config.data, run.tokenizer, text) for text in ('ROMEO: What say', 'KING:')]
+    want = decode.Generator(cfg, nnx.graphdef(model), nnx.state(model), max_len=48, eos_id=eos).generate(
+        prompts, decode.Sampling(max_new_tokens=12)).tokens
+    P = max(map(len, prompts))
+    ids = torch.tensor([[run.tokenizer.pad_id] * (P - len(p)) + p for p in prompts])
+    real = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        got = theirs.generate(ids, attention_mask=real, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert [_until_eos(row, eos) for row in got[:, P:].tolist()] == want
+
+
+def test_the_pytorch_svformer_cache_holds_values_once(exported, tmp_path):
+    """Cache bytes after the same generation: SVFormer's are (L + 1) / (2 L) of vanilla's."""
+    run, _ = exported
+    nbytes = {}
+    for name in ('vanilla', 'svformer'):
+        cfg, model = _variant(name, run.tokenizer)
+        hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, 64, run.tokenizer, tmp_path / name)
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path / name, trust_remote_code=True).eval()
+        with torch.no_grad():
+            out = theirs.generate(torch.tensor([[1, 5, 9, 33]]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                  return_dict_in_generate=True)
+        cache = out.past_key_values
+        assert cache.get_seq_length() == 9
+        nbytes[name] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    L = cfg.n_layers
+    assert nbytes['svformer'] * 2 * L == nbytes['vanilla'] * (L + 1)
+
+
+def test_an_export_must_match_the_variant_it_starts(exported, tmp_path):
+    """A vrl.export directory starts only the variant it holds; the first field that differs is named."""
+    run, _ = exported
+    cfg, model = _variant('resformer-learnable', run.tokenizer)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    hf.export(params, cfg, 64, run.tokenizer, tmp_path)
+    shapes = jax.tree.map(np.shape, params)
+    with pytest.raises(hf.HFError, match=r"lambda_mode='learnable' but the config has model.lambda_mode='learnable_plus'"):
+        hf.load_params(str(tmp_path), dataclasses.replace(cfg, lambda_mode='learnable_plus'), shapes)
+
+
+def test_a_llama_directory_without_later_v_proj_starts_svformer(exported, tmp_path):
+    """The paper's official SVFormer checkpoints: Llama names and config, no v_proj in layers >= 2."""
+    run, folder = exported
+    cfg = dataclasses.replace(run.config.model, attention='svformer')
+    tensors = load_file(str(folder / 'model.safetensors'))
+    (tmp_path / 'config.json').write_text((folder / 'config.json').read_text())
+    save_file({k: v for k, v in tensors.items() if not (k.endswith('v_proj.weight') and '.0.' not in k)},
+              str(tmp_path / 'model.safetensors'))
+    shapes = jax.tree.map(np.shape, nnx.to_pure_dict(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)))
+    params = hf.load_params(str(tmp_path), cfg, shapes)
+    np.testing.assert_array_equal(params['first']['attn']['wv'].reshape(cfg.d_model, -1).T,
+                                  tensors['model.layers.0.self_attn.v_proj.weight'])
+    assert 'wv' not in params['layers']['attn']

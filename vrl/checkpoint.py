@@ -337,7 +337,9 @@ def restore_params(path: str, abstract_params: Any, model: ModelConfig | None = 
     if model is not None:
         check_model(_read_meta(root), model, f'checkpoint {root}')
     checkpointer = ocp.PyTreeCheckpointer()
-    check_compatible(checkpointer.metadata(root / 'state').item_metadata['params'], abstract_params,
+    # the handler's metadata: the checkpointer's also looks for step metadata, which the manager
+    # writes one folder up, and logs a warning that it is missing
+    check_compatible(ocp.PyTreeCheckpointHandler().metadata(root / 'state')['params'], abstract_params,
                      f'checkpoint {root}')
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), abstract_params)
     restored = checkpointer.restore(root / 'state', args=ocp.args.PyTreeRestore(

@@ -2,9 +2,10 @@
 
     python -m vrl.export --workdir=DIR --out=HF_DIR
 
-Writes what vrl/hf.py describes (LlamaForCausalLM: config.json, model.safetensors, the
-tokenizer); load it with `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` and
-`AutoTokenizer.from_pretrained(HF_DIR)`. Vanilla models only, so far.
+Writes what vrl/hf.py describes (config.json, model.safetensors, the tokenizer; for every variant
+but vanilla, vrl's PyTorch modeling files); load it with
+`transformers.AutoModelForCausalLM.from_pretrained(HF_DIR, trust_remote_code=True)` (a vanilla
+model is a plain LlamaForCausalLM and needs no remote code) and `AutoTokenizer.from_pretrained(HF_DIR)`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax
 from absl import app, flags, logging
 
 from vrl import checkpoint
-from vrl.train import load_run, load_trained
+from vrl.train import load_trained
 from vrl.workdir import WorkdirError
 
 
@@ -38,7 +39,6 @@ def main(argv: list[str], args: dict[str, flags.FlagHolder]) -> None:
     except ImportError as e:
         sys.exit(f'error: {e}')
     try:
-        hf.check_exportable(load_run(args['workdir'].value)[0].model)  # before restoring anything
         run = load_trained(args['workdir'].value)
         files = hf.export(jax.device_get(run.params), run.config.model, run.config.data.seq_len, run.tokenizer,
                           Path(args['out'].value))

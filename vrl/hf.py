@@ -1,20 +1,28 @@
-"""The Hugging Face way out and in: vrl parameters <-> a Llama model directory (safetensors).
+"""The Hugging Face way out and in: vrl parameters <-> a Hugging Face model directory (safetensors).
 
-Out (`python -m vrl.export`): config.json for `LlamaForCausalLM`, model.safetensors (float32,
-the unpadded vocabulary), and the tokenizer (tokenizer.model + tokenizer_config.json for
-transformers' LlamaTokenizer, which encodes exactly as vrl's sentencepiece model does, and
-starts every text with the separator vrl trained with: EOS).
-In (`--init_from=hf:DIR`): a Llama directory of the same shape, checked name by name.
+Out (`python -m vrl.export`): a vanilla model is a plain `LlamaForCausalLM`; every other variant
+is a `VrlForCausalLM`, whose PyTorch code (vrl/hf_modeling/, copied into the directory, loaded
+with `trust_remote_code=True`) implements it with Llama's parameter names plus its own. Both
+get model.safetensors (float32, the unpadded vocabulary) and the tokenizer (tokenizer.model and
+a LlamaTokenizer config that encodes exactly as vrl's sentencepiece model, starting every text
+with the separator vrl trained with: EOS).
+In (`--init_from=hf:DIR`): a Llama directory, one vrl.export wrote (any variant), or the paper's
+official checkpoints (Llama names; SVFormer's layers >= 2 without v_proj). The tensors the
+config's model needs are listed by `links`, and each is checked by name and shape.
 
-Only models that are plain Llama decoders go through this file: vanilla attention, none of the
-baselines. ResFormer, SVFormer and the others need a modeling file of vrl's own (#17, not yet).
-
-Weights, vrl -> Llama (D = d_model, H heads, K kv heads, Dh head_dim, F d_ff):
+Weights, vrl -> Hugging Face (D = d_model, H heads, K kv heads, Dh head_dim, F d_ff; layer i
+is `first` for i = 0 and entry i - 1 of the stacked `layers` otherwise):
     wq (D, H, Dh) -> q_proj (H*Dh, D)    wk, wv (D, K, Dh) -> k_proj, v_proj (K*Dh, D)
     wo (H, Dh, D) -> o_proj (D, H*Dh)    w_gate, w_up (D, F) -> gate_proj, up_proj (F, D)
     w_down (F, D) -> down_proj (D, F)    norms' scale -> weight; embed (V', D) -> embed_tokens (V, D)
     head (D, V') -> lm_head (V, D), absent when tied.
-Both use rotate-half RoPE and x * rsqrt(mean(x^2) + eps) * weight, so no permutation is needed.
+    CLA: shared_kv.wk, wv (owners, D, K, Dh) -> the owning layers' k_proj, v_proj.
+    per-token mix: w_mix (D, K) -> self_attn.mix_proj (K, D).
+    value embeddings: tables (T, V', K, Dh) -> model.value_embeds.t (V, K*Dh); gates (entries, D, K)
+        -> each such layer's self_attn.value_embed_gate (K, D).
+    ResFormer's lambdas (v1, vn, w, s) -> model.value_lambdas.*; DenseFormer's alpha -> each
+        layer's depth_weights (i + 2,), row i of its depth matrix.
+Both sides use rotate-half RoPE and x * rsqrt(mean(x^2) + eps) * weight: no permutation needed.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -36,98 +44,151 @@ except ImportError as e:
     raise ImportError(f'the Hugging Face export and import need safetensors ({e}): '
                       'pip install -r requirements-extra.txt') from e
 
+MODELING_DIR = Path(__file__).parent / 'hf_modeling'
+_IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)  # buffers some Llama checkpoints carry; recomputed, not weights
+
 
 class HFError(CheckpointError):
     """A model that cannot be exported, or a Hugging Face directory that does not fit; the message says what differs."""
 
 
-# (Llama name within a layer, vrl path within a block, vrl -> Llama, Llama -> vrl given the vrl shape)
-_LAYER_WEIGHTS: list[tuple[str, tuple[str, str], Callable, Callable]] = [
-    ('self_attn.q_proj.weight', ('attn', 'wq'), lambda w: w.reshape(w.shape[0], -1).T, lambda t, s: t.T.reshape(s)),
-    ('self_attn.k_proj.weight', ('attn', 'wk'), lambda w: w.reshape(w.shape[0], -1).T, lambda t, s: t.T.reshape(s)),
-    ('self_attn.v_proj.weight', ('attn', 'wv'), lambda w: w.reshape(w.shape[0], -1).T, lambda t, s: t.T.reshape(s)),
-    ('self_attn.o_proj.weight', ('attn', 'wo'), lambda w: w.reshape(-1, w.shape[-1]).T, lambda t, s: t.T.reshape(s)),
-    ('mlp.gate_proj.weight', ('mlp', 'w_gate'), lambda w: w.T, lambda t, s: t.T),
-    ('mlp.up_proj.weight', ('mlp', 'w_up'), lambda w: w.T, lambda t, s: t.T),
-    ('mlp.down_proj.weight', ('mlp', 'w_down'), lambda w: w.T, lambda t, s: t.T),
-    ('input_layernorm.weight', ('attn_norm', 'scale'), lambda w: w, lambda t, s: t),
-    ('post_attention_layernorm.weight', ('mlp_norm', 'scale'), lambda w: w, lambda t, s: t),
+class Link(NamedTuple):
+    """One Hugging Face tensor and where it lives among vrl's parameters."""
+    name: str  # the Hugging Face name
+    path: tuple[str, ...]  # into vrl's parameter tree
+    index: Any  # a NumPy index into that array: () for all of it
+    to_hf: Callable[[np.ndarray], np.ndarray]
+    from_hf: Callable[[np.ndarray, tuple[int, ...]], np.ndarray]  # (tensor, the vrl shape)
+
+
+_SAME = (lambda w: w, lambda t, s: t.reshape(s))
+_TRANSPOSE = (lambda w: w.T, lambda t, s: t.T)
+_INTO_LINEAR = (lambda w: w.reshape(w.shape[0], -1).T, lambda t, s: t.T.reshape(s))  # (D, ...) -> (prod, D)
+_OUT_OF_LINEAR = (lambda w: w.reshape(-1, w.shape[-1]).T, lambda t, s: t.T.reshape(s))  # (..., D) -> (D, prod)
+_FLAT_ROWS = (lambda w: w.reshape(w.shape[0], -1), lambda t, s: t.reshape(s))  # (V, K, Dh) -> (V, K*Dh)
+
+_BLOCK_WEIGHTS = [  # (Hugging Face name within a layer, vrl (module, weight) within a block, transforms)
+    ('self_attn.q_proj.weight', ('attn', 'wq'), _INTO_LINEAR),
+    ('self_attn.o_proj.weight', ('attn', 'wo'), _OUT_OF_LINEAR),
+    ('mlp.gate_proj.weight', ('mlp', 'w_gate'), _TRANSPOSE),
+    ('mlp.up_proj.weight', ('mlp', 'w_up'), _TRANSPOSE),
+    ('mlp.down_proj.weight', ('mlp', 'w_down'), _TRANSPOSE),
+    ('input_layernorm.weight', ('attn_norm', 'scale'), _SAME),
+    ('post_attention_layernorm.weight', ('mlp_norm', 'scale'), _SAME),
 ]
 
 
-def check_exportable(cfg: ModelConfig) -> None:
-    """HFError unless the model is a plain Llama decoder."""
-    if cfg.attention != 'vanilla' or cfg.neutreno or cfg.denseformer or cfg.kv_share > 1 or cfg.value_embed_layers:
-        raise HFError(f'{cfg.variant_name} is not a plain Llama decoder: only vanilla models (any GQA/MQA) '
-                      'export as LlamaForCausalLM so far; the value-residual variants need a modeling file of '
-                      "vrl's own, which does not exist yet.")
+def is_llama(cfg: ModelConfig) -> bool:
+    """Whether the model is a plain Llama decoder: vanilla attention, none of the baselines."""
+    return not (cfg.attention != 'vanilla' or cfg.neutreno or cfg.denseformer or cfg.kv_share > 1
+                or cfg.value_embed_layers)
 
 
-def llama_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dict[str, Any]:
-    return {
-        'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'vocab_size': cfg.vocab_size,
-        'hidden_size': cfg.d_model, 'intermediate_size': cfg.d_ff, 'num_hidden_layers': cfg.n_layers,
-        'num_attention_heads': cfg.n_heads, 'num_key_value_heads': cfg.n_kv_heads, 'head_dim': cfg.head_dim,
-        'hidden_act': 'silu', 'max_position_embeddings': max_positions, 'rms_norm_eps': cfg.norm_eps,
-        'rope_theta': cfg.rope_theta, 'rope_parameters': {'rope_type': 'default', 'rope_theta': cfg.rope_theta},
-        'tie_word_embeddings': cfg.tie_embeddings, 'attention_bias': False, 'mlp_bias': False,
-        'bos_token_id': tokenizer.eos_id, 'eos_token_id': tokenizer.eos_id, 'pad_token_id': tokenizer.pad_id,
-        'torch_dtype': 'float32',
-    }
-
-
-def _layer(params: dict, i: int) -> Callable[[tuple[str, str]], np.ndarray]:
-    """Layer i's weight at a (module, name) path: layer 0 is `first`, the rest are slices of the stack."""
-    if i == 0:
-        return lambda path: np.asarray(params['first'][path[0]][path[1]])
-    return lambda path: np.asarray(params['layers'][path[0]][path[1]][i - 1])
-
-
-def to_llama(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """vrl parameters (a pure dict of host arrays) -> Llama tensors, float32, unpadded vocabulary."""
-    check_exportable(cfg)
+def links(cfg: ModelConfig) -> list[Link]:
+    """Every tensor of the Hugging Face model for `cfg`, each tied to its place in vrl's parameters."""
     V = cfg.vocab_size
-    tensors = {'model.embed_tokens.weight': np.asarray(params['embed'])[:V],
-               'model.norm.weight': np.asarray(params['final_norm']['scale'])}
+    out = [Link('model.embed_tokens.weight', ('embed',), np.s_[:V], *_SAME),
+           Link('model.norm.weight', ('final_norm', 'scale'), (), *_SAME)]
     if not cfg.tie_embeddings:
-        tensors['lm_head.weight'] = np.asarray(params['head'])[:, :V].T
+        out.append(Link('lm_head.weight', ('head',), np.s_[:, :V], *_TRANSPOSE))
+    owners = [layer for layer in range(1, cfg.n_layers) if cfg.owns_kv(layer)]
+    ve_entry = {layer - 1: entry for entry, layer in enumerate(cfg.value_embed_layers)}
+    depth_offset = 0
     for i in range(cfg.n_layers):
-        weight = _layer(params, i)
-        for name, path, out, _ in _LAYER_WEIGHTS:
-            tensors[f'model.layers.{i}.{name}'] = out(weight(path))
-    return {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
+        block, at = ('first', ()) if i == 0 else ('layers', (i - 1,))
+        prefix = f'model.layers.{i}.'
+        out += [Link(prefix + name, (block, *path), at, *fns) for name, path, fns in _BLOCK_WEIGHTS]
+        if cfg.owns_kv(i):  # CLA keeps the stacked owners' W_K, W_V apart; SVFormer's layers >= 2 have no W_V
+            path, kv_at = ((block, 'attn'), at) if i == 0 or cfg.kv_share == 1 else (('shared_kv',), (owners.index(i),))
+            out.append(Link(prefix + 'self_attn.k_proj.weight', (*path, 'wk'), kv_at, *_INTO_LINEAR))
+            if i == 0 or cfg.attention != 'svformer':
+                out.append(Link(prefix + 'self_attn.v_proj.weight', (*path, 'wv'), kv_at, *_INTO_LINEAR))
+        if i > 0 and cfg.attention == 'resformer' and cfg.lambda_mode == 'per_token':
+            out.append(Link(prefix + 'self_attn.mix_proj.weight', ('layers', 'attn', 'w_mix'), at, *_TRANSPOSE))
+        if i in ve_entry:
+            out.append(Link(prefix + 'self_attn.value_embed_gate.weight', ('value_embeds', 'gates'),
+                            (ve_entry[i],), *_TRANSPOSE))
+        if cfg.denseformer:  # row i of the depth matrix: its i + 2 weights, contiguous in alpha
+            out.append(Link(prefix + 'depth_weights', ('depth_weights', 'alpha'),
+                            np.s_[depth_offset:depth_offset + i + 2], *_SAME))
+            depth_offset += i + 2
+    for table in sorted(set(cfg.value_embed_table_ids)):
+        out.append(Link(f'model.value_embeds.{table}.weight', ('value_embeds', 'tables'), np.s_[table, :V],
+                        *_FLAT_ROWS))
+    if cfg.attention == 'resformer' and cfg.lambda_mode in ('learnable', 'learnable_plus'):
+        names = ('v1', 'vn') if cfg.lambda_mode == 'learnable' else ('vn', 'w', 's')
+        out += [Link(f'model.value_lambdas.{name}', ('lambdas', name), (), *_SAME) for name in names]
+    return out
 
 
-def from_llama(tensors: dict[str, np.ndarray], cfg: ModelConfig, shapes: dict) -> dict:
-    """Llama tensors -> vrl parameters shaped like `shapes` (a pure dict of shapes; vocab padded
-    with zero rows); HFError names a missing or misshapen weight."""
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in tensors:
-            raise HFError(f'the Hugging Face weights have no {name!r}.')
-        if tensors[name].shape != shape:
-            raise HFError(f'{name} has shape {tensors[name].shape} but this config needs {shape}.')
-        return tensors[name].astype(np.float32)
+def _at(tree: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
 
-    V, D = cfg.vocab_size, cfg.d_model
-    params: dict = {'final_norm': {'scale': get('model.norm.weight', (D,))}}
-    params['embed'] = np.zeros(shapes['embed'], np.float32)
-    params['embed'][:V] = get('model.embed_tokens.weight', (V, D))
-    if not cfg.tie_embeddings:
-        params['head'] = np.zeros(shapes['head'], np.float32)
-        params['head'][:, :V] = get('lm_head.weight', (V, D)).T
-    for block in ('first', 'layers'):
-        params[block] = {module: {name: np.zeros(shape, np.float32) for name, shape in names.items()}
-                         for module, names in shapes[block].items()}
-    for i in range(cfg.n_layers):
-        for name, (module, weight), out, back in _LAYER_WEIGHTS:
-            shape = shapes['first'][module][weight] if i == 0 else shapes['layers'][module][weight][1:]
-            expected = out(np.zeros(shape, np.float32)).shape
-            value = back(get(f'model.layers.{i}.{name}', expected), shape)
-            if i == 0:
-                params['first'][module][weight] = value
-            else:
-                params['layers'][module][weight][i - 1] = value
+
+def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """vrl parameters (a pure dict of host arrays) -> Hugging Face tensors, float32, unpadded vocabulary."""
+    return {link.name: np.array(link.to_hf(np.asarray(_at(params, link.path))[link.index]), np.float32, order='C')
+            for link in links(cfg)}
+
+
+def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, shapes: dict) -> dict:
+    """Hugging Face tensors -> vrl parameters shaped like `shapes` (a pure dict of shapes; what no
+    tensor fills, the vocabulary's padding, is zero). HFError names a missing, misshapen or unused tensor."""
+    params = _zeros(shapes)
+    expected = links(cfg)
+    unused = set(tensors) - {link.name for link in expected}
+    unused = sorted(name for name in unused if not name.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        raise HFError(f'the Hugging Face weights have {", ".join(map(repr, unused[:5]))}'
+                      f'{" and more" if len(unused) > 5 else ""}, which {cfg.variant_name} has no place for.')
+    for link in expected:
+        target = _at(params, link.path)
+        shape = target[link.index].shape
+        hf_shape = link.to_hf(np.zeros(shape, np.float32)).shape
+        if link.name not in tensors:
+            raise HFError(f'the Hugging Face weights have no {link.name!r} ({cfg.variant_name} needs it).')
+        if tensors[link.name].shape != hf_shape:
+            raise HFError(f'{link.name} has shape {tensors[link.name].shape} but this config needs {hf_shape}.')
+        target[link.index] = link.from_hf(tensors[link.name].astype(np.float32), shape)
     return params
+
+
+def _zeros(shapes: Any) -> Any:
+    if hasattr(shapes, 'items'):  # a dict or an nnx.State of shape tuples
+        return {key: _zeros(value) for key, value in shapes.items()}
+    return np.zeros(shapes, np.float32)
+
+
+_LLAMA_FIELDS = {  # Hugging Face config.json key -> vrl model field
+    'hidden_size': 'd_model', 'intermediate_size': 'd_ff', 'num_hidden_layers': 'n_layers',
+    'num_attention_heads': 'n_heads', 'num_key_value_heads': 'n_kv_heads', 'head_dim': 'head_dim',
+    'rms_norm_eps': 'norm_eps', 'tie_word_embeddings': 'tie_embeddings',
+}
+_VARIANT_FIELDS = ('attention', 'lambda_mode', 'lambda1', 'lambda2', 'sparse_layers', 'neutreno', 'neutreno_lambda',
+                   'denseformer', 'kv_share', 'value_embed_layers', 'value_embed_tables')
+
+
+def hf_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dict[str, Any]:
+    """config.json: LlamaForCausalLM for a plain Llama decoder, vrl's VrlForCausalLM otherwise."""
+    config = {key: getattr(cfg, field) for key, field in _LLAMA_FIELDS.items()}
+    config.update({
+        'vocab_size': cfg.vocab_size, 'hidden_act': 'silu', 'max_position_embeddings': max_positions,
+        'rope_theta': cfg.rope_theta, 'rope_parameters': {'rope_type': 'default', 'rope_theta': cfg.rope_theta},
+        'attention_bias': False, 'mlp_bias': False, 'bos_token_id': tokenizer.eos_id,
+        'eos_token_id': tokenizer.eos_id, 'pad_token_id': tokenizer.pad_id, 'torch_dtype': 'float32',
+    })
+    if is_llama(cfg):
+        return {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **config}
+    variant = {field: _jsonable(getattr(cfg, field)) for field in _VARIANT_FIELDS}
+    return {'architectures': ['VrlForCausalLM'], 'model_type': 'vrl',
+            'auto_map': {'AutoConfig': 'configuration_vrl.VrlConfig',
+                         'AutoModelForCausalLM': 'modeling_vrl.VrlForCausalLM'}, **config, **variant}
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
@@ -141,48 +202,59 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
 
 def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer, out: Path) -> list[Path]:
     """Writes the Hugging Face directory; returns its files."""
-    tensors = to_llama(params, cfg)
+    tensors = to_hf(params, cfg)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / 'model.safetensors'), metadata={'format': 'pt'})
-    (out / 'config.json').write_text(json.dumps(llama_config(cfg, max_positions, tokenizer), indent=2))
+    (out / 'config.json').write_text(json.dumps(hf_config(cfg, max_positions, tokenizer), indent=2))
     (out / 'generation_config.json').write_text(json.dumps({
         'bos_token_id': tokenizer.eos_id, 'eos_token_id': tokenizer.eos_id, 'pad_token_id': tokenizer.pad_id}))
+    if not is_llama(cfg):
+        for name in ('configuration_vrl.py', 'modeling_vrl.py'):
+            shutil.copyfile(MODELING_DIR / name, out / name)
     write_tokenizer(tokenizer, out)
     return sorted(out.iterdir())
 
 
-_CONFIG_FIELDS = {  # Llama config.json key -> vrl model field
-    'hidden_size': 'd_model', 'intermediate_size': 'd_ff', 'num_hidden_layers': 'n_layers',
-    'num_attention_heads': 'n_heads', 'num_key_value_heads': 'n_kv_heads', 'head_dim': 'head_dim',
-    'rms_norm_eps': 'norm_eps', 'tie_word_embeddings': 'tie_embeddings',
-}
-
-
-def load_params(path: str, cfg: ModelConfig, shapes: dict) -> dict:
-    """A Hugging Face Llama directory's weights as vrl parameters for `cfg`; HFError names what differs."""
-    folder = Path(path)
-    config_file = folder / 'config.json'
-    if not config_file.is_file():
-        raise HFError(f'{config_file} not found: --init_from=hf:DIR needs a Hugging Face model directory '
-                      '(config.json + *.safetensors).')
-    hf = json.loads(config_file.read_text())
-    if hf.get('model_type') != 'llama':
-        raise HFError(f'{folder} holds a {hf.get("model_type")!r} model ({hf.get("architectures")}); vrl can start '
-                      'from Llama models (model_type "llama") only.')
-    check_exportable(cfg)
-    hf.setdefault('head_dim', hf['hidden_size'] // hf['num_attention_heads'])
-    hf.setdefault('num_key_value_heads', hf['num_attention_heads'])
-    hf.setdefault('tie_word_embeddings', False)
-    for key, field in _CONFIG_FIELDS.items():
+def _check_config(hf: dict, folder: Path, cfg: ModelConfig) -> None:
+    """HFError naming the first config.json field that differs from the vrl config."""
+    hf = {'head_dim': hf['hidden_size'] // hf['num_attention_heads'],
+          'num_key_value_heads': hf['num_attention_heads'], 'tie_word_embeddings': False, **hf}
+    for key, field in _LLAMA_FIELDS.items():
         if hf.get(key) != getattr(cfg, field):
             raise HFError(f'{folder} has {key}={hf.get(key)!r} but the config has model.{field}='
                           f'{getattr(cfg, field)!r}; set --config.model.{field}={hf.get(key)!r}.')
     theta = (hf.get('rope_parameters') or {}).get('rope_theta', hf.get('rope_theta', 10_000.0))
     if theta != cfg.rope_theta:
         raise HFError(f'{folder} has rope_theta={theta!r} but the config has model.rope_theta={cfg.rope_theta!r}.')
+    if hf['model_type'] == 'vrl':
+        defaults = ModelConfig()
+        for field in _VARIANT_FIELDS:
+            theirs = hf.get(field, _jsonable(getattr(defaults, field)))
+            if theirs != _jsonable(getattr(cfg, field)):
+                raise HFError(f'{folder} has {field}={theirs!r} but the config has model.{field}='
+                              f'{getattr(cfg, field)!r}; set --config.model.{field}={theirs!r}.')
     if hf['vocab_size'] > cfg.vocab_size:
         raise HFError(f'{folder} has vocab_size={hf["vocab_size"]} but model.vocab_size={cfg.vocab_size}: set '
                       f'--config.model.vocab_size={hf["vocab_size"]} (or larger) and its tokenizer.')
+
+
+def load_params(path: str, cfg: ModelConfig, shapes: dict) -> dict:
+    """A Hugging Face directory's weights as vrl parameters for `cfg`; HFError names what differs.
+
+    A Llama directory (model_type 'llama') can start any variant whose tensors it holds: a plain
+    Llama starts vanilla (or a ResFormer with fixed lambdas), the paper's SVFormer checkpoints lack
+    v_proj in layers >= 2. A vrl.export directory must match the variant field by field.
+    """
+    folder = Path(path)
+    config_file = folder / 'config.json'
+    if not config_file.is_file():
+        raise HFError(f'{config_file} not found: --init_from=hf:DIR needs a Hugging Face model directory '
+                      '(config.json + *.safetensors).')
+    hf = json.loads(config_file.read_text())
+    if hf.get('model_type') not in ('llama', 'vrl'):
+        raise HFError(f'{folder} holds a {hf.get("model_type")!r} model ({hf.get("architectures")}); vrl can start '
+                      'from Llama models (model_type "llama") and from its own exports ("vrl") only.')
+    _check_config(hf, folder, cfg)
     files = sorted(folder.glob('*.safetensors'))
     if not files:
         raise HFError(f'no *.safetensors in {folder}: vrl reads safetensors weights only.')
@@ -190,8 +262,9 @@ def load_params(path: str, cfg: ModelConfig, shapes: dict) -> dict:
     for file in files:
         tensors.update(load_file(str(file)))
     vocab = hf['vocab_size']
-    for name in ('model.embed_tokens.weight', 'lm_head.weight'):  # a smaller vocabulary fits: pad its rows
-        if name in tensors and tensors[name].shape[0] == vocab < cfg.vocab_size:
-            tensors[name] = np.concatenate([tensors[name], np.zeros((cfg.vocab_size - vocab, cfg.d_model),
-                                                                    tensors[name].dtype)])
-    return from_llama(tensors, cfg, shapes)
+    for name, tensor in tensors.items():  # a smaller vocabulary fits: pad its rows
+        if name in ('model.embed_tokens.weight', 'lm_head.weight') or name.startswith('model.value_embeds.'):
+            if tensor.shape[0] == vocab < cfg.vocab_size:
+                pad = np.zeros((cfg.vocab_size - vocab, *tensor.shape[1:]), tensor.dtype)
+                tensors[name] = np.concatenate([tensor, pad])
+    return from_hf(tensors, cfg, shapes)
