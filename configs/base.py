@@ -4,7 +4,9 @@ Use directly as `--config=configs/base.py:svformer,468m`, or through the thin na
 (`configs/svformer_468m.py`). Sizes are PAPER.md's 'Model sizes' table. A third part picks
 one of the paper's sequence lengths with its batch, ~2M tokens per step (PAPER.md):
 `configs/base.py:svformer,82m,64k` is 65,536 x 32. RoPE theta stays the paper's 10,000;
-override it with `--config.model.rope_theta=...`.
+override it with `--config.model.rope_theta=...`. Microbatches and remat are `auto` (vrl/aot.py):
+the fewest microbatches and the cheapest remat whose step fits the devices' memory, chosen by
+compiling before step 1; set them to override.
 """
 
 import dataclasses
@@ -37,6 +39,7 @@ def get_config(arg: str = 'vanilla,82m') -> ml_collections.ConfigDict:
     if seq not in SEQUENCES:
         raise vrl_config.ConfigError(f'sequence length {seq!r} is invalid: allowed one of {list(SEQUENCES)}.')
     seq_len, batch_size = SEQUENCES[seq]
-    model = dataclasses.replace(vrl_config.ModelConfig(), attention=attention, **SIZES[size])
+    model = dataclasses.replace(vrl_config.ModelConfig(), attention=attention, remat='auto', **SIZES[size])
     data = dataclasses.replace(vrl_config.DataConfig(), name='c4/en:3.1.0', seq_len=seq_len, batch_size=batch_size)
-    return vrl_config.to_configdict(vrl_config.Config(model=model, data=data))
+    train = dataclasses.replace(vrl_config.TrainConfig(), microbatches=0)
+    return vrl_config.to_configdict(vrl_config.Config(model=model, data=data, train=train))

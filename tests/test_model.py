@@ -13,7 +13,8 @@ from tests import numpy_reference
 from tests.helpers import (NAMED_VARIANTS, VARIANT_IDS, VARIANTS, copy_params, randomize, rel_err,
                            random_tokens, small_model_config)
 from vrl.config import ConfigError
-from vrl.model import Decoder, attend, causal_mask
+from vrl import attention
+from vrl.model import Decoder
 
 
 def _loss(model: Decoder, tokens: jax.Array) -> jax.Array:
@@ -157,10 +158,10 @@ def test_causal_chunks_match_one_pass(chunks):
     keys = jax.random.split(jax.random.key(chunks), 4)
     q, r = jax.random.normal(keys[0], (B, L, H, Dh)), jax.random.normal(keys[3], (B, L, H, Dh))
     k, v = jax.random.normal(keys[1], (B, L, K, Dh)), jax.random.normal(keys[2], (B, L, K, Dh))
-    mask = causal_mask(jnp.array([[0, 0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 2]]), B, L)
+    mask = attention.Causal(jnp.array([[0, 0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 2]]))
 
     def loss(q, k, v, n):
-        return jnp.sum(attend(q, k, v, mask, n) * r)
+        return jnp.sum(attention.attention('xla', q, k, v, mask, n) * r)
 
     one, one_grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, 1)
     chunked, chunked_grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, chunks)

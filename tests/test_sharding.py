@@ -16,9 +16,9 @@ from jax.sharding import PartitionSpec
 
 from tests.conftest import ROOT
 from tests.helpers import NAMED_VARIANTS
-from tests.runs import cli_args, tiny_config
-from vrl import data, sharding
-from vrl.config import ConfigError, Config, MeshConfig
+from tests.runs import TINY_MODEL, cli_args, tiny_config
+from vrl import aot, data, sharding
+from vrl.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig
 from vrl.step import Trainer
 
 
@@ -172,7 +172,34 @@ def test_launch_scripts_dry_run_name_every_step():
         line = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', step, '--name=pod1'], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout
         assert line.startswith(f'gcloud compute tpus tpu-vm {"ssh" if step == "logs" else "delete"} pod1')
+    multi = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', 'all', '--name=pods', '--slices=2'],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(multi) == 5  # one queued resource, then install and train on each of its two slices
+    assert multi[0].startswith('gcloud compute tpus queued-resources create pods') and '--node-count=2' in multi[0]
+    assert [line.split()[5] for line in multi[1:]] == ['pods-0', 'pods-1'] * 2
+    assert all('--config.mesh.slices=2' in line for line in multi[3:])
     slurm = subprocess.run(['bash', 'launch/slurm_gpu.sh', '--dry-run', '--nodes=4', '--gpus_per_node=8'],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert '#SBATCH --nodes=4' in slurm and '#SBATCH --ntasks-per-node=8' in slurm
     assert '--num_processes=$SLURM_NTASKS --process_id=$SLURM_PROCID' in slurm and '--coordinator_address=' in slurm
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
+def test_two_slices_compile_and_only_data_parallelism_crosses_them():
+    """v5e:2x2 twice: the outer `data` axis is the slice, fsdp runs within one; no parameter or
+    optimizer state is split over `data`, so the data-center network carries only gradients."""
+    devices, hbm = aot.tpu_devices('v5e:2x2', num_slices=2)
+    config = Config(model=ModelConfig(**TINY_MODEL), data=DataConfig(seq_len=128, batch_size=8),
+                    mesh=MeshConfig(slices=2))
+    mesh = sharding.make_mesh(config.mesh, devices)
+    assert dict(mesh.shape) == {'data': 2, 'fsdp': 4, 'tensor': 1}
+    for i in range(2):
+        assert {d.slice_index for d in mesh.devices[i].flat} == {i}
+    report = aot.compile_train_step(config, devices, hbm)
+    assert report.fits and report.devices == 8
+    specs = jax.tree.leaves(Trainer(config, mesh).state_shardings, is_leaf=lambda x: hasattr(x, 'spec'))
+    assert specs and not any('data' in jax.tree.leaves(tuple(s.spec)) for s in specs)
+    assert 'data' in jax.tree.leaves(tuple(sharding.batch_sharding(mesh).spec))
+    with pytest.raises(ConfigError, match=r'mesh.slices=1 is invalid: the devices span 2 slices'):
+        sharding.make_mesh(MeshConfig(), devices)

@@ -1,15 +1,21 @@
-"""Ahead-of-time compilation of the real train step, for the local devices or a TPU slice.
+"""Ahead-of-time compilation of the real train step, for the local devices or a TPU slice, and
+the settings that make it fit.
 
     python -m vrl.main --config=configs/svformer_468m.py --compile_only --topology=v5e:4x4
 
 With `libtpu` installed (`pip install "jax[tpu]"`), `jax.experimental.topologies` describes a
 TPU slice on any machine, so the step is compiled for that slice's devices and mesh without a
 TPU, and XLA's memory analysis says whether it fits each chip's HBM.
+
+`auto_fit` resolves `train.microbatches=0` and `model.remat=auto` (before training, and in
+--compile_only): the fewest microbatches, then the cheapest remat policy, whose compiled step
+fits FIT_MARGIN of each device's memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Sequence
 
 import jax
@@ -20,6 +26,8 @@ from vrl.config import Config
 from vrl.step import Trainer
 
 GiB = 1 << 30
+FIT_MARGIN = 0.9  # of a device's memory: the rest is for the runtime, fragmentation and the data
+REMAT_BY_COST = ('none', 'save_dots', 'full')  # least recomputation first; most memory saved last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,19 +49,23 @@ class CompileError(ValueError):
     """A topology that cannot be described, or a step that does not fit."""
 
 
-def tpu_devices(topology: str) -> tuple[Sequence[jax.Device], int]:
-    """The devices of a slice such as 'v5e:4x4' or 'v5p:2x2x2', and the HBM of each chip."""
+def tpu_devices(topology: str, num_slices: int = 1) -> tuple[Sequence[jax.Device], int]:
+    """The devices of `num_slices` slices such as 'v5e:4x4' or 'v5p:2x2x2' (each device knows its
+    `slice_index`), and the HBM of each chip."""
     generation_name, _, shape = topology.partition(':')
     generation = TPU_GENERATIONS.get(generation_name)
     if generation is None or not shape:
         raise CompileError(f'--topology={topology!r} is invalid: allowed GENERATION:SHAPE with GENERATION '
                            f'one of {sorted(TPU_GENERATIONS)}, e.g. v5e:4x4 or v5p:2x2x2.')
     dims = [int(d) for d in shape.split('x')]
+    # describing a slice claims no chip: no need for libtpu's one-process lockfile, so several
+    # compiles (processes, test workers) may run side by side
+    os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
     try:
         from jax.experimental import topologies
         description = topologies.get_topology_desc(
             topology_name=topology, platform='tpu', chip_config_name=generation.chip_config,
-            chips_per_host_bounds=generation.chips_per_host, num_slices=1,
+            chips_per_host_bounds=generation.chips_per_host, num_slices=num_slices,
             wrap=tuple(len(dims) == 3 and d >= 4 for d in (dims + [1, 1, 1])[:3]))
     except Exception as e:  # libtpu missing or the shape unknown to it
         raise CompileError(f'cannot describe TPU topology {topology!r}: {str(e).splitlines()[0]}. '
@@ -122,3 +134,55 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device], hbm_bytes:
 def local_hbm_bytes() -> int | None:
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get('bytes_limit')
+
+
+def auto_fit(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None
+             ) -> tuple[Config, CompileReport | None]:
+    """`config` with train.microbatches=0 and model.remat='auto' resolved, and the report of the
+    chosen step (None when nothing was auto). Microbatches come first (the fewest that fit with the
+    most memory-saving remat allowed, by bisection: memory falls as they grow), then the cheapest
+    remat at that count. Explicit values are kept. CompileError when no setting fits."""
+    auto_microbatches, auto_remat = config.train.microbatches == 0, config.model.remat == 'auto'
+    if not (auto_microbatches or auto_remat):
+        return config, None
+    mesh_shape = sharding.mesh_shape(config.mesh, len(devices))
+    rows = config.data.batch_size // (mesh_shape[0] * mesh_shape[1])  # sequences per device per step
+    counts = [m for m in range(1, rows + 1) if rows % m == 0] if auto_microbatches else [config.train.microbatches]
+    remats = REMAT_BY_COST if auto_remat else (config.model.remat,)
+
+    def setting(count: int, remat: str) -> Config:
+        return dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=count),
+                                   model=dataclasses.replace(config.model, remat=remat))
+
+    reports: dict[tuple[int, str], CompileReport | None] = {}
+
+    def fits(count: int, remat: str) -> bool:
+        if (count, remat) not in reports:
+            try:
+                reports[count, remat] = compile_train_step(setting(count, remat), devices, hbm_bytes)
+            except CompileError:
+                reports[count, remat] = None
+        report = reports[count, remat]
+        return report is not None and (hbm_bytes is None or report.total_bytes <= FIT_MARGIN * hbm_bytes)
+
+    if hbm_bytes is None:  # no memory limit to fit (CPU): the cheapest setting
+        return setting(counts[0], remats[0]), None
+    lo, hi = 0, len(counts) - 1
+    if not fits(counts[hi], remats[-1]):
+        raise CompileError(
+            f'the train step does not fit {devices[0].device_kind} ({hbm_bytes / GiB:.1f} GiB) at any '
+            f'setting: even microbatches={counts[hi]} with remat={remats[-1]} does not. Lower data.batch_size '
+            'or data.seq_len, shard more (mesh.fsdp / mesh.tensor), or use more devices.')
+    while lo < hi:  # the fewest microbatches that fit with the most memory-saving remat
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(counts[mid], remats[-1]) else (mid + 1, hi)
+    count = counts[lo]
+    remat = next(r for r in remats if fits(count, r))
+    return setting(count, remat), reports[count, remat]
+
+
+def fit_line(fitted: Config, report: CompileReport | None) -> str:
+    """What auto_fit chose, in one line."""
+    memory = ('device memory unknown, so the cheapest setting' if report is None else
+              f'{report.total_bytes / GiB:.2f} of {report.hbm_bytes / GiB:.2f} GiB per device')
+    return f'auto fit: train.microbatches={fitted.train.microbatches}, model.remat={fitted.model.remat} ({memory})'

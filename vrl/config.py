@@ -16,7 +16,9 @@ import ml_collections
 
 ATTENTION_VARIANTS = ('vanilla', 'resformer', 'svformer')
 LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse', 'per_token')
-REMAT_POLICIES = ('none', 'full', 'save_dots')
+REMAT_POLICIES = ('none', 'full', 'save_dots', 'auto')
+ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/attention.py; the last is
+# what splash becomes off TPU (Pallas' interpreter)
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 NAN_POLICIES = ('error', 'skip')
 
@@ -69,14 +71,16 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention_chunks: int = 4  # training attention in this many query chunks, skipping unseen keys
+    attention_impl: str = 'auto'  # auto | xla | splash | cudnn: vrl/attention.py (auto: the platform's kernel)
     scan_layers: bool = True
-    remat: str = 'none'  # none | full | save_dots
+    remat: str = 'none'  # none | full | save_dots | auto (the cheapest that fits: vrl/aot.py)
     compute_dtype: str = 'bfloat16'  # float32 | bfloat16; parameters are always float32
 
     def __post_init__(self):
         _choice('model.attention', self.attention, ATTENTION_VARIANTS)
         _choice('model.lambda_mode', self.lambda_mode, LAMBDA_MODES)
         _choice('model.remat', self.remat, REMAT_POLICIES)
+        _choice('model.attention_impl', self.attention_impl, ATTENTION_IMPLS)
         _choice('model.compute_dtype', self.compute_dtype, COMPUTE_DTYPES)
         for name in ('vocab_size', 'vocab_pad_multiple', 'd_model', 'n_heads', 'n_kv_heads',
                      'head_dim', 'd_ff', 'attention_chunks'):
@@ -251,7 +255,7 @@ class TrainConfig:
     """The training loop: length, logging, eval, checkpoints."""
 
     steps: int = 10_000
-    microbatches: int = 1  # gradient accumulation: data.batch_size is split into this many
+    microbatches: int = 1  # gradient accumulation: data.batch_size is split into this many; 0 = auto (vrl/aot.py)
     seed: int = 0  # parameter init
     log_every: int = 10
     eval_every: int = 500  # 0 = only at the end
@@ -267,9 +271,9 @@ class TrainConfig:
 
     def __post_init__(self):
         _choice('train.nan_policy', self.nan_policy, NAN_POLICIES)
-        for name in ('steps', 'microbatches', 'log_every', 'checkpoint_every', 'keep_checkpoints'):
+        for name in ('steps', 'log_every', 'checkpoint_every', 'keep_checkpoints'):
             _require(getattr(self, name) >= 1, f'train.{name}', getattr(self, name), 'an integer >= 1')
-        for name in ('eval_every', 'eval_batches', 'keep_period', 'sample_tokens', 'max_skipped_steps'):
+        for name in ('microbatches', 'eval_every', 'eval_batches', 'keep_period', 'sample_tokens', 'max_skipped_steps'):
             _require(getattr(self, name) >= 0, f'train.{name}', getattr(self, name), 'an integer >= 0')
 
 
@@ -280,11 +284,13 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    slices: int = 1  # TPU slices joined over the data-center network: the outer part of `data`
 
     def __post_init__(self):
-        sizes = dataclasses.astuple(self)
+        sizes = (self.data, self.fsdp, self.tensor)
         _require(all(s == -1 or s >= 1 for s in sizes) and sizes.count(-1) <= 1, 'mesh', sizes,
                  'sizes >= 1 with at most one -1')
+        _require(self.slices >= 1, 'mesh.slices', self.slices, 'an integer >= 1')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,8 +302,9 @@ class Config:
     mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):
-        _require(self.data.batch_size % self.train.microbatches == 0, 'train.microbatches',
-                 self.train.microbatches, f'a divisor of data.batch_size={self.data.batch_size}')
+        _require(self.train.microbatches == 0 or self.data.batch_size % self.train.microbatches == 0,
+                 'train.microbatches', self.train.microbatches,
+                 f'0 (auto) or a divisor of data.batch_size={self.data.batch_size}')
 
 
 def _int_tuple(field: str, value: Any) -> tuple[int, ...]:

@@ -31,6 +31,8 @@ _COMPILE_ONLY = flags.DEFINE_bool('compile_only', False, 'Compile the train step
                                    'per-device memory and FLOPs, exit non-zero if it does not fit.')
 _TOPOLOGY = flags.DEFINE_string('topology', None, 'With --compile_only: a TPU slice such as v5e:4x4 '
                                 '(needs libtpu; no TPU needed). Default: the local devices.')
+_NUM_SLICES = flags.DEFINE_integer('num_slices', 1, 'With --topology: compile for this many such slices '
+                                   'joined over the data-center network (sets mesh.slices).')
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'Multi-process: host:port of process 0 '
                                    '(GPU clusters, localhost tests). Cloud TPU and SLURM are auto-detected.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Multi-process: how many processes.')
@@ -104,16 +106,18 @@ def _compile_only(config: Config) -> None:
     from vrl import aot
     if _TOPOLOGY.value:
         import jax
-        # compile for the described slice only: no TPU runtime here to start, no executable to cache,
-        # and no claim on libtpu's one-process lockfile (several compiles may run side by side)
-        os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+        # compile for the described slice only: no TPU runtime here to start, no executable to cache
         jax.config.update('jax_platforms', 'cpu')
         jax.config.update('jax_compilation_cache_dir', None)
-        devices, hbm = aot.tpu_devices(_TOPOLOGY.value)
+        devices, hbm = aot.tpu_devices(_TOPOLOGY.value, _NUM_SLICES.value)
+        config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, slices=_NUM_SLICES.value))
     else:
         import jax
         devices, hbm = jax.devices(), aot.local_hbm_bytes()
-    report = aot.compile_train_step(config, devices, hbm)
+    fitted, report = aot.auto_fit(config, devices, hbm)
+    if fitted is not config:
+        print(aot.fit_line(fitted, report))
+    report = report or aot.compile_train_step(fitted, devices, hbm)
     print(report.table())
     if not report.fits:
         sys.exit(f'error: the train step needs {report.total_bytes / aot.GiB:.2f} GiB per device but '

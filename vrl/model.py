@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from vrl import analysis, ops, params, variants
+from vrl import analysis, attention, ops, params, variants
+from vrl.attention import Causal
 from vrl.config import ModelConfig
 from vrl.sharding import constrain
 from vrl.variants import Lambdas, LayerKV, ValueEmbed
@@ -53,26 +54,6 @@ def rope(x_BxLxNxDh: Array, positions_BxL: Array, theta: float) -> Array:
     x1, x2 = jnp.split(x_BxLxNxDh.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxNxDh.dtype)
-
-
-def attend(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array,
-           causal_chunks: int = 1) -> Array:
-    """Softmax attention with grouped kv heads (no repetition); logits and softmax in float32.
-
-    causal_chunks > 1 promises a causal mask over queries at the last L of the S key positions:
-    the queries are split into that many chunks, and each chunk skips the keys after its last
-    query, which it cannot see. With 1 chunk every query sees all S keys (decoding).
-    """
-    B, L, H, Dh = q_BxLxHxDh.shape
-    S, K = k_BxSxKxDh.shape[1:3]
-    q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, H // K, Dh)
-    bounds = sorted({L * i // causal_chunks for i in range(causal_chunks + 1)})
-    outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        seen = S - L + end  # keys [0, seen) are all the chunk's queries can see
-        outs.append(ops.attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :seen], v_BxSxKxDh[:, :seen],
-                                  mask_BxLxS[:, start:end, :seen]))
-    return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
 
 
 class KVCache(NamedTuple):
@@ -218,7 +199,7 @@ class Block(nnx.Module):
         self.cfg = cfg
         self.neutreno_lambda = cfg.neutreno_lambda if cfg.neutreno else None
 
-    def __call__(self, s: Stream, p: LayerInputs, positions_BxL: Array, mask_BxLxS: Array, record: bool
+    def __call__(self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array, record: bool
                  ) -> tuple[Array, tuple[Array, Array], KVCache | None, analysis.AttentionStats | None]:
         """The block's output (B, L, D), its keys and attended values for the L tokens, the cache with
         them written and, when recording, its attention statistics."""
@@ -233,15 +214,20 @@ class Block(nnx.Module):
         if cache is not None:
             keys, values, cache = cache.update(self.cfg, p.layer, k_BxLxKxDh, v_BxLxKxDh)
         keys, values = keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype)
-        if cache is None:  # the mask is causal: chunks skip the keys they cannot see
-            o_BxLxHxDh = attend(q_BxLxHxDh, keys, values, mask_BxLxS, self.cfg.attention_chunks)
+        if cache is None:  # training's causal mask, or an explicit one: vrl/attention.py decides how
+            o_BxLxHxDh = attention.attention(self.cfg.attention_impl, q_BxLxHxDh, keys, values, mask,
+                                             self.cfg.attention_chunks)
         else:  # the cache's (B, K, S, Dh) slots as they lie
-            o_BxLxHxDh = ops.attend_heads_major(q_BxLxHxDh, keys, values, mask_BxLxS)
+            o_BxLxHxDh = ops.attend_heads_major(q_BxLxHxDh, keys, values, mask)
         if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - V_n)
             o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_n), o_BxLxHxDh.shape)
         h_BxLxD = s.h + self.attn.output(o_BxLxHxDh)
         h_BxLxD = h_BxLxD + self.mlp(self.mlp_norm(h_BxLxD))
-        stats = analysis.attention_stats(q_BxLxHxDh, keys, values, mask_BxLxS) if record else None
+        stats = None
+        if record:
+            B, L = q_BxLxHxDh.shape[:2]
+            dense_BxLxS = mask.dense(B, L) if isinstance(mask, Causal) else mask
+            stats = analysis.attention_stats(q_BxLxHxDh, keys, values, dense_BxLxS)
         return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), cache, stats
 
 
@@ -258,14 +244,6 @@ _REMAT_POLICIES = {
     'full': None,
     'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-
-def causal_mask(segment_ids_BxL: Array | None, B: int, L: int) -> Array:
-    """True where query i may attend key j: j <= i and, with segment ids, the same document."""
-    mask_LxL = jnp.tril(jnp.ones((L, L), jnp.bool_))
-    if segment_ids_BxL is None:
-        return jnp.broadcast_to(mask_LxL, (B, L, L))
-    return mask_LxL & (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])
 
 
 class Decoder(nnx.Module):
@@ -301,7 +279,7 @@ class Decoder(nnx.Module):
         B, L = tokens_BxL.shape
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
-        h_BxLxD, _, _ = self._forward(tokens_BxL, positions_BxL, causal_mask(segment_ids_BxL, B, L), None, False)
+        h_BxLxD, _, _ = self._forward(tokens_BxL, positions_BxL, Causal(segment_ids_BxL), None, False)
         return h_BxLxD
 
     def layer_stats(self, tokens_BxL: Array) -> analysis.LayerStats:
@@ -309,7 +287,7 @@ class Decoder(nnx.Module):
         each (L, B), computed one layer at a time; `similarity` (L + 1, B) starts at the embedding."""
         B, L = tokens_BxL.shape
         positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
-        _, _, stats = self._forward(tokens_BxL, positions_BxL, causal_mask(None, B, L), None, True)
+        _, _, stats = self._forward(tokens_BxL, positions_BxL, Causal(None), None, True)
         return stats
 
     def decode(self, tokens_BxT: Array, pad_B: Array, cache: KVCache) -> tuple[Array, KVCache]:
@@ -327,7 +305,7 @@ class Decoder(nnx.Module):
         h_BxTxD, cache, _ = self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache, False)
         return self.logits(h_BxTxD), cache
 
-    def _forward(self, tokens_BxL: Array, positions_BxL: Array, mask_BxLxS: Array, cache: KVCache | None,
+    def _forward(self, tokens_BxL: Array, positions_BxL: Array, mask: Causal | Array, cache: KVCache | None,
                  record: bool) -> tuple[Array, KVCache | None, analysis.LayerStats | None]:
         """The final-normalised hidden states (B, L, D), the updated cache when decoding, and the
         per-layer statistics when recording."""
@@ -347,8 +325,8 @@ class Decoder(nnx.Module):
                               value_embed=None if ve is None else ve.for_stack(tokens_BxL, dtype),
                               dense_row=None if dense_LxL1 is None else dense_LxL1[1:])
         s, first_stats = self._layer(self.first, Stream(h_BxLxD, None, None, blocks, cache), first,
-                                     positions_BxL, mask_BxLxS, record)
-        s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask_BxLxS, record)
+                                     positions_BxL, mask, record)
+        s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask, record)
         h_BxLxD = self.final_norm(s.h)
         cache = None if cache is None else s.cache._replace(index=cache.index + tokens_BxL.shape[1])
         if not record:
@@ -358,10 +336,10 @@ class Decoder(nnx.Module):
         return h_BxLxD, cache, stats._replace(similarity=jnp.concatenate([embedding_similarity[None],
                                                                            stats.similarity]))
 
-    def _layer(self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask_BxLxS: Array,
+    def _layer(self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array,
                record: bool) -> tuple[Stream, analysis.LayerStats | None]:
         """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average."""
-        h_BxLxD, kv, cache, attention_stats = block(s, p, positions_BxL, mask_BxLxS, record)
+        h_BxLxD, kv, cache, attention_stats = block(s, p, positions_BxL, mask, record)
         blocks = s.blocks
         if blocks is not None:  # DenseFormer: the next input is a learned average of B_0..B_layer+1
             blocks = jax.lax.dynamic_update_index_in_dim(blocks, h_BxLxD, p.layer + 1, 0)
@@ -371,15 +349,15 @@ class Decoder(nnx.Module):
         s = Stream(h_BxLxD, v1, kv if self.cfg.kv_share > 1 else None, blocks, cache)
         return s, analysis.layer_stats(attention_stats, h_BxLxD) if record else None
 
-    def _stacked_layers(self, s: Stream, inputs: LayerInputs, positions_BxL: Array, mask_BxLxS: Array,
+    def _stacked_layers(self, s: Stream, inputs: LayerInputs, positions_BxL: Array, mask: Causal | Array,
                         record: bool) -> tuple[Stream, analysis.LayerStats | None]:
         """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`."""
         graphdef, stacked_state = nnx.split(self.layers)
         def body(s: Stream, per_layer):
             layer_state, p = per_layer
-            return self._layer(nnx.merge(graphdef, layer_state), s, p, positions_BxL, mask_BxLxS, record)
+            return self._layer(nnx.merge(graphdef, layer_state), s, p, positions_BxL, mask, record)
 
-        if self.cfg.remat != 'none':
+        if self.cfg.remat not in ('none', 'auto'):  # auto unresolved (outside vrl.aot.auto_fit): none
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         if self.cfg.scan_layers:
             return jax.lax.scan(body, s, (stacked_state, inputs))

@@ -2,7 +2,8 @@
 
 Mesh axes ('data', 'fsdp', 'tensor'). Parameters are fully sharded over `fsdp` on their
 `embed` axis and tensor-parallel over `tensor` on heads / kv_heads / mlp / vocab; the batch
-is split over ('data', 'fsdp'). The model only names logical axes (vrl/model.py).
+is split over ('data', 'fsdp'). Across TPU slices (mesh.slices), `data` is outermost and spans
+them, so the data-center network carries only data parallelism. The model only names logical axes (vrl/model.py).
 """
 
 from __future__ import annotations
@@ -38,19 +39,24 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 
 
 def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
-    """Resolves -1 and checks that the sizes multiply to the device count."""
+    """Resolves -1 within a slice and checks that the sizes multiply to the device count; the
+    `data` size returned spans all cfg.slices slices (slices x cfg.data)."""
+    if n_devices % cfg.slices:
+        raise ConfigError(f'mesh.slices={cfg.slices} is invalid: it must divide the {n_devices} devices.')
+    per_slice = n_devices // cfg.slices
     sizes = [cfg.data, cfg.fsdp, cfg.tensor]
     known = math.prod(s for s in sizes if s != -1)
+    where = f' per slice ({per_slice} of them)' if cfg.slices > 1 else ''
     if -1 in sizes:
-        if n_devices % known:
+        if per_slice % known:
             raise ConfigError(f'mesh=(data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor}) is invalid: '
-                              f'the fixed sizes ({known}) must divide the {n_devices} devices.')
-        sizes[sizes.index(-1)] = n_devices // known
-    if math.prod(sizes) != n_devices:
+                              f'the fixed sizes ({known}) must divide the {per_slice} devices{where}.')
+        sizes[sizes.index(-1)] = per_slice // known
+    if math.prod(sizes) != per_slice:
         raise ConfigError(f'mesh=(data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor}) is invalid: '
-                          f'the sizes multiply to {math.prod(sizes)} but there are {n_devices} devices; '
+                          f'the sizes multiply to {math.prod(sizes)} but there are {per_slice} devices{where}; '
                           'make them multiply to the device count or set one to -1.')
-    return tuple(sizes)
+    return (cfg.slices * sizes[0], sizes[1], sizes[2])
 
 
 def check_fits_mesh(config: Config, shape: tuple[int, int, int]) -> None:
@@ -64,7 +70,7 @@ def check_fits_mesh(config: Config, shape: tuple[int, int, int]) -> None:
     if model.d_model % fsdp:
         raise ConfigError(f'mesh.fsdp={fsdp} is invalid: it must divide model.d_model={model.d_model} '
                           '(parameters are sharded over fsdp on d_model).')
-    batch, parts = config.data.batch_size, config.train.microbatches
+    batch, parts = config.data.batch_size, max(config.train.microbatches, 1)  # 0 = auto: vrl/aot.py picks
     if (batch // parts) % (data * fsdp):
         raise ConfigError(f'data.batch_size={batch} is invalid: each of its train.microbatches={parts} '
                           f'part(s) is split over mesh data x fsdp = {data * fsdp} devices; use a multiple '
@@ -72,8 +78,17 @@ def check_fits_mesh(config: Config, shape: tuple[int, int, int]) -> None:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh over `devices`. With several slices, `data`'s outer part runs across them (the
+    data-center network carries only data parallelism); fsdp and tensor stay within a slice."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(cfg, len(devices))
+    spanned = len({getattr(d, 'slice_index', 0) for d in devices})
+    if spanned != cfg.slices and spanned > 1:
+        raise ConfigError(f'mesh.slices={cfg.slices} is invalid: the devices span {spanned} slices; '
+                          f'set --config.mesh.slices={spanned}.')
+    if spanned > 1:
+        per_slice = (shape[0] // cfg.slices, *shape[1:])
+        return Mesh(mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1), devices), MESH_AXES)
     try:
         device_array = mesh_utils.create_device_mesh(shape, devices)
     except Exception:  # fake CPU devices and odd shapes have no physical topology to follow

@@ -7,6 +7,7 @@ into that layout, and donated to the step.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -16,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from vrl import ops
+from vrl import attention, ops
 from vrl import optimizer as vrl_optimizer
 from vrl import sharding
 from vrl.config import Config, ModelConfig
@@ -52,7 +53,9 @@ class Trainer:
 
     def __init__(self, config: Config, mesh: Mesh):
         self.config, self.mesh = config, mesh
-        self.graphdef, abstract_params = abstract_model(config.model)
+        impl = attention.choose(config.model, mesh.devices.flat[0].platform, config.data.seq_len,
+                                config.data.document_masking)
+        self.graphdef, abstract_params = abstract_model(dataclasses.replace(config.model, attention_impl=impl))
         self.tx = vrl_optimizer.make(config.optimizer)
         self.learning_rate = vrl_optimizer.learning_rate(config.optimizer)
         self.param_shardings = sharding.param_shardings(abstract_params, mesh)

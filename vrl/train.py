@@ -22,7 +22,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from vrl import accounting, checkpoint, data, decode, metrics, sharding, workdir as workdir_lib
+from vrl import accounting, aot, checkpoint, data, decode, metrics, sharding, workdir as workdir_lib
 from vrl.config import Config, from_configdict
 from vrl.step import TrainState, Trainer
 from vrl.tokenizer import Tokenizer
@@ -194,6 +194,10 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
     workdir = str(path)
     mesh = sharding.make_mesh(config.mesh)
     sharding.check_fits_mesh(config, mesh.devices.shape)
+    if config.train.microbatches == 0 or config.model.remat == 'auto':
+        fitted, report = aot.auto_fit(config, list(mesh.devices.flat), aot.local_hbm_bytes())
+        say(aot.fit_line(fitted, report))
+        config = fitted
     tokenizer = data.load_tokenizer(config.data, config.model.vocab_size)
     trainer = Trainer(config, mesh)
     if fresh and is_writer:

@@ -1,0 +1,141 @@
+"""Training attention implementations (vrl/attention.py): splash (in Pallas' interpreter on CPU)
+against the XLA path for every variant, and how `auto` and explicit choices resolve."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import base
+from tests.helpers import NAMED_VARIANTS, VARIANT_IDS, randomize, rel_err, small_model_config
+from vrl import aot, attention
+from vrl.config import ConfigError, from_configdict
+from vrl.model import Decoder
+
+L = 128  # one splash block of the TPU's 128 lanes
+
+
+def _documents(B: int, seed: int) -> jax.Array:
+    """Segment ids of packed documents of random lengths, (B, L)."""
+    rng = np.random.default_rng(seed)
+    starts = np.sort(rng.choice(np.arange(1, L), size=(B, 3), replace=False), axis=1)
+    return jnp.asarray((np.arange(L)[None, None] >= starts[:, :, None]).sum(1), jnp.int32)
+
+
+@pytest.mark.parametrize('name', VARIANT_IDS)
+def test_splash_matches_xla_for_every_variant(name):
+    """The whole model's loss and every parameter gradient, float32, GQA, packed documents."""
+    cfg = small_model_config(**NAMED_VARIANTS[name])
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    randomize(model, seed=1)
+    params = nnx.state(model, nnx.Param)
+    tokens = jax.random.randint(jax.random.key(2), (2, L), 0, cfg.vocab_size)
+    segment_ids = _documents(2, seed=3)
+    weights = jax.random.normal(jax.random.key(4), (2, L, cfg.d_model))
+
+    def loss(params, impl):
+        impl_model = nnx.merge(nnx.graphdef(Decoder(dataclasses.replace(cfg, attention_impl=impl),
+                                                    rngs=nnx.Rngs(0))), params)
+        return jnp.sum(impl_model.hidden(tokens, None, segment_ids) * weights)
+
+    (want, want_grads), (got, got_grads) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, impl)
+                                            for impl in ('xla', 'splash_interpret'))
+    assert abs(float(got - want)) / abs(float(want)) < 1e-4
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        assert rel_err(a, b) < 1e-4 if np.any(b) else not np.any(a)  # the head takes no part in hidden()
+
+
+def test_splash_without_documents_and_multi_query():
+    """The kernel alone, no segment ids, one kv head for four query heads, bfloat16 inputs."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (2, 256, 4, 64))
+    k, v = (jax.random.normal(key, (2, 256, 1, 64)) for key in keys[1:])
+    mask = attention.Causal(None)
+    want = attention.attention('xla', q, k, v, mask, causal_chunks=1)
+    got = attention.attention('splash_interpret', q, k, v, mask, causal_chunks=1)
+    assert rel_err(got, want) < 1e-5
+    got_bf16 = attention.attention('splash_interpret', *(x.astype(jnp.bfloat16) for x in (q, k, v)), mask, 1)
+    assert rel_err(got_bf16.astype(jnp.float32), want) < 2e-2
+
+
+def test_auto_picks_each_platforms_kernel_and_says_why_not(caplog):
+    cfg = small_model_config(head_dim=64, compute_dtype='bfloat16')
+    assert attention.choose(cfg, 'cpu', 2048, False) == 'xla'
+    assert attention.choose(cfg, 'tpu', 2048, True) == 'splash'
+    assert attention.choose(cfg, 'gpu', 2048, False) == 'cudnn'
+    with caplog.at_level(logging.INFO):
+        assert attention.choose(cfg, 'gpu', 2048, True) == 'xla'
+        assert attention.choose(cfg, 'tpu', 200, False) == 'xla'
+        assert attention.choose(dataclasses.replace(cfg, compute_dtype='float32'), 'gpu', 2048, False) == 'xla'
+    assert 'attention: xla (cuDNN attention through JAX takes no segment ids' in caplog.text
+    assert 'attention: xla (splash needs data.seq_len a multiple of 128' in caplog.text
+    assert 'needs model.compute_dtype=bfloat16 (it is float32)' in caplog.text
+
+
+def test_an_explicit_choice_that_cannot_run_is_refused():
+    cfg = small_model_config(head_dim=64, compute_dtype='bfloat16')
+    with pytest.raises(ConfigError, match=r"model.attention_impl='cudnn' cannot run here: cuDNN attention runs on "
+                                          r'NVIDIA GPUs \(this is cpu\)'):
+        attention.choose(dataclasses.replace(cfg, attention_impl='cudnn'), 'cpu', 2048, False)
+    with pytest.raises(ConfigError, match=r"attention_impl='splash' cannot run here: splash needs data.seq_len"):
+        attention.choose(dataclasses.replace(cfg, attention_impl='splash'), 'tpu', 1000, False)
+    assert attention.choose(dataclasses.replace(cfg, attention_impl='splash'), 'cpu', 1024, False) == 'splash_interpret'
+    with pytest.raises(ConfigError, match=r"model.attention_impl='flash' is invalid"):
+        small_model_config(attention_impl='flash')
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
+def test_64k_tokens_per_sequence_fit_a_v5p_chip_with_splash_only():
+    """The paper's longest sequences, 82M SVFormer, one 65,536-token sequence per chip of v5p:2x2x2:
+    `auto` picks splash and the step fits (45 GiB measured); the XLA path needs 164 GiB."""
+    config = from_configdict(base.get_config('svformer,82m,64k'))
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=8))
+    devices, hbm = aot.tpu_devices('v5p:2x2x2')
+    report = aot.compile_train_step(config, devices, hbm)
+    assert report.fits and report.total_bytes < 0.6 * hbm
+    xla = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_impl='xla'))
+    with pytest.raises(aot.CompileError, match='does not fit TPU v5') as error:
+        aot.compile_train_step(xla, devices, hbm)
+    xla_gib = float(re.search(r'HLO temporaries \(([\d.]+)G\)', str(error.value)).group(1))
+    assert xla_gib > 3 * report.total_bytes / aot.GiB
+
+
+def test_auto_fit_without_a_memory_limit_takes_the_cheapest_setting():
+    config = from_configdict(base.get_config('svformer,82m'))
+    assert (config.train.microbatches, config.model.remat) == (0, 'auto')  # the named configs fit themselves
+    fitted, report = aot.auto_fit(config, jax.devices(), None)
+    assert (fitted.train.microbatches, fitted.model.remat, report) == (1, 'none', None)
+    assert aot.fit_line(fitted, report) == ('auto fit: train.microbatches=1, model.remat=none '
+                                            '(device memory unknown, so the cheapest setting)')
+    explicit = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=4),
+                                   model=dataclasses.replace(config.model, remat='full'))
+    assert aot.auto_fit(explicit, jax.devices(), None) == (explicit, None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
+def test_auto_fit_picks_the_fewest_microbatches_that_fit():
+    """82M SVFormer, 4 sequences of 8,192 per v5e chip (16 GiB) and no remat: one step at once does
+    not fit; auto takes the smallest count that does, and the count below it does not."""
+    config = from_configdict(base.get_config('svformer,82m,8k'))
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=16),
+                                 model=dataclasses.replace(config.model, remat='none'))
+    devices, hbm = aot.tpu_devices('v5e:2x2')
+    fitted, report = aot.auto_fit(config, devices, hbm)
+    count = fitted.train.microbatches
+    assert count > 1 and fitted.model.remat == 'none'
+    assert report.total_bytes <= aot.FIT_MARGIN * hbm
+    fewer = dataclasses.replace(fitted, train=dataclasses.replace(fitted.train, microbatches=count // 2))
+    try:
+        assert aot.compile_train_step(fewer, devices, hbm).total_bytes > aot.FIT_MARGIN * hbm
+    except aot.CompileError as e:
+        assert 'does not fit' in str(e)
