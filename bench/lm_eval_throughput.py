@@ -22,7 +22,7 @@ import jax  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from configs import base, tiny  # noqa: E402
-from vrl import corpus, data, host_memory, sharding  # noqa: E402
+from vrl import aot, corpus, data, host_memory, sharding  # noqa: E402
 from vrl.config import from_configdict  # noqa: E402
 from vrl.evaluate import VrlLM  # noqa: E402
 from vrl.step import Trainer  # noqa: E402
@@ -63,6 +63,7 @@ def main() -> None:
         config = tiny_config if name == 'tiny' else from_configdict(base.get_config(f'vanilla,{name}'))
         if jax.default_backend() == 'cpu':
             config = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype='float32'))
+        config = aot.auto_fit(config, jax.devices(), aot.local_hbm_bytes())[0]  # named configs: microbatches=0
         trainer = Trainer(config, sharding.make_mesh(config.mesh))
         run = TrainedRun(config, tokenizer, trainer, trainer.init_state(0).params, None)
         for batch in map(int, args.batches.split(',')):

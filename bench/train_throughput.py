@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import base, tiny  # noqa: E402
-from vrl import accounting, host_memory, metrics, presets, sharding  # noqa: E402
+from vrl import accounting, aot, host_memory, metrics, presets, sharding  # noqa: E402
 from vrl.config import Config, from_configdict  # noqa: E402
 from vrl.step import Trainer  # noqa: E402
 
@@ -41,8 +41,9 @@ def _config(name: str, variant: str, seq_len: int, batch: int, remat: str) -> Co
     config = from_configdict(tiny.get_config() if name == 'tiny' else base.get_config(f'vanilla,{name}'))
     compute = 'float32' if jax.default_backend() == 'cpu' else config.model.compute_dtype
     model = presets.apply(variant, dataclasses.replace(config.model, compute_dtype=compute, remat=remat))
-    return dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, seq_len=seq_len,
-                                                                             batch_size=batch))
+    config = dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, seq_len=seq_len,
+                                                                               batch_size=batch))
+    return aot.auto_fit(config, jax.devices(), aot.local_hbm_bytes())[0]  # the named configs' microbatches=0
 
 
 class _Stepper:

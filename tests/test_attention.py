@@ -100,9 +100,10 @@ def test_64k_tokens_per_sequence_fit_a_v5p_chip_with_splash_only():
     config = from_configdict(base.get_config('svformer,82m,64k'))
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=8))
     devices, hbm = aot.tpu_devices('v5p:2x2x2')
-    report = aot.compile_train_step(config, devices, hbm)
+    fitted, report = aot.auto_fit(config, devices, hbm)
+    assert (fitted.train.microbatches, fitted.model.remat) == (1, 'none')
     assert report.fits and report.total_bytes < 0.6 * hbm
-    xla = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_impl='xla'))
+    xla = dataclasses.replace(fitted, model=dataclasses.replace(fitted.model, attention_impl='xla'))
     with pytest.raises(aot.CompileError, match='does not fit TPU v5') as error:
         aot.compile_train_step(xla, devices, hbm)
     xla_gib = float(re.search(r'HLO temporaries \(([\d.]+)G\)', str(error.value)).group(1))
@@ -139,3 +140,14 @@ def test_auto_fit_picks_the_fewest_microbatches_that_fit():
         assert aot.compile_train_step(fewer, devices, hbm).total_bytes > aot.FIT_MARGIN * hbm
     except aot.CompileError as e:
         assert 'does not fit' in str(e)
+
+
+def test_the_cudnn_call_means_what_the_xla_path_computes():
+    """The cudnn branch's call, with jax's XLA implementation underneath (cuDNN needs a GPU): the
+    layouts, GQA and the causal mask agree with vrl's path, so on a GPU only the kernel changes."""
+    keys = jax.random.split(jax.random.key(6), 3)
+    q = jax.random.normal(keys[0], (2, 64, 4, 16))
+    k, v = (jax.random.normal(key, (2, 64, 2, 16)) for key in keys[1:])
+    want = attention.attention('xla', q, k, v, attention.Causal(None), causal_chunks=2)
+    got = attention._dot_product_attention(q, k, v, implementation='xla')
+    assert rel_err(got, want) < 1e-5

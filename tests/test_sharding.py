@@ -154,10 +154,19 @@ def test_aot_compile_82m_for_v5e_4x4():
     assert rows['devices'] == '16 x TPU v5 lite'
     assert rows['fits'] == 'yes' and rows['HBM / device'] == '16.00 GiB'
     assert 0 < float(rows['total / device'].split()[0]) < 16
-    too_big = subprocess.run([sys.executable, '-m', 'vrl.main', '--config=configs/svformer_468m.py',
-                              '--compile_only', '--topology=v5e:2x2', '--config.data.batch_size=256'],
-                             cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert too_big.returncode != 0 and 'does not fit TPU v5 lite' in too_big.stderr
+    assert out.stdout.startswith('auto fit: train.microbatches=1, model.remat=none (')
+
+    def compile_468m(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, '-m', 'vrl.main', '--config=configs/svformer_468m.py',
+                               '--compile_only', '--topology=v5e:2x2', *flags],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    too_big = compile_468m('--config.data.batch_size=256', '--config.train.microbatches=1', '--config.model.remat=none')
+    assert too_big.returncode != 0 and 'does not fit TPU v5 lite' in too_big.stderr  # explicit values win
+    nowhere = compile_468m('--config.data.batch_size=4', '--config.data.seq_len=65536',
+                           '--config.model.attention_impl=xla')
+    assert nowhere.returncode != 0
+    assert 'does not fit TPU v5 lite (16.0 GiB) at any setting: even microbatches=1 with remat=full' in nowhere.stderr
 
 
 def test_launch_scripts_dry_run_name_every_step():

@@ -89,7 +89,10 @@ def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool
     kernel = {'tpu': 'splash', 'gpu': 'cudnn'}.get(platform)
     reason = why_not(kernel, cfg, platform, seq_len, document_masking) if kernel else None
     chosen = kernel if kernel and not reason else 'xla'
-    logging.info('attention: %s%s', chosen, f' ({reason})' if reason else '')
+    if reason:  # a kernel exists here but cannot serve this config: say so where the user sees it
+        logging.warning('attention: xla (%s)', reason)
+    else:
+        logging.info('attention: %s', chosen)
     return chosen
 
 
@@ -103,8 +106,7 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
         dense = mask.dense(B, L) if isinstance(mask, Causal) else mask
         return _xla(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1)
     if impl == 'cudnn':
-        return jax.nn.dot_product_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, is_causal=True,
-                                            implementation='cudnn')
+        return _dot_product_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, 'cudnn')
     interpret = impl == 'splash_interpret'
     return _per_shard(lambda q, k, v, ids: _splash(q, k, v, ids, interpret),
                       q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL)
@@ -123,6 +125,12 @@ def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Ar
         outs.append(ops.attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :seen], v_BxSxKxDh[:, :seen],
                                   mask_BxLxS[:, start:end, :seen]))
     return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
+
+
+def _dot_product_attention(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, implementation: str) -> Array:
+    """jax.nn.dot_product_attention on vrl's layouts (its BTNH), causal, GQA kv heads as they are."""
+    return jax.nn.dot_product_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, is_causal=True,
+                                        implementation=implementation)
 
 
 def _per_shard(kernel, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, ids_BxL: Array | None) -> Array:

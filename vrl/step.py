@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from vrl import attention, ops
 from vrl import optimizer as vrl_optimizer
 from vrl import sharding
-from vrl.config import Config, ModelConfig
+from vrl.config import Config, ConfigError, ModelConfig
 from vrl.model import Decoder
 
 Batch = dict[str, jax.Array]  # (B, L) int32: inputs, targets, loss_mask [, segment_ids, positions]
@@ -52,6 +52,9 @@ class Trainer:
     """Builds the sharded initial state and the jitted steps for one config on one mesh."""
 
     def __init__(self, config: Config, mesh: Mesh):
+        if config.train.microbatches == 0 or config.model.remat == 'auto':
+            raise ConfigError('train.microbatches=0 and model.remat=auto must be resolved before a Trainer is '
+                              'built: vrl.aot.auto_fit does it (vrl.main and train.run call it).')
         self.config, self.mesh = config, mesh
         impl = attention.choose(config.model, mesh.devices.flat[0].platform, config.data.seq_len,
                                 config.data.document_masking)
