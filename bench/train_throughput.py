@@ -1,7 +1,7 @@
 """Train-step throughput and MFU on this machine, per variant, for the tiny and the 82M configs.
 
     python bench/train_throughput.py [--configs tiny,82m] [--variants all|vanilla,svformer,...]
-                                     [--seq_len 512] [--batch 4] [--steps 5]
+                                     [--seq_len 512] [--batch 4] [--steps 5] [--dtype bfloat16]
 
 Variants are vrl/presets.py's names (`--variants all`, the default, runs every preset). On a
 shared host step times drift by several percent over minutes, so each variant's steps alternate
@@ -10,8 +10,9 @@ and vanilla's own row is the median over all its steps.
 
 MFU counts model FLOPs only: 6 x (weight-matmul parameters, the output head included) per token
 plus the causal attention matmuls (vrl.accounting.training_flops_per_token). The peak is this
-host's float32 matmul FLOP/s, measured with a jitted 1024^3 matmul (vrl.metrics). Compute is
-float32 (CPU); on an accelerator the config's compute dtype and the device's bf16 peak are used.
+host's matmul FLOP/s in the compute dtype (`--dtype`: float32 by default on CPU, bfloat16 on
+accelerators), measured with a jitted 1024^3 matmul (vrl.metrics); on an accelerator, the device's
+bf16 peak.
 Step time is the median of the timed steps. Like `python -m vrl.main`, the script restarts itself
 with glibc's huge-page malloc (vrl/host_memory.py); VRL_HUGE_PAGES=0 measures without it.
 """
@@ -37,10 +38,9 @@ from vrl.config import Config, from_configdict  # noqa: E402
 from vrl.step import Trainer  # noqa: E402
 
 
-def _config(name: str, variant: str, seq_len: int, batch: int, remat: str) -> Config:
+def _config(name: str, variant: str, seq_len: int, batch: int, remat: str, dtype: str) -> Config:
     config = from_configdict(tiny.get_config() if name == 'tiny' else base.get_config(f'vanilla,{name}'))
-    compute = 'float32' if jax.default_backend() == 'cpu' else config.model.compute_dtype
-    model = presets.apply(variant, dataclasses.replace(config.model, compute_dtype=compute, remat=remat))
+    model = presets.apply(variant, dataclasses.replace(config.model, compute_dtype=dtype, remat=remat))
     config = dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, seq_len=seq_len,
                                                                                batch_size=batch))
     return aot.auto_fit(config, jax.devices(), aot.local_hbm_bytes())[0]  # the named configs' microbatches=0
@@ -87,23 +87,26 @@ def main() -> None:
     parser.add_argument('--batch', type=int, default=4)
     parser.add_argument('--steps', type=int, default=5)
     parser.add_argument('--remat', default='none')
+    parser.add_argument('--dtype', choices=('float32', 'bfloat16'),
+                        help='compute dtype (default: float32 on CPU, bfloat16 on accelerators)')
     args = parser.parse_args()
-    peak = metrics.peak_flops_per_device() * jax.device_count()
+    args.dtype = args.dtype or ('float32' if jax.default_backend() == 'cpu' else 'bfloat16')
+    peak = metrics.peak_flops_per_device(compute_dtype=args.dtype) * jax.device_count()
     huge_pages = 'glibc.malloc.hugetlb' in os.environ.get('GLIBC_TUNABLES', '')
-    print(f'{jax.device_count()} x {jax.devices()[0].device_kind}; peak {peak / 1e9:,.0f} GFLOP/s '
-          f'({"measured float32 matmul" if jax.default_backend() == "cpu" else "bf16 table"}); '
+    print(f'{jax.device_count()} x {jax.devices()[0].device_kind}, {args.dtype}; peak {peak / 1e9:,.0f} GFLOP/s '
+          f'({f"measured {args.dtype} matmul" if jax.default_backend() == "cpu" else "bf16 table"}); '
           f'huge-page malloc {"on" if huge_pages else "off"} (vrl/host_memory.py)')
     variants = list(presets.PRESETS) if args.variants == 'all' else args.variants.split(',')
     args.width = max(map(len, variants))
     print(f'{"config":>6} | {"variant":>{args.width}} | {"batch x seq":>11} | {"params":>8} | {"step s":>7} | '
           f'{"vs vanilla":>11} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6}')
     for name in args.configs.split(','):
-        vanilla = _Stepper(_config(name, 'vanilla', args.seq_len, args.batch, args.remat))
+        vanilla = _Stepper(_config(name, 'vanilla', args.seq_len, args.batch, args.remat, args.dtype))
         vanilla_all = []
         for variant in variants:
             if variant == 'vanilla':
                 continue
-            config = _config(name, variant, args.seq_len, args.batch, args.remat)
+            config = _config(name, variant, args.seq_len, args.batch, args.remat, args.dtype)
             seconds, vanilla_seconds = measure_against(vanilla, config, args.steps)
             vanilla_all.append(vanilla_seconds)
             _print_row(name, variant, config, seconds, f'{seconds / vanilla_seconds - 1:+.1%}', args, peak)

@@ -13,7 +13,7 @@ from tests import numpy_reference
 from tests.helpers import (NAMED_VARIANTS, VARIANT_IDS, VARIANTS, copy_params, randomize, rel_err,
                            random_tokens, small_model_config)
 from vrl.config import ConfigError
-from vrl import attention
+from vrl import attention, ops, step
 from vrl.model import Decoder
 
 
@@ -143,6 +143,7 @@ def test_v1_is_not_detached():
     (dict(remat='some'), 'model.remat', "'none', 'full', 'save_dots'"),
     (dict(lambda_mode='learned'), 'model.lambda_mode', "'identity', 'constant'"),
     (dict(attention_chunks=0), 'model.attention_chunks', 'an integer >= 1'),
+    (dict(hand_vjp='project,flash'), 'model.hand_vjp', "'auto', 'all', 'none' or a comma-separated list of"),
 ])
 def test_bad_config_names_field_and_allowed_values(overrides, field, allowed):
     with pytest.raises(ConfigError) as e:
@@ -168,3 +169,44 @@ def test_causal_chunks_match_one_pass(chunks):
     assert abs(float(chunked - one)) / abs(float(one)) < 1e-6
     for a, b in zip(chunked_grads, one_grads):
         assert rel_err(a, b) < 1e-6
+
+
+def test_hand_written_backwards_equal_autodiff_in_the_train_loss():
+    """model.hand_vjp changes how gradients are computed, never their values: every choice equals
+    autodiff on the train loss (a model with every op and gate: the per-token mix, value
+    embeddings, NeuTRENO), and the choice reaches the traced program."""
+    cfg = small_model_config(attention='resformer', lambda_mode='per_token', value_embed_layers=(1, 3),
+                             neutreno=True, attention_chunks=2)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    randomize(model, 12)
+    tokens = random_tokens(13, L=12)
+    batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+             'loss_mask': jax.random.bernoulli(jax.random.key(14), 0.8, tokens[:, 1:].shape)}
+
+    def loss_and_grads(hand_vjp: str):
+        graphdef = nnx.graphdef(Decoder(dataclasses.replace(cfg, hand_vjp=hand_vjp), rngs=nnx.Rngs(0)))
+        params = nnx.state(model, nnx.Param)
+        loss = lambda p: step.loss_sums(graphdef, p, batch, 1e-3)[0]  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(params), str(jax.make_jaxpr(loss)(params)).count('custom_vjp_call')
+
+    (want_loss, want), custom_calls = loss_and_grads('none')
+    assert custom_calls == 0
+    calls = {}
+    for hand_vjp in ('all', 'project,swiglu', 'attention,cross_entropy'):
+        (loss, grads), calls[hand_vjp] = loss_and_grads(hand_vjp)
+        assert abs(float(loss - want_loss)) / abs(float(want_loss)) < 1e-6
+        for (path, got), (_, ref) in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                         jax.tree_util.tree_leaves_with_path(want)):
+            assert rel_err(got, ref) < 1e-4, (hand_vjp, path)
+    assert calls['all'] > max(calls['project,swiglu'], calls['attention,cross_entropy']) > 0
+
+
+def test_hand_vjp_auto_resolves_per_platform():
+    assert ops.choose_hand_vjp('project,swiglu', 'tpu') == 'project,swiglu'  # an explicit choice stands
+    for platform, names in ops.HAND_VJP_BY_PLATFORM.items():
+        resolved = ops.choose_hand_vjp('auto', platform)
+        hot = ops.hot_ops(resolved)
+        assert (hot.project is ops.project) == ('project' in names)
+        assert (hot.swiglu is ops.swiglu) == ('swiglu' in names)
+        assert (hot.attention is ops.attention) == ('attention' in names)
+        assert (hot.cross_entropy_sums is ops.cross_entropy_sums) == ('cross_entropy' in names)

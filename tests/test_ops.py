@@ -4,6 +4,7 @@ autodiff of the plain formulations, on random inputs and cotangents."""
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +116,38 @@ def test_bfloat16_keeps_dtypes_and_follows_float32():
     dx, dw = jax.grad(lambda x, w: jnp.sum(ops.project(x, w, 1, jnp.float32) ** 2), argnums=(0, 1))(
         x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
     assert dx.dtype == dw.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(dx, np.float32)))
+
+
+def _dot_operand_dtypes(fn, *args) -> list[tuple[str, str]]:
+    """The operand dtypes of every dot in fn's program as compiled for this backend."""
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    dtype_of = dict(re.findall(r'%(\S+) = (\w+)\[', hlo))
+    return [tuple(dtype_of[name] for name in re.findall(r'%([^,\s)]+)', operands))
+            for operands in re.findall(r' dot\(([^)]*)\)', hlo)]
+
+
+@pytest.mark.skipif(jax.default_backend() != 'cpu', reason="XLA:CPU's bfloat16 dot rules")
+def test_bfloat16_matmuls_run_in_bfloat16_on_cpu():
+    """XLA:CPU runs a bf16 x bf16 -> f32 dot natively only in one operand form and converts both
+    operands of any other to float32 first, which left the bf16 train step no faster than float32:
+    every dot of the ops' forward and backward passes keeps bfloat16 operands."""
+    bf16 = jnp.bfloat16
+    cases = [((2, 32, 48), (48, 80), 1), ((2, 32, 80), (80, 48), 1), ((2, 32, 48), (48, 4, 16), 1),
+             ((2, 32, 4, 16), (4, 16, 48), 2)]
+    for x_shape, w_shape, n_contract in cases:
+        x, w = _normal(40, *x_shape).astype(bf16), _normal(41, *w_shape).astype(bf16)
+        grads = jax.grad(lambda x, w: jnp.sum(ops.project(x, w, n_contract, jnp.float32) ** 2), argnums=(0, 1))
+        assert set(_dot_operand_dtypes(grads, x, w)) == {('bf16', 'bf16')}, (x_shape, w_shape)
+    B, L, K, G, Dh = 2, 32, 2, 2, 16
+    mask = jnp.asarray(_masks(B, L, L)['causal'])
+    q, k, v = (_normal(42, B, L, K, G, Dh), _normal(43, B, L, K, Dh), _normal(44, B, L, K, Dh))
+    attention = jax.grad(lambda q, k, v: jnp.sum(ops.attention(q, k, v, mask).astype(jnp.float32) ** 2),
+                         argnums=(0, 1, 2))
+    assert set(_dot_operand_dtypes(attention, *(a.astype(bf16) for a in (q, k, v)))) == {('bf16', 'bf16')}
+    x, w = _normal(45, B, L, 48).astype(bf16), _normal(46, 48, 96).astype(bf16)
+    targets, weights = jax.random.randint(jax.random.key(47), (B, L), 0, 90), jnp.ones((B, L))
+    loss = jax.grad(lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, 90, 1e-4)[0], argnums=(0, 1))
+    assert set(_dot_operand_dtypes(loss, x, w)) == {('bf16', 'bf16')}
 
 
 def _plain_cross_entropy_sums(x_BxLxD, w_DxV, targets_BxL, weights_BxL, vocab_size, z_loss):

@@ -29,6 +29,12 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path):
     assert result.losses[1] > math.log(512) - 0.1
     assert np.mean([result.losses[s] for s in range(36, 41)]) < math.log(512) - 1.0
     assert result.eval_loss < math.log(512) - 1.0
+    # bf16 compute (bf16 matmuls accumulating in float32, float32 parameters) learns like float32
+    bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype='bfloat16'),
+                               train=dataclasses.replace(config.train, eval_every=0, sample_prompt=''))
+    bf16_losses = train.run(bf16, str(tmp_path / 'bf16')).losses
+    final = [np.mean([losses[s] for s in range(36, 41)]) for losses in (result.losses, bf16_losses)]
+    assert abs(final[1] - final[0]) < 0.05, final
     records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
     train_records = [r for r in records if 'loss' in r]
     assert [r['step'] for r in train_records] == [10, 20, 30, 40]

@@ -15,13 +15,14 @@ fits FIT_MARGIN of each device's memory.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from vrl import accounting, sharding
+from vrl import accounting, backend, sharding
 from vrl.config import Config
 from vrl.step import Trainer
 
@@ -35,13 +36,17 @@ class TpuGeneration:
     chip_config: str  # 'megacore': one device per chip of two TensorCores
     chips_per_host: tuple[int, int, int]
     hbm_bytes: int  # per chip
+    accelerator_type: str  # Cloud TPU's name of a slice of N chips, e.g. 'v5litepod-{N}'
+
+    def accelerator_type_of(self, chips: int) -> str:
+        return self.accelerator_type.format(N=chips, cores=2 * chips)
 
 
 TPU_GENERATIONS = {
-    'v4': TpuGeneration('megacore', (2, 2, 1), 32 * GiB),
-    'v5e': TpuGeneration('default', (2, 2, 1), 16 * GiB),
-    'v5p': TpuGeneration('megacore', (2, 2, 1), 95 * GiB),
-    'v6e': TpuGeneration('default', (2, 2, 1), 32 * GiB),
+    'v4': TpuGeneration('megacore', (2, 2, 1), 32 * GiB, 'v4-{cores}'),
+    'v5e': TpuGeneration('default', (2, 2, 1), 16 * GiB, 'v5litepod-{N}'),
+    'v5p': TpuGeneration('megacore', (2, 2, 1), 95 * GiB, 'v5p-{cores}'),
+    'v6e': TpuGeneration('default', (2, 2, 1), 32 * GiB, 'v6e-{N}'),
 }
 
 
@@ -61,6 +66,7 @@ def tpu_devices(topology: str, num_slices: int = 1) -> tuple[Sequence[jax.Device
     # describing a slice claims no chip: no need for libtpu's one-process lockfile, so several
     # compiles (processes, test workers) may run side by side
     os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+    backend.name_absent_tpu_host(generation.accelerator_type_of(math.prod(dims)))
     try:
         from jax.experimental import topologies
         description = topologies.get_topology_desc(
@@ -84,6 +90,11 @@ class CompileReport:
     alias_bytes: int  # outputs written in place of donated arguments
     hbm_bytes: int | None  # per device, when known
     model_flops_per_step: float  # all devices
+    # XLA's cost analysis of one device's compiled program (recomputation included). It counts a
+    # loop's body once (the layer scan, the microbatch loop): a measure to compare compiles of one
+    # config by, not the step's total.
+    hlo_flops: float
+    hlo_bytes_accessed: float  # read and written
 
     @property
     def total_bytes(self) -> int:
@@ -122,13 +133,14 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device], hbm_bytes:
         raise CompileError(f'the train step does not fit {devices[0].device_kind} on mesh {dict(mesh.shape)}: '
                            f'{str(e).splitlines()[0]} Lower data.batch_size, set model.remat=full, or shard '
                            'more (mesh.fsdp / mesh.tensor).') from e
-    memory = compiled.memory_analysis()
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
     flops = accounting.training_flops_per_token(config.model, config.data.seq_len) * shape[0] * shape[1]
     return CompileReport(
         devices=len(devices), device_kind=devices[0].device_kind, mesh=dict(mesh.shape),
         argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
         temp_bytes=memory.temp_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
-        hbm_bytes=hbm_bytes, model_flops_per_step=flops)
+        hbm_bytes=hbm_bytes, model_flops_per_step=flops, hlo_flops=cost.get('flops', 0.0),
+        hlo_bytes_accessed=cost.get('bytes accessed', 0.0))
 
 
 def local_hbm_bytes() -> int | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -97,14 +97,16 @@ def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool
 
 
 def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask: Causal | Array,
-              causal_chunks: int) -> Array:
+              causal_chunks: int, xla_attention: Callable[..., Array] = ops.attention) -> Array:
     """Softmax attention (B, L, H, Dh) of training (a `Causal` mask) or of an explicit (B, L, S) one,
     by `impl` (a chosen one: xla, splash, splash_interpret or cudnn; `auto` unresolved, in a model
-    built outside a Trainer, is xla); an explicit mask always takes the XLA path."""
+    built outside a Trainer, is xla); an explicit mask always takes the XLA path, which computes
+    each query chunk with `xla_attention` (vrl.ops' attention, hand-written backward or autodiff)."""
     if impl in ('xla', 'auto') or not isinstance(mask, Causal):
         B, L = q_BxLxHxDh.shape[:2]
         dense = mask.dense(B, L) if isinstance(mask, Causal) else mask
-        return _xla(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1)
+        return _xla(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1,
+                    xla_attention)
     if impl == 'cudnn':
         return _dot_product_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, 'cudnn')
     interpret = impl == 'splash_interpret'
@@ -112,8 +114,9 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
                       q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL)
 
 
-def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array, causal_chunks: int) -> Array:
-    """vrl.ops.attention; causal_chunks > 1 promises a causal mask over queries at the last L of
+def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array, causal_chunks: int,
+         xla_attention: Callable[..., Array]) -> Array:
+    """`xla_attention` (vrl.ops'); causal_chunks > 1 promises a causal mask over queries at the last L of
     the S key positions: each of that many query chunks skips the keys after its last query."""
     B, L, H, Dh = q_BxLxHxDh.shape
     S, K = k_BxSxKxDh.shape[1:3]
@@ -122,7 +125,7 @@ def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Ar
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         seen = S - L + end  # keys [0, seen) are all the chunk's queries can see
-        outs.append(ops.attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :seen], v_BxSxKxDh[:, :seen],
+        outs.append(xla_attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :seen], v_BxSxKxDh[:, :seen],
                                   mask_BxLxS[:, start:end, :seen]))
     return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
 

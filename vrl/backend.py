@@ -6,6 +6,8 @@ TPU runtime on machines without TPU chips; it fails, prints `Failed to find host
 platforms. `skip_absent_tpu`, called when `vrl` is imported, sets JAX_PLATFORMS to the platforms
 that can start instead (GPU plugins that are installed, then CPU) when libtpu is installed, no
 TPU chip is on the PCI bus and JAX_PLATFORMS is not set already. On a TPU VM nothing changes.
+Describing a TPU slice for an ahead-of-time compile starts libtpu on purpose: `name_absent_tpu_host`
+keeps that quiet too.
 """
 
 from __future__ import annotations
@@ -32,3 +34,15 @@ def skip_absent_tpu(environ: os._Environ | dict = os.environ) -> None:
     installed = [m.name for m in pkgutil.iter_modules()]
     gpus = [p for p in GPU_PLATFORMS if any(re.fullmatch(f'jax_{p}[0-9]*_plugin', name) for name in installed)]
     environ['JAX_PLATFORMS'] = ','.join([*gpus, 'cpu'])
+
+
+def name_absent_tpu_host(accelerator_type: str, environ: os._Environ | dict = os.environ) -> None:
+    """Before libtpu describes a slice on a host without TPU chips: names this host as the one worker
+    of an `accelerator_type` slice (e.g. 'v5litepod-16'), which libtpu otherwise asks the TPU VM
+    metadata for, printing `Failed to find host bounds` and `E0000 ... INVALID_ARGUMENT` lines
+    when there is none. The slice's description does not depend on it. Values already set stand."""
+    if tpu_chips():
+        return
+    environ.setdefault('TPU_ACCELERATOR_TYPE', accelerator_type)
+    environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+    environ.setdefault('TPU_WORKER_ID', '0')

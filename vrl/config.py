@@ -19,6 +19,7 @@ LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse',
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'auto')
 ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/attention.py; the last is
 # what splash becomes off TPU (Pallas' interpreter)
+HAND_VJP_OPS = ('project', 'attention', 'swiglu', 'cross_entropy')  # vrl/ops.py's hand-written backwards
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 NAN_POLICIES = ('error', 'skip')
 
@@ -72,6 +73,8 @@ class ModelConfig:
     init_std: float = 0.02
     attention_chunks: int = 4  # training attention in this many query chunks, skipping unseen keys
     attention_impl: str = 'auto'  # auto | xla | splash | cudnn: vrl/attention.py (auto: the platform's kernel)
+    hand_vjp: str = 'auto'  # auto | all | none | some of HAND_VJP_OPS, comma-separated: vrl/ops.py's
+    # ops that run their hand-written backward (the others autodiff); auto: what suits the platform
     scan_layers: bool = True
     remat: str = 'none'  # none | full | save_dots | auto (the cheapest that fits: vrl/aot.py)
     compute_dtype: str = 'bfloat16'  # float32 | bfloat16; parameters are always float32
@@ -82,6 +85,10 @@ class ModelConfig:
         _choice('model.remat', self.remat, REMAT_POLICIES)
         _choice('model.attention_impl', self.attention_impl, ATTENTION_IMPLS)
         _choice('model.compute_dtype', self.compute_dtype, COMPUTE_DTYPES)
+        if self.hand_vjp not in ('auto', 'all', 'none'):
+            for name in self.hand_vjp.split(','):
+                _require(name in HAND_VJP_OPS, 'model.hand_vjp', self.hand_vjp,
+                         "'auto', 'all', 'none' or a comma-separated list of " + ', '.join(map(repr, HAND_VJP_OPS)))
         for name in ('vocab_size', 'vocab_pad_multiple', 'd_model', 'n_heads', 'n_kv_heads',
                      'head_dim', 'd_ff', 'attention_chunks'):
             _require(getattr(self, name) >= 1, f'model.{name}', getattr(self, name), 'an integer >= 1')

@@ -32,10 +32,11 @@ PEAK_FLOPS = (
 
 
 @functools.cache
-def measured_cpu_peak_flops(n: int = 1024, repeats: int = 8) -> float:
-    """float32 matmul FLOP/s of this host, measured once with a jitted n x n matmul."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
+def measured_cpu_peak_flops(compute_dtype: str = 'float32', n: int = 1024, repeats: int = 8) -> float:
+    """Matmul FLOP/s of this host in `compute_dtype` (accumulating in float32), measured once with a
+    jitted n x n matmul."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(compute_dtype)
+    matmul = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
     matmul(a).block_until_ready()
     best = float('inf')
     for _ in range(repeats):
@@ -45,7 +46,9 @@ def measured_cpu_peak_flops(n: int = 1024, repeats: int = 8) -> float:
     return 2 * n ** 3 / best
 
 
-def peak_flops_per_device(configured: float = 0.0) -> float:
+def peak_flops_per_device(configured: float = 0.0, compute_dtype: str = 'float32') -> float:
+    """`configured` if set, else the device's dense bf16 peak (accelerators) or this host's measured
+    matmul rate in `compute_dtype` (CPU)."""
     if configured:
         return configured
     kind = jax.devices()[0].device_kind.lower()
@@ -53,7 +56,7 @@ def peak_flops_per_device(configured: float = 0.0) -> float:
         if key in kind:
             return flops
     if jax.default_backend() == 'cpu':
-        return measured_cpu_peak_flops()
+        return measured_cpu_peak_flops(compute_dtype)
     logging.warning('no peak FLOP/s known for device kind %r: set train.peak_flops for MFU', kind)
     return float('nan')
 

@@ -108,9 +108,11 @@ class Attention(nnx.Module):
         self.w_mix = params.normal(rngs, (D, K), ('embed', 'kv_heads'), std, stack) if per_token else None
         self.variant = cfg.attention
         self.rope_theta = cfg.rope_theta
+        self.ops = ops.hot_ops(cfg.hand_vjp)
 
     def queries(self, x_BxLxD: Array, positions_BxL: Array) -> Array:
-        return rope(ops.project(x_BxLxD, self.wq[...].astype(x_BxLxD.dtype), 1), positions_BxL, self.rope_theta)
+        q_BxLxHxDh = self.ops.project(x_BxLxD, self.wq[...].astype(x_BxLxD.dtype), 1)
+        return rope(q_BxLxHxDh, positions_BxL, self.rope_theta)
 
     def keys_values(self, x_BxLxD: Array, positions_BxL: Array, v1_BxLxKxDh: Array | None, kv: LayerKV | None,
                     borrowed: tuple[Array, Array] | None) -> tuple[Array, Array]:
@@ -121,8 +123,8 @@ class Attention(nnx.Module):
         """
         def project(wk_DxKxDh: Array, wv_DxKxDh: Array | None) -> tuple[Array, Array]:
             dtype = x_BxLxD.dtype
-            k = rope(ops.project(x_BxLxD, wk_DxKxDh.astype(dtype), 1), positions_BxL, self.rope_theta)
-            return k, v1_BxLxKxDh if wv_DxKxDh is None else ops.project(x_BxLxD, wv_DxKxDh.astype(dtype), 1)
+            k = rope(self.ops.project(x_BxLxD, wk_DxKxDh.astype(dtype), 1), positions_BxL, self.rope_theta)
+            return k, v1_BxLxKxDh if wv_DxKxDh is None else self.ops.project(x_BxLxD, wv_DxKxDh.astype(dtype), 1)
 
         if kv is None:
             return project(self.wk[...], None if self.wv is None else self.wv[...])
@@ -147,10 +149,10 @@ class Attention(nnx.Module):
 
     def mix_gate(self, x_BxLxD: Array) -> Array:
         """The per-token mix's weight of V_1, (B, L, K, 1) in [0, 1]."""
-        return variants.gate(x_BxLxD, self.w_mix[...])
+        return variants.gate(x_BxLxD, self.w_mix[...], self.ops.project)
 
     def output(self, o_BxLxHxDh: Array) -> Array:
-        return ops.project(o_BxLxHxDh, self.wo[...].astype(o_BxLxHxDh.dtype), 2)
+        return self.ops.project(o_BxLxHxDh, self.wo[...].astype(o_BxLxHxDh.dtype), 2)
 
 
 class MLP(nnx.Module):
@@ -161,12 +163,13 @@ class MLP(nnx.Module):
         self.w_gate = params.normal(rngs, (D, F), ('embed', 'mlp'), std, stack)
         self.w_up = params.normal(rngs, (D, F), ('embed', 'mlp'), std, stack)
         self.w_down = params.normal(rngs, (F, D), ('mlp', 'embed'), std, stack)
+        self.ops = ops.hot_ops(cfg.hand_vjp)
 
     def __call__(self, x_BxLxD: Array) -> Array:
         dtype = x_BxLxD.dtype
-        gate_BxLxF = ops.project(x_BxLxD, self.w_gate[...].astype(dtype), 1)
-        up_BxLxF = ops.project(x_BxLxD, self.w_up[...].astype(dtype), 1)
-        return ops.project(ops.swiglu(gate_BxLxF, up_BxLxF), self.w_down[...].astype(dtype), 1)
+        gate_BxLxF = self.ops.project(x_BxLxD, self.w_gate[...].astype(dtype), 1)
+        up_BxLxF = self.ops.project(x_BxLxD, self.w_up[...].astype(dtype), 1)
+        return self.ops.project(self.ops.swiglu(gate_BxLxF, up_BxLxF), self.w_down[...].astype(dtype), 1)
 
 
 class LayerInputs(NamedTuple):
@@ -207,7 +210,8 @@ class Block(nnx.Module):
         q_BxLxHxDh = self.attn.queries(x_BxLxD, positions_BxL)
         k_BxLxKxDh, v_n = self.attn.keys_values(x_BxLxD, positions_BxL, s.v1, p.kv, s.kv)  # CLA
         if p.value_embed is not None:  # value embeddings: V_n + 2 sigmoid(x W_gate) * table[token]
-            scale_BxLxKx1 = variants.VALUE_EMBED_GATE_SCALE * variants.gate(x_BxLxD, p.value_embed.gate_w)
+            gate_BxLxKx1 = variants.gate(x_BxLxD, p.value_embed.gate_w, self.attn.ops.project)
+            scale_BxLxKx1 = variants.VALUE_EMBED_GATE_SCALE * gate_BxLxKx1
             v_n = v_n + (scale_BxLxKx1 * p.value_embed.e).astype(v_n.dtype)
         v_BxLxKxDh = self.attn.values(x_BxLxD, v_n, s.v1, p.lambdas)  # ResFormer, SVFormer, per-token mix
         keys, values, cache = k_BxLxKxDh, v_BxLxKxDh, s.cache
@@ -216,7 +220,7 @@ class Block(nnx.Module):
         keys, values = keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype)
         if cache is None:  # training's causal mask, or an explicit one: vrl/attention.py decides how
             o_BxLxHxDh = attention.attention(self.cfg.attention_impl, q_BxLxHxDh, keys, values, mask,
-                                             self.cfg.attention_chunks)
+                                             self.cfg.attention_chunks, self.attn.ops.attention)
         else:  # the cache's (B, K, S, Dh) slots as they lie
             o_BxLxHxDh = ops.attend_heads_major(q_BxLxHxDh, keys, values, mask)
         if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - V_n)
@@ -351,21 +355,31 @@ class Decoder(nnx.Module):
 
     def _stacked_layers(self, s: Stream, inputs: LayerInputs, positions_BxL: Array, mask: Causal | Array,
                         record: bool) -> tuple[Stream, analysis.LayerStats | None]:
-        """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`."""
+        """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`.
+
+        V_1 is the same for every layer, so it is a constant of the scan rather than part of its
+        carry: the backward pass keeps a scan's carry once per layer (N copies of V_1, 2.9 GiB per
+        chip for the 468M SVFormer on v5e:4x4), and a constant once.
+        """
         graphdef, stacked_state = nnx.split(self.layers)
+        v1 = s.v1
         def body(s: Stream, per_layer):
             layer_state, p = per_layer
-            return self._layer(nnx.merge(graphdef, layer_state), s, p, positions_BxL, mask, record)
+            s, stats = self._layer(nnx.merge(graphdef, layer_state), s._replace(v1=v1), p, positions_BxL, mask,
+                                   record)
+            return s._replace(v1=None), stats
 
         if self.cfg.remat not in ('none', 'auto'):  # auto unresolved (outside vrl.aot.auto_fit): none
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        s = s._replace(v1=None)
         if self.cfg.scan_layers:
-            return jax.lax.scan(body, s, (stacked_state, inputs))
+            s, stats = jax.lax.scan(body, s, (stacked_state, inputs))
+            return s._replace(v1=v1), stats
         outputs = []
         for i in range(self.cfg.n_stacked):
             s, stats = body(s, jax.tree.map(lambda x: x[i], (stacked_state, inputs)))
             outputs.append(stats)
-        return s, None if not record else jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+        return s._replace(v1=v1), None if not record else jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 
     def head_DxV(self) -> Array:
         """The output head in the compute dtype: the embedding transposed when tied."""

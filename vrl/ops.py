@@ -1,14 +1,20 @@
 """The model's hot operations with hand-written backward passes: projection, attention, SwiGLU,
 and the output head fused with the cross-entropy loss.
 
-Each computes what autodiff would (tests/test_ops.py checks them against float64 autodiff);
-they exist because of how XLA lays the autodiff graphs out. On XLA:CPU the first three took the
-82M train step from 7.85 s to 4.68 s, and the fused head and loss about 0.2 s more
-(`python bench/train_throughput.py`, README):
+Each is a plain function (`plain_*`, differentiated by autodiff) made a `jax.custom_vjp` with a
+hand-written backward that computes what autodiff would (tests/test_ops.py checks them against
+float64 autodiff); they exist because of how XLA lays the autodiff graphs out. On XLA:CPU the
+first three took the 82M train step from 7.85 s to 4.68 s, and the fused head and loss about
+0.2 s more (`python bench/train_throughput.py`, README). `model.hand_vjp` picks, per op, which
+one a model uses (`hot_ops`); under `auto`, HAND_VJP_BY_PLATFORM says what each backend runs,
+from `python bench/hand_vjp.py` (README).
 
 - `project` (x @ W over the trailing dims of x): autodiff's weight gradient contracts over the
   token axis, and XLA transposes the larger operand (the (tokens, d_ff) gradient) inside a slow
-  fused loop. Here the backward transposes whichever operand is smaller, on its own.
+  fused loop. Here the backward transposes whichever operand is smaller, on its own. Every
+  matmul is also written in the one form XLA:CPU runs in bfloat16 (row-major operands, the left
+  one contracted on its last axis, a float32 result): it converts both operands of any other
+  bf16 dot to float32 first, which made the bf16 step no faster than the float32 one.
 - `attention`: autodiff keeps the (B, K, G, L, S) probabilities for the backward pass (stacked
   over all layers under the scan) and differentiates the softmax through its normalisation.
   Here only the output and the per-row softmax max and sum are kept; the backward recomputes the
@@ -26,12 +32,16 @@ Shape suffixes as in vrl/model.py; T = B * L tokens, I / O the flattened contrac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from vrl.config import HAND_VJP_OPS
 from vrl.sharding import constrain
 
 Array = jax.Array
@@ -45,13 +55,15 @@ def _pinned(x: Array, pin: bool = True) -> Array:
     return jax.lax.optimization_barrier(x) if pin else x
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def project(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | None = None) -> Array:
+def plain_project(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | None = None) -> Array:
     """Contracts the last `n_contract` dims of x (..., *C) with the first of w (*C, *O) -> (..., *O).
 
     The product accumulates in float32 and is returned in `out_dtype` (default: x's dtype).
     """
     return _project_fwd(x, w, n_contract, out_dtype)[0]
+
+
+project = jax.custom_vjp(plain_project, nondiff_argnums=(2, 3))
 
 
 def _as_matrices(x: Array, w: Array, n_contract: int) -> tuple[Array, Array]:
@@ -66,31 +78,47 @@ def _project_fwd(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | Non
     return y, (x, w)
 
 
+def _tokens_last(a: Array, n_trailing: int) -> Array:
+    """a (*tokens, *trailing) as a (prod trailing, prod tokens) matrix, transposed in memory (the
+    reshape that merges the token axes keeps XLA from turning the transpose into a layout change)."""
+    lead = a.ndim - n_trailing
+    transposed = a.transpose(*range(lead, a.ndim), *range(lead))
+    return _pinned(transposed.reshape(-1, math.prod(a.shape[:lead])))
+
+
 def _project_bwd(n_contract: int, out_dtype: jnp.dtype | None, residuals, dy: Array):
+    """Each matmul in the one form XLA:CPU runs in bfloat16 (row-major operands contracting the
+    left one's last axis; any other form it converts to float32 first): dx = dy W^T contracts
+    both operands' last axes; the weight gradient contracts over tokens, so the smaller operand
+    is transposed in memory first, on its own."""
     del out_dtype
     x, w = residuals
     x_TxI, w_IxO = _as_matrices(x, w, n_contract)
-    dy_TxO = dy.reshape(x_TxI.shape[0], w_IxO.shape[1]).astype(x.dtype)
-    dx_TxI = jnp.dot(dy_TxO, w_IxO.T, preferred_element_type=jnp.float32)
-    # The weight gradient contracts over tokens: transpose the smaller operand, on its own.
-    if x_TxI.shape[1] <= dy_TxO.shape[1]:
-        dw_IxO = jnp.dot(_pinned(x_TxI.T), dy_TxO, preferred_element_type=jnp.float32)
-    else:
-        dw_IxO = jnp.dot(_pinned(dy_TxO.T), x_TxI, preferred_element_type=jnp.float32).T
+    I, O = w_IxO.shape
+    dy = dy.astype(x.dtype).reshape(*x.shape[:x.ndim - n_contract], O)
+    dy_TxO = dy.reshape(-1, O)
+    dx_TxI = jnp.einsum('to,io->ti', dy_TxO, w_IxO, preferred_element_type=jnp.float32)
+    if I <= O:
+        dw_IxO = jnp.einsum('it,to->io', _tokens_last(x, n_contract), dy_TxO, preferred_element_type=jnp.float32)
+    else:  # transposed back after a barrier: folded into the dot, the transpose sends it to a slow path
+        dw_OxI = jnp.einsum('ot,ti->oi', _tokens_last(dy, 1), x_TxI, preferred_element_type=jnp.float32)
+        dw_IxO = _pinned(dw_OxI).T
     return dx_TxI.astype(x.dtype).reshape(x.shape), dw_IxO.astype(w.dtype).reshape(w.shape)
 
 
 project.defvjp(_project_fwd, _project_bwd)
 
 
-@jax.custom_vjp
-def attention(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array) -> Array:
+def plain_attention(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array) -> Array:
     """Softmax attention of grouped query heads over their kv head -> (B, L, K, G, Dh).
 
     Logits and softmax are float32. A query whose keys are all masked attends uniformly.
     """
     out_BxKxGxLxDh, _ = _attend(*_heads_major(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, pin=False), mask_BxLxS)
     return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4)
+
+
+attention = jax.custom_vjp(plain_attention)
 
 
 def attend_heads_major(q_BxLxHxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, mask_BxLxS: Array) -> Array:
@@ -131,8 +159,9 @@ def _attend(q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, mask_BxLx
     max_BxKxGxLx1 = jnp.max(logits_BxKxGxLxS, axis=-1, keepdims=True)
     sum_BxKxGxLx1 = jnp.sum(jnp.exp(logits_BxKxGxLxS - max_BxKxGxLx1), axis=-1, keepdims=True)
     probs = _probs(logits_BxKxGxLxS, max_BxKxGxLx1, sum_BxKxGxLx1).astype(v_BxKxSxDh.dtype)
-    out_BxKxGxLxDh = jnp.einsum('bkgls,bksd->bkgld', probs, v_BxKxSxDh)
-    return out_BxKxGxLxDh, (max_BxKxGxLx1, sum_BxKxGxLx1)
+    # a float32 product, cast after: XLA:CPU converts a dot with a bfloat16 output to float32 first
+    out_BxKxGxLxDh = jnp.einsum('bkgls,bksd->bkgld', probs, v_BxKxSxDh, preferred_element_type=jnp.float32)
+    return out_BxKxGxLxDh.astype(v_BxKxSxDh.dtype), (max_BxKxGxLx1, sum_BxKxGxLx1)
 
 
 def _attention_fwd(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array):
@@ -172,14 +201,16 @@ def _attention_bwd(residuals, d_out_BxLxKxGxDh: Array):
 attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-@jax.custom_vjp
-def swiglu(gate: Array, up: Array) -> Array:
-    """silu(gate) * up, elementwise; the backward keeps only gate and up and recomputes the sigmoid."""
+def plain_swiglu(gate: Array, up: Array) -> Array:
+    """silu(gate) * up, elementwise."""
     return jax.nn.silu(gate) * up
 
 
+swiglu = jax.custom_vjp(plain_swiglu)  # the backward keeps only gate and up and recomputes the sigmoid
+
+
 def _swiglu_fwd(gate: Array, up: Array):
-    return swiglu(gate, up), (gate, up)
+    return plain_swiglu(gate, up), (gate, up)
 
 
 def _swiglu_bwd(residuals, d_out: Array):
@@ -194,18 +225,21 @@ def _swiglu_bwd(residuals, d_out: Array):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def cross_entropy_sums(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int,
-                       z_loss: float) -> tuple[Array, Array]:
+def plain_cross_entropy_sums(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array,
+                             vocab_size: int, z_loss: float) -> tuple[Array, Array]:
     """Logits x @ w (float32), and over tokens t with weight w_t (float32, e.g. a 0/1 loss mask):
 
         (sum_t w_t * (CE_t + z_loss * logZ_t^2),  sum_t w_t * CE_t)
 
     CE_t = logZ_t - logit_t[target_t], logZ_t the log-sum-exp over the first `vocab_size`
     columns; the columns past it are padding and take no part. The second sum is a statistic:
-    it has no gradient (its cotangent is ignored).
+    it has no gradient.
     """
-    return _cross_entropy(x_BxLxD, w_DxV, targets_BxL, weights_BxL, vocab_size, z_loss)[0]
+    loss, statistic = _cross_entropy(x_BxLxD, w_DxV, targets_BxL, weights_BxL, vocab_size, z_loss)[0]
+    return loss, jax.lax.stop_gradient(statistic)
+
+
+cross_entropy_sums = jax.custom_vjp(plain_cross_entropy_sums, nondiff_argnums=(4, 5))
 
 
 def _cross_entropy(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int,
@@ -246,3 +280,42 @@ def _cross_entropy_bwd(vocab_size: int, z_loss: float, residuals, d_sums):
 
 
 cross_entropy_sums.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+# Which hand-written backwards each platform runs under model.hand_vjp=auto. CPU: all (measured,
+# `python bench/train_throughput.py`). TPU: all, each no worse than autodiff in the 468M step's
+# memory and bytes accessed (`python bench/hand_vjp.py`, README). GPU (not measured: no GPU to
+# compile for): the ops whose saving is structural (kept residuals, passes over the logits);
+# project's barriers only serve XLA:CPU's layouts, and cuBLAS takes transposed operands itself.
+HAND_VJP_BY_PLATFORM = {'cpu': HAND_VJP_OPS, 'tpu': HAND_VJP_OPS,
+                        'gpu': ('attention', 'swiglu', 'cross_entropy')}
+
+
+@dataclasses.dataclass(frozen=True)
+class HotOps:
+    """The model's hot operations, each with its hand-written backward or differentiated by autodiff
+    (the same forward either way)."""
+    project: Callable[..., Array]
+    attention: Callable[..., Array]
+    swiglu: Callable[..., Array]
+    cross_entropy_sums: Callable[..., tuple[Array, Array]]
+
+
+def choose_hand_vjp(setting: str, platform: str) -> str:
+    """model.hand_vjp resolved for `platform` ('cpu', 'gpu', 'tpu'): 'all', 'none' or a comma list."""
+    if setting != 'auto':
+        return setting
+    chosen = HAND_VJP_BY_PLATFORM.get(platform, HAND_VJP_OPS)
+    resolved = 'all' if chosen == HAND_VJP_OPS else ','.join(chosen) or 'none'
+    logging.info('hand-written backward: %s', resolved)
+    return resolved
+
+
+@functools.cache
+def hot_ops(hand_vjp: str) -> HotOps:
+    """The ops for a model.hand_vjp value; `auto` unresolved (a model built outside a Trainer) is all."""
+    names = () if hand_vjp == 'none' else HAND_VJP_OPS if hand_vjp in ('all', 'auto') else hand_vjp.split(',')
+    return HotOps(project=project if 'project' in names else plain_project,
+                  attention=attention if 'attention' in names else plain_attention,
+                  swiglu=swiglu if 'swiglu' in names else plain_swiglu,
+                  cross_entropy_sums=cross_entropy_sums if 'cross_entropy' in names else plain_cross_entropy_sums)

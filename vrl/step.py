@@ -44,7 +44,7 @@ def loss_sums(graphdef: nnx.GraphDef, params: dict[str, Any], batch: Batch, z_lo
     the second carries no gradient (vrl.ops.cross_entropy_sums)."""
     model = nnx.merge(graphdef, params)
     hidden_BxLxD = model.hidden(batch['inputs'], batch.get('positions'), batch.get('segment_ids'))
-    return ops.cross_entropy_sums(hidden_BxLxD, model.head_DxV(), batch['targets'],
+    return ops.hot_ops(model.cfg.hand_vjp).cross_entropy_sums(hidden_BxLxD, model.head_DxV(), batch['targets'],
                                   batch['loss_mask'].astype(jnp.float32), model.cfg.vocab_size, z_loss)
 
 
@@ -58,7 +58,9 @@ class Trainer:
         self.config, self.mesh = config, mesh
         impl = attention.choose(config.model, mesh.devices.flat[0].platform, config.data.seq_len,
                                 config.data.document_masking)
-        self.graphdef, abstract_params = abstract_model(dataclasses.replace(config.model, attention_impl=impl))
+        hand_vjp = ops.choose_hand_vjp(config.model.hand_vjp, mesh.devices.flat[0].platform)
+        self.graphdef, abstract_params = abstract_model(dataclasses.replace(config.model, attention_impl=impl,
+                                                                            hand_vjp=hand_vjp))
         self.tx = vrl_optimizer.make(config.optimizer)
         self.learning_rate = vrl_optimizer.learning_rate(config.optimizer)
         self.param_shardings = sharding.param_shardings(abstract_params, mesh)

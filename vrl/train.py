@@ -224,7 +224,7 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
 
     account = accounting.account(config.model, config.data.seq_len)
     tokens_per_step = config.data.batch_size * config.data.seq_len
-    peak = metrics.peak_flops_per_device(config.train.peak_flops) * jax.device_count()
+    peak = metrics.peak_flops_per_device(config.train.peak_flops, config.model.compute_dtype) * jax.device_count()
     if is_writer:
         changed = workdir_lib.record_start(path, config, start_step, fresh, {
             'params': account.params, 'non_embedding_params': account.non_embedding_params})

@@ -15,14 +15,14 @@ zeros and a flag, so the stack stays uniform and the parameter count exact.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vrl import ops, params
+from vrl import params
 from vrl.config import ModelConfig
 
 Array = jax.Array
@@ -30,9 +30,10 @@ Array = jax.Array
 VALUE_EMBED_GATE_SCALE = 2.0  # gate = 2 * sigmoid(x W): 1 at W = 0 (the init), room to grow or shut
 
 
-def gate(x_BxLxD: Array, w_DxK: Array) -> Array:
-    """sigmoid(x W) per token and kv head, shaped (B, L, K, 1) to scale values (B, L, K, Dh)."""
-    return jax.nn.sigmoid(ops.project(x_BxLxD, w_DxK.astype(x_BxLxD.dtype), 1, jnp.float32))[..., None]
+def gate(x_BxLxD: Array, w_DxK: Array, project: Callable[..., Array]) -> Array:
+    """sigmoid(x W) per token and kv head, shaped (B, L, K, 1) to scale values (B, L, K, Dh); x W by
+    `project` (one of vrl.ops' HotOps)."""
+    return jax.nn.sigmoid(project(x_BxLxD, w_DxK.astype(x_BxLxD.dtype), 1, jnp.float32))[..., None]
 
 
 def spread(x_MxA: Array, index_N: np.ndarray) -> Array:
