@@ -53,7 +53,7 @@ def test_per_token_mix_pinned_is_vanilla_or_svformer(vanilla, monkeypatch, pinne
     mix = _like(vanilla, attention='resformer', lambda_mode='per_token')
     reference = vanilla if limit == 'vanilla' else _like(vanilla, attention='svformer')
     assert rel_err(_logits(mix, tokens), _logits(reference, tokens)) > 1e-3  # unpinned, it is neither
-    monkeypatch.setattr(variants, 'gate', lambda x, w: jnp.full((*x.shape[:2], w.shape[-1], 1), pinned))
+    monkeypatch.setattr(variants, 'gate', lambda x, w, project: jnp.full((*x.shape[:2], w.shape[-1], 1), pinned))
     assert rel_err(_logits(mix, tokens), _logits(reference, tokens)) < 1e-6
 
 
@@ -61,7 +61,7 @@ def test_value_embeddings_with_gates_shut_are_vanilla(vanilla, monkeypatch):
     tokens = random_tokens(8)
     ve = _like(vanilla, value_embed_layers=(1, 2, 4), value_embed_tables=(0, 1, 0))
     assert rel_err(_logits(ve, tokens), _logits(vanilla, tokens)) > 1e-3
-    monkeypatch.setattr(variants, 'gate', lambda x, w: jnp.zeros((*x.shape[:2], w.shape[-1], 1)))
+    monkeypatch.setattr(variants, 'gate', lambda x, w, project: jnp.zeros((*x.shape[:2], w.shape[-1], 1)))
     assert rel_err(_logits(ve, tokens), _logits(vanilla, tokens)) < 1e-6
 
 
