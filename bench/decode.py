@@ -9,7 +9,12 @@ is float32 on CPU (caches too), the config's dtype on accelerators.
 
 `of bound`: the bytes one decode step must read (the parameters, and the filled part of the
 cache) per second, as a fraction of this host's memory bandwidth, measured in the same run as
-a jitted copy of a 1 GiB array (2 GiB moved: read + write).
+a jitted copy of a 1 GiB array (2 GiB moved: read + write), before and after the rows (the
+better of the two: on a shared host it varies by half). `of reads` counts the cache as the
+layers read it: each layer reads a key and a value slot, so a slot that several layers share
+(SVFormer's V_1, CLA's groups) is read once per layer. Layers run one after the other, so no
+decode step reads less; where the cache outgrows the CPU's caches, `of reads` is the column that
+says how close a step is to memory speed, and the stored bytes (`of bound`) say what fits.
 """
 
 from __future__ import annotations
@@ -45,18 +50,21 @@ def memory_bandwidth(n_bytes: int = 2**30, repeats: int = 5) -> float:
     return 2 * n_bytes / best
 
 
-def bytes_per_step(cfg, params, batch: int, context: int) -> int:
-    """What one decode step must read: every parameter and the filled cache of each sequence."""
+def bytes_per_step(cfg, params, batch: int, context: int) -> tuple[int, int]:
+    """What one decode step must read: every parameter, and the filled cache of each sequence
+    counted once (as stored) and as the layers read it (a key and a value slot per layer)."""
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    return weights + batch * context * accounting.kv_cache_bytes_per_token(cfg)
+    read_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+    return (weights + batch * context * accounting.kv_cache_bytes_per_token(cfg),
+            weights + batch * context * read_per_token)
 
 
-def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tuple[int, float, int]:
+def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tuple[int, float, tuple[int, int]]:
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     generator = decode.Generator(cfg, graphdef, nnx.to_pure_dict(state), max_len=context + new_tokens, eos_id=-1)
     cache = generator.new_cache(batch)
-    keys = iter(jax.random.split(jax.random.key(1), 8))
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache))))
     cache = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype) if x.ndim > 1 else x, cache)
     cache = cache._replace(index=jnp.asarray(context, jnp.int32))
     logits = jax.random.normal(jax.random.key(2), (batch, cfg.padded_vocab_size))
@@ -78,22 +86,28 @@ def main() -> None:
     parser.add_argument('--new_tokens', type=int, default=16)
     parser.add_argument('--variants', default='vanilla,resformer,svformer')
     args = parser.parse_args()
-    bandwidth = memory_bandwidth()
-    print(f'{args.size}, {jax.devices()[0].device_kind}; {args.new_tokens} decode steps after the context; '
-          f'memory bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB copy)')
-    width = max(map(len, args.variants.split(',')))
-    print(f'{"variant":>{width}} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"decode tok/s":>12} | '
-          f'{"of bound":>8}')
+    bandwidth_before = memory_bandwidth()
+    rows = []
     for context in map(int, args.contexts.split(',')):
         for batch in map(int, args.batches.split(',')):
             for variant in args.variants.split(','):
                 cfg = presets.apply(variant, from_configdict(base.get_config(f'vanilla,{args.size}')).model)
                 if jax.default_backend() == 'cpu':
                     cfg = dataclasses.replace(cfg, compute_dtype='float32')
-                n_bytes, tokens_per_sec, step_bytes = decode_tokens_per_sec(cfg, batch, context, args.new_tokens)
-                of_bound = step_bytes * tokens_per_sec / batch / bandwidth
-                print(f'{variant:>{width}} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | '
-                      f'{tokens_per_sec:>12,.1f} | {of_bound:>8.1%}')
+                rows.append((variant, context, batch, *decode_tokens_per_sec(cfg, batch, context, args.new_tokens)))
+    bandwidth_after = memory_bandwidth()
+    bandwidth = max(bandwidth_before, bandwidth_after)  # a shared host's best moment in this run
+    print(f'{args.size}, {jax.devices()[0].device_kind}; {args.new_tokens} decode steps after the context; '
+          f'memory bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB copy; {bandwidth_before / 1e9:.1f} before the '
+          f'rows, {bandwidth_after / 1e9:.1f} after)')
+    width = max(map(len, args.variants.split(',')))
+    print(f'{"variant":>{width}} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"decode tok/s":>12} | '
+          f'{"of bound":>8} | {"of reads":>8}')
+    for variant, context, batch, n_bytes, tokens_per_sec, (stored, read) in rows:
+        steps_per_sec = tokens_per_sec / batch
+        print(f'{variant:>{width}} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | '
+              f'{tokens_per_sec:>12,.1f} | {stored * steps_per_sec / bandwidth:>8.1%} | '
+              f'{read * steps_per_sec / bandwidth:>8.1%}')
 
 
 if __name__ == '__main__':

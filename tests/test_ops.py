@@ -84,6 +84,22 @@ def test_attention_over_a_longer_cache():
     _check_against_float64(ops.attention, _plain_attention, [q, k, v, mask], n_grads=3)
 
 
+@pytest.mark.parametrize('B,K,G', [(1, 4, 1), (2, 2, 3), (2, 1, 4)], ids=['mha-batch-1', 'gqa', 'mqa'])
+@pytest.mark.parametrize('T', [1, 3])
+def test_attention_over_cache_slots(B, K, G, T):
+    """ops.attend_cache, the decoder's attention over (B * K, S, Dh) slots, against the float64
+    reference on the same keys and values laid out (B, S, K, Dh)."""
+    S, Dh = 9, 8
+    mask = jnp.asarray(_masks(B, T, S)['left padded, rows 0-1 of sequence 1 see nothing'])
+    q, k, v = _normal(17, B, T, K, G, Dh), _normal(18, B, S, K, Dh), _normal(19, B, S, K, Dh)
+    slots = [x.transpose(0, 2, 1, 3).reshape(B * K, S, Dh) for x in (k, v)]
+    out = ops.attend_cache(q.reshape(B, T, K * G, Dh), *slots, mask)
+    with jax.enable_x64(True):
+        want = _plain_attention(*(jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v)), mask)
+    assert out.shape == (B, T, K * G, Dh)
+    assert rel_err(out, want.reshape(B, T, K * G, Dh)) < 2e-6
+
+
 def test_fully_masked_query_attends_uniformly():
     B, L, K, G, Dh = 1, 4, 1, 1, 8
     mask = jnp.zeros((B, L, L), bool).at[:, 1:].set(jnp.tril(jnp.ones((L - 1, L), bool), 1))

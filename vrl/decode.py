@@ -2,9 +2,9 @@
 
 Prompts of different lengths are left-padded to one length P, so every sequence writes the
 same cache position each step; padding is masked out and RoPE positions count real tokens
-only. The cache (vrl.model.KVCache) holds one stacked array of keys and one of values, a
-slot per layer that owns them: SVFormer's layers >= 2 all read layer 1's V ((L + 1) / (2L) of
-vanilla's bytes), CLA's groups share one slot of each (half with CLA2).
+only. The cache (vrl.model.KVCache) holds a key array and a value array, a slot, per layer that
+owns them: SVFormer's layers >= 2 all read layer 1's V ((L + 1) / (2L) of vanilla's bytes),
+CLA's groups share one slot of each (half with CLA2).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vrl import sharding
 from vrl.config import ModelConfig
@@ -53,27 +53,30 @@ class Sampling:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    """Zeros in the compute dtype: cfg.n_key_slots x keys and cfg.n_value_slots x values, each
-    (B, K, S, Dh); a single slot without its axis (vrl.model.KVCache)."""
-    dtype = jnp.dtype(cfg.compute_dtype)
-    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-
-    def slots(n: int) -> jax.Array:
-        return jnp.zeros(shape if n == 1 else (n, *shape), dtype)
+    """Zeros in the compute dtype: cfg.n_key_slots key and cfg.n_value_slots value arrays, each
+    (B * K, S, Dh) (vrl.model.KVCache)."""
+    def slots(n: int) -> tuple[jax.Array, ...]:
+        shape = (batch * cfg.n_kv_heads, max_len, cfg.head_dim)
+        return tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(n))
     return KVCache(k=slots(cfg.n_key_slots), v=slots(cfg.n_value_slots), index=jnp.zeros((), jnp.int32))
 
 
 def cache_bytes(cache: KVCache) -> int:
     """Bytes of the allocated key/value arrays."""
-    return cache.k.nbytes + cache.v.nbytes
+    return sum(x.nbytes for x in (*cache.k, *cache.v))
 
 
-def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
-    """Batch over ('data', 'fsdp') and kv heads over 'tensor', by vrl/sharding.py's rules."""
-    def spec(x):
-        axes = ('layers', 'batch', 'kv_heads', 'length', 'head_dim')
-        return sharding.fitted_sharding(mesh, axes[-x.ndim:], x.shape)
-    return KVCache(k=spec(cache.k), v=spec(cache.v), index=sharding.replicated(mesh))
+def cache_shardings(cache: KVCache, batch: int, mesh: Mesh) -> KVCache:
+    """A slot's rows (B * K, sequence-major) split as training splits batch and kv heads: over
+    ('data', 'fsdp') then 'tensor' (vrl/sharding.py's rules); a part the mesh does not divide
+    stays whole (a batch of 1 keeps only the kv-head split, an undivided larger batch neither)."""
+    def mesh_axes(logical: str, size: int) -> tuple[str, ...]:
+        axes = sharding.fitted_sharding(mesh, (logical,), (size,)).spec[0]
+        return (axes,) if isinstance(axes, str) else tuple(axes or ())
+    batch_axes = mesh_axes('batch', batch)
+    rows = batch_axes + mesh_axes('kv_heads', cache.k[0].shape[0] // batch) if batch_axes or batch == 1 else ()
+    spec = NamedSharding(mesh, PartitionSpec(rows or None, None, None))
+    return KVCache(k=(spec,) * len(cache.k), v=(spec,) * len(cache.v), index=sharding.replicated(mesh))
 
 
 def sample(logits_BxV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
@@ -116,27 +119,37 @@ class Generator:
     def _model(self, params) -> Decoder:
         return nnx.merge(self.graphdef, params)
 
+    def _pinned(self, cache: KVCache) -> KVCache:
+        """The cache laid out over the mesh as `new_cache` lays it, so that prefill hands the decode
+        loop the layout it was compiled for (GSPMD may otherwise choose another for an output)."""
+        if self.mesh is None:
+            return cache
+        batch = cache.k[0].shape[0] // self.cfg.n_kv_heads
+        return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, batch, self.mesh))
+
     def _prefill_fn(self, params, cache: KVCache, tokens_BxP, pad_B):
         """The prompt in chunks of at most `prefill_chunk` tokens (the first takes the remainder), so
         attention scores are (chunk x cache length) at a time, never (prompt x cache length)."""
         model, (B, P), C = self._model(params), tokens_BxP.shape, self.prefill_chunk
+        layers = model.split_layers()
         head = P % C or min(P, C)
-        logits_BxTxV, cache = model.decode(tokens_BxP[:, :head], pad_B, cache)
+        logits_BxTxV, cache = model.decode(tokens_BxP[:, :head], pad_B, cache, layers)
         if P == head:
-            return logits_BxTxV[:, -1], cache
+            return logits_BxTxV[:, -1], self._pinned(cache)
         chunks_NxBxC = tokens_BxP[:, head:].reshape(B, -1, C).swapaxes(0, 1)
 
         def chunk(cache, tokens_BxC):
-            logits_BxCxV, cache = model.decode(tokens_BxC, pad_B, cache)
+            logits_BxCxV, cache = model.decode(tokens_BxC, pad_B, cache, layers)
             return cache, logits_BxCxV[:, -1]
         cache, last_NxBxV = jax.lax.scan(chunk, cache, chunks_NxBxC)
-        return last_NxBxV[-1], cache
+        return last_NxBxV[-1], self._pinned(cache)
 
     def _decode_fn(self, params, cache: KVCache, first_logits_BxV, pad_B, key, sampling: Sampling):
         B = first_logits_BxV.shape[0]
         steps = sampling.max_new_tokens
         out_BxN = jnp.zeros((B, sampling.max_new_tokens), jnp.int32)
         model = self._model(params)
+        layers = model.split_layers()  # once, not every step: costs one copy of the layer weights
 
         def cond(carry):
             _, _, _, done_B, step, _ = carry
@@ -148,8 +161,8 @@ class Generator:
             token_B = jnp.where(done_B, self.eos_id, sample(logits_BxV, sample_key, sampling))
             out_BxN = out_BxN.at[:, step].set(token_B)
             done_B = done_B | (token_B == self.eos_id)
-            logits_Bx1xV, cache = model.decode(token_B[:, None], pad_B, cache)
-            return cache, logits_Bx1xV[:, 0], out_BxN, done_B, step + 1, key
+            logits_Bx1xV, cache = model.decode(token_B[:, None], pad_B, cache, layers)
+            return self._pinned(cache), logits_Bx1xV[:, 0], out_BxN, done_B, step + 1, key
 
         carry = (cache, first_logits_BxV, out_BxN, jnp.zeros((B,), bool), jnp.zeros((), jnp.int32), key)
         cache, _, out_BxN, _, step, _ = jax.lax.while_loop(cond, body, carry)
@@ -175,7 +188,7 @@ class Generator:
     def new_cache(self, batch: int) -> KVCache:
         cache = init_cache(self.cfg, batch, self.max_len)
         if self.mesh is not None:
-            cache = jax.device_put(cache, cache_shardings(cache, self.mesh))
+            cache = jax.device_put(cache, cache_shardings(cache, batch, self.mesh))
         return cache
 
     def generate(self, prompts: list[list[int]], sampling: Sampling = Sampling()) -> Generation:

@@ -6,9 +6,10 @@ N = n_layers - 1 stacked layers.
 
 Layer 1 runs on its own and creates V_1 (its value projection of its normalised input,
 before GQA grouping, not detached). Layers 2..L are one stacked `Block` whose parameters
-carry a leading `layers` axis; `jax.lax.scan` walks them carrying a `Stream`: the hidden
-state, V_1, and what the baselines need (CLA's shared K/V, DenseFormer's block outputs,
-the KV cache). Every variant changes one of four things, each in one place:
+carry a leading `layers` axis; `jax.lax.scan` walks them (decoding: a Python loop) carrying
+a `Stream`: the hidden state, V_1, and what the baselines need (CLA's shared K/V,
+DenseFormer's block outputs, the KV cache). Every variant changes one of four things, each
+in one place:
 
 - the values a layer attends over (ResFormer, SVFormer, the per-token mix, value
   embeddings): `Attention.values` and the value-embedding line of `Block.__call__`;
@@ -57,39 +58,39 @@ def rope(x_BxLxNxDh: Array, positions_BxL: Array, theta: float) -> Array:
 
 
 class KVCache(NamedTuple):
-    """Cached keys (key slots, B, K, S, Dh) and attended values (value slots, B, K, S, Dh), heads
-    before positions as attention reads them, so a step reads each slot where it lies (a (B, S, K,
-    Dh) layout made every layer copy its slots into this one, every step). An array of a single
-    slot (SVFormer's values) is stored without the slot axis, (B, K, S, Dh): XLA:CPU copied a
-    written array with a leading axis of 1 once per reader, every step.
+    """Cached keys and attended values: one (B * K, S, Dh) array per slot, row b * K + k holding
+    sequence b's kv head k, positions before head dims as attention reads them. Each slot is its
+    own buffer: a step writes its new position in place and the attention matmuls read the slot
+    where it lies. (XLA:CPU copies a slice of a stacked array before a matmul reads it, and copies
+    or transposes a (B, K, S, Dh) slot whose batch of 1 it drops; either made a step move about
+    three times the cache's bytes.)
 
     Layer n uses slots cfg.key_slot(n) and cfg.value_slot(n): one per layer for vanilla and
     ResFormer (which caches its mixed values), one per group for CLA, and a single value slot,
-    V_1, for SVFormer. Layers that share a slot write the same rows into it.
+    V_1, for SVFormer. Only the first layer of a slot writes it: the layers after it would
+    write the same rows (V_1, CLA's borrowed K/V), and a second write made XLA copy the slot.
     """
-    k: Array
-    v: Array
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
     index: Array  # int32 scalar: cache positions [0, index) are filled
 
-    def update(self, cfg: ModelConfig, layer: Array, k_BxTxKxDh: Array, v_BxTxKxDh: Array
+    def update(self, cfg: ModelConfig, layer: int, k_BxTxKxDh: Array, v_BxTxKxDh: Array
                ) -> tuple[Array, Array, KVCache]:
-        """Writes T new keys and values at [index, index + T) of the layer's slots, in place;
-        returns the layer's whole (B, K, S, Dh) keys and values, and the cache."""
+        """Writes T new keys and values at [index, index + T) of the slots `layer` owns, in place;
+        returns the layer's whole (B * K, S, Dh) keys and values, and the cache."""
+        def write(slots: tuple[Array, ...], slot: int, new_BxTxKxDh: Array) -> tuple[Array, ...]:
+            B, T, K, Dh = new_BxTxKxDh.shape
+            new_NxTxDh = new_BxTxKxDh.transpose(0, 2, 1, 3).reshape(B * K, T, Dh).astype(slots[slot].dtype)
+            zero = jnp.zeros((), jnp.int32)
+            written = jax.lax.dynamic_update_slice(slots[slot], new_NxTxDh, (zero, self.index, zero))
+            return (*slots[:slot], written, *slots[slot + 1:])
+
+        def owns(slot_of) -> bool:  # the first layer of a slot writes it; the rest hold the same rows
+            return layer == 0 or slot_of(layer - 1) != slot_of(layer)
         k_slot, v_slot = cfg.key_slot(layer), cfg.value_slot(layer)
-        zero = jnp.zeros((), jnp.int32)
-
-        def write(all_slots, slot, new_BxTxKxDh):
-            new_BxKxTxDh = new_BxTxKxDh.transpose(0, 2, 1, 3).astype(all_slots.dtype)
-            if all_slots.ndim == 4:  # the single slot
-                return jax.lax.dynamic_update_slice(all_slots, new_BxKxTxDh, (zero, zero, self.index, zero))
-            return jax.lax.dynamic_update_slice(all_slots, new_BxKxTxDh[None], (jnp.asarray(slot, jnp.int32), zero,
-                                                                                zero, self.index, zero))
-
-        def read(all_slots, slot):
-            return all_slots if all_slots.ndim == 4 else all_slots[slot]
-        k_all = write(self.k, k_slot, k_BxTxKxDh)
-        v_all = write(self.v, v_slot, v_BxTxKxDh)
-        return read(k_all, k_slot), read(v_all, v_slot), KVCache(k_all, v_all, self.index)
+        k = write(self.k, k_slot, k_BxTxKxDh) if owns(cfg.key_slot) else self.k
+        v = write(self.v, v_slot, v_BxTxKxDh) if owns(cfg.value_slot) else self.v
+        return k[k_slot], v[v_slot], KVCache(k, v, self.index)
 
 
 class Attention(nnx.Module):
@@ -175,7 +176,7 @@ class MLP(nnx.Module):
 class LayerInputs(NamedTuple):
     """A layer's share of the variants' per-layer inputs; for layers 2..L each has a leading N axis
     that the scan slices."""
-    layer: Array  # int32, the 0-based layer index
+    layer: Array | int  # the 0-based layer index: an int where the layers are unrolled (it picks cache slots)
     lambdas: Lambdas | None  # ResFormer's scalar mix
     kv: LayerKV | None  # CLA: the layer's W_K, W_V (zeros where it borrows) and whether it owns them
     value_embed: ValueEmbed | None  # value embeddings: the layer's lookup and gate weight (zeros: none)
@@ -221,8 +222,8 @@ class Block(nnx.Module):
         if cache is None:  # training's causal mask, or an explicit one: vrl/attention.py decides how
             o_BxLxHxDh = attention.attention(self.cfg.attention_impl, q_BxLxHxDh, keys, values, mask,
                                              self.cfg.attention_chunks, self.attn.ops.attention)
-        else:  # the cache's (B, K, S, Dh) slots as they lie
-            o_BxLxHxDh = ops.attend_heads_major(q_BxLxHxDh, keys, values, mask)
+        else:  # the cache's (B * K, S, Dh) slots as they lie
+            o_BxLxHxDh = ops.attend_cache(q_BxLxHxDh, keys, values, mask)
         if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - V_n)
             o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_n), o_BxLxHxDh.shape)
         h_BxLxD = s.h + self.attn.output(o_BxLxHxDh)
@@ -294,23 +295,34 @@ class Decoder(nnx.Module):
         _, _, stats = self._forward(tokens_BxL, positions_BxL, Causal(None), None, True)
         return stats
 
-    def decode(self, tokens_BxT: Array, pad_B: Array, cache: KVCache) -> tuple[Array, KVCache]:
+    def split_layers(self) -> list[nnx.State]:
+        """The stacked layers' parameters as one state per layer (layers 2..L), for `decode`."""
+        _, stacked_state = nnx.split(self.layers)
+        return [jax.tree.map(lambda x: x[i], stacked_state) for i in range(self.cfg.n_stacked)]
+
+    def decode(self, tokens_BxT: Array, pad_B: Array, cache: KVCache, layers: list[nnx.State] | None = None
+               ) -> tuple[Array, KVCache]:
         """Runs T new tokens at cache positions [index, index + T) of left-padded sequences.
 
         pad_B: how many cache positions at the start of each sequence are padding. Each new
         token attends to the real tokens up to itself; RoPE positions count real tokens only.
+        layers: `split_layers()`, taken once outside a loop of decode steps. XLA:CPU copies a
+        slice of the stacked weights before a matmul reads it, so slicing them every step
+        copied every layer's weights every step.
         """
         B, T = tokens_BxT.shape
-        S = cache.k.shape[-2]
+        S = cache.k[0].shape[1]
         query_index_BxT = jnp.broadcast_to(cache.index + jnp.arange(T), (B, T))
         key_index_S = jnp.arange(S)
         mask_BxTxS = ((key_index_S[None, None, :] <= query_index_BxT[:, :, None])
                       & (key_index_S[None, None, :] >= pad_B[:, None, None]))
-        h_BxTxD, cache, _ = self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache, False)
+        h_BxTxD, cache, _ = self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache, False,
+                                          layers)
         return self.logits(h_BxTxD), cache
 
     def _forward(self, tokens_BxL: Array, positions_BxL: Array, mask: Causal | Array, cache: KVCache | None,
-                 record: bool) -> tuple[Array, KVCache | None, analysis.LayerStats | None]:
+                 record: bool, layers: list[nnx.State] | None = None
+                 ) -> tuple[Array, KVCache | None, analysis.LayerStats | None]:
         """The final-normalised hidden states (B, L, D), the updated cache when decoding, and the
         per-layer statistics when recording."""
         dtype, L = self.compute_dtype, self.cfg.n_layers
@@ -320,7 +332,7 @@ class Decoder(nnx.Module):
             blocks = jnp.zeros((L + 1, *h_BxLxD.shape), dtype).at[0].set(h_BxLxD)
         dense_LxL1 = None if self.depth_weights is None else self.depth_weights.matrix()
         ve = self.value_embeds
-        first = LayerInputs(layer=jnp.zeros((), jnp.int32), lambdas=None, kv=None,
+        first = LayerInputs(layer=0, lambdas=None, kv=None,
                             value_embed=None if ve is None else ve.for_first(tokens_BxL, dtype),
                             dense_row=None if dense_LxL1 is None else dense_LxL1[0])
         stacked = LayerInputs(layer=jnp.arange(1, L, dtype=jnp.int32),
@@ -330,7 +342,7 @@ class Decoder(nnx.Module):
                               dense_row=None if dense_LxL1 is None else dense_LxL1[1:])
         s, first_stats = self._layer(self.first, Stream(h_BxLxD, None, None, blocks, cache), first,
                                      positions_BxL, mask, record)
-        s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask, record)
+        s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask, record, layers)
         h_BxLxD = self.final_norm(s.h)
         cache = None if cache is None else s.cache._replace(index=cache.index + tokens_BxL.shape[1])
         if not record:
@@ -354,30 +366,35 @@ class Decoder(nnx.Module):
         return s, analysis.layer_stats(attention_stats, h_BxLxD) if record else None
 
     def _stacked_layers(self, s: Stream, inputs: LayerInputs, positions_BxL: Array, mask: Causal | Array,
-                        record: bool) -> tuple[Stream, analysis.LayerStats | None]:
+                        record: bool, layers: list[nnx.State] | None
+                        ) -> tuple[Stream, analysis.LayerStats | None]:
         """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`.
 
         V_1 is the same for every layer, so it is a constant of the scan rather than part of its
         carry: the backward pass keeps a scan's carry once per layer (N copies of V_1, 2.9 GiB per
-        chip for the 468M SVFormer on v5e:4x4), and a constant once.
+        chip for the 468M SVFormer on v5e:4x4), and a constant once. Decoding always loops, so
+        that each layer's cache slots are known when tracing (KVCache: one buffer per slot), and
+        takes each layer's parameters from `layers` where given (`decode`).
         """
         graphdef, stacked_state = nnx.split(self.layers)
-        v1 = s.v1
+        v1, decoding = s.v1, s.cache is not None
         def body(s: Stream, per_layer):
             layer_state, p = per_layer
             s, stats = self._layer(nnx.merge(graphdef, layer_state), s._replace(v1=v1), p, positions_BxL, mask,
                                    record)
             return s._replace(v1=None), stats
 
-        if self.cfg.remat not in ('none', 'auto'):  # auto unresolved (outside vrl.aot.auto_fit): none
+        if self.cfg.remat not in ('none', 'auto') and not decoding:  # auto unresolved outside aot.auto_fit
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         s = s._replace(v1=None)
-        if self.cfg.scan_layers:
+        if self.cfg.scan_layers and not decoding:
             s, stats = jax.lax.scan(body, s, (stacked_state, inputs))
             return s._replace(v1=v1), stats
         outputs = []
         for i in range(self.cfg.n_stacked):
-            s, stats = body(s, jax.tree.map(lambda x: x[i], (stacked_state, inputs)))
+            p = jax.tree.map(lambda x: x[i], inputs)
+            layer_state = jax.tree.map(lambda x: x[i], stacked_state) if layers is None else layers[i]
+            s, stats = body(s, (layer_state, p._replace(layer=i + 1) if decoding else p))
             outputs.append(stats)
         return s._replace(v1=v1), None if not record else jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 

@@ -121,13 +121,22 @@ def plain_attention(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, m
 attention = jax.custom_vjp(plain_attention)
 
 
-def attend_heads_major(q_BxLxHxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, mask_BxLxS: Array) -> Array:
-    """Attention over keys and values already laid out heads-major (a KV cache's), forward only:
-    only the L queries are transposed -> (B, L, H, Dh)."""
+def attend_cache(q_BxLxHxDh: Array, k_NxSxDh: Array, v_NxSxDh: Array, mask_BxLxS: Array) -> Array:
+    """Attention over a KV cache's slots, rows N = B * K (sequence-major), forward only -> (B, L, H, Dh).
+
+    Every matmul reads a slot as it lies, with no unit axis for XLA to drop: XLA:CPU transposed
+    or copied a (B, K, S, Dh) slot whenever the batch was 1.
+    """
     B, L, H, Dh = q_BxLxHxDh.shape
-    q_BxKxGxLxDh = _queries_heads_major(q_BxLxHxDh.reshape(B, L, k_BxKxSxDh.shape[1], -1, Dh), pin=False)
-    out_BxKxGxLxDh, _ = _attend(q_BxKxGxLxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxLxS)
-    return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4).reshape(B, L, H, Dh)
+    N, S = k_NxSxDh.shape[:2]
+    K = N // B
+    q_BxKxGxLxDh = _queries_heads_major(q_BxLxHxDh.reshape(B, L, K, H // K, Dh), pin=False)
+    logits_NxQxS = jnp.einsum('nqd,nsd->nqs', q_BxKxGxLxDh.reshape(N, -1, Dh), k_NxSxDh,
+                              preferred_element_type=jnp.float32)
+    logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], logits_NxQxS.reshape(B, K, -1, L, S), _MASKED)
+    probs_NxQxS = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(v_NxSxDh.dtype).reshape(N, -1, S)
+    out_NxQxDh = jnp.einsum('nqs,nsd->nqd', probs_NxQxS, v_NxSxDh, preferred_element_type=jnp.float32)
+    return out_NxQxDh.astype(v_NxSxDh.dtype).reshape(B, K, -1, L, Dh).transpose(0, 3, 1, 2, 4).reshape(B, L, H, Dh)
 
 
 def _queries_heads_major(q_BxLxKxGxDh: Array, pin: bool) -> Array:
