@@ -296,7 +296,7 @@ class Decoder(nnx.Module):
         return stats
 
     def split_layers(self) -> list[nnx.State]:
-        """The stacked layers' parameters as one state per layer (layers 2..L), for `decode`."""
+        """The stacked layers' parameters as one state per layer (layers 2..L): what the layer loop walks."""
         _, stacked_state = nnx.split(self.layers)
         return [jax.tree.map(lambda x: x[i], stacked_state) for i in range(self.cfg.n_stacked)]
 
@@ -390,11 +390,11 @@ class Decoder(nnx.Module):
         if self.cfg.scan_layers and not decoding:
             s, stats = jax.lax.scan(body, s, (stacked_state, inputs))
             return s._replace(v1=v1), stats
+        layers = self.split_layers() if layers is None else layers
         outputs = []
         for i in range(self.cfg.n_stacked):
             p = jax.tree.map(lambda x: x[i], inputs)
-            layer_state = jax.tree.map(lambda x: x[i], stacked_state) if layers is None else layers[i]
-            s, stats = body(s, (layer_state, p._replace(layer=i + 1) if decoding else p))
+            s, stats = body(s, (layers[i], p._replace(layer=i + 1) if decoding else p))
             outputs.append(stats)
         return s._replace(v1=v1), None if not record else jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 
