@@ -143,6 +143,7 @@ def test_v1_is_not_detached():
     (dict(remat='some'), 'model.remat', "'none', 'full', 'save_dots'"),
     (dict(lambda_mode='learned'), 'model.lambda_mode', "'identity', 'constant'"),
     (dict(attention_chunks=0), 'model.attention_chunks', 'an integer >= 1'),
+    (dict(head_chunks=0), 'model.head_chunks', 'an integer >= 1'),
     (dict(hand_vjp='project,flash'), 'model.hand_vjp', "'auto', 'all', 'none' or a comma-separated list of"),
 ])
 def test_bad_config_names_field_and_allowed_values(overrides, field, allowed):
@@ -176,10 +177,10 @@ def test_hand_written_backwards_equal_autodiff_in_the_train_loss():
     autodiff on the train loss (a model with every op and gate: the per-token mix, value
     embeddings, NeuTRENO), and the choice reaches the traced program."""
     cfg = small_model_config(attention='resformer', lambda_mode='per_token', value_embed_layers=(1, 3),
-                             neutreno=True, attention_chunks=2)
+                             neutreno=True, attention_chunks=2, head_chunks=3)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, 12)
-    tokens = random_tokens(13, L=12)
+    tokens = random_tokens(13, L=13)  # 12 positions: 3 head slices
     batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
              'loss_mask': jax.random.bernoulli(jax.random.key(14), 0.8, tokens[:, 1:].shape)}
 

@@ -3,6 +3,7 @@ autodiff of the plain formulations, on random inputs and cotangents."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -162,8 +163,40 @@ def test_bfloat16_matmuls_run_in_bfloat16_on_cpu():
     assert set(_dot_operand_dtypes(attention, *(a.astype(bf16) for a in (q, k, v)))) == {('bf16', 'bf16')}
     x, w = _normal(45, B, L, 48).astype(bf16), _normal(46, 48, 96).astype(bf16)
     targets, weights = jax.random.randint(jax.random.key(47), (B, L), 0, 90), jnp.ones((B, L))
-    loss = jax.grad(lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, 90, 1e-4)[0], argnums=(0, 1))
+    loss = jax.grad(lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, 90, 1e-4, 2)[0], argnums=(0, 1))
     assert set(_dot_operand_dtypes(loss, x, w)) == {('bf16', 'bf16')}
+
+
+@pytest.mark.skipif(jax.default_backend() != 'cpu', reason="XLA:CPU's handling of stacked bfloat16 arrays")
+def test_bfloat16_residuals_are_stacked_as_they_are_on_cpu():
+    """Under a layer scan the backward pass's residuals are stacked over layers. XLA:CPU converts a
+    stacked bfloat16 array to float32 whole to write or read a layer of it; the hand-written ops
+    keep theirs as bits, so no float32 stack of a residual exists. Autodiff's plain ops show the
+    check can fail."""
+    n_layers, B, L, K, G, Dh, F = 3, 2, 32, 2, 2, 16, 96
+    D = K * G * Dh
+    bf16 = jnp.bfloat16
+    mask = jnp.asarray(_masks(B, L, L)['causal'])
+    weights = tuple(_normal(50 + i, n_layers, *shape).astype(bf16)
+                    for i, shape in enumerate([(D, K, G, Dh), (D, K, Dh), (D, K, Dh), (D, F), (D, F), (F, D)]))
+
+    def loss(hot: ops.HotOps, x, weights):
+        def layer(x, w):
+            wq, wk, wv, w_gate, w_up, w_down = w
+            o = hot.attention(hot.project(x, wq, 1), hot.project(x, wk, 1), hot.project(x, wv, 1), mask)
+            x = x + o.reshape(x.shape)
+            return x + hot.project(hot.swiglu(hot.project(x, w_gate, 1), hot.project(x, w_up, 1)), w_down, 1), None
+        return jnp.sum(jax.lax.scan(layer, x, weights)[0].astype(jnp.float32) ** 2)
+
+    def float32_stacks(hand_vjp: str) -> set[str]:
+        grad = jax.jit(jax.grad(functools.partial(loss, ops.hot_ops(hand_vjp)), argnums=(0, 1)))
+        text = grad.lower(_normal(49, B, L, D).astype(bf16), weights).compile().as_text()
+        residuals = {(B, L, F), (B, K, G, L, Dh), (B, K, L, Dh)}
+        return {shape for shape in re.findall(rf'f32\[{n_layers},([\d,]+)\]', text)
+                if tuple(map(int, shape.split(','))) in residuals}
+
+    assert float32_stacks('all') == set()
+    assert float32_stacks('none')
 
 
 def _plain_cross_entropy_sums(x_BxLxD, w_DxV, targets_BxL, weights_BxL, vocab_size, z_loss):
@@ -173,17 +206,19 @@ def _plain_cross_entropy_sums(x_BxLxD, w_DxV, targets_BxL, weights_BxL, vocab_si
     return jnp.sum(cross_entropy + z_loss * weights_BxL * log_z ** 2), jnp.sum(cross_entropy)
 
 
-@pytest.mark.parametrize('z_loss', [0.0, 0.3])
+@pytest.mark.parametrize('z_loss,chunks', [(0.0, 1), (0.3, 1), (0.3, 3), (0.0, 4)],
+                         ids=['no z-loss', 'z-loss', '3 slices', '4 slices (3: 4 does not divide 6)'])
 @pytest.mark.parametrize('logit_scale', [1.0, 40.0], ids=['unit', 'large logits'])
-def test_cross_entropy_sums_match_autodiff(z_loss, logit_scale):
+def test_cross_entropy_sums_match_autodiff(z_loss, chunks, logit_scale):
     """Head + loss: both sums and the gradients of the first against float64 autodiff, with padded
-    vocab columns (never part of the softmax, zero gradient) and a random weight per token."""
-    B, L, D, V, vocab_size = 2, 5, 16, 24, 21
+    vocab columns (never part of the softmax, zero gradient), a random weight per token, and the
+    tokens in slices of the sequence."""
+    B, L, D, V, vocab_size = 2, 6, 16, 24, 21
     x, w = _normal(19, B, L, D), _normal(20, D, V) * (logit_scale / math.sqrt(D))
     targets = jax.random.randint(jax.random.key(21), (B, L), 0, vocab_size)
     weights = jax.random.uniform(jax.random.key(22), (B, L)) * (jnp.arange(L) != 2)  # one token masked out
     d_loss = 1.7  # the cotangent of the loss, as a loss scale would be
-    sums, vjp = jax.vjp(lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, vocab_size, z_loss), x, w)
+    sums, vjp = jax.vjp(lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, vocab_size, z_loss, chunks), x, w)
     dx, dw = vjp((jnp.float32(d_loss), jnp.float32(0.0)))
     with jax.enable_x64(True):
         x64, w64, weights64 = (jnp.asarray(np.asarray(a), jnp.float64) for a in (x, w, weights))
@@ -200,9 +235,27 @@ def test_cross_entropy_statistic_carries_no_gradient_and_eval_path_agrees():
     B, L, D, V = 2, 3, 8, 16
     x, w = _normal(23, B, L, D), _normal(24, D, V)
     targets, weights = jax.random.randint(jax.random.key(25), (B, L), 0, 15), jnp.ones((B, L))
-    dx = jax.grad(lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0)[1])(x)
+    dx = jax.grad(lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0, 3)[1])(x)
     assert np.all(np.asarray(dx) == 0)
     (loss, statistic), _ = jax.value_and_grad(
-        lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0), has_aux=True)(x)
-    plain = jax.jit(lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0))(x)  # not differentiated
+        lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0, 3), has_aux=True)(x)
+    plain = jax.jit(lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0, 3))(x)  # not differentiated
     assert float(loss) == float(statistic) and abs(float(plain[0]) - float(loss)) / float(loss) < 1e-6
+
+
+def test_cross_entropy_slices_bound_the_logits_memory():
+    """The compiled gradient of the fused head and loss holds one slice's (B, L / chunks, V) float32
+    logits at a time: its temporaries shrink with the slices."""
+    B, L, D, V = 2, 512, 32, 8192
+    x, w = _normal(26, B, L, D), _normal(27, D, V)
+    targets, weights = jax.random.randint(jax.random.key(28), (B, L), 0, V), jnp.ones((B, L))
+
+    def temporaries(chunks: int) -> int:
+        grad = jax.grad(lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, V, 1e-4, chunks)[0],
+                        argnums=(0, 1))
+        return jax.jit(grad).lower(x, w).compile().memory_analysis().temp_size_in_bytes
+
+    logits_bytes = B * L * V * 4
+    whole, sliced = temporaries(1), temporaries(4)
+    assert whole >= logits_bytes
+    assert sliced <= whole / 2, (whole, sliced)

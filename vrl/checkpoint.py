@@ -33,7 +33,8 @@ from etils import epath
 from vrl.config import ModelConfig, TrainConfig
 
 # Model fields that change how the step runs, not what the model is: a resume may change them.
-EXECUTION_FIELDS = ('attention_chunks', 'attention_impl', 'hand_vjp', 'scan_layers', 'remat', 'compute_dtype')
+EXECUTION_FIELDS = ('attention_chunks', 'head_chunks', 'attention_impl', 'hand_vjp', 'scan_layers', 'remat',
+                    'compute_dtype')
 
 
 class CheckpointError(Exception):

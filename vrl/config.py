@@ -72,6 +72,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention_chunks: int = 4  # training attention in this many query chunks, skipping unseen keys
+    head_chunks: int = 4  # the output head and loss in this many slices of the sequence (vrl.ops.cross_entropy_sums)
     attention_impl: str = 'auto'  # auto | xla | splash | cudnn: vrl/attention.py (auto: the platform's kernel)
     hand_vjp: str = 'auto'  # auto | all | none | some of HAND_VJP_OPS, comma-separated: vrl/ops.py's
     # ops that run their hand-written backward (the others autodiff); auto: what suits the platform
@@ -90,7 +91,7 @@ class ModelConfig:
                 _require(name in HAND_VJP_OPS, 'model.hand_vjp', self.hand_vjp,
                          "'auto', 'all', 'none' or a comma-separated list of " + ', '.join(map(repr, HAND_VJP_OPS)))
         for name in ('vocab_size', 'vocab_pad_multiple', 'd_model', 'n_heads', 'n_kv_heads',
-                     'head_dim', 'd_ff', 'attention_chunks'):
+                     'head_dim', 'd_ff', 'attention_chunks', 'head_chunks'):
             _require(getattr(self, name) >= 1, f'model.{name}', getattr(self, name), 'an integer >= 1')
         _require(self.n_layers >= 2, 'model.n_layers', self.n_layers, 'an integer >= 2')
         _require(self.n_heads % self.n_kv_heads == 0, 'model.n_kv_heads', self.n_kv_heads,

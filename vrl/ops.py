@@ -25,7 +25,13 @@ from `python bench/hand_vjp.py` (README).
 - `cross_entropy_sums` (head + loss): the loss is a scalar, so when it is differentiated its
   forward pass computes d loss / d logits while the (B, L, V) logits are at hand and runs both
   head matmuls of the backward right there; the backward only scales the two gradients by the
-  incoming scalar. The logits are never kept, and each pass over them is made once.
+  incoming scalar. The logits are never kept, and each pass over them is made once. The tokens
+  go through in `model.head_chunks` slices of the sequence, so only a slice's logits exist at a
+  time: the weight gradient is summed over the slices in float32.
+
+Every bfloat16 residual the hand-written backwards keep is kept as its uint16 bits (`_kept`):
+XLA:CPU writes and reads a layer of a scan-stacked bfloat16 array by converting the whole stack
+to float32 and back, which cost the 82M bf16 step about 0.8 s of its 3.5 s of op time.
 
 Shape suffixes as in vrl/model.py; T = B * L tokens, I / O the flattened contracted / output dims.
 """
@@ -40,6 +46,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from vrl.config import HAND_VJP_OPS
 from vrl.sharding import constrain
@@ -53,6 +60,21 @@ def _pinned(x: Array, pin: bool = True) -> Array:
     """x (a transpose), kept by a barrier from being folded into the dot that consumes it, where
     XLA:CPU would transpose the dot's other, larger operand in a slow fused loop instead."""
     return jax.lax.optimization_barrier(x) if pin else x
+
+
+def _kept(residuals):
+    """Residuals as the backward pass keeps them: bfloat16 arrays as their uint16 bits. Under the
+    layer scan each is stacked over layers, and XLA:CPU writes and reads a stacked bfloat16 array
+    by converting the whole stack to float32 and back at every layer; a bit cast costs nothing
+    on any backend (468M on v5e:4x4: the same memory, `python bench/hand_vjp.py`)."""
+    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a,
+                        residuals)
+
+
+def _unkept(residuals):
+    """`_kept`'s inverse."""
+    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a,
+                        residuals)
 
 
 def plain_project(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | None = None) -> Array:
@@ -75,7 +97,7 @@ def _project_fwd(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | Non
     x_TxI, w_IxO = _as_matrices(x, w, n_contract)
     y_TxO = jnp.dot(x_TxI, w_IxO, preferred_element_type=jnp.float32)
     y = y_TxO.astype(out_dtype or x.dtype).reshape(*x.shape[:x.ndim - n_contract], *w.shape[n_contract:])
-    return y, (x, w)
+    return y, _kept((x, w))
 
 
 def _tokens_last(a: Array, n_trailing: int) -> Array:
@@ -87,12 +109,18 @@ def _tokens_last(a: Array, n_trailing: int) -> Array:
 
 
 def _project_bwd(n_contract: int, out_dtype: jnp.dtype | None, residuals, dy: Array):
-    """Each matmul in the one form XLA:CPU runs in bfloat16 (row-major operands contracting the
-    left one's last axis; any other form it converts to float32 first): dx = dy W^T contracts
-    both operands' last axes; the weight gradient contracts over tokens, so the smaller operand
-    is transposed in memory first, on its own."""
     del out_dtype
-    x, w = residuals
+    x, w = _unkept(residuals)
+    dx, dw_f32 = _project_grads(x, w, n_contract, dy)
+    return dx, dw_f32.astype(w.dtype)
+
+
+def _project_grads(x: Array, w: Array, n_contract: int, dy: Array) -> tuple[Array, Array]:
+    """dx (x's dtype) and dw (float32) of y = project(x, w) for the cotangent dy, each matmul in the
+    one form XLA:CPU runs in bfloat16 (row-major operands contracting the left one's last axis; any
+    other form it converts to float32 first): dx = dy W^T contracts both operands' last axes; the
+    weight gradient contracts over tokens, so the smaller operand is transposed in memory first,
+    on its own."""
     x_TxI, w_IxO = _as_matrices(x, w, n_contract)
     I, O = w_IxO.shape
     dy = dy.astype(x.dtype).reshape(*x.shape[:x.ndim - n_contract], O)
@@ -103,7 +131,7 @@ def _project_bwd(n_contract: int, out_dtype: jnp.dtype | None, residuals, dy: Ar
     else:  # transposed back after a barrier: folded into the dot, the transpose sends it to a slow path
         dw_OxI = jnp.einsum('ot,ti->oi', _tokens_last(dy, 1), x_TxI, preferred_element_type=jnp.float32)
         dw_IxO = _pinned(dw_OxI).T
-    return dx_TxI.astype(x.dtype).reshape(x.shape), dw_IxO.astype(w.dtype).reshape(w.shape)
+    return dx_TxI.astype(x.dtype).reshape(x.shape), dw_IxO.reshape(w.shape)
 
 
 project.defvjp(_project_fwd, _project_bwd)
@@ -176,14 +204,14 @@ def _attend(q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, mask_BxLx
 def _attention_fwd(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array):
     q, k, v = _heads_major(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, pin=True)
     out_BxKxGxLxDh, softmax_stats = _attend(q, k, v, mask_BxLxS)
-    return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4), (q, k, v, mask_BxLxS, out_BxKxGxLxDh, softmax_stats)
+    return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4), _kept((q, k, v, mask_BxLxS, out_BxKxGxLxDh, softmax_stats))
 
 
 def _attention_bwd(residuals, d_out_BxLxKxGxDh: Array):
     """Recomputes the probabilities P exactly as the forward did; dV = P^T dO, dP = dO V^T,
     dlogits = P * (dP - <dO, O>) where unmasked (0 where masked), dQ = dlogits K and
     dK = dlogits^T Q. dV and dK transpose their small operand (dO, Q), not the (L, S) matrix."""
-    q, k, v, mask_BxLxS, out_BxKxGxLxDh, (max_BxKxGxLx1, sum_BxKxGxLx1) = residuals
+    q, k, v, mask_BxLxS, out_BxKxGxLxDh, (max_BxKxGxLx1, sum_BxKxGxLx1) = _unkept(residuals)
     B, K, G, L, Dh = q.shape
     probs_BxKxGxLxS = _probs(_logits(q, k, mask_BxLxS), max_BxKxGxLx1, sum_BxKxGxLx1)
     d_out_BxKxGxLxDh = _pinned(d_out_BxLxKxGxDh.transpose(0, 2, 3, 1, 4))
@@ -219,11 +247,11 @@ swiglu = jax.custom_vjp(plain_swiglu)  # the backward keeps only gate and up and
 
 
 def _swiglu_fwd(gate: Array, up: Array):
-    return plain_swiglu(gate, up), (gate, up)
+    return plain_swiglu(gate, up), _kept((gate, up))
 
 
 def _swiglu_bwd(residuals, d_out: Array):
-    gate, up = residuals
+    gate, up = _unkept(residuals)
     sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32))
     silu = gate.astype(jnp.float32) * sigmoid
     d_out = d_out.astype(jnp.float32)
@@ -235,29 +263,69 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def plain_cross_entropy_sums(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array,
-                             vocab_size: int, z_loss: float) -> tuple[Array, Array]:
+                             vocab_size: int, z_loss: float, chunks: int) -> tuple[Array, Array]:
     """Logits x @ w (float32), and over tokens t with weight w_t (float32, e.g. a 0/1 loss mask):
 
         (sum_t w_t * (CE_t + z_loss * logZ_t^2),  sum_t w_t * CE_t)
 
     CE_t = logZ_t - logit_t[target_t], logZ_t the log-sum-exp over the first `vocab_size`
     columns; the columns past it are padding and take no part. The second sum is a statistic:
-    it has no gradient.
+    it has no gradient. The tokens go through in `chunks` slices of the L positions, one after
+    another (`_over_length_chunks`), so (B, L / chunks, V) logits exist at a time, in the forward
+    pass and, recomputed there by autodiff, in the backward (the hand-written backward recomputes
+    nothing: it runs in the forward).
     """
-    loss, statistic = _cross_entropy(x_BxLxD, w_DxV, targets_BxL, weights_BxL, vocab_size, z_loss)[0]
+    w_DxV = _padding_repeats_column_0(w_DxV, vocab_size)
+
+    @jax.checkpoint
+    def chunk_sums(x_BxCxD, w_DxV, targets_BxC, weights_BxC):
+        return _cross_entropy(x_BxCxD, w_DxV, targets_BxC, weights_BxC, vocab_size, z_loss)[0]
+
+    def chunk(sums, x_BxCxD, targets_BxC, weights_BxC):
+        return _added(sums, chunk_sums(x_BxCxD, w_DxV, targets_BxC, weights_BxC)), None
+
+    (loss, statistic), _ = _over_length_chunks(chunk, _ZERO_SUMS, chunks, x_BxLxD, targets_BxL, weights_BxL)
     return loss, jax.lax.stop_gradient(statistic)
 
 
-cross_entropy_sums = jax.custom_vjp(plain_cross_entropy_sums, nondiff_argnums=(4, 5))
+cross_entropy_sums = jax.custom_vjp(plain_cross_entropy_sums, nondiff_argnums=(4, 5, 6))
+
+
+def _padding_repeats_column_0(w_DxV: Array, vocab_size: int) -> Array:
+    """w with its padding columns (past vocab_size) set to column 0, so the max over all of a row's
+    logits (a pass over them as they are, no masked copy) is the max over the real ones."""
+    return jnp.where(jnp.arange(w_DxV.shape[-1]) < vocab_size, w_DxV, w_DxV[:, :1])
+
+
+def _over_length_chunks(step: Callable, carry, chunks: int, *arrays_BxL: Array):
+    """lax.scan of step(carry, *slices) -> (carry, out) over consecutive slices of the arrays' length
+    axis (axis 1), as many as the largest divisor of L that is at most `chunks`. Returns the last
+    carry and the outs joined back along the length axis."""
+    B, L = arrays_BxL[0].shape[:2]
+    n = max(d for d in range(1, chunks + 1) if L % d == 0)
+
+    def split(a_BxLx_: Array) -> Array:  # (n, B, L / n, ...)
+        return jnp.moveaxis(a_BxLx_.reshape(B, n, L // n, *a_BxLx_.shape[2:]), 1, 0)
+
+    def join(a_NxBxCx_: Array) -> Array:
+        return jnp.moveaxis(a_NxBxCx_, 0, 1).reshape(B, L, *a_NxBxCx_.shape[3:])
+
+    carry, outs = jax.lax.scan(lambda c, slices: step(c, *slices), carry, tuple(map(split, arrays_BxL)))
+    return carry, jax.tree.map(join, outs)
+
+
+_ZERO_SUMS = (np.float32(0), np.float32(0))  # numpy: no device array at import
+
+
+def _added(sums: tuple[Array, ...], more: tuple[Array, ...]) -> tuple[Array, ...]:
+    return tuple(a + b for a, b in zip(sums, more))
 
 
 def _cross_entropy(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int,
                    z_loss: float):
-    """The two sums, and (x, w, exp(logits - max) (B, L, V) with 0 for padding, its sum, logZ)."""
+    """The two sums, and (exp(logits - max) (B, L, V) with 0 for padding, its sum, logZ); w's
+    padding columns repeat column 0 (`_padding_repeats_column_0`)."""
     is_real_V = jnp.arange(w_DxV.shape[-1]) < vocab_size
-    # padding columns repeat column 0, so the max over all columns (a pass over the logits as they
-    # are, no masked copy) is the max over the real ones
-    w_DxV = jnp.where(is_real_V, w_DxV, w_DxV[:, :1])
     logits_BxLxV = constrain(_project_fwd(x_BxLxD, w_DxV, 1, jnp.float32)[0], ('batch', 'length', 'vocab'))
     max_BxLx1 = jnp.max(logits_BxLxV, axis=-1, keepdims=True)
     exp_BxLxV = jnp.exp(logits_BxLxV + jnp.where(is_real_V, 0.0, -jnp.inf) - max_BxLx1)
@@ -266,23 +334,33 @@ def _cross_entropy(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL
     target_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
     cross_entropy_BxL = (log_z_BxL - target_BxL) * weights_BxL
     sums = (jnp.sum(cross_entropy_BxL + z_loss * weights_BxL * jnp.square(log_z_BxL)), jnp.sum(cross_entropy_BxL))
-    return sums, (x_BxLxD, w_DxV, exp_BxLxV, sum_BxLx1, log_z_BxL)
+    return sums, (exp_BxLxV, sum_BxLx1, log_z_BxL)
 
 
 def _cross_entropy_fwd(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int,
-                       z_loss: float):
-    """d loss / d logits = w_t * ((1 + 2 z_loss logZ_t) softmax_t - onehot(target_t)), then the head's
-    backward (vrl.ops.project's) on it: the residuals are the gradients for a cotangent of 1."""
-    sums, (x, w, exp_BxLxV, sum_BxLx1, log_z_BxL) = _cross_entropy(x_BxLxD, w_DxV, targets_BxL, weights_BxL,
-                                                                   vocab_size, z_loss)
-    row_BxLx1 = (weights_BxL * (1 + 2 * z_loss * log_z_BxL))[..., None] / sum_BxLx1
-    is_target_BxLxV = jnp.arange(exp_BxLxV.shape[-1]) == targets_BxL[..., None]
-    d_logits_BxLxV = exp_BxLxV * row_BxLx1 - jnp.where(is_target_BxLxV, weights_BxL[..., None], 0.0)
-    return sums, _project_bwd(1, None, (x, w), d_logits_BxLxV)
+                       z_loss: float, chunks: int):
+    """Per slice of the positions, d loss / d logits = w_t * ((1 + 2 z_loss logZ_t) softmax_t -
+    onehot(target_t)), then the head's backward (vrl.ops.project's) on it, the weight gradient
+    summed over slices in float32: the residuals are the gradients for a cotangent of 1."""
+    real_w_DxV = _padding_repeats_column_0(w_DxV, vocab_size)
+
+    def chunk(carry, x_BxCxD, targets_BxC, weights_BxC):
+        sums, d_w_DxV = carry
+        chunk_sums, (exp_BxCxV, sum_BxCx1, log_z_BxC) = _cross_entropy(x_BxCxD, real_w_DxV, targets_BxC,
+                                                                       weights_BxC, vocab_size, z_loss)
+        row_BxCx1 = (weights_BxC * (1 + 2 * z_loss * log_z_BxC))[..., None] / sum_BxCx1
+        is_target_BxCxV = jnp.arange(exp_BxCxV.shape[-1]) == targets_BxC[..., None]
+        d_logits_BxCxV = exp_BxCxV * row_BxCx1 - jnp.where(is_target_BxCxV, weights_BxC[..., None], 0.0)
+        d_x_BxCxD, chunk_d_w_DxV = _project_grads(x_BxCxD, real_w_DxV, 1, d_logits_BxCxV)
+        return (_added(sums, chunk_sums), d_w_DxV + chunk_d_w_DxV), d_x_BxCxD
+
+    zeros = (_ZERO_SUMS, jnp.zeros(w_DxV.shape, jnp.float32))
+    (sums, d_w_DxV), d_x_BxLxD = _over_length_chunks(chunk, zeros, chunks, x_BxLxD, targets_BxL, weights_BxL)
+    return sums, (d_x_BxLxD, d_w_DxV.astype(w_DxV.dtype))
 
 
-def _cross_entropy_bwd(vocab_size: int, z_loss: float, residuals, d_sums):
-    del vocab_size, z_loss
+def _cross_entropy_bwd(vocab_size: int, z_loss: float, chunks: int, residuals, d_sums):
+    del vocab_size, z_loss, chunks
     d_x, d_w = residuals
     d_loss = d_sums[0]
     return (d_loss * d_x).astype(d_x.dtype), (d_loss * d_w).astype(d_w.dtype), None, None
