@@ -125,10 +125,10 @@ def test_auto_fit_without_a_memory_limit_takes_the_cheapest_setting():
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
                     reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
 def test_auto_fit_picks_the_fewest_microbatches_that_fit():
-    """82M SVFormer, 4 sequences of 8,192 per v5e chip (16 GiB) and no remat: one step at once does
+    """82M SVFormer, 8 sequences of 8,192 per v5e chip (16 GiB) and no remat: one step at once does
     not fit; auto takes the smallest count that does, and the count below it does not."""
     config = from_configdict(base.get_config('svformer,82m,8k'))
-    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=16),
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=32),
                                  model=dataclasses.replace(config.model, remat='none'))
     devices, hbm = aot.tpu_devices('v5e:2x2')
     fitted, report = aot.auto_fit(config, devices, hbm)
