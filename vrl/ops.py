@@ -67,14 +67,16 @@ def _kept(residuals):
     layer scan each is stacked over layers, and XLA:CPU writes and reads a stacked bfloat16 array
     by converting the whole stack to float32 and back at every layer; a bit cast costs nothing
     on any backend (468M on v5e:4x4: the same memory, `python bench/hand_vjp.py`)."""
-    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a,
-                        residuals)
+    return _bitcast_leaves(residuals, jnp.bfloat16, jnp.uint16)
 
 
 def _unkept(residuals):
     """`_kept`'s inverse."""
-    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a,
-                        residuals)
+    return _bitcast_leaves(residuals, jnp.uint16, jnp.bfloat16)
+
+
+def _bitcast_leaves(tree, source: jnp.dtype, target: jnp.dtype):
+    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, target) if a.dtype == source else a, tree)
 
 
 def plain_project(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | None = None) -> Array:
