@@ -1,8 +1,8 @@
 """The paper's recipe (vrl/config.py defaults) at one of its three sizes, for one variant.
 
 Use directly as `--config=configs/base.py:svformer,468m`, or through the thin named files
-(`configs/svformer_468m.py`). Sizes are PAPER.md's 'Model sizes' table. A third part picks
-one of the paper's sequence lengths with its batch, ~2M tokens per step (PAPER.md):
+(`configs/svformer_468m.py`). Sizes are docs/paper.md's sizes table. A third part picks
+one of the paper's sequence lengths with its batch, ~2M tokens per step (docs/paper.md):
 `configs/base.py:svformer,82m,64k` is 65,536 x 32. RoPE theta stays the paper's 10,000;
 override it with `--config.model.rope_theta=...`. Microbatches and remat are `auto` (vrl/aot.py):
 the fewest microbatches and the cheapest remat whose step fits the devices' memory, chosen by

@@ -1,4 +1,4 @@
-"""An independent float64 NumPy forward of the decoder and every variant, from PAPER.md's equations.
+"""An independent float64 NumPy forward of the decoder and every variant, from docs/paper.md's equations.
 
 Parameters come as the model's pure dict (numpy float64); nothing here calls vrl's code.
 """
@@ -79,7 +79,7 @@ def _np_depth_weights(cfg: ModelConfig, p: dict) -> np.ndarray:
 
 
 def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = None) -> np.ndarray:
-    """One sequence (L,) -> logits (L, vocab_size), straight from PAPER.md's equations.
+    """One sequence (L,) -> logits (L, vocab_size), straight from docs/paper.md's equations.
 
     With `trace`, appends per layer (attention (heads, L, L), attended values (L, K, Dh), output (L, D)).
     """
@@ -119,7 +119,7 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
         att /= att.sum(-1, keepdims=True)
         o = np.einsum('nij,jnh->inh', att, v_rep)
         if cfg.neutreno and n > 0:
-            o = o + cfg.neutreno_lambda * np.repeat(v1 - v_n, G, axis=1)
+            o = o + cfg.neutreno_lambda * np.repeat(v1 - v, G, axis=1)  # V_1 minus the values attended
         h = h + np.einsum('inh,nhd->id', o, a['wo'])
         x = _np_rms(h, layer['mlp_norm']['scale'], cfg.norm_eps)
         m = layer['mlp']

@@ -29,13 +29,15 @@ def tiny_config(small_corpus, attention='resformer', **train_fields) -> Config:
                   train=TrainConfig(**train_cfg))
 
 
-def cli_args(config: Config, workdir: Path) -> list[str]:
-    """The same config as command-line overrides of configs/tiny.py."""
-    args = [sys.executable, '-m', 'vrl.main', '--config=configs/tiny.py', f'--workdir={workdir}']
-    for section, values in dataclasses.asdict(config).items():
-        for key, value in values.items():
-            args.append(f'--config.{section}.{key}={value}')
-    return args
+def overrides(config: Config) -> list[str]:
+    """Every field of `config` as a command-line override (of configs/tiny.py)."""
+    return [f'--config.{section}.{key}={value}' for section, values in dataclasses.asdict(config).items()
+            for key, value in values.items()]
+
+
+def cli_args(config: Config, workdir: Path, module: str = 'vrl.main') -> list[str]:
+    """`python -m module` on the same config, as overrides of configs/tiny.py."""
+    return [sys.executable, '-m', module, '--config=configs/tiny.py', f'--workdir={workdir}', *overrides(config)]
 
 
 def start_run(config: Config, workdir: Path) -> subprocess.Popen:

@@ -41,9 +41,11 @@ def test_similarity_of_identical_and_of_orthogonal_tokens():
 
 
 def test_first_and_rest_norms():
-    x = jnp.zeros((1, 3, 2, 2)).at[0, 0, 0, 0].set(3.0).at[0, 0, 1, 1].set(4.0).at[0, 1, 0, 0].set(1.0)
-    first, rest = analysis.first_and_rest_norms(x.at[0, 2, 1, 0].set(-2.0))
-    np.testing.assert_allclose(first, [5.0]) and np.testing.assert_allclose(rest, [1.5])
+    x = np.random.default_rng(4).normal(size=(2, 5, 3, 4))
+    first, rest = analysis.first_and_rest_norms(jnp.asarray(x, jnp.float32))
+    norms = [[np.sqrt(sum(v * v for v in x[b, t].ravel())) for t in range(5)] for b in range(2)]
+    np.testing.assert_allclose(first, [norms[0][0], norms[1][0]], rtol=1e-6)
+    np.testing.assert_allclose(rest, [np.mean(norms[0][1:]), np.mean(norms[1][1:])], rtol=1e-6)
 
 
 @pytest.mark.parametrize('variant', ['vanilla', 'resformer-learnable_plus', 'svformer-cla2', 'all-baselines'])

@@ -3,6 +3,7 @@ finished runs, and bad input refused before anything is written."""
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -10,23 +11,24 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
-from tests.runs import saved_steps, tiny_config, write_choice_task
-from vrl import compare
+from tests.runs import cli_args, saved_steps, tiny_config, wait_for, write_choice_task
+from vrl import compare, curves
+from vrl.config import Config
 
 
 def test_moving_average_is_trailing_and_keeps_length():
-    np.testing.assert_allclose(compare.moving_average([1, 2, 3, 4, 10], 2), [1, 1.5, 2.5, 3.5, 7])
-    np.testing.assert_allclose(compare.moving_average([4, 2, 6], 100), [4, 3, 4])
+    np.testing.assert_allclose(curves.moving_average([1, 2, 3, 4, 10], 2), [1, 1.5, 2.5, 3.5, 7])
+    np.testing.assert_allclose(curves.moving_average([4, 2, 6], 100), [4, 3, 4])
 
 
 def test_relative_loss_over_common_steps():
     baseline = {s: 5.0 - 0.01 * s for s in range(1, 301)}
     better = {s: v - 0.2 for s, v in baseline.items() if s % 3}  # a curve logged on fewer steps
-    steps, relative = compare.relative_loss(better, baseline, 100)
+    steps, relative = curves.relative_loss(better, baseline, 100)
     assert steps == [s for s in range(1, 301) if s % 3]
     np.testing.assert_allclose(relative, -0.2, atol=1e-12)
     crossing = {s: baseline[s] + (0.3 if s <= 150 else -0.3) for s in baseline}
-    _, relative = compare.relative_loss(crossing, baseline, 100)
+    _, relative = curves.relative_loss(crossing, baseline, 100)
     assert relative[0] == pytest.approx(0.3) and relative[-1] == pytest.approx(-0.3)
     assert relative[199] == pytest.approx(-0.3 * 50 / 100 + 0.3 * 50 / 100)  # window over the crossing
 
@@ -41,14 +43,15 @@ def test_summary_pairs_seeds_with_vanilla():
     assert resformer['delta_spread'] == pytest.approx(np.std([-0.1, -0.2], ddof=1))
 
 
-def _compare(small_corpus, workdir, *args: str, steps: int = 4) -> subprocess.CompletedProcess:
+def _compare_args(small_corpus, workdir, *args: str, steps: int = 4) -> list[str]:
     config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3))
-    overrides = [f'--config.{section}.{key}={value}' for section, values in dataclasses.asdict(config).items()
-                 for key, value in values.items()]
-    return subprocess.run([sys.executable, '-m', 'vrl.compare', '--config=configs/tiny.py', f'--workdir={workdir}',
-                           '--analysis_sequences=4', *overrides, *args],
-                          capture_output=True, text=True, cwd=str(ROOT), timeout=900)
+    return [*cli_args(config, workdir, 'vrl.compare'), '--analysis_sequences=4', *args]
+
+
+def _compare(small_corpus, workdir, *args: str, steps: int = 4) -> subprocess.CompletedProcess:
+    return subprocess.run(_compare_args(small_corpus, workdir, *args, steps=steps), capture_output=True, text=True,
+                          cwd=str(ROOT), timeout=900)
 
 
 @pytest.fixture(scope='module')
@@ -121,6 +124,29 @@ def test_a_workdir_of_another_config_is_refused_and_left_alone(compared, small_c
     assert result.returncode != 0 and 'train.steps was 4 there and is 5 now' in result.stderr
     assert (workdir / 'compare.json').read_bytes() == saved
     assert not (workdir / 'runs' / 'vanilla-s0' / 'checkpoints' / '5').exists()
+
+
+def test_a_second_comparison_on_the_same_directory_is_refused_naming_the_first(small_corpus, tmp_path):
+    first = subprocess.Popen(_compare_args(small_corpus, tmp_path, '--variants=vanilla', steps=2000), cwd=str(ROOT),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: (tmp_path / '.lock').exists() and (tmp_path / '.lock').read_text(), 300, first)
+        record = (tmp_path / 'compare.json').read_bytes()
+        second = _compare(small_corpus, tmp_path, '--variants=vanilla', steps=2000)
+    finally:
+        first.kill()
+        first.wait()
+    assert second.returncode != 0 and 'Traceback' not in second.stderr
+    assert f'is in use by another comparison (host {os.uname().nodename}, pid {first.pid}' in second.stderr
+    assert (tmp_path / 'compare.json').read_bytes() == record and not (tmp_path / 'report.md').exists()
+
+
+def test_one_seed_is_reported_as_one_seed_not_as_zero_spread():
+    row = dict(variant='resformer', model='resformer (identity)', eval_loss=3.5, eval_loss_spread=float('nan'),
+               delta_vs_vanilla=-0.1, delta_spread=float('nan'), params=10, kv_cache_bytes_per_token=4,
+               tokens_per_sec=1.0, downstream={})
+    report = compare.report([row], [], Config(), [0])
+    assert '| 3.5000 (1 seed) | -0.1000 (1 seed) |' in report and '±' not in report.split('|---|')[-1]
 
 
 def test_list_variants():

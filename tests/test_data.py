@@ -167,6 +167,21 @@ def test_prepare_text_folder_and_jsonl(tmp_path):
     assert sorted(jsonl_splits[0] + jsonl_splits[1]) == sorted(f'record {i} — ok' for i in range(10))
 
 
+def test_the_kjv_corpus_builds_from_its_package_with_whole_books_held_out(tmp_path):
+    splits = {split: list(corpus.texts(corpus.open_split('kjv', str(tmp_path), split)))
+              for split in ('train', 'validation')}
+    assert len(splits['train']) + len(splits['validation']) == 1189  # chapters
+    assert 0.05 < len(splits['validation']) / 1189 < 0.2
+    genesis = [t for t in splits['train'] + splits['validation'] if t.startswith('In the beginning God created')]
+    assert len(genesis) == 1 and 'And God said, Let there be light: and there was light.' in genesis[0]
+    train, held_out = set(splits['train']), set(splits['validation'])
+    with corpus.kjv_spec() as spec:
+        assert len(spec.files) == 66
+        for book in spec.files:
+            chapters = {json.loads(line)['text'] for line in open(book, encoding='utf-8')}
+            assert chapters <= train or chapters <= held_out, f'{book} is split'
+
+
 def test_stats(small_corpus):
     cfg, tokenizer = small_corpus
     stats = data.split_stats(cfg.name, cfg.data_dir, tokenizer)

@@ -148,3 +148,28 @@ def test_bad_input_is_named(workdir, small_corpus, tmp_path):
         evaluate.evaluate(str(empty), ['toy_choice'], include_path=str(tasks))
     with pytest.raises(evaluate.EvaluateError, match='batch_size=0 is invalid'):
         evaluate.VrlLM(str(workdir), batch_size=0)
+
+
+def _evaluate(workdir: Path, tasks: Path, task: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, '-m', 'vrl.evaluate', f'--workdir={workdir}', f'--tasks={task}',
+                           f'--include_path={tasks}'], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_a_task_file_that_does_not_parse_is_named_with_its_line(workdir, tmp_path):
+    tasks = write_choice_task(tmp_path / 'tasks')
+    (tasks / 'bad_yaml.yaml').write_text('task: bad_yaml\ndataset_path: json\n  output_type: [unclosed\n')
+    result = _evaluate(workdir, tasks, 'bad_yaml')
+    assert result.returncode != 0 and 'Traceback' not in result.stderr
+    line = [x for x in result.stderr.splitlines() if x.startswith('error:')]
+    assert len(line) == 1 and f"task files in --include_path that do not parse: {tasks / 'bad_yaml.yaml'}:3: " in line[0]
+    assert 'mapping values are not allowed here' in line[0]
+
+
+def test_a_data_line_that_does_not_parse_is_named_with_its_file_and_line(workdir, tmp_path):
+    tasks = write_choice_task(tmp_path / 'tasks')
+    data = tasks / 'toy_choice.jsonl'
+    lines = data.read_text().splitlines()
+    data.write_text('\n'.join([lines[0], lines[1][:-5], *lines[2:]]) + '\n')  # the second row cut short
+    result = _evaluate(workdir, tasks, 'toy_choice')
+    assert result.returncode != 0 and 'Traceback' not in result.stderr
+    assert f"error: task 'toy_choice': its data could not be loaded: {data}:2 is not valid JSON (" in result.stderr

@@ -6,6 +6,7 @@ A trained vanilla run goes through the real command as a plain LlamaForCausalLM;
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import subprocess
 import sys
@@ -41,6 +42,53 @@ def exported(small_corpus, tmp_path_factory):
     assert out.returncode == 0, out.stderr[-3000:]
     assert 'vanilla + MQA at step 4' in out.stdout
     return train.load_trained(str(root / 'run')), root / 'hf'
+
+
+def _export(workdir: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, '-m', 'vrl.export', f'--workdir={workdir}', f'--out={out}', *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_export_overwrites_nothing_it_did_not_write(exported, tmp_path):
+    run, folder = exported
+    workdir = folder.parent / 'run'
+    again = _export(workdir, folder)  # an earlier export of the same run is replaced
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((folder / 'vrl_export.json').read_text())['workdir'] == str(workdir)
+    mine = tmp_path / 'mine'
+    mine.mkdir()
+    (mine / 'config.json').write_text('{"mine": true}')
+    (mine / 'notes.txt').write_text('my notes')
+    before = _hashes(mine)
+    refused = _export(workdir, mine)
+    assert refused.returncode != 0 and 'Traceback' not in refused.stderr
+    assert f'--out={mine} holds other files: config.json, notes.txt; choose an empty or new directory' in refused.stderr
+    assert _hashes(mine) == before and sorted(p.name for p in tmp_path.iterdir()) == ['mine']  # no staging left
+    replaced = _export(workdir, mine, '--overwrite')
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert not (mine / 'notes.txt').exists() and (mine / 'model.safetensors').exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['mine']
+
+
+def test_an_interrupted_export_leaves_the_old_directory_and_no_half_one(tmp_path):
+    from vrl import export
+    out = tmp_path / 'hf'
+    export.publish(out, {'workdir': 'a'}, False, lambda folder: (folder / 'model.safetensors').write_text('first'))
+    before = _hashes(out)
+
+    def interrupted(folder: Path) -> None:
+        (folder / 'model.safetensors').write_text('half')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        export.publish(out, {'workdir': 'a'}, False, interrupted)
+    assert _hashes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ['hf']
+    with pytest.raises(export.ExportError, match='holds an export of a; choose'):
+        export.publish(out, {'workdir': 'b'}, False, lambda folder: None)
 
 
 def test_transformers_loads_the_export_and_agrees(exported):

@@ -145,6 +145,17 @@ def test_v1_is_not_detached():
     (dict(attention_chunks=0), 'model.attention_chunks', 'an integer >= 1'),
     (dict(head_chunks=0), 'model.head_chunks', 'an integer >= 1'),
     (dict(hand_vjp='project,flash'), 'model.hand_vjp', "'auto', 'all', 'none' or a comma-separated list of"),
+    # combinations of variants that mean nothing
+    (dict(attention='resformer', kv_share=2), 'model.kv_share', "1 with model.attention='resformer'"),
+    (dict(kv_share=0), 'model.kv_share', 'an integer >= 1'),
+    (dict(attention='svformer', neutreno=True), 'model.neutreno', "False with model.attention='svformer'"),
+    (dict(value_embed_layers=(0, 2)), 'model.value_embed_layers', 'in 1..3'),
+    (dict(value_embed_layers=(2, 2)), 'model.value_embed_layers', 'distinct'),
+    (dict(attention='svformer', value_embed_layers=(2,)), 'model.value_embed_layers', 'layer 1 only for SVFormer'),
+    (dict(kv_share=2, value_embed_layers=(2,)), 'model.value_embed_layers', 'layers 1, 3, ...'),
+    (dict(value_embed_layers=(1, 2), value_embed_tables=(0,)), 'model.value_embed_tables', 'one table id per'),
+    (dict(value_embed_layers=(1, 2), value_embed_tables=(0, 2)), 'model.value_embed_tables', 'every id 0..T-1'),
+    (dict(lambda_mode='per-token'), 'model.lambda_mode', "'per_token'"),
 ])
 def test_bad_config_names_field_and_allowed_values(overrides, field, allowed):
     with pytest.raises(ConfigError) as e:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.runs import logged_steps, params_equal, saved_steps, start_run, tiny_config, wait_for
-from vrl import checkpoint, data, train
+from vrl import accounting, checkpoint, data, train
 from vrl.step import Trainer
 from vrl import sharding
 
@@ -46,12 +46,19 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path):
     assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir() if p.name.isdigit())[-1] == 40
 
     # the generate command on this run, and its errors
-    def generate(workdir, *prompts):
-        return subprocess.run([sys.executable, '-m', 'vrl.generate', f'--workdir={workdir}', '--max_new_tokens=5',
+    def generate(workdir, *prompts, flags=('--max_new_tokens=5',)):
+        return subprocess.run([sys.executable, '-m', 'vrl.generate', f'--workdir={workdir}', *flags,
                                *[f'--prompt={p}' for p in prompts]], cwd=ROOT, capture_output=True, text=True)
     out = generate(tmp_path, 'HAMLET.', 'To be')
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count('--- ') == 2 and 'decode' in out.stdout and 'KV cache' in out.stdout
+    assert 'warning' not in out.stderr
+    # a --max_len far past what the prompts need allocates only what they need; past the trained length, a warning
+    out = generate(tmp_path, 'HAMLET.', flags=('--max_new_tokens=70', '--max_len=1000000'))
+    assert out.returncode == 0, out.stderr[-2000:]
+    bytes_per_token = accounting.kv_cache_bytes_per_token(config.model)
+    positions = int(re.search(r'warning: (\d+) positions', out.stderr).group(1))
+    assert config.data.seq_len < positions <= 70 + 8 and f'KV cache {positions * bytes_per_token:,} bytes' in out.stdout
     no_checkpoint = tmp_path / 'no_checkpoint'
     no_checkpoint.mkdir()
     (no_checkpoint / 'config.json').write_text((tmp_path / 'config.json').read_text())
@@ -118,7 +125,7 @@ def test_gradient_accumulation_equals_one_big_batch(small_corpus):
     assert np.linalg.norm(flat1 - flat4) / np.linalg.norm(flat1) < 1e-5
 
 
-def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path):
+def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path, capfd):
     """LR 1e38: step 1 leaves huge but finite weights (saved); step 2's loss is not finite."""
     config = tiny_config(small_corpus, steps=4, checkpoint_every=1)
     exploding = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e38,
@@ -127,10 +134,14 @@ def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path):
         train.run(exploding, str(tmp_path / 'error'))
     assert saved_steps(tmp_path / 'error') == [1]  # no checkpoint of the bad step
     skipping = dataclasses.replace(exploding, train=dataclasses.replace(exploding.train, nan_policy='skip'))
-    result = train.run(skipping, str(tmp_path / 'skip'))
+    # steps 2, 3, 4 are skipped: the run saves step 4, then ends with an error, since most of it was skipped
+    with pytest.raises(train.TrainingError, match=r'3 of the 4 steps this run took were non-finite and skipped'):
+        train.run(skipping, str(tmp_path / 'skip'))
     abstract_params = Trainer(skipping, sharding.make_mesh(skipping.mesh)).abstract_state.params
     after_step_1 = checkpoint.restore_params(str(tmp_path / 'error'), abstract_params)
-    assert result.step == 4 and params_equal(result.state.params, after_step_1)
+    assert saved_steps(tmp_path / 'skip')[-1] == 4
+    assert params_equal(checkpoint.restore_params(str(tmp_path / 'skip'), abstract_params), after_step_1)
+    assert 'NaN or Inf' not in capfd.readouterr().err  # TensorBoard gets no non-finite scalar
     # steps 2, 3, 4 are non-finite: a limit of 2 skips in a row stops at step 4, naming it
     limited = dataclasses.replace(skipping, train=dataclasses.replace(skipping.train, max_skipped_steps=2, steps=6))
     with pytest.raises(train.TrainingError, match=r'3 steps in a row up to step 4 were non-finite and skipped '

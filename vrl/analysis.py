@@ -1,4 +1,4 @@
-"""Attention concentration and the states behind it, per layer (PAPER.md, 'Analysis methods').
+"""Attention concentration and the states behind it, per layer (docs/paper.md, 'How the paper measures concentration').
 
 Pure functions of one layer's arrays; `Decoder.layer_stats` calls them inside each layer, so
 only one layer's (L x S) attention maps exist at a time. Each statistic is one float per

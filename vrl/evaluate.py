@@ -43,6 +43,7 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table
+    import yaml  # lm-eval's own dependency
 except ImportError as e:
     raise ImportError(f'vrl.evaluate needs lm-evaluation-harness ({e}): pip install -r requirements-extra.txt'
                       ) from e
@@ -207,16 +208,74 @@ class VrlLM(LM):
         return results
 
 
-def check_tasks(task_manager: TaskManager, tasks: list[str]) -> None:
-    """EvaluateError naming each task lm-eval does not know, with close matches."""
+def check_tasks(task_manager: TaskManager, tasks: list[str], include_path: str | None = None) -> None:
+    """EvaluateError naming each task lm-eval does not know, with close matches, and each task file in
+    include_path that does not parse (lm-eval skips those silently)."""
     unknown = [t for t in tasks if not task_manager.match_tasks([t])]
     if unknown:
+        broken = _broken_task_files(include_path) if include_path else []
+        if broken:
+            raise EvaluateError(f'unknown task(s) {", ".join(map(repr, unknown))}; task files in --include_path '
+                                f'that do not parse: {"; ".join(broken)}.')
         close = {t: difflib.get_close_matches(t, task_manager.all_tasks, 3) for t in unknown}
         hints = '; '.join(f'{t!r}: did you mean {", ".join(matches)}?' if matches else f'{t!r}: no close match'
                           for t, matches in close.items())
         raise EvaluateError(f'unknown task(s) {", ".join(map(repr, unknown))} ({hints}). `lm-eval ls tasks` lists '
                             f'the {len(task_manager.all_tasks)} names lm-eval {lm_eval.__version__} knows; a task of '
                             'your own is a YAML file in a folder passed with --include_path.')
+
+
+class _TaskYamlLoader(yaml.SafeLoader):
+    """YAML as lm-eval writes it, its `!function` tags read as plain strings."""
+
+
+_TaskYamlLoader.add_multi_constructor('!', lambda loader, tag, node: str(node.value))
+
+
+def _task_yaml(path: Path) -> dict:
+    with open(path, 'rb') as f:
+        cfg = yaml.load(f, Loader=_TaskYamlLoader)  # noqa: S506 - a safe loader with one more constructor
+    if not isinstance(cfg, dict):
+        raise ValueError(f'a task file holds a mapping, not a {type(cfg).__name__}')
+    return cfg
+
+
+def _broken_task_files(include_path: str) -> list[str]:
+    """'file:line: the parser's message' for each YAML under include_path that lm-eval cannot read."""
+    broken = []
+    for path in sorted(p for p in Path(include_path).rglob('*') if p.suffix in ('.yaml', '.yml')):
+        try:
+            _task_yaml(path)
+        except yaml.MarkedYAMLError as e:
+            line = f':{e.problem_mark.line + 1}' if e.problem_mark else ''
+            broken.append(f'{path}{line}: {" ".join(f"{e.problem or e.context}".split())}')
+        except (yaml.YAMLError, ValueError) as e:
+            broken.append(f'{path}: {" ".join(str(e).split())}')
+    return broken
+
+
+def _bad_json_line(task_manager: TaskManager, task: str) -> str | None:
+    """'file:line is not valid JSON (why)' for the first bad line of a local JSON-lines data file of the
+    task's YAML (dataset_path: json), or None."""
+    entry = task_manager.task_index.get(task)
+    try:
+        cfg = _task_yaml(entry.yaml_path) if entry and entry.yaml_path else {}
+    except (OSError, yaml.YAMLError, ValueError):  # an unreadable YAML is reported by check_tasks
+        return None
+    if cfg.get('dataset_path') != 'json':
+        return None
+    files = (cfg.get('dataset_kwargs') or {}).get('data_files') or []
+    for file in files.values() if isinstance(files, dict) else [files]:
+        for name in [file] if isinstance(file, str) else file:
+            if not Path(name).is_file():
+                continue
+            for number, line in enumerate(Path(name).read_text(encoding='utf-8', errors='replace').splitlines(), 1):
+                try:
+                    if line.strip():
+                        json.loads(line)
+                except json.JSONDecodeError as e:
+                    return f'{name}:{number} is not valid JSON ({e.msg}, column {e.colno})'
+    return None
 
 
 def _unloadable_task(task_manager: TaskManager, tasks: list[str]) -> EvaluateError | None:
@@ -226,6 +285,10 @@ def _unloadable_task(task_manager: TaskManager, tasks: list[str]) -> EvaluateErr
         try:
             task_manager.load([task])
         except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message carries its reason
+            bad_line = _bad_json_line(task_manager, task)
+            if bad_line:
+                return EvaluateError(f'task {task!r}: its data could not be loaded: {bad_line}; fix or remove that '
+                                     'line.')
             reason = ' '.join(f'{type(e).__name__}: {e}'.split())[:400]
             return EvaluateError(
                 f'task {task!r}: its data could not be loaded ({reason}). lm-eval reads task data with Hugging '
@@ -256,7 +319,7 @@ def task_manager_for(tasks: list[str], include_path: str | None = None) -> TaskM
         if all(local.match_tasks([t]) for t in tasks):
             return local
     task_manager = TaskManager(include_path=include_path)
-    check_tasks(task_manager, tasks)
+    check_tasks(task_manager, tasks, include_path)
     return task_manager
 
 

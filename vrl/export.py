@@ -3,15 +3,22 @@
     python -m vrl.export --workdir=DIR --out=HF_DIR
 
 Writes what vrl/hf.py describes (config.json, model.safetensors, the tokenizer; for every variant
-but vanilla, vrl's PyTorch modeling files); load it with
+but vanilla, vrl's PyTorch modeling files) and vrl_export.json (the run and step it came from).
+The directory is written beside --out and then put in its place, so an interrupted export leaves
+no half directory. An --out that holds anything but an earlier export of the same run is refused,
+naming what it holds, unless --overwrite (which replaces it whole). Load it with
 `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR, trust_remote_code=True)` (a vanilla
 model is a plain LlamaForCausalLM and needs no remote code) and `AutoTokenizer.from_pretrained(HF_DIR)`.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 import jax
 from absl import app, flags, logging
@@ -21,10 +28,52 @@ from vrl.train import load_trained
 from vrl.workdir import WorkdirError
 
 
+MARKER = 'vrl_export.json'
+
+
+class ExportError(RuntimeError):
+    """--out cannot be written as asked; the message says why and what to do."""
+
+
+def publish(out: Path, source: dict, overwrite: bool, write: Callable[[Path], object]) -> list[Path]:
+    """Writes a directory with `write(folder)` and `source` in folder/MARKER, then puts it at `out`.
+
+    `out` may be missing, empty, an earlier export of the same workdir (source['workdir']), or, with
+    `overwrite`, anything; otherwise ExportError names what it holds and nothing is touched."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f'--out={out} is a file; give a directory.')
+    held = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    if held and not overwrite:
+        try:
+            earlier = json.loads((out / MARKER).read_text()).get('workdir')
+        except (OSError, ValueError):
+            earlier = None
+        if earlier != source['workdir']:
+            what = f'an export of {earlier}' if earlier else 'other files: ' + ', '.join(held[:5]) + (
+                ', ...' if len(held) > 5 else '')
+            raise ExportError(f'--out={out} holds {what}; choose an empty or new directory, or pass --overwrite to '
+                              'replace it (nothing was written).')
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent))
+    try:
+        write(staging)
+        (staging / MARKER).write_text(json.dumps(source, indent=2))
+        if out.exists():
+            previous = out.rename(out.with_name(staging.name + '.previous'))
+            staging.rename(out)
+            shutil.rmtree(previous)
+        else:
+            staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return sorted(out.iterdir())
+
+
 def _define_flags() -> dict[str, flags.FlagHolder]:
     return {
         'workdir': flags.DEFINE_string('workdir', None, 'A training workdir (config.json + checkpoints/).'),
         'out': flags.DEFINE_string('out', None, 'The Hugging Face directory to write.'),
+        'overwrite': flags.DEFINE_bool('overwrite', False, 'Replace --out whatever it holds.'),
     }
 
 
@@ -40,9 +89,12 @@ def main(argv: list[str], args: dict[str, flags.FlagHolder]) -> None:
         sys.exit(f'error: {e}')
     try:
         run = load_trained(args['workdir'].value)
-        files = hf.export(jax.device_get(run.params), run.config.model, run.config.data.seq_len, run.tokenizer,
-                          Path(args['out'].value))
-    except (hf.HFError, FileNotFoundError, checkpoint.CheckpointError, WorkdirError) as e:
+        params = jax.device_get(run.params)
+        source = {'workdir': str(Path(args['workdir'].value).absolute()), 'step': run.step,
+                  'variant': run.config.model.variant_name}
+        files = publish(Path(args['out'].value).absolute(), source, args['overwrite'].value, lambda folder: hf.export(
+            params, run.config.model, run.config.data.seq_len, run.tokenizer, folder))
+    except (ExportError, hf.HFError, FileNotFoundError, checkpoint.CheckpointError, WorkdirError) as e:
         sys.exit(f'error: {e}')
     print(f'{run.config.model.variant_name} at step {run.step} -> {args["out"].value}: '
           + ', '.join(f.name for f in files))

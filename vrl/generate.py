@@ -12,10 +12,9 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from vrl import checkpoint, data, decode
+from vrl import accounting, checkpoint, data, decode
 from vrl.train import TrainedRun, load_trained
 from vrl.workdir import WorkdirError
-
 
 
 def make_generator(run: TrainedRun, max_len: int) -> decode.Generator:
@@ -35,7 +34,8 @@ def _define_flags() -> dict:
         'top_k': flags.DEFINE_integer('top_k', 0, 'Sample from the k most likely tokens; 0 = off.'),
         'top_p': flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass; 1 = off.'),
         'seed': flags.DEFINE_integer('seed', 0, 'Sampling seed.'),
-        'max_len': flags.DEFINE_integer('max_len', 0, 'Cache length (prompt + new tokens); 0 = the trained seq_len.'),
+        'max_len': flags.DEFINE_integer('max_len', 0, 'The most positions (prompt + new tokens) a sequence may '
+                                        'take; the cache holds what the prompts need, up to this; 0 = the trained seq_len.'),
     }
 
 
@@ -61,12 +61,15 @@ def main(argv: list[str], args: dict) -> None:
         run = load_trained(args['workdir'].value)
         config, tokenizer = run.config, run.tokenizer
         sampling.check_vocab(config.model.vocab_size)
-        max_len = args['max_len'].value or config.data.seq_len
-        if max_len > config.data.seq_len:
-            print(f'warning: --max_len={max_len} is beyond the trained seq_len {config.data.seq_len}: RoPE '
-                  'positions past it were never seen in training.', file=sys.stderr)
-        generator = make_generator(run, max_len)
         encoded = [data.prompt_tokens(config.data, tokenizer, p) for p in prompts]
+        # the cache holds what the prompts and new tokens need, at most --max_len (or the trained length)
+        max_len = min(args['max_len'].value or config.data.seq_len, max(map(len, encoded)) + sampling.max_new_tokens)
+        if max_len > config.data.seq_len:
+            cache = accounting.kv_cache_bytes_per_token(config.model) * max_len * len(encoded)
+            print(f'warning: {max_len} positions (prompt + --max_new_tokens) are beyond the trained seq_len '
+                  f'{config.data.seq_len}: RoPE positions past it were never seen in training; the KV cache takes '
+                  f'{cache / 1e6:,.1f} MB.', file=sys.stderr)
+        generator = make_generator(run, max_len)
         result = generator.generate(encoded, sampling)
     except (decode.DecodeError, FileNotFoundError, checkpoint.CheckpointError, WorkdirError) as e:
         sys.exit(f'error: {e}')

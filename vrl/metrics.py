@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import logging
 import sys
 import time
@@ -83,8 +84,8 @@ class MetricsWriter:
         record = {'step': step, **{k: _plain(v) for k, v in record.items()}}
         self._jsonl.write(json.dumps(record) + '\n')
         self._jsonl.flush()
-        for key, value in record.items():
-            if key != 'step' and isinstance(value, (int, float)):
+        for key, value in record.items():  # a skipped step's NaN stays in metrics.jsonl, out of TensorBoard
+            if key != 'step' and isinstance(value, (int, float)) and math.isfinite(value):
                 self._tensorboard.add_scalar(key, value, step)
         self._echo(step, record)
 

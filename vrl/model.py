@@ -13,7 +13,7 @@ in one place:
 
 - the values a layer attends over (ResFormer, SVFormer, the per-token mix, value
   embeddings): `Attention.values` and the value-embedding line of `Block.__call__`;
-- what is added to the attention output (NeuTRENO): `Block.__call__`;
+- what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended)): `Block.__call__`;
 - which layer's K/V a layer uses (CLA): `Attention.keys_values`;
 - how block outputs combine into the next block's input (DenseFormer): `Decoder._layer`.
 """
@@ -224,8 +224,8 @@ class Block(nnx.Module):
                                              self.cfg.attention_chunks, self.attn.ops.attention)
         else:  # the cache's (B * K, S, Dh) slots as they lie
             o_BxLxHxDh = ops.attend_cache(q_BxLxHxDh, keys, values, mask)
-        if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - V_n)
-            o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_n), o_BxLxHxDh.shape)
+        if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V)
+            o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_BxLxKxDh), o_BxLxHxDh.shape)
         h_BxLxD = s.h + self.attn.output(o_BxLxHxDh)
         h_BxLxD = h_BxLxD + self.mlp(self.mlp_norm(h_BxLxD))
         stats = None

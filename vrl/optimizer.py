@@ -1,4 +1,4 @@
-"""AdamW with global-norm clipping and linear warmup + cosine decay (PAPER.md's recipe)."""
+"""AdamW with global-norm clipping and linear warmup + cosine decay (docs/paper.md's recipe)."""
 
 from __future__ import annotations
 

@@ -18,20 +18,27 @@ class Line(NamedTuple):
     color: int  # index into the colour cycle: one colour per run or variant
 
 
-def line_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list[Line], markers: bool = True) -> Path:
-    """Writes a PNG of `lines` to path and returns path."""
+def line_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list[Line], markers: bool = True,
+              log: str = '') -> Path:
+    """Writes a PNG of `lines` to path and returns path; `log` names the axes on a log scale ('x', 'y', 'xy')."""
     try:
         import matplotlib
     except ImportError:
         raise PlotError('plots need matplotlib: pip install -r requirements-extra.txt') from None
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    for line in lines:
+    for line in lines:  # a style with its own marker ('o': points only) keeps it
         ax.plot(line.x, line.y, line.style, color=colors[line.color % len(colors)], label=line.label,
-                marker='o' if markers else None, markersize=3)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+                markersize=3, **({'marker': 'o'} if markers else {}))
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel, xscale='log' if 'x' in log else 'linear',
+           yscale='log' if 'y' in log else 'linear')
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f'{value:g}')
+    for axis in [a for name, a in (('x', ax.xaxis), ('y', ax.yaxis)) if name in log]:
+        axis.set_major_formatter(plain)
+        axis.set_minor_formatter(plain)
     ax.grid(alpha=0.3)
     if any(line.label for line in lines):
         ax.legend(fontsize=7)

@@ -2,7 +2,7 @@
 
 `apply('resformer:learnable_plus', cfg)` returns cfg with those model fields set. The names are
 what `bench/train_throughput.py --variants=...` takes. Each preset follows the paper's setting
-(PAPER.md) or the public record it names; shape-dependent ones (sparse layers, GQA, value
+(docs/paper.md) or the public record it names; shape-dependent ones (sparse layers, GQA, value
 embeddings) are derived from the model's layers and heads.
 """
 
@@ -48,7 +48,7 @@ PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
     'svformer:gqa4': ('SVFormer with 4 query heads per kv head', lambda cfg: dict(attention='svformer', **_gqa(4)(cfg))),
     'neutreno': ('NeuTRENO, + 0.4 (V_1 - V_n) on the attention output',
                  lambda cfg: dict(attention='vanilla', neutreno=True, neutreno_lambda=0.4)),
-    'resformer+neutreno': ('ResFormer (identity) with NeuTRENO 0.2 stacked',
+    'resformer+neutreno': ('ResFormer (identity) with NeuTRENO 0.2 on the mix: + 0.2 (V_1 - V_mix) = 0.1 (V_1 - V_n)',
                            lambda cfg: dict(attention='resformer', lambda_mode='identity', neutreno=True,
                                             neutreno_lambda=0.2)),
     'denseformer': ('DenseFormer: depth-weighted averages of all block outputs',

@@ -241,11 +241,11 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
     eval_loss = None
     pending: tuple[int, dict] | None = None
     interval_start, interval_steps = time.perf_counter(), 0
-    skipped_in_a_row = 0
+    skipped_in_a_row = skipped = 0
 
     def read(step: int, step_metrics: dict) -> None:
         """Host side of step `step`: NaN policy, loss record, periodic log line."""
-        nonlocal interval_start, interval_steps, skipped_in_a_row
+        nonlocal interval_start, interval_steps, skipped_in_a_row, skipped
         host = jax.device_get(step_metrics)
         if not host['finite']:
             if config.train.nan_policy == 'error':
@@ -253,6 +253,7 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
                                     f'of it was written (latest saved: '
                                     f'{manager.latest_step()}). Lower the LR or set train.nan_policy=skip.')
             skipped_in_a_row += 1
+            skipped += 1
             if skipped_in_a_row > config.train.max_skipped_steps:
                 raise TrainingError(f'{skipped_in_a_row} steps in a row up to step {step} were non-finite and '
                                     f'skipped (train.max_skipped_steps={config.train.max_skipped_steps}): the '
@@ -300,6 +301,10 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
         if pending is not None:
             read(*pending)
         checkpoint.check_saves(manager, wait=True)
+        if 2 * skipped > step - start_step:
+            raise TrainingError(f'{skipped} of the {step - start_step} steps this run took were non-finite and skipped '
+                                '(train.nan_policy=skip): the run is not learning; lower the LR. The checkpoint of '
+                                f'step {step} holds the weights of the last finite step.')
         if config.train.sample_prompt and config.train.sample_tokens and step > start_step:
             generator = decode.Generator(config.model, trainer.graphdef, state.params, config.data.seq_len,
                                          tokenizer.eos_id, trainer.mesh)

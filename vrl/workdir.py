@@ -34,8 +34,9 @@ class WorkdirError(RuntimeError):
 class Lock:
     """Held from `acquire` until `release` or the process's death."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, holder_kind: str = 'run'):
         self.path = workdir / '.lock'
+        self.holder_kind = holder_kind  # what holds it, for the refusal: 'run', 'comparison', 'study'
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -45,8 +46,8 @@ class Lock:
         except OSError:
             holder = os.read(fd, 4096).decode(errors='replace').strip() or 'a process that is starting'
             os.close(fd)
-            raise WorkdirError(f'workdir {self.path.parent} is in use by another run ({holder}); stop it '
-                               'or choose another --workdir.') from None
+            raise WorkdirError(f'workdir {self.path.parent} is in use by another {self.holder_kind} ({holder}); '
+                               'stop it or choose another --workdir.') from None
         os.ftruncate(fd, 0)
         os.write(fd, f'host {socket.gethostname()}, pid {os.getpid()}, since '
                      f'{time.strftime("%Y-%m-%d %H:%M:%S")}'.encode())

@@ -8,7 +8,7 @@ variants changes one thing, as in vrl/model.py:
   layer, or per token and kv head: `mix_proj`), SVFormer's layers >= 2 attend over V_1, value
   embeddings add 2 sigmoid(x W_gate) * table[token] to V_n: `VrlAttention.values_of`;
 - which layer's K and V a layer uses (CLA: the first of each group of kv_share layers);
-- what is added to the attention output (NeuTRENO: lambda (V_1 - V_n));
+- what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended));
 - how block outputs combine into the next block's input (DenseFormer's depth weights).
 
 The KV cache is transformers' DynamicCache with one entry per layer: keys and values, keys only
@@ -158,8 +158,8 @@ class VrlAttention(nn.Module):
             keys = cache.layers[self.config.key_owner(self.layer)].keys
             values = cache.layers[self.config.value_owner(self.layer)].values
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_Bx1xTxS, enable_gqa=True)
-        if self.config.neutreno and v1 is not None:  # NeuTRENO: + lambda (V_1 - V_n), per query head
-            o = o + self.config.neutreno_lambda * (v1 - v_n).repeat_interleave(self.heads // self.kv_heads, dim=1)
+        if self.config.neutreno and v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V), per query head
+            o = o + self.config.neutreno_lambda * (v1 - v).repeat_interleave(self.heads // self.kv_heads, dim=1)
         B, _, T, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), (k, v_n, v)
 

@@ -1,0 +1,87 @@
+"""Statistics of loss curves that the comparison and the study report.
+
+A curve is {step: loss}. Training-loss curves are compared after a trailing moving average (the
+paper's "relative training loss"); eval curves are read by linear interpolation between evals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+MAX_SMOOTHING_STEPS = 100  # the paper's moving average
+
+
+def smoothing_window(steps: int) -> int:
+    """The moving-average window for a run of `steps`: the paper's 100 steps, at most a tenth of the run."""
+    return max(1, min(MAX_SMOOTHING_STEPS, steps // 10))
+
+
+def moving_average(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing mean over the last `window` values (fewer at the start), same length as values."""
+    cumulative = np.concatenate([[0.0], np.cumsum(np.asarray(values, np.float64))])
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(ends - window, 0)
+    return (cumulative[ends] - cumulative[starts]) / (ends - starts)
+
+
+def relative_loss(curve: dict[int, float], baseline: dict[int, float], window: int) -> tuple[list[int], np.ndarray]:
+    """(steps, moving-average(curve) - moving-average(baseline)) over the steps both have."""
+    steps = sorted(set(curve) & set(baseline))
+    return steps, (moving_average([curve[s] for s in steps], window)
+                   - moving_average([baseline[s] for s in steps], window))
+
+
+def mean_and_spread(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (NaN for one value: no spread is known)."""
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
+
+
+def plus_minus(mean: float, spread: float, digits: int = 4) -> str:
+    """'3.1234 ± 0.0100', or '3.1234 (1 seed)' where no spread is known."""
+    return f'{mean:.{digits}f} (1 seed)' if math.isnan(spread) else f'{mean:.{digits}f} ± {spread:.{digits}f}'
+
+
+def mean_curve(curves: Sequence[dict]) -> dict[int, float]:
+    """The mean of several curves over the steps all of them have (keys may be ints or strings)."""
+    steps = set.intersection(*(set(c) for c in curves))
+    return {int(s): float(np.mean([c[s] for c in curves])) for s in sorted(steps, key=int)}
+
+
+def step_to_reach(curve: dict[int, float], target: float) -> float | None:
+    """The first step at which `curve` is at or below `target`, interpolated linearly between its
+    points (the first point, if it is already there); None if the curve never gets there."""
+    steps = sorted(curve)
+    for i, step in enumerate(steps):
+        if curve[step] <= target:
+            if i == 0:
+                return float(step)
+            before = steps[i - 1]
+            fraction = (curve[before] - target) / (curve[before] - curve[step])
+            return before + fraction * (step - before)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Crossing:
+    """Where a baseline overtakes a variant for good (the paper's critical step)."""
+    step: int | None  # the first step after which the baseline stays below; None: not within the budget
+    variant_led: bool  # whether the variant was ahead at some step before that
+
+    def describe(self) -> str:
+        if self.step is None:
+            return 'not within the budget' if self.variant_led else 'no lead, no crossing'
+        return f'step {self.step}' if self.variant_led else f'behind from step {self.step} on (never led)'
+
+
+def critical_step(variant: dict[int, float], baseline: dict[int, float], window: int) -> Crossing:
+    """The first step after which the baseline's smoothed training loss stays below the variant's."""
+    steps, relative = relative_loss(variant, baseline, window)
+    behind = relative > 0
+    if not len(steps) or not behind[-1]:
+        return Crossing(None, bool(np.any(relative < 0)))
+    first = len(behind) - int(np.argmin(behind[::-1])) if not behind.all() else 0
+    return Crossing(steps[first], bool(np.any(relative[:first] < 0)))
