@@ -123,6 +123,8 @@ def test_summary_of_a_synthetic_study():
         # its loss at its own N_v = 0.95 N is vanilla's at 1.25 N: k = 1.25 / 0.95 times its parameters
         assert row['saved'] == pytest.approx(1 - 0.95 / 1.25, abs=1e-9)
         assert row['interval'][0] == pytest.approx(row['saved'], abs=1e-9)
+    # at N_vanilla = 1e6 the variant would need 0.76e6, below its smallest size (0.95e6): extrapolated
+    assert [row['extrapolated'] for row in summary['fits']['params_saved']['resformer']] == [True, False, False]
     for size, count in zip(sizes, n):
         reach = (5.0 * count ** -0.1 - 5.0 * (1.25 * count) ** -0.1) * 100
         data = summary['data_saved'][size]['resformer']

@@ -91,8 +91,10 @@ def fits(points: Points, seq_len: int) -> dict[str, Any]:
                                                           params[BASELINE], at)
             except scaling.FitError:
                 interval = (math.nan, math.nan)
-            rows.append({'vanilla_params': at, 'saved': scaling.params_saved(laws[variant], laws[BASELINE], at),
-                         'interval': interval})
+            saved = scaling.params_saved(laws[variant], laws[BASELINE], at)
+            needed = at * (1 - saved)  # the variant's parameters at vanilla's loss
+            rows.append({'vanilla_params': at, 'saved': saved, 'interval': interval,
+                         'extrapolated': not min(params[variant]) <= needed <= max(params[variant])})
         out['params_saved'][variant] = rows
     return out
 
@@ -284,8 +286,12 @@ def _fit_section(fit: dict, axes: Axes) -> list[str]:
                   ('; 95% bootstrap interval over seeds in brackets.' if interval else '.'), '']
         lines += _table(['variant'] + [f'at N_vanilla = {n:,}' for n in at], [
             [variant] + [_percent(r['saved']) + (f' [{_percent(r["interval"][0])}, {_percent(r["interval"][1])}]'
-                                                 if interval else '') for r in rows]
+                                                 if interval else '') + (' †' if r['extrapolated'] else '')
+                         for r in rows]
             for variant, rows in fit['params_saved'].items()])
+        if any(r['extrapolated'] for rows in fit['params_saved'].values() for r in rows):
+            lines += ['', '† The equal-loss size lies outside the variant\'s measured sizes: the fit is extrapolated '
+                      'there, and the figure is not a measurement.']
     elif BASELINE not in axes.variants:
         lines += ['', 'Parameters saved: needs vanilla among --variants.']
     return lines
