@@ -84,7 +84,7 @@ def _mean_downstream(per_run: list[dict[str, dict[str, float]]]) -> dict[str, di
                    for metric in set.intersection(*(set(d[task]) for d in per_run))} for task in sorted(tasks)}
 
 
-def write_plots(results: list[dict], variants: list[str], directory: grid.GridDirectory) -> list[Path]:
+def write_plots(results: list[dict], variants: list[str], workdir: Path) -> list[Path]:
     by_variant = {v: [r for r in results if r['variant'] == v] for v in variants}
     eval_lines, relative_lines = [], []
     train_curves = {v: curves.mean_curve([r['train_loss'] for r in runs]) for v, runs in by_variant.items()}
@@ -95,7 +95,6 @@ def write_plots(results: list[dict], variants: list[str], directory: grid.GridDi
         if BASELINE in train_curves:
             steps, relative = curves.relative_loss(train_curves[variant], train_curves[BASELINE], window)
             relative_lines.append(plots.Line(variant, steps, relative, '-', color))
-    workdir = directory.path
     written = [plots.line_plot(workdir / 'eval_loss.png', 'Validation loss', 'step', 'eval loss (mean over seeds)',
                                eval_lines)]
     if relative_lines:
@@ -152,7 +151,7 @@ def compare(base: Config, variants: list[str], seeds: list[int], workdir: Path, 
         results = [grid.train_or_reuse(run, workdir, analysis_sequences, downstream) for run in runs]
         rows = summarize(results, variants)
         if jax.process_index() == 0:
-            figures = write_plots(results, variants, directory)
+            figures = write_plots(results, variants, workdir)
             directory.write_text('results.json', json.dumps({'table': rows, 'runs': results}, indent=1))
             directory.write_text('report.md', report(rows, figures, base, seeds))
     finally:

@@ -72,14 +72,12 @@ def fits(points: Points, seq_len: int) -> dict[str, Any]:
         runs = [points.at_best(variant, size, seq_len) for size in points.axes.sizes]
         params[variant] = [r[0]['non_embedding_params'] for r in runs]
         per_seed[variant] = [[x['eval_loss'] for x in r] for r in runs]
+        points_of = {'params': params[variant], 'losses': [float(np.mean(s)) for s in per_seed[variant]]}
         try:
-            law = scaling.fit_power_law(params[variant], [np.mean(s) for s in per_seed[variant]])
-            out['variants'][variant] = {'a': law.a, 'alpha': law.alpha, 'params': params[variant],
-                                        'losses': [float(np.mean(s)) for s in per_seed[variant]],
-                                        'residuals': law.residuals}
+            law = scaling.fit_power_law(points_of['params'], points_of['losses'])
+            out['variants'][variant] = {'a': law.a, 'alpha': law.alpha, **points_of, 'residuals': law.residuals}
         except scaling.FitError as e:
-            out['variants'][variant] = {'error': str(e), 'params': params[variant],
-                                        'losses': [float(np.mean(s)) for s in per_seed[variant]]}
+            out['variants'][variant] = {'error': str(e), **points_of}
     laws = {v: scaling.PowerLaw(f['a'], f['alpha'], ()) for v, f in out['variants'].items() if 'a' in f}
     if BASELINE not in laws:
         return out
