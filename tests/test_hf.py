@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers import NAMED_VARIANTS, VARIANT_IDS, randomize, rel_err, small_model_config
-from tests.runs import params_equal, tiny_config
+from tests.runs import cli_args, params_equal, tiny_config
 from vrl import data, decode, hf, train
 from vrl.model import Decoder
 from vrl.step import Trainer
@@ -115,8 +115,10 @@ def test_transformers_loads_the_export_and_agrees(exported):
 def test_init_from_hf_restores_identical_parameters(exported):
     run, folder = exported
     trainer = Trainer(run.config, run.trainer.mesh)
-    params = train._initial_params(f'hf:{folder}', trainer, run.config)
+    params, note = train._initial_params(f'hf:{folder}', trainer, run.config)
     assert params_equal(jax.device_get(params), jax.device_get(run.params))
+    assert note.startswith(f' ({len(load_file(str(folder / "model.safetensors")))} tensors), tokenizer ')
+    assert 'also fit a fixed-lambda ResFormer' in note  # a plain Llama config.json cannot say
 
 
 def test_bad_directories_are_named(exported, tmp_path):
@@ -169,7 +171,7 @@ def test_every_variant_exports_and_comes_back(name, exported, tmp_path):
     with torch.no_grad():
         their_logits = theirs(torch.tensor(tokens)).logits.numpy()
     assert rel_err(their_logits, np.asarray(model(jnp.asarray(tokens)))) < 1e-4
-    back = hf.load_params(str(tmp_path), cfg, jax.tree.map(np.shape, params))
+    back = hf.load_params(str(tmp_path), cfg, jax.tree.map(np.shape, params)).params
     assert params_equal(back, params)
 
 
@@ -236,7 +238,71 @@ def test_a_llama_directory_without_later_v_proj_starts_svformer(exported, tmp_pa
     save_file({k: v for k, v in tensors.items() if not (k.endswith('v_proj.weight') and '.0.' not in k)},
               str(tmp_path / 'model.safetensors'))
     shapes = jax.tree.map(np.shape, nnx.to_pure_dict(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)))
-    params = hf.load_params(str(tmp_path), cfg, shapes)
+    imported = hf.load_params(str(tmp_path), cfg, shapes)
+    params = imported.params
+    assert imported.note == ''  # no v_proj in layers >= 2: only SVFormer fits
     np.testing.assert_array_equal(params['first']['attn']['wv'].reshape(cfg.d_model, -1).T,
                                   tensors['model.layers.0.self_attn.v_proj.weight'])
     assert 'wv' not in params['layers']['attn']
+
+
+def test_a_plain_llama_starting_a_fixed_lambda_resformer_is_flagged(exported):
+    """ResFormer with fixed lambdas has no tensors of its own: the Llama tensors cannot tell it from vanilla."""
+    run, folder = exported
+    cfg = dataclasses.replace(run.config.model, attention='resformer', lambda_mode='identity')
+    shapes = jax.tree.map(np.shape, nnx.to_pure_dict(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)))
+    assert hf.load_params(str(folder), cfg, shapes).note.startswith('WARNING: a plain Llama config.json')
+
+
+def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp_path):
+    """The run trains no tokenizer of its own (whatever model.vocab_size says): it uses the export's,
+    or a named one with the same pieces; another named one, or none at all, is refused naming both."""
+    run, folder = exported
+    config = dataclasses.replace(run.config, model=dataclasses.replace(run.config.model, vocab_size=1024),
+                                 data=dataclasses.replace(run.config.data, tokenizer=''))
+    chosen, source, line = train._hf_tokenizer(config, f'hf:{folder}', tmp_path / 'run')
+    assert (source, chosen.data.tokenizer) == (folder / 'tokenizer.model', str(tmp_path / 'run' / 'tokenizer.model'))
+    assert line == f'tokenizer {folder / "tokenizer.model"}'
+    named = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=run.tokenizer.path))
+    assert train._hf_tokenizer(named, f'hf:{folder}', tmp_path)[:2] == (named, None)  # the same pieces
+
+    from vrl import corpus, tokenizer as tokenizer_lib
+    texts = corpus.texts(corpus.open_split(run.config.data.name, run.config.data.data_dir, 'train'))
+    other = tokenizer_lib.train(texts, 600, str(tmp_path / 'other.model'))
+    named = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=other.path))
+    with pytest.raises(hf.HFError, match=rf'data.tokenizer={other.path} is not the tokenizer the weights in '
+                                         rf'{folder} were trained with .*: 600 vs 512 pieces'):
+        train._hf_tokenizer(named, f'hf:{folder}', tmp_path)
+    bare = tmp_path / 'bare'
+    bare.mkdir()
+    for name in ('config.json', 'model.safetensors'):
+        (bare / name).write_bytes((folder / name).read_bytes())
+    (bare / 'tokenizer.json').write_text('{}')
+    with pytest.raises(hf.HFError, match=r'has no tokenizer.model \(only tokenizer.json; vrl reads sentencepiece '
+                                         r'models\).*--config.data.tokenizer=PATH'):
+        train._hf_tokenizer(config, f'hf:{bare}', tmp_path)
+
+
+def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, tmp_path):
+    """`--init_from=hf:DIR --config.train.steps=0`: a step-0 checkpoint of the imported weights, with
+    the export's tokenizer kept in the workdir; its evaluation and its export equal the original's."""
+    run, folder = exported
+    config = dataclasses.replace(run.config, train=dataclasses.replace(run.config.train, steps=0),
+                                 data=dataclasses.replace(run.config.data, tokenizer=''))
+    out = subprocess.run([*cli_args(config, tmp_path / 'run'), f'--init_from=hf:{folder}'], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = out.stdout + out.stderr
+    assert f'initialised from hf:{folder} (' in log and f'tokenizer {tmp_path / "run" / "tokenizer.model"}' in log
+    assert 'train.steps=0: saved the initial parameters as step 0' in log
+    assert (tmp_path / 'run' / 'tokenizer.model').read_bytes() == (folder / 'tokenizer.model').read_bytes()
+    recorded = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+    eval_loss = next(r['eval_loss'] for r in recorded if 'eval_loss' in r)
+    expected = train.evaluate(run.trainer, run.params, run.config, run.tokenizer).loss
+    assert abs(eval_loss - expected) < 1e-5 * expected
+    again = _export(tmp_path / 'run', tmp_path / 'hf')
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert 'at step 0' in again.stdout
+    original, converted = load_file(str(folder / 'model.safetensors')), load_file(str(tmp_path / 'hf' / 'model.safetensors'))
+    assert original.keys() == converted.keys()
+    assert all(np.array_equal(original[k], converted[k]) for k in original)

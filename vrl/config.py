@@ -264,7 +264,7 @@ class OptimizerConfig:
 class TrainConfig:
     """The training loop: length, logging, eval, checkpoints."""
 
-    steps: int = 10_000
+    steps: int = 10_000  # 0: save the initial (e.g. --init_from) parameters as step 0 and stop
     microbatches: int = 1  # gradient accumulation: data.batch_size is split into this many; 0 = auto (vrl/aot.py)
     seed: int = 0  # parameter init
     log_every: int = 10
@@ -283,9 +283,9 @@ class TrainConfig:
 
     def __post_init__(self):
         _choice('train.nan_policy', self.nan_policy, NAN_POLICIES)
-        for name in ('steps', 'log_every', 'checkpoint_every', 'keep_checkpoints'):
+        for name in ('log_every', 'checkpoint_every', 'keep_checkpoints'):
             _require(getattr(self, name) >= 1, f'train.{name}', getattr(self, name), 'an integer >= 1')
-        for name in ('microbatches', 'eval_every', 'eval_batches', 'keep_period', 'sample_tokens', 'max_skipped_steps'):
+        for name in ('steps', 'microbatches', 'eval_every', 'eval_batches', 'keep_period', 'sample_tokens', 'max_skipped_steps'):
             _require(getattr(self, name) >= 0, f'train.{name}', getattr(self, name), 'an integer >= 0')
 
 

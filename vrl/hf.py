@@ -27,6 +27,7 @@ Both sides use rotate-half RoPE and x * rsqrt(mean(x^2) + eps) * weight: no perm
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -238,7 +239,14 @@ def _check_config(hf: dict, folder: Path, cfg: ModelConfig) -> None:
                       f'--config.model.vocab_size={hf["vocab_size"]} (or larger) and its tokenizer.')
 
 
-def load_params(path: str, cfg: ModelConfig, shapes: dict) -> dict:
+class Imported(NamedTuple):
+    """What `load_params` read: the parameters, how many tensors, and a line for the log."""
+    params: dict
+    tensors: int
+    note: str  # '' or why the tensors alone cannot tell which variant they were trained as
+
+
+def load_params(path: str, cfg: ModelConfig, shapes: dict) -> Imported:
     """A Hugging Face directory's weights as vrl parameters for `cfg`; HFError names what differs.
 
     A Llama directory (model_type 'llama') can start any variant whose tensors it holds: a plain
@@ -267,4 +275,47 @@ def load_params(path: str, cfg: ModelConfig, shapes: dict) -> dict:
             if tensor.shape[0] == vocab < cfg.vocab_size:
                 pad = np.zeros((cfg.vocab_size - vocab, *tensor.shape[1:]), tensor.dtype)
                 tensors[name] = np.concatenate([tensor, pad])
-    return from_hf(tensors, cfg, shapes)
+    params = from_hf(tensors, cfg, shapes)
+    return Imported(params, sum(not name.endswith(_IGNORED_SUFFIXES) for name in tensors),
+                    _ambiguity(hf['model_type'], cfg))
+
+
+def _ambiguity(model_type: str, cfg: ModelConfig) -> str:
+    """A plain Llama config.json does not say which variant trained the weights; where the tensor
+    set fits vanilla too (ResFormer with fixed lambdas: no tensors of its own), the config decides."""
+    if model_type != 'llama':
+        return ''
+    if is_llama(cfg):
+        return ('a plain Llama config.json: these tensors also fit a fixed-lambda ResFormer; an official-code '
+                'ResFormer checkpoint needs --config.model.attention=resformer')
+    vanilla = dataclasses.replace(cfg, attention='vanilla', neutreno=False, denseformer=False, kv_share=1,
+                                  value_embed_layers=(), value_embed_tables=())
+    if {link.name for link in links(cfg)} == {link.name for link in links(vanilla)}:
+        return (f'WARNING: a plain Llama config.json whose tensors fit vanilla too: started as {cfg.variant_name} '
+                'because the config says so; if these weights were trained as vanilla, their logits will differ')
+    return ''
+
+
+def run_tokenizer(path: str, named: str) -> tuple[str, str]:
+    """The sentencepiece model a run started from hf:DIR must train with, and a line for the log.
+
+    The weights' own DIR/tokenizer.model, or `named` (data.tokenizer) after checking that it has the
+    same pieces. HFError naming both and their first difference when they disagree, or when DIR has
+    no tokenizer.model and none is named (a tokenizer trained for the run would feed these weights
+    ids they never saw).
+    """
+    theirs = Path(path) / 'tokenizer.model'
+    if named and not theirs.is_file():
+        return named, f'tokenizer {named} (data.tokenizer; {path} has no tokenizer.model to check it against)'
+    if named:
+        difference = Tokenizer.load(named).difference(Tokenizer.load(str(theirs)))
+        if difference:
+            raise HFError(f'data.tokenizer={named} is not the tokenizer the weights in {path} were trained with '
+                          f'({theirs}): {difference}. Leave data.tokenizer empty to train with theirs.')
+        return named, f'tokenizer {named} (data.tokenizer, the same pieces as {theirs})'
+    if not theirs.is_file():
+        other = ', '.join(p.name for p in sorted(Path(path).glob('tokenizer*')))
+        raise HFError(f'{path} has no tokenizer.model{f" (only {other}; vrl reads sentencepiece models)" if other else ""}'
+                      ': a tokenizer trained for this run would feed these weights ids they never saw. Name the '
+                      'sentencepiece model they were trained with: --config.data.tokenizer=PATH.')
+    return str(theirs), f'tokenizer {theirs}'

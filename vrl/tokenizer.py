@@ -101,6 +101,22 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
+    def difference(self, other: 'Tokenizer') -> str | None:
+        """How `other` encodes differently (piece count, or the first id whose piece or type differs);
+        None when every id is the same piece of the same kind, so both give the same ids."""
+        if self.vocab_size != other.vocab_size:
+            return f'{self.vocab_size} vs {other.vocab_size} pieces'
+        for i in range(self.vocab_size):
+            mine, theirs = _describe(self._sp, i), _describe(other._sp, i)
+            if mine != theirs:
+                return f'id {i} is {mine} vs {theirs}'
+        return None
+
+
+def _describe(sp: spm.SentencePieceProcessor, i: int) -> str:
+    kind = next((k for k in ('control', 'unknown', 'byte', 'unused') if getattr(sp, f'is_{k}')(i)), 'normal')
+    return f'{sp.id_to_piece(i)!r}' + ('' if kind == 'normal' else f' ({kind})')
+
 
 def train(texts: Iterable[str], vocab_size: int, out: str, model_type: str = 'bpe') -> Tokenizer:
     """Trains on `texts` (each split into lines) and writes the model to `out`."""

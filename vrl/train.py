@@ -178,14 +178,30 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
         lock.release()
 
 
-def _initial_params(init_from: str, trainer: Trainer, config: Config) -> Any:
+def _initial_params(init_from: str, trainer: Trainer, config: Config) -> tuple[Any, str]:
     """--init_from: another run's checkpoint (any model whose shapes match), or `hf:DIR`, a Hugging
-    Face Llama directory (vrl/hf.py), placed in the training layout."""
+    Face Llama directory (vrl/hf.py), placed in the training layout; and what to log about it."""
     if not init_from.startswith('hf:'):
-        return checkpoint.restore_params(init_from, trainer.abstract_state.params)
+        return checkpoint.restore_params(init_from, trainer.abstract_state.params), ''
     from vrl import hf  # safetensors: requirements-extra.txt
     shapes = jax.tree.map(lambda a: a.shape, trainer.abstract_state.params)
-    return jax.device_put(hf.load_params(init_from[3:], config.model, shapes), trainer.param_shardings)
+    imported = hf.load_params(init_from[3:], config.model, shapes)
+    note = f' ({imported.tensors} tensors), tokenizer {config.data.tokenizer}'
+    return jax.device_put(imported.params, trainer.param_shardings), note + (f'; {imported.note}' if imported.note else '')
+
+
+def _hf_tokenizer(config: Config, init_from: str | None, path: Path) -> tuple[Config, Path | None, str]:
+    """A run started from hf:DIR trains with the tokenizer its weights came with (vrl/hf.py's
+    `run_tokenizer`), kept in the workdir as tokenizer.model so that the run's tools find it after
+    DIR is gone: (the config naming it, the file to copy there or None, how it was chosen)."""
+    if not (init_from and init_from.startswith('hf:')):
+        return config, None, ''
+    from vrl import hf  # safetensors: requirements-extra.txt
+    chosen, line = hf.run_tokenizer(init_from[3:], config.data.tokenizer)
+    if config.data.tokenizer:
+        return config, None, line
+    kept = path / workdir_lib.TOKENIZER
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=str(kept))), Path(chosen), line
 
 
 def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preemption: _Preemption) -> RunResult:
@@ -198,11 +214,14 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
         fitted, report = aot.auto_fit(config, list(mesh.devices.flat), aot.local_hbm_bytes())
         say(aot.fit_line(fitted, report))
         config = fitted
-    tokenizer = data.load_tokenizer(config.data, config.model.vocab_size)
+    config, tokenizer_source, tokenizer_line = _hf_tokenizer(config, init_from, path)
     trainer = Trainer(config, mesh)
     if fresh and is_writer:
         say(workdir_lib.start_over(path, config, checkpoint.latest_step(path)))
+    if tokenizer_source and is_writer:
+        say(workdir_lib.keep_tokenizer(path, tokenizer_source, tokenizer_line))
     _sync('vrl workdir ready')
+    tokenizer = data.load_tokenizer(config.data, config.model.vocab_size)
     manager = checkpoint.make_manager(workdir, config.train)
     data_iterator = iter(data.train_dataset(config.data, tokenizer, jax.process_index(), jax.process_count()))
 
@@ -219,7 +238,9 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
     else:
         state = trainer.init_state(config.train.seed)
         if init_from:
-            state = state._replace(params=_initial_params(init_from, trainer, config))
+            params, note = _initial_params(init_from, trainer, config)
+            state = state._replace(params=params)
+            say(f'initialised from {init_from}{note}')
     start_step = int(state.step)
 
     account = accounting.account(config.model, config.data.seq_len)
@@ -234,7 +255,7 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
     writer.mark_start(start_step, 'resumed' if restored is not None else 'started', init_from=init_from)
     writer.print(f'{config.model.variant_name}: {account.params:,} params, mesh {dict(mesh.shape)}, '
                  f'{"resumed at step " + str(start_step) if restored is not None else "fresh start"}')
-    if start_step >= config.train.steps:
+    if start_step >= config.train.steps and (config.train.steps or restored is not None):
         writer.print(f'nothing to train: the checkpoint is at step {start_step} = train.steps')
 
     losses: dict[int, float] = {}
@@ -273,6 +294,13 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
 
     step = start_step
     try:
+        if config.train.steps == 0 and restored is None:  # a conversion: the initial parameters as step 0
+            checkpoint.save(manager, 0, state, data_iterator, config.model, force=True)
+            if config.train.eval_batches:
+                evaluation = evaluate(trainer, state.params, config, tokenizer)
+                eval_loss = evaluation.loss
+                writer.write(0, evaluation.record())
+            writer.print(f'train.steps=0: saved the initial parameters as step 0 in {workdir}')
         while step < config.train.steps:
             batch = trainer.device_batch(next(data_iterator))
             state, step_metrics = trainer.train_step(state, batch)

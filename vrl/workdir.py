@@ -17,6 +17,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -24,7 +25,8 @@ from typing import Any
 
 from vrl.config import Config
 
-RUN_FILES = ('checkpoints', 'metrics.jsonl', 'config.json', 'tensorboard')
+TOKENIZER = 'tokenizer.model'  # the tokenizer a run started from Hugging Face weights came with
+RUN_FILES = ('checkpoints', 'metrics.jsonl', 'config.json', 'tensorboard', TOKENIZER)
 
 
 class WorkdirError(RuntimeError):
@@ -89,6 +91,17 @@ def start_over(workdir: Path, config: Config, latest_step: int | None) -> str:
         if (workdir / name).exists():
             (workdir / name).rename(target / name)
     return f'--fresh: moved the previous run to {target}'
+
+
+def keep_tokenizer(workdir: Path, source: Path, chosen: str) -> str:
+    """Copies the tokenizer a run starts with into the workdir, unless the workdir's run already has
+    one (a resume keeps the tokenizer it trained with); returns the line for the log."""
+    kept = workdir / TOKENIZER
+    if kept.exists() and (workdir / 'checkpoints').exists():
+        return f'{chosen}: the workdir keeps the one its run trained with, {kept}'
+    workdir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, kept)
+    return f'{chosen}, copied to {kept}'
 
 
 def as_json(config: Config) -> dict[str, Any]:
