@@ -26,7 +26,7 @@ from vrl import aot, corpus, data, host_memory, sharding  # noqa: E402
 from vrl.config import from_configdict  # noqa: E402
 from vrl.evaluate import VrlLM  # noqa: E402
 from vrl.step import Trainer  # noqa: E402
-from vrl.train import TrainedRun  # noqa: E402
+from vrl.trained import TrainedRun  # noqa: E402
 
 
 def requests(tokenizer, n: int) -> list[Instance]:

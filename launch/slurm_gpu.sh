@@ -7,7 +7,7 @@
 # Submits an sbatch script in which srun starts nodes x gpus_per_node tasks; each task runs
 # vrl.main with --coordinator_address (the first node), --num_processes and --process_id
 # (SLURM_PROCID) and sees one GPU. --dry-run prints the sbatch script instead of submitting it.
-# Run from the repository root on a shared filesystem with .venv set up (README).
+# Run from the repository root on a shared filesystem with .venv set up (README.md, the install line).
 set -euo pipefail
 
 dry_run=0 nodes=2 gpus=8 partition='' time_limit=24:00:00 config=configs/svformer_468m.py workdir=runs/slurm

@@ -18,8 +18,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True, scope='module')
 def _fresh_jit_caches():
-    """Each test module starts without the previous modules' executables. XLA:CPU crashed inside a
-    compile three times in ~290-test runs, always late in the run (2026-11, not reproduced alone);
+    """Each test module starts without the previous modules' executables. XLA:CPU has crashed inside a
+    compile late in long runs (not reproduced alone);
     releasing what earlier modules compiled keeps the process lean."""
     yield
     import jax

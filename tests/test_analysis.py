@@ -17,32 +17,32 @@ from tests import numpy_reference
 from tests.conftest import ROOT
 from tests.helpers import NAMED_VARIANTS, randomize, rel_err, random_tokens, small_model_config
 from tests.runs import tiny_config
-from vrl import analysis, train
+from vrl import layer_stats, train
 from vrl.model import Decoder
 
-STATISTICS = analysis.LayerStats._fields
+STATISTICS = layer_stats.LayerStats._fields
 
 
 def test_entropy_of_uniform_and_of_one_key():
     n = 7
     uniform = jnp.full((2, n, n), 1 / n)
-    np.testing.assert_allclose(analysis.attention_entropy(uniform), [math.log(n)] * 2, rtol=1e-6)
+    np.testing.assert_allclose(layer_stats.attention_entropy(uniform), [math.log(n)] * 2, rtol=1e-6)
     one_key = jnp.zeros((2, n, n)).at[:, :, 3].set(1.0)
-    np.testing.assert_allclose(analysis.attention_entropy(one_key), [0.0, 0.0], atol=1e-7)
-    assert np.all(np.asarray(analysis.first_token_attention(one_key)) == 0)
-    np.testing.assert_allclose(analysis.first_token_attention(uniform), [1 / n] * 2, rtol=1e-6)
+    np.testing.assert_allclose(layer_stats.attention_entropy(one_key), [0.0, 0.0], atol=1e-7)
+    assert np.all(np.asarray(layer_stats.first_token_attention(one_key)) == 0)
+    np.testing.assert_allclose(layer_stats.first_token_attention(uniform), [1 / n] * 2, rtol=1e-6)
 
 
 def test_similarity_of_identical_and_of_orthogonal_tokens():
     same = jnp.broadcast_to(jax.random.normal(jax.random.key(0), (1, 1, 16)), (1, 5, 16))
-    np.testing.assert_allclose(analysis.token_similarity(same), [1.0], rtol=1e-6)
+    np.testing.assert_allclose(layer_stats.token_similarity(same), [1.0], rtol=1e-6)
     orthogonal = (3.0 * jnp.eye(16)[:5])[None]  # 5 tokens along different axes
-    np.testing.assert_allclose(analysis.token_similarity(orthogonal), [0.0], atol=1e-7)
+    np.testing.assert_allclose(layer_stats.token_similarity(orthogonal), [0.0], atol=1e-7)
 
 
 def test_first_and_rest_norms():
     x = np.random.default_rng(4).normal(size=(2, 5, 3, 4))
-    first, rest = analysis.first_and_rest_norms(jnp.asarray(x, jnp.float32))
+    first, rest = layer_stats.first_and_rest_norms(jnp.asarray(x, jnp.float32))
     norms = [[np.sqrt(sum(v * v for v in x[b, t].ravel())) for t in range(5)] for b in range(2)]
     np.testing.assert_allclose(first, [norms[0][0], norms[1][0]], rtol=1e-6)
     np.testing.assert_allclose(rest, [np.mean(norms[0][1:]), np.mean(norms[1][1:])], rtol=1e-6)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import logging
 import re
 
 import jax
@@ -16,8 +15,8 @@ from flax import nnx
 
 from configs import base
 from tests.helpers import NAMED_VARIANTS, VARIANT_IDS, randomize, rel_err, small_model_config
-from vrl import aot, attention
-from vrl.config import ConfigError, from_configdict
+from vrl import aot, attention, ops, resolve
+from vrl.config import Config, ConfigError, DataConfig, from_configdict
 from vrl.model import Decoder
 
 L = 128  # one splash block of the TPU's 128 lanes
@@ -66,18 +65,38 @@ def test_splash_without_documents_and_multi_query():
     assert rel_err(got_bf16.astype(jnp.float32), want) < 2e-2
 
 
-def test_auto_picks_each_platforms_kernel_and_says_why_not(caplog):
-    cfg = small_model_config(head_dim=64, compute_dtype='bfloat16')
-    assert attention.choose(cfg, 'cpu', 2048, False) == 'xla'
-    assert attention.choose(cfg, 'tpu', 2048, True) == 'splash'
-    assert attention.choose(cfg, 'gpu', 2048, False) == 'cudnn'
-    with caplog.at_level(logging.INFO):
-        assert attention.choose(cfg, 'gpu', 2048, True) == 'xla'
-        assert attention.choose(cfg, 'tpu', 200, False) == 'xla'
-        assert attention.choose(dataclasses.replace(cfg, compute_dtype='float32'), 'gpu', 2048, False) == 'xla'
-    assert 'attention: xla (cuDNN attention through JAX takes no segment ids' in caplog.text
-    assert 'attention: xla (splash needs data.seq_len a multiple of 128' in caplog.text
-    assert 'needs model.compute_dtype=bfloat16 (it is float32)' in caplog.text
+def test_auto_picks_each_platforms_kernel_and_says_why_not():
+    """vrl/resolve.py, the one place an `auto` becomes a choice: each with its reason, said once."""
+    model = small_model_config(head_dim=64, compute_dtype='bfloat16', attention_impl='auto', hand_vjp='auto')
+
+    def resolved(platform: str, seq_len: int = 2048, masking: bool = False, **fields) -> tuple[str, list[str]]:
+        said = []
+        config = Config(model=dataclasses.replace(model, **fields),
+                        data=DataConfig(seq_len=seq_len, document_masking=masking))
+        out = resolve.execution(config, platform, said.append)
+        assert resolve.execution(out, platform, said.append) == out  # idempotent, and silent the second time
+        return out.model.attention_impl, said
+
+    assert resolved('cpu')[0] == 'xla' and resolved('tpu', masking=True)[0] == 'splash'
+    impl, said = resolved('gpu')
+    assert impl == 'cudnn' and said == ['model.attention_impl=cudnn (auto on gpu: the gpu kernel serves this config)',
+                                        'model.hand_vjp=attention,swiglu,cross_entropy (auto on gpu: what pays on gpu)']
+    assert resolved('gpu', masking=True) == ('xla', [
+        'model.attention_impl=xla (auto on gpu: cuDNN attention through JAX takes no segment ids '
+        '(data.document_masking=True))', 'model.hand_vjp=attention,swiglu,cross_entropy (auto on gpu: what pays on gpu)'])
+    assert 'splash needs data.seq_len a multiple of 128' in resolved('tpu', seq_len=200)[1][0]
+    assert 'needs model.compute_dtype=bfloat16 (it is float32)' in resolved('gpu', compute_dtype='float32')[1][0]
+
+
+def test_code_that_uses_a_setting_refuses_auto_by_name():
+    q = jnp.ones((1, 8, 2, 4))
+    with pytest.raises(ConfigError, match=r"model.attention_impl='auto' is unresolved here: vrl.resolve.execution"):
+        attention.attention('auto', q, q, q, attention.Causal(None), causal_chunks=1)
+    with pytest.raises(ConfigError, match=r"model.hand_vjp='auto' is unresolved here"):
+        ops.hot_ops('auto')
+    model = Decoder(small_model_config(remat='auto'), rngs=nnx.Rngs(0))  # building (for shapes) is fine
+    with pytest.raises(ConfigError, match=r"model.remat='auto' is unresolved here: vrl.resolve.memory"):
+        model(jnp.ones((1, 8), jnp.int32))
 
 
 def test_an_explicit_choice_that_cannot_run_is_refused():
@@ -87,7 +106,7 @@ def test_an_explicit_choice_that_cannot_run_is_refused():
         attention.choose(dataclasses.replace(cfg, attention_impl='cudnn'), 'cpu', 2048, False)
     with pytest.raises(ConfigError, match=r"attention_impl='splash' cannot run here: splash needs data.seq_len"):
         attention.choose(dataclasses.replace(cfg, attention_impl='splash'), 'tpu', 1000, False)
-    assert attention.choose(dataclasses.replace(cfg, attention_impl='splash'), 'cpu', 1024, False) == 'splash_interpret'
+    assert attention.choose(dataclasses.replace(cfg, attention_impl='splash'), 'cpu', 1024, False)[0] == 'splash_interpret'
     with pytest.raises(ConfigError, match=r"model.attention_impl='flash' is invalid"):
         small_model_config(attention_impl='flash')
 
@@ -131,8 +150,11 @@ def test_auto_fit_picks_the_fewest_microbatches_that_fit():
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=32),
                                  model=dataclasses.replace(config.model, remat='none'))
     devices, hbm = aot.tpu_devices('v5e:2x2')
-    fitted, report = aot.auto_fit(config, devices, hbm)
+    said = []
+    fitted, report = aot.auto_fit(config, devices, hbm, said.append)
     count = fitted.train.microbatches
+    assert f'auto fit: microbatches={count}, remat=none: {report.total_bytes / aot.GiB:.2f} of 16.00 GiB per ' \
+           'device, fits' in '\n'.join(said)  # every candidate is reported as it compiles
     assert count > 1 and fitted.model.remat == 'none'
     assert report.total_bytes <= aot.FIT_MARGIN * hbm
     fewer = dataclasses.replace(fitted, train=dataclasses.replace(fitted.train, microbatches=count // 2))

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, saved_steps, tiny_config, wait_for, write_choice_task
-from vrl import compare, curves
+from vrl import compare_report, curves
 from vrl.config import Config
 
 
@@ -37,7 +37,7 @@ def test_summary_pairs_seeds_with_vanilla():
     results = [dict(variant=v, seed=s, eval_loss=loss, model=v, params=1, kv_cache_bytes_per_token=2,
                     tokens_per_sec=3.0)
                for v, s, loss in [('vanilla', 0, 3.0), ('vanilla', 1, 3.2), ('resformer', 0, 2.9), ('resformer', 1, 3.0)]]
-    vanilla, resformer = compare.summarize(results, ['vanilla', 'resformer'])
+    vanilla, resformer = compare_report.summarize(results, ['vanilla', 'resformer'])
     assert vanilla['eval_loss'] == pytest.approx(3.1) and vanilla['delta_vs_vanilla'] == 0
     assert resformer['delta_vs_vanilla'] == pytest.approx(-0.15)
     assert resformer['delta_spread'] == pytest.approx(np.std([-0.1, -0.2], ddof=1))
@@ -145,7 +145,7 @@ def test_one_seed_is_reported_as_one_seed_not_as_zero_spread():
     row = dict(variant='resformer', model='resformer (identity)', eval_loss=3.5, eval_loss_spread=float('nan'),
                delta_vs_vanilla=-0.1, delta_spread=float('nan'), params=10, kv_cache_bytes_per_token=4,
                tokens_per_sec=1.0, downstream={})
-    report = compare.report([row], [], Config(), [0])
+    report = compare_report.report([row], [], Config(), [0])
     assert '| 3.5000 (1 seed) | -0.1000 (1 seed) |' in report and '±' not in report.split('|---|')[-1]
 
 

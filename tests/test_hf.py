@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers import NAMED_VARIANTS, VARIANT_IDS, randomize, rel_err, small_model_config
 from tests.runs import cli_args, params_equal, tiny_config
-from vrl import data, decode, hf, train
+from vrl import data, decode, hf, train, trained
 from vrl.model import Decoder
 from vrl.step import Trainer
 
@@ -41,7 +41,7 @@ def exported(small_corpus, tmp_path_factory):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert 'vanilla + MQA at step 4' in out.stdout
-    return train.load_trained(str(root / 'run')), root / 'hf'
+    return trained.load_trained(str(root / 'run')), root / 'hf'
 
 
 def _export(workdir: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -298,7 +298,7 @@ def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, 
     assert (tmp_path / 'run' / 'tokenizer.model').read_bytes() == (folder / 'tokenizer.model').read_bytes()
     recorded = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
     eval_loss = next(r['eval_loss'] for r in recorded if 'eval_loss' in r)
-    expected = train.evaluate(run.trainer, run.params, run.config, run.tokenizer).loss
+    expected = train.validate(run.trainer, run.params, run.config, run.tokenizer).loss
     assert abs(eval_loss - expected) < 1e-5 * expected
     again = _export(tmp_path / 'run', tmp_path / 'hf')
     assert again.returncode == 0, again.stderr[-3000:]

@@ -100,7 +100,7 @@ def test_eval_reports_each_domain_and_their_unweighted_mean(domains, tmp_path):
     by_hand = {}
     for name in ('slim_alpha', 'slim_beta_set'):  # each validation split alone, as a single-dataset run
         alone = dataclasses.replace(config, data=dataclasses.replace(config.data, mixture='', name=name))
-        by_hand[name] = train.evaluate(trainer, result.state.params, alone, tokenizer).domains[name]
+        by_hand[name] = train.validate(trainer, result.state.params, alone, tokenizer).domains[name]
         assert final[f'eval_loss/{name}'] == pytest.approx(by_hand[name][0], rel=1e-6)
         assert final[f'eval_bpb/{name}'] == pytest.approx(by_hand[name][1], rel=1e-6)
         # bits per byte from the split's own texts: every document's tokens and its EOS are targets

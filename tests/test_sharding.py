@@ -5,6 +5,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -148,13 +149,17 @@ def test_aot_compile_82m_for_v5e_4x4():
                           '--topology=v5e:4x4', '--config.data.batch_size=32'],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    progress = [line for line in lines if line.startswith('auto fit: microbatches=')]  # each candidate, as compiled
+    assert progress and all(re.search(r'GiB per device, (fits|does not fit) \(compiled in \d+ s\)$', line)
+                            for line in progress), progress
     rows = dict(line.split(None, 1) if not line.startswith(('arguments', 'outputs', 'temporaries', 'total', 'HBM',
                                                             'aliased', 'model'))
-                else (line[:22].strip(), line[22:].strip()) for line in out.stdout.strip().splitlines())
+                else (line[:22].strip(), line[22:].strip()) for line in lines[len(progress):])
     assert rows['devices'] == '16 x TPU v5 lite'
     assert rows['fits'] == 'yes' and rows['HBM / device'] == '16.00 GiB'
     assert 0 < float(rows['total / device'].split()[0]) < 16
-    assert out.stdout.startswith('auto fit: train.microbatches=1, model.remat=none (')
+    assert lines[len(progress)].startswith('auto fit: train.microbatches=1, model.remat=none (')
     for error_mark in ('E0000', 'INVALID_ARGUMENT', 'Failed to find host bounds'):  # libtpu kept quiet
         assert error_mark not in out.stdout + out.stderr
 

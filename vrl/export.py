@@ -21,17 +21,16 @@ from pathlib import Path
 from typing import Callable
 
 import jax
-from absl import app, flags, logging
+from absl import flags
 
-from vrl import checkpoint
-from vrl.train import load_trained
-from vrl.workdir import WorkdirError
-
+from vrl import cli
+from vrl.errors import VrlError
+from vrl.trained import load_trained
 
 MARKER = 'vrl_export.json'
 
 
-class ExportError(RuntimeError):
+class ExportError(VrlError, RuntimeError):
     """--out cannot be written as asked; the message says why and what to do."""
 
 
@@ -77,29 +76,21 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
     }
 
 
-def main(argv: list[str], args: dict[str, flags.FlagHolder]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    if not args['workdir'].value or not args['out'].value:
-        raise app.UsageError('give --workdir and --out')
-    logging.set_verbosity(logging.WARNING)
+def main(args: cli.Args) -> None:
+    cli.require(args, 'workdir', 'out')
     try:
         from vrl import hf
     except ImportError as e:
         sys.exit(f'error: {e}')
-    try:
-        run = load_trained(args['workdir'].value)
-        params = jax.device_get(run.params)
-        source = {'workdir': str(Path(args['workdir'].value).absolute()), 'step': run.step,
-                  'variant': run.config.model.variant_name}
-        files = publish(Path(args['out'].value).absolute(), source, args['overwrite'].value, lambda folder: hf.export(
-            params, run.config.model, run.config.data.seq_len, run.tokenizer, folder))
-    except (ExportError, hf.HFError, FileNotFoundError, checkpoint.CheckpointError, WorkdirError) as e:
-        sys.exit(f'error: {e}')
+    run = load_trained(args['workdir'].value)
+    params = jax.device_get(run.params)
+    source = {'workdir': str(Path(args['workdir'].value).absolute()), 'step': run.step,
+              'variant': run.config.model.variant_name}
+    files = publish(Path(args['out'].value).absolute(), source, args['overwrite'].value, lambda folder: hf.export(
+        params, run.config.model, run.config.data.seq_len, run.tokenizer, folder))
     print(f'{run.config.model.variant_name} at step {run.step} -> {args["out"].value}: '
           + ', '.join(f.name for f in files))
 
 
 if __name__ == '__main__':
-    _ARGS = _define_flags()
-    app.run(lambda argv: main(argv, _ARGS))
+    cli.run(main, _define_flags)

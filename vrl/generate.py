@@ -10,11 +10,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from absl import app, flags, logging
+from absl import flags
 
-from vrl import accounting, checkpoint, data, decode
-from vrl.train import TrainedRun, load_trained
-from vrl.workdir import WorkdirError
+from vrl import accounting, cli, data, decode
+from vrl.trained import TrainedRun, load_trained
 
 
 def make_generator(run: TrainedRun, max_len: int) -> decode.Generator:
@@ -39,40 +38,33 @@ def _define_flags() -> dict:
     }
 
 
-def main(argv: list[str], args: dict) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    if not args['workdir'].value:
-        raise app.UsageError('--workdir is required')
-    logging.set_verbosity(logging.WARNING)
+def main(args: cli.Args) -> None:
+    cli.require(args, 'workdir')
     prompts = list(args['prompt'].value)
     if args['prompts_file'].value:
         prompts += Path(args['prompts_file'].value).read_text().splitlines()
-    try:
-        if not prompts or any(not p.strip() for p in prompts):
-            raise decode.DecodeError('empty prompt: give --prompt="some text" (or a --prompts_file without '
-                                     'blank lines).')
-        sampling = decode.Sampling(temperature=args['temperature'].value, top_k=args['top_k'].value,
-                                   top_p=args['top_p'].value, max_new_tokens=args['max_new_tokens'].value,
-                                   seed=args['seed'].value)
-        if args['max_len'].value < 0:
-            raise decode.DecodeError(f'max_len={args["max_len"].value} is invalid: allowed >= 1 (0 = the trained '
-                                     'seq_len).')
-        run = load_trained(args['workdir'].value)
-        config, tokenizer = run.config, run.tokenizer
-        sampling.check_vocab(config.model.vocab_size)
-        encoded = [data.prompt_tokens(config.data, tokenizer, p) for p in prompts]
-        # the cache holds what the prompts and new tokens need, at most --max_len (or the trained length)
-        max_len = min(args['max_len'].value or config.data.seq_len, max(map(len, encoded)) + sampling.max_new_tokens)
-        if max_len > config.data.seq_len:
-            cache = accounting.kv_cache_bytes_per_token(config.model) * max_len * len(encoded)
-            print(f'warning: {max_len} positions (prompt + --max_new_tokens) are beyond the trained seq_len '
-                  f'{config.data.seq_len}: RoPE positions past it were never seen in training; the KV cache takes '
-                  f'{cache / 1e6:,.1f} MB.', file=sys.stderr)
-        generator = make_generator(run, max_len)
-        result = generator.generate(encoded, sampling)
-    except (decode.DecodeError, FileNotFoundError, checkpoint.CheckpointError, WorkdirError) as e:
-        sys.exit(f'error: {e}')
+    if not prompts or any(not p.strip() for p in prompts):
+        raise decode.DecodeError('empty prompt: give --prompt="some text" (or a --prompts_file without '
+                                 'blank lines).')
+    sampling = decode.Sampling(temperature=args['temperature'].value, top_k=args['top_k'].value,
+                               top_p=args['top_p'].value, max_new_tokens=args['max_new_tokens'].value,
+                               seed=args['seed'].value)
+    if args['max_len'].value < 0:
+        raise decode.DecodeError(f'max_len={args["max_len"].value} is invalid: allowed >= 1 (0 = the trained '
+                                 'seq_len).')
+    run = load_trained(args['workdir'].value)
+    config, tokenizer = run.config, run.tokenizer
+    sampling.check_vocab(config.model.vocab_size)
+    encoded = [data.prompt_tokens(config.data, tokenizer, p) for p in prompts]
+    # the cache holds what the prompts and new tokens need, at most --max_len (or the trained length)
+    max_len = min(args['max_len'].value or config.data.seq_len, max(map(len, encoded)) + sampling.max_new_tokens)
+    if max_len > config.data.seq_len:
+        cache = accounting.kv_cache_bytes_per_token(config.model) * max_len * len(encoded)
+        print(f'warning: {max_len} positions (prompt + --max_new_tokens) are beyond the trained seq_len '
+              f'{config.data.seq_len}: RoPE positions past it were never seen in training; the KV cache takes '
+              f'{cache / 1e6:,.1f} MB.', file=sys.stderr)
+    generator = make_generator(run, max_len)
+    result = generator.generate(encoded, sampling)
     for prompt, tokens in zip(prompts, result.tokens):
         print(f'--- {prompt}{tokenizer.decode(t for t in tokens if t != tokenizer.eos_id)}')
     prompt_tokens = sum(map(len, encoded))
@@ -84,5 +76,4 @@ def main(argv: list[str], args: dict) -> None:
 
 
 if __name__ == '__main__':
-    _ARGS = _define_flags()
-    app.run(lambda argv: main(argv, _ARGS))
+    cli.run(main, _define_flags)

@@ -21,19 +21,16 @@ import jax
 import numpy as np
 from absl import logging
 
-from vrl import accounting, analyze, checkpoint, corpus, plots, tokenizer, train
+from vrl import accounting, analyze, train
 from vrl import workdir as workdir_lib
-from vrl.config import Config, ConfigError
+from vrl.config import Config
+from vrl.errors import VrlError
+
+BASELINE = 'vanilla'  # what every statistic of a comparison or study is measured against
 
 
-class GridError(ValueError):
+class GridError(VrlError, ValueError):
     """Bad grid input; the message names the problem."""
-
-
-# What a grid command turns into one line on stderr: bad input, data, tokenizer, checkpoint or run.
-RUN_ERRORS = (GridError, ConfigError, analyze.AnalysisError, FileNotFoundError, checkpoint.CheckpointMismatchError,
-              corpus.DataError, tokenizer.TokenizerError, train.TrainingError, plots.PlotError,
-              workdir_lib.WorkdirError)
 
 
 @dataclasses.dataclass(frozen=True)

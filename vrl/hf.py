@@ -27,7 +27,6 @@ Both sides use rotate-half RoPE and x * rsqrt(mean(x^2) + eps) * weight: no perm
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from vrl.checkpoint import CheckpointError
-from vrl.config import ModelConfig
+from vrl.config import VARIANT_FIELDS, ModelConfig
 from vrl.tokenizer import Tokenizer
 
 try:
@@ -104,7 +103,7 @@ def links(cfg: ModelConfig) -> list[Link]:
             out.append(Link(prefix + 'self_attn.k_proj.weight', (*path, 'wk'), kv_at, *_INTO_LINEAR))
             if i == 0 or cfg.attention != 'svformer':
                 out.append(Link(prefix + 'self_attn.v_proj.weight', (*path, 'wv'), kv_at, *_INTO_LINEAR))
-        if i > 0 and cfg.attention == 'resformer' and cfg.lambda_mode == 'per_token':
+        if i > 0 and cfg.per_token_mix:
             out.append(Link(prefix + 'self_attn.mix_proj.weight', ('layers', 'attn', 'w_mix'), at, *_TRANSPOSE))
         if i in ve_entry:
             out.append(Link(prefix + 'self_attn.value_embed_gate.weight', ('value_embeds', 'gates'),
@@ -167,8 +166,6 @@ _LLAMA_FIELDS = {  # Hugging Face config.json key -> vrl model field
     'num_attention_heads': 'n_heads', 'num_key_value_heads': 'n_kv_heads', 'head_dim': 'head_dim',
     'rms_norm_eps': 'norm_eps', 'tie_word_embeddings': 'tie_embeddings',
 }
-_VARIANT_FIELDS = ('attention', 'lambda_mode', 'lambda1', 'lambda2', 'sparse_layers', 'neutreno', 'neutreno_lambda',
-                   'denseformer', 'kv_share', 'value_embed_layers', 'value_embed_tables')
 
 
 def hf_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -182,7 +179,7 @@ def hf_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dic
     })
     if is_llama(cfg):
         return {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **config}
-    variant = {field: _jsonable(getattr(cfg, field)) for field in _VARIANT_FIELDS}
+    variant = {field: _jsonable(getattr(cfg, field)) for field in VARIANT_FIELDS}
     return {'architectures': ['VrlForCausalLM'], 'model_type': 'vrl',
             'auto_map': {'AutoConfig': 'configuration_vrl.VrlConfig',
                          'AutoModelForCausalLM': 'modeling_vrl.VrlForCausalLM'}, **config, **variant}
@@ -229,7 +226,7 @@ def _check_config(hf: dict, folder: Path, cfg: ModelConfig) -> None:
         raise HFError(f'{folder} has rope_theta={theta!r} but the config has model.rope_theta={cfg.rope_theta!r}.')
     if hf['model_type'] == 'vrl':
         defaults = ModelConfig()
-        for field in _VARIANT_FIELDS:
+        for field in VARIANT_FIELDS:
             theirs = hf.get(field, _jsonable(getattr(defaults, field)))
             if theirs != _jsonable(getattr(cfg, field)):
                 raise HFError(f'{folder} has {field}={theirs!r} but the config has model.{field}='
@@ -288,9 +285,7 @@ def _ambiguity(model_type: str, cfg: ModelConfig) -> str:
     if is_llama(cfg):
         return ('a plain Llama config.json: these tensors also fit a fixed-lambda ResFormer; an official-code '
                 'ResFormer checkpoint needs --config.model.attention=resformer')
-    vanilla = dataclasses.replace(cfg, attention='vanilla', neutreno=False, denseformer=False, kv_share=1,
-                                  value_embed_layers=(), value_embed_tables=())
-    if {link.name for link in links(cfg)} == {link.name for link in links(vanilla)}:
+    if {link.name for link in links(cfg)} == {link.name for link in links(cfg.as_vanilla())}:
         return (f'WARNING: a plain Llama config.json whose tensors fit vanilla too: started as {cfg.variant_name} '
                 'because the config says so; if these weights were trained as vanilla, their logits will differ')
     return ''

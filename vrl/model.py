@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from vrl import analysis, attention, ops, params, variants
+from vrl import attention, layer_stats, ops, params, variants
 from vrl.attention import Causal
-from vrl.config import ModelConfig
+from vrl.config import ConfigError, ModelConfig
 from vrl.sharding import constrain
 from vrl.variants import Lambdas, LayerKV, ValueEmbed
 
@@ -105,11 +105,15 @@ class Attention(nnx.Module):
         self.wv = (params.normal(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, stack)
                    if owns_kv and (first or cfg.attention != 'svformer') else None)
         self.wo = params.normal(rngs, (H, Dh, D), ('heads', 'head_dim', 'embed'), std, stack)
-        per_token = not first and cfg.attention == 'resformer' and cfg.lambda_mode == 'per_token'
+        per_token = not first and cfg.per_token_mix
         self.w_mix = params.normal(rngs, (D, K), ('embed', 'kv_heads'), std, stack) if per_token else None
         self.variant = cfg.attention
         self.rope_theta = cfg.rope_theta
-        self.ops = ops.hot_ops(cfg.hand_vjp)
+        self.hand_vjp = cfg.hand_vjp
+
+    @property
+    def ops(self) -> ops.HotOps:
+        return ops.hot_ops(self.hand_vjp)  # at call time: a model is built (for shapes) before hand_vjp resolves
 
     def queries(self, x_BxLxD: Array, positions_BxL: Array) -> Array:
         q_BxLxHxDh = self.ops.project(x_BxLxD, self.wq[...].astype(x_BxLxD.dtype), 1)
@@ -164,7 +168,11 @@ class MLP(nnx.Module):
         self.w_gate = params.normal(rngs, (D, F), ('embed', 'mlp'), std, stack)
         self.w_up = params.normal(rngs, (D, F), ('embed', 'mlp'), std, stack)
         self.w_down = params.normal(rngs, (F, D), ('mlp', 'embed'), std, stack)
-        self.ops = ops.hot_ops(cfg.hand_vjp)
+        self.hand_vjp = cfg.hand_vjp
+
+    @property
+    def ops(self) -> ops.HotOps:
+        return ops.hot_ops(self.hand_vjp)
 
     def __call__(self, x_BxLxD: Array) -> Array:
         dtype = x_BxLxD.dtype
@@ -204,7 +212,7 @@ class Block(nnx.Module):
         self.neutreno_lambda = cfg.neutreno_lambda if cfg.neutreno else None
 
     def __call__(self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array, record: bool
-                 ) -> tuple[Array, tuple[Array, Array], KVCache | None, analysis.AttentionStats | None]:
+                 ) -> tuple[Array, tuple[Array, Array], KVCache | None, layer_stats.AttentionStats | None]:
         """The block's output (B, L, D), its keys and attended values for the L tokens, the cache with
         them written and, when recording, its attention statistics."""
         x_BxLxD = self.attn_norm(s.h)
@@ -232,7 +240,7 @@ class Block(nnx.Module):
         if record:
             B, L = q_BxLxHxDh.shape[:2]
             dense_BxLxS = mask.dense(B, L) if isinstance(mask, Causal) else mask
-            stats = analysis.attention_stats(q_BxLxHxDh, keys, values, dense_BxLxS)
+            stats = layer_stats.attention_stats(q_BxLxHxDh, keys, values, dense_BxLxS)
         return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), cache, stats
 
 
@@ -258,7 +266,7 @@ class Decoder(nnx.Module):
         self.embed = params.normal(rngs, (V, D), ('vocab', 'embed'), cfg.init_std)
         self.first = Block(cfg, first=True, stack=None, rngs=rngs)
         self.layers = Block(cfg, first=False, stack=cfg.n_stacked, rngs=rngs)
-        scalar_lambdas = cfg.attention == 'resformer' and cfg.lambda_mode != 'per_token'
+        scalar_lambdas = cfg.attention == 'resformer' and not cfg.per_token_mix
         self.lambdas = variants.ValueResidualLambdas(cfg) if scalar_lambdas else None
         self.shared_kv = variants.SharedKeyValues(cfg, rngs) if cfg.kv_share > 1 else None
         self.value_embeds = variants.ValueEmbeddings(cfg, rngs) if cfg.value_embed_layers else None
@@ -287,8 +295,8 @@ class Decoder(nnx.Module):
         h_BxLxD, _, _ = self._forward(tokens_BxL, positions_BxL, Causal(segment_ids_BxL), None, False)
         return h_BxLxD
 
-    def layer_stats(self, tokens_BxL: Array) -> analysis.LayerStats:
-        """Per-layer attention, value and hidden-state statistics of causal sequences (vrl/analysis.py),
+    def layer_stats(self, tokens_BxL: Array) -> layer_stats.LayerStats:
+        """Per-layer attention, value and hidden-state statistics of causal sequences (vrl/layer_stats.py),
         each (L, B), computed one layer at a time; `similarity` (L + 1, B) starts at the embedding."""
         B, L = tokens_BxL.shape
         positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
@@ -322,7 +330,7 @@ class Decoder(nnx.Module):
 
     def _forward(self, tokens_BxL: Array, positions_BxL: Array, mask: Causal | Array, cache: KVCache | None,
                  record: bool, layers: list[nnx.State] | None = None
-                 ) -> tuple[Array, KVCache | None, analysis.LayerStats | None]:
+                 ) -> tuple[Array, KVCache | None, layer_stats.LayerStats | None]:
         """The final-normalised hidden states (B, L, D), the updated cache when decoding, and the
         per-layer statistics when recording."""
         dtype, L = self.compute_dtype, self.cfg.n_layers
@@ -348,12 +356,12 @@ class Decoder(nnx.Module):
         if not record:
             return h_BxLxD, cache, None
         stats = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first_stats, stacked_stats)
-        embedding_similarity = analysis.token_similarity(self.embed[...].astype(dtype)[tokens_BxL])
+        embedding_similarity = layer_stats.token_similarity(self.embed[...].astype(dtype)[tokens_BxL])
         return h_BxLxD, cache, stats._replace(similarity=jnp.concatenate([embedding_similarity[None],
                                                                            stats.similarity]))
 
     def _layer(self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array,
-               record: bool) -> tuple[Stream, analysis.LayerStats | None]:
+               record: bool) -> tuple[Stream, layer_stats.LayerStats | None]:
         """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average."""
         h_BxLxD, kv, cache, attention_stats = block(s, p, positions_BxL, mask, record)
         blocks = s.blocks
@@ -363,16 +371,16 @@ class Decoder(nnx.Module):
         h_BxLxD = constrain(h_BxLxD, _ACTIVATION)
         v1 = kv[1] if s.v1 is None else s.v1
         s = Stream(h_BxLxD, v1, kv if self.cfg.kv_share > 1 else None, blocks, cache)
-        return s, analysis.layer_stats(attention_stats, h_BxLxD) if record else None
+        return s, layer_stats.layer_stats(attention_stats, h_BxLxD) if record else None
 
     def _stacked_layers(self, s: Stream, inputs: LayerInputs, positions_BxL: Array, mask: Causal | Array,
                         record: bool, layers: list[nnx.State] | None
-                        ) -> tuple[Stream, analysis.LayerStats | None]:
+                        ) -> tuple[Stream, layer_stats.LayerStats | None]:
         """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`.
 
         V_1 is the same for every layer, so it is a constant of the scan rather than part of its
-        carry: the backward pass keeps a scan's carry once per layer (N copies of V_1, 2.9 GiB per
-        chip for the 468M SVFormer on v5e:4x4), and a constant once. Decoding always loops, so
+        carry: the backward pass keeps a scan's carry once per layer (N copies of V_1), and a constant
+        once (docs/performance.md, "Train-step memory"). Decoding always loops, so
         that each layer's cache slots are known when tracing (KVCache: one buffer per slot), and
         takes each layer's parameters from `layers` where given (`decode`).
         """
@@ -384,7 +392,10 @@ class Decoder(nnx.Module):
                                    record)
             return s._replace(v1=None), stats
 
-        if self.cfg.remat not in ('none', 'auto') and not decoding:  # auto unresolved outside aot.auto_fit
+        if self.cfg.remat == 'auto' and not decoding:
+            raise ConfigError("model.remat='auto' is unresolved here: vrl.resolve.memory resolves it by compiling "
+                              'for the devices (vrl.main and train.run do it).')
+        if self.cfg.remat != 'none' and not decoding:
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         s = s._replace(v1=None)
         if self.cfg.scan_layers and not decoding:

@@ -3,11 +3,10 @@ and the output head fused with the cross-entropy loss.
 
 Each is a plain function (`plain_*`, differentiated by autodiff) made a `jax.custom_vjp` with a
 hand-written backward that computes what autodiff would (tests/test_ops.py checks them against
-float64 autodiff); they exist because of how XLA lays the autodiff graphs out. On XLA:CPU the
-first three took the 82M train step from 7.85 s to 4.68 s, and the fused head and loss about
-0.2 s more (`python bench/train_throughput.py`, README). `model.hand_vjp` picks, per op, which
-one a model uses (`hot_ops`); under `auto`, HAND_VJP_BY_PLATFORM says what each backend runs,
-from `python bench/hand_vjp.py` (README).
+float64 autodiff); they exist because of how XLA lays the autodiff graphs out (what each saves:
+docs/performance.md, from `python bench/train_throughput.py` and `python bench/hand_vjp.py`).
+`model.hand_vjp` picks, per op, which one a model uses (`hot_ops`); under `auto`,
+HAND_VJP_BY_PLATFORM says what each backend runs.
 
 - `project` (x @ W over the trailing dims of x): autodiff's weight gradient contracts over the
   token axis, and XLA transposes the larger operand (the (tokens, d_ff) gradient) inside a slow
@@ -31,7 +30,7 @@ from `python bench/hand_vjp.py` (README).
 
 Every bfloat16 residual the hand-written backwards keep is kept as its uint16 bits (`_kept`):
 XLA:CPU writes and reads a layer of a scan-stacked bfloat16 array by converting the whole stack
-to float32 and back, which cost the 82M bf16 step about 0.8 s of its 3.5 s of op time.
+to float32 and back (a large share of the bf16 step's op time; docs/performance.md).
 
 Shape suffixes as in vrl/model.py; T = B * L tokens, I / O the flattened contracted / output dims.
 """
@@ -40,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 from typing import Callable
 
@@ -48,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vrl.config import HAND_VJP_OPS
+from vrl.config import HAND_VJP_OPS, ConfigError
 from vrl.sharding import constrain
 
 Array = jax.Array
@@ -371,13 +369,10 @@ def _cross_entropy_bwd(vocab_size: int, z_loss: float, chunks: int, residuals, d
 cross_entropy_sums.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-# Which hand-written backwards each platform runs under model.hand_vjp=auto. CPU: all (measured,
-# `python bench/train_throughput.py`). TPU: all (`python bench/hand_vjp.py`, README: in the 468M
-# step, project, swiglu and the fused loss are no worse than autodiff in memory and save bytes;
-# XLA attention's saves 1.4 GB of traffic for 0.13 GiB more at 2K, and TPU trains with splash).
-# GPU (not measured: no GPU to compile for): the ops whose saving is structural (kept residuals,
-# passes over the logits); project's barriers only serve XLA:CPU's layouts, and cuBLAS takes
-# transposed operands itself.
+# Which hand-written backwards each platform runs under model.hand_vjp=auto. CPU and TPU: all (each
+# no worse than autodiff in the benchmarks; docs/performance.md). GPU (not measured): the ops whose
+# saving is structural (kept residuals, passes over the logits); project's barriers only serve
+# XLA:CPU's layouts, and cuBLAS takes transposed operands itself.
 HAND_VJP_BY_PLATFORM = {'cpu': HAND_VJP_OPS, 'tpu': HAND_VJP_OPS,
                         'gpu': ('attention', 'swiglu', 'cross_entropy')}
 
@@ -392,20 +387,22 @@ class HotOps:
     cross_entropy_sums: Callable[..., tuple[Array, Array]]
 
 
-def choose_hand_vjp(setting: str, platform: str) -> str:
-    """model.hand_vjp resolved for `platform` ('cpu', 'gpu', 'tpu'): 'all', 'none' or a comma list."""
+def choose_hand_vjp(setting: str, platform: str) -> tuple[str, str]:
+    """(model.hand_vjp resolved for `platform` ('cpu', 'gpu', 'tpu'): 'all', 'none' or a comma list, why);
+    vrl/resolve.py calls this."""
     if setting != 'auto':
-        return setting
+        return setting, 'as configured'
     chosen = HAND_VJP_BY_PLATFORM.get(platform, HAND_VJP_OPS)
-    resolved = 'all' if chosen == HAND_VJP_OPS else ','.join(chosen) or 'none'
-    logging.info('hand-written backward: %s', resolved)
-    return resolved
+    return ('all' if chosen == HAND_VJP_OPS else ','.join(chosen) or 'none'), f'what pays on {platform}'
 
 
 @functools.cache
 def hot_ops(hand_vjp: str) -> HotOps:
-    """The ops for a model.hand_vjp value; `auto` unresolved (a model built outside a Trainer) is all."""
-    names = () if hand_vjp == 'none' else HAND_VJP_OPS if hand_vjp in ('all', 'auto') else hand_vjp.split(',')
+    """The ops for a resolved model.hand_vjp value ('all', 'none' or a comma list)."""
+    if hand_vjp == 'auto':
+        raise ConfigError("model.hand_vjp='auto' is unresolved here: vrl.resolve.execution resolves it for a "
+                          'platform (a Trainer does it itself).')
+    names = () if hand_vjp == 'none' else HAND_VJP_OPS if hand_vjp == 'all' else hand_vjp.split(',')
     return HotOps(project=project if 'project' in names else plain_project,
                   attention=attention if 'attention' in names else plain_attention,
                   swiglu=swiglu if 'swiglu' in names else plain_swiglu,

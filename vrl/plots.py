@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
+from vrl.errors import VrlError
 
-class PlotError(RuntimeError):
+
+class PlotError(VrlError, RuntimeError):
     """matplotlib is missing; the message says which requirements file brings it."""
 
 

@@ -69,11 +69,7 @@ def apply(name: str, cfg: ModelConfig) -> ModelConfig:
     shape, GQA included, stays the base config's unless the preset names it)."""
     if name not in PRESETS:
         raise ConfigError(f'unknown variant preset {name!r}; allowed: {", ".join(PRESETS)}.')
-    defaults = ModelConfig()
-    reset = {f: getattr(defaults, f) for f in ('attention', 'lambda_mode', 'lambda1', 'lambda2', 'sparse_layers',
-                                              'neutreno', 'neutreno_lambda', 'denseformer', 'kv_share',
-                                              'value_embed_layers', 'value_embed_tables')}
-    return dataclasses.replace(cfg, **{**reset, **PRESETS[name][1](cfg)})
+    return dataclasses.replace(cfg.as_vanilla(), **PRESETS[name][1](cfg))
 
 
 def listing() -> str:

@@ -14,8 +14,10 @@ from typing import Sequence
 
 import numpy as np
 
+from vrl.errors import VrlError
 
-class FitError(ValueError):
+
+class FitError(VrlError, ValueError):
     """Too few or unusable points for a fit; the message says what is missing."""
 
 

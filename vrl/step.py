@@ -7,7 +7,6 @@ into that layout, and donated to the step.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -17,7 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from vrl import attention, ops
+from vrl import ops, resolve
 from vrl import optimizer as vrl_optimizer
 from vrl import sharding
 from vrl.config import Config, ConfigError, ModelConfig
@@ -55,13 +54,10 @@ class Trainer:
     def __init__(self, config: Config, mesh: Mesh):
         if config.train.microbatches == 0 or config.model.remat == 'auto':
             raise ConfigError('train.microbatches=0 and model.remat=auto must be resolved before a Trainer is '
-                              'built: vrl.aot.auto_fit does it (vrl.main and train.run call it).')
+                              'built: vrl.resolve.memory does it (vrl.main and train.run call it).')
+        config = resolve.execution(config, mesh.devices.flat[0].platform)
         self.config, self.mesh = config, mesh
-        impl = attention.choose(config.model, mesh.devices.flat[0].platform, config.data.seq_len,
-                                config.data.document_masking)
-        hand_vjp = ops.choose_hand_vjp(config.model.hand_vjp, mesh.devices.flat[0].platform)
-        self.graphdef, abstract_params = abstract_model(dataclasses.replace(config.model, attention_impl=impl,
-                                                                            hand_vjp=hand_vjp))
+        self.graphdef, abstract_params = abstract_model(config.model)
         self.tx = vrl_optimizer.make(config.optimizer)
         self.learning_rate = vrl_optimizer.learning_rate(config.optimizer)
         self.param_shardings = sharding.param_shardings(abstract_params, mesh)

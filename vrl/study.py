@@ -32,15 +32,14 @@ import itertools
 import json
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import jax
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
-from vrl import accounting, checkpoint, grid, metrics, presets, study_report
+from vrl import accounting, checkpoint, cli, grid, metrics, presets, study_report
 from vrl.compare import parse_seeds
 from vrl.config import Config, ModelConfig, from_configdict
 from vrl.grid import GridError, Run
@@ -225,29 +224,21 @@ def _floats(flag: str, values: list[str]) -> list[float]:
         raise GridError(f'{flag}={",".join(values)} is invalid: allowed numbers such as 1e-3,3e-3.') from None
 
 
-def main(argv: list[str], args: dict) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    if args['config'].value is None or not args['workdir'].value:
-        raise app.UsageError('give --config and --workdir')
-    logging.set_verbosity(logging.WARNING)
-    try:
-        base = from_configdict(args['config'].value)
-        axes = Axes(args['variants'].value, args['sizes'].value,
-                    _floats('--lrs', args['lrs'].value) if args['lrs'].value else [base.optimizer.peak_lr],
-                    parse_seeds(args['seeds'].value),
-                    [int(v) for v in _floats('--seq_lens', args['seq_lens'].value)] or [base.data.seq_len],
-                    args['budget'].value)
-        workdir = Path(args['workdir'].value).absolute()
-        if args['list'].value:
-            print(listing(plan(base, axes), workdir))
-            return
-        study(base, axes, workdir, args['analysis_sequences'].value)
-    except grid.RUN_ERRORS as e:
-        sys.exit(f'error: {e}')
+def main(args: cli.Args) -> None:
+    cli.require(args, 'config', 'workdir')
+    base = from_configdict(args['config'].value)
+    axes = Axes(args['variants'].value, args['sizes'].value,
+                _floats('--lrs', args['lrs'].value) if args['lrs'].value else [base.optimizer.peak_lr],
+                parse_seeds(args['seeds'].value),
+                [int(v) for v in _floats('--seq_lens', args['seq_lens'].value)] or [base.data.seq_len],
+                args['budget'].value)
+    workdir = Path(args['workdir'].value).absolute()
+    if args['list'].value:
+        print(listing(plan(base, axes), workdir))
+        return
+    study(base, axes, workdir, args['analysis_sequences'].value)
     print(f'report: {workdir / "study.md"}')
 
 
 if __name__ == '__main__':
-    _ARGS = _define_flags()
-    app.run(lambda argv: main(argv, _ARGS))
+    cli.run(main, _define_flags)

@@ -19,8 +19,8 @@ import numpy as np
 
 from vrl import curves, plots, scaling
 from vrl.config import ModelConfig
+from vrl.grid import BASELINE
 
-BASELINE = 'vanilla'
 _STYLES = ('-', '--', ':', '-.')
 
 

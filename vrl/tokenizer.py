@@ -19,11 +19,13 @@ import numpy as np
 import sentencepiece as spm
 from etils import epath
 
+from vrl.errors import VrlError
+
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 MODEL_TYPES = ('bpe', 'unigram')
 
 
-class TokenizerError(ValueError):
+class TokenizerError(VrlError, ValueError):
     """A missing or unusable tokenizer; the message says where it looked and what to do."""
 
 
@@ -155,32 +157,29 @@ def _train_sentencepiece(lines: Iterator[str], model: io.BytesIO, vocab_size: in
         num_threads=2, minloglevel=2)
 
 
-def main(argv: list[str]) -> None:
-    from vrl import corpus
-    if len(argv) < 2 or argv[1] != 'train':
-        raise app.UsageError('usage: python -m vrl.tokenizer train --name=NAME --data_dir=DIR '
-                             '--vocab_size=N --out=PATH [--model_type=bpe|unigram]')
-    for flag in ('name', 'vocab_size', 'out'):
-        if not getattr(FLAGS, flag):
-            raise app.UsageError(f'--{flag} is required')
-    try:
-        texts = corpus.texts(corpus.open_split(FLAGS.name, FLAGS.data_dir, FLAGS.split), FLAGS.text_field,
-                             limit=FLAGS.max_docs)
-        tok = train(texts, FLAGS.vocab_size, FLAGS.out, FLAGS.model_type)
-    except (corpus.DataError, TokenizerError) as e:
-        raise SystemExit(f'error: {e}') from None
-    print(f'wrote {FLAGS.out}: {tok.vocab_size} pieces, pad={tok.pad_id} eos={tok.eos_id} bos={tok.bos_id}')
+def _define_flags() -> dict:
+    from absl import flags
+    return {
+        'name': flags.DEFINE_string('name', None, 'TFDS dataset name'),
+        'data_dir': flags.DEFINE_string('data_dir', '', "TFDS data_dir ('' = vrl's cache)"),
+        'split': flags.DEFINE_string('split', 'train', 'split to train on'),
+        'text_field': flags.DEFINE_string('text_field', 'text', 'feature holding the text'),
+        'vocab_size': flags.DEFINE_integer('vocab_size', None, 'pieces in the vocabulary'),
+        'out': flags.DEFINE_string('out', None, 'where to write the .model file'),
+        'model_type': flags.DEFINE_enum('model_type', 'bpe', MODEL_TYPES, 'sentencepiece model type'),
+        'max_docs': flags.DEFINE_integer('max_docs', 100_000, 'documents read from the split'),
+    }
+
+
+def main(args: dict, command: str) -> None:
+    from vrl import cli, corpus
+    cli.require(args, 'name', 'vocab_size', 'out')
+    texts = corpus.texts(corpus.open_split(args['name'].value, args['data_dir'].value, args['split'].value),
+                         args['text_field'].value, limit=args['max_docs'].value)
+    tok = train(texts, args['vocab_size'].value, args['out'].value, args['model_type'].value)
+    print(f'wrote {args["out"].value}: {tok.vocab_size} pieces, pad={tok.pad_id} eos={tok.eos_id} bos={tok.bos_id}')
 
 
 if __name__ == '__main__':
-    from absl import app, flags
-    flags.DEFINE_string('name', None, 'TFDS dataset name')
-    flags.DEFINE_string('data_dir', '', "TFDS data_dir ('' = vrl's cache)")
-    flags.DEFINE_string('split', 'train', 'split to train on')
-    flags.DEFINE_string('text_field', 'text', 'feature holding the text')
-    flags.DEFINE_integer('vocab_size', None, 'pieces in the vocabulary')
-    flags.DEFINE_string('out', None, 'where to write the .model file')
-    flags.DEFINE_enum('model_type', 'bpe', MODEL_TYPES, 'sentencepiece model type')
-    flags.DEFINE_integer('max_docs', 100_000, 'documents read from the split')
-    FLAGS = flags.FLAGS
-    app.run(main)
+    from vrl import cli
+    cli.run(main, _define_flags, ('train',))

@@ -9,26 +9,25 @@ aborts). Process 0 holds the workdir's lock for the whole run (vrl/workdir.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
-from vrl import accounting, aot, checkpoint, data, decode, metrics, sharding, workdir as workdir_lib
-from vrl.config import Config, from_configdict
-from vrl.step import TrainState, Trainer
-from vrl.tokenizer import Tokenizer
+from vrl import accounting, aot, checkpoint, data, decode, metrics, resolve, sharding
+from vrl import workdir as workdir_lib
+from vrl.config import Config
+from vrl.errors import VrlError
+from vrl.step import Trainer, TrainState
 
 
-class TrainingError(RuntimeError):
+class TrainingError(VrlError, RuntimeError):
     """The run cannot go on (e.g. a non-finite loss); the message names the step."""
 
 
@@ -84,41 +83,8 @@ def _check_workdir(workdir: str) -> Path:
     return path
 
 
-def load_run(workdir: str) -> tuple[Config, Tokenizer]:
-    """The config a workdir was trained with (its config.json) and the run's tokenizer."""
-    config_file = Path(workdir) / 'config.json'
-    if not config_file.is_file():
-        raise FileNotFoundError(f'{config_file} not found: --workdir must be a directory that '
-                                '`python -m vrl.main --workdir=...` trained in.')
-    try:
-        config = from_configdict(ml_collections.ConfigDict(json.loads(config_file.read_text())['config']))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON, no 'config', unknown field
-        raise workdir_lib.WorkdirError(f'{config_file} is not a readable vrl run record '
-                                       f'({" ".join(str(e).split())}); restore it from the run.') from None
-    return config, data.load_tokenizer(config.data, config.model.vocab_size)
-
-
-class TrainedRun(NamedTuple):
-    """A workdir's latest checkpoint, ready to run: parameters sharded by the training rules on a
-    mesh of this machine's devices shaped by the run's mesh config."""
-    config: Config
-    tokenizer: Tokenizer
-    trainer: Trainer
-    params: Any
-    step: int | None
-
-
-def load_trained(workdir: str) -> TrainedRun:
-    """The run's config, tokenizer and latest parameters (checked against the saved model config)."""
-    config, tokenizer = load_run(workdir)
-    _, step = checkpoint.step_folder(workdir)
-    trainer = Trainer(config, sharding.make_mesh(config.mesh))
-    params = checkpoint.restore_params(workdir, trainer.abstract_state.params, config.model)
-    return TrainedRun(config, tokenizer, trainer, params, step)
-
-
 @dataclasses.dataclass(frozen=True)
-class Evaluation:
+class Validation:
     """Per validation set (data.name, or each dataset of data.mixture): (nats per target token,
     bits per byte = summed token losses / ln 2 / UTF-8 bytes of the text they stand for)."""
     domains: dict[str, tuple[float, float]]
@@ -141,7 +107,7 @@ class Evaluation:
         return record
 
 
-def evaluate(trainer: Trainer, params: Any, config: Config, tokenizer) -> Evaluation:
+def validate(trainer: Trainer, params: Any, config: Config, tokenizer) -> Validation:
     """train.eval_batches batches of each validation set."""
     domains = {}
     for name, _ in config.data.sources():
@@ -153,7 +119,7 @@ def evaluate(trainer: Trainer, params: Any, config: Config, tokenizer) -> Evalua
             loss_sum, tokens, n_bytes = (loss_sum + float(out['loss_sum']), tokens + float(out['tokens']),
                                          n_bytes + float(out['bytes']))
         domains[name] = (loss_sum / max(tokens, 1.0), loss_sum / math.log(2) / max(n_bytes, 1.0))
-    return Evaluation(domains)
+    return Validation(domains)
 
 
 def _sync(name: str) -> None:
@@ -210,10 +176,7 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
     workdir = str(path)
     mesh = sharding.make_mesh(config.mesh)
     sharding.check_fits_mesh(config, mesh.devices.shape)
-    if config.train.microbatches == 0 or config.model.remat == 'auto':
-        fitted, report = aot.auto_fit(config, list(mesh.devices.flat), aot.local_hbm_bytes())
-        say(aot.fit_line(fitted, report))
-        config = fitted
+    config, _ = resolve.resolve(config, list(mesh.devices.flat), aot.local_hbm_bytes(), say)
     config, tokenizer_source, tokenizer_line = _hf_tokenizer(config, init_from, path)
     trainer = Trainer(config, mesh)
     if fresh and is_writer:
@@ -297,7 +260,7 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
         if config.train.steps == 0 and restored is None:  # a conversion: the initial parameters as step 0
             checkpoint.save(manager, 0, state, data_iterator, config.model, force=True)
             if config.train.eval_batches:
-                evaluation = evaluate(trainer, state.params, config, tokenizer)
+                evaluation = validate(trainer, state.params, config, tokenizer)
                 eval_loss = evaluation.loss
                 writer.write(0, evaluation.record())
             writer.print(f'train.steps=0: saved the initial parameters as step 0 in {workdir}')
@@ -319,7 +282,7 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
             if saving:
                 checkpoint.save(manager, step, state, data_iterator, config.model, force=preempted or at_end)
             if evaluating:
-                evaluation = evaluate(trainer, state.params, config, tokenizer)
+                evaluation = validate(trainer, state.params, config, tokenizer)
                 eval_loss = evaluation.loss
                 writer.write(step, evaluation.record())
             if preempted and not at_end:

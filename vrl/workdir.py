@@ -24,13 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from vrl.config import Config
+from vrl.errors import VrlError
 
 TOKENIZER = 'tokenizer.model'  # the tokenizer a run started from Hugging Face weights came with
 RUN_FILES = ('checkpoints', 'metrics.jsonl', 'config.json', 'tensorboard', TOKENIZER)
 
 
-class WorkdirError(RuntimeError):
+class WorkdirError(VrlError, RuntimeError):
     """The workdir cannot be used as asked; the message says why and what to do."""
+
+
+class NotARunError(VrlError, FileNotFoundError):
+    """A folder given as a run's workdir holds no run record (config.json)."""
 
 
 class Lock:

@@ -1,0 +1,93 @@
+"""The manual's commands run as written: every `python -m vrl.<command> ...` in README.md and docs/*.md
+parses with that command's real flags (and a --config file and its overrides load and validate), and
+every bench/ and launch/ script it names exists. Training them is what the other tests do."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
+
+
+def shell_blocks(page: Path) -> list[str]:
+    """The lines of the page's ```bash / ```sh / ``` blocks, continuation lines joined, comments dropped."""
+    lines, block, out = page.read_text().splitlines(), None, []
+    for line in lines:
+        fence = re.match(r'^\s*```(\w*)\s*$', line)
+        if fence:
+            block = None if block is not None else fence.group(1)
+            continue
+        if block in ('bash', 'sh', ''):
+            out.append(line)
+    joined = re.sub(r'\\\n', '', '\n'.join(out))  # as the shell joins them
+    return [re.sub(r'\s+#.*$', '', line).strip() for line in joined.splitlines() if line.strip()]
+
+
+def commands() -> list[tuple[str, str, list[str]]]:
+    """(page, module, arguments) for each vrl command; [optional] brackets opened, $HOME kept literal."""
+    found = []
+    for page in PAGES:
+        for line in shell_blocks(page):
+            for part in re.split(r'&&|;', line):
+                match = re.search(r'python -m (vrl\.\w+)(.*)', part)
+                if match:
+                    args = re.sub(r'\[(--[^\]]+)\]', r'\1', match.group(2))
+                    found.append((page.name, match.group(1), shlex.split(args)))
+    return found
+
+
+CHECK = r'''
+import json, sys
+from absl import flags
+from vrl.config import from_configdict
+import importlib
+results = []
+for page, module, args in json.loads(sys.stdin.read()):
+    mod = importlib.import_module(module)
+    defined = mod._define_flags()
+    sys.argv = ['prog', *args]  # config_flags reads its overrides from sys.argv
+    try:
+        flags.FLAGS(sys.argv)
+        if 'config' in defined and defined['config'].value is not None:
+            from_configdict(defined['config'].value)
+        results.append(None)
+    except Exception as e:  # the test names the page and the command
+        results.append(f'{page}: python -m {module} {" ".join(args)}: {type(e).__name__}: {e}')
+    flags.FLAGS.unparse_flags()
+    for name in [*(holder.name for holder in defined.values()), *(n for n in flags.FLAGS if n.startswith('config.'))]:
+        delattr(flags.FLAGS, name)
+print(json.dumps(results))
+'''
+
+
+def test_every_vrl_command_in_the_docs_parses_with_the_real_flags():
+    found = commands()
+    modules = {module for _, module, _ in found}
+    assert {'vrl.main', 'vrl.compare', 'vrl.study', 'vrl.generate', 'vrl.analyze', 'vrl.evaluate', 'vrl.export',
+            'vrl.data', 'vrl.tokenizer'} <= modules, modules
+    out = subprocess.run([sys.executable, '-c', CHECK], input=json.dumps(found), cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    failures = [r for r in json.loads(out.stdout.strip().splitlines()[-1]) if r]
+    assert not failures, '\n'.join(failures)
+
+
+def test_every_script_the_docs_name_exists():
+    named = {m for page in PAGES for m in re.findall(r'\b((?:bench|launch)/[\w.]+\.(?:py|sh))', page.read_text())}
+    assert named, 'the docs name no bench/ or launch/ script'
+    assert not [path for path in sorted(named) if not (ROOT / path).is_file()]
+
+
+def test_a_mistyped_flag_in_a_command_is_caught():
+    """The check can fail: a flag no command defines is reported with its page."""
+    out = subprocess.run([sys.executable, '-c', CHECK], input=json.dumps([['x.md', 'vrl.export', ['--wrkdir=a']]]),
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    failures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert failures[0].startswith('x.md: python -m vrl.export --wrkdir=a: UnrecognizedFlagError')

@@ -1,0 +1,57 @@
+"""Every `auto` setting, resolved in one place before a Trainer is built, each choice said with its reason.
+
+    model.attention_impl   the platform's attention kernel (splash on TPU, cuDNN on NVIDIA GPUs) where it
+                           serves the config, else xla (vrl/attention.py says what each kernel needs)
+    model.hand_vjp         the ops whose hand-written backward pays on the platform (vrl/ops.py)
+    train.microbatches=0,  the fewest microbatches, then the cheapest remat, whose compiled step fits the
+    model.remat=auto       devices' memory (vrl/aot.py; 1 and none where no memory limit is known)
+
+`execution` is cheap and idempotent (a Trainer applies it to what it is given); `memory` compiles
+candidate steps. The code that uses a setting takes only resolved values and refuses `auto` by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+
+from vrl import attention, ops
+from vrl.config import Config
+
+Say = Callable[[str], None]
+
+
+def execution(config: Config, platform: str, say: Say = logging.info) -> Config:
+    """model.attention_impl and model.hand_vjp for `platform` ('cpu', 'gpu', 'tpu'); an explicit value
+    that cannot run there is a ConfigError with the reason."""
+    model = config.model
+    impl, why_impl = attention.choose(model, platform, config.data.seq_len, config.data.document_masking)
+    hand_vjp, why_vjp = ops.choose_hand_vjp(model.hand_vjp, platform)
+    for field, old, new, why in (('attention_impl', model.attention_impl, impl, why_impl),
+                                 ('hand_vjp', model.hand_vjp, hand_vjp, why_vjp)):
+        if new != old:
+            say(f'model.{field}={new} ({old} on {platform}: {why})')
+    return dataclasses.replace(config, model=dataclasses.replace(model, attention_impl=impl, hand_vjp=hand_vjp))
+
+
+def memory(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None, say: Say = print
+           ) -> tuple[Config, Any]:
+    """train.microbatches=0 and model.remat=auto, by compiling candidate steps for `devices` (each
+    candidate said as it compiles, then the choice); explicit values are kept. Also the chosen
+    step's aot.CompileReport, when one was compiled (None otherwise)."""
+    if config.train.microbatches and config.model.remat != 'auto':
+        return config, None
+    from vrl import aot  # it builds Trainers, which use this module
+    fitted, report = aot.auto_fit(config, devices, hbm_bytes, say)
+    say(aot.fit_line(fitted, report))
+    return fitted, report
+
+
+def resolve(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None, say: Say = print
+            ) -> tuple[Config, Any]:
+    """Every auto setting of `config` for these devices (their memory: `hbm_bytes` per device, None
+    if unknown), and the chosen step's compile report where `memory` compiled one."""
+    return memory(execution(config, devices[0].platform, say), devices, hbm_bytes, say)
