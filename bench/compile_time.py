@@ -2,7 +2,7 @@
 
     python bench/compile_time.py [--layers 4,12,24,48] [--d_model 256]
 
-Prints a table; with scan, compile time should barely grow with depth (the goal: L=48
+First the seconds to build a tiny Decoder eagerly (goal: <= 3 s on a 2-core CPU), then a table; with scan, compile time should barely grow with depth (the goal: L=48
 within 1.3x of L=4), while the unrolled loop grows about linearly.
 """
 
@@ -20,8 +20,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from vrl.config import ModelConfig  # noqa: E402
+from vrl import resolve  # noqa: E402
+from vrl.config import Config, ModelConfig  # noqa: E402
 from vrl.model import Decoder  # noqa: E402
+
+
+def build_seconds(cfg: ModelConfig) -> float:
+    """Building the model eagerly (random weights on the device): vrl/params.py keeps its compiles few."""
+    start = time.perf_counter()
+    jax.block_until_ready(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0))))
+    return time.perf_counter() - start
 
 
 def compile_seconds(cfg: ModelConfig, seq_len: int = 128, batch: int = 2) -> float:
@@ -47,6 +55,11 @@ def main() -> None:
     base = ModelConfig(attention=args.attention, vocab_size=1024, d_model=args.d_model, n_heads=4,
                        n_kv_heads=4, head_dim=args.d_model // 4, d_ff=4 * args.d_model,
                        compute_dtype='float32')
+    base = resolve.execution(Config(model=base), jax.default_backend()).model
+    tiny = dataclasses.replace(base, n_layers=2, d_model=32, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64)
+    first, other = build_seconds(tiny), build_seconds(dataclasses.replace(tiny, d_model=48, d_ff=96))
+    print(f'eager build of a tiny {args.attention} Decoder: {first:.2f} s first in the process, {other:.2f} s for '
+          'another shape (goal: <= 3 s)')
     compile_seconds(dataclasses.replace(base, n_layers=2))  # warm up jax's own caches
     print(f'{args.attention}, d_model {args.d_model}, fwd+bwd jit compile seconds ({jax.default_backend()})')
     print(f'{"layers":>6} | {"scan":>7} | {"loop":>7}')

@@ -32,8 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import base  # noqa: E402
-from vrl import accounting, decode, host_memory, presets  # noqa: E402
-from vrl.config import from_configdict  # noqa: E402
+from vrl import accounting, decode, host_memory, presets, resolve  # noqa: E402
+from vrl.config import Config, from_configdict  # noqa: E402
 from vrl.model import Decoder  # noqa: E402
 
 
@@ -60,6 +60,7 @@ def bytes_per_step(cfg, params, batch: int, context: int) -> tuple[int, int]:
 
 
 def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tuple[int, float, tuple[int, int]]:
+    cfg = resolve.execution(Config(model=cfg), jax.default_backend()).model  # this platform's ops
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     generator = decode.Generator(cfg, graphdef, nnx.to_pure_dict(state), max_len=context + new_tokens, eos_id=-1)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import base
-from tests.helpers import VARIANT_IDS, VARIANTS, small_model_config
+from tests.helpers import VARIANT_IDS, VARIANTS, small_model_config, variant_params
 from vrl import accounting
 from vrl.config import from_configdict
 from vrl.model import Decoder
@@ -101,7 +101,7 @@ def test_each_variant_changes_the_count_by_its_formula():
     assert accounting.training_flops_per_token(ve, 16) - accounting.training_flops_per_token(base, 16) == 6 * D * K
 
 
-@pytest.mark.parametrize('variant', VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize('variant', variant_params())
 def test_max_batch_for_cache_is_the_largest_allocated_cache_that_fits(variant):
     from vrl import decode
     cfg = small_model_config(**variant)

@@ -20,6 +20,9 @@ from tests.runs import tiny_config
 from vrl import layer_stats, train
 from vrl.model import Decoder
 
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
+
 STATISTICS = layer_stats.LayerStats._fields
 
 

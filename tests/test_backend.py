@@ -11,6 +11,8 @@ from tests.conftest import ROOT
 from tests.runs import cli_args, tiny_config
 from vrl import backend
 
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
 
 def test_tpu_chips_are_counted_on_the_pci_bus(tmp_path):
     for name, vendor in (('0000:00:04.0', '0x1ae0'), ('0000:00:05.0', '0x1ae0'), ('0000:00:06.0', '0x10de')):

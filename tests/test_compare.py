@@ -15,6 +15,8 @@ from tests.runs import cli_args, saved_steps, tiny_config, wait_for, write_choic
 from vrl import compare_report, curves
 from vrl.config import Config
 
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
 
 def test_moving_average_is_trailing_and_keeps_length():
     np.testing.assert_allclose(curves.moving_average([1, 2, 3, 4, 10], 2), [1, 1.5, 2.5, 3.5, 7])

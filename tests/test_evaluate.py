@@ -18,6 +18,9 @@ from lm_eval.api.instance import Instance
 from tests.runs import CHOICE_DOCS, tiny_config, write_choice_task
 from vrl import evaluate, train
 
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -21,11 +21,14 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers import NAMED_VARIANTS, VARIANT_IDS, randomize, rel_err, small_model_config
+from tests.helpers import NAMED_VARIANTS, randomize, rel_err, small_model_config, variant_params
 from tests.runs import cli_args, params_equal, tiny_config
 from vrl import data, decode, hf, train, trained
 from vrl.model import Decoder
 from vrl.step import Trainer
+
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,7 +162,7 @@ def _variant(name: str, tokenizer) -> tuple:
     return cfg, model
 
 
-@pytest.mark.parametrize('name', VARIANT_IDS)
+@pytest.mark.parametrize('name', variant_params(by_name=True))
 def test_every_variant_exports_and_comes_back(name, exported, tmp_path):
     run, _ = exported
     cfg, model = _variant(name, run.tokenizer)

@@ -14,6 +14,9 @@ from vrl import corpus, data, train
 from vrl.config import ConfigError, DataConfig
 from vrl.tokenizer import EOS_ID
 
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
+
 ALPHA = 'x x x x x x x x x x x x x x x x x x x x x x x x'  # one domain's documents: x runs, then a number
 BETA = 'z z z z z z z z z z z z z z z z z z z z z z z ž'  # the other's: z runs (and a 2-byte character)
 

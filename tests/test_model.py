@@ -11,7 +11,7 @@ from flax import nnx
 
 from tests import numpy_reference
 from tests.helpers import (NAMED_VARIANTS, VARIANT_IDS, VARIANTS, copy_params, randomize, rel_err,
-                           random_tokens, small_model_config)
+                           random_tokens, small_model_config, variant_params)
 from vrl.config import ConfigError
 from vrl import attention, ops, step
 from vrl.model import Decoder
@@ -22,7 +22,7 @@ def _loss(model: Decoder, tokens: jax.Array) -> jax.Array:
     return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
 
 
-@pytest.mark.parametrize('variant', VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize('variant', variant_params())
 def test_shapes_dtypes_and_causality(variant):
     cfg = small_model_config(**variant)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
@@ -111,7 +111,7 @@ def test_learnable_lambdas_get_gradients_fixed_ones_are_not_parameters():
         assert 'lambdas' not in params, mode
 
 
-@pytest.mark.parametrize('variant', VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize('variant', variant_params())
 def test_bfloat16_gradients_finite(variant):
     model = Decoder(small_model_config(compute_dtype='bfloat16', **variant), rngs=nnx.Rngs(0))
     loss, grads = nnx.value_and_grad(_loss)(model, random_tokens(14))

@@ -1,9 +1,12 @@
 """notebooks/vrl_quickstart.ipynb runs top to bottom (a CPU-sized budget), showing its plots and a sample."""
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
 
 def test_quickstart_notebook_runs_top_to_bottom(tmp_path):

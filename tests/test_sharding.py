@@ -22,6 +22,8 @@ from vrl import aot, data, sharding
 from vrl.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig
 from vrl.step import Trainer
 
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
 
 def _sharding_config(small_corpus, mesh: MeshConfig) -> Config:
     config = tiny_config(small_corpus)  # d_model 32, 2 heads of 16
@@ -144,22 +146,27 @@ def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp
 
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
                     reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
-def test_aot_compile_82m_for_v5e_4x4():
-    out = subprocess.run([sys.executable, '-m', 'vrl.main', '--config=configs/svformer_82m.py', '--compile_only',
-                          '--topology=v5e:4x4', '--config.data.batch_size=32'],
+def test_aot_compile_for_v5e_4x4_says_each_auto_choice():
+    """`--compile_only --topology`: the real train step for a TPU slice, compiled on this CPU machine, every
+    `auto` resolved and said (the tiny model: test_attention compiles the 82M 64K step)."""
+    out = subprocess.run([sys.executable, '-m', 'vrl.main', '--config=configs/tiny.py', '--compile_only',
+                          '--topology=v5e:4x4', '--config.train.microbatches=0', '--config.model.remat=auto'],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
+    assert 'model.attention_impl=splash (auto on tpu: the tpu kernel serves this config)' in lines
+    assert 'model.hand_vjp=all (auto on tpu: what pays on tpu)' in lines
     progress = [line for line in lines if line.startswith('auto fit: microbatches=')]  # each candidate, as compiled
     assert progress and all(re.search(r'GiB per device, (fits|does not fit) \(compiled in \d+ s\)$', line)
                             for line in progress), progress
+    fit = next(i for i, line in enumerate(lines) if line.startswith('auto fit: train.microbatches='))
+    assert lines[fit].startswith('auto fit: train.microbatches=1, model.remat=none (')
     rows = dict(line.split(None, 1) if not line.startswith(('arguments', 'outputs', 'temporaries', 'total', 'HBM',
                                                             'aliased', 'model'))
-                else (line[:22].strip(), line[22:].strip()) for line in lines[len(progress):])
+                else (line[:22].strip(), line[22:].strip()) for line in lines[fit + 1:])
     assert rows['devices'] == '16 x TPU v5 lite'
     assert rows['fits'] == 'yes' and rows['HBM / device'] == '16.00 GiB'
     assert 0 < float(rows['total / device'].split()[0]) < 16
-    assert lines[len(progress)].startswith('auto fit: train.microbatches=1, model.remat=none (')
     for error_mark in ('E0000', 'INVALID_ARGUMENT', 'Failed to find host bounds'):  # libtpu kept quiet
         assert error_mark not in out.stdout + out.stderr
 

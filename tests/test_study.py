@@ -15,6 +15,9 @@ from tests.runs import cli_args, saved_steps, tiny_config
 from vrl import curves, grid, scaling, study, study_report
 from vrl.config import Config, DataConfig, ModelConfig, OptimizerConfig, TrainConfig
 
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
+
 # --- the statistics, on numbers with known answers ---
 
 

@@ -20,6 +20,9 @@ from vrl import accounting, checkpoint, data, train
 from vrl.step import Trainer
 from vrl import sharding
 
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
+
 def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path):
     config = tiny_config(small_corpus, steps=40, eval_every=20, sample_prompt='HAMLET.', sample_tokens=8,
                          log_every=10)
@@ -218,7 +221,10 @@ def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, mo
 
 
 @pytest.mark.parametrize('args, message', [
-    (['--config=configs/tiny.py', '--summary', '--config.train.stepz=3'], 'Did you mean "steps"'),
+    (['--config=configs/tiny.py', '--summary', '--config.train.stepz=3'],
+     "--config.train.stepz: 'stepz' is not a field of train; allowed: steps, microbatches,"),
+    (['--config=configs/tiny.py', '--summary', '--config.model.bogus=1'],
+     "--config.model.bogus: 'bogus' is not a field of model; allowed: attention, lambda_mode,"),
     (['--config=configs/no_such.py', '--summary'], "No such file or directory: 'configs/no_such.py'"),
     (['--config=configs/tiny.py', '--summary', '--config.model.attention=mamba'],
      "model.attention='mamba' is invalid: allowed one of 'vanilla', 'resformer', 'svformer'"),

@@ -20,6 +20,8 @@ from vrl import checkpoint, train, trained
 from vrl.config import MeshConfig
 from vrl.workdir import WorkdirError
 
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
 
 def _records(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]

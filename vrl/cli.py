@@ -71,9 +71,31 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f'error: {given}: {key!r} is not a config section; allowed: '
                  + ', '.join(f.name for f in dataclasses.fields(Config))
                  + (f' (did you mean {hint.group(1)!r}?)' if hint else ''))
-    except (AttributeError, TypeError, ValueError, OSError) as e:  # raised by --config.x=...
+    except AttributeError as e:
+        unknown = _unknown_field(e, argv)
+        if unknown:
+            sys.exit(f'error: {unknown}')
         message = ' '.join(str(e.args[0] if e.args else e).replace("\\'", "'").replace('\\n', ' ').split())
         sys.exit(f'error: bad --config or override: {message.strip(chr(39))}'.replace("' Did you", ': Did you'))
+    except (TypeError, ValueError, OSError) as e:  # raised by --config.x=...
+        message = ' '.join(str(e.args[0] if e.args else e).replace("\\'", "'").replace('\\n', ' ').split())
+        sys.exit(f'error: bad --config or override: {message.strip(chr(39))}'.replace("' Did you", ': Did you'))
+
+
+def _unknown_field(e: AttributeError, argv: list[str]) -> str | None:
+    """`--config.SECTION.FIELD=...` naming no field of SECTION: which override, and the section's fields."""
+    inner = e.args[0] if e.args else ''
+    text = str(inner.args[0] if isinstance(inner, KeyError) and inner.args else inner).strip('"\'')
+    key, hint = re.split(r'[:\'"\s]', text, maxsplit=1)[0], re.search(r'Did you mean "(\w+)"', text)
+    for arg in argv:
+        parts = arg.split('=', 1)[0].removeprefix('--config.').split('.')
+        if arg.startswith('--config.') and len(parts) == 2 and parts[1] == key:
+            section = getattr(Config(), parts[0], None)
+            if dataclasses.is_dataclass(section):
+                allowed = ', '.join(f.name for f in dataclasses.fields(section))
+                return (f'{arg.split("=", 1)[0]}: {key!r} is not a field of {parts[0]}; allowed: {allowed}'
+                        + (f' (did you mean {hint.group(1)!r}?)' if hint else ''))
+    return None
 
 
 def _module() -> str:

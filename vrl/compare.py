@@ -106,7 +106,7 @@ def main(args: cli.Args) -> None:
     if args['list_variants'].value:
         print(presets.listing())
         return
-    cli.require(args, 'config', 'variants', 'workdir')
+    cli.require(args, 'config', 'workdir')
     if args['tasks'].value:
         try:
             from vrl import evaluate  # noqa: F401 - lm-eval: requirements-extra.txt

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from vrl import attention, layer_stats, ops, params, variants
@@ -37,7 +38,7 @@ Array = jax.Array
 
 class RMSNorm(nnx.Module):
     def __init__(self, cfg: ModelConfig, stack: int | None):
-        self.scale = params.constant(jnp.ones((cfg.d_model,)), ('embed',), stack)
+        self.scale = params.constant(np.ones(cfg.d_model), ('embed',), stack)
         self.eps = cfg.norm_eps
 
     def __call__(self, x_BxLxD: Array) -> Array:

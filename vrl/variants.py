@@ -67,12 +67,12 @@ class ValueResidualLambdas(nnx.Module):
         N, mode = cfg.n_stacked, cfg.lambda_mode
         self.mode = mode
         if mode == 'learnable':
-            self.v1 = params.constant(jnp.full((N,), 0.5), ('layers',))
-            self.vn = params.constant(jnp.full((N,), 0.5), ('layers',))
+            self.v1 = params.constant(np.full(N, 0.5), ('layers',))
+            self.vn = params.constant(np.full(N, 0.5), ('layers',))
         elif mode == 'learnable_plus':
-            self.vn = params.constant(jnp.full((N,), 0.5), ('layers',))
-            self.w = params.constant(jnp.zeros((N,)), ('layers',))
-            self.s = params.constant(jnp.array(float(cfg.n_layers)), ())
+            self.vn = params.constant(np.full(N, 0.5), ('layers',))
+            self.w = params.constant(np.zeros(N), ('layers',))
+            self.s = params.constant(float(cfg.n_layers), ())
         else:
             if mode == 'identity':
                 v1, vn = [0.5] * N, [0.5] * N
@@ -107,7 +107,7 @@ class ValueEmbeddings(nnx.Module):
         table_ids = cfg.value_embed_table_ids
         shape = (max(table_ids) + 1, cfg.padded_vocab_size, cfg.n_kv_heads, cfg.head_dim)
         self.tables = params.normal(rngs, shape, (None, 'vocab', 'kv_heads', 'head_dim'), cfg.init_std)
-        self.gates = params.constant(jnp.zeros((cfg.d_model, cfg.n_kv_heads)), ('embed', 'kv_heads'),
+        self.gates = params.constant(np.zeros((cfg.d_model, cfg.n_kv_heads)), ('embed', 'kv_heads'),
                                      len(table_ids))
         by_layer = dict(zip((n - 1 for n in cfg.value_embed_layers), range(len(table_ids))))
         self.entry_of_layer = tuple(by_layer.get(layer) for layer in range(cfg.n_layers))  # static
@@ -166,7 +166,7 @@ class DepthWeights(nnx.Module):
         L = self.n_layers = cfg.n_layers
         rows, cols = np.tril_indices(L, k=1, m=L + 1)  # row i is block i + 1
         self.rows, self.cols = tuple(rows.tolist()), tuple(cols.tolist())  # static
-        self.alpha = params.constant(jnp.asarray(cols == rows + 1, jnp.float32), (None,))
+        self.alpha = params.constant(cols == rows + 1, (None,))
 
     def matrix(self) -> Array:
         """(L, L + 1): row i weighs B_0..B_{i+1}; the entries past the block are 0."""
