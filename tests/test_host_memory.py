@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import ROOT
 from vrl import host_memory
 
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
 GLIBC = ('glibc', '2.36')
 MADVISE = 'always [madvise] never'
 
@@ -31,10 +33,6 @@ def test_when_the_restart_applies(environ, libc, thp_modes, expected):
 _PROBE = '''
 import ctypes, resource
 from vrl import host_memory
-
-pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
-
-
 print('started', flush=True)
 host_memory.use_huge_pages()
 libc, size = ctypes.CDLL(None), 256 * 2**20  # glibc's malloc, as XLA:CPU's buffers get (numpy madvises its own)
