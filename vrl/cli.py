@@ -71,13 +71,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f'error: {given}: {key!r} is not a config section; allowed: '
                  + ', '.join(f.name for f in dataclasses.fields(Config))
                  + (f' (did you mean {hint.group(1)!r}?)' if hint else ''))
-    except AttributeError as e:
-        unknown = _unknown_field(e, argv)
+    except (AttributeError, TypeError, ValueError, OSError) as e:  # raised by --config.x=...
+        unknown = _unknown_field(e, argv) if isinstance(e, AttributeError) else None
         if unknown:
             sys.exit(f'error: {unknown}')
-        message = ' '.join(str(e.args[0] if e.args else e).replace("\\'", "'").replace('\\n', ' ').split())
-        sys.exit(f'error: bad --config or override: {message.strip(chr(39))}'.replace("' Did you", ': Did you'))
-    except (TypeError, ValueError, OSError) as e:  # raised by --config.x=...
         message = ' '.join(str(e.args[0] if e.args else e).replace("\\'", "'").replace('\\n', ' ').split())
         sys.exit(f'error: bad --config or override: {message.strip(chr(39))}'.replace("' Did you", ': Did you'))
 
