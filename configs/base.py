@@ -4,7 +4,8 @@ Use directly as `--config=configs/base.py:svformer,468m`, or through the thin na
 (`configs/svformer_468m.py`). Sizes are docs/paper.md's sizes table. A third part picks
 one of the paper's sequence lengths with its batch, ~2M tokens per step (docs/paper.md):
 `configs/base.py:svformer,82m,64k` is 65,536 x 32. RoPE theta stays the paper's 10,000;
-override it with `--config.model.rope_theta=...`. Microbatches and remat are `auto` (vrl/aot.py):
+override it with `--config.model.rope_theta=...`. A fourth part picks the optimizer recipe
+(vrl/optimizer.py's RECIPES): `configs/base.py:svformer,468m,2k,muon`. Microbatches and remat are `auto` (vrl/aot.py):
 the fewest microbatches and the cheapest remat whose step fits the devices' memory, chosen by
 compiling before step 1; set them to override.
 """
@@ -14,6 +15,7 @@ import dataclasses
 import ml_collections
 
 from vrl import config as vrl_config
+from vrl import optimizer
 
 SIZES = {
     '82m': dict(n_layers=8, n_heads=8, n_kv_heads=8, d_model=512, d_ff=1792),
@@ -27,13 +29,13 @@ SEQUENCES = {'512': (512, 4096), '2k': (2048, 1024), '8k': (8192, 256), '32k': (
 
 
 def get_config(arg: str = 'vanilla,82m') -> ml_collections.ConfigDict:
-    """arg: 'VARIANT,SIZE[,SEQ]', e.g. 'resformer,180m' or 'svformer,82m,64k'."""
+    """arg: 'VARIANT,SIZE[,SEQ[,OPTIMIZER]]', e.g. 'resformer,180m' or 'svformer,82m,64k,muon'."""
     parts = arg.split(',')
-    if len(parts) not in (2, 3):
-        raise vrl_config.ConfigError(f'configs/base.py:{arg} is invalid: allowed VARIANT,SIZE[,SEQ] such as '
-                                     f'resformer,180m (sizes: {", ".join(sorted(SIZES))}; sequence lengths: '
-                                     f'{", ".join(SEQUENCES)}).')
-    attention, size, seq = (*parts, '2k')[:3]
+    if len(parts) not in (2, 3, 4):
+        raise vrl_config.ConfigError(f'configs/base.py:{arg} is invalid: allowed VARIANT,SIZE[,SEQ[,OPTIMIZER]] '
+                                     f'such as resformer,180m (sizes: {", ".join(sorted(SIZES))}; sequence lengths: '
+                                     f'{", ".join(SEQUENCES)}; optimizers: {", ".join(optimizer.RECIPES)}).')
+    attention, size, seq, optimizer_name = (*parts, *('2k', 'adamw')[len(parts) - 2:])
     if size not in SIZES:
         raise vrl_config.ConfigError(f'size {size!r} is invalid: allowed one of {sorted(SIZES)}.')
     if seq not in SEQUENCES:
@@ -42,4 +44,5 @@ def get_config(arg: str = 'vanilla,82m') -> ml_collections.ConfigDict:
     model = dataclasses.replace(vrl_config.ModelConfig(), attention=attention, remat='auto', **SIZES[size])
     data = dataclasses.replace(vrl_config.DataConfig(), name='c4/en:3.1.0', seq_len=seq_len, batch_size=batch_size)
     train = dataclasses.replace(vrl_config.TrainConfig(), microbatches=0)
-    return vrl_config.to_configdict(vrl_config.Config(model=model, data=data, train=train))
+    opt = optimizer.recipe(vrl_config.OptimizerConfig(), optimizer_name)
+    return vrl_config.to_configdict(vrl_config.Config(model=model, data=data, optimizer=opt, train=train))

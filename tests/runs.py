@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 import jax
@@ -27,6 +28,19 @@ def tiny_config(small_corpus, attention='resformer', **train_fields) -> Config:
                   data=dataclasses.replace(data_cfg, num_epochs=0),
                   optimizer=OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=3, decay_steps=60),
                   train=TrainConfig(**train_cfg))
+
+
+def train_losses(config: Config, devices, batches: list[dict]) -> tuple[list[float], Any]:
+    """The loss of each step of a fresh seed-0 state over `batches` on a mesh of `devices`, and the final state."""
+    from vrl import sharding
+    from vrl.step import Trainer
+    trainer = Trainer(config, sharding.make_mesh(config.mesh, devices))
+    state = trainer.init_state(0)
+    losses = []
+    for batch in batches:
+        state, out = trainer.train_step(state, trainer.device_batch(batch))
+        losses.append(float(out['loss']))
+    return losses, state
 
 
 def overrides(config: Config) -> list[str]:

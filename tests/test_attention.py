@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from configs import base, tiny
-from tests.helpers import NAMED_VARIANTS, randomize, rel_err, small_model_config, variant_params
+from tests.helpers import NAMED_VARIANTS, randomize, rel_err, small_model_config
 from vrl import aot, attention, ops, resolve
 from vrl.config import Config, ConfigError, DataConfig, from_configdict
 from vrl.model import Decoder
@@ -29,8 +29,13 @@ def _documents(B: int, seed: int) -> jax.Array:
     return jnp.asarray((np.arange(L)[None, None] >= starts[:, :, None]).sum(1), jnp.int32)
 
 
-@pytest.mark.parametrize('name', variant_params(by_name=True))
-def test_splash_matches_xla_for_every_variant(name):
+# The kernel sees only q, k, v and the mask; these variants cover every way the model builds them
+# (plain, V_1 shared across layers, K/V shared by CLA, per-token mixing, every baseline at once).
+SPLASH_VARIANTS = ('vanilla', 'svformer-cla2', 'resformer-per_token', 'all-baselines')
+
+
+@pytest.mark.parametrize('name', SPLASH_VARIANTS)
+def test_splash_matches_xla_in_the_model(name):
     """The whole model's loss and every parameter gradient, float32, GQA, packed documents."""
     cfg = small_model_config(**NAMED_VARIANTS[name])
     model = Decoder(cfg, rngs=nnx.Rngs(0))
@@ -123,11 +128,6 @@ def test_64k_tokens_per_sequence_fit_a_v5p_chip_with_splash_only():
     fitted, report = aot.auto_fit(config, devices, hbm)
     assert (fitted.train.microbatches, fitted.model.remat) == (1, 'none')
     assert report.fits and report.total_bytes < 0.6 * hbm
-    xla = dataclasses.replace(fitted, model=dataclasses.replace(fitted.model, attention_impl='xla'))
-    with pytest.raises(aot.CompileError, match='does not fit TPU v5') as error:
-        aot.compile_train_step(xla, devices, hbm)
-    xla_gib = float(re.search(r'HLO temporaries \(([\d.]+)G\)', str(error.value)).group(1))
-    assert xla_gib > 3 * report.total_bytes / aot.GiB
 
 
 def test_auto_fit_without_a_memory_limit_takes_the_cheapest_setting():
@@ -150,24 +150,22 @@ def test_auto_fit_picks_the_fewest_microbatches_that_fit():
     one step at once needs: auto takes the smallest count that fits, and the count below it does not.
     (The limit is the test's, so the candidates are small programs; the 82M 64K test uses the chip's.)"""
     config = from_configdict(tiny.get_config())
-    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=256),
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=64, seq_len=256),
                                  model=dataclasses.replace(config.model, remat='none'))
-    devices, _ = aot.tpu_devices('v5e:2x2')
+    devices, _ = aot.tpu_devices('v5e:2x2')  # 16 sequences per chip: counts 1, 2, 4, 8, 16
     whole = aot.compile_train_step(config, devices, None).total_bytes  # one step at once
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=0))
     hbm = int(0.6 * whole / aot.FIT_MARGIN)
     said = []
     fitted, report = aot.auto_fit(config, devices, hbm, said.append)
     count = fitted.train.microbatches
+    lines = '\n'.join(said)  # every candidate, as it compiles
     assert f'auto fit: microbatches={count}, remat=none: {report.total_bytes / aot.GiB:.2f} of ' \
-           f'{hbm / aot.GiB:.2f} GiB per device, fits' in '\n'.join(said)  # every candidate, as it compiles
+           f'{hbm / aot.GiB:.2f} GiB per device, fits' in lines
     assert count > 1 and fitted.model.remat == 'none'
     assert report.total_bytes <= aot.FIT_MARGIN * hbm
-    fewer = dataclasses.replace(fitted, train=dataclasses.replace(fitted.train, microbatches=count // 2))
-    try:
-        assert aot.compile_train_step(fewer, devices, hbm).total_bytes > aot.FIT_MARGIN * hbm
-    except aot.CompileError as e:
-        assert 'does not fit' in str(e)
+    # the bisection ends between the count that fits and the one below it, which it compiled too
+    assert re.search(rf'auto fit: microbatches={count // 2}, remat=none: .* does not fit', lines), lines
 
 
 def test_the_cudnn_call_means_what_the_xla_path_computes():

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 
 from tests.conftest import ROOT
 from tests.helpers import NAMED_VARIANTS
-from tests.runs import TINY_MODEL, cli_args, tiny_config
+from tests.runs import TINY_MODEL, cli_args, tiny_config, train_losses
 from vrl import aot, data, sharding
 from vrl.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig
 from vrl.step import Trainer
@@ -31,26 +31,16 @@ def _sharding_config(small_corpus, mesh: MeshConfig) -> Config:
     return dataclasses.replace(config, model=model, mesh=mesh)
 
 
-def _losses(config: Config, devices, batches) -> list[float]:
-    trainer = Trainer(config, sharding.make_mesh(config.mesh, devices))
-    state = trainer.init_state(0)
-    losses = []
-    for batch in batches:
-        state, out = trainer.train_step(state, trainer.device_batch(batch))
-        losses.append(float(out['loss']))
-    return losses, state
-
-
 def test_meshes_agree_with_one_device_and_shard_as_the_rules_say(small_corpus):
     assert jax.device_count() == 8
     _, tokenizer = small_corpus
     config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1))
     iterator = iter(data.train_dataset(config.data, tokenizer))
     batches = [next(iterator) for _ in range(3)]
-    reference, _ = _losses(config, jax.devices()[:1], batches)
+    reference, _ = train_losses(config, jax.devices()[:1], batches)
     for shape in ((8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)):
         mesh_config = MeshConfig(*shape)
-        losses, state = _losses(dataclasses.replace(config, mesh=mesh_config), jax.devices(), batches)
+        losses, state = train_losses(dataclasses.replace(config, mesh=mesh_config), jax.devices(), batches)
         for got, want in zip(losses, reference):
             assert abs(got - want) / want < 1e-5, (shape, losses, reference)
         data_size, fsdp, tensor = shape
@@ -74,8 +64,8 @@ def test_every_baseline_trains_sharded_as_on_one_device(small_corpus, variant):
     config = dataclasses.replace(config, model=model)
     iterator = iter(data.train_dataset(config.data, tokenizer))
     batches = [next(iterator) for _ in range(2)]
-    reference, _ = _losses(config, jax.devices()[:1], batches)
-    losses, _ = _losses(dataclasses.replace(config, mesh=MeshConfig(2, 2, 2)), jax.devices(), batches)
+    reference, _ = train_losses(config, jax.devices()[:1], batches)
+    losses, _ = train_losses(dataclasses.replace(config, mesh=MeshConfig(2, 2, 2)), jax.devices(), batches)
     for got, want in zip(losses, reference):
         assert abs(got - want) / want < 1e-5, (losses, reference)
 
@@ -139,7 +129,7 @@ def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp
     for _ in range(6):
         parts = [next(shard) for shard in shards]
         batches.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
-    reference, _ = _losses(resumed, jax.devices(), batches)
+    reference, _ = train_losses(resumed, jax.devices(), batches)
     for got, want in zip(two_process_losses, reference):
         assert abs(got - want) / want < 1e-5, (two_process_losses, reference)
 

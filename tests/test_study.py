@@ -6,6 +6,8 @@ import dataclasses
 import hashlib
 import json
 import subprocess
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -217,53 +219,62 @@ def _hashes(folder):
             for p in sorted(folder.rglob('*')) if p.is_file() and p.name != '.lock'}
 
 
+class Studied(NamedTuple):
+    workdir: Path
+    first_runs: dict[str, list[int]]  # run name -> saved steps after the first invocation
+    listed: subprocess.CompletedProcess  # --list with a second LR
+    again: subprocess.CompletedProcess  # the second LR trained
+
+
 @pytest.fixture(scope='module')
-def studied(small_corpus, tmp_path_factory):
+def studied(small_corpus, tmp_path_factory) -> Studied:
+    """A 2 x 2 x 1 study, then the same with a second LR: 8 tiny runs in all."""
     workdir = tmp_path_factory.mktemp('study')
-    first = _study(small_corpus, workdir, '--lrs=1e-3,3e-3')
+    first = _study(small_corpus, workdir, '--lrs=1e-3')
     assert first.returncode == 0, first.stderr[-3000:]
-    return workdir
+    first_runs = {p.parent.name: saved_steps(p.parent) for p in (workdir / 'runs').glob('*/result.json')}
+    listed = _study(small_corpus, workdir, '--lrs=1e-3,3e-3', '--list')
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    assert len(list((workdir / 'runs').iterdir())) == 4  # --list trained nothing
+    again = _study(small_corpus, workdir, '--lrs=1e-3,3e-3')
+    assert again.returncode == 0, again.stderr[-3000:]
+    return Studied(workdir, first_runs, listed, again)
 
 
 def test_study_writes_report_results_and_plots(studied):
-    results = json.loads((studied / 'results.json').read_text())
+    results = json.loads((studied.workdir / 'results.json').read_text())
     assert len(results['runs']) == 2 * 2 * 2
     assert {(r['variant'], r['coordinates']['size'], r['peak_lr']) for r in results['runs']} == {
         (v, s, lr) for v in ('vanilla', 'svformer') for s in ('d32', 'd48') for lr in (1e-3, 3e-3)}
     assert set(results['fits']['variants']) == {'vanilla', 'svformer'}
     assert set(results['data_saved']) == {'d32', 'd48'} and set(results['critical_steps']) == {'d32', 'd48'}
-    report = (studied / 'study.md').read_text()
+    report = (studied.workdir / 'study.md').read_text()
     for section in ('## Learning rate', '## Loss vs parameters', '## Data saved', '## The critical step'):
         assert section in report
     assert report.count('at the edge of the sweep') == sum(r['at_edge'] for r in results['best_lr'])
     for name in ('loss_vs_params', 'loss_vs_lr', 'tokens_to_target_d32', 'tokens_to_target_d48',
                  'relative_train_loss_d32', 'relative_train_loss_d48'):
-        assert (studied / f'{name}.png').read_bytes()[:4] == b'\x89PNG' and f'({name}.png)' in report
+        assert (studied.workdir / f'{name}.png').read_bytes()[:4] == b'\x89PNG' and f'({name}.png)' in report
 
 
-def test_one_more_lr_trains_only_the_new_runs(studied, small_corpus):
-    before = {p.parent.name: saved_steps(p.parent) for p in (studied / 'runs').glob('*/result.json')}
-    listed = _study(small_corpus, studied, '--lrs=1e-3,3e-3,1e-2', '--list')
-    assert listed.returncode == 0, listed.stderr[-3000:]
-    statuses = [line.split()[1] for line in listed.stdout.splitlines()[1:-1]]
-    assert statuses.count('finished') == 8 and statuses.count('new') == 4
-    assert 'vanilla-d48-lr0.01-L64-s0' in listed.stdout and '12 runs' in listed.stdout
-    assert len(list((studied / 'runs').iterdir())) == 8  # --list trained nothing
-    again = _study(small_corpus, studied, '--lrs=1e-3,3e-3,1e-2')
-    assert again.returncode == 0, again.stderr[-3000:]
-    after = {p.parent.name for p in (studied / 'runs').glob('*/result.json')}
-    assert after - set(before) == {f'{v}-{s}-lr0.01-L64-s0' for v in ('vanilla', 'svformer') for s in ('d32', 'd48')}
-    assert all(saved_steps(studied / 'runs' / name) == steps for name, steps in before.items())
-    assert again.stderr.count('finished before, reused') == 8
-    assert len(json.loads((studied / 'results.json').read_text())['runs']) == 12
+def test_one_more_lr_trains_only_the_new_runs(studied):
+    assert len(studied.first_runs) == 4
+    statuses = [line.split()[1] for line in studied.listed.stdout.splitlines()[1:-1]]
+    assert statuses.count('finished') == 4 and statuses.count('new') == 4
+    assert 'vanilla-d48-lr0.003-L64-s0' in studied.listed.stdout and '8 runs' in studied.listed.stdout
+    after = {p.parent.name for p in (studied.workdir / 'runs').glob('*/result.json')}
+    assert after - set(studied.first_runs) == {f'{v}-{s}-lr0.003-L64-s0' for v in ('vanilla', 'svformer')
+                                                 for s in ('d32', 'd48')}
+    assert all(saved_steps(studied.workdir / 'runs' / name) == steps for name, steps in studied.first_runs.items())
+    assert studied.again.stderr.count('finished before, reused') == 4
 
 
 def test_another_base_config_is_refused_and_nothing_is_overwritten(studied, small_corpus):
-    before = _hashes(studied)
-    refused = _study(small_corpus, studied, '--lrs=1e-3', steps=5)
+    before = _hashes(studied.workdir)
+    refused = _study(small_corpus, studied.workdir, '--lrs=1e-3', steps=5)
     assert refused.returncode != 0 and 'Traceback' not in refused.stderr
     assert 'holds a study of another config: train.steps was 4 there and is 5 now' in refused.stderr
-    assert _hashes(studied) == before
+    assert _hashes(studied.workdir) == before
 
 
 def test_a_ladder_of_one_size_reports_without_a_fit(small_corpus, tmp_path):

@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from vrl import orbax_noise
-from vrl.config import EXECUTION_FIELDS, ModelConfig, TrainConfig
+from vrl.config import EXECUTION_FIELDS, Config, ModelConfig, TrainConfig
 from vrl.errors import VrlError
 
 
@@ -54,11 +54,14 @@ class NoCheckpointError(CheckpointError, FileNotFoundError):
 
 
 def make_manager(workdir: str, cfg: TrainConfig) -> ocp.CheckpointManager:
-    orbax_noise.quiet()
-    options = ocp.CheckpointManagerOptions(
+    return _manager(epath.Path(workdir) / 'checkpoints', ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep_checkpoints, keep_period=cfg.keep_period or None,
-        enable_async_checkpointing=True, create=True)
-    return ocp.CheckpointManager(epath.Path(workdir) / 'checkpoints', options=options,
+        enable_async_checkpointing=True, create=True))
+
+
+def _manager(folder: epath.Path, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
+    orbax_noise.quiet()
+    return ocp.CheckpointManager(folder, options=options,
                                  item_handlers={'state': ocp.StandardCheckpointHandler(),
                                                 'data': grain.checkpoint.CheckpointHandler(),
                                                 'meta': ocp.JsonCheckpointHandler()})
@@ -84,10 +87,11 @@ def fingerprint(tree: Any) -> dict[str, list[int]]:
     return {_path_name(p): [int(v) for v in np.asarray(x)] for p, x in jax.tree_util.tree_leaves_with_path(host)}
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any, model: ModelConfig,
+def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any, config: Config,
          force: bool = False) -> bool:
     """Starts an async save of `state`, the iterator's position (if any) and the meta record."""
-    meta = {'model': dataclasses.asdict(model), 'fingerprint': fingerprint(state)}
+    meta = {'model': dataclasses.asdict(config.model), 'optimizer': config.optimizer.name,
+            'fingerprint': fingerprint(state)}
     items = {'state': ocp.args.StandardSave(state), 'meta': ocp.args.JsonSave(meta)}
     if data_iterator is not None:
         items['data'] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -173,6 +177,25 @@ def check_model(saved: dict | None, model: ModelConfig, where: str) -> None:
                 '(start it from these weights in a new --workdir with --init_from).')
 
 
+def check_optimizer(saved: dict | None, optimizer: str, saved_state: Any, expected_state: Any, where: str) -> None:
+    """Refuses a checkpoint whose optimizer (by name) or optimizer-state layout differs from the config's."""
+    was = (saved or {}).get('optimizer', 'adamw')  # checkpoints from before Muon are AdamW's
+    if was != optimizer:
+        raise CheckpointMismatchError(
+            f'{where} was trained with optimizer.name={was!r} but the config has optimizer.name={optimizer!r}; '
+            'its optimizer state cannot continue under another optimizer (start from its weights in a new '
+            '--workdir with --init_from).')
+    saved_names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved_state)}
+    expected_names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected_state)}
+    if saved_names != expected_names:
+        first = sorted(saved_names ^ expected_names)[0]
+        side = 'only the checkpoint' if first in saved_names else 'only the config'
+        raise CheckpointMismatchError(
+            f'{where}: its optimizer state differs from the config\'s ({first} is in {side}); were '
+            'optimizer.grad_clip or an optimizer.*_lr_ratio switched between 0/1 and another value? Resume '
+            'with the run\'s optimizer settings.')
+
+
 def _normalized(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
@@ -183,17 +206,18 @@ def _one_line(e: BaseException) -> str:
 
 
 def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iterator: Any,
-                  model: ModelConfig) -> Any:
+                  config: Config) -> Any:
     """Step `step`'s verified state; CheckpointMismatchError for another model, CorruptCheckpointError
     for a step that cannot be read or whose arrays differ from the ones saved."""
     where = f'checkpoint {manager.directory}/{step}'
     meta = _read_meta(epath.Path(manager.directory) / str(step))
-    check_model(meta, model, where)
+    check_model(meta, config.model, where)
     try:
         metadata = manager.item_metadata(step)['state']
     except Exception as e:  # noqa: BLE001
         raise CorruptCheckpointError(f'its array metadata cannot be read ({_one_line(e)})') from e
     check_compatible(metadata['params'], abstract_state.params, where)
+    check_optimizer(meta, config.optimizer.name, metadata['opt_state'], abstract_state.opt_state, where)
     items = {'state': ocp.args.StandardRestore(abstract_state)}
     if data_iterator is not None:
         items['data'] = grain.checkpoint.CheckpointRestore(data_iterator)
@@ -210,7 +234,7 @@ def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any
 
 
 def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any, data_iterator: Any,
-                   model: ModelConfig, say: Callable[[str], None] = print) -> tuple[Any, int] | None:
+                   config: Config, say: Callable[[str], None] = print) -> tuple[Any, int] | None:
     """The newest step that reads back intact, as (state, step); None if there is no checkpoint.
 
     Newer steps that are damaged are reported in one line each and moved to
@@ -222,7 +246,7 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any, data_ite
     for step in steps:
         state, reason = None, ''
         try:
-            state = _restore_step(manager, step, abstract_state, data_iterator, model)
+            state = _restore_step(manager, step, abstract_state, data_iterator, config)
         except CorruptCheckpointError as e:
             reason = str(e)
         if jax.process_count() > 1:  # every host restored its own shards: all must have succeeded
@@ -280,6 +304,20 @@ def step_folder(path: str) -> tuple[epath.Path, int | None]:
         raise NoCheckpointError(f'no checkpoint in {path}: expected a workdir with checkpoints/ or a step '
                                 'folder holding state/ (train one with `python -m vrl.main --workdir=...`).')
     return root / str(max(steps)), max(steps)
+
+
+def restore_branch(path: str, abstract_state: Any, data_iterator: Any, config: Config) -> tuple[Any, int]:
+    """Another run's whole state at one step (parameters, optimizer, data position), as (state, step):
+    `--branch_from`, e.g. to extend a wsd run from its last stable step in a new workdir."""
+    root, step = step_folder(path)
+    if step is None:
+        raise NoCheckpointError(f'{path} is not a checkpoint step folder (DIR/checkpoints/STEP): --branch_from '
+                                'needs one.')
+    manager = _manager(root.parent, ocp.CheckpointManagerOptions(read_only=True))
+    try:
+        return _restore_step(manager, step, abstract_state, data_iterator, config), step
+    finally:
+        manager.close()
 
 
 def restore_params(path: str, abstract_params: Any, model: ModelConfig | None = None) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+from pathlib import Path
 from typing import Callable
 
 from absl import app, flags, logging
@@ -43,6 +44,14 @@ def run(main: Callable[..., None], define_flags: Callable[[], Args], commands: t
             sys.exit(f'error: {e}')
 
     app.run(entry, flags_parser=_parse_flags)
+
+
+def enable_compilation_cache() -> None:
+    """Compiled steps are reused across runs and invocations (a grid's seeds share one compile);
+    JAX_COMPILATION_CACHE_DIR overrides the place (~/.cache/vrl/jax_cache)."""
+    import jax
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update('jax_compilation_cache_dir', str(Path.home() / '.cache' / 'vrl' / 'jax_cache'))
 
 
 def require(args: Args, *names: str) -> None:

@@ -107,6 +107,7 @@ def main(args: cli.Args) -> None:
         print(presets.listing())
         return
     cli.require(args, 'config', 'workdir')
+    cli.enable_compilation_cache()
     if args['tasks'].value:
         try:
             from vrl import evaluate  # noqa: F401 - lm-eval: requirements-extra.txt

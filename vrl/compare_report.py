@@ -72,7 +72,8 @@ def report(rows: list[dict], figures: list[Path], base: Config, seeds: list[int]
         '# Variant comparison', '',
         f'{base.train.steps} steps x {base.data.batch_size} x {base.data.seq_len} tokens ({tokens:,} tokens) on '
         f'`{base.data.mixture or base.data.name}`, seeds {", ".join(map(str, seeds))}; {base.model.n_layers} layers, d_model '
-        f'{base.model.d_model}. Eval loss: mean ± standard deviation over seeds; the delta pairs each seed with '
+        f'{base.model.d_model}; optimizer {base.optimizer.name} (peak LR {base.optimizer.peak_lr:g}, '
+        f'{base.optimizer.schedule} schedule). Eval loss: mean ± standard deviation over seeds; the delta pairs each seed with '
         'vanilla\'s run of the same seed.', '',
         '| variant | model | final eval loss | Δ vs vanilla | params | KV cache B/token | train tokens/s |',
         '|---|---|---|---|---|---|---|',

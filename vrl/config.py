@@ -24,6 +24,9 @@ ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/
 HAND_VJP_OPS = ('project', 'attention', 'swiglu', 'cross_entropy')  # vrl/ops.py's hand-written backwards
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 NAN_POLICIES = ('error', 'skip')
+OPTIMIZERS = ('adamw', 'muon')  # vrl/optimizer.py
+SCHEDULES = ('cosine', 'wsd')
+DECAY_SHAPES = ('linear', 'sqrt')  # wsd's decay: linear, or 1 - sqrt
 
 
 class ConfigError(VrlError, ValueError):
@@ -255,29 +258,62 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with warmup + cosine (docs/paper.md, 'Sizes and recipe')."""
+    """The update rule and its LR schedule (vrl/optimizer.py; docs/training.md, 'Optimizers').
 
-    peak_lr: float = 6e-4
+    adamw is docs/paper.md's recipe; muon puts the hidden weight matrices under Muon at peak_lr and
+    the rest under AdamW at peak_lr times its group's ratio. cosine warms up, then follows a cosine
+    to final_lr at decay_steps; wsd warms up, holds peak_lr, then decays to final_lr over the last
+    decay_fraction of decay_steps.
+    """
+
+    name: str = 'adamw'  # adamw | muon
+    peak_lr: float = 6e-4  # the hidden matrices' peak LR (under muon: Muon's)
     init_lr: float = 1e-7
     final_lr: float = 6e-5
     warmup_steps: int = 120
-    decay_steps: int = 10_000  # step at which the cosine reaches final_lr
-    b1: float = 0.9
+    decay_steps: int = 10_000  # step at which the schedule reaches final_lr
+    schedule: str = 'cosine'  # cosine | wsd
+    decay_fraction: float = 0.2  # wsd: decays over the last this fraction of decay_steps
+    decay_shape: str = 'linear'  # wsd: linear | sqrt (1 - sqrt of the decay's progress)
+    # each AdamW group's LR / peak_lr (the schedule scales them all alike)
+    embed_lr_ratio: float = 1.0  # token and value embedding tables
+    head_lr_ratio: float = 1.0  # the output projection
+    scalar_lr_ratio: float = 1.0  # norms, lambdas, gates, DenseFormer weights
+    b1: float = 0.9  # AdamW
     b2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.1  # not on norm weights or lambdas
+    muon_momentum: float = 0.95  # muon: Nesterov momentum of the hidden matrices
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per update
+    weight_decay: float = 0.1  # decoupled (times the LR); not on norm weights or lambdas
     grad_clip: float = 1.0  # global norm; 0 = off
     z_loss: float = 0.0  # weight of log(Z)^2; 0 = off
 
     def __post_init__(self):
+        _choice('optimizer.name', self.name, OPTIMIZERS)
+        _choice('optimizer.schedule', self.schedule, SCHEDULES)
+        _choice('optimizer.decay_shape', self.decay_shape, DECAY_SHAPES)
         _require(self.peak_lr > 0, 'optimizer.peak_lr', self.peak_lr, 'a float > 0')
         _require(self.warmup_steps >= 0, 'optimizer.warmup_steps', self.warmup_steps, 'an integer >= 0')
         _require(self.decay_steps > self.warmup_steps, 'optimizer.decay_steps', self.decay_steps,
                  f'an integer > optimizer.warmup_steps={self.warmup_steps}')
+        _require(0 < self.decay_fraction <= 1, 'optimizer.decay_fraction', self.decay_fraction, 'a float in (0, 1]')
+        if self.schedule == 'wsd':
+            _require(self.decay_start >= self.warmup_steps, 'optimizer.decay_fraction', self.decay_fraction,
+                     f'a fraction whose decay starts after warmup (decay_steps={self.decay_steps} x (1 - '
+                     f'{self.decay_fraction}) = {self.decay_start} < warmup_steps={self.warmup_steps})')
         _require(self.eps > 0, 'optimizer.eps', self.eps, 'a float > 0')
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, 'optimizer.b1/b2', (self.b1, self.b2), 'floats in [0, 1)')
+        _require(0 <= self.muon_momentum < 1, 'optimizer.muon_momentum', self.muon_momentum, 'a float in [0, 1)')
+        _require(self.muon_ns_steps >= 1, 'optimizer.muon_ns_steps', self.muon_ns_steps, 'an integer >= 1')
+        for name in ('embed_lr_ratio', 'head_lr_ratio', 'scalar_lr_ratio'):
+            _require(getattr(self, name) > 0, f'optimizer.{name}', getattr(self, name), 'a float > 0')
         for name in ('init_lr', 'final_lr', 'weight_decay', 'grad_clip', 'z_loss'):
             _require(getattr(self, name) >= 0, f'optimizer.{name}', getattr(self, name), 'a float >= 0')
+
+    @property
+    def decay_start(self) -> int:
+        """wsd: the last step at peak_lr (the stable phase's end; a run extends from its checkpoint)."""
+        return self.decay_steps - round(self.decay_fraction * self.decay_steps)
 
 
 @dataclasses.dataclass(frozen=True)

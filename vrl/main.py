@@ -11,7 +11,6 @@ import errno
 import json
 import os
 import sys
-from pathlib import Path
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -42,6 +41,10 @@ def _define_flags() -> cli.Args:
         'init_from': flags.DEFINE_string('init_from', None, 'Initialise parameters from this checkpoint directory '
                                          '(a step folder or a workdir), or from a Hugging Face Llama directory as '
                                          'hf:DIR, instead of at random.'),
+        'branch_from': flags.DEFINE_string('branch_from', None, 'Continue another run\'s state (parameters, '
+                                           'optimizer, data position) from its step folder DIR/checkpoints/STEP '
+                                           'in this new workdir, e.g. to extend a wsd run from its last stable '
+                                           'step.'),
     }
 
 
@@ -88,13 +91,6 @@ def print_summary(config: Config, as_json: bool) -> None:
                           'kv_cache_vs_vanilla_mha': acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token}))
 
 
-def _enable_compilation_cache() -> None:
-    """Compiled steps are reused across runs (JAX_COMPILATION_CACHE_DIR overrides the place)."""
-    import jax
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update('jax_compilation_cache_dir', str(Path.home() / '.cache' / 'vrl' / 'jax_cache'))
-
-
 def _initialize_distributed(args: cli.Args) -> None:
     """jax.distributed for several processes: explicit flags, or a detected Cloud TPU pod / SLURM job."""
     import jax
@@ -129,7 +125,7 @@ def _compile_only(config: Config, topology: str | None, num_slices: int) -> None
 
 def main(args: cli.Args) -> None:
     if not args['topology'].value:
-        _enable_compilation_cache()
+        cli.enable_compilation_cache()
     if args['config'].value is None:
         raise app.UsageError('--config is required, e.g. --config=configs/tiny.py')
     try:
@@ -148,7 +144,8 @@ def main(args: cli.Args) -> None:
     cli.require(args, 'workdir')
     from vrl import checkpoint, train  # here, so that --summary needs no data stack
     try:
-        train.run(config, args['workdir'].value, fresh=args['fresh'].value, init_from=args['init_from'].value)
+        train.run(config, args['workdir'].value, fresh=args['fresh'].value, init_from=args['init_from'].value,
+                  branch_from=args['branch_from'].value)
     except checkpoint.SaveError as e:
         # the failed save's writer threads can still print asyncio noise while Python shuts down:
         # end the process here, so that this line is the last one

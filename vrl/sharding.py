@@ -148,6 +148,27 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh) -> dict[str, Any]:
     return nnx.to_pure_dict(shardings)
 
 
+def like_params(abstract_opt_state: Any, abstract_params: Any, param_shardings: Any, mesh: Mesh) -> Any:
+    """Shardings for an optimizer state: a leaf whose key path ends in a parameter's path, with that
+    parameter's shape (a moment, whatever transformation holds it), is sharded like the parameter;
+    counters and the rest are replicated."""
+    def names(path) -> tuple[str, ...]:
+        return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+    params = {names(p): (x.shape, s) for (p, x), s in zip(jax.tree_util.tree_leaves_with_path(abstract_params),
+                                                            jax.tree.leaves(param_shardings))}
+
+    def pick(path, leaf):
+        keys = names(path)
+        for start in range(len(keys)):
+            shape, spec = params.get(keys[start:], (None, None))
+            if spec is not None and tuple(shape) == tuple(leaf.shape):
+                return spec
+        return replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """(batch, length) arrays: batch over ('data', 'fsdp')."""
     return NamedSharding(mesh, logical_spec(('batch', 'length')))

@@ -7,7 +7,8 @@ into that layout, and donated to the step.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import collections
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,30 @@ def loss_sums(graphdef: nnx.GraphDef, params: dict[str, Any], batch: Batch, z_lo
         model.cfg.vocab_size, z_loss, model.cfg.head_chunks)
 
 
+_STEPS: collections.OrderedDict = collections.OrderedDict()  # step program -> (train_step, eval_step)
+_STEPS_KEPT = 8
+
+
+def _jitted_steps(trainer: 'Trainer') -> tuple[Callable, Callable]:
+    """The Trainer's jitted train and eval steps. Trainers whose steps are the same program (they
+    differ only in seed, length, logging or data) share them, and with them their compiled
+    executables: a grid's seeds, or a resumed run in the same process, compile once."""
+    config, mesh = trainer.config, trainer.mesh
+    key = (config.model, config.optimizer, config.train.microbatches, config.train.nan_policy, mesh)
+    if key not in _STEPS:
+        replicated = sharding.replicated(mesh)
+        _STEPS[key] = (
+            jax.jit(sharding.traced_in(mesh, trainer._train_step), donate_argnums=0,
+                    in_shardings=(trainer.state_shardings, trainer.batch_sharding),
+                    out_shardings=(trainer.state_shardings, replicated)),
+            jax.jit(sharding.traced_in(mesh, trainer._eval_step), out_shardings=replicated,
+                    in_shardings=(trainer.param_shardings, trainer.batch_sharding)))
+        while len(_STEPS) > _STEPS_KEPT:
+            _STEPS.popitem(last=False)
+    _STEPS.move_to_end(key)
+    return _STEPS[key]
+
+
 class Trainer:
     """Builds the sharded initial state and the jitted steps for one config on one mesh."""
 
@@ -58,33 +83,17 @@ class Trainer:
         config = resolve.execution(config, mesh.devices.flat[0].platform)
         self.config, self.mesh = config, mesh
         self.graphdef, abstract_params = abstract_model(config.model)
-        self.tx = vrl_optimizer.make(config.optimizer)
+        self.tx = vrl_optimizer.make(config.optimizer, vrl_optimizer.param_axes(abstract_params))
         self.learning_rate = vrl_optimizer.learning_rate(config.optimizer)
         self.param_shardings = sharding.param_shardings(abstract_params, mesh)
         abstract = jax.eval_shape(self._init, jax.random.key(0))
         self.state_shardings = TrainState(
             step=sharding.replicated(mesh), params=self.param_shardings,
-            opt_state=self._opt_state_shardings(abstract.opt_state))
+            opt_state=sharding.like_params(abstract.opt_state, abstract.params, self.param_shardings, mesh))
         self.abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                            abstract, self.state_shardings)
         self.batch_sharding = sharding.batch_sharding(mesh)
-        replicated = sharding.replicated(mesh)
-        self.train_step = jax.jit(sharding.traced_in(mesh, self._train_step), in_shardings=(self.state_shardings, self.batch_sharding),
-                                  out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        self.eval_step = jax.jit(sharding.traced_in(mesh, self._eval_step), in_shardings=(self.param_shardings, self.batch_sharding),
-                                 out_shardings=replicated)
-
-    def _opt_state_shardings(self, abstract_opt_state: Any) -> Any:
-        """Moments are sharded like their parameters; counters are replicated."""
-        param_tree = jax.tree.structure(self.param_shardings)
-
-        def match(subtree):
-            if jax.tree.structure(subtree) == param_tree:
-                return self.param_shardings
-            return jax.tree.map(lambda _: sharding.replicated(self.mesh), subtree)
-
-        return jax.tree.map(match, abstract_opt_state,
-                            is_leaf=lambda x: jax.tree.structure(x) == param_tree)
+        self.train_step, self.eval_step = _jitted_steps(self)
 
     def _init(self, key: jax.Array) -> TrainState:
         model = Decoder(self.config.model, rngs=nnx.Rngs(params=key))

@@ -195,7 +195,8 @@ def _intro(base: Config, axes: Axes) -> str:
     return (f'Variants {", ".join(axes.variants)}; sizes {", ".join(axes.sizes)}; peak LRs '
             f'{", ".join(f"{lr:g}" for lr in axes.lrs)}; seeds {", ".join(map(str, axes.seeds))}; seq_lens '
             f'{", ".join(map(str, axes.seq_lens))}; {tokens:,} tokens per step on '
-            f'`{base.data.mixture or base.data.name}`; budget: {budget}.')
+            f'`{base.data.mixture or base.data.name}`; optimizer {base.optimizer.name} with a '
+            f'{base.optimizer.schedule} schedule; budget: {budget}.')
 
 
 def _define_flags() -> dict:
@@ -226,6 +227,7 @@ def _floats(flag: str, values: list[str]) -> list[float]:
 
 def main(args: cli.Args) -> None:
     cli.require(args, 'config', 'workdir')
+    cli.enable_compilation_cache()
     base = from_configdict(args['config'].value)
     axes = Axes(args['variants'].value, args['sizes'].value,
                 _floats('--lrs', args['lrs'].value) if args['lrs'].value else [base.optimizer.peak_lr],

@@ -129,16 +129,22 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None = None) -> RunResult:
+def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None = None,
+        branch_from: str | None = None) -> RunResult:
     """Trains `config` in `workdir`, resuming from its latest intact checkpoint; `fresh` starts over,
-    moving the old run aside (vrl/workdir.py). WorkdirError if another run holds the workdir."""
+    moving the old run aside (vrl/workdir.py). A workdir without a checkpoint starts from `init_from`'s
+    parameters, or from `branch_from`'s whole state (a step folder of another run), or at random.
+    WorkdirError if another run holds the workdir."""
+    if init_from and branch_from:
+        raise TrainingError('--init_from and --branch_from both name a start: give one (--init_from: weights '
+                            'only; --branch_from: the whole state of another run\'s step).')
     path = _check_workdir(workdir)
     lock = workdir_lib.Lock(path)
     if jax.process_index() == 0:
         lock.acquire()
     preemption = _Preemption()  # from here on, a signal during setup or the first compile saves too
     try:
-        return _run(config, path, fresh, init_from, preemption)
+        return _run(config, path, fresh, init_from, branch_from, preemption)
     finally:
         preemption.restore()
         lock.release()
@@ -170,7 +176,8 @@ def _hf_tokenizer(config: Config, init_from: str | None, path: Path) -> tuple[Co
     return dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=str(kept))), Path(chosen), line
 
 
-def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preemption: _Preemption) -> RunResult:
+def _run(config: Config, path: Path, fresh: bool, init_from: str | None, branch_from: str | None,
+         preemption: _Preemption) -> RunResult:
     is_writer = jax.process_index() == 0
     say = print if is_writer else (lambda line: None)
     workdir = str(path)
@@ -192,12 +199,16 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
     if latest is not None and latest > config.train.steps:
         raise TrainingError(f'train.steps={config.train.steps} is below the step of the checkpoint in {workdir} '
                             f'({latest}): raise train.steps to go on, or use --fresh to start over.')
-    restored = checkpoint.restore_latest(manager, trainer.abstract_state, data_iterator, config.model, say)
+    restored = checkpoint.restore_latest(manager, trainer.abstract_state, data_iterator, config, say)
     if restored is not None:
         state, latest = restored
-        if init_from:
-            say(f'--init_from ignored: the workdir has a checkpoint, so this run resumes from step {latest} '
-                '(use --fresh to start over from --init_from)')
+        if init_from or branch_from:
+            flag = '--init_from' if init_from else '--branch_from'
+            say(f'{flag} ignored: the workdir has a checkpoint, so this run resumes from step {latest} '
+                f'(use --fresh to start over from {flag})')
+    elif branch_from:
+        state, branched = checkpoint.restore_branch(branch_from, trainer.abstract_state, data_iterator, config)
+        say(f'branched from {branch_from}: its step-{branched} parameters, optimizer state and data position')
     else:
         state = trainer.init_state(config.train.seed)
         if init_from:
@@ -216,8 +227,11 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
             say(f'{name} changed since the last start: {old!r} -> {new!r}')
     writer = metrics.MetricsWriter(workdir, config.train.steps, start_step, enabled=is_writer)
     writer.mark_start(start_step, 'resumed' if restored is not None else 'started', init_from=init_from)
+    opt = config.optimizer
+    begun = ('resumed at step ' + str(start_step) if restored is not None else
+             f'branched at step {start_step}' if branch_from else 'fresh start')
     writer.print(f'{config.model.variant_name}: {account.params:,} params, mesh {dict(mesh.shape)}, '
-                 f'{"resumed at step " + str(start_step) if restored is not None else "fresh start"}')
+                 f'{opt.name} + {opt.schedule} (peak LR {opt.peak_lr:g}), {begun}')
     if start_step >= config.train.steps and (config.train.steps or restored is not None):
         writer.print(f'nothing to train: the checkpoint is at step {start_step} = train.steps')
 
@@ -258,7 +272,7 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
     step = start_step
     try:
         if config.train.steps == 0 and restored is None:  # a conversion: the initial parameters as step 0
-            checkpoint.save(manager, 0, state, data_iterator, config.model, force=True)
+            checkpoint.save(manager, 0, state, data_iterator, config, force=True)
             if config.train.eval_batches:
                 evaluation = validate(trainer, state.params, config, tokenizer)
                 eval_loss = evaluation.loss
@@ -274,13 +288,14 @@ def _run(config: Config, path: Path, fresh: bool, init_from: str | None, preempt
             pending = (step, step_metrics)
             preempted = preemption.reached(step, config.train.log_every)
             at_end = step == config.train.steps
-            saving = step % config.train.checkpoint_every == 0 or preempted or at_end
+            stable_end = config.optimizer.schedule == 'wsd' and step == config.optimizer.decay_start  # to extend from
+            saving = step % config.train.checkpoint_every == 0 or preempted or at_end or stable_end
             evaluating = bool(config.train.eval_every and step % config.train.eval_every == 0) or at_end
             if saving or evaluating:
                 read(*pending)  # the NaN policy sees a step before it is saved or evaluated
                 pending = None
             if saving:
-                checkpoint.save(manager, step, state, data_iterator, config.model, force=preempted or at_end)
+                checkpoint.save(manager, step, state, data_iterator, config, force=preempted or at_end)
             if evaluating:
                 evaluation = validate(trainer, state.params, config, tokenizer)
                 eval_loss = evaluation.loss

@@ -1,0 +1,215 @@
+"""The optimizers: Muon's update against a float64 Newton-Schulz reference, the parameter groups,
+stacked layers, the wsd schedule, Muon sharded on 8 fake devices, and resume/branch through Orbax."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from configs import base as base_configs
+from configs import reproduce_cpu
+from tests.helpers import NAMED_VARIANTS, small_model_config
+from tests.runs import params_equal, tiny_config, train_losses
+from vrl import checkpoint, optimizer, train
+from vrl.config import Config, ConfigError, DataConfig, MeshConfig, OptimizerConfig, TrainConfig, from_configdict
+from vrl.step import abstract_model
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic Newton-Schulz iteration's (a, b, c)
+
+
+def newton_schulz_reference(g: np.ndarray, steps: int = 5) -> np.ndarray:
+    """Muon's orthogonalisation of one (fan_in, fan_out) matrix, in float64."""
+    x = g.astype(np.float64) / (np.linalg.norm(g) + 1e-8)
+    wide = x.shape[0] > x.shape[1]
+    x = x.T if wide else x
+    a, b, c = NS_COEFFS
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if wide else x
+
+
+def _first_update(cfg: OptimizerConfig, params: dict, axes: dict, grads: dict) -> dict:
+    tx = optimizer.make(cfg, axes)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return updates
+
+
+def _muon(**fields) -> OptimizerConfig:
+    return OptimizerConfig(**{**dict(name='muon', peak_lr=0.02, warmup_steps=0, weight_decay=0.0, grad_clip=0.0),
+                              **fields})
+
+
+def test_muon_update_is_the_newton_schulz_of_the_gradient():
+    rng = np.random.default_rng(7)
+    w_up, w_down, embed = (rng.normal(size=s).astype(np.float32) for s in ((24, 40), (40, 24), (50, 24)))
+    params = {'first': {'mlp': {'w_up': w_up, 'w_down': w_down}}, 'embed': embed}
+    axes = {('first', 'mlp', 'w_up'): ('embed', 'mlp'), ('first', 'mlp', 'w_down'): ('mlp', 'embed'),
+            ('embed',): ('vocab', 'embed')}
+    grads = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
+    updates = _first_update(_muon(embed_lr_ratio=5.0), params, axes, grads)
+    # the first Nesterov momentum is a multiple of the gradient; the iteration is scale-free
+    up = newton_schulz_reference(grads['first']['mlp']['w_up'])
+    down = newton_schulz_reference(grads['first']['mlp']['w_down'])
+    want_up = -0.02 * np.sqrt(40 / 24) * up  # the width scale: sqrt(fan_out / fan_in) when > 1
+    want_down = -0.02 * down
+    for got, want in ((updates['first']['mlp']['w_up'], want_up), (updates['first']['mlp']['w_down'], want_down)):
+        assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) < 1e-4
+    singular = np.linalg.svd(up, compute_uv=False)
+    assert 0.6 < singular.min() and singular.max() < 1.25, singular  # orthogonalised: all near 1
+    # the embedding is AdamW's: its first step is -lr x ratio x g / (|g| + eps)
+    g = grads['embed']
+    np.testing.assert_allclose(updates['embed'], -0.02 * 5.0 * g / (np.abs(g) + 1e-8), rtol=1e-5)
+
+
+def test_a_stack_of_layers_is_orthogonalised_layer_by_layer():
+    rng = np.random.default_rng(3)
+    stack = rng.normal(size=(3, 16, 4, 8)).astype(np.float32)  # (layers, embed, heads, head_dim)
+    grads = rng.normal(size=stack.shape).astype(np.float32)
+    axes = ('layers', 'embed', 'heads', 'head_dim')
+    stacked = _first_update(_muon(), {'layers': {'attn': {'wq': stack}}}, {('layers', 'attn', 'wq'): axes},
+                            {'layers': {'attn': {'wq': grads}}})['layers']['attn']['wq']
+    for layer in range(3):
+        alone = _first_update(_muon(), {'first': {'attn': {'wq': stack[layer]}}},
+                              {('first', 'attn', 'wq'): axes[1:]},
+                              {'first': {'attn': {'wq': grads[layer]}}})['first']['attn']['wq']
+        np.testing.assert_allclose(stacked[layer], alone, rtol=1e-5, atol=1e-7)
+        want = -0.02 * np.sqrt(32 / 16) * newton_schulz_reference(grads[layer].reshape(16, 32)).reshape(16, 4, 8)
+        assert np.linalg.norm(np.asarray(alone) - want) / np.linalg.norm(want) < 1e-4
+
+
+@pytest.mark.parametrize('variant', ['all-baselines', 'resformer-per_token', 'resformer-value_embeds-shared',
+                                     'svformer-cla2'])
+def test_every_parameter_is_in_one_group_and_muon_gets_only_hidden_matrices(variant):
+    cfg = small_model_config(n_layers=4, **{'lambda_mode': 'identity', **NAMED_VARIANTS[variant]})
+    _, abstract = abstract_model(cfg)
+    axes = optimizer.param_axes(abstract)
+    params = jax.tree.map(lambda v: jnp.zeros(v.shape), nnx.to_pure_dict(abstract))
+    state = jax.eval_shape(optimizer.make(_muon(), axes).init, params)
+    inner = state.inner_states  # no clipping in _muon(): the partition is the whole state
+    in_muon = {path for path, _ in _leaf_paths(inner['muon'].inner_state[0].mu)}
+    in_adam = {path for path, _ in _leaf_paths(inner['adamw'].inner_state[0].mu)}
+    assert in_muon | in_adam == set(axes) and not in_muon & in_adam
+    for path in in_muon:
+        assert 'vocab' not in axes[path] and path[-1] in ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_up', 'w_down'), path
+    matrices = {p for p in axes if len([a for a in axes[p] if a not in ('layers', None)]) >= 2}
+    small = {p for p in matrices - in_muon if p[-1] in ('gates', 'w_mix')}  # the variants' gates stay AdamW's
+    assert matrices - in_muon == small | {p for p in matrices if 'vocab' in axes[p]}
+    assert {optimizer.group(p) for p in axes} <= set(optimizer.GROUPS)
+
+
+def _leaf_paths(tree):
+    return [(tuple(str(k.key) for k in path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def test_muon_dims_name_the_matrix_each_weight_multiplies():
+    dims = optimizer.matrix_dims(('layers', 'embed', 'heads', 'head_dim'))  # a stacked wq: embed -> heads x head_dim
+    assert (dims.reduction_axis, dims.output_axis) == (1, (2, 3))
+    dims = optimizer.matrix_dims(('heads', 'head_dim', 'embed'))  # wo: heads x head_dim -> embed
+    assert (dims.reduction_axis, dims.output_axis) == ((0, 1), 2)
+    with pytest.raises(ValueError, match="needs an embed axis"):
+        optimizer.matrix_dims(('layers', 'mlp'))
+
+
+def test_wsd_schedule_against_a_hand_computed_table():
+    cfg = OptimizerConfig(peak_lr=1.0, init_lr=0.1, final_lr=0.2, warmup_steps=10, decay_steps=100,
+                          schedule='wsd', decay_fraction=0.2)
+    assert cfg.decay_start == 80
+    lr = optimizer.learning_rate(cfg)
+    table = {0: 0.1, 5: 0.55, 10: 1.0, 50: 1.0, 80: 1.0, 85: 0.8, 90: 0.6, 100: 0.2, 150: 0.2}
+    for step, want in table.items():
+        assert float(lr(step)) == pytest.approx(want, rel=1e-6), step
+    sqrt = optimizer.learning_rate(dataclasses.replace(cfg, decay_shape='sqrt'))
+    assert float(sqrt(90)) == pytest.approx(0.2 + 0.8 * (1 - np.sqrt(0.5)), rel=1e-6)
+    assert float(sqrt(100)) == pytest.approx(0.2, rel=1e-6)
+    # another peak (a group's LR) scales the whole schedule
+    assert float(optimizer.learning_rate(cfg, peak=3.0)(90)) == pytest.approx(1.8, rel=1e-6)
+
+
+@pytest.mark.parametrize('fields, message', [
+    (dict(name='sgd'), "optimizer.name='sgd' is invalid: allowed one of 'adamw', 'muon'"),
+    (dict(schedule='wsd', warmup_steps=50, decay_steps=100, decay_fraction=0.6), 'decay starts after warmup'),
+    (dict(head_lr_ratio=0.0), 'optimizer.head_lr_ratio=0.0 is invalid'),
+    (dict(decay_shape='cubic'), "optimizer.decay_shape='cubic' is invalid"),
+])
+def test_bad_optimizer_settings_are_named(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        OptimizerConfig(**fields)
+
+
+def test_recipes_keep_the_schedule_length_and_name_a_bad_recipe():
+    base = OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=30, decay_steps=400)
+    muon = optimizer.recipe(base, 'muon')
+    assert (muon.name, muon.schedule, muon.warmup_steps, muon.decay_steps) == ('muon', 'wsd', 30, 400)
+    assert muon.final_lr / muon.peak_lr == pytest.approx(0.1)
+    assert optimizer.recipe(base, 'adamw') == base
+    with pytest.raises(ConfigError, match="optimizer recipe 'lion' is invalid"):
+        optimizer.recipe(base, 'lion')
+    named = from_configdict(base_configs.get_config('svformer,82m,2k,muon'))  # the fourth part of a named config
+    assert (named.optimizer.name, named.model.attention, named.data.seq_len) == ('muon', 'svformer', 2048)
+    assert from_configdict(reproduce_cpu.get_config('muon')).optimizer == optimizer.recipe(
+        from_configdict(reproduce_cpu.get_config()).optimizer, 'muon')
+
+
+def _random_batches(n: int, batch: int, length: int, vocab: int) -> list[dict]:
+    rng = np.random.default_rng(11)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, vocab, (batch, length + 1)).astype(np.int32)
+        out.append({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'loss_mask': np.ones((batch, length), np.int32)})
+    return out
+
+
+@pytest.mark.slow
+def test_muon_sharded_on_8_devices_trains_as_on_one():
+    model = small_model_config(n_layers=3, n_heads=4, n_kv_heads=4, head_dim=8, d_model=32, d_ff=64, vocab_size=128,
+                               vocab_pad_multiple=64, attention='resformer', lambda_mode='learnable')
+    config = Config(model=model, data=DataConfig(seq_len=16, batch_size=8),
+                    optimizer=optimizer.recipe(OptimizerConfig(warmup_steps=1, decay_steps=10), 'muon'),
+                    train=TrainConfig(steps=4))
+    batches = _random_batches(1, 8, 16, 128) * 4  # one batch again and again: the loss must fall
+
+    reference, _ = train_losses(config, jax.devices()[:1], batches)
+    sharded, state = train_losses(dataclasses.replace(config, mesh=MeshConfig(2, 2, 2)), jax.devices(), batches)
+    np.testing.assert_allclose(sharded, reference, rtol=1e-5)
+    assert reference[-1] < reference[0]
+    muon_state = state.opt_state[1].inner_states['muon'].inner_state[0]
+    assert muon_state.mu['layers']['mlp']['w_down'].sharding.spec == PartitionSpec(None, 'tensor', 'fsdp')
+    assert muon_state.mu['layers']['attn']['wq'].sharding.spec == PartitionSpec(None, 'fsdp', 'tensor', None)
+
+
+def _muon_run(small_corpus, **train_fields) -> Config:
+    config = tiny_config(small_corpus, **train_fields)
+    opt = optimizer.recipe(dataclasses.replace(config.optimizer, decay_steps=12), 'muon')
+    return dataclasses.replace(config, optimizer=dataclasses.replace(opt, decay_fraction=0.5))
+
+
+@pytest.mark.slow
+def test_muon_resumes_exactly_refuses_adamw_and_branches_from_the_stable_phase(small_corpus, tmp_path):
+    straight = train.run(_muon_run(small_corpus, steps=12, checkpoint_every=100), str(tmp_path / 'straight'))
+    assert sorted(int(p.name) for p in (tmp_path / 'straight' / 'checkpoints').iterdir() if p.name.isdigit()) == \
+        [6, 12]  # wsd saves its last stable step (decay_start 6) as well as the end
+    first = train.run(_muon_run(small_corpus, steps=8, checkpoint_every=4), str(tmp_path / 'resumed'))
+    second = train.run(_muon_run(small_corpus, steps=12, checkpoint_every=4), str(tmp_path / 'resumed'))
+    assert {**first.losses, **second.losses} == straight.losses
+    assert params_equal(second.state.params, straight.state.params)
+    assert params_equal(second.state.opt_state, straight.state.opt_state)
+
+    adamw = tiny_config(small_corpus, steps=16)
+    with pytest.raises(checkpoint.CheckpointMismatchError,
+                       match=re.escape("trained with optimizer.name='muon' but the config has optimizer.name='adamw'")):
+        train.run(adamw, str(tmp_path / 'resumed'))
+
+    longer = _muon_run(small_corpus, steps=16, checkpoint_every=100)
+    longer = dataclasses.replace(longer, optimizer=dataclasses.replace(longer.optimizer, decay_steps=16))
+    branched = train.run(longer, str(tmp_path / 'extended'), branch_from=str(tmp_path / 'straight' / 'checkpoints' / '6'))
+    assert min(branched.losses) == 7 and branched.step == 16
+    # steps 7 and 8 see the step-6 state, and step 7's update is at the peak LR in both; from step 8's
+    # update on, the longer run stays at the peak while the straight one decays
+    assert branched.losses[7] == straight.losses[7] and branched.losses[8] == straight.losses[8]
+    assert branched.losses[9] != straight.losses[9]
