@@ -13,7 +13,7 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
     notebook = nbformat.read(ROOT / 'notebooks' / 'vrl_quickstart.ipynb', as_version=4)
     parameters = [c for c in notebook.cells if 'parameters' in c.metadata.get('tags', [])]
     assert len(parameters) == 1
-    parameters[0].source += f'\nSTEPS = 40\nWORKDIR = {str(tmp_path / "quickstart")!r}\n'
+    parameters[0].source += f'\nSTEPS = 8\nWORKDIR = {str(tmp_path / "quickstart")!r}\n'
     NotebookClient(notebook, timeout=1200, kernel_name='python3',
                    resources={'metadata': {'path': str(ROOT)}}).execute()
     outputs = [o for c in notebook.cells if c.cell_type == 'code' for o in c.outputs]
