@@ -39,9 +39,9 @@ def config_for(name: str, variant: str, seed: int = 0) -> Config:
 
 def step_ms(variant: str, steps: int = 20) -> dict[str, float]:
     """Median milliseconds per train step under each optimizer, their steps alternating on one batch."""
-    trainers = {name: Trainer(config_for(name, variant), sharding.make_mesh(config_for(name, variant).mesh))
-                for name in OPTIMIZERS}
-    data = config_for('adamw', variant).data
+    configs = {name: config_for(name, variant) for name in OPTIMIZERS}
+    trainers = {name: Trainer(config, sharding.make_mesh(config.mesh)) for name, config in configs.items()}
+    data = configs['adamw'].data
     tokens = np.random.default_rng(0).integers(0, 1024, (data.batch_size, data.seq_len + 1)).astype(np.int32)
     batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'loss_mask': np.ones_like(tokens[:, 1:])}
     states = {name: trainer.init_state(0) for name, trainer in trainers.items()}

@@ -115,23 +115,17 @@ def learning_rate(cfg: OptimizerConfig, peak: float | None = None) -> optax.Sche
     return optax.join_schedules([warmup, stable, decay], boundaries=[cfg.warmup_steps, cfg.decay_start])
 
 
-def _scale_by_width(axes_of: Callable[[tuple[str, ...]], Axes]) -> optax.GradientTransformation:
-    """Multiplies each matrix's orthogonalised update by its _width_scale (stateless)."""
+def _scale_each(factor: Callable[[tuple[str, ...], jax.Array], float]) -> optax.GradientTransformation:
+    """Multiplies each update by factor(its key path, it) (stateless)."""
     def scale(updates, state, params=None):
         del params
-        scaled = jax.tree_util.tree_map_with_path(
-            lambda path, u: u * _width_scale(axes_of(_keys(path)), u.shape), updates)
-        return scaled, state
+        return jax.tree_util.tree_map_with_path(lambda path, u: u * factor(_keys(path), u), updates), state
     return optax.GradientTransformation(lambda _: optax.EmptyState(), scale)
 
 
-def _scale_by_group(ratios: dict[str, float]) -> optax.GradientTransformation:
-    """Multiplies each update by its group's LR ratio (stateless)."""
-    def scale(updates, state, params=None):
-        del params
-        scaled = jax.tree_util.tree_map_with_path(lambda path, u: u * ratios[group(path)], updates)
-        return scaled, state
-    return optax.GradientTransformation(lambda _: optax.EmptyState(), scale)
+def _adamw(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    return optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                       mask=weight_decay_mask)
 
 
 def _width_scale(axes: Axes, shape: tuple[int, ...]) -> float:
@@ -141,35 +135,29 @@ def _width_scale(axes: Axes, shape: tuple[int, ...]) -> float:
     return math.sqrt(max(1.0, size(dims.output_axis) / size(dims.reduction_axis)))
 
 
-def _muon(cfg: OptimizerConfig, axes_of: Callable[[tuple[str, ...]], Axes]) -> optax.GradientTransformation:
+def _muon(cfg: OptimizerConfig, axes: dict[tuple[str, ...], Axes]) -> optax.GradientTransformation:
     """Muon for the hidden matrices, AdamW for the rest, as one partitioned transformation."""
     def dims(tree):  # called on the matrix group's tree: its other leaves are optax's MaskedNode
-        return jax.tree_util.tree_map_with_path(lambda path, _: matrix_dims(axes_of(_keys(path))), tree)
+        return jax.tree_util.tree_map_with_path(lambda path, _: matrix_dims(axes[_keys(path)]), tree)
 
     muon = optax.chain(
         scale_by_muon(ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum, nesterov=True,
                       weight_dimension_numbers=dims),
-        _scale_by_width(axes_of),
+        _scale_each(lambda path, u: _width_scale(axes[path], u.shape)),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(learning_rate(cfg)))
-    adamw = optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                        mask=weight_decay_mask)
     labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
         lambda path, _: 'muon' if group(path) == 'matrix' else 'adamw', params)
-    return optax.partition({'muon': muon, 'adamw': adamw}, labels)
+    return optax.partition({'muon': muon, 'adamw': _adamw(cfg)}, labels)
 
 
 def make(cfg: OptimizerConfig, axes: dict[tuple[str, ...], Axes]) -> optax.GradientTransformation:
     """The optimizer for parameters whose logical axes are `axes` (key path -> axis names)."""
-    if cfg.name == 'adamw':
-        core = optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                           mask=weight_decay_mask)
-    else:
-        core = _muon(cfg, lambda path: axes[path])
+    core = _adamw(cfg) if cfg.name == 'adamw' else _muon(cfg, axes)
     parts = [core]
     ratios = {'matrix': 1.0, 'embed': cfg.embed_lr_ratio, 'head': cfg.head_lr_ratio, 'scalar': cfg.scalar_lr_ratio}
     if any(r != 1.0 for r in ratios.values()):
-        parts.append(_scale_by_group(ratios))
+        parts.append(_scale_each(lambda path, _: ratios[group(path)]))
     if cfg.grad_clip:
         parts.insert(0, optax.clip_by_global_norm(cfg.grad_clip))
     return optax.chain(*parts) if len(parts) > 1 else core
