@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +48,17 @@ VARIANT_IDS = list(NAMED_VARIANTS)
 FAST_TIER = ('vanilla', 'resformer-learnable_plus', 'svformer', 'all-baselines')  # the rest are marked slow
 
 
+def cases(named: dict[str, Any], fast: Iterable[str]) -> list:
+    """pytest parameters {id: value, or a tuple of values}, each id outside `fast` marked slow:
+    `pytest -m "not slow"` runs the `fast` ones, the full suite all of them."""
+    return [pytest.param(*(value if isinstance(value, tuple) else (value,)), id=name,
+                         marks=() if name in fast else pytest.mark.slow) for name, value in named.items()]
+
+
 def variant_params(by_name: bool = False) -> list:
     """Every named variant as a pytest parameter (its fields, or its name), the ones outside FAST_TIER
     marked slow: `pytest -m "not slow"` checks four variants, the full suite all of them."""
-    return [pytest.param(name if by_name else fields, id=name, marks=() if name in FAST_TIER else pytest.mark.slow)
-            for name, fields in NAMED_VARIANTS.items()]
+    return cases({name: name if by_name else fields for name, fields in NAMED_VARIANTS.items()}, FAST_TIER)
 
 
 def random_tokens(seed: int, B: int = 2, L: int = 11, vocab: int = 97) -> jax.Array:

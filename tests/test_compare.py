@@ -132,7 +132,9 @@ def test_a_second_comparison_on_the_same_directory_is_refused_naming_the_first(s
     first = subprocess.Popen(_compare_args(small_corpus, tmp_path, '--variants=vanilla', steps=2000), cwd=str(ROOT),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: (tmp_path / '.lock').exists() and (tmp_path / '.lock').read_text(), 300, first)
+        # the lock is taken, then the record written: wait for both
+        wait_for(lambda: (tmp_path / '.lock').exists() and (tmp_path / '.lock').read_text()
+                 and (tmp_path / 'compare.json').exists(), 300, first)
         record = (tmp_path / 'compare.json').read_bytes()
         second = _compare(small_corpus, tmp_path, '--variants=vanilla', steps=2000)
     finally:

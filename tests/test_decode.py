@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from tests.helpers import NAMED_VARIANTS, VARIANT_IDS, VARIANTS, randomize, rel_err, small_model_config
+from tests.helpers import FAST_TIER, NAMED_VARIANTS, cases, randomize, rel_err, small_model_config
 from vrl import decode, sharding
 from vrl.config import MeshConfig
 from vrl.model import Decoder
@@ -23,12 +23,12 @@ def _model(seed=0, **overrides) -> Decoder:
 
 
 # every variant and lambda mode with GQA (2 kv heads for 4 query heads); MHA and MQA on two of them
-_CACHE_CASES = ([(v, 2) for v in VARIANTS]
-                + [(dict(attention=a), k) for a in ('vanilla', 'svformer') for k in (4, 1)])
-_CACHE_IDS = [f'{i}-gqa2' for i in VARIANT_IDS] + [f'{a}-{n}' for a in ('vanilla', 'svformer') for n in ('mha', 'mqa')]
+_CACHE_CASES = ({f'{name}-gqa2': (v, 2) for name, v in NAMED_VARIANTS.items()}
+                | {f'{a}-{n}': (dict(attention=a), k) for a in ('vanilla', 'svformer') for n, k in (('mha', 4), ('mqa', 1))})
 
 
-@pytest.mark.parametrize('variant, n_kv_heads', _CACHE_CASES, ids=_CACHE_IDS)
+@pytest.mark.parametrize('variant, n_kv_heads', cases(_CACHE_CASES, [f'{name}-gqa2' for name in FAST_TIER[1:]]
+                                                      + ['vanilla-mqa']))
 def test_cached_decoding_equals_full_forward(variant, n_kv_heads):
     model = _model(n_kv_heads=n_kv_heads, **variant)
     cfg = model.cfg
@@ -70,7 +70,7 @@ def _generator(model: Decoder, max_len=40, eos_id=1) -> decode.Generator:
     return decode.Generator(model.cfg, graphdef, nnx.to_pure_dict(state), max_len=max_len, eos_id=eos_id)
 
 
-@pytest.mark.parametrize('attention', ['vanilla', 'svformer', 'resformer'])
+@pytest.mark.parametrize('attention', cases({a: a for a in ('vanilla', 'svformer', 'resformer')}, ['resformer']))
 def test_batched_generation_equals_one_prompt_at_a_time(attention):
     generator = _generator(_model(attention=attention), eos_id=96)
     rng = np.random.default_rng(2)
@@ -146,7 +146,7 @@ def test_cache_is_sharded_like_training():
     assert decode.cache_shardings(odd, 3, mesh).v[0].spec == PartitionSpec(None, None, None)
 
 
-@pytest.mark.parametrize('variant', ['vanilla', 'svformer-cla2'])
+@pytest.mark.parametrize('variant', cases({v: v for v in ('vanilla', 'svformer-cla2')}, ['svformer-cla2']))
 def test_decoding_on_a_mesh_equals_one_device(variant):
     """Greedy tokens and the last logits of sharded decoding (cache rows over data x fsdp x tensor,
     or tensor only for a batch of 1) equal single-device decoding's."""
@@ -177,9 +177,10 @@ def test_sampling_values_out_of_range_are_refused(field, value, allowed):
 
 # the cache layouts (one V slot, shared K/V slots) and what V_1 depends on (per-token lambdas, DenseFormer)
 _PREFILL_CASES = ('vanilla', 'svformer', 'svformer-cla2', 'resformer-per_token', 'all-baselines')
+_PREFILL_FAST = ('svformer-cla2', 'resformer-per_token')
 
 
-@pytest.mark.parametrize('variant', [NAMED_VARIANTS[n] for n in _PREFILL_CASES], ids=_PREFILL_CASES)
+@pytest.mark.parametrize('variant', cases({n: NAMED_VARIANTS[n] for n in _PREFILL_CASES}, _PREFILL_FAST))
 def test_chunked_prefill_equals_one_shot(variant):
     """Prompts of 3 and 11 tokens (left-padded to 11) in chunks of 4: a remainder chunk of 3, then
     two full ones; the last logits and the whole cache equal one-shot prefill's."""
@@ -233,8 +234,8 @@ def _materialized(hlo: str) -> list[tuple[tuple[int, ...], str]]:
     return found
 
 
-@pytest.mark.parametrize('batch', [1, 2])
-@pytest.mark.parametrize('variant', [NAMED_VARIANTS[n] for n in _PREFILL_CASES], ids=_PREFILL_CASES)
+@pytest.mark.parametrize('variant, batch', cases({f'{n}-{b}': (NAMED_VARIANTS[n], b) for n in _PREFILL_CASES
+                                                   for b in (1, 2)}, [f'{n}-2' for n in _PREFILL_FAST]))
 def test_the_decode_loop_never_copies_the_cache(variant, batch):
     """The compiled loop writes each new position where the cache lies and its matmuls read the
     slots where they lie: nothing a cache slot's size or larger is materialized, inside the loop or

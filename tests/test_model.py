@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from tests import numpy_reference
-from tests.helpers import (NAMED_VARIANTS, VARIANT_IDS, VARIANTS, copy_params, randomize, rel_err,
-                           random_tokens, small_model_config, variant_params)
+from tests.helpers import (FAST_TIER, NAMED_VARIANTS, cases, copy_params, randomize, rel_err, random_tokens,
+                           small_model_config, variant_params)
 from vrl.config import ConfigError
 from vrl import attention, ops, step
 from vrl.model import Decoder
@@ -40,11 +40,12 @@ def test_shapes_dtypes_and_causality(variant):
     assert not np.allclose(np.asarray(a[:, t:, :97]), np.asarray(b[:, t:, :97]))
 
 
-@pytest.mark.parametrize('variant, remat', [(v, 'none') for v in VARIANTS] + [
-    (dict(attention='resformer', lambda_mode='learnable_plus'), 'full'),
-    (dict(attention='svformer'), 'save_dots'),
-    (NAMED_VARIANTS['all-baselines'], 'full')],
-    ids=VARIANT_IDS + ['learnable_plus-full', 'svformer-save_dots', 'all-baselines-full'])
+@pytest.mark.parametrize('variant, remat', cases(
+    {**{name: (v, 'none') for name, v in NAMED_VARIANTS.items()},
+     'learnable_plus-full': (dict(attention='resformer', lambda_mode='learnable_plus'), 'full'),
+     'svformer-save_dots': (dict(attention='svformer'), 'save_dots'),
+     'all-baselines-full': (NAMED_VARIANTS['all-baselines'], 'full')},
+    ('resformer-learnable_plus', 'all-baselines', 'svformer-save_dots')))
 def test_scan_equals_loop(variant, remat):
     cfg = small_model_config(n_layers=4, remat=remat, **variant)
     scanned = Decoder(cfg, rngs=nnx.Rngs(0))
@@ -84,8 +85,8 @@ def test_resformer_limits_are_vanilla_and_svformer():
     assert rel_err(svformer(tokens)[..., :97], vanilla(tokens)[..., :97]) > 1e-3
 
 
-@pytest.mark.parametrize('variant', VARIANTS + [dict(attention='vanilla', tie_embeddings=True)],
-                         ids=VARIANT_IDS + ['vanilla-tied'])
+@pytest.mark.parametrize('variant', cases({**NAMED_VARIANTS, 'vanilla-tied': dict(attention='vanilla', tie_embeddings=True)},
+                                           FAST_TIER + ('vanilla-tied',)))
 def test_matches_float64_numpy_reference(variant):
     cfg = small_model_config(**variant)
     assert cfg.n_layers == 3
@@ -111,7 +112,7 @@ def test_learnable_lambdas_get_gradients_fixed_ones_are_not_parameters():
         assert 'lambdas' not in params, mode
 
 
-@pytest.mark.parametrize('variant', variant_params())
+@pytest.mark.parametrize('variant', cases(NAMED_VARIANTS, ('resformer-learnable_plus', 'all-baselines')))
 def test_bfloat16_gradients_finite(variant):
     model = Decoder(small_model_config(compute_dtype='bfloat16', **variant), rngs=nnx.Rngs(0))
     loss, grads = nnx.value_and_grad(_loss)(model, random_tokens(14))
@@ -163,7 +164,7 @@ def test_bad_config_names_field_and_allowed_values(overrides, field, allowed):
     assert field in str(e.value) and allowed in str(e.value)
 
 
-@pytest.mark.parametrize('chunks', [2, 3, 7, 9])
+@pytest.mark.parametrize('chunks', cases({'2': 2, '3': 3, '7': 7, '9': 9}, ('3', '9')))
 def test_causal_chunks_match_one_pass(chunks):
     """Chunked training attention (uneven chunks, and more chunks than tokens) == one pass,
     values and gradients, with packed documents."""

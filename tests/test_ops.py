@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import rel_err
+from tests.helpers import cases, rel_err
 from vrl import ops
 
 
@@ -68,8 +68,9 @@ def _masks(B: int, L: int, S: int) -> dict[str, np.ndarray]:
             'left padded, rows 0-1 of sequence 1 see nothing': left_padded}
 
 
-@pytest.mark.parametrize('kv_heads,groups', [(2, 3), (4, 1), (1, 4)], ids=['gqa', 'mha', 'mqa'])
-@pytest.mark.parametrize('mask_name', list(_masks(2, 7, 7)))
+@pytest.mark.parametrize('kv_heads,groups,mask_name', cases(
+    {f'{heads}-{mask}': (k, g, mask) for heads, k, g in (('gqa', 2, 3), ('mha', 4, 1), ('mqa', 1, 4))
+     for mask in _masks(2, 7, 7)}, [f'gqa-{mask}' for mask in _masks(2, 7, 7)]))
 def test_attention_matches_autodiff(kv_heads, groups, mask_name):
     B, L, Dh = 2, 7, 8
     mask = jnp.asarray(_masks(B, L, L)[mask_name])
@@ -85,8 +86,9 @@ def test_attention_over_a_longer_cache():
     _check_against_float64(ops.attention, _plain_attention, [q, k, v, mask], n_grads=3)
 
 
-@pytest.mark.parametrize('B,K,G', [(1, 4, 1), (2, 2, 3), (2, 1, 4)], ids=['mha-batch-1', 'gqa', 'mqa'])
-@pytest.mark.parametrize('T', [1, 3])
+@pytest.mark.parametrize('B,K,G,T', cases(
+    {f'{T}-{name}': (B, K, G, T) for name, B, K, G in (('mha-batch-1', 1, 4, 1), ('gqa', 2, 2, 3), ('mqa', 2, 1, 4))
+     for T in (1, 3)}, ['1-mha-batch-1', '3-gqa']))
 def test_attention_over_cache_slots(B, K, G, T):
     """ops.attend_cache, the decoder's attention over (B * K, S, Dh) slots, against the float64
     reference on the same keys and values laid out (B, S, K, Dh)."""

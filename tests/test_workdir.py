@@ -1,6 +1,7 @@
 """The workdir under mistakes and failures: a second writer, a killed holder, Ctrl-C, damaged
 checkpoints, --fresh, restarts in the record. Real processes, real Orbax, temp dirs."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -9,8 +10,8 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -110,25 +111,32 @@ def test_no_restorable_checkpoint_moves_nothing(small_corpus, tmp_path):
     assert saved_steps(workdir) == [4] and not (workdir / 'rejected_checkpoints').exists()
 
 
-def _sigterm_after(workdir: Path, steps: int) -> threading.Thread:
-    """SIGTERM to this process (what a preemption sends) once `steps` steps are logged."""
+@contextlib.contextmanager
+def _sigterm_after(workdir: Path, steps: int) -> Iterator[None]:
+    """SIGTERM to this process (what a preemption sends) once `steps` steps are logged, unless the
+    block ends first (a run that failed early must not stop a later test)."""
+    done = threading.Event()
+
     def watch():
-        deadline = time.time() + 300
-        while logged_steps(workdir) < steps and time.time() < deadline:
-            time.sleep(0.02)
+        while logged_steps(workdir) < steps:
+            if done.wait(0.02):
+                return
         os.kill(os.getpid(), signal.SIGTERM)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
-    return thread
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def test_fresh_keeps_the_old_run_and_resumes_its_own(small_corpus, tmp_path, capsys):
     workdir = tmp_path / 'run'
     old = train.run(tiny_config(small_corpus, steps=8, checkpoint_every=4), str(workdir))
     config = tiny_config(small_corpus, steps=30, log_every=1, checkpoint_every=1000, seed=1)
-    watcher = _sigterm_after(workdir, 3)
-    preempted = train.run(config, str(workdir), fresh=True)
-    watcher.join()
+    with _sigterm_after(workdir, 3):
+        preempted = train.run(config, str(workdir), fresh=True)
     assert preempted.preempted and min(preempted.losses) == 1
     (previous,) = (workdir / 'previous_runs').iterdir()  # the old run, whole
     assert saved_steps(previous) == [4, 8] and (previous / 'metrics.jsonl').exists()

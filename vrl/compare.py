@@ -5,9 +5,10 @@
     python -m vrl.compare --list_variants
 
 Variants are vrl/presets.py's names. Every run has the base config's shape, data order (data.seed)
-and token budget (steps x batch x seq_len); the seed sets the parameter init (train.seed). Runs go
-one after another on the local devices (on a pod, every host runs this same command, as with
-vrl.main); each writes DIR/runs/<variant>-s<seed>/, a vrl.main workdir. A finished run (its
+and token budget (steps x batch x seq_len); the seed sets the parameter init (train.seed). A variant's
+seeds train together, one compiled step over a run axis sharing each batch (--group_runs=false:
+one after another), on the local devices (on a pod, every host runs this same command, as with
+vrl.main); each run writes DIR/runs/<variant>-s<seed>/, a vrl.main workdir. A finished run (its
 result.json exists) is reused, an unfinished one resumes from its checkpoint, so adding a variant
 trains only that one and an interrupted comparison continues where it stopped.
 
@@ -56,7 +57,7 @@ def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:
 
 
 def compare(base: Config, variants: list[str], seeds: list[int], workdir: Path, analysis_sequences: int,
-            downstream: Downstream | None = None) -> list[dict]:
+            downstream: Downstream | None = None, group_runs: bool = True) -> list[dict]:
     """Trains what is missing, then writes report.md, results.json and the plots; returns the table rows."""
     runs = plan(base, variants, seeds)
     directory = grid.GridDirectory(workdir, 'compare.json', 'comparison')
@@ -67,7 +68,7 @@ def compare(base: Config, variants: list[str], seeds: list[int], workdir: Path, 
         logging.warning('no vanilla among --variants: the deltas and relative-loss plot need it')
     directory.open(base)
     try:
-        results = [grid.train_or_reuse(run, workdir, analysis_sequences, downstream) for run in runs]
+        results = grid.train_all(runs, workdir, analysis_sequences, downstream, group_runs)
         rows = compare_report.summarize(results, variants)
         if jax.process_index() == 0:
             figures = compare_report.write_plots(results, variants, workdir)
@@ -92,6 +93,8 @@ def _define_flags() -> dict:
         'tasks': flags.DEFINE_list('tasks', [], 'lm-eval tasks to evaluate every run on (vrl.evaluate).'),
         'task_limit': flags.DEFINE_float('task_limit', None, 'Examples per task (< 1: a fraction).'),
         'include_path': flags.DEFINE_string('include_path', None, 'A folder of lm-eval task YAMLs of your own.'),
+        'group_runs': flags.DEFINE_bool('group_runs', True, "Train a variant's seeds together in one compiled step "
+                                        '(vrl/grid.py); false: one run after another.'),
     }
 
 
@@ -117,7 +120,8 @@ def main(args: cli.Args) -> None:
     downstream = (Downstream(args['tasks'].value, args['task_limit'].value, args['include_path'].value)
                   if args['tasks'].value else None)
     rows = compare(from_configdict(args['config'].value), args['variants'].value,
-                   parse_seeds(args['seeds'].value), workdir, args['analysis_sequences'].value, downstream)
+                   parse_seeds(args['seeds'].value), workdir, args['analysis_sequences'].value, downstream,
+                   args['group_runs'].value)
     for r in rows:
         print(f'{r["variant"]}: eval loss {curves.plus_minus(r["eval_loss"], r["eval_loss_spread"])}, '
               f'vs vanilla {r["delta_vs_vanilla"]:+.4f}')

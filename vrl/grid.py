@@ -1,7 +1,9 @@
 """A grid of training runs in one directory: what `vrl.compare` and `vrl.study` share.
 
-Each run is a vrl.main workdir, DIR/runs/<name>/, trained one after another on the local devices
-(on a pod every host runs the same command, so each run uses all hosts). A finished run (its
+Each run is a vrl.main workdir, DIR/runs/<name>/, trained on the local devices (on a pod every
+host runs the same command, so each run uses all hosts); runs that differ only in seed are trained
+together, one compiled step over a run axis (`train_all`; vrl/step.py's RunGroup), the rest one
+after another. A finished run (its
 result.json exists) is read back, an unfinished one resumes from its checkpoint, so widening a
 grid trains only the new runs and an interrupted grid continues where it stopped. DIR/<record>
 holds the grid's base config; another base config in the same DIR is refused, and one process
@@ -21,7 +23,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from vrl import accounting, analyze, train
+from vrl import accounting, analyze, checkpoint, train
 from vrl import workdir as workdir_lib
 from vrl.config import Config
 from vrl.errors import VrlError
@@ -120,18 +122,46 @@ class GridDirectory:
         return target
 
 
-def train_or_reuse(run: Run, workdir: Path, analysis_sequences: int, downstream: Downstream | None = None
-                   ) -> dict[str, Any]:
-    """The run's result: read back if it finished before, else trained (or resumed), evaluated and, with
-    analysis_sequences > 0, analysed; then evaluated on the downstream tasks it has no result for."""
+def train_all(runs: list[Run], workdir: Path, analysis_sequences: int, downstream: Downstream | None = None,
+              group_runs: bool = True) -> list[dict[str, Any]]:
+    """Every run's result (`train_or_reuse`), in order. With `group_runs`, the unfinished runs that
+    differ only in seed and stand at the same checkpoint step are first trained together, one
+    compiled step for all (train.run_group); a run with no such partner trains alone."""
+    trained: dict[str, dict[str, Any]] = {}
+    for members in (_groups(runs, workdir) if group_runs else []):
+        names = ', '.join(run.name for run in members)
+        if len(members) == 1:
+            logging.warning('%s: trained alone (no unfinished run of its shape, data and step to group with)', names)
+            continue
+        logging.warning('%s: trained together (same shape, data and step; seeds differ)', names)
+        trained |= _train(members, workdir, analysis_sequences)
+    return [train_or_reuse(run, workdir, analysis_sequences, downstream, trained.get(run.name)) for run in runs]
+
+
+def _groups(runs: list[Run], workdir: Path) -> list[list[Run]]:
+    """The unfinished runs by (config but its seed, latest checkpoint step), in first-seen order."""
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        run_dir = workdir / 'runs' / run.name
+        if not (run_dir / 'result.json').exists():
+            key = (train.group_key(run.config), checkpoint.latest_step(run_dir) if run_dir.exists() else None)
+            groups.setdefault(key, []).append(run)
+    return list(groups.values())
+
+
+def train_or_reuse(run: Run, workdir: Path, analysis_sequences: int, downstream: Downstream | None = None,
+                   trained: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's result: `trained` (from its group), read back if it finished before, else trained (or
+    resumed), evaluated and, with analysis_sequences > 0, analysed; then evaluated on the downstream
+    tasks it has no result for."""
     run_dir = workdir / 'runs' / run.name
     result_file = run_dir / 'result.json'
-    reused = result_file.exists()
+    reused = trained is None and result_file.exists()
     if reused:
         logging.warning('%s: finished before, reused', run.name)
         result = json.loads(result_file.read_text())
     else:
-        result = _train(run, run_dir, analysis_sequences)
+        result = trained or _train([run], workdir, analysis_sequences)[run.name]
     result.setdefault('downstream', {})
     missing = [t for t in (downstream.tasks if downstream else []) if t not in result['downstream']]
     if missing:
@@ -141,31 +171,43 @@ def train_or_reuse(run: Run, workdir: Path, analysis_sequences: int, downstream:
     return json.loads(json.dumps(result))  # keys as strings, as when read back
 
 
-def _train(run: Run, run_dir: Path, analysis_sequences: int) -> dict[str, Any]:
-    """Trains (or resumes) the run, analyses it, and gathers its numbers from metrics.jsonl."""
+def _train(runs: list[Run], workdir: Path, analysis_sequences: int) -> dict[str, dict[str, Any]]:
+    """Trains (or resumes) the runs, together if more than one, analyses each, and gathers its numbers
+    from metrics.jsonl. Each run's 'seconds' is its share of the wall time."""
     started = time.perf_counter()
-    outcome = train.run(run.config, str(run_dir))
-    if outcome.preempted:
-        raise SystemExit(f'{run.name} was preempted and saved; run the same command to resume')
-    analysis = analyze.analyze_run(str(run_dir), analysis_sequences, 0, 8) if analysis_sequences else None
+    run_dirs = [workdir / 'runs' / run.name for run in runs]
+    outcomes = train.run_group([run.config for run in runs], [str(d) for d in run_dirs])
+    seconds = (time.perf_counter() - started) / len(runs)
+    results = {}
+    for run, run_dir, outcome in zip(runs, run_dirs, outcomes):
+        if outcome.preempted:
+            raise SystemExit(f'{run.name} was preempted and saved; run the same command to resume')
+        started = time.perf_counter()
+        analysis = analyze.analyze_run(str(run_dir), analysis_sequences, 0, 8) if analysis_sequences else None
+        results[run.name] = _result(run, run_dir, outcome.step, seconds + time.perf_counter() - started, analysis)
+    return results
+
+
+def _result(run: Run, run_dir: Path, final_step: int, seconds: float, analysis: dict | None) -> dict[str, Any]:
+    """A trained run's numbers, from its metrics.jsonl."""
     records = read_metrics(run_dir / 'metrics.jsonl')
     speeds = [r['tokens_per_sec'] for step, r in sorted(records.items()) if 'tokens_per_sec' in r][1:]
     eval_curve = {step: r['eval_loss'] for step, r in sorted(records.items()) if 'eval_loss' in r}
-    if outcome.step not in eval_curve:  # stopped between its last save and its final eval
-        raise GridError(f'{run_dir} finished training but holds no eval at step {outcome.step}; remove that '
+    if final_step not in eval_curve:  # stopped between its last save and its final eval
+        raise GridError(f'{run_dir} finished training but holds no eval at step {final_step}; remove that '
                         'folder to train the run again.')
     cfg = run.config
     account = accounting.account(cfg.model, cfg.data.seq_len)
     return {
-        'variant': run.variant, 'model': cfg.model.variant_name, 'seed': run.seed, 'step': outcome.step,
+        'variant': run.variant, 'model': cfg.model.variant_name, 'seed': run.seed, 'step': final_step,
         'coordinates': dict(run.coordinates),
         # the final eval (also when the training had finished in an earlier, interrupted invocation)
-        'eval_loss': eval_curve[outcome.step], 'params': account.params,
+        'eval_loss': eval_curve[final_step], 'params': account.params,
         'non_embedding_params': account.non_embedding_params,
         'kv_cache_bytes_per_token': account.kv_cache_bytes_per_token,
         'tokens_per_step': cfg.data.batch_size * cfg.data.seq_len, 'peak_lr': cfg.optimizer.peak_lr,
         'seq_len': cfg.data.seq_len, 'flops': account.flops_per_token * cfg.data.batch_size * cfg.data.seq_len
-        * outcome.step, 'seconds': time.perf_counter() - started,
+        * final_step, 'seconds': seconds,
         'tokens_per_sec': float(np.median(speeds)) if speeds else float('nan'),
         'train_loss': {step: r['loss'] for step, r in records.items() if 'loss' in r},
         'eval_curve': eval_curve,

@@ -65,8 +65,9 @@ def peak_flops_per_device(configured: float = 0.0, compute_dtype: str = 'float32
 class MetricsWriter:
     """metrics.jsonl + TensorBoard event files in the workdir, and the terminal."""
 
-    def __init__(self, workdir: str, total_steps: int, start_step: int, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, workdir: str, total_steps: int, start_step: int, enabled: bool, label: str = ''):
+        """`label` starts every terminal line (a run trained in a group: its folder's name)."""
+        self.enabled, self.label = enabled, label
         self.total_steps = total_steps
         self._bar = None
         if not enabled:
@@ -76,7 +77,8 @@ class MetricsWriter:
         self._tensorboard = SummaryWriter(str(Path(workdir) / 'tensorboard'))
         if sys.stderr.isatty():
             from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True,
+                             desc=label.strip() or None)
 
     def write(self, step: int, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -117,9 +119,9 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.write(line)
+            self._bar.write(self.label + line)
         else:
-            print(line, flush=True)
+            print(self.label + line, flush=True)
 
     def close(self) -> None:
         if self.enabled:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vrl import ops, resolve
 from vrl import optimizer as vrl_optimizer
@@ -49,28 +49,56 @@ def loss_sums(graphdef: nnx.GraphDef, params: dict[str, Any], batch: Batch, z_lo
         model.cfg.vocab_size, z_loss, model.cfg.head_chunks)
 
 
-_STEPS: collections.OrderedDict = collections.OrderedDict()  # step program -> (train_step, eval_step)
-_STEPS_KEPT = 8
+class _Programs(NamedTuple):
+    """The jitted functions of one step program: init(seed) -> state, train_step(state, batch) ->
+    (state, metrics), eval_step(params, batch) -> sums, and (for a group) stack(*states) -> state."""
+    init: Callable
+    train_step: Callable
+    eval_step: Callable
+    stack: Callable | None
 
 
-def _jitted_steps(trainer: 'Trainer') -> tuple[Callable, Callable]:
-    """The Trainer's jitted train and eval steps. Trainers whose steps are the same program (they
-    differ only in seed, length, logging or data) share them, and with them their compiled
-    executables: a grid's seeds, or a resumed run in the same process, compile once."""
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()  # step program -> _Programs
+_PROGRAMS_KEPT = 8
+
+
+def _programs(trainer: 'Trainer', members: int = 1) -> _Programs:
+    """The Trainer's jitted init, train and eval steps; with members > 1, the same vmapped over a
+    leading run axis of the state (the batch shared; init over a vector of seeds). Trainers whose
+    steps are the same program (they differ only in seed, length, logging or data) share them, and
+    with them their compiled executables: a grid's seeds, or a resumed run in the same process,
+    compile once."""
     config, mesh = trainer.config, trainer.mesh
-    key = (config.model, config.optimizer, config.train.microbatches, config.train.nan_policy, mesh)
-    if key not in _STEPS:
+    key = (config.model, config.optimizer, config.train.microbatches, config.train.nan_policy, mesh, members)
+    if key not in _PROGRAMS:
         replicated = sharding.replicated(mesh)
-        _STEPS[key] = (
-            jax.jit(sharding.traced_in(mesh, trainer._train_step), donate_argnums=0,
-                    in_shardings=(trainer.state_shardings, trainer.batch_sharding),
-                    out_shardings=(trainer.state_shardings, replicated)),
-            jax.jit(sharding.traced_in(mesh, trainer._eval_step), out_shardings=replicated,
-                    in_shardings=(trainer.param_shardings, trainer.batch_sharding)))
-        while len(_STEPS) > _STEPS_KEPT:
-            _STEPS.popitem(last=False)
-    _STEPS.move_to_end(key)
-    return _STEPS[key]
+        init = lambda seed: trainer._init(jax.random.key(seed))  # noqa: E731
+        train_step, eval_step, stack = trainer._train_step, trainer._eval_step, None
+        state_shardings, param_shardings = trainer.state_shardings, trainer.param_shardings
+        if members > 1:
+            init = jax.vmap(init)
+            train_step, eval_step = jax.vmap(train_step, in_axes=(0, None)), jax.vmap(eval_step, in_axes=(0, None))
+            state_shardings, param_shardings = _with_run_axis(state_shardings), _with_run_axis(param_shardings)
+            stack = jax.jit(lambda *states: jax.tree.map(lambda *xs: jnp.stack(xs), *states),
+                            out_shardings=state_shardings)
+        _PROGRAMS[key] = _Programs(
+            init=jax.jit(init, out_shardings=state_shardings),
+            train_step=jax.jit(sharding.traced_in(mesh, train_step), donate_argnums=0,
+                               in_shardings=(state_shardings, trainer.batch_sharding),
+                               out_shardings=(state_shardings, replicated)),
+            eval_step=jax.jit(sharding.traced_in(mesh, eval_step), out_shardings=replicated,
+                              in_shardings=(param_shardings, trainer.batch_sharding)),
+            stack=stack)
+        while len(_PROGRAMS) > _PROGRAMS_KEPT:
+            _PROGRAMS.popitem(last=False)
+    _PROGRAMS.move_to_end(key)
+    return _PROGRAMS[key]
+
+
+def _with_run_axis(shardings: Any) -> Any:
+    """The shardings of a tree stacked on a leading run axis, that axis replicated: each member keeps
+    the layout it has alone, so a member is a slice on every device and its reductions run as alone."""
+    return jax.tree.map(lambda s: NamedSharding(s.mesh, PartitionSpec(None, *s.spec)), shardings)
 
 
 class Trainer:
@@ -93,7 +121,12 @@ class Trainer:
         self.abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                            abstract, self.state_shardings)
         self.batch_sharding = sharding.batch_sharding(mesh)
-        self.train_step, self.eval_step = _jitted_steps(self)
+        self._jitted = _programs(self)
+        self.train_step, self.eval_step = self._jitted.train_step, self._jitted.eval_step
+
+    def group(self, members: int) -> 'RunGroup':
+        """`members` runs of this Trainer's config (differing only in seed) stepped together."""
+        return RunGroup(self, members)
 
     def _init(self, key: jax.Array) -> TrainState:
         model = Decoder(self.config.model, rngs=nnx.Rngs(params=key))
@@ -102,7 +135,7 @@ class Trainer:
 
     def init_state(self, seed: int) -> TrainState:
         """A fresh state, created on the devices directly in its sharded layout."""
-        return jax.jit(self._init, out_shardings=self.state_shardings)(jax.random.key(seed))
+        return self._jitted.init(jnp.int32(seed))
 
     def _loss_and_grads(self, params: dict, batch: Batch) -> tuple[tuple[jax.Array, jax.Array], Any]:
         return jax.value_and_grad(loss_sums, argnums=1, has_aux=True)(self.graphdef, params, batch,
@@ -147,3 +180,32 @@ class Trainer:
     def device_batch(self, local_batch: dict[str, np.ndarray]) -> Batch:
         """This process's rows -> one global array per field, sharded over ('data', 'fsdp')."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local_batch.items()}
+
+
+class RunGroup:
+    """Runs of one step program (one Trainer; they differ only in seed) stepped together: each state
+    leaf gets a leading run axis (replicated, see `_with_run_axis`), the batch is shared, and one
+    compiled step (the Trainer's, vmapped) updates every member. One member is the Trainer's own
+    step, with no run axis."""
+
+    def __init__(self, trainer: Trainer, members: int):
+        self.trainer, self.members = trainer, members
+        self._jitted = _programs(trainer, members)
+        self.train_step, self.eval_step = self._jitted.train_step, self._jitted.eval_step
+        self.device_batch = trainer.device_batch
+
+    def init_state(self, seeds: list[int]) -> TrainState:
+        """Fresh states for the members' seeds (each the state its Trainer's `init_state` gives)."""
+        if len(seeds) != self.members:
+            raise ValueError(f'{len(seeds)} seeds for a group of {self.members}')
+        return self._jitted.init(jnp.asarray(seeds[0] if self.members == 1 else seeds, jnp.int32))
+
+    def stack(self, states: list[TrainState]) -> TrainState:
+        """The group's state from its members' (in member order)."""
+        if len(states) != self.members:
+            raise ValueError(f'{len(states)} states for a group of {self.members}')
+        return states[0] if self.members == 1 else self._jitted.stack(*states)
+
+    def member(self, tree: Any, index: int) -> Any:
+        """Member `index`'s part of a group's state, parameters or metrics."""
+        return tree if self.members == 1 else jax.tree.map(lambda x: x[index], tree)

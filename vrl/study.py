@@ -167,13 +167,14 @@ def listing(runs: list[Run], workdir: Path) -> str:
     return '\n'.join(lines)
 
 
-def study(base: Config, axes: Axes, workdir: Path, analysis_sequences: int = 0) -> dict[str, Any]:
+def study(base: Config, axes: Axes, workdir: Path, analysis_sequences: int = 0, group_runs: bool = True
+          ) -> dict[str, Any]:
     """Trains what is missing, then writes study.md, results.json and the plots; returns the summary."""
     runs = plan(base, axes)
     directory = grid.GridDirectory(workdir, 'study.json', 'study')
     directory.open(base)
     try:
-        results = [grid.train_or_reuse(run, workdir, analysis_sequences) for run in runs]
+        results = grid.train_all(runs, workdir, analysis_sequences, group_runs=group_runs)
         points = study_report.Points(results, axes)
         fit_seq_len = base.data.seq_len if base.data.seq_len in axes.seq_lens else axes.seq_lens[0]
         summary = study_report.summarize(points, fit_seq_len)
@@ -212,6 +213,8 @@ def _define_flags() -> dict:
         'budget': flags.DEFINE_enum('budget', 'steps', BUDGETS, 'steps: every run trains train.steps; params: steps '
                                     'proportional to non-embedding parameters.'),
         'workdir': flags.DEFINE_string('workdir', None, 'Where the runs, study.md and the plots go.'),
+        'group_runs': flags.DEFINE_bool('group_runs', True, 'Train runs that differ only in seed together in one '
+                                        'compiled step (vrl/grid.py); false: one run after another.'),
         'list': flags.DEFINE_bool('list', False, 'Print the planned grid with estimated times; train nothing.'),
         'analysis_sequences': flags.DEFINE_integer('analysis_sequences', 0, 'Validation sequences for vrl.analyze '
                                                    'per run (0: no analysis).'),
@@ -238,7 +241,7 @@ def main(args: cli.Args) -> None:
     if args['list'].value:
         print(listing(plan(base, axes), workdir))
         return
-    study(base, axes, workdir, args['analysis_sequences'].value)
+    study(base, axes, workdir, args['analysis_sequences'].value, args['group_runs'].value)
     print(f'report: {workdir / "study.md"}')
 
 

@@ -4,6 +4,9 @@ The host reads step n's metrics only after dispatching step n + 1, so the device
 waits on logging. SIGTERM (what Cloud TPU sends before preemption) and a first Ctrl-C finish
 the current step, save, wait for the save to be durable and return normally (a second Ctrl-C
 aborts). Process 0 holds the workdir's lock for the whole run (vrl/workdir.py).
+
+`run_group` trains runs that differ only in seed with one step over a run axis (vrl/step.py's
+RunGroup), each in its own workdir with its own checkpoints, metrics and evals, as `run` would.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from vrl import accounting, aot, checkpoint, data, decode, metrics, resolve, sha
 from vrl import workdir as workdir_lib
 from vrl.config import Config
 from vrl.errors import VrlError
-from vrl.step import Trainer, TrainState
+from vrl.step import RunGroup, Trainer, TrainState
 
 
 class TrainingError(VrlError, RuntimeError):
@@ -109,17 +112,23 @@ class Validation:
 
 def validate(trainer: Trainer, params: Any, config: Config, tokenizer) -> Validation:
     """train.eval_batches batches of each validation set."""
-    domains = {}
+    return _validations(trainer, params, config, tokenizer)[0]
+
+
+def _validations(stepper: Trainer | RunGroup, params: Any, config: Config, tokenizer) -> list[Validation]:
+    """One Validation per run: `params` are one Trainer's run's, or a RunGroup's (a leading run axis)."""
+    domains: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for name, _ in config.data.sources():
-        loss_sum = tokens = n_bytes = 0.0
+        loss_sum = tokens = n_bytes = np.zeros(1)
         for batch in data.eval_batches(config.data, tokenizer, config.train.eval_batches,
                                        jax.process_index(), jax.process_count(), name=name):
             batch['target_bytes'] = tokenizer.utf8_bytes[batch['targets']]
-            out = trainer.eval_step(params, trainer.device_batch(batch))
-            loss_sum, tokens, n_bytes = (loss_sum + float(out['loss_sum']), tokens + float(out['tokens']),
-                                         n_bytes + float(out['bytes']))
-        domains[name] = (loss_sum / max(tokens, 1.0), loss_sum / math.log(2) / max(n_bytes, 1.0))
-    return Validation(domains)
+            out = jax.device_get(stepper.eval_step(params, stepper.device_batch(batch)))
+            loss_sum, tokens, n_bytes = (loss_sum + out['loss_sum'], tokens + out['tokens'], n_bytes + out['bytes'])
+        domains[name] = (loss_sum / np.maximum(tokens, 1.0), loss_sum / math.log(2) / np.maximum(n_bytes, 1.0))
+    runs = len(next(iter(domains.values()))[0])
+    return [Validation({name: (float(loss[i]), float(bpb[i])) for name, (loss, bpb) in domains.items()})
+            for i in range(runs)]
 
 
 def _sync(name: str) -> None:
@@ -138,16 +147,36 @@ def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None
     if init_from and branch_from:
         raise TrainingError('--init_from and --branch_from both name a start: give one (--init_from: weights '
                             'only; --branch_from: the whole state of another run\'s step).')
-    path = _check_workdir(workdir)
-    lock = workdir_lib.Lock(path)
-    if jax.process_index() == 0:
-        lock.acquire()
+    return run_group([config], [workdir], fresh, init_from, branch_from)[0]
+
+
+def group_key(config: Config) -> Config:
+    """What runs trained together must share: everything but the init seed (train.seed)."""
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, seed=0))
+
+
+def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, init_from: str | None = None,
+              branch_from: str | None = None) -> list[RunResult]:
+    """Trains runs that differ only in train.seed together (vrl/step.py's RunGroup: one compiled step
+    over a run axis, one shared batch stream), each in its own workdir exactly as `run` would train it
+    alone: its checkpoints, metrics, eval and config.json. Every member must resume from the same step
+    (a fresh member: step 0). `init_from` and `branch_from` are for a run alone."""
+    if len({group_key(c) for c in configs}) > 1:
+        raise TrainingError('runs trained together must differ only in train.seed; train the others apart.')
+    if len(configs) > 1 and (init_from or branch_from):
+        raise TrainingError('--init_from / --branch_from start one run; train it alone.')
+    paths = [_check_workdir(w) for w in workdirs]
+    locks = [workdir_lib.Lock(path) for path in paths]
     preemption = _Preemption()  # from here on, a signal during setup or the first compile saves too
     try:
-        return _run(config, path, fresh, init_from, branch_from, preemption)
+        if jax.process_index() == 0:
+            for lock in locks:
+                lock.acquire()
+        return _run(configs, paths, fresh, init_from, branch_from, preemption)
     finally:
         preemption.restore()
-        lock.release()
+        for lock in locks:
+            lock.release()
 
 
 def _initial_params(init_from: str, trainer: Trainer, config: Config) -> tuple[Any, str]:
@@ -176,153 +205,220 @@ def _hf_tokenizer(config: Config, init_from: str | None, path: Path) -> tuple[Co
     return dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=str(kept))), Path(chosen), line
 
 
-def _run(config: Config, path: Path, fresh: bool, init_from: str | None, branch_from: str | None,
-         preemption: _Preemption) -> RunResult:
+class _Member:
+    """One run of a group, host side: its workdir, checkpoints, metrics, NaN policy and losses."""
+
+    def __init__(self, config: Config, path: Path, label: str, is_writer: bool):
+        self.config, self.path, self.label = config, path, label
+        self.manager = checkpoint.make_manager(str(path), config.train)
+        self.writer: metrics.MetricsWriter | None = None
+        self.say = (lambda line: print(label + line, flush=True)) if is_writer else (lambda line: None)
+        self.losses: dict[int, float] = {}
+        self.eval_loss: float | None = None
+        self.skipped_in_a_row = self.skipped = 0
+
+    def check_finite(self, step: int, finite: bool) -> None:
+        """train.nan_policy for one step: stop ('error', or too many skipped) or count the skip."""
+        train_cfg = self.config.train
+        if finite:
+            self.skipped_in_a_row = 0
+            return
+        if train_cfg.nan_policy == 'error':
+            raise TrainingError(f'{self.label}non-finite loss, gradients or weights at step {step}; no checkpoint '
+                                f'of it was written (latest saved: '
+                                f'{self.manager.latest_step()}). Lower the LR or set train.nan_policy=skip.')
+        self.skipped_in_a_row += 1
+        self.skipped += 1
+        if self.skipped_in_a_row > train_cfg.max_skipped_steps:
+            raise TrainingError(f'{self.label}{self.skipped_in_a_row} steps in a row up to step {step} were '
+                                f'non-finite and skipped (train.max_skipped_steps={train_cfg.max_skipped_steps}): '
+                                'the run is not learning; lower the LR.')
+        logging.warning('%sstep %d: non-finite loss, gradients or weights; update skipped', self.label, step)
+
+
+def _run(configs: list[Config], paths: list[Path], fresh: bool, init_from: str | None, branch_from: str | None,
+         preemption: _Preemption) -> list[RunResult]:
     is_writer = jax.process_index() == 0
     say = print if is_writer else (lambda line: None)
-    workdir = str(path)
-    mesh = sharding.make_mesh(config.mesh)
-    sharding.check_fits_mesh(config, mesh.devices.shape)
-    config, _ = resolve.resolve(config, list(mesh.devices.flat), aot.local_hbm_bytes(), say)
-    config, tokenizer_source, tokenizer_line = _hf_tokenizer(config, init_from, path)
+    mesh = sharding.make_mesh(configs[0].mesh)
+    sharding.check_fits_mesh(configs[0], mesh.devices.shape)
+    config, _ = resolve.resolve(configs[0], list(mesh.devices.flat), aot.local_hbm_bytes(), say)
+    config, tokenizer_source, tokenizer_line = _hf_tokenizer(config, init_from, paths[0])
     trainer = Trainer(config, mesh)
+    group = trainer.group(len(configs))
+    labels = [f'[{path.name}] ' if group.members > 1 else '' for path in paths]
+    member_configs = [dataclasses.replace(config, train=dataclasses.replace(config.train, seed=c.train.seed))
+                      for c in configs]
     if fresh and is_writer:
-        say(workdir_lib.start_over(path, config, checkpoint.latest_step(path)))
+        for path, label, member_config in zip(paths, labels, member_configs):
+            say(label + workdir_lib.start_over(path, member_config, checkpoint.latest_step(path)))
     if tokenizer_source and is_writer:
-        say(workdir_lib.keep_tokenizer(path, tokenizer_source, tokenizer_line))
+        say(workdir_lib.keep_tokenizer(paths[0], tokenizer_source, tokenizer_line))
     _sync('vrl workdir ready')
+    members = [_Member(c, path, label, is_writer) for c, path, label in zip(member_configs, paths, labels)]
     tokenizer = data.load_tokenizer(config.data, config.model.vocab_size)
-    manager = checkpoint.make_manager(workdir, config.train)
     data_iterator = iter(data.train_dataset(config.data, tokenizer, jax.process_index(), jax.process_count()))
+    try:
+        return _train(trainer, group, members, tokenizer, data_iterator, init_from, branch_from, fresh, preemption)
+    finally:
+        try:
+            for m in members:
+                checkpoint.check_saves(m.manager, wait=True)
+        finally:
+            for m in members:
+                checkpoint.close(m.manager)
+                if m.writer is not None:
+                    m.writer.close()
+            getattr(data_iterator, 'close', lambda: None)()
 
-    latest = manager.latest_step()
+
+def _start(trainer: Trainer, m: _Member, data_iterator: Any, init_from: str | None, branch_from: str | None
+           ) -> tuple[TrainState | None, str]:
+    """The member's state to start from (its checkpoint, a branch, weights from elsewhere; None: a
+    fresh init, made for the whole group at once) and how it begins."""
+    config = m.config
+    latest = m.manager.latest_step()
     if latest is not None and latest > config.train.steps:
-        raise TrainingError(f'train.steps={config.train.steps} is below the step of the checkpoint in {workdir} '
+        raise TrainingError(f'train.steps={config.train.steps} is below the step of the checkpoint in {m.path} '
                             f'({latest}): raise train.steps to go on, or use --fresh to start over.')
-    restored = checkpoint.restore_latest(manager, trainer.abstract_state, data_iterator, config, say)
+    restored = checkpoint.restore_latest(m.manager, trainer.abstract_state, data_iterator, config, m.say)
     if restored is not None:
-        state, latest = restored
         if init_from or branch_from:
             flag = '--init_from' if init_from else '--branch_from'
-            say(f'{flag} ignored: the workdir has a checkpoint, so this run resumes from step {latest} '
-                f'(use --fresh to start over from {flag})')
-    elif branch_from:
+            m.say(f'{flag} ignored: the workdir has a checkpoint, so this run resumes from step {restored[1]} '
+                  f'(use --fresh to start over from {flag})')
+        return restored[0], 'resumed'
+    if branch_from:
         state, branched = checkpoint.restore_branch(branch_from, trainer.abstract_state, data_iterator, config)
-        say(f'branched from {branch_from}: its step-{branched} parameters, optimizer state and data position')
-    else:
-        state = trainer.init_state(config.train.seed)
-        if init_from:
-            params, note = _initial_params(init_from, trainer, config)
-            state = state._replace(params=params)
-            say(f'initialised from {init_from}{note}')
-    start_step = int(state.step)
+        m.say(f'branched from {branch_from}: its step-{branched} parameters, optimizer state and data position')
+        return state, 'branched'
+    if not init_from:
+        return None, 'started'
+    params, note = _initial_params(init_from, trainer, config)
+    m.say(f'initialised from {init_from}{note}')
+    return trainer.init_state(config.train.seed)._replace(params=params), 'started'
+
+
+def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer, data_iterator: Any,
+           init_from: str | None, branch_from: str | None, fresh: bool, preemption: _Preemption
+           ) -> list[RunResult]:
+    config, mesh = trainer.config, trainer.mesh
+    is_writer = jax.process_index() == 0
+    starts = [_start(trainer, m, data_iterator, init_from, branch_from) for m in members]
+    start_steps = [0 if state is None else int(state.step) for state, _ in starts]
+    if len(set(start_steps)) > 1:
+        raise TrainingError('runs trained together must start at the same step, but their checkpoints are at '
+                            + ', '.join(f'{m.path.name}: {s}' for m, s in zip(members, start_steps))
+                            + '; train them apart.')
+    if all(state is None for state, _ in starts):
+        state = group.init_state([m.config.train.seed for m in members])
+    else:  # a checkpoint of step 0 beside a fresh member (train.steps=0): the fresh one's own init
+        state = group.stack([trainer.init_state(m.config.train.seed) if s is None else s
+                             for m, (s, _) in zip(members, starts)])
+    start_step = step = start_steps[0]
 
     account = accounting.account(config.model, config.data.seq_len)
     tokens_per_step = config.data.batch_size * config.data.seq_len
     peak = metrics.peak_flops_per_device(config.train.peak_flops, config.model.compute_dtype) * jax.device_count()
-    if is_writer:
-        changed = workdir_lib.record_start(path, config, start_step, fresh, {
-            'params': account.params, 'non_embedding_params': account.non_embedding_params})
-        for name, (old, new) in changed.items():
-            say(f'{name} changed since the last start: {old!r} -> {new!r}')
-    writer = metrics.MetricsWriter(workdir, config.train.steps, start_step, enabled=is_writer)
-    writer.mark_start(start_step, 'resumed' if restored is not None else 'started', init_from=init_from)
     opt = config.optimizer
-    begun = ('resumed at step ' + str(start_step) if restored is not None else
-             f'branched at step {start_step}' if branch_from else 'fresh start')
-    writer.print(f'{config.model.variant_name}: {account.params:,} params, mesh {dict(mesh.shape)}, '
-                 f'{opt.name} + {opt.schedule} (peak LR {opt.peak_lr:g}), {begun}')
-    if start_step >= config.train.steps and (config.train.steps or restored is not None):
-        writer.print(f'nothing to train: the checkpoint is at step {start_step} = train.steps')
+    together = f', trained with {group.members - 1} other seed(s) in one step' if group.members > 1 else ''
+    for m, (_, how) in zip(members, starts):
+        if is_writer:
+            changed = workdir_lib.record_start(m.path, m.config, start_step, fresh, {
+                'params': account.params, 'non_embedding_params': account.non_embedding_params})
+            for name, (old, new) in changed.items():
+                m.say(f'{name} changed since the last start: {old!r} -> {new!r}')
+        m.writer = metrics.MetricsWriter(str(m.path), config.train.steps, start_step, is_writer, m.label)
+        m.writer.mark_start(start_step, 'resumed' if how == 'resumed' else 'started', init_from=init_from)
+        begun = {'resumed': f'resumed at step {start_step}', 'branched': f'branched at step {start_step}',
+                 'started': 'fresh start'}[how]
+        m.writer.print(f'{config.model.variant_name}: {account.params:,} params, mesh {dict(mesh.shape)}, '
+                       f'{opt.name} + {opt.schedule} (peak LR {opt.peak_lr:g}), {begun}{together}')
+        if start_step >= config.train.steps and (config.train.steps or how == 'resumed'):
+            m.writer.print(f'nothing to train: the checkpoint is at step {start_step} = train.steps')
+    resumed = starts[0][1] == 'resumed'
 
-    losses: dict[int, float] = {}
-    eval_loss = None
     pending: tuple[int, dict] | None = None
     interval_start, interval_steps = time.perf_counter(), 0
-    skipped_in_a_row = skipped = 0
 
     def read(step: int, step_metrics: dict) -> None:
-        """Host side of step `step`: NaN policy, loss record, periodic log line."""
-        nonlocal interval_start, interval_steps, skipped_in_a_row, skipped
+        """Host side of step `step` for every member: NaN policy, loss record, periodic log line."""
+        nonlocal interval_start, interval_steps
         host = jax.device_get(step_metrics)
-        if not host['finite']:
-            if config.train.nan_policy == 'error':
-                raise TrainingError(f'non-finite loss, gradients or weights at step {step}; no checkpoint '
-                                    f'of it was written (latest saved: '
-                                    f'{manager.latest_step()}). Lower the LR or set train.nan_policy=skip.')
-            skipped_in_a_row += 1
-            skipped += 1
-            if skipped_in_a_row > config.train.max_skipped_steps:
-                raise TrainingError(f'{skipped_in_a_row} steps in a row up to step {step} were non-finite and '
-                                    f'skipped (train.max_skipped_steps={config.train.max_skipped_steps}): the '
-                                    'run is not learning; lower the LR.')
-            logging.warning('step %d: non-finite loss, gradients or weights; update skipped', step)
-        else:
-            skipped_in_a_row = 0
-        losses[step] = float(host['loss'])
         interval_steps += 1
-        if step % config.train.log_every == 0 or step == config.train.steps:
-            elapsed = time.perf_counter() - interval_start
-            tokens_per_sec = interval_steps * tokens_per_step / elapsed
-            writer.write(step, {'loss': host['loss'], 'lr': host['lr'], 'grad_norm': host['grad_norm'],
-                                'tokens_per_sec': tokens_per_sec, 'step_time': elapsed / interval_steps,
-                                'mfu': account.flops_per_token * tokens_per_sec / peak})
+        logging_now = step % config.train.log_every == 0 or step == config.train.steps
+        elapsed = time.perf_counter() - interval_start
+        for i, m in enumerate(members):
+            mine = group.member(host, i)
+            m.check_finite(step, bool(mine['finite']))
+            m.losses[step] = float(mine['loss'])
+            if logging_now:
+                tokens_per_sec = interval_steps * tokens_per_step / elapsed
+                m.writer.write(step, {'loss': mine['loss'], 'lr': mine['lr'], 'grad_norm': mine['grad_norm'],
+                                      'tokens_per_sec': tokens_per_sec, 'step_time': elapsed / interval_steps,
+                                      'mfu': account.flops_per_token * tokens_per_sec / peak})
+        if logging_now:
             interval_start, interval_steps = time.perf_counter(), 0
 
-    step = start_step
-    try:
-        if config.train.steps == 0 and restored is None:  # a conversion: the initial parameters as step 0
-            checkpoint.save(manager, 0, state, data_iterator, config, force=True)
-            if config.train.eval_batches:
-                evaluation = validate(trainer, state.params, config, tokenizer)
-                eval_loss = evaluation.loss
-                writer.write(0, evaluation.record())
-            writer.print(f'train.steps=0: saved the initial parameters as step 0 in {workdir}')
-        while step < config.train.steps:
-            batch = trainer.device_batch(next(data_iterator))
-            state, step_metrics = trainer.train_step(state, batch)
-            step += 1
-            checkpoint.check_saves(manager)  # a failed async save stops the run at the next step
-            if pending is not None:
-                read(*pending)
-            pending = (step, step_metrics)
-            preempted = preemption.reached(step, config.train.log_every)
-            at_end = step == config.train.steps
-            stable_end = config.optimizer.schedule == 'wsd' and step == config.optimizer.decay_start  # to extend from
-            saving = step % config.train.checkpoint_every == 0 or preempted or at_end or stable_end
-            evaluating = bool(config.train.eval_every and step % config.train.eval_every == 0) or at_end
-            if saving or evaluating:
-                read(*pending)  # the NaN policy sees a step before it is saved or evaluated
-                pending = None
-            if saving:
-                checkpoint.save(manager, step, state, data_iterator, config, force=preempted or at_end)
-            if evaluating:
-                evaluation = validate(trainer, state.params, config, tokenizer)
-                eval_loss = evaluation.loss
-                writer.write(step, evaluation.record())
-            if preempted and not at_end:
-                checkpoint.check_saves(manager, wait=True)
-                writer.print(f'preempted: saved step {step}; run the same command to resume')
-                return RunResult(step, losses, eval_loss, state, preempted=True)
+    def save(step: int, force: bool) -> None:
+        for i, m in enumerate(members):
+            checkpoint.save(m.manager, step, group.member(state, i), data_iterator, m.config, force=force)
+
+    def evaluate(step: int) -> None:
+        for m, evaluation in zip(members, _validations(group, state.params, config, tokenizer)):
+            m.eval_loss = evaluation.loss
+            m.writer.write(step, evaluation.record())
+
+    def results(preempted: bool) -> list[RunResult]:
+        return [RunResult(step, m.losses, m.eval_loss, group.member(state, i), preempted)
+                for i, m in enumerate(members)]
+
+    if config.train.steps == 0 and not resumed:  # a conversion: the initial parameters as step 0
+        save(0, force=True)
+        if config.train.eval_batches:
+            evaluate(0)
+        for m in members:
+            m.writer.print(f'train.steps=0: saved the initial parameters as step 0 in {m.path}')
+    while step < config.train.steps:
+        batch = group.device_batch(next(data_iterator))
+        state, step_metrics = group.train_step(state, batch)
+        step += 1
+        for m in members:
+            checkpoint.check_saves(m.manager)  # a failed async save stops the run at the next step
         if pending is not None:
             read(*pending)
-        checkpoint.check_saves(manager, wait=True)
-        if 2 * skipped > step - start_step:
-            raise TrainingError(f'{skipped} of the {step - start_step} steps this run took were non-finite and skipped '
-                                '(train.nan_policy=skip): the run is not learning; lower the LR. The checkpoint of '
-                                f'step {step} holds the weights of the last finite step.')
-        if config.train.sample_prompt and config.train.sample_tokens and step > start_step:
-            generator = decode.Generator(config.model, trainer.graphdef, state.params, config.data.seq_len,
-                                         tokenizer.eos_id, trainer.mesh)
-            prompt = data.prompt_tokens(config.data, tokenizer, config.train.sample_prompt)
-            sampling = decode.Sampling(max_new_tokens=min(config.train.sample_tokens, config.data.seq_len - len(prompt)))
+        pending = (step, step_metrics)
+        preempted = preemption.reached(step, config.train.log_every)
+        at_end = step == config.train.steps
+        stable_end = config.optimizer.schedule == 'wsd' and step == config.optimizer.decay_start  # to extend from
+        saving = step % config.train.checkpoint_every == 0 or preempted or at_end or stable_end
+        evaluating = bool(config.train.eval_every and step % config.train.eval_every == 0) or at_end
+        if saving or evaluating:
+            read(*pending)  # the NaN policy sees a step before it is saved or evaluated
+            pending = None
+        if saving:
+            save(step, force=preempted or at_end)
+        if evaluating:
+            evaluate(step)
+        if preempted and not at_end:
+            for m in members:
+                checkpoint.check_saves(m.manager, wait=True)
+                m.writer.print(f'preempted: saved step {step}; run the same command to resume')
+            return results(preempted=True)
+    if pending is not None:
+        read(*pending)
+    for m in members:
+        checkpoint.check_saves(m.manager, wait=True)
+        if 2 * m.skipped > step - start_step:
+            raise TrainingError(f'{m.label}{m.skipped} of the {step - start_step} steps this run took were '
+                                'non-finite and skipped (train.nan_policy=skip): the run is not learning; lower '
+                                f'the LR. The checkpoint of step {step} holds the weights of the last finite step.')
+    if config.train.sample_prompt and config.train.sample_tokens and step > start_step:
+        prompt = data.prompt_tokens(config.data, tokenizer, config.train.sample_prompt)
+        sampling = decode.Sampling(max_new_tokens=min(config.train.sample_tokens, config.data.seq_len - len(prompt)))
+        for i, m in enumerate(members):
+            generator = decode.Generator(config.model, trainer.graphdef, group.member(state.params, i),
+                                         config.data.seq_len, tokenizer.eos_id, mesh)
             completion = generator.generate([prompt], sampling).tokens[0]
-            writer.print(f'sample (greedy): {config.train.sample_prompt}{tokenizer.decode(completion)}')
-        return RunResult(step, losses, eval_loss, state, preempted=False)
-    finally:
-        try:
-            checkpoint.check_saves(manager, wait=True)
-        finally:
-            checkpoint.close(manager)
-            writer.close()
-        getattr(data_iterator, 'close', lambda: None)()
+            m.writer.print(f'sample (greedy): {config.train.sample_prompt}{tokenizer.decode(completion)}')
+    return results(preempted=False)

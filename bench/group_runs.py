@@ -1,0 +1,114 @@
+"""Seeds trained together (one compiled step over a run axis) against the same seeds one after
+another and against one run, at the CPU reproduction config: step time and total time.
+
+    python bench/group_runs.py [--variant vanilla] [--seeds 4] [--steps 400] [--workdir runs/bench_group_runs]
+                               [--time_only]
+
+Step time: the single-run step and the group's step alternating in one process on one batch (a
+shared host drifts over minutes), median of 20 after 2 warm-up steps, with the model FLOP/s each
+reaches against the host's measured matmul peak; `floor at peak` is the least time (vs one run's
+step) the group could take at that peak. Total time: `vrl.compare`'s
+runner (grid.train_all) training the variant's seeds in fresh workdirs under --workdir: one seed;
+all seeds with --group_runs=false; all seeds grouped. Goal (issue #29): the group in at most 2x one
+run's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from configs import reproduce_cpu  # noqa: E402
+from vrl import accounting, cli, grid, metrics, presets, sharding  # noqa: E402
+from vrl.config import Config, from_configdict  # noqa: E402
+from vrl.step import Trainer  # noqa: E402
+
+
+def config_for(variant: str, steps: int) -> Config:
+    config = from_configdict(reproduce_cpu.get_config())
+    optimizer = dataclasses.replace(config.optimizer, decay_steps=steps)
+    return dataclasses.replace(config, model=presets.apply(variant, config.model), optimizer=optimizer,
+                               train=dataclasses.replace(config.train, steps=steps, log_every=1, sample_prompt=''))
+
+
+def step_ms(config: Config, members: int, steps: int = 20) -> tuple[float, float]:
+    """Median milliseconds per step of one run and of a group of `members`, their steps alternating."""
+    trainer = Trainer(config, sharding.make_mesh(config.mesh))
+    group = trainer.group(members)
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size,
+                                               (config.data.batch_size, config.data.seq_len + 1)).astype(np.int32)
+    batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'loss_mask': np.ones_like(tokens[:, 1:])}
+    single, grouped = trainer.init_state(0), group.init_state(list(range(members)))
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(steps + 2):  # the first two compile and warm up
+        for k, stepper in enumerate((trainer, group)):
+            start = time.perf_counter()
+            state, metrics = stepper.train_step(single if k == 0 else grouped, stepper.device_batch(batch))
+            jax.block_until_ready(metrics)
+            if k == 0:
+                single = state
+            else:
+                grouped = state
+            if i >= 2:
+                times[k].append(1000 * (time.perf_counter() - start))
+    return float(np.median(times[0])), float(np.median(times[1]))
+
+
+def total_seconds(config: Config, variant: str, seeds: list[int], workdir: Path, group_runs: bool) -> float:
+    """Wall time of grid.train_all training `seeds` from scratch in `workdir` (compile included)."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    runs = [grid.Run(variant, seed, dataclasses.replace(config, train=dataclasses.replace(config.train, seed=seed)))
+            for seed in seeds]
+    start = time.perf_counter()
+    grid.train_all(runs, workdir, 0, group_runs=group_runs)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--variant', default='vanilla')
+    parser.add_argument('--seeds', type=int, default=4, help='Members of the group.')
+    parser.add_argument('--steps', type=int, default=400, help='Steps per run for the total times.')
+    parser.add_argument('--workdir', default='runs/bench_group_runs')
+    parser.add_argument('--time_only', action='store_true', help='Step times only.')
+    args = parser.parse_args()
+    cli.enable_compilation_cache()
+    config = config_for(args.variant, args.steps)
+    one_ms, group_ms = step_ms(config, args.seeds)
+    gflop = accounting.account(config.model, config.data.seq_len).flops_per_token * config.data.batch_size \
+        * config.data.seq_len / 1e9  # one run's model FLOPs per step
+    peak = metrics.peak_flops_per_device(0.0, config.model.compute_dtype) * jax.device_count() / 1e9
+    print(f'{args.variant} at the reproduction config ({config.data.batch_size} x {config.data.seq_len} tokens '
+          f'per step, {gflop:.1f} model GFLOP per run-step), {jax.device_count()} {jax.devices()[0].platform} '
+          f'device(s), matmul peak {peak:.0f} GFLOP/s\n')
+    print('| what | runs | ms per step | per run | vs one run | GFLOP/s | of peak | floor at peak |')
+    print('|---|---|---|---|---|---|---|---|')
+    for name, runs, ms in (('one run', 1, one_ms), ('group', args.seeds, group_ms)):
+        print(f'| {name} | {runs} | {ms:.0f} | {ms / runs:.0f} | {ms / one_ms:.2f}x | {runs * gflop / ms * 1000:.0f} | '
+              f'{runs * gflop / ms * 1000 / peak:.0%} | {runs * gflop / peak * 1000 / one_ms:.2f}x |')
+    if args.time_only:
+        return
+    root = Path(args.workdir)
+    seeds = list(range(args.seeds))
+    totals = {'one run': (1, total_seconds(config, args.variant, [0], root / 'one', False)),
+              'one after another': (args.seeds, total_seconds(config, args.variant, seeds, root / 'apart', False)),
+              'group': (args.seeds, total_seconds(config, args.variant, seeds, root / 'group', True))}
+    one = totals['one run'][1]
+    print(f'\n{args.steps} steps per run, from scratch (compile, evals and checkpoints included)\n')
+    print('| what | runs | total s | vs one run |')
+    print('|---|---|---|---|')
+    for name, (runs, seconds) in totals.items():
+        print(f'| {name} | {runs} | {seconds:.0f} | {seconds / one:.2f}x |')
+
+
+if __name__ == '__main__':
+    main()
