@@ -47,17 +47,14 @@ def step_ms(config: Config, members: int, steps: int = 20) -> tuple[float, float
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size,
                                                (config.data.batch_size, config.data.seq_len + 1)).astype(np.int32)
     batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'loss_mask': np.ones_like(tokens[:, 1:])}
-    single, grouped = trainer.init_state(0), group.init_state(list(range(members)))
+    steppers = (trainer, group)
+    states = [trainer.init_state(0), group.init_state(list(range(members)))]
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(steps + 2):  # the first two compile and warm up
-        for k, stepper in enumerate((trainer, group)):
+        for k, stepper in enumerate(steppers):
             start = time.perf_counter()
-            state, metrics = stepper.train_step(single if k == 0 else grouped, stepper.device_batch(batch))
+            states[k], metrics = stepper.train_step(states[k], stepper.device_batch(batch))
             jax.block_until_ready(metrics)
-            if k == 0:
-                single = state
-            else:
-                grouped = state
             if i >= 2:
                 times[k].append(1000 * (time.perf_counter() - start))
     return float(np.median(times[0])), float(np.median(times[1]))
