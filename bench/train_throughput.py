@@ -38,7 +38,9 @@ from vrl.config import Config, from_configdict  # noqa: E402
 from vrl.step import Trainer  # noqa: E402
 
 
-def _config(name: str, variant: str, seq_len: int, batch: int, remat: str, dtype: str) -> Config:
+def bench_config(name: str, variant: str, seq_len: int, batch: int, remat: str, dtype: str) -> Config:
+    """The `name` config ('tiny' or a configs/base.py size) as `variant` (a vrl/presets.py name), at this
+    batch x seq_len, remat and compute dtype, its microbatches fitted to the devices."""
     config = from_configdict(tiny.get_config() if name == 'tiny' else base.get_config(f'vanilla,{name}'))
     model = presets.apply(variant, dataclasses.replace(config.model, compute_dtype=dtype, remat=remat))
     config = dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, seq_len=seq_len,
@@ -46,7 +48,7 @@ def _config(name: str, variant: str, seq_len: int, batch: int, remat: str, dtype
     return aot.auto_fit(config, jax.devices(), aot.local_hbm_bytes())[0]  # the named configs' microbatches=0
 
 
-class _Stepper:
+class Stepper:
     """One config's sharded state, a fixed random batch and its jitted step, compiled and warmed up."""
 
     def __init__(self, config: Config):
@@ -69,9 +71,9 @@ class _Stepper:
         return time.perf_counter() - start
 
 
-def measure_against(vanilla: _Stepper, config: Config, steps: int) -> tuple[float, float]:
+def measure_against(vanilla: Stepper, config: Config, steps: int) -> tuple[float, float]:
     """(median step seconds of `config`, median of vanilla's steps taken in between)."""
-    variant = _Stepper(config)
+    variant = Stepper(config)
     times, vanilla_times = [], []
     for _ in range(steps):
         vanilla_times.append(vanilla.step())
@@ -101,12 +103,12 @@ def main() -> None:
     print(f'{"config":>6} | {"variant":>{args.width}} | {"batch x seq":>11} | {"params":>8} | {"step s":>7} | '
           f'{"vs vanilla":>11} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6}')
     for name in args.configs.split(','):
-        vanilla = _Stepper(_config(name, 'vanilla', args.seq_len, args.batch, args.remat, args.dtype))
+        vanilla = Stepper(bench_config(name, 'vanilla', args.seq_len, args.batch, args.remat, args.dtype))
         vanilla_all = []
         for variant in variants:
             if variant == 'vanilla':
                 continue
-            config = _config(name, variant, args.seq_len, args.batch, args.remat, args.dtype)
+            config = bench_config(name, variant, args.seq_len, args.batch, args.remat, args.dtype)
             seconds, vanilla_seconds = measure_against(vanilla, config, args.steps)
             vanilla_all.append(vanilla_seconds)
             _print_row(name, variant, config, seconds, f'{seconds / vanilla_seconds - 1:+.1%}', args, peak)

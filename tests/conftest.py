@@ -1,10 +1,32 @@
-"""Test setup: 8 fake CPU devices for the sharding tests, set before jax is imported."""
+"""Test setup, before jax is imported: 8 fake CPU devices for the sharding tests, and XLA:CPU compiling
+for compile time rather than run time.
+
+The suite's programs are tiny models whose compile takes far longer than their run, so its XLA:CPU
+skips the LLVM optimisations and the newer fusion emitters (the same HLO, the same numerics up to
+rounding; docs/contributing.md has the suite's times with and without). A jax whose XLA no longer knows
+a flag would abort on it, so the flags are probed once, in a subprocess, and the ones it rejects are
+left out. The result goes to the workers (and the tests' subprocesses) through VRL_TEST_XLA_FLAGS,
+which also overrides the whole set.
+"""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
-os.environ['XLA_FLAGS'] = os.environ.get('VRL_TEST_XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+DEVICES = '--xla_force_host_platform_device_count=8'
+FAST_COMPILE = ('--xla_cpu_use_fusion_emitters=false', '--xla_backend_optimization_level=0')
+
+
+def _known(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """The flags this jax's XLA:CPU starts with (all of them, or none if the set is rejected)."""
+    probe = subprocess.run([sys.executable, '-c', 'import jax; jax.devices()'], capture_output=True,
+                           env=dict(os.environ, XLA_FLAGS=' '.join(flags), JAX_PLATFORMS='cpu'))
+    return flags if probe.returncode == 0 else ()
+
+
+os.environ.setdefault('VRL_TEST_XLA_FLAGS', ' '.join((DEVICES, *_known(FAST_COMPILE))))
+os.environ['XLA_FLAGS'] = os.environ['VRL_TEST_XLA_FLAGS']
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # No persistent compilation cache in the test process: writing an executable to it aborted the
 # process once in CI (jax compilation_cache.put_executable_and_time, tests/test_train.py); the

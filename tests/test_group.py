@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import rel_err
 from tests.runs import cli_args, saved_steps, tiny_config, wait_for
 from vrl import checkpoint, compare, grid, sharding, train
 from vrl.step import Trainer
@@ -26,11 +27,6 @@ def _config(small_corpus, attention: str, seed: int, steps: int = STEPS):
     config = tiny_config(small_corpus, attention=attention, steps=steps, checkpoint_every=2, eval_every=2,
                          eval_batches=1)
     return dataclasses.replace(config, train=dataclasses.replace(config.train, seed=seed))
-
-
-def _relative(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(a))
 
 
 @pytest.mark.parametrize('attention', ['vanilla', 'resformer', 'svformer'])
@@ -49,7 +45,7 @@ def test_a_group_step_is_each_runs_step(small_corpus, attention):
             state, out = trainer.train_step(state, trainer.device_batch(batch))
             losses.append(float(out['loss']))
         alone.append((losses, jax.device_get(state.params)))
-    assert _relative(alone[0][0], alone[1][0]) > 1e-4  # the seeds differ, so the test can fail
+    assert rel_err(alone[0][0], alone[1][0]) > 1e-4  # the seeds differ, so the test can fail
     for members in (2, 3):
         group = trainer.group(members)
         state, losses = group.init_state(list(range(members))), []
@@ -57,9 +53,9 @@ def test_a_group_step_is_each_runs_step(small_corpus, attention):
             state, out = group.train_step(state, group.device_batch(batch))
             losses.append(np.asarray(out['loss']))
         for i, (expected_losses, expected_params) in enumerate(alone[:members]):
-            assert _relative(expected_losses, [step[i] for step in losses]) < 1e-5, (members, i)
+            assert rel_err(expected_losses, [step[i] for step in losses]) < 1e-5, (members, i)
             params = jax.device_get(group.member(state.params, i))
-            assert all(_relative(e, g) < 1e-5 for e, g in zip(jax.tree.leaves(expected_params),
+            assert all(rel_err(e, g) < 1e-5 for e, g in zip(jax.tree.leaves(expected_params),
                                                                jax.tree.leaves(params))), (members, i)
 
 
@@ -73,10 +69,10 @@ def test_a_member_is_the_run_trained_alone_and_goes_on_alone(small_corpus, tmp_p
     for seed, workdir, result in zip(seeds, workdirs, group):
         single = train.run(_config(small_corpus, 'resformer', seed), str(tmp_path / f'alone{seed}'))
         assert sorted(result.losses) == list(range(1, STEPS + 1))
-        assert _relative(list(single.losses.values()), list(result.losses.values())) < 1e-5
+        assert rel_err(list(single.losses.values()), list(result.losses.values())) < 1e-5
         assert result.eval_loss == pytest.approx(single.eval_loss, rel=1e-5)
         single_leaves, leaves = jax.tree.leaves(single.state.params), jax.tree.leaves(result.state.params)
-        assert all(_relative(e, g) < 1e-5 for e, g in zip(single_leaves, leaves))
+        assert all(rel_err(e, g) < 1e-5 for e, g in zip(single_leaves, leaves))
         assert saved_steps(workdir) == [2, 4]
         restored = checkpoint.restore_params(str(workdir / 'checkpoints' / str(STEPS)), single.state.params)
         assert all(np.array_equal(r, g) for r, g in zip(jax.tree.leaves(restored), leaves))

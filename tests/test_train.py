@@ -15,6 +15,7 @@ import optax
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import rel_err
 from tests.runs import logged_steps, params_equal, saved_steps, start_run, tiny_config, wait_for
 from vrl import accounting, checkpoint, data, train
 from vrl.step import Trainer
@@ -143,7 +144,9 @@ def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path, capfd):
     abstract_params = Trainer(skipping, sharding.make_mesh(skipping.mesh)).abstract_state.params
     after_step_1 = checkpoint.restore_params(str(tmp_path / 'error'), abstract_params)
     assert saved_steps(tmp_path / 'skip')[-1] == 4
-    assert params_equal(checkpoint.restore_params(str(tmp_path / 'skip'), abstract_params), after_step_1)
+    # the skip run's step program is another compile of step 1 (it also selects), so equal up to rounding
+    skipped = checkpoint.restore_params(str(tmp_path / 'skip'), abstract_params)
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(jax.tree.leaves(skipped), jax.tree.leaves(after_step_1)))
     assert 'NaN or Inf' not in capfd.readouterr().err  # TensorBoard gets no non-finite scalar
     # steps 2, 3, 4 are non-finite: a limit of 2 skips in a row stops at step 4, naming it
     limited = dataclasses.replace(skipping, train=dataclasses.replace(skipping.train, max_skipped_steps=2, steps=6))

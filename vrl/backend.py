@@ -46,3 +46,47 @@ def name_absent_tpu_host(accelerator_type: str, environ: os._Environ | dict = os
     environ.setdefault('TPU_ACCELERATOR_TYPE', accelerator_type)
     environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
     environ.setdefault('TPU_WORKER_ID', '0')
+
+
+# XLA:CPU's instruction sets (the values of XLA_FLAGS=--xla_cpu_max_isa), oldest first, each with the
+# /proc/cpuinfo flags it adds to the ones before it.
+CPU_ISAS = (('SSE4_2', ('sse4_2',)), ('AVX', ('avx',)), ('AVX2', ('avx2', 'fma')),
+            ('AVX512', ('avx512f', 'avx512dq', 'avx512bw', 'avx512vl')), ('AVX512_VNNI', ('avx512_vnni',)),
+            ('AVX512_BF16', ('avx512_bf16',)), ('AMX', ('amx_tile', 'amx_bf16', 'amx_int8')),
+            ('AMX_FP16', ('amx_fp16',)))
+ISA_NAMES = tuple(name for name, _ in CPU_ISAS)
+NATIVE_BF16_DOT_ISAS = ('AVX512_BF16', 'AMX', 'AMX_FP16')  # bf16 x bf16 -> float32 dot instructions
+
+
+def host_cpu_isa(cpuinfo: Path = Path('/proc/cpuinfo')) -> str | None:
+    """The newest of CPU_ISAS this host's CPU reports (its first processor's flags); None where it reports
+    none of them (no /proc/cpuinfo, or not x86)."""
+    text = cpuinfo.read_text() if cpuinfo.is_file() else ''
+    line = next((line for line in text.splitlines() if line.startswith('flags')), '')
+    flags, found = set(line.partition(':')[2].split()), None
+    for name, needs in CPU_ISAS:
+        if not flags.issuperset(needs):
+            break
+        found = name
+    return found
+
+
+def xla_max_isa(environ: os._Environ | dict = os.environ) -> str | None:
+    """The ISA that XLA_FLAGS' --xla_cpu_max_isa limits XLA:CPU to, None if it is not set."""
+    match = re.search(r'--xla_cpu_max_isa=(\w+)', environ.get('XLA_FLAGS', ''))
+    return match and match.group(1).upper()
+
+
+def cpu_isa(environ: os._Environ | dict = os.environ, cpuinfo: Path = Path('/proc/cpuinfo')) -> str | None:
+    """The ISA XLA:CPU compiles for here: the host's, or the --xla_cpu_max_isa limit where that is older;
+    None where the host reports none of CPU_ISAS."""
+    host, limit = host_cpu_isa(cpuinfo), xla_max_isa(environ)
+    if host is None or limit not in ISA_NAMES:
+        return host
+    return min(host, limit, key=ISA_NAMES.index)
+
+
+def describe_cpu_isa(environ: os._Environ | dict = os.environ) -> str:
+    """e.g. 'CPU ISA AVX2 (host AVX512_BF16, limited by --xla_cpu_max_isa=AVX2)'."""
+    host, isa, limit = host_cpu_isa(), cpu_isa(environ), xla_max_isa(environ)
+    return f'CPU ISA {isa or "unknown"}' + (f' (host {host}, limited by --xla_cpu_max_isa={limit})' if limit else '')
