@@ -9,8 +9,10 @@ heads and vocabulary (vrl pads its output head to `model.vocab_pad_multiple`; Py
 exact vocabulary), parameters in float32, `torch.optim.AdamW` with gradient clipping at 1.0 as
 vrl's step does; `--dtype bfloat16` runs PyTorch's forward and loss under
 `torch.autocast('cpu', torch.bfloat16)` and vrl with `model.compute_dtype=bfloat16`. Every vrl
-variant is measured against the same Llama step: each variant's steps alternate with it, because
-this shared host drifts by several percent over minutes. Step time is the median of `--steps`.
+variant is measured against the same Llama step, in `--steps` rounds that alternate the two,
+because this shared host drifts by several percent over minutes: a round runs two steps of each
+and times the second (the first after a switch pays for memory the other just freed). Step time
+is the median over the rounds.
 
 To imitate a smaller ISA on a bigger machine, limit both libraries (docs/performance.md):
 
@@ -77,6 +79,13 @@ class TorchStep:
         return time.perf_counter() - start
 
 
+def _second(stepper: TorchStep | Stepper) -> float:
+    """Seconds of the second of two steps: the first after the other framework's steps pays for
+    memory pages the other has given back (1-2 s more on this 2-core host, for either framework)."""
+    stepper.step()
+    return stepper.step()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument('--config', default='82m')
@@ -99,8 +108,8 @@ def main() -> None:
         torch_step = torch_step or TorchStep(vrl_step.config, args.dtype)
         vrl_times, torch_times = [], []
         for _ in range(args.steps):
-            torch_times.append(torch_step.step())
-            vrl_times.append(vrl_step.step())
+            torch_times.append(_second(torch_step))
+            vrl_times.append(_second(vrl_step))
         vrl_s, torch_s = statistics.median(vrl_times), statistics.median(torch_times)
         tokens = args.batch * args.seq_len
         print(f'{variant:>12} | {vrl_s:>10.3f} | {torch_s:>9.3f} | {tokens / vrl_s:>9,.0f} | {tokens / torch_s:>13,.0f} | '

@@ -93,8 +93,7 @@ def main() -> None:
         for batch in map(int, args.batches.split(',')):
             for variant in args.variants.split(','):
                 cfg = presets.apply(variant, from_configdict(base.get_config(f'vanilla,{args.size}')).model)
-                if jax.default_backend() == 'cpu':
-                    cfg = dataclasses.replace(cfg, compute_dtype='float32')
+                cfg = dataclasses.replace(cfg, compute_dtype='float32' if jax.default_backend() == 'cpu' else 'bfloat16')
                 rows.append((variant, context, batch, *decode_tokens_per_sec(cfg, batch, context, args.new_tokens)))
     bandwidth_after = memory_bandwidth()
     bandwidth = max(bandwidth_before, bandwidth_after)  # a shared host's best moment in this run

@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import base, tiny  # noqa: E402
-from vrl import accounting, aot, host_memory, metrics, presets, sharding  # noqa: E402
+from vrl import accounting, aot, backend, host_memory, metrics, presets, sharding  # noqa: E402
 from vrl.config import Config, from_configdict  # noqa: E402
 from vrl.step import Trainer  # noqa: E402
 
@@ -95,7 +95,8 @@ def main() -> None:
     args.dtype = args.dtype or ('float32' if jax.default_backend() == 'cpu' else 'bfloat16')
     peak = metrics.peak_flops_per_device(compute_dtype=args.dtype) * jax.device_count()
     huge_pages = 'glibc.malloc.hugetlb' in os.environ.get('GLIBC_TUNABLES', '')
-    print(f'{jax.device_count()} x {jax.devices()[0].device_kind}, {args.dtype}; peak {peak / 1e9:,.0f} GFLOP/s '
+    isa = f' ({backend.describe_cpu_isa()})' if jax.default_backend() == 'cpu' else ''
+    print(f'{jax.device_count()} x {jax.devices()[0].device_kind}{isa}, {args.dtype}; peak {peak / 1e9:,.0f} GFLOP/s '
           f'({f"measured {args.dtype} matmul" if jax.default_backend() == "cpu" else "bf16 table"}); '
           f'huge-page malloc {"on" if huge_pages else "off"} (vrl/host_memory.py)')
     variants = list(presets.PRESETS) if args.variants == 'all' else args.variants.split(',')

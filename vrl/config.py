@@ -22,7 +22,7 @@ REMAT_POLICIES = ('none', 'full', 'save_dots', 'auto')
 ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/attention.py; the last is
 # what splash becomes off TPU (Pallas' interpreter)
 HAND_VJP_OPS = ('project', 'attention', 'swiglu', 'cross_entropy')  # vrl/ops.py's hand-written backwards
-COMPUTE_DTYPES = ('float32', 'bfloat16')
+COMPUTE_DTYPES = ('auto', 'float32', 'bfloat16')  # auto: vrl/resolve.py
 NAN_POLICIES = ('error', 'skip')
 OPTIMIZERS = ('adamw', 'muon')  # vrl/optimizer.py
 SCHEDULES = ('cosine', 'wsd')
@@ -93,7 +93,9 @@ class ModelConfig:
     # ops that run their hand-written backward (the others autodiff); auto: what suits the platform
     scan_layers: bool = True
     remat: str = 'none'  # none | full | save_dots | auto (the cheapest that fits: vrl/aot.py)
-    compute_dtype: str = 'bfloat16'  # float32 | bfloat16; parameters are always float32
+    # auto | float32 | bfloat16; parameters are always float32. auto: bfloat16 on accelerators and on CPUs
+    # with bf16 dot instructions (AVX512_BF16, AMX), float32 on other CPUs (vrl/resolve.py)
+    compute_dtype: str = 'auto'
 
     def __post_init__(self):
         _choice('model.attention', self.attention, ATTENTION_VARIANTS)
@@ -142,6 +144,14 @@ class ModelConfig:
     @property
     def padded_vocab_size(self) -> int:
         return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
+
+    @property
+    def resolved_compute_dtype(self) -> str:
+        """compute_dtype where it is resolved ('float32' or 'bfloat16'); 'auto' is a ConfigError here."""
+        if self.compute_dtype == 'auto':
+            raise ConfigError("model.compute_dtype='auto' is unresolved here: vrl.resolve.execution resolves it "
+                              'for a platform (a Trainer does it itself).')
+        return self.compute_dtype
 
     @property
     def per_token_mix(self) -> bool:

@@ -58,7 +58,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     (B * K, S, Dh) (vrl.model.KVCache)."""
     def slots(n: int) -> tuple[jax.Array, ...]:
         shape = (batch * cfg.n_kv_heads, max_len, cfg.head_dim)
-        return tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(n))
+        return tuple(jnp.zeros(shape, cfg.resolved_compute_dtype) for _ in range(n))
     return KVCache(k=slots(cfg.n_key_slots), v=slots(cfg.n_value_slots), index=jnp.zeros((), jnp.int32))
 
 

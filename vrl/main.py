@@ -72,7 +72,7 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
         ('params, unpadded vocab', f'{_human(acc.params_unpadded)} ({acc.params_unpadded:,})'),
         ('non-embedding params', f'{_human(acc.non_embedding_params)} ({acc.non_embedding_params:,})'),
         (f'train FLOPs / token (seq {config.data.seq_len})', _human(acc.flops_per_token)),
-        (f'KV cache / token ({m.compute_dtype})', f'{acc.kv_cache_bytes_per_token:,} B '
+        (f'KV cache / token ({accounting.kv_cache_dtype(m)})', f'{acc.kv_cache_bytes_per_token:,} B '
          f'({acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token:.3f} of vanilla MHA, '
          f'{mha.kv_cache_bytes_per_token:,} B)'),
     ]

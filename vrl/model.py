@@ -277,7 +277,7 @@ class Decoder(nnx.Module):
 
     @property
     def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.cfg.compute_dtype)
+        return jnp.dtype(self.cfg.resolved_compute_dtype)
 
     def __call__(self, tokens_BxL: Array, positions_BxL: Array | None = None,
                  segment_ids_BxL: Array | None = None) -> Array:

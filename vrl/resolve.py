@@ -3,6 +3,9 @@
     model.attention_impl   the platform's attention kernel (splash on TPU, cuDNN on NVIDIA GPUs) where it
                            serves the config, else xla (vrl/attention.py says what each kernel needs)
     model.hand_vjp         the ops whose hand-written backward pays on the platform (vrl/ops.py)
+    model.compute_dtype    bfloat16 on accelerators and on CPUs with bf16 dot instructions (AVX512_BF16,
+                           AMX: vrl/backend.py reads the ISA), float32 on other CPUs, where a bf16 dot runs
+                           at the float32 rate plus conversions (docs/performance.md)
     train.microbatches=0,  the fewest microbatches, then the cheapest remat, whose compiled step fits the
     model.remat=auto       devices' memory (vrl/aot.py; 1 and none where no memory limit is known)
 
@@ -18,21 +21,37 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from vrl import attention, ops
-from vrl.config import Config
+from vrl import attention, backend, ops
+from vrl.config import Config, ModelConfig
 
 Say = Callable[[str], None]
 
 
+def compute_dtype(model: ModelConfig, platform: str, cpu_isa: str | None = None) -> tuple[str, str]:
+    """(model.compute_dtype resolved for `platform`, why); on a CPU, for `cpu_isa` (vrl.backend.cpu_isa()'s
+    name; read from this host when None)."""
+    isa = (cpu_isa or backend.cpu_isa() or 'unknown') if platform == 'cpu' else None
+    slow_bf16 = isa is not None and isa not in backend.NATIVE_BF16_DOT_ISAS
+    if model.compute_dtype != 'auto':
+        return model.compute_dtype, (f'as configured, though CPU ISA {isa} has no bf16 dot instructions (a '
+                                     'float32 step is faster there)' if slow_bf16 and model.compute_dtype == 'bfloat16'
+                                     else 'as configured')
+    if slow_bf16:
+        return 'float32', f'CPU ISA {isa} has no bf16 dot instructions: a bfloat16 step runs slower there'
+    return 'bfloat16', f'CPU ISA {isa} has bf16 dot instructions' if isa else f'{platform} matmuls run bfloat16'
+
+
 def execution(config: Config, platform: str, say: Say = logging.info) -> Config:
-    """model.attention_impl and model.hand_vjp for `platform` ('cpu', 'gpu', 'tpu'); an explicit value
-    that cannot run there is a ConfigError with the reason."""
-    model = config.model
+    """model.compute_dtype, model.attention_impl and model.hand_vjp for `platform` ('cpu', 'gpu', 'tpu');
+    an explicit value that cannot run there is a ConfigError with the reason."""
+    dtype, why_dtype = compute_dtype(config.model, platform)
+    model = dataclasses.replace(config.model, compute_dtype=dtype)  # cuDNN attention needs bfloat16
     impl, why_impl = attention.choose(model, platform, config.data.seq_len, config.data.document_masking)
     hand_vjp, why_vjp = ops.choose_hand_vjp(model.hand_vjp, platform)
-    for field, old, new, why in (('attention_impl', model.attention_impl, impl, why_impl),
-                                 ('hand_vjp', model.hand_vjp, hand_vjp, why_vjp)):
-        if new != old:
+    for field, new, why in (('compute_dtype', dtype, why_dtype), ('attention_impl', impl, why_impl),
+                            ('hand_vjp', hand_vjp, why_vjp)):
+        old = getattr(config.model, field)
+        if new != old or why.startswith('as configured, '):
             say(f'model.{field}={new} ({old} on {platform}: {why})')
     return dataclasses.replace(config, model=dataclasses.replace(model, attention_impl=impl, hand_vjp=hand_vjp))
 

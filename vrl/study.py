@@ -39,7 +39,7 @@ import jax
 from absl import flags
 from ml_collections import config_flags
 
-from vrl import accounting, checkpoint, cli, grid, metrics, presets, study_report
+from vrl import accounting, checkpoint, cli, grid, metrics, presets, resolve, study_report
 from vrl.compare import parse_seeds
 from vrl.config import Config, ModelConfig, from_configdict
 from vrl.grid import GridError, Run
@@ -130,13 +130,14 @@ def plan(base: Config, axes: Axes) -> list[Run]:
 
 # --- the grid before training: --list ---
 
-def _seconds_per_flop(workdir: Path, compute_dtype: str) -> tuple[float, float, str]:
+def _seconds_per_flop(workdir: Path, model: ModelConfig) -> tuple[float, float, str]:
     """(seconds per training FLOP, seconds per run, where the figures come from)."""
     finished = [json.loads(p.read_text()) for p in sorted((workdir / 'runs').glob('*/result.json'))]
     timed = [r for r in finished if r.get('seconds') and r.get('flops')]
     if timed:
         return (sum(r['seconds'] for r in timed) / sum(r['flops'] for r in timed), 0.0,
                 f'from the {len(timed)} finished runs of this study')
+    compute_dtype, _ = resolve.compute_dtype(model, jax.default_backend())
     peak = metrics.peak_flops_per_device(0.0, compute_dtype) * jax.device_count()
     return (1 / (_GUESS_PEAK_FRACTION * peak), _GUESS_SECONDS_PER_RUN,
             f'a guess: {_GUESS_PEAK_FRACTION:.0%} of the measured peak of {peak / 1e9:,.0f} GFLOP/s + '
@@ -145,7 +146,7 @@ def _seconds_per_flop(workdir: Path, compute_dtype: str) -> tuple[float, float, 
 
 def listing(runs: list[Run], workdir: Path) -> str:
     """The planned grid, a line per run: status, shape, parameters, tokens, estimated time."""
-    per_flop, per_run, source = _seconds_per_flop(workdir, runs[0].config.model.compute_dtype)
+    per_flop, per_run, source = _seconds_per_flop(workdir, runs[0].config.model)
     header = f'{"run":<40} {"status":<12} {"layers":>6} {"d_model":>7} {"non-emb params":>14} {"steps":>6} ' \
              f'{"tokens":>12} {"est. time":>9}'
     lines, remaining = [header], 0.0

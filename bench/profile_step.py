@@ -1,0 +1,82 @@
+"""Where a train step's time goes on this machine: the XLA ops of one profiled step, summed by kind.
+
+    python bench/profile_step.py [--config 82m] [--variant vanilla] [--dtype float32] [--seq_len 512]
+                                 [--batch 4] [--top 25]
+
+Compiles the step (bench/train_throughput.py's setup), warms it up, then records two steps with
+jax.profiler and reads the trace back (jax.profiler.ProfileData): the XLA:CPU thunks each step ran
+(dots, fusions, copies, converts, ...), on every thread. Prints the op time by kind and the
+`--top` ops by total time, each as ms per step and share of all op time. Op time summed over
+threads can exceed the step's wall time where ops run in parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+from bench.train_throughput import Stepper, bench_config  # noqa: E402
+from vrl import backend, host_memory  # noqa: E402
+
+STEPS = 2
+
+
+def op_times(stepper: Stepper) -> dict[str, float]:
+    """Seconds per step of each XLA op name, summed over the threads that ran it."""
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            for _ in range(STEPS):
+                stepper.step()
+        trace = next(Path(folder).rglob('*.xplane.pb'))
+        data = jax.profiler.ProfileData.from_file(str(trace))
+    totals = collections.Counter()
+    for plane in data.planes:
+        if not plane.name.startswith('/host:CPU'):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                if 'hlo_op' in dict(event.stats) or line.name.startswith('XLA'):
+                    totals[event.name] += event.duration_ns / 1e9 / STEPS
+    return totals
+
+
+def kind(op: str) -> str:
+    """An op name's kind: its name without the numeric suffix XLA adds (`fusion.12` -> fusion)."""
+    return re.sub(r'[._]\d+$', '', re.sub(r'(\.\d+)+$', '', op))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--config', default='82m')
+    parser.add_argument('--variant', default='vanilla')
+    parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
+    parser.add_argument('--seq_len', type=int, default=512)
+    parser.add_argument('--batch', type=int, default=4)
+    parser.add_argument('--top', type=int, default=25)
+    args = parser.parse_args()
+    stepper = Stepper(bench_config(args.config, args.variant, args.seq_len, args.batch, 'none', args.dtype))
+    wall = min(stepper.step() for _ in range(2))
+    times = op_times(stepper)
+    total = sum(times.values())
+    print(f'{backend.describe_cpu_isa()}; {args.config} {args.variant} {args.dtype}, batch {args.batch} x '
+          f'{args.seq_len}: step {wall * 1e3:,.0f} ms wall, {total * 1e3:,.0f} ms of op time over threads')
+    by_kind = collections.Counter()
+    for op, seconds in times.items():
+        by_kind[kind(op)] += seconds
+    for title, counter, n in (('kind', by_kind, len(by_kind)), ('op', times, args.top)):
+        print(f'\n{title:>40} | {"ms/step":>8} | {"share":>6}')
+        for name, seconds in counter.most_common(n):
+            print(f'{name[:40]:>40} | {seconds * 1e3:>8,.1f} | {seconds / total:>6.1%}')
+
+
+if __name__ == '__main__':
+    host_memory.use_huge_pages()
+    main()
