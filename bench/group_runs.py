@@ -4,8 +4,9 @@ another and against one run, at the CPU reproduction config: step time and total
     python bench/group_runs.py [--variant vanilla] [--seeds 4] [--steps 400] [--workdir runs/bench_group_runs]
                                [--time_only]
 
-Step time: the single-run step and the group's step alternating in one process on one batch (a
-shared host drifts over minutes), median of 20 after 2 warm-up steps, with the model FLOP/s each
+Step time: the single-run step and the group's step in alternating rounds in one process on one
+batch (a shared host drifts over minutes), each round two steps of each with the second timed (the
+first after the other's pays for memory the other freed), median of 20 rounds after one to warm up, with the model FLOP/s each
 reaches against the host's measured matmul peak; `floor at peak` is the least time (vs one run's
 step) the group could take at that peak. Total time: `vrl.compare`'s
 runner (grid.train_all) training the variant's seeds in fresh workdirs under --workdir: one seed;
@@ -41,7 +42,7 @@ def config_for(variant: str, steps: int) -> Config:
 
 
 def step_ms(config: Config, members: int, steps: int = 20) -> tuple[float, float]:
-    """Median milliseconds per step of one run and of a group of `members`, their steps alternating."""
+    """Median milliseconds per step of one run and of a group of `members`, in alternating rounds."""
     trainer = Trainer(config, sharding.make_mesh(config.mesh))
     group = trainer.group(members)
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size,
@@ -50,13 +51,14 @@ def step_ms(config: Config, members: int, steps: int = 20) -> tuple[float, float
     steppers = (trainer, group)
     states = [trainer.init_state(0), group.init_state(list(range(members)))]
     times: tuple[list[float], list[float]] = ([], [])
-    for i in range(steps + 2):  # the first two compile and warm up
+    for i in range(steps + 1):  # the first round compiles and warms up
         for k, stepper in enumerate(steppers):
-            start = time.perf_counter()
-            states[k], metrics = stepper.train_step(states[k], stepper.device_batch(batch))
-            jax.block_until_ready(metrics)
-            if i >= 2:
-                times[k].append(1000 * (time.perf_counter() - start))
+            for timed in (False, True):  # the first step after the other's pays for the memory it freed
+                start = time.perf_counter()
+                states[k], metrics = stepper.train_step(states[k], stepper.device_batch(batch))
+                jax.block_until_ready(metrics)
+                if timed and i:
+                    times[k].append(1000 * (time.perf_counter() - start))
     return float(np.median(times[0])), float(np.median(times[1]))
 
 
