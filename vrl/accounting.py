@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from vrl import resolve
@@ -75,14 +74,10 @@ def non_embedding_params(cfg: ModelConfig) -> int:
     return matmul_params(cfg) - cfg.d_model * cfg.padded_vocab_size + norms + _scalar_params(cfg)
 
 
-def kv_cache_dtype(cfg: ModelConfig) -> str:
-    """The cache's dtype: the compute dtype (`auto`: as vrl/resolve.py resolves it for this process's backend)."""
-    return resolve.compute_dtype(cfg, jax.default_backend())[0]
-
-
 def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
-    """A key and a value slot's vectors per token: cfg.n_key_slots + cfg.n_value_slots of them."""
-    itemsize = jnp.dtype(kv_cache_dtype(cfg)).itemsize
+    """A key and a value slot's vectors per token: cfg.n_key_slots + cfg.n_value_slots of them, in the
+    compute dtype (`auto`: as it resolves on this process's backend)."""
+    itemsize = jnp.dtype(resolve.local_compute_dtype(cfg)).itemsize
     return _kv_projections(cfg) * cfg.n_kv_heads * cfg.head_dim * itemsize
 
 

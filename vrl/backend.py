@@ -12,6 +12,7 @@ keeps that quiet too.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import pkgutil
@@ -58,6 +59,7 @@ ISA_NAMES = tuple(name for name, _ in CPU_ISAS)
 NATIVE_BF16_DOT_ISAS = ('AVX512_BF16', 'AMX', 'AMX_FP16')  # bf16 x bf16 -> float32 dot instructions
 
 
+@functools.cache
 def host_cpu_isa(cpuinfo: Path = Path('/proc/cpuinfo')) -> str | None:
     """The newest of CPU_ISAS this host's CPU reports (its first processor's flags); None where it reports
     none of them (no /proc/cpuinfo, or not x86)."""

@@ -15,7 +15,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from vrl import accounting, cli, host_memory
+from vrl import accounting, cli, host_memory, resolve
 from vrl.config import Config, ConfigError, from_configdict
 
 def _define_flags() -> cli.Args:
@@ -72,7 +72,7 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
         ('params, unpadded vocab', f'{_human(acc.params_unpadded)} ({acc.params_unpadded:,})'),
         ('non-embedding params', f'{_human(acc.non_embedding_params)} ({acc.non_embedding_params:,})'),
         (f'train FLOPs / token (seq {config.data.seq_len})', _human(acc.flops_per_token)),
-        (f'KV cache / token ({accounting.kv_cache_dtype(m)})', f'{acc.kv_cache_bytes_per_token:,} B '
+        (f'KV cache / token ({resolve.local_compute_dtype(m)})', f'{acc.kv_cache_bytes_per_token:,} B '
          f'({acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token:.3f} of vanilla MHA, '
          f'{mha.kv_cache_bytes_per_token:,} B)'),
     ]
@@ -103,7 +103,7 @@ def _initialize_distributed(args: cli.Args) -> None:
 
 
 def _compile_only(config: Config, topology: str | None, num_slices: int) -> None:
-    from vrl import aot, resolve
+    from vrl import aot
     if topology:
         import jax
         # compile for the described slice only: no TPU runtime here to start, no executable to cache

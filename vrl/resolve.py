@@ -32,13 +32,18 @@ def compute_dtype(model: ModelConfig, platform: str, cpu_isa: str | None = None)
     name; read from this host when None)."""
     isa = (cpu_isa or backend.cpu_isa() or 'unknown') if platform == 'cpu' else None
     slow_bf16 = isa is not None and isa not in backend.NATIVE_BF16_DOT_ISAS
+    if model.compute_dtype == 'bfloat16' and slow_bf16:
+        return 'bfloat16', f'as configured, though CPU ISA {isa} has no bf16 dot instructions (float32 is faster)'
     if model.compute_dtype != 'auto':
-        return model.compute_dtype, (f'as configured, though CPU ISA {isa} has no bf16 dot instructions (a '
-                                     'float32 step is faster there)' if slow_bf16 and model.compute_dtype == 'bfloat16'
-                                     else 'as configured')
+        return model.compute_dtype, 'as configured'
     if slow_bf16:
         return 'float32', f'CPU ISA {isa} has no bf16 dot instructions: a bfloat16 step runs slower there'
     return 'bfloat16', f'CPU ISA {isa} has bf16 dot instructions' if isa else f'{platform} matmuls run bfloat16'
+
+
+def local_compute_dtype(model: ModelConfig) -> str:
+    """model.compute_dtype as it resolves for this process's backend (what accounting and estimates use)."""
+    return compute_dtype(model, jax.default_backend())[0]
 
 
 def execution(config: Config, platform: str, say: Say = logging.info) -> Config:
@@ -51,7 +56,7 @@ def execution(config: Config, platform: str, say: Say = logging.info) -> Config:
     for field, new, why in (('compute_dtype', dtype, why_dtype), ('attention_impl', impl, why_impl),
                             ('hand_vjp', hand_vjp, why_vjp)):
         old = getattr(config.model, field)
-        if new != old or why.startswith('as configured, '):
+        if new != old or why != 'as configured':  # a change, or an explicit value with a note
             say(f'model.{field}={new} ({old} on {platform}: {why})')
     return dataclasses.replace(config, model=dataclasses.replace(model, attention_impl=impl, hand_vjp=hand_vjp))
 

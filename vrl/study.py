@@ -137,8 +137,7 @@ def _seconds_per_flop(workdir: Path, model: ModelConfig) -> tuple[float, float, 
     if timed:
         return (sum(r['seconds'] for r in timed) / sum(r['flops'] for r in timed), 0.0,
                 f'from the {len(timed)} finished runs of this study')
-    compute_dtype, _ = resolve.compute_dtype(model, jax.default_backend())
-    peak = metrics.peak_flops_per_device(0.0, compute_dtype) * jax.device_count()
+    peak = metrics.peak_flops_per_device(0.0, resolve.local_compute_dtype(model)) * jax.device_count()
     return (1 / (_GUESS_PEAK_FRACTION * peak), _GUESS_SECONDS_PER_RUN,
             f'a guess: {_GUESS_PEAK_FRACTION:.0%} of the measured peak of {peak / 1e9:,.0f} GFLOP/s + '
             f'{_GUESS_SECONDS_PER_RUN:.0f} s a run')
