@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import reproduce_cpu  # noqa: E402
-from vrl import accounting, cli, grid, metrics, presets, sharding  # noqa: E402
+from vrl import accounting, cli, grid, host_memory, metrics, presets, sharding  # noqa: E402
 from vrl.config import Config, from_configdict  # noqa: E402
 from vrl.step import Trainer  # noqa: E402
 
@@ -110,4 +110,5 @@ def main() -> None:
 
 
 if __name__ == '__main__':
+    host_memory.use_huge_pages()
     main()

@@ -1,13 +1,15 @@
 """Where a train step's time goes on this machine: the XLA ops of one profiled step, summed by kind.
 
     python bench/profile_step.py [--config 82m] [--variant vanilla] [--dtype float32] [--seq_len 512]
-                                 [--batch 4] [--top 25]
+                                 [--batch 4] [--members 1] [--top 25]
 
 Compiles the step (bench/train_throughput.py's setup), warms it up, then records two steps with
 jax.profiler and reads the trace back (jax.profiler.ProfileData): the XLA:CPU thunks each step ran
 (dots, fusions, copies, converts, ...), on every thread. Prints the op time by kind and the
 `--top` ops by total time, each as ms per step and share of all op time. Op time summed over
-threads can exceed the step's wall time where ops run in parallel.
+threads can exceed the step's wall time where ops run in parallel. `--members N` profiles the step
+of N seeds trained together (issue #29); `--config reproduce_cpu` is the CPU reproduction's model
+at its own batch (16 x 128) unless --seq_len/--batch say otherwise.
 """
 
 from __future__ import annotations
@@ -58,15 +60,21 @@ def main() -> None:
     parser.add_argument('--config', default='82m')
     parser.add_argument('--variant', default='vanilla')
     parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
-    parser.add_argument('--seq_len', type=int, default=512)
-    parser.add_argument('--batch', type=int, default=4)
+    parser.add_argument('--seq_len', type=int, help='default: 128 for reproduce_cpu, else 512')
+    parser.add_argument('--batch', type=int, help='default: 16 for reproduce_cpu, else 4')
+    parser.add_argument('--members', type=int, default=1, help='seeds trained together in one step')
     parser.add_argument('--top', type=int, default=25)
     args = parser.parse_args()
-    stepper = Stepper(bench_config(args.config, args.variant, args.seq_len, args.batch, 'none', args.dtype))
+    reproduction = args.config == 'reproduce_cpu'
+    args.seq_len = args.seq_len or (128 if reproduction else 512)
+    args.batch = args.batch or (16 if reproduction else 4)
+    stepper = Stepper(bench_config(args.config, args.variant, args.seq_len, args.batch, 'none', args.dtype),
+                      args.members)
     wall = min(stepper.step() for _ in range(2))
     times = op_times(stepper)
     total = sum(times.values())
-    print(f'{backend.describe_cpu_isa()}; {args.config} {args.variant} {args.dtype}, batch {args.batch} x '
+    print(f'{backend.describe_cpu_isa()}; {args.config} {args.variant} x {args.members} {args.dtype}, '
+          f'batch {args.batch} x '
           f'{args.seq_len}: step {wall * 1e3:,.0f} ms wall, {total * 1e3:,.0f} ms of op time over threads')
     by_kind = collections.Counter()
     for op, seconds in times.items():

@@ -32,16 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from configs import base, tiny  # noqa: E402
+from configs import base, reproduce_cpu, tiny  # noqa: E402
 from vrl import accounting, aot, backend, host_memory, metrics, presets, sharding  # noqa: E402
 from vrl.config import Config, from_configdict  # noqa: E402
 from vrl.step import Trainer  # noqa: E402
 
 
+NAMED = {'tiny': tiny.get_config, 'reproduce_cpu': reproduce_cpu.get_config}
+
+
 def bench_config(name: str, variant: str, seq_len: int, batch: int, remat: str, dtype: str) -> Config:
-    """The `name` config ('tiny' or a configs/base.py size) as `variant` (a vrl/presets.py name), at this
-    batch x seq_len, remat and compute dtype, its microbatches fitted to the devices."""
-    config = from_configdict(tiny.get_config() if name == 'tiny' else base.get_config(f'vanilla,{name}'))
+    """The `name` config ('tiny', 'reproduce_cpu' or a configs/base.py size) as `variant` (a
+    vrl/presets.py name), at this batch x seq_len, remat and compute dtype, its microbatches fitted
+    to the devices."""
+    config = from_configdict(NAMED[name]() if name in NAMED else base.get_config(f'vanilla,{name}'))
     model = presets.apply(variant, dataclasses.replace(config.model, compute_dtype=dtype, remat=remat))
     config = dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, seq_len=seq_len,
                                                                                batch_size=batch))
@@ -49,12 +53,13 @@ def bench_config(name: str, variant: str, seq_len: int, batch: int, remat: str, 
 
 
 class Stepper:
-    """One config's sharded state, a fixed random batch and its jitted step, compiled and warmed up."""
+    """One config's sharded state, a fixed random batch and its jitted step, compiled and warmed up;
+    with `members` > 1, a group of that many seeds trained in one step (vrl/step.py RunGroup)."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, members: int = 1):
         self.config = config
-        self.trainer = Trainer(config, sharding.make_mesh(config.mesh))
-        self.state = self.trainer.init_state(0)
+        self.trainer = Trainer(config, sharding.make_mesh(config.mesh)).group(members)  # 1: the Trainer's own step
+        self.state = self.trainer.init_state(list(range(members)))
         rng = np.random.default_rng(0)
         shape = (config.data.batch_size, config.data.seq_len)
         self.batch = self.trainer.device_batch({

@@ -1,9 +1,11 @@
-"""Helpers for tests that train real runs: a tiny config over the test corpus, the same config
-as `python -m vrl.main` arguments, waiting on a run in a subprocess, and a local lm-eval task."""
+"""Helpers for tests that train real runs: a tiny config over the test corpus, the runs a pytest
+session trains once for the tests that only read them, the same config as `python -m vrl.main`
+arguments, waiting on a run in a subprocess, and a local lm-eval task."""
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import subprocess
 import sys
@@ -28,6 +30,31 @@ def tiny_config(small_corpus, attention='resformer', **train_fields) -> Config:
                   data=dataclasses.replace(data_cfg, num_epochs=0),
                   optimizer=OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=3, decay_steps=60),
                   train=TrainConfig(**train_cfg))
+
+
+SHARED_RUN_STEPS = 4
+
+
+def shared_run_config(small_corpus, attention: str) -> Config:
+    """The config of a shared read-only run: tiny_config's model with 3 layers (a layer above the
+    first two, for per-layer statistics) and MQA (2 heads, 1 kv head, for the export's head mapping),
+    trained SHARED_RUN_STEPS steps with a checkpoint at the end."""
+    config = tiny_config(small_corpus, attention=attention, steps=SHARED_RUN_STEPS, checkpoint_every=SHARED_RUN_STEPS)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3, n_kv_heads=1))
+
+
+def shared_run(small_corpus, folder: Path, attention: str) -> Path:
+    """The workdir of the shared run of `attention` under `folder`, trained by the first process that
+    asks (an exclusive file lock serializes the pytest-xdist workers; the others wait, then read)."""
+    from vrl import train
+    workdir, done = folder / attention, folder / f'{attention}.done'
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f'{attention}.lock', 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            train.run(shared_run_config(small_corpus, attention), str(workdir))
+            done.touch()
+    return workdir
 
 
 def train_losses(config: Config, devices, batches: list[dict]) -> tuple[list[float], Any]:

@@ -1,7 +1,6 @@
 """Attention-concentration analysis: known answers, the model's statistics against the float64 NumPy
 reference's attention maps, and `python -m vrl.analyze` on real trained checkpoints."""
 
-import dataclasses
 import json
 import math
 import subprocess
@@ -16,8 +15,8 @@ from flax import nnx
 from tests import numpy_reference
 from tests.conftest import ROOT
 from tests.helpers import NAMED_VARIANTS, randomize, rel_err, random_tokens, small_model_config
-from tests.runs import tiny_config
-from vrl import layer_stats, train
+from tests.runs import SHARED_RUN_STEPS
+from vrl import layer_stats
 from vrl.model import Decoder
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
@@ -88,14 +87,11 @@ def _np_similarity(h_LxD: np.ndarray) -> float:
 
 
 @pytest.fixture(scope='module')
-def two_runs(small_corpus, tmp_path_factory):
-    """Tiny trained checkpoints of vanilla and ResFormer, 3 layers each."""
-    root = tmp_path_factory.mktemp('analyze_runs')
-    for attention in ('vanilla', 'resformer'):
-        config = tiny_config(small_corpus, attention=attention, steps=4, checkpoint_every=4)
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3))
-        train.run(config, str(root / attention))
-    return root
+def two_runs(shared_runs):
+    """The session's trained vanilla and ResFormer runs (3 layers each), in one folder."""
+    folder = shared_runs('vanilla').parent
+    assert shared_runs('resformer').parent == folder
+    return folder
 
 
 def _analyze(*args: str) -> subprocess.CompletedProcess:
@@ -108,10 +104,10 @@ def test_analyze_command_writes_json_and_plots(two_runs, tmp_path):
     result = _analyze(f'--workdir={two_runs / "vanilla"}', f'--workdir={two_runs / "resformer"}', f'--out={out}',
                       '--sequences=6', '--seq_len=32', '--batch_size=4')
     assert result.returncode == 0, result.stderr[-3000:]
-    for run, variant in (('vanilla', 'vanilla'), ('resformer', 'resformer (learnable)')):
+    for run, variant in (('vanilla', 'vanilla + MQA'), ('resformer', 'resformer (learnable) + MQA')):
         record = json.loads((out / run / 'analysis.json').read_text())
         assert set(record) == set(STATISTICS) | {'variant', 'step', 'sequences', 'seq_len'}
-        assert (record['variant'], record['step'], record['sequences'], record['seq_len']) == (variant, 4, 6, 32)
+        assert (record['variant'], record['step'], record['sequences'], record['seq_len']) == (variant, SHARED_RUN_STEPS, 6, 32)
         for name in STATISTICS:
             assert len(record[name]) == 3 + (name == 'similarity') and all(np.isfinite(record[name])), name
         assert all(0 <= e <= math.log(32) + 1e-6 for e in record['entropy'])

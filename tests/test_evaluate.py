@@ -4,6 +4,7 @@ local multiple-choice task."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,8 @@ import pytest
 from flax import nnx
 from lm_eval.api.instance import Instance
 
-from tests.runs import CHOICE_DOCS, tiny_config, write_choice_task
-from vrl import evaluate, train
+from tests.runs import CHOICE_DOCS, SHARED_RUN_STEPS, write_choice_task
+from vrl import evaluate
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -25,10 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope='module')
-def workdir(small_corpus, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp('evaluate') / 'svformer'
-    train.run(tiny_config(small_corpus, attention='svformer', steps=8, checkpoint_every=8), str(path))
-    return path
+def workdir(shared_runs, tmp_path_factory) -> Path:
+    """A copy of the session's trained ResFormer run (the command writes lm_eval/ into its workdir)."""
+    return Path(shutil.copytree(shared_runs('resformer'), tmp_path_factory.mktemp('evaluate') / 'resformer'))
 
 
 @pytest.fixture(scope='module')
@@ -126,7 +126,7 @@ def test_the_command_runs_a_local_task_and_its_scores_are_the_models(lm, workdir
     assert out.returncode == 0, out.stderr[-3000:]
     assert '|toy_choice|' in out.stdout
     results = json.loads(next((workdir / 'lm_eval').glob('results_*.json')).read_text())
-    assert results['vrl']['step'] == 8
+    assert results['vrl']['step'] == SHARED_RUN_STEPS
     samples = [json.loads(line) for line in next((workdir / 'lm_eval').glob('samples_toy_choice_*.jsonl')).open()]
     assert len(samples) == len(CHOICE_DOCS)
     correct = []

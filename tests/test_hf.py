@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers import NAMED_VARIANTS, randomize, rel_err, small_model_config, variant_params
-from tests.runs import cli_args, params_equal, tiny_config
+from tests.runs import SHARED_RUN_STEPS, cli_args, params_equal
 from vrl import data, decode, hf, train, trained
 from vrl.model import Decoder
 from vrl.step import Trainer
@@ -34,17 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope='module')
-def exported(small_corpus, tmp_path_factory):
-    """A trained vanilla MQA run (2 heads, 1 kv head) and its export."""
-    root = tmp_path_factory.mktemp('hf')
-    config = tiny_config(small_corpus, attention='vanilla', steps=4, checkpoint_every=4)
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_kv_heads=1))
-    train.run(config, str(root / 'run'))
-    out = subprocess.run([sys.executable, '-m', 'vrl.export', f'--workdir={root / "run"}', f'--out={root / "hf"}'],
+def exported(shared_runs, tmp_path_factory):
+    """The session's trained vanilla MQA run (2 heads, 1 kv head) and its export."""
+    run, out_dir = shared_runs('vanilla'), tmp_path_factory.mktemp('hf') / 'hf'
+    out = subprocess.run([sys.executable, '-m', 'vrl.export', f'--workdir={run}', f'--out={out_dir}'],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert 'vanilla + MQA at step 4' in out.stdout
-    return trained.load_trained(str(root / 'run')), root / 'hf'
+    assert f'vanilla + MQA at step {SHARED_RUN_STEPS}' in out.stdout
+    return trained.load_trained(str(run)), out_dir
 
 
 def _export(workdir: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -56,9 +53,9 @@ def _hashes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
-def test_export_overwrites_nothing_it_did_not_write(exported, tmp_path):
+def test_export_overwrites_nothing_it_did_not_write(exported, shared_runs, tmp_path):
     run, folder = exported
-    workdir = folder.parent / 'run'
+    workdir = shared_runs('vanilla')
     again = _export(workdir, folder)  # an earlier export of the same run is replaced
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((folder / 'vrl_export.json').read_text())['workdir'] == str(workdir)
