@@ -5,7 +5,9 @@
 Requests look like a multiple-choice task's (hellaswag-like): a ~100-token Shakespeare context
 and a ~20-token continuation, four continuations per context. The model is freshly initialised
 (throughput does not depend on the weights), the tokenizer is the tiny config's; the first call
-compiles and is not timed. Float32 on CPU, the config's compute dtype elsewhere.
+compiles and is not timed. Float32 on CPU, the config's compute dtype elsewhere. Like
+`python -m vrl.evaluate`, it runs without huge-page malloc (vrl/host_memory.py): for scoring it
+measured about 5% slower (82M, batch 32: 4.3-4.4 against 4.5-4.7 requests/s, 2026-11-24).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import jax  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from configs import base, tiny  # noqa: E402
-from vrl import aot, corpus, data, host_memory, sharding  # noqa: E402
+from vrl import aot, corpus, data, sharding  # noqa: E402
 from vrl.config import from_configdict  # noqa: E402
 from vrl.evaluate import VrlLM  # noqa: E402
 from vrl.step import Trainer  # noqa: E402
@@ -72,5 +74,4 @@ def main() -> None:
 
 
 if __name__ == '__main__':
-    host_memory.use_huge_pages()
     main()
