@@ -8,8 +8,8 @@ jax.profiler and reads the trace back (jax.profiler.ProfileData): the XLA:CPU th
 (dots, fusions, copies, converts, ...), on every thread. Prints the op time by kind and the
 `--top` ops by total time, each as ms per step and share of all op time. Op time summed over
 threads can exceed the step's wall time where ops run in parallel. `--members N` profiles the step
-of N seeds trained together (issue #29); `--config reproduce_cpu` is the CPU reproduction's model
-at its own batch (16 x 128) unless --seq_len/--batch say otherwise.
+of N seeds trained together (issue #29); `--config reproduce_cpu` (or tiny) runs at that config's own
+batch x seq_len unless --seq_len/--batch say otherwise.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-from bench.train_throughput import Stepper, bench_config  # noqa: E402
+from bench.train_throughput import NAMED, Stepper, bench_config  # noqa: E402
 from vrl import backend, host_memory  # noqa: E402
 
 STEPS = 2
@@ -60,22 +60,21 @@ def main() -> None:
     parser.add_argument('--config', default='82m')
     parser.add_argument('--variant', default='vanilla')
     parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
-    parser.add_argument('--seq_len', type=int, help='default: 128 for reproduce_cpu, else 512')
-    parser.add_argument('--batch', type=int, help='default: 16 for reproduce_cpu, else 4')
+    parser.add_argument('--seq_len', type=int, help="default: tiny's and reproduce_cpu's own, else 512")
+    parser.add_argument('--batch', type=int, help="default: tiny's and reproduce_cpu's own, else 4")
     parser.add_argument('--members', type=int, default=1, help='seeds trained together in one step')
     parser.add_argument('--top', type=int, default=25)
     args = parser.parse_args()
-    reproduction = args.config == 'reproduce_cpu'
-    args.seq_len = args.seq_len or (128 if reproduction else 512)
-    args.batch = args.batch or (16 if reproduction else 4)
-    stepper = Stepper(bench_config(args.config, args.variant, args.seq_len, args.batch, 'none', args.dtype),
-                      args.members)
+    sized = args.config not in NAMED  # a configs/base.py size: its own batch is a pod's
+    config = bench_config(args.config, args.variant, args.seq_len or (512 if sized else None),
+                          args.batch or (4 if sized else None), 'none', args.dtype)
+    stepper = Stepper(config, args.members)
     wall = min(stepper.step() for _ in range(2))
     times = op_times(stepper)
     total = sum(times.values())
-    print(f'{backend.describe_cpu_isa()}; {args.config} {args.variant} x {args.members} {args.dtype}, '
-          f'batch {args.batch} x '
-          f'{args.seq_len}: step {wall * 1e3:,.0f} ms wall, {total * 1e3:,.0f} ms of op time over threads')
+    print(f'{backend.describe_cpu_isa()}; {args.config} {args.variant} x {args.members} {args.dtype}, batch '
+          f'{config.data.batch_size} x {config.data.seq_len}: step {wall * 1e3:,.0f} ms wall, '
+          f'{total * 1e3:,.0f} ms of op time over threads')
     by_kind = collections.Counter()
     for op, seconds in times.items():
         by_kind[kind(op)] += seconds

@@ -41,14 +41,16 @@ from vrl.step import Trainer  # noqa: E402
 NAMED = {'tiny': tiny.get_config, 'reproduce_cpu': reproduce_cpu.get_config}
 
 
-def bench_config(name: str, variant: str, seq_len: int, batch: int, remat: str, dtype: str) -> Config:
+def bench_config(name: str, variant: str, seq_len: int | None, batch: int | None, remat: str,
+                 dtype: str) -> Config:
     """The `name` config ('tiny', 'reproduce_cpu' or a configs/base.py size) as `variant` (a
-    vrl/presets.py name), at this batch x seq_len, remat and compute dtype, its microbatches fitted
-    to the devices."""
+    vrl/presets.py name), at this batch x seq_len (None: the config's own), remat and compute dtype,
+    its microbatches fitted to the devices."""
     config = from_configdict(NAMED[name]() if name in NAMED else base.get_config(f'vanilla,{name}'))
     model = presets.apply(variant, dataclasses.replace(config.model, compute_dtype=dtype, remat=remat))
-    config = dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, seq_len=seq_len,
-                                                                               batch_size=batch))
+    data = dataclasses.replace(config.data, seq_len=seq_len or config.data.seq_len,
+                               batch_size=batch or config.data.batch_size)
+    config = dataclasses.replace(config, model=model, data=data)
     return aot.auto_fit(config, jax.devices(), aot.local_hbm_bytes())[0]  # the named configs' microbatches=0
 
 
@@ -58,11 +60,11 @@ class Stepper:
 
     def __init__(self, config: Config, members: int = 1):
         self.config = config
-        self.trainer = Trainer(config, sharding.make_mesh(config.mesh)).group(members)  # 1: the Trainer's own step
-        self.state = self.trainer.init_state(list(range(members)))
+        self.group = Trainer(config, sharding.make_mesh(config.mesh)).group(members)  # 1: the Trainer's own step
+        self.state = self.group.init_state(list(range(members)))
         rng = np.random.default_rng(0)
         shape = (config.data.batch_size, config.data.seq_len)
-        self.batch = self.trainer.device_batch({
+        self.batch = self.group.device_batch({
             'inputs': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
             'targets': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
             'loss_mask': np.ones(shape, np.int32)})
@@ -71,7 +73,7 @@ class Stepper:
     def step(self) -> float:
         """Seconds for one train step."""
         start = time.perf_counter()
-        self.state, out = self.trainer.train_step(self.state, self.batch)
+        self.state, out = self.group.train_step(self.state, self.batch)
         jax.block_until_ready(out)
         return time.perf_counter() - start
 

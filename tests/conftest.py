@@ -82,7 +82,7 @@ def small_corpus(plays_dir, tmp_path_factory):
 def shared_runs(small_corpus, tmp_path_factory):
     """`shared_runs(attention)`: the workdir of a tiny run (tests/runs.py shared_run_config) trained once
     per pytest session, for every xdist worker (in the session's common temp folder), for the tests
-    that only read a trained run. A test that writes into the workdir trains its own."""
+    that only read a trained run. A test that writes into a workdir copies it or trains its own."""
     from tests.runs import shared_run
     base = tmp_path_factory.getbasetemp()
     folder = (base.parent if os.environ.get('PYTEST_XDIST_WORKER') else base) / 'shared_runs'

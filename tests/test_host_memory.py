@@ -59,3 +59,16 @@ def test_restart_once_and_fewer_page_faults():
     assert restarted == ['started', 'started'] and not_restarted == ['started']
     assert faults_small > 60_000  # 256 MiB in 4 KiB pages
     assert faults_huge < faults_small / 10, (faults_huge, faults_small)
+
+
+def test_a_command_asking_for_huge_pages_runs_after_the_restart():
+    modes = host_memory.THP_MODE_FILE.read_text() if host_memory.THP_MODE_FILE.exists() else ''
+    if host_memory.tunables_with_huge_pages({}, platform.libc_ver(), modes) is None:
+        pytest.skip(f'huge-page malloc does not apply here (libc {platform.libc_ver()}, THP "{modes.strip()}")')
+    env = {k: v for k, v in os.environ.items() if k not in ('GLIBC_TUNABLES', 'VRL_HUGE_PAGES')}
+    command = ('import os\nfrom vrl import cli\nprint("started", flush=True)\n'
+               'cli.run(lambda args: print(os.environ.get("GLIBC_TUNABLES")), dict, huge_pages=%s)')
+    for huge_pages, expected in ((True, ['started', 'started', 'glibc.malloc.hugetlb=1']), (False, ['started', 'None'])):
+        out = subprocess.run([sys.executable, '-c', command % huge_pages], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert out == expected, (huge_pages, out)

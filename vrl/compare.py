@@ -34,7 +34,7 @@ import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
-from vrl import cli, compare_report, curves, grid, host_memory, presets
+from vrl import cli, compare_report, curves, grid, presets
 from vrl.config import Config, from_configdict
 from vrl.grid import BASELINE, Downstream, Run
 
@@ -129,5 +129,4 @@ def main(args: cli.Args) -> None:
 
 
 if __name__ == '__main__':
-    host_memory.use_huge_pages()
-    cli.run(main, _define_flags)
+    cli.run(main, _define_flags, huge_pages=True)

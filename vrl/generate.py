@@ -12,7 +12,7 @@ from pathlib import Path
 
 from absl import flags
 
-from vrl import accounting, cli, data, decode, host_memory
+from vrl import accounting, cli, data, decode
 from vrl.trained import TrainedRun, load_trained
 
 
@@ -76,5 +76,4 @@ def main(args: cli.Args) -> None:
 
 
 if __name__ == '__main__':
-    host_memory.use_huge_pages()
-    cli.run(main, _define_flags)
+    cli.run(main, _define_flags, huge_pages=True)

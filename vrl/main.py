@@ -15,7 +15,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from vrl import accounting, cli, host_memory, resolve
+from vrl import accounting, cli, resolve
 from vrl.config import Config, ConfigError, from_configdict
 
 def _define_flags() -> cli.Args:
@@ -159,5 +159,4 @@ def main(args: cli.Args) -> None:
 
 
 if __name__ == '__main__':
-    host_memory.use_huge_pages()
-    cli.run(main, _define_flags)
+    cli.run(main, _define_flags, huge_pages=True)

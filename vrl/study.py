@@ -39,7 +39,7 @@ import jax
 from absl import flags
 from ml_collections import config_flags
 
-from vrl import accounting, checkpoint, cli, grid, host_memory, metrics, presets, resolve, study_report
+from vrl import accounting, checkpoint, cli, grid, metrics, presets, resolve, study_report
 from vrl.compare import parse_seeds
 from vrl.config import Config, ModelConfig, from_configdict
 from vrl.grid import GridError, Run
@@ -246,5 +246,4 @@ def main(args: cli.Args) -> None:
 
 
 if __name__ == '__main__':
-    host_memory.use_huge_pages()
-    cli.run(main, _define_flags)
+    cli.run(main, _define_flags, huge_pages=True)
