@@ -14,6 +14,11 @@
 # --dry-run prints the commands instead of running them. Training runs detached (nohup) on every
 # worker and logs to ~/vrl.log there; `logs` tails worker 0's. Data and tokenizer should live on
 # GCS (--config.data.data_dir=gs://..., --config.data.tokenizer=gs://...) so that all hosts read them.
+#
+# After a preemption (spot VMs, a queued resource taken back): `all` again with the same flags
+# (create, install, train) resumes the run from its latest checkpoint in --workdir; no local file of
+# the old VMs is needed. The dead run's writer lease on the workdir is taken over once it has not
+# been renewed for train.lease_stale_seconds (300 s by default; docs/scaling-out.md, where files live).
 set -euo pipefail
 
 dry_run=0 step='' name=vrl-pod zone=us-west4-a accelerator=v5litepod-16 version=v2-alpha-tpuv5-lite

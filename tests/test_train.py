@@ -231,7 +231,7 @@ def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, mo
     (['--config=configs/no_such.py', '--summary'], "No such file or directory: 'configs/no_such.py'"),
     (['--config=configs/tiny.py', '--summary', '--config.model.attention=mamba'],
      "model.attention='mamba' is invalid: allowed one of 'vanilla', 'resformer', 'svformer'"),
-    (['--config=configs/tiny.py', '--workdir=/proc/vrl_cannot_write'], "cannot write to workdir '/proc/vrl_cannot_write'"),
+    (['--config=configs/tiny.py', '--workdir=/proc/vrl_cannot_write'], 'cannot write to --workdir /proc/vrl_cannot_write ('),
     (['--config=configs/base.py:resformer', '--summary'], 'configs/base.py:resformer is invalid: allowed VARIANT,SIZE'),
     (['--config=configs/tiny.py', '--summary', '--config.trian.steps=3'],
      "--config.trian.steps: 'trian' is not a config section; allowed: model, data, optimizer, train, mesh"),

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import shutil
 import time
 from typing import Any, Callable, Iterator
 
@@ -27,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from vrl import orbax_noise
+from vrl import orbax_noise, storage
 from vrl.config import EXECUTION_FIELDS, Config, ModelConfig, TrainConfig
 from vrl.errors import VrlError
 
@@ -126,7 +125,7 @@ def close(manager: ocp.CheckpointManager) -> None:
     manager.close()
     if jax.process_index() == 0:
         for partial in epath.Path(manager.directory).glob('*.orbax-checkpoint-tmp*'):
-            shutil.rmtree(partial, ignore_errors=True)
+            partial.rmtree(missing_ok=True)
 
 
 def _path_name(path) -> str:
@@ -276,7 +275,7 @@ def _reject(manager: ocp.CheckpointManager, step: int, reason: str) -> epath.Pat
     target = epath.Path(manager.directory).parent / 'rejected_checkpoints' / f'{step}-{time.strftime("%Y%m%dT%H%M%S")}'
     if jax.process_index() == 0:
         target.parent.mkdir(parents=True, exist_ok=True)
-        source.rename(target)
+        storage.move(source, target)
         (target / 'REJECTED.txt').write_text(reason + '\n')
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils

@@ -26,6 +26,7 @@ from typing import Iterator, Sequence
 import tensorflow_datasets as tfds
 from etils import epath
 
+from vrl import storage
 from vrl.errors import VrlError
 
 tfds.disable_progress_bar()
@@ -194,6 +195,12 @@ _NAME = re.compile(r'^[a-z][a-z0-9_]*$')
 
 def _checked_data_dir(data_dir: str) -> str:
     data_dir = data_dir or default_data_dir()
+    if storage.is_remote(data_dir):
+        try:
+            storage.path(data_dir).exists()
+        except Exception as e:  # noqa: BLE001 - any client error: the store cannot be read
+            raise DataError(f'cannot read data_dir {data_dir} ({storage.explain(e, storage.path(data_dir))})') from None
+        return data_dir
     if Path(data_dir).exists() and not Path(data_dir).is_dir():
         raise DataError(f'data_dir {data_dir!r} is a file, not a folder: point data.data_dir (or --data_dir) '
                         'at the folder that holds the prepared datasets.')
@@ -220,11 +227,42 @@ def _difference(saved: dict, current: dict) -> str:
     return ', '.join(f'{k} was {saved.get(k)!r}, now {v!r}' for k, v in current.items() if saved.get(k) != v)
 
 
+def _mirror(data_dir: str, name: str) -> str:
+    """A local data_dir holding remote `data_dir`'s dataset `name` as far as it is complete there
+    (array_record is read and written through local files only): the objects missing locally or of
+    another size are copied down. Returns the local data_dir."""
+    remote, local = storage.path(data_dir) / name, storage.scratch(storage.path(data_dir))
+    names = storage.files(remote) if remote.exists() else []
+    if any(n.endswith('dataset_info.json') for n in names):
+        for relative in names:
+            source, target = remote / relative, local / name / relative
+            if not target.exists() or target.stat().length != source.stat().length:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(source.read_bytes())
+    return str(local)
+
+
+def _publish(local_data_dir: str, data_dir: str, name: str) -> None:
+    """Copies dataset `name` from the local mirror up to remote `data_dir`; what marks it complete
+    (dataset_info.json, vrl_inputs.json) goes last, so a reader never takes half of it for whole."""
+    local, remote = epath.Path(local_data_dir) / name, storage.path(data_dir) / name
+    last = ('dataset_info.json', 'vrl_inputs.json')
+    for relative in sorted(storage.files(local), key=lambda n: (n.endswith(last), n.endswith(last[1]))):
+        (remote / relative).write_bytes((local / relative).read_bytes())
+
+
 def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False) -> str:
     """Builds the TFDS dataset `name` in `data_dir` (array_record); returns its folder.
 
     A dataset already there is kept if it was prepared from the same inputs; from other inputs,
-    DataError names the difference unless `overwrite` (then it is rebuilt)."""
+    DataError names the difference unless `overwrite` (then it is rebuilt). On an object store it is
+    built in a local mirror and then copied up (`_publish`)."""
+    data_dir = _checked_data_dir(data_dir)
+    if storage.is_remote(data_dir):
+        local = _mirror(data_dir, name)
+        built = prepare(spec, name, local, overwrite)
+        _publish(local, data_dir, name)
+        return str(storage.path(data_dir) / str(epath.Path(built).relative_to(local)))
     if not _NAME.match(name):
         raise DataError(f'dataset name {name!r} is invalid: use lower_snake_case (letters, digits, _).')
     if not 0 <= spec.validation_fraction < 1:
@@ -233,7 +271,6 @@ def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False)
         raise DataError(f'split_mode={spec.split_mode!r} is invalid: allowed one of {SPLIT_MODES}.')
     builder_cls = types.new_class(name, (_TextCorpusBuilder,), {'skip_registration': True},
                                   lambda namespace: namespace.update(name=name, spec=spec))
-    data_dir = _checked_data_dir(data_dir)
     builder = builder_cls(data_dir=data_dir, file_format='array_record')
     inputs = _inputs_record(spec)
     record = epath.Path(builder.data_path) / 'vrl_inputs.json'  # local or gs://
@@ -326,12 +363,13 @@ _BUILT_IN = {SHAKESPEARE: lambda: contextlib.nullcontext(shakespeare_spec()), KJ
 def open_split(name: str, data_dir: str, split: str):
     """A random-access source over one split (`tfds.data_source`); builds a built-in corpus on first use."""
     data_dir = _checked_data_dir(data_dir)
-    if name in _BUILT_IN and not (Path(data_dir) / name).exists():
+    if name in _BUILT_IN and not (storage.path(data_dir) / name).exists():
         logging.info('building the built-in %r corpus in %s (once)', name, data_dir)
         with _BUILT_IN[name]() as spec:
             prepare(spec, name, data_dir)
     try:
-        return tfds.data_source(name, data_dir=data_dir, split=split)
+        local = _mirror(data_dir, name) if storage.is_remote(data_dir) else data_dir
+        return tfds.data_source(name, data_dir=local, split=split)
     except Exception as e:  # TFDS raises several kinds; all mean the same thing to the user
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(

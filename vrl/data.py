@@ -23,14 +23,13 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from pathlib import Path
 from typing import Any, Iterator
 
 import grain
 import numpy as np
 from absl import flags
 
-from vrl import cli, corpus
+from vrl import cli, corpus, storage
 from vrl.config import ConfigError, DataConfig
 from vrl.tokenizer import Tokenizer, TokenizerError
 from vrl.tokenizer import train as train_tokenizer
@@ -212,7 +211,7 @@ def load_tokenizer(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
     else:
         data_dir = cfg.data_dir or corpus.default_data_dir()
         names = [name for name, _ in cfg.sources()]
-        path = Path(data_dir) / 'vrl_tokenizers' / f'{"+".join(names).replace("/", "_")}_{model_vocab_size}.model'
+        path = storage.path(data_dir) / 'vrl_tokenizers' / f'{"+".join(names).replace("/", "_")}_{model_vocab_size}.model'
         if path.exists():
             tokenizer = Tokenizer.load(str(path))
         else:

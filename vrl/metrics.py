@@ -2,22 +2,35 @@
 
 Only process 0 writes. On a terminal a progress bar shows step, loss, tokens/s and ETA;
 otherwise (logs, CI) plain lines.
+
+A local workdir's metrics.jsonl is appended to and flushed at every record. An object store cannot
+append: there the writer keeps the file's text in memory and replaces the object whole at each
+`flush` (the loop flushes at every checkpoint and evaluation, and at most `FLUSH_SECONDS` after a
+record), in a background thread, so the step never waits on the store. TensorBoard's event files
+are written in local scratch and copied up at each flush. A hard kill loses at most the records
+since the last flush, all of them after the last checkpoint, which the resumed run logs again.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import math
 import logging
 import sys
+import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
+
+from vrl import storage
+
+FLUSH_SECONDS = 60.0  # an object-store workdir's metrics reach the store at most this long after a record
 
 # Dense bf16 peak FLOP/s per chip (vendor figures); matched on jax's device_kind, first hit wins.
 PEAK_FLOPS = (
@@ -62,19 +75,69 @@ def peak_flops_per_device(configured: float = 0.0, compute_dtype: str = 'float32
     return float('nan')
 
 
+class _StoredLog:
+    """metrics.jsonl and the TensorBoard events on an object store: the text kept in memory and the
+    events in local scratch, both put on the store whole by `flush` (one background upload at a time)."""
+
+    def __init__(self, workdir: epath.Path):
+        self.jsonl = workdir / 'metrics.jsonl'
+        self.tensorboard = workdir / 'tensorboard'
+        self.local_tensorboard = storage.scratch(workdir) / 'tensorboard'
+        self._text = self.jsonl.read_text() if self.jsonl.exists() else ''
+        self._lock = threading.Lock()
+        self._uploads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='vrl-metrics')
+        self._pending: concurrent.futures.Future | None = None
+        self.last_flush = time.monotonic()
+
+    def append(self, line: str) -> None:
+        with self._lock:
+            self._text += line
+
+    def flush(self, wait: bool = False) -> None:
+        """An upload in the background (none while one still runs: the next flush takes its records),
+        or with `wait` here, after the one in flight."""
+        self.last_flush = time.monotonic()
+        if wait:
+            if self._pending is not None:
+                self._pending.result()
+            self._upload()
+        elif self._pending is None or self._pending.done():
+            self._pending = self._uploads.submit(self._upload)
+
+    def _upload(self) -> None:
+        with self._lock:
+            text = self._text
+        self.jsonl.write_text(text)
+        self.tensorboard.mkdir(parents=True, exist_ok=True)
+        for events in self.local_tensorboard.glob('events.*'):
+            (self.tensorboard / events.name).write_bytes(events.read_bytes())
+
+    def close(self) -> None:
+        self.flush(wait=True)
+        self._uploads.shutdown()
+
+
 class MetricsWriter:
     """metrics.jsonl + TensorBoard event files in the workdir, and the terminal."""
 
-    def __init__(self, workdir: str, total_steps: int, start_step: int, enabled: bool, label: str = ''):
+    def __init__(self, workdir: str | epath.Path, total_steps: int, start_step: int, enabled: bool,
+                 label: str = ''):
         """`label` starts every terminal line (a run trained in a group: its folder's name)."""
         self.enabled, self.label = enabled, label
         self.total_steps = total_steps
         self._bar = None
+        self._stored: _StoredLog | None = None
         if not enabled:
             return
-        self._jsonl = open(Path(workdir) / 'metrics.jsonl', 'a')
+        workdir = storage.path(workdir)
+        if storage.is_remote(workdir):
+            self._stored = _StoredLog(workdir)
+            tensorboard_dir = self._stored.local_tensorboard
+        else:
+            self._jsonl = open(workdir / 'metrics.jsonl', 'a')
+            tensorboard_dir = workdir / 'tensorboard'
         from tensorboardX import SummaryWriter
-        self._tensorboard = SummaryWriter(str(Path(workdir) / 'tensorboard'))
+        self._tensorboard = SummaryWriter(str(tensorboard_dir))
         if sys.stderr.isatty():
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True,
@@ -84,8 +147,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {'step': step, **{k: _plain(v) for k, v in record.items()}}
-        self._jsonl.write(json.dumps(record) + '\n')
-        self._jsonl.flush()
+        self._line(record)
         for key, value in record.items():  # a skipped step's NaN stays in metrics.jsonl, out of TensorBoard
             if key != 'step' and isinstance(value, (int, float)) and math.isfinite(value):
                 self._tensorboard.add_scalar(key, value, step)
@@ -94,9 +156,25 @@ class MetricsWriter:
     def mark_start(self, step: int, how: str, **details: Any) -> None:
         """A record that a run (re)started at `step`: later records of a step supersede earlier ones."""
         if self.enabled:
-            self._jsonl.write(json.dumps({'step': step, 'event': how, 'time': time.strftime('%Y-%m-%d %H:%M:%S'),
-                                          **{k: v for k, v in details.items() if v}}) + '\n')
+            self._line({'step': step, 'event': how, 'time': time.strftime('%Y-%m-%d %H:%M:%S'),
+                        **{k: v for k, v in details.items() if v}})
+
+    def _line(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record) + '\n'
+        if self._stored is None:
+            self._jsonl.write(line)
             self._jsonl.flush()
+            return
+        self._stored.append(line)
+        if time.monotonic() - self._stored.last_flush > FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self, wait: bool = False) -> None:
+        """Puts what was written so far on the store (an object-store workdir): in the background, or
+        with `wait` before returning."""
+        if self.enabled and self._stored is not None:
+            self._tensorboard.flush()
+            self._stored.flush(wait)
 
     def _echo(self, step: int, record: dict[str, Any]) -> None:
         if 'eval_loss' in record:
@@ -127,8 +205,11 @@ class MetricsWriter:
         if self.enabled:
             if self._bar is not None:
                 self._bar.close()
-            self._jsonl.close()
             self._tensorboard.close()
+            if self._stored is not None:
+                self._stored.close()
+            else:
+                self._jsonl.close()
 
 
 def _plain(value: Any) -> Any:

