@@ -163,3 +163,21 @@ def test_a_bad_store_is_one_line_before_anything_runs(gcs, bucket_config, tmp_pa
     assert out.returncode != 0 and 'Traceback' not in out.stderr, out.stderr[-3000:]
     assert f'error: cannot write to --workdir {where} (' in out.stderr and message in out.stderr, out.stderr[-3000:]
     assert 'params, mesh' not in out.stdout  # nothing was built or compiled
+
+
+def test_storage_on_the_bucket_creates_once_moves_folders_and_lists(gcs):
+    """What the workdir code asks of an object store: create-if-absent, whole-object replace, a
+    folder moved (--fresh, rejected checkpoints), every file listed (datasets)."""
+    from vrl import storage
+    root = storage.path('gs://vrl/storage_check')
+    assert storage.is_remote(root) and str(root) == 'gs://vrl/storage_check'
+    assert storage.create_exclusive(root / 'lease', b'first')
+    assert not storage.create_exclusive(root / 'lease', b'second')
+    assert (root / 'lease').read_bytes() == b'first'
+    storage.write_bytes(root / 'run/config.json', b'{"a": 1}')
+    storage.write_bytes(root / 'run/checkpoints/4/state', b'x' * 1000)
+    storage.move(root / 'run', root / 'previous_runs/then')
+    assert storage.files(root) == ['lease', 'previous_runs/then/checkpoints/4/state', 'previous_runs/then/config.json']
+    assert not (root / 'run').exists()
+    local = storage.path('relative/folder')
+    assert not storage.is_remote(local) and str(local) == os.path.abspath('relative/folder')

@@ -27,7 +27,7 @@ from etils import epath
 
 from vrl.errors import VrlError
 
-REMOTE_SCHEMES = ('gs://', 's3://', 'gcs://', 'az://', 'abfs://', 'hf://')
+REMOTE_SCHEMES = ('gs://', 's3://', 'gcs://', 'az://', 'abfs://')
 
 
 class StorageError(VrlError, OSError):
