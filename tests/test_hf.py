@@ -264,7 +264,7 @@ OLDEST_TRANSFORMERS = Path(os.environ.get('VRL_OLDEST_TRANSFORMERS', Path(sys.pr
 
 
 @pytest.mark.skipif(os.environ.get('VRL_UNDER_OLDEST_TRANSFORMERS') == '1', reason='this is that run')
-def test_the_oldest_supported_transformers_passes_the_interop_tests():
+def test_the_oldest_supported_transformers_passes_the_interop_tests(tmp_path):
     """This module's interop tests again, in a subprocess whose path starts with the oldest
     transformers vrl supports (installed apart: requirements-oldest.txt)."""
     oldest = hf.TRANSFORMERS.split('>=')[1]
@@ -272,13 +272,14 @@ def test_the_oldest_supported_transformers_passes_the_interop_tests():
         pytest.fail(f'no transformers in {OLDEST_TRANSFORMERS}: install the oldest supported one with '
                     f'`pip install --no-deps --target {OLDEST_TRANSFORMERS} -r requirements-oldest.txt` '
                     '(or point VRL_OLDEST_TRANSFORMERS at such a folder)')
-    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(OLDEST_TRANSFORMERS), str(ROOT)]),
-           'VRL_UNDER_OLDEST_TRANSFORMERS': '1'}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith('PYTEST_XDIST')},  # a session of its own
+           'PYTHONPATH': os.pathsep.join([str(OLDEST_TRANSFORMERS), str(ROOT)]), 'VRL_UNDER_OLDEST_TRANSFORMERS': '1'}
     version = subprocess.run([sys.executable, '-c', 'import transformers; print(transformers.__version__)'],
                              env=env, capture_output=True, text=True, timeout=120)
     assert version.stdout.strip() == oldest, version.stderr[-2000:]
     out = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-p', 'no:xdist',
-                          'tests/test_hf.py', '-k', INTEROP_TESTS], cwd=ROOT, env=env, capture_output=True,
+                          f'--basetemp={tmp_path / "pytest"}', 'tests/test_hf.py', '-k', INTEROP_TESTS], cwd=ROOT,
+                         env=env, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:]
     assert ' passed' in out.stdout.splitlines()[-1] and 'failed' not in out.stdout.splitlines()[-1]
