@@ -177,7 +177,7 @@ def test_storage_on_the_bucket_creates_once_moves_folders_and_lists(gcs):
     storage.write_bytes(root / 'run/config.json', b'{"a": 1}')
     storage.write_bytes(root / 'run/checkpoints/4/state', b'x' * 1000)
     storage.move(root / 'run', root / 'previous_runs/then')
-    assert storage.files(root) == ['lease', 'previous_runs/then/checkpoints/4/state', 'previous_runs/then/config.json']
+    assert list(storage.files(root)) == ['lease', 'previous_runs/then/checkpoints/4/state', 'previous_runs/then/config.json']
     assert not (root / 'run').exists()
     local = storage.path('relative/folder')
     assert not storage.is_remote(local) and str(local) == os.path.abspath('relative/folder')

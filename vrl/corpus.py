@@ -232,13 +232,13 @@ def _mirror(data_dir: str, name: str) -> str:
     (array_record is read and written through local files only): the objects missing locally or of
     another size are copied down. Returns the local data_dir."""
     remote, local = storage.path(data_dir) / name, storage.scratch(storage.path(data_dir))
-    names = storage.files(remote) if remote.exists() else []
-    if any(n.endswith('dataset_info.json') for n in names):
-        for relative in names:
-            source, target = remote / relative, local / name / relative
-            if not target.exists() or target.stat().length != source.stat().length:
+    sizes = storage.files(remote) if remote.exists() else {}
+    if any(n.endswith('dataset_info.json') for n in sizes):
+        for relative, size in sizes.items():
+            target = local / name / relative
+            if not target.exists() or target.stat().length != size:
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(source.read_bytes())
+                target.write_bytes((remote / relative).read_bytes())
     return str(local)
 
 
@@ -257,18 +257,18 @@ def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False)
     A dataset already there is kept if it was prepared from the same inputs; from other inputs,
     DataError names the difference unless `overwrite` (then it is rebuilt). On an object store it is
     built in a local mirror and then copied up (`_publish`)."""
-    data_dir = _checked_data_dir(data_dir)
-    if storage.is_remote(data_dir):
-        local = _mirror(data_dir, name)
-        built = prepare(spec, name, local, overwrite)
-        _publish(local, data_dir, name)
-        return str(storage.path(data_dir) / str(epath.Path(built).relative_to(local)))
     if not _NAME.match(name):
         raise DataError(f'dataset name {name!r} is invalid: use lower_snake_case (letters, digits, _).')
     if not 0 <= spec.validation_fraction < 1:
         raise DataError(f'validation_fraction={spec.validation_fraction} is invalid: allowed [0, 1).')
     if spec.split_mode not in SPLIT_MODES:
         raise DataError(f'split_mode={spec.split_mode!r} is invalid: allowed one of {SPLIT_MODES}.')
+    data_dir = _checked_data_dir(data_dir)
+    if storage.is_remote(data_dir):
+        local = _mirror(data_dir, name)
+        built = prepare(spec, name, local, overwrite)
+        _publish(local, data_dir, name)
+        return str(storage.path(data_dir) / str(epath.Path(built).relative_to(local)))
     builder_cls = types.new_class(name, (_TextCorpusBuilder,), {'skip_registration': True},
                                   lambda namespace: namespace.update(name=name, spec=spec))
     builder = builder_cls(data_dir=data_dir, file_format='array_record')

@@ -90,13 +90,16 @@ def delete(p: epath.Path) -> None:
         pass
 
 
-def files(folder: epath.Path) -> list[str]:
-    """Every file under `folder`, as paths relative to it, sorted (one listing on an object store)."""
+def files(folder: epath.Path) -> dict[str, int]:
+    """Every file under `folder` (a path relative to it, sorted) and its size in bytes: one listing on
+    an object store."""
     if is_remote(folder):
         fs, inner = _filesystem(folder)
         fs.invalidate_cache(inner)
-        return sorted(f[len(inner.rstrip('/')) + 1:] for f in fs.find(inner))
-    return sorted(os.path.relpath(os.path.join(d, name), folder) for d, _, names in os.walk(folder) for name in names)
+        found = fs.find(inner, detail=True)
+        return {name[len(inner.rstrip('/')) + 1:]: int(info['size']) for name, info in sorted(found.items())}
+    return dict(sorted((os.path.relpath(os.path.join(d, name), folder), os.path.getsize(os.path.join(d, name)))
+                       for d, _, names in os.walk(folder) for name in names))
 
 
 def move(source: epath.Path, target: epath.Path) -> None:

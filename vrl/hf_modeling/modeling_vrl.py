@@ -16,7 +16,7 @@ The KV cache is transformers' DynamicCache with one entry per layer: keys and va
 that borrow their group's). Shapes: B batch, T new tokens, S cached + new tokens, D hidden,
 H heads, K kv heads, G = H // K, Dh head dim; per-head tensors are heads-major (B, K, T, Dh).
 
-Works with transformers 5.0 and later: the cache comes in as `cache` (the name generate() passes
+Works with transformers 5.3 and later (vrl/hf.py TRANSFORMERS): the cache comes in as `cache` (the name generate() passes
 from 5.24 on) or `past_key_values` (before), and goes out under the name the installed
 transformers' output class declares.
 """
