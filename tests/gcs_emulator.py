@@ -9,8 +9,11 @@ environment that points every client at it and pins every credential and metadat
 from __future__ import annotations
 
 import argparse
+import http.server
+import json
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -63,6 +66,43 @@ class Emulator:
         self._log.close()
         if self._root is not None:
             self._root.cleanup()
+
+
+class RefusingStore:
+    """A GCS endpoint on 127.0.0.1 that answers every request with `status` and GCS's JSON error
+    body: what a caller without credentials (401) or without access to the bucket (403) gets."""
+
+    MESSAGES = {401: 'Anonymous caller does not have storage.objects.create access to the Google Cloud Storage '
+                     'object.',
+                403: 'ci@vrl-test.iam.gserviceaccount.com does not have storage.objects.create access to the '
+                     'Google Cloud Storage object. Permission denied.'}
+
+    def __init__(self, status: int):
+        message = self.MESSAGES[status]
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def answer(self) -> None:
+                self.rfile.read(int(self.headers.get('Content-Length') or 0))
+                body = json.dumps({'error': {'code': status, 'message': message,
+                                             'errors': [{'message': message, 'reason': 'forbidden'}]}}).encode()
+                self.send_response(status)
+                self.send_header('Content-Type', 'application/json')
+                self.send_header('Content-Length', str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = do_DELETE = answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+        self.url = f'http://127.0.0.1:{self._server.server_address[1]}'
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 def main() -> None:

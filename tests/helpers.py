@@ -97,3 +97,26 @@ def copy_params(src: nnx.Module, dst: nnx.Module) -> None:
     dst_state = nnx.state(dst, nnx.Param)
     nnx.replace_by_pure_dict(dst_state, jax.tree_util.tree_map_with_path(pick, nnx.to_pure_dict(dst_state)))
     nnx.update(dst, dst_state)
+
+
+def tensorboard_scalars(folder) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files under `folder`, read with tensorboardX's own
+    protos: {(event file's folder relative to `folder`, tag): [(step, value), ...]}."""
+    import os
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    scalars: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for directory, _, names in os.walk(folder):
+        for name in sorted(n for n in names if n.startswith('events.')):
+            with open(os.path.join(directory, name), 'rb') as f:
+                data = f.read()
+            offset = 0
+            while offset < len(data):  # records: u64 length, u32 crc, payload, u32 crc
+                (length,) = struct.unpack_from('<Q', data, offset)
+                event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+                offset += 16 + length
+                for value in event.summary.value:
+                    key = (os.path.relpath(directory, folder), value.tag)
+                    scalars.setdefault(key, []).append((event.step, value.simple_value))
+    return scalars

@@ -14,7 +14,7 @@ from flax import nnx
 
 from tests import numpy_reference
 from tests.conftest import ROOT
-from tests.helpers import NAMED_VARIANTS, randomize, rel_err, random_tokens, small_model_config
+from tests.helpers import NAMED_VARIANTS, randomize, rel_err, random_tokens, small_model_config, tensorboard_scalars
 from tests.runs import SHARED_RUN_STEPS
 from vrl import layer_stats
 from vrl.model import Decoder
@@ -133,3 +133,36 @@ def test_analyze_bad_input_is_one_clear_line(two_runs, tmp_path, args, message):
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
     assert 'Traceback' not in result.stderr
     assert not (tmp_path / 'out').exists()  # nothing half-written
+
+
+def test_training_logs_the_diagnostics_that_analyze_computes_on_its_checkpoint(small_corpus, tmp_path):
+    """train.diagnostics_every: per layer, the statistics of vrl.analyze on the same sequences and
+    parameters (to rounding), ResFormer's lambdas as the checkpoint holds them, in metrics.jsonl and
+    as one TensorBoard chart per statistic."""
+    import dataclasses
+    from tests.runs import tiny_config
+    from vrl import analyze, checkpoint, train
+    config = tiny_config(small_corpus, attention='resformer', steps=4, checkpoint_every=4, diagnostics_every=2,
+                         diagnostics_sequences=3, sample_prompt='')
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3))
+    workdir = tmp_path / 'run'
+    result = train.run(config, str(workdir))
+    records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+    logged = {r['step']: r['diagnostics'] for r in records if 'diagnostics' in r}
+    assert sorted(logged) == [2, 4]
+    assert set(logged[4]) == set(STATISTICS) | {'lambda_1', 'lambda_2'}
+    assert len(logged[4]['entropy']) == 3 and len(logged[4]['similarity']) == 4 and len(logged[4]['lambda_1']) == 2
+    assert logged[2]['entropy'] != logged[4]['entropy']  # the parameters of that step, not the first ones
+
+    analysed = analyze.analyze_run(str(workdir), 3, 0, 2)  # the same 3 sequences, in other batches
+    for name in STATISTICS:
+        assert rel_err(np.asarray(logged[4][name]), np.asarray(analysed[name])) < 1e-5, name
+    lambdas = result.state.params['lambdas']
+    np.testing.assert_allclose(logged[4]['lambda_1'], np.asarray(lambdas['v1'][...]), rtol=1e-6)
+    np.testing.assert_allclose(logged[4]['lambda_2'], np.asarray(lambdas['vn'][...]), rtol=1e-6)
+    assert checkpoint.latest_step(workdir) == 4
+
+    charts = tensorboard_scalars(workdir / 'tensorboard')
+    entropy = {folder: points for (folder, tag), points in charts.items() if tag == 'diagnostics/entropy'}
+    assert len(entropy) == 3, list(charts)  # one line per layer in one chart
+    assert all([step for step, _ in points] == [2, 4] for points in entropy.values())

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.gcs_emulator import Emulator, environment
+from tests.gcs_emulator import Emulator, RefusingStore, environment
 from tests.runs import overrides, tiny_config
+from vrl.config import Config
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -97,39 +98,80 @@ def test_the_lookups_are_pinned_to_localhost(gcs):
         assert env[key].startswith('127.0.0.1:')
 
 
-def test_a_run_lives_in_the_bucket_and_resumes_after_kill_9_on_fresh_machines(gcs, bucket_config, tmp_path):
-    """Uninterrupted vs killed after a checkpoint and restarted with no local file kept: the same
-    losses step by step, every step in the bucket's metrics.jsonl, both starts in config.json, no
-    local folder named gs:."""
-    whole = _run(bucket_config, 'gs://vrl/whole', gcs, tmp_path / 'host_a')
-    assert whole.returncode == 0, whole.stderr[-3000:]
+def _pod_config(small_corpus) -> Config:
+    """tiny_config on the built-in Shakespeare corpus, its dataset and tokenizer made in the bucket by
+    the first run; the lease goes stale 40 s after a holder's last renewal (every 10 s)."""
+    config = tiny_config(small_corpus, attention='svformer', steps=8, checkpoint_every=4, log_every=1,
+                         lease_stale_seconds=40)
+    return dataclasses.replace(config, data=dataclasses.replace(
+        config.data, name='shakespeare', data_dir='gs://vrl/pod_data', tokenizer='', tokenizer_train_docs=400))
+
+
+def _pod(config, workdir: str, gcs_url: str, hosts: list[Path]) -> list[subprocess.Popen]:
+    """`python -m vrl.main` on a pod of len(hosts) machines: one process each (2 CPU devices), with
+    its own HOME, TMPDIR and working directory, joined by jax.distributed on 127.0.0.1."""
+    import socket
+    with socket.socket() as probe:
+        probe.bind(('127.0.0.1', 0))
+        port = probe.getsockname()[1]
+    processes = []
+    for i, host in enumerate(hosts):
+        env = {**_env(gcs_url, host), 'XLA_FLAGS': '--xla_force_host_platform_device_count=2', 'JAX_PLATFORMS': 'cpu'}
+        processes.append(subprocess.Popen(
+            _command(config, workdir) + [f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={len(hosts)}',
+                                         f'--process_id={i}'],
+            cwd=host, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return processes
+
+
+def _finish(pod: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    return [(p.wait(timeout=600), p.stdout.read()) for p in pod]
+
+
+def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs, small_corpus, tmp_path):
+    """The pod rehearsal: two jax.distributed processes that share no local disk, with workdir,
+    data_dir and tokenizer on gs://. The first run builds the dataset and trains the tokenizer in the
+    bucket; a pod killed (-9, both hosts) after a checkpoint and restarted on fresh machines equals an
+    uninterrupted run step by step; a second pod on a held workdir is refused by both its hosts."""
+    config = _pod_config(small_corpus)
+    whole = _finish(_pod(config, 'gs://vrl/pod_whole', gcs, [tmp_path / 'a0', tmp_path / 'a1']))
+    assert [rc for rc, _ in whole] == [0, 0], [out[-3000:] for _, out in whole]
     fs = _fs()
-    names = {p.rsplit('/', 1)[1] for p in fs.ls('vrl/whole')}
-    assert {'checkpoints', 'metrics.jsonl', 'config.json', 'tensorboard'} <= names and '.lock' not in names
-    assert fs.ls('vrl/whole/tensorboard') and {'4', '8'} <= {p.rsplit('/', 1)[1] for p in fs.ls('vrl/whole/checkpoints')}
-    want = _losses('gs://vrl/whole')
+    assert fs.exists('vrl/pod_data/vrl_tokenizers/shakespeare_512.model')
+    assert fs.glob('vrl/pod_data/shakespeare/*/dataset_info.json')
+    want = _losses('gs://vrl/pod_whole')
     assert sorted(want) == list(range(1, 9))
 
-    first = tmp_path / 'host_b'
-    first.mkdir()
-    proc = subprocess.Popen(_command(bucket_config, 'gs://vrl/killed'), cwd=first, env=_env(gcs, first),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = _pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'b0', tmp_path / 'b1'])
     deadline = time.time() + 300
-    while not _fs().exists('vrl/killed/checkpoints/4/commit_success.txt'):  # GCS: Orbax's last object of a step
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+    while not _fs().exists('vrl/pod_killed/checkpoints/4/commit_success.txt'):  # GCS: Orbax's last object
+        assert all(p.poll() is None for p in killed) and time.time() < deadline, [p.stdout.read()[-3000:] for p in killed]
         time.sleep(0.2)
-    proc.kill()
-    proc.wait()
-    time.sleep(bucket_config.train.lease_stale_seconds)  # the killed holder's lease goes stale
-    resumed = _run(bucket_config, 'gs://vrl/killed', gcs, tmp_path / 'host_c')  # a fresh machine
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert 'took over the lease of workdir gs://vrl/killed' in resumed.stdout + resumed.stderr
-    assert "resumed at step" in resumed.stdout, resumed.stdout
-    got = _losses('gs://vrl/killed')
+    for p in killed:
+        p.kill()
+        p.wait()
+
+    # the dead pod's lease is still fresh: another pod is refused by both hosts, before writing
+    objects = set(_fs().find('vrl/pod_killed'))
+    refused = _finish(_pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'c0', tmp_path / 'c1']))
+    assert all(rc != 0 and 'Traceback' not in out for rc, out in refused), [out[-3000:] for _, out in refused]
+    assert 'error: workdir gs://vrl/pod_killed is in use by another run (host ' in refused[0][1], refused[0][1][-3000:]
+    assert 'error: process 0 stopped: workdir gs://vrl/pod_killed is in use' in refused[1][1], refused[1][1][-3000:]
+    assert set(_fs().find('vrl/pod_killed')) == objects
+
+    lease = json.loads(_fs().cat('vrl/pod_killed/.lock'))
+    time.sleep(max(0.0, lease['renewed'] + config.train.lease_stale_seconds + 1 - time.time()))
+    resumed = _finish(_pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'd0', tmp_path / 'd1']))
+    assert [rc for rc, _ in resumed] == [0, 0], [out[-3000:] for _, out in resumed]
+    assert 'took over the lease of workdir gs://vrl/pod_killed' in resumed[0][1]
+    assert 'resumed at step' in resumed[0][1], resumed[0][1]
+    got = _losses('gs://vrl/pod_killed')
     assert sorted(got) == list(range(1, 9))
     assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in want), (got, want)
-    history = json.loads(_fs().cat('vrl/killed/config.json'))['history']
-    assert len(history) == 2 and history[1]['step'] >= 4
+    history = json.loads(_fs().cat('vrl/pod_killed/config.json'))['history']
+    assert len(history) == 2 and 4 <= history[1]['step'] < 8, history  # resumed from the checkpoint of step 4
+    assert {'process_0-of-2.json', 'process_1-of-2.json'} <= {
+        p.rsplit('/', 1)[1] for p in _fs().find('vrl/pod_killed/checkpoints/8')}
     for folder in (tmp_path, ROOT):
         assert not list(folder.rglob('gs:')), f'a local gs: folder under {folder}'
 
@@ -152,17 +194,91 @@ def test_a_second_writer_is_refused_and_a_stale_lease_taken_over(gcs, bucket_con
     assert not _fs().exists('vrl/held/.lock')  # released at the end
 
 
-@pytest.mark.parametrize('where, emulator, message', [
-    ('gs://no-such-bucket/run', None, 'bucket no-such-bucket does not exist'),
-    ('gs://vrl/run', 'http://127.0.0.1:9', 'the object store cannot be reached'),
+def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, tmp_path):
+    """The tools on gs://: a run's workdir read by vrl.export (--out on gs://), vrl.analyze (--out on
+    gs://), vrl.generate (--prompts_file on gs://) and vrl.evaluate (its lm_eval/ in the workdir);
+    runs started from a gs:// checkpoint and from an hf:gs:// export; a grid directory's lease and
+    reports; dataset statistics from a gs:// data_dir."""
+    from tests.runs import write_choice_task
+    from vrl import data, evaluate, grid, storage, train
+    from vrl.tokenizer import Tokenizer
+    config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=4))
+    source = train.run(config, 'gs://vrl/tools/run')
+    env = _env(gcs, tmp_path / 'host')
+
+    def command(module: str, *flags: str) -> str:
+        out = subprocess.run([sys.executable, '-m', module, *flags], cwd=tmp_path / 'host', env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    command('vrl.export', '--workdir=gs://vrl/tools/run', '--out=gs://vrl/tools/hf')
+    exported = {p.rsplit('/', 1)[1] for p in _fs().ls('vrl/tools/hf')}
+    assert {'config.json', 'model.safetensors', 'tokenizer.model', 'vrl_export.json', 'README.md'} <= exported
+    assert json.loads(_fs().cat('vrl/tools/hf/vrl_export.json'))['workdir'] == 'gs://vrl/tools/run'
+    command('vrl.analyze', '--workdir=gs://vrl/tools/run', '--out=gs://vrl/tools/analysis', '--sequences=2',
+            '--batch_size=2')
+    assert _fs().exists('vrl/tools/analysis/run/analysis.json') and _fs().glob('vrl/tools/analysis/*.png')
+    _fs().pipe_file('vrl/tools/prompts.txt', b'KING:\nHAMLET:\n')
+    generated = command('vrl.generate', '--workdir=gs://vrl/tools/run', '--prompts_file=gs://vrl/tools/prompts.txt',
+                        '--max_new_tokens=4')
+    assert 'KING:' in generated and 'HAMLET:' in generated
+
+    outputs = evaluate.evaluate('gs://vrl/tools/run', ['toy_choice'], include_path=str(write_choice_task(tmp_path / 'tasks')),
+                                batch_size=4)
+    assert all(str(f).startswith('gs://vrl/tools/run/lm_eval/') for f in outputs.files)
+    assert json.loads(_fs().cat(str(outputs.files[0]).removeprefix('gs://')))['vrl']['step'] == 4
+
+    short = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2, checkpoint_every=2))
+    for start, workdir in (('gs://vrl/tools/run', 'gs://vrl/tools/from_run'), ('hf:gs://vrl/tools/hf', 'gs://vrl/tools/from_hf')):
+        first = train.run(short, workdir, init_from=start)
+        assert first.step == 2 and first.losses[1] < source.losses[1], (start, first.losses, source.losses)  # trained weights
+
+    directory = grid.GridDirectory(storage.path('gs://vrl/tools/grid'), 'compare.json', 'comparison')
+    directory.open(config)
+    assert json.loads(_fs().cat('vrl/tools/grid/.lock'))['holder']  # the grid's lease
+    directory.write_text('report.md', '# report')
+    directory.close()
+    assert _fs().cat('vrl/tools/grid/report.md') == b'# report' and not _fs().exists('vrl/tools/grid/.lock')
+
+    stats = data.split_stats('plays', 'gs://vrl/tfds', Tokenizer.load('gs://vrl/plays.model'))
+    assert stats['train']['documents'] > 100 and stats['validation']['tokens'] > 0
+    assert not list(tmp_path.rglob('gs:')) and not list(ROOT.rglob('gs:'))
+
+
+@pytest.mark.parametrize('where, store, message', [
+    ('gs://no-such-bucket/run', 'emulator', 'bucket no-such-bucket does not exist'),
+    ('gs://vrl/run', 'closed', 'the object store cannot be reached'),
+    ('gs://vrl/run', 401, 'no credentials for the object store'),
+    ('gs://vrl/run', 403, 'permission denied on bucket vrl'),
 ])
-def test_a_bad_store_is_one_line_before_anything_runs(gcs, bucket_config, tmp_path, where, emulator, message):
-    env = _env(emulator or gcs, tmp_path)
+def test_a_bad_store_is_one_line_before_anything_runs(gcs, bucket_config, tmp_path, where, store, message):
+    refusing = RefusingStore(store) if isinstance(store, int) else None
+    url = {'emulator': gcs, 'closed': 'http://127.0.0.1:9'}.get(store) or refusing.url
     config = dataclasses.replace(bucket_config, data=dataclasses.replace(bucket_config.data, data_dir=str(tmp_path)))
-    out = subprocess.run(_command(config, where), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    try:
+        out = subprocess.run(_command(config, where), cwd=tmp_path, env=_env(url, tmp_path), capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        if refusing:
+            refusing.stop()
     assert out.returncode != 0 and 'Traceback' not in out.stderr, out.stderr[-3000:]
     assert f'error: cannot write to --workdir {where} (' in out.stderr and message in out.stderr, out.stderr[-3000:]
     assert 'params, mesh' not in out.stdout  # nothing was built or compiled
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('data_dir', 'gs://no-such-bucket/tfds', 'cannot read data_dir gs://no-such-bucket/tfds (bucket no-such-bucket does not exist'),
+    ('tokenizer', 'gs://no-such-bucket/plays.model', 'cannot read data.tokenizer gs://no-such-bucket/plays.model (bucket '
+                                                      'no-such-bucket does not exist'),
+    ('tokenizer', 'gs://vrl/none.model', "tokenizer 'gs://vrl/none.model' does not exist. Train one with"),
+])
+def test_data_on_a_missing_bucket_is_one_line(gcs, bucket_config, tmp_path, field, value, message):
+    config = dataclasses.replace(bucket_config, data=dataclasses.replace(bucket_config.data, **{field: value}))
+    out = _run(config, f'gs://vrl/bad_{field}', gcs, tmp_path / 'host')
+    assert out.returncode != 0 and 'Traceback' not in out.stderr, out.stderr[-3000:]
+    assert f'error: {message}' in out.stderr, out.stderr[-3000:]
+    assert not list(tmp_path.rglob('gs:'))
 
 
 def test_storage_on_the_bucket_creates_once_moves_folders_and_lists(gcs):

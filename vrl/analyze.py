@@ -10,38 +10,20 @@ The model runs one layer at a time, so only one layer's (L x L) attention maps e
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from pathlib import Path
 
-import jax
-import numpy as np
 from absl import flags
-from flax import nnx
+from etils import epath
 
-from vrl import cli, layer_stats, data, plots, sharding, tokenizer
+from vrl import cli, diagnostics, plots, storage
 from vrl.errors import VrlError
 from vrl.trained import load_trained
 
-STATISTICS = layer_stats.LayerStats._fields
+STATISTICS = diagnostics.STATISTICS
 
 
 class AnalysisError(VrlError, ValueError):
     """Bad analysis input; the message names the problem."""
-
-
-def validation_sequences(config, tok: tokenizer.Tokenizer, n: int, seq_len: int) -> np.ndarray:
-    """The first n full windows (every token real) of the run's validation split (a mixture's first
-    dataset's): (n, seq_len) int32."""
-    cfg = dataclasses.replace(config.data, seq_len=seq_len, batch_size=n, num_workers=0, document_masking=False)
-    name = cfg.sources()[0][0]
-    rows = []
-    for batch in data.eval_batches(cfg, tok, 0, name=name):
-        rows += [x for x, mask in zip(batch['inputs'], batch['loss_mask']) if mask.all()]
-        if len(rows) >= n:
-            return np.stack(rows[:n])
-    raise AnalysisError(f'the {cfg.eval_split} split of {name!r} holds only {len(rows)} full sequences of '
-                        f'{seq_len} tokens, fewer than --sequences={n}: lower --sequences or --seq_len.')
 
 
 def analyze_run(workdir: str, sequences: int, seq_len: int, batch_size: int) -> dict:
@@ -53,17 +35,9 @@ def analyze_run(workdir: str, sequences: int, seq_len: int, batch_size: int) -> 
     if not 2 <= seq_len <= config.data.seq_len:
         raise AnalysisError(f'--seq_len={seq_len} is invalid: allowed 2..{config.data.seq_len}, the sequence length '
                             f'{workdir} was trained at (RoPE positions beyond it were never seen).')
-    stats_fn = jax.jit(sharding.traced_in(trainer.mesh, lambda p, t: nnx.merge(trainer.graphdef, p).layer_stats(t)))
-    tokens = validation_sequences(config, tok, sequences, seq_len)
-    sums = None
-    for start in range(0, sequences, batch_size):
-        batch = tokens[start:start + batch_size]
-        placed = jax.device_put(batch, sharding.fitted_sharding(trainer.mesh, ('batch', 'length'), batch.shape))
-        per_sequence = jax.device_get(stats_fn(params, placed))  # each (layers, B)
-        batch_sums = {k: np.asarray(v, np.float64).sum(axis=1) for k, v in per_sequence._asdict().items()}
-        sums = batch_sums if sums is None else {k: sums[k] + batch_sums[k] for k in sums}
-    return {'variant': config.model.variant_name, 'step': step, 'sequences': sequences, 'seq_len': seq_len,
-            **{k: (sums[k] / sequences).tolist() for k in STATISTICS}}
+    tokens = diagnostics.validation_sequences(config, tok, sequences, seq_len, '--sequences')
+    stats = diagnostics.averaged(diagnostics.summed_stats(trainer), trainer, params, tokens, batch_size)
+    return {'variant': config.model.variant_name, 'step': step, 'sequences': sequences, 'seq_len': seq_len, **stats}
 
 
 _PLOTS = {  # file -> (title, y label, [(statistic, line style)])
@@ -77,7 +51,7 @@ _PLOTS = {  # file -> (title, y label, [(statistic, line style)])
 }
 
 
-def plot(results: dict[str, dict], out: Path) -> list[Path]:
+def plot(results: dict[str, dict], out: epath.Path) -> list[epath.Path]:
     """One PNG per statistic in `out`, one colour per run, layers on the x axis."""
     written = []
     for name, (title, ylabel, statistics) in _PLOTS.items():
@@ -94,7 +68,7 @@ def plot(results: dict[str, dict], out: Path) -> list[Path]:
 
 
 def run_names(workdirs: list[str]) -> list[str]:
-    names = [Path(w).absolute().name for w in workdirs]
+    names = [storage.path(w).name for w in workdirs]
     for name in names:
         if names.count(name) > 1:
             raise AnalysisError(f'two --workdir folders are named {name!r}; their results would share '
@@ -116,7 +90,8 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
 def main(args: cli.Args) -> None:
     cli.require(args, 'workdir', 'out')
     workdirs = args['workdir'].value
-    out = Path(args['out'].value)
+    out = storage.path(args['out'].value)
+    storage.check_writable(out.parent, '--out')  # before any work; out itself only once there are results
     names = run_names(workdirs)
     results = {name: analyze_run(workdir, args['sequences'].value, args['seq_len'].value,
                                  args['batch_size'].value) for name, workdir in zip(names, workdirs)}

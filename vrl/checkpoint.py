@@ -293,8 +293,8 @@ def latest_step(workdir: str | epath.Path) -> int | None:
 def step_folder(path: str) -> tuple[epath.Path, int | None]:
     """The folder holding `state/` for a workdir (its latest step) or a step folder, and its step
     (None if the folder name is not one); NoCheckpointError names the place and how to make one."""
-    root = epath.Path(path).absolute()
-    if (root / 'checkpoints').exists():
+    root = storage.path(path)
+    if storage.exists(root / 'checkpoints', 'the checkpoint'):
         root = root / 'checkpoints'
     if (root / 'state').exists():
         return root, int(root.name) if root.name.isdigit() else None

@@ -28,13 +28,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 import jax
 from absl import flags, logging
+from etils import epath
 from ml_collections import config_flags
 
-from vrl import cli, compare_report, curves, grid, presets
+from vrl import cli, compare_report, curves, grid, presets, storage
 from vrl.config import Config, from_configdict
 from vrl.grid import BASELINE, Downstream, Run
 
@@ -56,7 +56,7 @@ def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:
     return runs
 
 
-def compare(base: Config, variants: list[str], seeds: list[int], workdir: Path, analysis_sequences: int,
+def compare(base: Config, variants: list[str], seeds: list[int], workdir: epath.Path, analysis_sequences: int,
             downstream: Downstream | None = None, group_runs: bool = True) -> list[dict]:
     """Trains what is missing, then writes report.md, results.json and the plots; returns the table rows."""
     runs = plan(base, variants, seeds)
@@ -116,7 +116,7 @@ def main(args: cli.Args) -> None:
             from vrl import evaluate  # noqa: F401 - lm-eval: requirements-extra.txt
         except ImportError as e:
             sys.exit(f'error: --tasks {e}')
-    workdir = Path(args['workdir'].value).absolute()
+    workdir = storage.path(args['workdir'].value)
     downstream = (Downstream(args['tasks'].value, args['task_limit'].value, args['include_path'].value)
                   if args['tasks'].value else None)
     rows = compare(from_configdict(args['config'].value), args['variants'].value,

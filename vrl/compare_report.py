@@ -7,9 +7,9 @@ A result is a finished run's result.json (vrl/grid.py).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
+from etils import epath
 
 from vrl import analyze, curves, plots
 from vrl.config import Config
@@ -42,7 +42,7 @@ def _mean_downstream(per_run: list[dict[str, dict[str, float]]]) -> dict[str, di
                    for metric in set.intersection(*(set(d[task]) for d in per_run))} for task in sorted(tasks)}
 
 
-def write_plots(results: list[dict], variants: list[str], workdir: Path) -> list[Path]:
+def write_plots(results: list[dict], variants: list[str], workdir: epath.Path) -> list[epath.Path]:
     by_variant = {v: [r for r in results if r['variant'] == v] for v in variants}
     eval_lines, relative_lines = [], []
     train_curves = {v: curves.mean_curve([r['train_loss'] for r in runs]) for v, runs in by_variant.items()}
@@ -66,7 +66,7 @@ def write_plots(results: list[dict], variants: list[str], workdir: Path) -> list
     return written + (analyze.plot(mean_analysis, workdir) if mean_analysis else [])
 
 
-def report(rows: list[dict], figures: list[Path], base: Config, seeds: list[int]) -> str:
+def report(rows: list[dict], figures: list[epath.Path], base: Config, seeds: list[int]) -> str:
     tokens = base.train.steps * base.data.batch_size * base.data.seq_len
     lines = [
         '# Variant comparison', '',

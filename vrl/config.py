@@ -348,12 +348,18 @@ class TrainConfig:
     peak_flops: float = 0.0  # per device, for MFU; 0 = device table, or a matmul probe on CPU
     # a workdir on an object store: a writer's lease not renewed for this long is taken over (vrl/workdir.py)
     lease_stale_seconds: int = 300
+    # per-layer attention diagnostics (vrl/diagnostics.py) on the first diagnostics_sequences full validation
+    # sequences, every this many steps, into metrics.jsonl and TensorBoard; 0 = off
+    diagnostics_every: int = 100
+    diagnostics_sequences: int = 8
 
     def __post_init__(self):
         _choice('train.nan_policy', self.nan_policy, NAN_POLICIES)
-        for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'lease_stale_seconds'):
+        for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'lease_stale_seconds',
+                     'diagnostics_sequences'):
             _require(getattr(self, name) >= 1, f'train.{name}', getattr(self, name), 'an integer >= 1')
-        for name in ('steps', 'microbatches', 'eval_every', 'eval_batches', 'keep_period', 'sample_tokens', 'max_skipped_steps'):
+        for name in ('steps', 'microbatches', 'eval_every', 'eval_batches', 'keep_period', 'sample_tokens',
+                     'max_skipped_steps', 'diagnostics_every'):
             _require(getattr(self, name) >= 0, f'train.{name}', getattr(self, name), 'an integer >= 0')
 
 

@@ -196,10 +196,7 @@ _NAME = re.compile(r'^[a-z][a-z0-9_]*$')
 def _checked_data_dir(data_dir: str) -> str:
     data_dir = data_dir or default_data_dir()
     if storage.is_remote(data_dir):
-        try:
-            storage.path(data_dir).exists()
-        except Exception as e:  # noqa: BLE001 - any client error: the store cannot be read
-            raise DataError(f'cannot read data_dir {data_dir} ({storage.explain(e, storage.path(data_dir))})') from None
+        storage.exists(storage.path(data_dir), 'data_dir')  # a missing bucket or store: one line
         return data_dir
     if Path(data_dir).exists() and not Path(data_dir).is_dir():
         raise DataError(f'data_dir {data_dir!r} is a file, not a folder: point data.data_dir (or --data_dir) '
@@ -228,27 +225,19 @@ def _difference(saved: dict, current: dict) -> str:
 
 
 def _mirror(data_dir: str, name: str) -> str:
-    """A local data_dir holding remote `data_dir`'s dataset `name` as far as it is complete there
-    (array_record is read and written through local files only): the objects missing locally or of
-    another size are copied down. Returns the local data_dir."""
-    remote, local = storage.path(data_dir) / name, storage.scratch(storage.path(data_dir))
-    sizes = storage.files(remote) if remote.exists() else {}
-    if any(n.endswith('dataset_info.json') for n in sizes):
-        for relative, size in sizes.items():
-            target = local / name / relative
-            if not target.exists() or target.stat().length != size:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes((remote / relative).read_bytes())
-    return str(local)
+    """A local data_dir holding remote `data_dir`'s dataset `name` if it is complete there
+    (array_record is read and written through local files only). Returns the local data_dir."""
+    remote = storage.path(data_dir) / name
+    if any(remote.glob('*/dataset_info.json')):
+        storage.local_copy(remote)
+    return str(storage.scratch(storage.path(data_dir)))
 
 
 def _publish(local_data_dir: str, data_dir: str, name: str) -> None:
     """Copies dataset `name` from the local mirror up to remote `data_dir`; what marks it complete
     (dataset_info.json, vrl_inputs.json) goes last, so a reader never takes half of it for whole."""
-    local, remote = epath.Path(local_data_dir) / name, storage.path(data_dir) / name
-    last = ('dataset_info.json', 'vrl_inputs.json')
-    for relative in sorted(storage.files(local), key=lambda n: (n.endswith(last), n.endswith(last[1]))):
-        (remote / relative).write_bytes((local / relative).read_bytes())
+    storage.copy_tree(epath.Path(local_data_dir) / name, storage.path(data_dir) / name,
+                      last=('dataset_info.json', 'vrl_inputs.json'))
 
 
 def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False) -> str:

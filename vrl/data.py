@@ -204,6 +204,15 @@ def _pad_batch(batch: Batch, batch_size: int) -> Batch:
             for k, v in batch.items()}
 
 
+def ready(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
+    """The tokenizer, with every dataset the config reads opened first: a built-in corpus is built and
+    a tokenizer trained if none is named, in data_dir. A multi-host job runs this on process 0 first
+    (vrl/multihost.py), so that those are made once, in the one place every host reads."""
+    for name, _ in cfg.sources():
+        corpus.open_split(name, cfg.data_dir, cfg.train_split)
+    return load_tokenizer(cfg, model_vocab_size)
+
+
 def load_tokenizer(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
     """data.tokenizer, or one trained on the train split and cached beside the dataset."""
     if cfg.tokenizer:

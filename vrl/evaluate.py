@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from etils import epath
 from flax import nnx
 
 try:
@@ -52,7 +53,7 @@ except ImportError as e:
     raise ImportError(f'vrl.evaluate needs lm-evaluation-harness ({e}): pip install -r requirements-extra.txt'
                       ) from e
 
-from vrl import checkpoint, cli, data, decode, sharding
+from vrl import checkpoint, cli, data, decode, sharding, storage
 from vrl.errors import VrlError
 from vrl.trained import TrainedRun, load_trained
 
@@ -345,10 +346,10 @@ def evaluate(workdir: str, tasks: list[str], num_fewshot: int | None = None, lim
         raise
     except Exception as e:  # noqa: BLE001 - narrowed to the task whose data fails, if any
         raise (_unloadable_task(task_manager, tasks) or e) from e
-    return _write(Path(workdir) / 'lm_eval', results, model.run.step)
+    return _write(storage.path(workdir) / 'lm_eval', results, model.run.step)
 
 
-def _write(out: Path, results: dict, step: int | None) -> EvalOutputs:
+def _write(out: epath.Path, results: dict, step: int | None) -> EvalOutputs:
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime('%Y%m%d-%H%M%S')
     samples = results.pop('samples', None) or {}

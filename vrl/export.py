@@ -22,8 +22,9 @@ from typing import Callable
 
 import jax
 from absl import flags
+from etils import epath
 
-from vrl import cli
+from vrl import cli, storage
 from vrl.errors import VrlError
 from vrl.trained import load_trained
 
@@ -34,11 +35,14 @@ class ExportError(VrlError, RuntimeError):
     """--out cannot be written as asked; the message says why and what to do."""
 
 
-def publish(out: Path, source: dict, overwrite: bool, write: Callable[[Path], object]) -> list[Path]:
-    """Writes a directory with `write(folder)` and `source` in folder/MARKER, then puts it at `out`.
+def publish(out: epath.Path, source: dict, overwrite: bool, write: Callable[[Path], object]) -> list[str]:
+    """Writes a directory with `write(folder)` and `source` in folder/MARKER, then puts it at `out`
+    (local or on an object store); returns the names of the files there.
 
     `out` may be missing, empty, an earlier export of the same workdir (source['workdir']), or, with
-    `overwrite`, anything; otherwise ExportError names what it holds and nothing is touched."""
+    `overwrite`, anything; otherwise ExportError names what it holds and nothing is touched. A local
+    `out` is written beside and renamed into place; on an object store, which has no rename, the files
+    are uploaded with MARKER last, so that an export without MARKER is known to be incomplete."""
     if out.exists() and not out.is_dir():
         raise ExportError(f'--out={out} is a file; give a directory.')
     held = sorted(p.name for p in out.iterdir()) if out.exists() else []
@@ -52,20 +56,27 @@ def publish(out: Path, source: dict, overwrite: bool, write: Callable[[Path], ob
                 ', ...' if len(held) > 5 else '')
             raise ExportError(f'--out={out} holds {what}; choose an empty or new directory, or pass --overwrite to '
                               'replace it (nothing was written).')
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent))
+    local = not storage.is_remote(out)
+    if local:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent if local else None))
     try:
         write(staging)
         (staging / MARKER).write_text(json.dumps(source, indent=2))
-        if out.exists():
-            previous = out.rename(out.with_name(staging.name + '.previous'))
+        if not local:
+            if held:
+                storage.delete(out / MARKER)  # the old export is incomplete from here on
+                out.rmtree()
+            storage.copy_tree(epath.Path(staging), out, last=(MARKER,))
+        elif out.exists():
+            previous = Path(out).rename(Path(out).with_name(staging.name + '.previous'))
             staging.rename(out)
             shutil.rmtree(previous)
         else:
             staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return sorted(out.iterdir())
+    return sorted(p.name for p in out.iterdir())
 
 
 def _define_flags() -> dict[str, flags.FlagHolder]:
@@ -84,12 +95,14 @@ def main(args: cli.Args) -> None:
         sys.exit(f'error: {e}')
     run = load_trained(args['workdir'].value)
     params = jax.device_get(run.params)
-    source = {'workdir': str(Path(args['workdir'].value).absolute()), 'step': run.step,
+    source = {'workdir': str(storage.path(args['workdir'].value)), 'step': run.step,
               'variant': run.config.model.variant_name}
-    files = publish(Path(args['out'].value).absolute(), source, args['overwrite'].value, lambda folder: hf.export(
+    out = storage.path(args['out'].value)
+    storage.check_writable(out.parent, '--out')
+    files = publish(out, source, args['overwrite'].value, lambda folder: hf.export(
         params, run.config.model, run.config.data.seq_len, run.tokenizer, folder))
     print(f'{run.config.model.variant_name} at step {run.step} -> {args["out"].value}: '
-          + ', '.join(f.name for f in files))
+          + ', '.join(files))
 
 
 if __name__ == '__main__':

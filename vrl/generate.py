@@ -8,11 +8,10 @@ completions and a summary: prefill and decode tokens/s and the KV cache's bytes.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from absl import flags
 
-from vrl import accounting, cli, data, decode
+from vrl import accounting, cli, data, decode, storage
 from vrl.trained import TrainedRun, load_trained
 
 
@@ -42,7 +41,7 @@ def main(args: cli.Args) -> None:
     cli.require(args, 'workdir')
     prompts = list(args['prompt'].value)
     if args['prompts_file'].value:
-        prompts += Path(args['prompts_file'].value).read_text().splitlines()
+        prompts += storage.path(args['prompts_file'].value).read_text().splitlines()
     if not prompts or any(not p.strip() for p in prompts):
         raise decode.DecodeError('empty prompt: give --prompt="some text" (or a --prompts_file without '
                                  'blank lines).')

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
+from etils import epath
 
-from vrl import accounting, analyze, checkpoint, train
+from vrl import accounting, analyze, checkpoint, multihost, storage, train
 from vrl import workdir as workdir_lib
 from vrl.config import Config
 from vrl.errors import VrlError
@@ -64,7 +63,7 @@ class Downstream:
             self._task_manager = evaluate.task_manager_for(self.tasks, self.include_path)
         return self._task_manager
 
-    def metrics(self, run_dir: Path, tasks: list[str]) -> dict[str, dict[str, float]]:
+    def metrics(self, run_dir: epath.Path, tasks: list[str]) -> dict[str, dict[str, float]]:
         """{requested task: {metric: value}}: lm-eval's numbers without their stderr and filter suffix; a
         group without its own aggregate gets each subtask's, named 'subtask/metric'."""
         from vrl import evaluate  # lm-eval: requirements-extra.txt
@@ -89,20 +88,25 @@ class GridDirectory:
     the first difference) or that another process is writing (naming it); `write_text` replaces a
     report file atomically, so a reader never sees half of one."""
 
-    def __init__(self, path: Path, record: str, kind: str):
+    def __init__(self, path: epath.Path, record: str, kind: str):
         self.path, self.record, self.kind = path, path / record, kind
-        self._lock = workdir_lib.Lock(path, holder_kind=kind)
+        self._lock: workdir_lib.Lock | workdir_lib.Lease | None = None
 
     def open(self, base: Config) -> None:
         self.check_same_base(base)
-        self.path.mkdir(parents=True, exist_ok=True)
-        if jax.process_index() == 0:
-            self._lock.acquire()
+        self._lock = workdir_lib.hold(self.path, self.kind, base.train.lease_stale_seconds)
+
+        def claim() -> None:
+            storage.check_writable(self.path, '--workdir')
+            if taken_over := self._lock.acquire():
+                print(taken_over, flush=True)
             self.check_same_base(base)  # a writer that finished just before us may have written it
             self.write_text(self.record.name, json.dumps({'base_config': dataclasses.asdict(base)}, indent=2))
+        multihost.on_process_0(claim)
 
     def close(self) -> None:
-        self._lock.release()
+        if self._lock is not None:
+            self._lock.release()
 
     def check_same_base(self, base: Config) -> None:
         if not self.record.exists():
@@ -112,17 +116,15 @@ class GridDirectory:
             raise GridError(f'{self.path} holds a {self.kind} of another config: {name} was {old!r} there and is '
                             f'{value!r} now; use another --workdir (nothing was changed).')
 
-    def write_text(self, name: str, text: str) -> Path:
-        """DIR/name replaced atomically by `text` (process 0 only)."""
+    def write_text(self, name: str, text: str) -> epath.Path:
+        """DIR/name replaced whole by `text` (process 0 only)."""
         target = self.path / name
         if jax.process_index() == 0:
-            temporary = target.with_name(f'.{name}.{os.getpid()}.tmp')
-            temporary.write_text(text)
-            temporary.replace(target)
+            storage.write_bytes(target, text.encode())
         return target
 
 
-def train_all(runs: list[Run], workdir: Path, analysis_sequences: int, downstream: Downstream | None = None,
+def train_all(runs: list[Run], workdir: epath.Path, analysis_sequences: int, downstream: Downstream | None = None,
               group_runs: bool = True) -> list[dict[str, Any]]:
     """Every run's result (`train_or_reuse`), in order. With `group_runs`, the unfinished runs that
     differ only in seed and stand at the same checkpoint step are first trained together, one
@@ -138,7 +140,7 @@ def train_all(runs: list[Run], workdir: Path, analysis_sequences: int, downstrea
     return [train_or_reuse(run, workdir, analysis_sequences, downstream, trained.get(run.name)) for run in runs]
 
 
-def _groups(runs: list[Run], workdir: Path) -> list[list[Run]]:
+def _groups(runs: list[Run], workdir: epath.Path) -> list[list[Run]]:
     """The unfinished runs by (config but its seed, latest checkpoint step), in first-seen order."""
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
@@ -149,7 +151,7 @@ def _groups(runs: list[Run], workdir: Path) -> list[list[Run]]:
     return list(groups.values())
 
 
-def train_or_reuse(run: Run, workdir: Path, analysis_sequences: int, downstream: Downstream | None = None,
+def train_or_reuse(run: Run, workdir: epath.Path, analysis_sequences: int, downstream: Downstream | None = None,
                    trained: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's result: `trained` (from its group), read back if it finished before, else trained (or
     resumed), evaluated and, with analysis_sequences > 0, analysed; then evaluated on the downstream
@@ -171,7 +173,7 @@ def train_or_reuse(run: Run, workdir: Path, analysis_sequences: int, downstream:
     return json.loads(json.dumps(result))  # keys as strings, as when read back
 
 
-def _train(runs: list[Run], workdir: Path, analysis_sequences: int) -> dict[str, dict[str, Any]]:
+def _train(runs: list[Run], workdir: epath.Path, analysis_sequences: int) -> dict[str, dict[str, Any]]:
     """Trains (or resumes) the runs, together if more than one, analyses each, and gathers its numbers
     from metrics.jsonl. Each run's 'seconds' is its share of the wall time."""
     started = time.perf_counter()
@@ -188,7 +190,7 @@ def _train(runs: list[Run], workdir: Path, analysis_sequences: int) -> dict[str,
     return results
 
 
-def _result(run: Run, run_dir: Path, final_step: int, seconds: float, analysis: dict | None) -> dict[str, Any]:
+def _result(run: Run, run_dir: epath.Path, final_step: int, seconds: float, analysis: dict | None) -> dict[str, Any]:
     """A trained run's numbers, from its metrics.jsonl."""
     records = read_metrics(run_dir / 'metrics.jsonl')
     speeds = [r['tokens_per_sec'] for step, r in sorted(records.items()) if 'tokens_per_sec' in r][1:]
@@ -215,7 +217,7 @@ def _result(run: Run, run_dir: Path, final_step: int, seconds: float, analysis: 
     }
 
 
-def read_metrics(path: Path) -> dict[int, dict]:
+def read_metrics(path: epath.Path) -> dict[int, dict]:
     """metrics.jsonl by step; a step logged twice (re-run after a resume) keeps its last record."""
     by_step: dict[int, dict] = {}
     for line in path.read_text().splitlines():

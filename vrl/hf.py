@@ -194,7 +194,7 @@ def _jsonable(value: Any) -> Any:
 
 def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     """tokenizer.model and a LlamaTokenizer config that adds vrl's document separator (EOS) in front."""
-    shutil.copyfile(tokenizer.path, out / 'tokenizer.model')
+    (out / 'tokenizer.model').write_bytes(tokenizer.model_proto)
     (out / 'tokenizer_config.json').write_text(json.dumps({
         'tokenizer_class': 'LlamaTokenizer', 'legacy': True, 'add_prefix_space': False,
         'add_bos_token': True, 'add_eos_token': False, 'bos_token': '</s>', 'eos_token': '</s>',

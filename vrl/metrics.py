@@ -83,6 +83,8 @@ class _StoredLog:
         self.jsonl = workdir / 'metrics.jsonl'
         self.tensorboard = workdir / 'tensorboard'
         self.local_tensorboard = storage.scratch(workdir) / 'tensorboard'
+        if self.local_tensorboard.exists():  # an earlier run's events are on the store already (or moved aside)
+            self.local_tensorboard.rmtree()
         self._text = self.jsonl.read_text() if self.jsonl.exists() else ''
         self._lock = threading.Lock()
         self._uploads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='vrl-metrics')
@@ -108,9 +110,7 @@ class _StoredLog:
         with self._lock:
             text = self._text
         self.jsonl.write_text(text)
-        self.tensorboard.mkdir(parents=True, exist_ok=True)
-        for events in self.local_tensorboard.glob('events.*'):
-            (self.tensorboard / events.name).write_bytes(events.read_bytes())
+        storage.copy_tree(self.local_tensorboard, self.tensorboard)
 
     def close(self) -> None:
         self.flush(wait=True)
@@ -152,6 +152,16 @@ class MetricsWriter:
             if key != 'step' and isinstance(value, (int, float)) and math.isfinite(value):
                 self._tensorboard.add_scalar(key, value, step)
         self._echo(step, record)
+
+    def write_diagnostics(self, step: int, diagnostics: dict[str, list[float]]) -> None:
+        """One record {"step": S, "diagnostics": {statistic: [one value per layer]}} in metrics.jsonl,
+        and in TensorBoard one chart per statistic, a line per layer."""
+        if not self.enabled:
+            return
+        self._line({'step': step, 'diagnostics': diagnostics})
+        for name, values in diagnostics.items():
+            self._tensorboard.add_scalars(f'diagnostics/{name}', {f'layer_{i}': value for i, value in
+                                                                  enumerate(values, _first_layer(name))}, step)
 
     def mark_start(self, step: int, how: str, **details: Any) -> None:
         """A record that a run (re)started at `step`: later records of a step supersede earlier ones."""
@@ -210,6 +220,12 @@ class MetricsWriter:
                 self._stored.close()
             else:
                 self._jsonl.close()
+
+
+def _first_layer(statistic: str) -> int:
+    """The layer of a diagnostic's first value: similarity starts at the embedding (0), the lambdas at
+    layer 2, the rest at layer 1."""
+    return {'similarity': 0, 'lambda_1': 2, 'lambda_2': 2}.get(statistic, 1)
 
 
 def _plain(value: Any) -> Any:

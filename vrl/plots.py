@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
@@ -45,6 +46,8 @@ def line_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list[Line
     if any(line.label for line in lines):
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format='png', dpi=120)
     plt.close(fig)
+    path.write_bytes(png.getvalue())  # a local path or an object-store one (vrl/storage.py)
     return path

@@ -9,15 +9,15 @@ file, lock one, rename a folder cheaply) is asked of this module:
 - `is_remote(p)`: whether p lives on an object store;
 - `create_exclusive(p, data)`: write p only if no object or file is there (GCS: a
   generation-match precondition; a local file: O_EXCL), False if one was;
-- `check_writable(p, what)`: one clear line (StorageError) for a bucket that does not exist, no
-  credentials, permission denied or an unreachable endpoint, before anything else is written;
+- `exists(p, what)` and `check_writable(p, what)`: one clear line (StorageError) for a bucket that
+  does not exist, no credentials, permission denied or an unreachable endpoint, before anything
+  else is read or written;
 - `scratch(p)`: a local folder standing for remote p, for what must be written locally first
   (TensorBoard's event files, which are appended to).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import tempfile
@@ -102,6 +102,32 @@ def files(folder: epath.Path) -> dict[str, int]:
                        for d, _, names in os.walk(folder) for name in names))
 
 
+def copy_tree(source: epath.Path, target: epath.Path, last: tuple[str, ...] = ()) -> None:
+    """Copies every file under folder `source` to the same place under `target` (either may be
+    remote). The files whose names end with one of `last` go last, in that order: what marks a folder
+    complete, so that a reader never takes a half-copied one for whole."""
+    def order(relative: str) -> int:
+        return next((i + 1 for i, name in enumerate(last) if relative.endswith(name)), 0)
+    for relative in sorted(files(source), key=order):
+        (target / relative).parent.mkdir(parents=True, exist_ok=True)
+        (target / relative).write_bytes((source / relative).read_bytes())
+
+
+def local_copy(folder: epath.Path) -> epath.Path:
+    """A local folder holding what remote `folder` holds, for readers that open local files only
+    (array_record, safetensors): the objects missing locally, or of another size, are copied down
+    into this process's scratch. A local `folder` is itself."""
+    if not is_remote(folder):
+        return folder
+    local = scratch(folder)
+    for relative, size in files(folder).items():
+        target = local / relative
+        if not target.exists() or target.stat().length != size:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes((folder / relative).read_bytes())
+    return local
+
+
 def move(source: epath.Path, target: epath.Path) -> None:
     """Moves file or folder `source` to `target`: a rename locally; on an object store a copy of each
     object, then its removal (no object is lost if that stops half way)."""
@@ -114,12 +140,29 @@ def move(source: epath.Path, target: epath.Path) -> None:
 
 
 def scratch(p: epath.Path) -> epath.Path:
-    """A local folder that stands for remote `p` in this process's temp folder (the same for one
-    URL within a process's TMPDIR), created."""
-    digest = hashlib.sha256(str(p).encode()).hexdigest()[:16]
-    folder = epath.Path(tempfile.gettempdir()) / f'vrl-scratch-{digest}'
+    """A local folder that stands for remote `p` in this process's temp folder, created: the URL's
+    path under TMPDIR/vrl-scratch/<scheme>/, so that the scratch of p / name is scratch(p) / name."""
+    scheme, rest = str(p).split('://', 1)
+    folder = epath.Path(tempfile.gettempdir()) / 'vrl-scratch' / scheme / rest.strip('/')
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def exists(p: epath.Path, what: str) -> bool:
+    """Whether file or folder `p` is there. A bucket that does not exist, an unreachable store or
+    missing credentials raise StorageError in one line naming `what` (e.g. 'data.tokenizer') and
+    the path: there is nothing vrl could make there."""
+    try:
+        if p.exists():
+            return True
+        if is_remote(p):
+            fs, inner = _filesystem(p)
+            bucket = inner.split('/', 1)[0]
+            if not fs.exists(bucket):
+                raise FileNotFoundError(f'404: bucket {bucket} not found')
+        return False
+    except Exception as e:  # noqa: BLE001 - every client raises its own kinds; each becomes one line
+        raise StorageError(f'cannot read {what} {p} ({explain(e, p)})') from None
 
 
 def check_writable(p: epath.Path, what: str) -> None:

@@ -32,14 +32,14 @@ import itertools
 import json
 import math
 import re
-from pathlib import Path
 from typing import Any
 
 import jax
 from absl import flags
+from etils import epath
 from ml_collections import config_flags
 
-from vrl import accounting, checkpoint, cli, grid, metrics, presets, resolve, study_report
+from vrl import accounting, checkpoint, cli, grid, metrics, presets, resolve, storage, study_report
 from vrl.compare import parse_seeds
 from vrl.config import Config, ModelConfig, from_configdict
 from vrl.grid import GridError, Run
@@ -130,7 +130,7 @@ def plan(base: Config, axes: Axes) -> list[Run]:
 
 # --- the grid before training: --list ---
 
-def _seconds_per_flop(workdir: Path, model: ModelConfig) -> tuple[float, float, str]:
+def _seconds_per_flop(workdir: epath.Path, model: ModelConfig) -> tuple[float, float, str]:
     """(seconds per training FLOP, seconds per run, where the figures come from)."""
     finished = [json.loads(p.read_text()) for p in sorted((workdir / 'runs').glob('*/result.json'))]
     timed = [r for r in finished if r.get('seconds') and r.get('flops')]
@@ -143,7 +143,7 @@ def _seconds_per_flop(workdir: Path, model: ModelConfig) -> tuple[float, float, 
             f'{_GUESS_SECONDS_PER_RUN:.0f} s a run')
 
 
-def listing(runs: list[Run], workdir: Path) -> str:
+def listing(runs: list[Run], workdir: epath.Path) -> str:
     """The planned grid, a line per run: status, shape, parameters, tokens, estimated time."""
     per_flop, per_run, source = _seconds_per_flop(workdir, runs[0].config.model)
     header = f'{"run":<40} {"status":<12} {"layers":>6} {"d_model":>7} {"non-emb params":>14} {"steps":>6} ' \
@@ -167,7 +167,7 @@ def listing(runs: list[Run], workdir: Path) -> str:
     return '\n'.join(lines)
 
 
-def study(base: Config, axes: Axes, workdir: Path, analysis_sequences: int = 0, group_runs: bool = True
+def study(base: Config, axes: Axes, workdir: epath.Path, analysis_sequences: int = 0, group_runs: bool = True
           ) -> dict[str, Any]:
     """Trains what is missing, then writes study.md, results.json and the plots; returns the summary."""
     runs = plan(base, axes)
@@ -237,7 +237,7 @@ def main(args: cli.Args) -> None:
                 parse_seeds(args['seeds'].value),
                 [int(v) for v in _floats('--seq_lens', args['seq_lens'].value)] or [base.data.seq_len],
                 args['budget'].value)
-    workdir = Path(args['workdir'].value).absolute()
+    workdir = storage.path(args['workdir'].value)
     if args['list'].value:
         print(listing(plan(base, axes), workdir))
         return

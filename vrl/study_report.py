@@ -12,10 +12,10 @@ import dataclasses
 import itertools
 import math
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from etils import epath
 
 from vrl import curves, plots, scaling
 from vrl.config import ModelConfig
@@ -148,7 +148,7 @@ def summarize(points: Points, fit_seq_len: int) -> dict[str, Any]:
 
 # --- figures ---
 
-def write_plots(points: Points, summary: dict, folder: Path) -> list[Path]:
+def write_plots(points: Points, summary: dict, folder: epath.Path) -> list[epath.Path]:
     axes, fit = points.axes, summary['fits']
     color = {v: i for i, v in enumerate(axes.variants)}
     written = []
@@ -174,7 +174,7 @@ def write_plots(points: Points, summary: dict, folder: Path) -> list[Path]:
     return written
 
 
-def _tokens_to_target(points: Points, size: str, seq_len: int, color: dict[str, int], folder: Path) -> Path:
+def _tokens_to_target(points: Points, size: str, seq_len: int, color: dict[str, int], folder: epath.Path) -> epath.Path:
     lines = []
     for variant in points.axes.variants:
         curve = points.mean_curve('eval_curve', variant, size, seq_len)
@@ -187,7 +187,7 @@ def _tokens_to_target(points: Points, size: str, seq_len: int, color: dict[str, 
                            'at its best LR)', 'training tokens', 'eval loss (mean over seeds)', lines)
 
 
-def _relative_train_loss(points: Points, size: str, color: dict[str, int], folder: Path) -> Path:
+def _relative_train_loss(points: Points, size: str, color: dict[str, int], folder: epath.Path) -> epath.Path:
     lines, windows = [], set()
     for i, seq_len in enumerate(points.axes.seq_lens):
         window = curves.smoothing_window(points.at_best(BASELINE, size, seq_len)[0]['step'])
@@ -217,7 +217,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)] + ['| ' + ' | '.join(r) + ' |' for r in rows]
 
 
-def report(points: Points, summary: dict, shapes: dict[str, ModelConfig], intro: str, figures: list[Path]) -> str:
+def report(points: Points, summary: dict, shapes: dict[str, ModelConfig], intro: str, figures: list[epath.Path]) -> str:
     """study.md: `intro` (what was run), then one section per claim; `shapes` maps each size to its model."""
     axes = points.axes
     seeds = len(axes.seeds)

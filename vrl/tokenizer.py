@@ -17,8 +17,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 import sentencepiece as spm
-from etils import epath
 
+from vrl import storage
 from vrl.errors import VrlError
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
@@ -39,8 +39,8 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str) -> 'Tokenizer':
-        file = epath.Path(path)
-        if not file.exists():
+        file = storage.path(path)
+        if not storage.exists(file, 'data.tokenizer'):
             raise TokenizerError(
                 f'tokenizer {path!r} does not exist. Train one with `python -m vrl.tokenizer train '
                 f'--name=NAME --data_dir=DIR --vocab_size=N --out={path}`, or leave data.tokenizer '
@@ -49,6 +49,11 @@ class Tokenizer:
             return cls(file.read_bytes(), path)
         except RuntimeError as e:
             raise TokenizerError(f'{path!r} is not a sentencepiece model: {e}') from e
+
+    @property
+    def model_proto(self) -> bytes:
+        """The sentencepiece model, as its .model file holds it."""
+        return self._proto
 
     def __getstate__(self):
         return {'model_proto': self._proto, 'path': self.path}
@@ -141,7 +146,7 @@ def train(texts: Iterable[str], vocab_size: int, out: str, model_type: str = 'bp
                              f'most {too_high.group(2)} pieces from it; use a smaller vocabulary (model.vocab_size '
                              'or --vocab_size) or more text.') from None
     logging.info('trained a %d-piece %s tokenizer in %.1fs', vocab_size, model_type, time.perf_counter() - start)
-    out_path = epath.Path(out)
+    out_path = storage.path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_bytes(model.getvalue())
     return Tokenizer(model.getvalue(), out)

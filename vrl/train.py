@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from vrl import accounting, aot, checkpoint, data, decode, metrics, resolve, sharding, storage
+from vrl import accounting, aot, checkpoint, data, decode, diagnostics, metrics, multihost, resolve, sharding, storage
 from vrl import workdir as workdir_lib
 from vrl.config import Config
 from vrl.errors import VrlError
@@ -124,13 +124,6 @@ def _validations(stepper: Trainer | RunGroup, params: Any, config: Config, token
             for i in range(runs)]
 
 
-def _sync(name: str) -> None:
-    """All processes wait here (process 0 may have changed the workdir)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
-
-
 def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None = None,
         branch_from: str | None = None) -> RunResult:
     """Trains `config` in `workdir`, resuming from its latest intact checkpoint; `fresh` starts over,
@@ -158,14 +151,18 @@ def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, i
         raise TrainingError('runs trained together must differ only in train.seed; train the others apart.')
     if len(configs) > 1 and (init_from or branch_from):
         raise TrainingError('--init_from / --branch_from start one run; train it alone.')
-    paths = [_check_workdir(w) for w in workdirs] if jax.process_index() == 0 else [storage.path(w) for w in workdirs]
+    paths = [storage.path(w) for w in workdirs]
     locks = [workdir_lib.hold(path, 'run', c.train.lease_stale_seconds) for path, c in zip(paths, configs)]
+
+    def claim() -> None:  # process 0 writes the runs' shared files; every process stops if it cannot
+        for workdir, lock in zip(workdirs, locks):
+            _check_workdir(workdir)
+            if taken_over := lock.acquire():
+                print(taken_over, flush=True)
+
     preemption = _Preemption()  # from here on, a signal during setup or the first compile saves too
     try:
-        if jax.process_index() == 0:
-            for lock in locks:
-                if taken_over := lock.acquire():
-                    print(taken_over, flush=True)
+        multihost.on_process_0(claim)
         return _run(configs, paths, fresh, init_from, branch_from, preemption)
     finally:
         preemption.restore()
@@ -180,9 +177,18 @@ def _initial_params(init_from: str, trainer: Trainer, config: Config) -> tuple[A
         return checkpoint.restore_params(init_from, trainer.abstract_state.params), ''
     from vrl import hf  # safetensors: requirements-extra.txt
     shapes = jax.tree.map(lambda a: a.shape, trainer.abstract_state.params)
-    imported = hf.load_params(init_from[3:], config.model, shapes)
+    imported = hf.load_params(_hf_dir(init_from), config.model, shapes)
     note = f' ({imported.tensors} tensors), tokenizer {config.data.tokenizer}'
     return jax.device_put(imported.params, trainer.param_shardings), note + (f'; {imported.note}' if imported.note else '')
+
+
+def _hf_dir(init_from: str) -> str:
+    """The folder of --init_from=hf:DIR, local (a DIR on an object store is copied down once)."""
+    folder = storage.path(init_from.removeprefix('hf:'))
+    if storage.is_remote(folder) and not storage.exists(folder / 'config.json', '--init_from'):
+        raise TrainingError(f'--init_from={init_from}: no config.json in {folder}; hf:DIR needs a Hugging Face '
+                            'model directory (config.json + *.safetensors).')
+    return str(storage.local_copy(folder))
 
 
 def _hf_tokenizer(config: Config, init_from: str | None, path: epath.Path) -> tuple[Config, epath.Path | None, str]:
@@ -192,7 +198,7 @@ def _hf_tokenizer(config: Config, init_from: str | None, path: epath.Path) -> tu
     if not (init_from and init_from.startswith('hf:')):
         return config, None, ''
     from vrl import hf  # safetensors: requirements-extra.txt
-    chosen, line = hf.run_tokenizer(init_from[3:], config.data.tokenizer)
+    chosen, line = hf.run_tokenizer(_hf_dir(init_from), config.data.tokenizer)
     if config.data.tokenizer:
         return config, None, line
     kept = path / workdir_lib.TOKENIZER
@@ -248,9 +254,9 @@ def _run(configs: list[Config], paths: list[epath.Path], fresh: bool, init_from:
             say(label + workdir_lib.start_over(path, member_config, checkpoint.latest_step(path)))
     if tokenizer_source and is_writer:
         say(workdir_lib.keep_tokenizer(paths[0], tokenizer_source, tokenizer_line))
-    _sync('vrl workdir ready')
+    multihost.sync('vrl workdir ready')
     members = [_Member(c, path, label, is_writer) for c, path, label in zip(member_configs, paths, labels)]
-    tokenizer = data.load_tokenizer(config.data, config.model.vocab_size)
+    tokenizer = multihost.process_0_first(lambda: data.ready(config.data, config.model.vocab_size))
     data_iterator = iter(data.train_dataset(config.data, tokenizer, jax.process_index(), jax.process_count()))
     try:
         return _train(trainer, group, members, tokenizer, data_iterator, init_from, branch_from, fresh, preemption)
@@ -365,6 +371,13 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
             m.writer.write(step, evaluation.record())
             m.writer.flush()
 
+    every = config.train.diagnostics_every
+    diagnose = diagnostics.TrainingDiagnostics(trainer, tokenizer) if every and every <= config.train.steps else None
+
+    def record_diagnostics(step: int) -> None:
+        for i, m in enumerate(members):
+            m.writer.write_diagnostics(step, diagnose(group.member(state.params, i)))
+
     def results(preempted: bool) -> list[RunResult]:
         return [RunResult(step, m.losses, m.eval_loss, group.member(state, i), preempted)
                 for i, m in enumerate(members)]
@@ -396,6 +409,8 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
             save(step, force=preempted or at_end)
         if evaluating:
             evaluate(step)
+        if diagnose and step % every == 0:
+            record_diagnostics(step)
         if preempted and not at_end:
             for m in members:
                 checkpoint.check_saves(m.manager, wait=True)

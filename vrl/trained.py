@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import ml_collections
 
-from vrl import checkpoint, data, sharding
+from vrl import checkpoint, data, sharding, storage
 from vrl import workdir as workdir_lib
 from vrl.config import Config, from_configdict
 from vrl.step import Trainer
@@ -19,8 +18,8 @@ from vrl.tokenizer import Tokenizer
 
 def load_run(workdir: str) -> tuple[Config, Tokenizer]:
     """The config a workdir was trained with (its config.json) and the run's tokenizer."""
-    config_file = Path(workdir) / 'config.json'
-    if not config_file.is_file():
+    config_file = storage.path(workdir) / 'config.json'
+    if not storage.exists(config_file, '--workdir'):
         raise workdir_lib.NotARunError(f'{config_file} not found: --workdir must be a directory that '
                                 '`python -m vrl.main --workdir=...` trained in.')
     try:

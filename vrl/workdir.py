@@ -195,7 +195,7 @@ def keep_tokenizer(workdir: epath.Path, source: epath.Path, chosen: str) -> str:
     if kept.exists() and (workdir / 'checkpoints').exists():
         return f'{chosen}: the workdir keeps the one its run trained with, {kept}'
     workdir.mkdir(parents=True, exist_ok=True)
-    epath.Path(source).copy(kept, overwrite=True)
+    storage.write_bytes(kept, source.read_bytes())
     return f'{chosen}, copied to {kept}'
 
 
