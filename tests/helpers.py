@@ -120,3 +120,30 @@ def tensorboard_scalars(folder) -> dict[tuple[str, str], list[tuple[int, float]]
                     key = (os.path.relpath(directory, folder), value.tag)
                     scalars.setdefault(key, []).append((event.step, value.simple_value))
     return scalars
+
+
+def wandb_records(path) -> list:
+    """The records (wandb's protobuf `Record`) of an offline run's run-ID.wandb file: a 7-byte header
+    (':W&B', magic, version), then LevelDB-log records in 32 KiB blocks, each a 7-byte header
+    (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last) and its bytes."""
+    from wandb.proto import wandb_internal_pb2
+    with open(path, 'rb') as f:
+        data = f.read()
+    assert data[:4] == b':W&B', path
+    block, offset, pending, records = 32768, 7, b'', []
+    while offset + 7 <= len(data):
+        room = block - offset % block
+        if room < 7:  # a block's tail too short for a header is padding
+            offset += room
+            continue
+        length, kind = int.from_bytes(data[offset + 4:offset + 6], 'little'), data[offset + 6]
+        if kind == 0:  # zero padding to the block's end
+            offset += room
+            continue
+        pending = (b'' if kind in (1, 2) else pending) + data[offset + 7:offset + 7 + length]
+        offset += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records

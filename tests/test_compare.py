@@ -46,7 +46,8 @@ def test_summary_pairs_seeds_with_vanilla():
 
 
 def _compare_args(small_corpus, workdir, *args: str, steps: int = 4) -> list[str]:
-    config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1)
+    config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1,
+                         diagnostics_every=2, diagnostics_sequences=2)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3))
     return [*cli_args(config, workdir, 'vrl.compare'), '--analysis_sequences=4', *args]
 
@@ -72,11 +73,13 @@ def test_compare_writes_report_results_and_plots(compared):
     for run in results['runs']:
         assert run['step'] == 4 and np.isfinite(run['eval_loss']) and len(run['train_loss']) == 4
         assert len(run['analysis']['entropy']) == 3
+        assert sorted(run['diagnostics']) == ['2', '4'] and len(run['diagnostics']['4']['entropy']) == 3
     resformer = results['table'][1]
     assert resformer['params'] > results['table'][0]['params']  # learnable_plus adds 2 N + 1 scalars
     report = (workdir / 'report.md').read_text()
     assert report.count('| vanilla |') == 1 and report.count('| resformer:learnable_plus |') == 1
-    for name in ('eval_loss', 'relative_train_loss', 'entropy', 'similarity', 'value_norms'):
+    for name in ('eval_loss', 'relative_train_loss', 'entropy', 'similarity', 'value_norms',
+                 'diagnostics_first_token_attention', 'diagnostics_entropy'):
         assert (workdir / f'{name}.png').read_bytes()[:4] == b'\x89PNG' and f'({name}.png)' in report
     assert 'resformer:learnable_plus: eval loss' in first.stdout
 

@@ -208,7 +208,8 @@ def test_bad_axes_are_named(changes, message):
 # --- a real tiny study ---
 
 def _study(small_corpus, workdir, *args, steps=4):
-    config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1)
+    config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1,
+                         diagnostics_every=2, diagnostics_sequences=2)
     return subprocess.run([*cli_args(config, workdir, 'vrl.study'), '--variants=vanilla,svformer',
                            '--sizes=d32,d48', '--seeds=0', *args], capture_output=True, text=True, cwd=str(ROOT),
                           timeout=900)
@@ -253,7 +254,8 @@ def test_study_writes_report_results_and_plots(studied):
         assert section in report
     assert report.count('at the edge of the sweep') == sum(r['at_edge'] for r in results['best_lr'])
     for name in ('loss_vs_params', 'loss_vs_lr', 'tokens_to_target_d32', 'tokens_to_target_d48',
-                 'relative_train_loss_d32', 'relative_train_loss_d48'):
+                 'relative_train_loss_d32', 'relative_train_loss_d48', 'diagnostics_first_token_attention_d32',
+                 'diagnostics_entropy_d48'):
         assert (studied.workdir / f'{name}.png').read_bytes()[:4] == b'\x89PNG' and f'({name}.png)' in report
 
 

@@ -267,3 +267,45 @@ def test_eval_bits_per_byte_is_the_loss_over_the_bytes(small_corpus):
     # the independent byte count decodes each row's targets, so it can differ by a cut multi-byte character
     want = evaluation.loss * tokens / math.log(2) / n_bytes
     assert abs(evaluation.bits_per_byte - want) / want < 1e-3
+
+
+def test_weights_and_biases_gets_every_record_and_a_resumed_run_continues_it(small_corpus, tmp_path, monkeypatch):
+    """train.wandb_project in W&B's offline mode (no network): the offline run files, read back,
+    hold the config, every logged loss of metrics.jsonl and the diagnostics per layer; the resumed
+    run logs to the same W&B run."""
+    from tests.helpers import wandb_records
+    monkeypatch.setenv('WANDB_MODE', 'offline')
+    monkeypatch.setenv('WANDB_DIR', str(tmp_path))
+    monkeypatch.setenv('WANDB_SILENT', 'true')
+    monkeypatch.setenv('WANDB_ERROR_REPORTING', 'false')
+    config = tiny_config(small_corpus, steps=4, log_every=1, checkpoint_every=2, diagnostics_every=2,
+                         diagnostics_sequences=2, wandb_project='vrl-test')
+    workdir = tmp_path / 'run'
+    train.run(config, str(workdir))
+    train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6)), str(workdir))
+    run_id = (workdir / 'wandb_run_id').read_text()
+    files = sorted(tmp_path.glob('wandb/offline-run-*/run-*.wandb'))
+    assert [f.name for f in files] == [f'run-{run_id}.wandb'] * 2  # both starts: one W&B run
+
+    history, configs = {}, []
+    for file in files:
+        for record in wandb_records(file):
+            kind = record.WhichOneof('record_type')
+            if kind == 'history':
+                items = {item.key or '/'.join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item}
+                history.setdefault(record.history.step.num, {}).update(items)
+            elif kind == 'run':
+                configs.append({u.key: json.loads(u.value_json) for u in record.run.config.update})
+    assert all(c['train']['wandb_project'] == 'vrl-test' and c['model']['n_layers'] == 2 for c in configs)
+    logged = {}
+    for line in (workdir / 'metrics.jsonl').read_text().splitlines():
+        record = json.loads(line)
+        logged.setdefault(record['step'], {}).update(record)
+    assert sorted(s for s in history if 'loss' in history[s]) == list(range(1, 7))
+    for step in range(1, 7):
+        assert history[step]['loss'] == pytest.approx(logged[step]['loss'], rel=1e-6)
+    for step in (2, 4, 6):
+        for layer, value in enumerate(logged[step]['diagnostics']['entropy'], 1):
+            assert history[step][f'diagnostics/entropy/layer_{layer}'] == pytest.approx(value, rel=1e-6)
+    assert 'eval_loss' in history[6]

@@ -63,7 +63,35 @@ def write_plots(results: list[dict], variants: list[str], workdir: epath.Path) -
     mean_analysis = {variant: {'variant': by_variant[variant][0]['model'], **{
         k: np.mean([a[k] for a in analyses], axis=0).tolist() for k in analyze.STATISTICS}}
         for variant, analyses in analysed.items() if analyses}
-    return written + (analyze.plot(mean_analysis, workdir) if mean_analysis else [])
+    figures = written + diagnostics_plots(by_variant, workdir)
+    return figures + (analyze.plot(mean_analysis, workdir) if mean_analysis else [])
+
+
+_DIAGNOSTICS_PLOTS = {  # statistic -> (title, y label)
+    'first_token_attention': ('Attention on the first token', 'mass (mean over seeds)'),
+    'entropy': ('Attention entropy (key importance)', 'entropy in nats (mean over seeds)'),
+}
+
+
+def diagnostics_plots(by_variant: dict[str, list[dict]], workdir: epath.Path, where: str = ''
+                      ) -> list[epath.Path]:
+    """Training's diagnostics (train.diagnostics_every) of the middle layer over the steps, a chart
+    per statistic with a line per variant (mean over its runs), in diagnostics_<statistic><where>.png;
+    none when no run logged them."""
+    logs = {v: [r['diagnostics'] for r in runs if r.get('diagnostics')] for v, runs in by_variant.items()}
+    if not any(logs.values()):
+        return []
+    written = []
+    for name, (title, ylabel) in _DIAGNOSTICS_PLOTS.items():
+        lines = []
+        for color, (variant, runs) in enumerate(logs.items()):
+            if runs:
+                middle = len(next(iter(runs[0].values()))[name]) // 2  # index i is layer i + 1
+                curve = curves.mean_curve([{step: d[name][middle] for step, d in run.items()} for run in runs])
+                lines.append(plots.Line(f'{variant} (layer {middle + 1})', list(curve), list(curve.values()), '-', color))
+        written.append(plots.line_plot(workdir / f'diagnostics_{name}{where}.png', f'{title} in the middle layer, '
+                                       f'during training{where.replace("_", ", ")}', 'step', ylabel, lines))
+    return written
 
 
 def report(rows: list[dict], figures: list[epath.Path], base: Config, seeds: list[int]) -> str:

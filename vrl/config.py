@@ -352,6 +352,10 @@ class TrainConfig:
     # sequences, every this many steps, into metrics.jsonl and TensorBoard; 0 = off
     diagnostics_every: int = 100
     diagnostics_sequences: int = 8
+    # Weights & Biases (vrl/tracking.py, requirements-extra.txt): everything the run logs, from process 0; '' = off
+    wandb_project: str = ''
+    wandb_entity: str = ''  # '' = your default entity
+    wandb_run_name: str = ''  # '' = the workdir's name
 
     def __post_init__(self):
         _choice('train.nan_policy', self.nan_policy, NAN_POLICIES)

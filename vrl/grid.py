@@ -213,6 +213,7 @@ def _result(run: Run, run_dir: epath.Path, final_step: int, seconds: float, anal
         'tokens_per_sec': float(np.median(speeds)) if speeds else float('nan'),
         'train_loss': {step: r['loss'] for step, r in records.items() if 'loss' in r},
         'eval_curve': eval_curve,
+        'diagnostics': {step: r['diagnostics'] for step, r in sorted(records.items()) if 'diagnostics' in r},
         'analysis': analysis,
     }
 

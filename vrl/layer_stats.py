@@ -88,3 +88,9 @@ def attention_stats(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mas
 def layer_stats(attention: AttentionStats, h_BxLxD: Array) -> LayerStats:
     """The layer's attention statistics with those of its output hidden state."""
     return LayerStats(*attention, *first_and_rest_norms(h_BxLxD), token_similarity(h_BxLxD))
+
+
+def first_layer(statistic: str) -> int:
+    """The layer of a per-layer record's first value: similarity starts at the embedding output (0),
+    ResFormer's lambdas (`lambda_1`, `lambda_2`) at layer 2, every other statistic at layer 1."""
+    return {'similarity': 0, 'lambda_1': 2, 'lambda_2': 2}.get(statistic, 1)

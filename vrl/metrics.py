@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from vrl import storage
+from vrl import layer_stats, storage, tracking
 
 FLUSH_SECONDS = 60.0  # an object-store workdir's metrics reach the store at most this long after a record
 
@@ -121,9 +121,10 @@ class MetricsWriter:
     """metrics.jsonl + TensorBoard event files in the workdir, and the terminal."""
 
     def __init__(self, workdir: str | epath.Path, total_steps: int, start_step: int, enabled: bool,
-                 label: str = ''):
-        """`label` starts every terminal line (a run trained in a group: its folder's name)."""
-        self.enabled, self.label = enabled, label
+                 label: str = '', tracker: tracking.WandbRun | None = None):
+        """`label` starts every terminal line (a run trained in a group: its folder's name); `tracker`
+        also gets every record."""
+        self.enabled, self.label, self._tracker = enabled, label, tracker
         self.total_steps = total_steps
         self._bar = None
         self._stored: _StoredLog | None = None
@@ -148,6 +149,8 @@ class MetricsWriter:
             return
         record = {'step': step, **{k: _plain(v) for k, v in record.items()}}
         self._line(record)
+        if self._tracker is not None:
+            self._tracker.log(step, record)
         for key, value in record.items():  # a skipped step's NaN stays in metrics.jsonl, out of TensorBoard
             if key != 'step' and isinstance(value, (int, float)) and math.isfinite(value):
                 self._tensorboard.add_scalar(key, value, step)
@@ -159,9 +162,11 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._line({'step': step, 'diagnostics': diagnostics})
+        if self._tracker is not None:
+            self._tracker.log(step, {'diagnostics': diagnostics})
         for name, values in diagnostics.items():
             self._tensorboard.add_scalars(f'diagnostics/{name}', {f'layer_{i}': value for i, value in
-                                                                  enumerate(values, _first_layer(name))}, step)
+                                                                  enumerate(values, layer_stats.first_layer(name))}, step)
 
     def mark_start(self, step: int, how: str, **details: Any) -> None:
         """A record that a run (re)started at `step`: later records of a step supersede earlier ones."""
@@ -216,16 +221,12 @@ class MetricsWriter:
             if self._bar is not None:
                 self._bar.close()
             self._tensorboard.close()
+            if self._tracker is not None:
+                self._tracker.finish()
             if self._stored is not None:
                 self._stored.close()
             else:
                 self._jsonl.close()
-
-
-def _first_layer(statistic: str) -> int:
-    """The layer of a diagnostic's first value: similarity starts at the embedding (0), the lambdas at
-    layer 2, the rest at layer 1."""
-    return {'similarity': 0, 'lambda_1': 2, 'lambda_2': 2}.get(statistic, 1)
 
 
 def _plain(value: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from vrl import curves, plots, scaling
+from vrl import compare_report, curves, plots, scaling
 from vrl.config import ModelConfig
 from vrl.grid import BASELINE
 
@@ -171,6 +171,9 @@ def write_plots(points: Points, summary: dict, folder: epath.Path) -> list[epath
     for size in axes.sizes if BASELINE in axes.variants else []:
         written.append(_tokens_to_target(points, size, fit['seq_len'], color, folder))
         written.append(_relative_train_loss(points, size, color, folder))
+    for size in axes.sizes:  # each variant at its best LR
+        at_best = {variant: points.at_best(variant, size, fit['seq_len']) for variant in axes.variants}
+        written += compare_report.diagnostics_plots(at_best, folder, f'_{size}')
     return written
 
 

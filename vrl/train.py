@@ -22,7 +22,8 @@ import jax
 import numpy as np
 from etils import epath
 
-from vrl import accounting, aot, checkpoint, data, decode, diagnostics, metrics, multihost, resolve, sharding, storage
+from vrl import accounting, aot, checkpoint, data, decode, diagnostics, metrics, multihost
+from vrl import resolve, sharding, storage, tracking
 from vrl import workdir as workdir_lib
 from vrl.config import Config
 from vrl.errors import VrlError
@@ -328,7 +329,8 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
                 'params': account.params, 'non_embedding_params': account.non_embedding_params})
             for name, (old, new) in changed.items():
                 m.say(f'{name} changed since the last start: {old!r} -> {new!r}')
-        m.writer = metrics.MetricsWriter(str(m.path), config.train.steps, start_step, is_writer, m.label)
+        tracker = tracking.WandbRun(m.config, m.path) if is_writer and config.train.wandb_project else None
+        m.writer = metrics.MetricsWriter(str(m.path), config.train.steps, start_step, is_writer, m.label, tracker)
         m.writer.mark_start(start_step, 'resumed' if how == 'resumed' else 'started', init_from=init_from)
         begun = {'resumed': f'resumed at step {start_step}', 'branched': f'branched at step {start_step}',
                  'started': 'fresh start'}[how]

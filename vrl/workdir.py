@@ -34,7 +34,8 @@ from vrl.config import Config
 from vrl.errors import VrlError
 
 TOKENIZER = 'tokenizer.model'  # the tokenizer a run started from Hugging Face weights came with
-RUN_FILES = ('checkpoints', 'metrics.jsonl', 'config.json', 'tensorboard', TOKENIZER)
+WANDB_RUN_ID = 'wandb_run_id'  # the W&B run this workdir's run logs to (vrl/tracking.py)
+RUN_FILES = ('checkpoints', 'metrics.jsonl', 'config.json', 'tensorboard', TOKENIZER, WANDB_RUN_ID)
 
 
 class WorkdirError(VrlError, RuntimeError):
