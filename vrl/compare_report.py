@@ -69,7 +69,7 @@ def write_plots(results: list[dict], variants: list[str], workdir: epath.Path) -
 
 _DIAGNOSTICS_PLOTS = {  # statistic -> (title, y label)
     'first_token_attention': ('Attention on the first token', 'mass (mean over seeds)'),
-    'entropy': ('Attention entropy (key importance)', 'entropy in nats (mean over seeds)'),
+    'entropy': ('Attention entropy', 'entropy of key importance, nats (mean over seeds)'),
 }
 
 
@@ -89,8 +89,8 @@ def diagnostics_plots(by_variant: dict[str, list[dict]], workdir: epath.Path, wh
                 middle = len(next(iter(runs[0].values()))[name]) // 2  # index i is layer i + 1
                 curve = curves.mean_curve([{step: d[name][middle] for step, d in run.items()} for run in runs])
                 lines.append(plots.Line(f'{variant} (layer {middle + 1})', list(curve), list(curve.values()), '-', color))
-        written.append(plots.line_plot(workdir / f'diagnostics_{name}{where}.png', f'{title} in the middle layer, '
-                                       f'during training{where.replace("_", ", ")}', 'step', ylabel, lines))
+        written.append(plots.line_plot(workdir / f'diagnostics_{name}{where}.png', f'{title}, middle layer, over '
+                                       f'training{where.replace("_", ", ")}', 'step', ylabel, lines))
     return written
 
 
