@@ -97,10 +97,12 @@ def _result(variant, size, n, lr, seed, loss, curve, tokens_per_step=100, seq_le
     return {'variant': variant, 'coordinates': {'size': size}, 'seq_len': seq_len, 'peak_lr': lr, 'seed': seed,
             'eval_loss': loss, 'non_embedding_params': n, 'step': max(curve), 'tokens_per_step': tokens_per_step,
             'eval_curve': {str(k): v for k, v in curve.items()},
-            'train_loss': {str(k): v for k, v in curve.items()}}
+            'train_loss': {str(k): v for k, v in curve.items()},
+            'diagnostics': {str(k): {'first_token_attention': [0.5, v / 10, 0.3], 'entropy': [1.0, v, 2.0]}
+                            for k, v in curve.items()}}
 
 
-def test_summary_of_a_synthetic_study():
+def test_summary_of_a_synthetic_study(tmp_path):
     """Vanilla's loss 5 N^-0.1 at its best LR (1e-3); the variant behaves like vanilla with 1.25 N at
     its best LR (3e-3, at the edge); its eval curve reaches vanilla's final loss at 80% of the steps."""
     sizes, n = ['s', 'm', 'l'], [1e6, 2e6, 4e6]
@@ -138,6 +140,8 @@ def test_summary_of_a_synthetic_study():
         assert data['tokens'] == pytest.approx((100 - reach) * 100, rel=1e-6)
     critical = summary['critical_steps']['m']['10']['resformer']
     assert critical['step'] is None and critical['variant_led']  # ahead throughout
+    written = {p.name for p in study_report.write_plots(study_report.Points(results, axes), summary, tmp_path)}
+    assert {f'diagnostics_{name}_{size}.png' for name in ('first_token_attention', 'entropy') for size in sizes} <= written
 
 
 # --- sizes and the plan ---
@@ -208,8 +212,7 @@ def test_bad_axes_are_named(changes, message):
 # --- a real tiny study ---
 
 def _study(small_corpus, workdir, *args, steps=4):
-    config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1,
-                         diagnostics_every=2, diagnostics_sequences=2)
+    config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1)
     return subprocess.run([*cli_args(config, workdir, 'vrl.study'), '--variants=vanilla,svformer',
                            '--sizes=d32,d48', '--seeds=0', *args], capture_output=True, text=True, cwd=str(ROOT),
                           timeout=900)
@@ -254,8 +257,7 @@ def test_study_writes_report_results_and_plots(studied):
         assert section in report
     assert report.count('at the edge of the sweep') == sum(r['at_edge'] for r in results['best_lr'])
     for name in ('loss_vs_params', 'loss_vs_lr', 'tokens_to_target_d32', 'tokens_to_target_d48',
-                 'relative_train_loss_d32', 'relative_train_loss_d48', 'diagnostics_first_token_attention_d32',
-                 'diagnostics_entropy_d48'):
+                 'relative_train_loss_d32', 'relative_train_loss_d48'):
         assert (studied.workdir / f'{name}.png').read_bytes()[:4] == b'\x89PNG' and f'({name}.png)' in report
 
 
