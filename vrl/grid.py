@@ -97,9 +97,7 @@ class GridDirectory:
         self._lock = workdir_lib.hold(self.path, self.kind, base.train.lease_stale_seconds)
 
         def claim() -> None:
-            storage.check_writable(self.path, '--workdir')
-            if taken_over := self._lock.acquire():
-                print(taken_over, flush=True)
+            workdir_lib.claim(self._lock)
             self.check_same_base(base)  # a writer that finished just before us may have written it
             self.write_text(self.record.name, json.dumps({'base_config': dataclasses.asdict(base)}, indent=2))
         multihost.on_process_0(claim)

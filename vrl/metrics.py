@@ -77,7 +77,8 @@ def peak_flops_per_device(configured: float = 0.0, compute_dtype: str = 'float32
 
 class _StoredLog:
     """metrics.jsonl and the TensorBoard events on an object store: the text kept in memory and the
-    events in local scratch, both put on the store whole by `flush` (one background upload at a time)."""
+    events in local scratch, both put on the store whole by `flush` (one background upload at a
+    time; an events file only when it grew)."""
 
     def __init__(self, workdir: epath.Path):
         self.jsonl = workdir / 'metrics.jsonl'
@@ -90,6 +91,7 @@ class _StoredLog:
         self._uploads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='vrl-metrics')
         self._pending: concurrent.futures.Future | None = None
         self.last_flush = time.monotonic()
+        self._uploaded: dict[str, int] = {}  # TensorBoard files on the store, by size: only changed ones go up
 
     def append(self, line: str) -> None:
         with self._lock:
@@ -110,7 +112,7 @@ class _StoredLog:
         with self._lock:
             text = self._text
         self.jsonl.write_text(text)
-        storage.copy_tree(self.local_tensorboard, self.tensorboard)
+        self._uploaded = storage.copy_tree(self.local_tensorboard, self.tensorboard, known=self._uploaded)
 
     def close(self) -> None:
         self.flush(wait=True)

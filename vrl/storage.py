@@ -102,15 +102,21 @@ def files(folder: epath.Path) -> dict[str, int]:
                        for d, _, names in os.walk(folder) for name in names))
 
 
-def copy_tree(source: epath.Path, target: epath.Path, last: tuple[str, ...] = ()) -> None:
+def copy_tree(source: epath.Path, target: epath.Path, last: tuple[str, ...] = (),
+              known: dict[str, int] | None = None) -> dict[str, int]:
     """Copies every file under folder `source` to the same place under `target` (either may be
-    remote). The files whose names end with one of `last` go last, in that order: what marks a folder
-    complete, so that a reader never takes a half-copied one for whole."""
+    remote), except those that `known` (relative path -> size) says the target holds at their size
+    already; returns the sizes of what `source` holds, the `known` of the next call. The files whose
+    names end with one of `last` go last, in that order: what marks a folder complete, so that a
+    reader never takes a half-copied one for whole."""
     def order(relative: str) -> int:
         return next((i + 1 for i, name in enumerate(last) if relative.endswith(name)), 0)
-    for relative in sorted(files(source), key=order):
-        (target / relative).parent.mkdir(parents=True, exist_ok=True)
-        (target / relative).write_bytes((source / relative).read_bytes())
+    sizes = files(source)
+    for relative in sorted(sizes, key=order):
+        if (known or {}).get(relative) != sizes[relative]:
+            (target / relative).parent.mkdir(parents=True, exist_ok=True)
+            (target / relative).write_bytes((source / relative).read_bytes())
+    return sizes
 
 
 def local_copy(folder: epath.Path) -> epath.Path:
@@ -120,11 +126,7 @@ def local_copy(folder: epath.Path) -> epath.Path:
     if not is_remote(folder):
         return folder
     local = scratch(folder)
-    for relative, size in files(folder).items():
-        target = local / relative
-        if not target.exists() or target.stat().length != size:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes((folder / relative).read_bytes())
+    copy_tree(folder, local, known=files(local))
     return local
 
 

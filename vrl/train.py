@@ -72,14 +72,6 @@ class _Preemption:
             signal.signal(sig, handler)
 
 
-def _check_workdir(workdir: str) -> epath.Path:
-    """The workdir (an absolute local path, as Orbax needs, or an object-store URL), created and known
-    to be writable; StorageError in one line otherwise, before anything is compiled or written."""
-    path = storage.path(workdir)
-    storage.check_writable(path, '--workdir')
-    return path
-
-
 @dataclasses.dataclass(frozen=True)
 class Validation:
     """Per validation set (data.name, or each dataset of data.mixture): (nats per target token,
@@ -152,18 +144,11 @@ def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, i
         raise TrainingError('runs trained together must differ only in train.seed; train the others apart.')
     if len(configs) > 1 and (init_from or branch_from):
         raise TrainingError('--init_from / --branch_from start one run; train it alone.')
-    paths = [storage.path(w) for w in workdirs]
+    paths = [storage.path(w) for w in workdirs]  # local ones absolute, as Orbax needs
     locks = [workdir_lib.hold(path, 'run', c.train.lease_stale_seconds) for path, c in zip(paths, configs)]
-
-    def claim() -> None:  # process 0 writes the runs' shared files; every process stops if it cannot
-        for workdir, lock in zip(workdirs, locks):
-            _check_workdir(workdir)
-            if taken_over := lock.acquire():
-                print(taken_over, flush=True)
-
     preemption = _Preemption()  # from here on, a signal during setup or the first compile saves too
-    try:
-        multihost.on_process_0(claim)
+    try:  # process 0 writes the runs' shared files; every process stops if it cannot
+        multihost.on_process_0(lambda: [workdir_lib.claim(lock) for lock in locks])
         return _run(configs, paths, fresh, init_from, branch_from, preemption)
     finally:
         preemption.restore()

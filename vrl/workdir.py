@@ -153,6 +153,15 @@ class Lease:
             storage.delete(self.path)
 
 
+def claim(guard: Lock | Lease) -> None:
+    """Creates the guard's workdir and proves it writable (StorageError in one line naming the path
+    and what to do, before anything is compiled or written), then takes the guard; a stale lease taken
+    over is said on stdout."""
+    storage.check_writable(guard.path.parent, '--workdir')
+    if taken_over := guard.acquire():
+        print(taken_over, flush=True)
+
+
 def hold(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0) -> Lock | Lease:
     """The guard that keeps a second writer out of `workdir`: a flock locally, a lease on an object store."""
     if storage.is_remote(workdir):
