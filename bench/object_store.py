@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.gcs_emulator import Emulator, environment  # noqa: E402
+from tests.gcs_emulator import bucket_fs, serving  # noqa: E402
 
 
 def step_times(workdir: str, steps: int, env: dict[str, str], cwd: str) -> list[float]:
@@ -29,8 +29,7 @@ def step_times(workdir: str, steps: int, env: dict[str, str], cwd: str) -> list[
                     '--config.train.eval_batches=1', f'--config.train.checkpoint_every={steps // 3}',
                     '--config.train.sample_prompt='], env=env, cwd=cwd, check=True, capture_output=True)
     if workdir.startswith('gs://'):
-        import gcsfs
-        text = gcsfs.GCSFileSystem().cat(workdir[5:] + '/metrics.jsonl').decode()
+        text = bucket_fs().cat(workdir[5:] + '/metrics.jsonl').decode()
     else:
         text = (Path(workdir) / 'metrics.jsonl').read_text()
     return [r['step_time'] for r in map(json.loads, text.splitlines()) if 'step_time' in r]
@@ -42,18 +41,12 @@ def main() -> None:
     parser.add_argument('--skip', type=int, default=10)
     parser.add_argument('--rounds', type=int, default=2)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch:
-        emulator = Emulator(4455, f'{scratch}/objects')
-        emulator.create_bucket('vrl')
-        env = {**os.environ, **environment(emulator.url), 'PYTHONPATH': str(ROOT)}
-        os.environ.update(environment(emulator.url))
+    with tempfile.TemporaryDirectory() as scratch, serving(f'{scratch}/objects'):
+        env = {**os.environ, 'PYTHONPATH': str(ROOT)}
         times: dict[str, list[float]] = {'local': [], 'gs://': []}
-        try:
-            for round_ in range(args.rounds):
-                for kind, workdir in (('local', f'{scratch}/local{round_}'), ('gs://', f'gs://vrl/run{round_}')):
-                    times[kind] += step_times(workdir, args.steps, env, scratch)[args.skip:]
-        finally:
-            emulator.stop()
+        for round_ in range(args.rounds):
+            for kind, workdir in (('local', f'{scratch}/local{round_}'), ('gs://', f'gs://vrl/run{round_}')):
+                times[kind] += step_times(workdir, args.steps, env, scratch)[args.skip:]
     local = statistics.median(times['local'])
     print('| workdir | median step (ms) | steps | vs local |\n|---|---|---|---|')
     for kind, values in times.items():

@@ -87,3 +87,11 @@ def shared_runs(small_corpus, tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     folder = (base.parent if os.environ.get('PYTEST_XDIST_WORKER') else base) / 'shared_runs'
     return lambda attention: shared_run(small_corpus, folder, attention)
+
+
+@pytest.fixture(scope='module')
+def gcs(tmp_path_factory):
+    """A GCS emulator's URL for the module, with this process's clients pointed at it (bucket `vrl`)."""
+    from tests.gcs_emulator import serving
+    with serving(str(tmp_path_factory.mktemp('gcs') / 'objects')) as url:
+        yield url

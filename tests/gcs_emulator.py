@@ -9,13 +9,18 @@ environment that points every client at it and pins every credential and metadat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.server
 import json
+import os
+import socket
 import subprocess
 import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
+from typing import Iterator
 
 CLOSED_PORT = '127.0.0.1:9'  # the discard port: nothing listens, so a look-up fails at once
 PINNED = {'GCE_METADATA_HOST': CLOSED_PORT, 'GCE_METADATA_IP': CLOSED_PORT, 'GCE_METADATA_ROOT': CLOSED_PORT,
@@ -28,6 +33,49 @@ PINNED = {'GCE_METADATA_HOST': CLOSED_PORT, 'GCE_METADATA_IP': CLOSED_PORT, 'GCE
 def environment(url: str) -> dict[str, str]:
     """The variables that point gcsfs and TensorStore (Orbax's array writer) at the emulator at `url`."""
     return {**PINNED, 'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url}
+
+
+def machine_env(url: str, home: Path) -> dict[str, str]:
+    """The environment of a process on a machine of its own: its own HOME and TMPDIR (no disk shared
+    with another), the emulator at `url`, nothing else to reach, this checkout importable."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / 'tmp').mkdir(exist_ok=True)
+    return {**os.environ, **environment(url), 'HOME': str(home), 'TMPDIR': str(home / 'tmp'),
+            'PYTHONPATH': str(Path(__file__).resolve().parents[1])}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(('127.0.0.1', 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(root: str) -> Iterator[str]:
+    """An emulator holding bucket `vrl` under `root`, with this process's clients pointed at it;
+    yields its URL and puts the environment back after."""
+    emulator = Emulator(free_port(), root)
+    emulator.create_bucket('vrl')
+    env = environment(emulator.url)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield emulator.url
+    finally:
+        emulator.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def bucket_fs():
+    """A gcsfs client on the emulator, its listing cache cleared."""
+    import gcsfs
+    fs = gcsfs.GCSFileSystem()
+    fs.invalidate_cache()
+    return fs
 
 
 class Emulator:

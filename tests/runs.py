@@ -18,6 +18,8 @@ import numpy as np
 
 from vrl.config import Config, ModelConfig, OptimizerConfig, TrainConfig
 
+ROOT = Path(__file__).resolve().parents[1]
+
 TINY_MODEL = dict(vocab_size=512, vocab_pad_multiple=64, n_layers=2, d_model=32, n_heads=2, n_kv_heads=2,
                   head_dim=16, d_ff=64, compute_dtype='float32')
 
@@ -76,15 +78,15 @@ def overrides(config: Config) -> list[str]:
             for key, value in values.items()]
 
 
-def cli_args(config: Config, workdir: Path, module: str = 'vrl.main') -> list[str]:
-    """`python -m module` on the same config, as overrides of configs/tiny.py."""
-    return [sys.executable, '-m', module, '--config=configs/tiny.py', f'--workdir={workdir}', *overrides(config)]
+def cli_args(config: Config, workdir: Path | str, module: str = 'vrl.main') -> list[str]:
+    """`python -m module` on the same config, as overrides of configs/tiny.py (from any folder)."""
+    return [sys.executable, '-m', module, f'--config={ROOT / "configs/tiny.py"}', f'--workdir={workdir}',
+            *overrides(config)]
 
 
 def start_run(config: Config, workdir: Path) -> subprocess.Popen:
     """`python -m vrl.main` on `config` in the background, stdout and stderr together."""
-    root = Path(__file__).resolve().parents[1]
-    return subprocess.Popen(cli_args(config, workdir), cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return subprocess.Popen(cli_args(config, workdir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
 

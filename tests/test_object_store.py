@@ -14,47 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.gcs_emulator import Emulator, RefusingStore, environment
-from tests.runs import overrides, tiny_config
-from vrl.config import Config
+from tests.gcs_emulator import RefusingStore, bucket_fs, machine_env
+from tests.runs import ROOT, cli_args, tiny_config
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
-
-ROOT = Path(__file__).resolve().parents[1]
-@pytest.fixture(scope='module')
-def gcs(tmp_path_factory):
-    """The emulator's URL, with this process's clients pointed at it (bucket `vrl`)."""
-    import socket
-    with socket.socket() as probe:
-        probe.bind(('127.0.0.1', 0))
-        port = probe.getsockname()[1]
-    emulator = Emulator(port, str(tmp_path_factory.mktemp('gcs') / 'objects'))
-    emulator.create_bucket('vrl')
-    env = environment(emulator.url)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield emulator.url
-    emulator.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-def _fs():
-    import gcsfs
-    fs = gcsfs.GCSFileSystem()
-    fs.invalidate_cache()
-    return fs
-
-
-def _env(gcs_url: str, home: Path) -> dict[str, str]:
-    """A process of its own machine: its own HOME, TMPDIR; the emulator; nothing else to reach."""
-    home.mkdir(parents=True, exist_ok=True)
-    (home / 'tmp').mkdir(exist_ok=True)
-    return {**os.environ, **environment(gcs_url), 'HOME': str(home), 'TMPDIR': str(home / 'tmp'),
-            'PYTHONPATH': str(ROOT)}
 
 
 @pytest.fixture(scope='module')
@@ -65,7 +28,7 @@ def bucket_config(gcs, plays_dir, small_corpus):
     _, tokenizer = small_corpus
     built = corpus.prepare_from_glob(str(plays_dir), 'plays', 'gs://vrl/tfds', split_mode='blank_line',
                                      validation_fraction=0.1)
-    assert built.startswith('gs://vrl/tfds/plays/') and _fs().exists(built.removeprefix('gs://') + '/dataset_info.json')
+    assert built.startswith('gs://vrl/tfds/plays/') and bucket_fs().exists(built.removeprefix('gs://') + '/dataset_info.json')
     epath.Path('gs://vrl/plays.model').write_bytes(Path(tokenizer.path).read_bytes())
     config = tiny_config(small_corpus, attention='svformer', steps=8, checkpoint_every=4, log_every=1,
                          lease_stale_seconds=3)
@@ -73,111 +36,21 @@ def bucket_config(gcs, plays_dir, small_corpus):
                                                                   tokenizer='gs://vrl/plays.model'))
 
 
-def _command(config, workdir: str) -> list[str]:
-    return [sys.executable, '-m', 'vrl.main', f'--config={ROOT / "configs/tiny.py"}', f'--workdir={workdir}',
-            *overrides(config)]
-
-
 def _run(config, workdir: str, gcs_url: str, home: Path, **popen) -> subprocess.CompletedProcess:
-    home.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(_command(config, workdir), cwd=home, env=_env(gcs_url, home), capture_output=True,
+    return subprocess.run(cli_args(config, workdir), cwd=home, env=machine_env(gcs_url, home), capture_output=True,
                           text=True, timeout=600, **popen)
 
 
-def _losses(workdir: str) -> dict[int, float]:
-    """Per step, the last loss metrics.jsonl holds (a resumed run's record supersedes)."""
-    records = [json.loads(line) for line in _fs().cat(workdir.removeprefix('gs://') + '/metrics.jsonl').decode().splitlines()]
-    return {r['step']: r['loss'] for r in records if 'loss' in r}
-
-
 def test_the_lookups_are_pinned_to_localhost(gcs):
-    env = _env(gcs, Path('/tmp'))
+    env = machine_env(gcs, Path('/tmp'))
     assert env['STORAGE_EMULATOR_HOST'].startswith('http://127.0.0.1:')
     assert env['TENSORSTORE_GCS_HTTP_URL'] == env['STORAGE_EMULATOR_HOST']
     for key in ('GCE_METADATA_HOST', 'GCE_METADATA_IP', 'GCE_METADATA_ROOT'):
         assert env[key].startswith('127.0.0.1:')
 
 
-def _pod_config(small_corpus) -> Config:
-    """tiny_config on the built-in Shakespeare corpus, its dataset and tokenizer made in the bucket by
-    the first run; the lease goes stale 40 s after a holder's last renewal (every 10 s)."""
-    config = tiny_config(small_corpus, attention='svformer', steps=8, checkpoint_every=4, log_every=1,
-                         lease_stale_seconds=40)
-    return dataclasses.replace(config, data=dataclasses.replace(
-        config.data, name='shakespeare', data_dir='gs://vrl/pod_data', tokenizer='', tokenizer_train_docs=400))
-
-
-def _pod(config, workdir: str, gcs_url: str, hosts: list[Path]) -> list[subprocess.Popen]:
-    """`python -m vrl.main` on a pod of len(hosts) machines: one process each (2 CPU devices), with
-    its own HOME, TMPDIR and working directory, joined by jax.distributed on 127.0.0.1."""
-    import socket
-    with socket.socket() as probe:
-        probe.bind(('127.0.0.1', 0))
-        port = probe.getsockname()[1]
-    processes = []
-    for i, host in enumerate(hosts):
-        env = {**_env(gcs_url, host), 'XLA_FLAGS': '--xla_force_host_platform_device_count=2', 'JAX_PLATFORMS': 'cpu'}
-        processes.append(subprocess.Popen(
-            _command(config, workdir) + [f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={len(hosts)}',
-                                         f'--process_id={i}'],
-            cwd=host, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return processes
-
-
-def _finish(pod: list[subprocess.Popen]) -> list[tuple[int, str]]:
-    return [(p.wait(timeout=600), p.stdout.read()) for p in pod]
-
-
-def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs, small_corpus, tmp_path):
-    """The pod rehearsal: two jax.distributed processes that share no local disk, with workdir,
-    data_dir and tokenizer on gs://. The first run builds the dataset and trains the tokenizer in the
-    bucket; a pod killed (-9, both hosts) after a checkpoint and restarted on fresh machines equals an
-    uninterrupted run step by step; a second pod on a held workdir is refused by both its hosts."""
-    config = _pod_config(small_corpus)
-    whole = _finish(_pod(config, 'gs://vrl/pod_whole', gcs, [tmp_path / 'a0', tmp_path / 'a1']))
-    assert [rc for rc, _ in whole] == [0, 0], [out[-3000:] for _, out in whole]
-    fs = _fs()
-    assert fs.exists('vrl/pod_data/vrl_tokenizers/shakespeare_512.model')
-    assert fs.glob('vrl/pod_data/shakespeare/*/dataset_info.json')
-    want = _losses('gs://vrl/pod_whole')
-    assert sorted(want) == list(range(1, 9))
-
-    killed = _pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'b0', tmp_path / 'b1'])
-    deadline = time.time() + 300
-    while not _fs().exists('vrl/pod_killed/checkpoints/4/commit_success.txt'):  # GCS: Orbax's last object
-        assert all(p.poll() is None for p in killed) and time.time() < deadline, [p.stdout.read()[-3000:] for p in killed]
-        time.sleep(0.2)
-    for p in killed:
-        p.kill()
-        p.wait()
-
-    # the dead pod's lease is still fresh: another pod is refused by both hosts, before writing
-    objects = set(_fs().find('vrl/pod_killed'))
-    refused = _finish(_pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'c0', tmp_path / 'c1']))
-    assert all(rc != 0 and 'Traceback' not in out for rc, out in refused), [out[-3000:] for _, out in refused]
-    assert 'error: workdir gs://vrl/pod_killed is in use by another run (host ' in refused[0][1], refused[0][1][-3000:]
-    assert 'error: process 0 stopped: workdir gs://vrl/pod_killed is in use' in refused[1][1], refused[1][1][-3000:]
-    assert set(_fs().find('vrl/pod_killed')) == objects
-
-    lease = json.loads(_fs().cat('vrl/pod_killed/.lock'))
-    time.sleep(max(0.0, lease['renewed'] + config.train.lease_stale_seconds + 1 - time.time()))
-    resumed = _finish(_pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'd0', tmp_path / 'd1']))
-    assert [rc for rc, _ in resumed] == [0, 0], [out[-3000:] for _, out in resumed]
-    assert 'took over the lease of workdir gs://vrl/pod_killed' in resumed[0][1]
-    assert 'resumed at step' in resumed[0][1], resumed[0][1]
-    got = _losses('gs://vrl/pod_killed')
-    assert sorted(got) == list(range(1, 9))
-    assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in want), (got, want)
-    history = json.loads(_fs().cat('vrl/pod_killed/config.json'))['history']
-    assert len(history) == 2 and 4 <= history[1]['step'] < 8, history  # resumed from the checkpoint of step 4
-    assert {'process_0-of-2.json', 'process_1-of-2.json'} <= {
-        p.rsplit('/', 1)[1] for p in _fs().find('vrl/pod_killed/checkpoints/8')}
-    for folder in (tmp_path, ROOT):
-        assert not list(folder.rglob('gs:')), f'a local gs: folder under {folder}'
-
-
 def test_a_second_writer_is_refused_and_a_stale_lease_taken_over(gcs, bucket_config, tmp_path):
-    fs = _fs()
+    fs = bucket_fs()
     held = {'holder': 'host pod-w-0, pid 77, since 2026-11-25 10:00:00', 'token': 'x', 'renewed': time.time() + 60}
     fs.pipe_file('vrl/held/.lock', json.dumps(held).encode())
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=0,
@@ -186,12 +59,12 @@ def test_a_second_writer_is_refused_and_a_stale_lease_taken_over(gcs, bucket_con
     assert refused.returncode != 0 and 'Traceback' not in refused.stderr
     assert ('workdir gs://vrl/held is in use by another run (host pod-w-0, pid 77, since 2026-11-25 10:00:00'
             in refused.stderr)
-    assert {p.rsplit('/', 1)[1] for p in _fs().ls('vrl/held')} == {'.lock'}  # nothing written
+    assert {p.rsplit('/', 1)[1] for p in bucket_fs().ls('vrl/held')} == {'.lock'}  # nothing written
     fs.pipe_file('vrl/held/.lock', json.dumps({**held, 'renewed': time.time() - 3600}).encode())
     taken = _run(config, 'gs://vrl/held', gcs, tmp_path / 'host2')
     assert taken.returncode == 0, taken.stderr[-3000:]
     assert 'took over the lease of workdir gs://vrl/held from host pod-w-0, pid 77' in taken.stdout + taken.stderr
-    assert not _fs().exists('vrl/held/.lock')  # released at the end
+    assert not bucket_fs().exists('vrl/held/.lock')  # released at the end
 
 
 def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, tmp_path):
@@ -204,7 +77,7 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
     from vrl.tokenizer import Tokenizer
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=4))
     source = train.run(config, 'gs://vrl/tools/run')
-    env = _env(gcs, tmp_path / 'host')
+    env = machine_env(gcs, tmp_path / 'host')
 
     def command(module: str, *flags: str) -> str:
         out = subprocess.run([sys.executable, '-m', module, *flags], cwd=tmp_path / 'host', env=env,
@@ -213,13 +86,13 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
         return out.stdout
 
     command('vrl.export', '--workdir=gs://vrl/tools/run', '--out=gs://vrl/tools/hf')
-    exported = {p.rsplit('/', 1)[1] for p in _fs().ls('vrl/tools/hf')}
+    exported = {p.rsplit('/', 1)[1] for p in bucket_fs().ls('vrl/tools/hf')}
     assert {'config.json', 'model.safetensors', 'tokenizer.model', 'vrl_export.json', 'README.md'} <= exported
-    assert json.loads(_fs().cat('vrl/tools/hf/vrl_export.json'))['workdir'] == 'gs://vrl/tools/run'
+    assert json.loads(bucket_fs().cat('vrl/tools/hf/vrl_export.json'))['workdir'] == 'gs://vrl/tools/run'
     command('vrl.analyze', '--workdir=gs://vrl/tools/run', '--out=gs://vrl/tools/analysis', '--sequences=2',
             '--batch_size=2')
-    assert _fs().exists('vrl/tools/analysis/run/analysis.json') and _fs().glob('vrl/tools/analysis/*.png')
-    _fs().pipe_file('vrl/tools/prompts.txt', b'KING:\nHAMLET:\n')
+    assert bucket_fs().exists('vrl/tools/analysis/run/analysis.json') and bucket_fs().glob('vrl/tools/analysis/*.png')
+    bucket_fs().pipe_file('vrl/tools/prompts.txt', b'KING:\nHAMLET:\n')
     generated = command('vrl.generate', '--workdir=gs://vrl/tools/run', '--prompts_file=gs://vrl/tools/prompts.txt',
                         '--max_new_tokens=4')
     assert 'KING:' in generated and 'HAMLET:' in generated
@@ -227,7 +100,7 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
     outputs = evaluate.evaluate('gs://vrl/tools/run', ['toy_choice'], include_path=str(write_choice_task(tmp_path / 'tasks')),
                                 batch_size=4)
     assert all(str(f).startswith('gs://vrl/tools/run/lm_eval/') for f in outputs.files)
-    assert json.loads(_fs().cat(str(outputs.files[0]).removeprefix('gs://')))['vrl']['step'] == 4
+    assert json.loads(bucket_fs().cat(str(outputs.files[0]).removeprefix('gs://')))['vrl']['step'] == 4
 
     short = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2, checkpoint_every=2))
     for start, workdir in (('gs://vrl/tools/run', 'gs://vrl/tools/from_run'), ('hf:gs://vrl/tools/hf', 'gs://vrl/tools/from_hf')):
@@ -236,10 +109,10 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
 
     directory = grid.GridDirectory(storage.path('gs://vrl/tools/grid'), 'compare.json', 'comparison')
     directory.open(config)
-    assert json.loads(_fs().cat('vrl/tools/grid/.lock'))['holder']  # the grid's lease
+    assert json.loads(bucket_fs().cat('vrl/tools/grid/.lock'))['holder']  # the grid's lease
     directory.write_text('report.md', '# report')
     directory.close()
-    assert _fs().cat('vrl/tools/grid/report.md') == b'# report' and not _fs().exists('vrl/tools/grid/.lock')
+    assert bucket_fs().cat('vrl/tools/grid/report.md') == b'# report' and not bucket_fs().exists('vrl/tools/grid/.lock')
 
     stats = data.split_stats('plays', 'gs://vrl/tfds', Tokenizer.load('gs://vrl/plays.model'))
     assert stats['train']['documents'] > 100 and stats['validation']['tokens'] > 0
@@ -257,7 +130,7 @@ def test_a_bad_store_is_one_line_before_anything_runs(gcs, bucket_config, tmp_pa
     url = {'emulator': gcs, 'closed': 'http://127.0.0.1:9'}.get(store) or refusing.url
     config = dataclasses.replace(bucket_config, data=dataclasses.replace(bucket_config.data, data_dir=str(tmp_path)))
     try:
-        out = subprocess.run(_command(config, where), cwd=tmp_path, env=_env(url, tmp_path), capture_output=True,
+        out = subprocess.run(cli_args(config, where), cwd=tmp_path, env=machine_env(url, tmp_path), capture_output=True,
                              text=True, timeout=300)
     finally:
         if refusing:

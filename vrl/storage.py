@@ -18,9 +18,12 @@ file, lock one, rename a folder cheaply) is asked of this module:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import socket
 import tempfile
+import urllib.parse
 import uuid
 
 from etils import epath
@@ -155,6 +158,7 @@ def exists(p: epath.Path, what: str) -> bool:
     missing credentials raise StorageError in one line naming `what` (e.g. 'data.tokenizer') and
     the path: there is nothing vrl could make there."""
     try:
+        _check_reachable(p)
         if p.exists():
             return True
         if is_remote(p):
@@ -172,11 +176,34 @@ def check_writable(p: epath.Path, what: str) -> None:
     line naming `what` (e.g. '--workdir'), the path and what to do."""
     probe = p / f'.vrl_write_test.{uuid.uuid4().hex[:8]}'
     try:
+        _check_reachable(p)
         p.mkdir(parents=True, exist_ok=True)
         probe.write_text('ok')
         probe.unlink()
     except Exception as e:  # noqa: BLE001 - every client raises its own kinds; each becomes one line
         raise StorageError(f'cannot write to {what} {p} ({explain(e, p)})') from None
+
+
+def _check_reachable(p: epath.Path) -> None:
+    """Raises ConnectionError at once when the endpoint serving gs:// path `p` refuses or does not
+    answer a TCP connection: gcsfs would retry each request with backoff for about half a minute
+    before saying so."""
+    if is_remote(p):
+        fs, _ = _filesystem(p)
+        endpoint = getattr(fs, '_location', None)  # gcsfs: the emulator's or storage.googleapis.com
+        if isinstance(endpoint, str):
+            _connect(endpoint)
+
+
+@functools.lru_cache(maxsize=None)
+def _connect(endpoint: str, timeout_seconds: float = 10.0) -> None:
+    url = urllib.parse.urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == 'https' else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_seconds).close()
+    except OSError as e:
+        _connect.cache_clear()  # a later call tries again
+        raise ConnectionError(f'cannot connect to {url.hostname}:{port}: {e}') from None
 
 
 def explain(e: BaseException, p: epath.Path) -> str:

@@ -1,0 +1,100 @@
+"""The pod rehearsal: a two-host pod whose hosts share nothing but a bucket (a real GCS emulator,
+fake-gcs-server, on 127.0.0.1), killed and resumed. A file of its own, the suite's longest test, so
+that pytest-xdist's per-file scheduling can run it beside the others."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.gcs_emulator import bucket_fs, free_port, machine_env
+from tests.runs import ROOT, cli_args, tiny_config
+from vrl.config import Config
+
+pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+
+
+def _losses(workdir: str) -> dict[int, float]:
+    """Per step, the last loss metrics.jsonl holds (a resumed run's record supersedes)."""
+    lines = bucket_fs().cat(workdir.removeprefix('gs://') + '/metrics.jsonl').decode().splitlines()
+    return {r['step']: r['loss'] for r in map(json.loads, lines) if 'loss' in r}
+
+
+def _pod_config(small_corpus) -> Config:
+    """tiny_config on the built-in Shakespeare corpus, its dataset and tokenizer made in the bucket by
+    the first run; the lease goes stale 40 s after a holder's last renewal (every 10 s)."""
+    config = tiny_config(small_corpus, attention='svformer', steps=8, checkpoint_every=4, log_every=1,
+                         lease_stale_seconds=40)
+    return dataclasses.replace(config, data=dataclasses.replace(
+        config.data, name='shakespeare', data_dir='gs://vrl/pod_data', tokenizer='', tokenizer_train_docs=400))
+
+
+def _pod(config, workdir: str, gcs_url: str, hosts: list[Path]) -> list[subprocess.Popen]:
+    """`python -m vrl.main` on a pod of len(hosts) machines: one process each (2 CPU devices), with
+    its own HOME, TMPDIR and working directory, joined by jax.distributed on 127.0.0.1."""
+    port = free_port()
+    processes = []
+    for i, host in enumerate(hosts):
+        env = {**machine_env(gcs_url, host), 'XLA_FLAGS': '--xla_force_host_platform_device_count=2', 'JAX_PLATFORMS': 'cpu'}
+        processes.append(subprocess.Popen(
+            cli_args(config, workdir) + [f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={len(hosts)}',
+                                         f'--process_id={i}'],
+            cwd=host, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return processes
+
+
+def _finish(pod: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    return [(p.wait(timeout=600), p.stdout.read()) for p in pod]
+
+
+def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs, small_corpus, tmp_path):
+    """The pod rehearsal: two jax.distributed processes that share no local disk, with workdir,
+    data_dir and tokenizer on gs://. The first run builds the dataset and trains the tokenizer in the
+    bucket; a pod killed (-9, both hosts) after a checkpoint and restarted on fresh machines equals an
+    uninterrupted run step by step; a second pod on a held workdir is refused by both its hosts."""
+    config = _pod_config(small_corpus)
+    whole = _finish(_pod(config, 'gs://vrl/pod_whole', gcs, [tmp_path / 'a0', tmp_path / 'a1']))
+    assert [rc for rc, _ in whole] == [0, 0], [out[-3000:] for _, out in whole]
+    fs = bucket_fs()
+    assert fs.exists('vrl/pod_data/vrl_tokenizers/shakespeare_512.model')
+    assert fs.glob('vrl/pod_data/shakespeare/*/dataset_info.json')
+    want = _losses('gs://vrl/pod_whole')
+    assert sorted(want) == list(range(1, 9))
+
+    killed = _pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'b0', tmp_path / 'b1'])
+    deadline = time.time() + 300
+    while not bucket_fs().exists('vrl/pod_killed/checkpoints/4/commit_success.txt'):  # GCS: Orbax's last object
+        assert all(p.poll() is None for p in killed) and time.time() < deadline, [p.stdout.read()[-3000:] for p in killed]
+        time.sleep(0.2)
+    for p in killed:
+        p.kill()
+        p.wait()
+
+    # the dead pod's lease is still fresh: another pod is refused by both hosts, before writing
+    objects = set(bucket_fs().find('vrl/pod_killed'))
+    refused = _finish(_pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'c0', tmp_path / 'c1']))
+    assert all(rc != 0 and 'Traceback' not in out for rc, out in refused), [out[-3000:] for _, out in refused]
+    assert 'error: workdir gs://vrl/pod_killed is in use by another run (host ' in refused[0][1], refused[0][1][-3000:]
+    assert 'error: process 0 stopped: workdir gs://vrl/pod_killed is in use' in refused[1][1], refused[1][1][-3000:]
+    assert set(bucket_fs().find('vrl/pod_killed')) == objects
+
+    lease = json.loads(bucket_fs().cat('vrl/pod_killed/.lock'))
+    time.sleep(max(0.0, lease['renewed'] + config.train.lease_stale_seconds + 1 - time.time()))
+    resumed = _finish(_pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'd0', tmp_path / 'd1']))
+    assert [rc for rc, _ in resumed] == [0, 0], [out[-3000:] for _, out in resumed]
+    assert 'took over the lease of workdir gs://vrl/pod_killed' in resumed[0][1]
+    assert 'resumed at step' in resumed[0][1], resumed[0][1]
+    got = _losses('gs://vrl/pod_killed')
+    assert sorted(got) == list(range(1, 9))
+    assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in want), (got, want)
+    history = json.loads(bucket_fs().cat('vrl/pod_killed/config.json'))['history']
+    assert len(history) == 2 and 4 <= history[1]['step'] < 8, history  # resumed from the checkpoint of step 4
+    assert {'process_0-of-2.json', 'process_1-of-2.json'} <= {
+        p.rsplit('/', 1)[1] for p in bucket_fs().find('vrl/pod_killed/checkpoints/8')}
+    for folder in (tmp_path, ROOT):
+        assert not list(folder.rglob('gs:')), f'a local gs: folder under {folder}'
