@@ -159,7 +159,7 @@ def test_prepare_text_folder_and_jsonl(tmp_path):
 
     jsonl = tmp_path / 'records.jsonl'
     jsonl.write_text('\n'.join(json.dumps({'body': f'record {i} — ok', 'id': i}) for i in range(10)))
-    corpus.prepare_from_glob(str(jsonl), 'my_jsonl', data_dir, split_mode='jsonl', jsonl_field='body',
+    corpus.prepare_from_glob(str(jsonl), 'my_jsonl', data_dir, split_mode='jsonl', text_field='body',
                              validation_fraction=0.2)
     jsonl_splits = [list(corpus.texts(tfds.data_source('my_jsonl', data_dir=data_dir, split=split)))
                     for split in ('train', 'validation')]
@@ -221,7 +221,7 @@ def test_bad_inputs_give_clear_errors(tmp_path, caplog):
         corpus.prepare_from_glob(str(empty), 'x', str(tmp_path / 'd'))
     jsonl = tmp_path / 'r.jsonl'
     jsonl.write_text('{"text": "ok"}\n{"body": "no text"}\n')
-    with pytest.raises(corpus.DataError, match=r"r.jsonl:2 has no field 'text'.*--jsonl_field"):
+    with pytest.raises(corpus.DataError, match=r"r.jsonl:2 has no field 'text'.*--text_field"):
         corpus.prepare_from_glob(str(jsonl), 'x', str(tmp_path / 'd'), split_mode='jsonl')
     with pytest.raises(TokenizerError, match="'/no/such.model' does not exist.*vrl.tokenizer train"):
         Tokenizer.load('/no/such.model')

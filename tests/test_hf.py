@@ -344,9 +344,9 @@ def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp
     bare.mkdir()
     for name in ('config.json', 'model.safetensors'):
         (bare / name).write_bytes((folder / name).read_bytes())
-    (bare / 'tokenizer.json').write_text('{}')
-    with pytest.raises(hf.HFError, match=r'has no tokenizer.model \(only tokenizer.json; vrl reads sentencepiece '
-                                         r'models\).*--config.data.tokenizer=PATH'):
+    (bare / 'tokenizer_config.json').write_text('{}')
+    with pytest.raises(hf.HFError, match=r'has no tokenizer.model or tokenizer.json \(only tokenizer_config.json\)'
+                                         r'.*--config.data.tokenizer=PATH'):
         train._hf_tokenizer(config, f'hf:{bare}', tmp_path)
 
 

@@ -214,20 +214,25 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Input pipeline: a TFDS array_record dataset, a sentencepiece tokenizer, packing, grain."""
+    """Input pipeline: a TFDS array_record dataset, a tokenizer, packing, grain."""
 
     name: str = 'shakespeare'  # a TFDS name ('c4/en:3.1.0', 'lm1b') or one built by `vrl.data prepare`
     data_dir: str = ''  # '' = ~/.cache/vrl/tensorflow_datasets; gs:// works on Cloud
     train_split: str = 'train'
     eval_split: str = 'validation'
     text_field: str = 'text'
-    tokenizer: str = ''  # a sentencepiece .model; '' = train one on the train split and cache it
+    # a sentencepiece .model or a Hugging Face tokenizer.json; '' = train a .model on the train split, cached
+    tokenizer: str = ''
     tokenizer_train_docs: int = 100_000  # documents read to train a tokenizer when none is given
     seq_len: int = 2048
     batch_size: int = 1024  # global, over all processes
     seed: int = 0
     num_epochs: int = 0  # 0 = repeat forever
+    # read a dataset's ids from its pre-tokenized copy for this tokenizer when it has one (`vrl.data
+    # tokenize`; the log says which); false = tokenize on the fly
+    pretokenized: bool = True
     num_workers: int = 0  # grain worker processes; 0 = in the main process
+    read_threads: int = 0  # threads reading documents ahead in each process; 0 = read when needed
     prefetch: int = 2  # batches read ahead per worker
     add_bos: bool = False  # put BOS at every document start (EOS always ends one)
     document_masking: bool = False  # segment ids + per-document positions: no attention across docs
@@ -238,7 +243,7 @@ class DataConfig:
     def __post_init__(self):
         for name in ('seq_len', 'batch_size', 'tokenizer_train_docs'):
             _require(getattr(self, name) >= 1, f'data.{name}', getattr(self, name), 'an integer >= 1')
-        for name in ('num_epochs', 'num_workers', 'prefetch'):
+        for name in ('num_epochs', 'num_workers', 'read_threads', 'prefetch'):
             _require(getattr(self, name) >= 0, f'data.{name}', getattr(self, name), 'an integer >= 0')
         _require(bool(self.name), 'data.name', self.name, 'a non-empty TFDS dataset name')
         if self.mixture:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import glob
 import hashlib
+import io
 import json
 import logging
 import os
@@ -21,15 +22,38 @@ import re
 import tempfile
 import types
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import BinaryIO, Iterable, Iterator
 
+import numpy as np
 import tensorflow_datasets as tfds
+import tqdm
+from tensorflow_datasets.core import shuffle as tfds_shuffle
 from etils import epath
 
 from vrl import storage
 from vrl.errors import VrlError
 
 tfds.disable_progress_bar()
+
+
+class _SpillFiles:
+    """What TFDS's writer asks of TensorFlow to spill examples to disk (tf.io.gfile, tf.errors),
+    from plain files: without it, a split over the writer's memory buffer needs TensorFlow."""
+
+    class io:  # noqa: N801 - stands in for the tf module's attribute
+        class gfile:  # noqa: N801
+            GFile = staticmethod(lambda path, mode: open(path, mode))
+            exists = staticmethod(os.path.exists)
+            remove = staticmethod(os.remove)
+
+    class errors:  # noqa: N801
+        ResourceExhaustedError = OSError
+
+
+# TFDS's writer holds up to 1 GB of examples in memory before it spills them to disk (and then
+# needed TensorFlow); a 64 MB buffer keeps `prepare`'s memory flat at any input size.
+tfds_shuffle.MAX_MEM_BUFFER_SIZE = 64 << 20
+tfds_shuffle.tf = _SpillFiles
 
 SPLIT_MODES = ('file', 'blank_line', 'jsonl')
 SHAKESPEARE = 'shakespeare'
@@ -48,34 +72,96 @@ def default_data_dir() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CorpusSpec:
-    """What `prepare` reads: files, how each splits into documents, and how much to hold out."""
+    """What `prepare` reads: files, how each splits into documents, and how much to hold out.
+
+    A file's format is told by its name: `.parquet`, or JSON lines (`.jsonl`, `.ndjson`), give a
+    document per record, its text in `text_field` (a column, or a dotted JSON field); any other file
+    is text, a document per file or per blank-line block (`split_mode`; 'jsonl' reads it as JSON
+    lines). A `.gz` or `.zst` ending is decompressed on the way. Files are streamed: memory does not
+    grow with their size."""
 
     files: tuple[str, ...]
     split_mode: str = 'file'  # file | blank_line | jsonl
-    jsonl_field: str = 'text'
+    text_field: str = 'text'
     validation_fraction: float = 0.05
     holdout_unit: str = 'document'  # document | file: whole files go to one split
 
 
+RECORD_FORMATS = ('.parquet', '.jsonl', '.ndjson')
+COMPRESSIONS = ('.gz', '.zst')
+
+
+def _format(file: str, split_mode: str) -> str:
+    """'parquet', 'jsonl' or 'text', from the file's name (and split_mode for text files)."""
+    name = file.lower()
+    name = next((name[:-len(c)] for c in COMPRESSIONS if name.endswith(c)), name)
+    if name.endswith('.parquet'):
+        return 'parquet'
+    return 'jsonl' if name.endswith(RECORD_FORMATS) or split_mode == 'jsonl' else 'text'
+
+
 def _resolve_files(input_glob: str) -> tuple[str, ...]:
-    path = Path(input_glob)
-    if path.is_dir():
-        files = sorted(str(p) for p in path.rglob('*') if p.is_file())
+    """The files a folder or glob names, local or on an object store (gs://bucket/shards/*.parquet)."""
+    if storage.is_remote(input_glob):
+        fs, inner = storage._filesystem(input_glob)
+        scheme = input_glob.split('://', 1)[0]
+        found = fs.find(inner) if fs.isdir(inner) else fs.glob(inner)
+        files = sorted(f'{scheme}://{f}' for f in found if not f.endswith('/'))
+    elif Path(input_glob).is_dir():
+        files = sorted(str(p) for p in Path(input_glob).rglob('*') if p.is_file())
     else:
         files = sorted(f for f in glob.glob(input_glob, recursive=True) if os.path.isfile(f))
     if not files:
-        raise DataError(f'no input files match {input_glob!r}: give a folder of text files, a glob '
-                        "such as 'docs/*.txt', or JSONL files with --split_mode=jsonl.")
+        raise DataError(f'no input files match {input_glob!r}: give a folder or a glob of text, JSON lines '
+                        "(.jsonl, .jsonl.gz, .jsonl.zst) or parquet files, such as 'shards/*.parquet'.")
     return tuple(files)
 
 
-def _read_utf8(file: str) -> str:
-    data = Path(file).read_bytes()
-    try:
-        return data.decode('utf-8')
-    except UnicodeDecodeError as e:
-        raise DataError(f'{file} is not UTF-8 (bad byte at offset {e.start}); convert it, e.g. '
-                        f'`iconv -f latin1 -t utf-8 {file} > {file}.utf8`, or remove it from the input.') from e
+def _size(file: str) -> int:
+    return storage.path(file).stat().length if storage.is_remote(file) else os.path.getsize(file)
+
+
+@contextlib.contextmanager
+def _opened(file: str) -> Iterator[tuple[BinaryIO, BinaryIO]]:
+    """(the raw file, its decompressed stream) for a local or remote file, by its ending."""
+    with (storage.path(file).open('rb') if storage.is_remote(file) else open(file, 'rb')) as raw:
+        if file.lower().endswith('.gz'):
+            import gzip
+            yield raw, gzip.GzipFile(fileobj=raw)
+        elif file.lower().endswith('.zst'):
+            yield raw, io.BufferedReader(_ZstdFrames(raw), 1 << 20)
+        else:
+            yield raw, raw
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a .zst file's frames, one after another; EOFError when the file
+    ends inside a frame (zstandard's stream reader would stop there without a word)."""
+
+    def __init__(self, raw: BinaryIO):
+        import zstandard
+        self._raw, self._new = raw, zstandard.ZstdDecompressor().decompressobj
+        self._frame, self._buffer, self._pending, self._inside = self._new(), b'', b'', False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, out) -> int:
+        while not self._buffer:
+            chunk, self._pending = self._pending or self._raw.read(1 << 20), b''
+            if not chunk:
+                if self._inside:
+                    raise EOFError('the file ends inside a zstd frame (it was cut short)')
+                return 0
+            if self._frame.eof:
+                self._frame = self._new()
+            self._buffer = self._frame.decompress(chunk)
+            self._inside = not self._frame.eof
+            if self._frame.eof:
+                self._pending = self._frame.unused_data
+        n = min(len(out), len(self._buffer))
+        out[:n], self._buffer = self._buffer[:n], self._buffer[n:]
+        return n
 
 
 class SkipCounter:
@@ -92,33 +178,112 @@ class SkipCounter:
             logging.warning('skipped %d %s', n, reason)
 
 
-def read_documents(spec: CorpusSpec, skipped: SkipCounter) -> Iterator[tuple[str, str, str]]:
-    """Yields (file id, key, text) for every non-empty document, in a fixed order.
+def read_documents(spec: CorpusSpec, skipped: SkipCounter, desc: str = 'reading') -> Iterator[tuple[str, str, str]]:
+    """Yields (file id, key, text) for every non-empty document, in a fixed order, streaming each
+    file (a progress bar of bytes and documents on a terminal).
 
     Ids are paths relative to the inputs' common folder, so the record order and the held-out
     documents do not depend on where the files are installed.
     """
-    root = os.path.dirname(spec.files[0]) if len(spec.files) == 1 else os.path.commonpath(spec.files)
-    for file in spec.files:
-        text = _read_utf8(file)
-        file_id = os.path.relpath(file, root)
-        if spec.split_mode == 'file':
-            docs = [text]
-        elif spec.split_mode == 'blank_line':
-            docs = re.split(r'\n[ \t\r]*\n', text)
-        else:
-            docs = [str(_field(record, spec.jsonl_field, where, '--jsonl_field'))
-                    for where, record in _jsonl_records(file, text)]
-        for i, doc in enumerate(docs):
-            if doc.strip():
-                yield file_id, f'{file_id}#{i}', doc
-            else:
-                skipped.skip(f'empty documents ({spec.split_mode} mode)')
+    bare = [f.split('://', 1)[-1] for f in spec.files]
+    root = os.path.dirname(bare[0]) if len(bare) == 1 else os.path.commonpath(bare)
+    with tqdm.tqdm(total=sum(map(_size, spec.files)), unit='B', unit_scale=True, desc=desc, mininterval=1.0,
+                   disable=None) as bar:
+        documents = 0
+        for file, bare_file in zip(spec.files, bare):
+            file_id = os.path.relpath(bare_file, root)
+            done = 0
+            with _opened(file) as (raw, stream):
+                for i, doc in enumerate(_file_documents(file, stream, spec)):
+                    if doc.strip():
+                        yield file_id, f'{file_id}#{i}', doc
+                        documents += 1
+                    else:
+                        skipped.skip(f'empty documents ({_format(file, spec.split_mode)} file)')
+                    if bar.disable is False and i % 1000 == 0:
+                        bar.update(raw.tell() - done)
+                        done = raw.tell()
+                        bar.set_postfix(documents=f'{documents:,}', refresh=False)
+                bar.update(_size(file) - done)
 
 
-def _jsonl_records(file: str, text: str) -> Iterator[tuple[str, dict]]:
-    """('file:line', record) for each non-blank line of a JSONL file."""
-    for line_no, line in enumerate(text.splitlines(), 1):
+def _file_documents(file: str, stream: BinaryIO, spec: CorpusSpec) -> Iterator[str]:
+    """The documents of one file, as its format has them."""
+    if _format(file, spec.split_mode) != 'text':
+        for where, record in _records(file, stream, spec.split_mode, (spec.text_field,)):
+            yield _text(_field(record, spec.text_field, where, '--text_field'))
+    elif spec.split_mode == 'blank_line':
+        yield from _guarded(file, 'text', _blank_line_blocks(io.TextIOWrapper(stream, encoding='utf-8', newline='')))
+    else:
+        yield from _guarded(file, 'text', _whole_text(stream))
+
+
+def _whole_text(stream: BinaryIO) -> Iterator[str]:
+    yield io.TextIOWrapper(stream, encoding='utf-8', newline='').read()
+
+
+def _records(file: str, stream: BinaryIO, split_mode: str, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """(where, record) for each record of a JSON lines or parquet file (of a parquet file, the
+    columns `fields` start with)."""
+    if _format(file, split_mode) == 'parquet':
+        yield from _guarded(file, 'parquet', _parquet_records(file, stream, fields))
+    else:
+        yield from _guarded(file, 'JSON lines', _jsonl_records(file, io.TextIOWrapper(stream, encoding='utf-8', newline='')))
+
+
+def _guarded(file: str, kind: str, items: Iterator):
+    """`items`, with a corrupt compressed stream, text that is not UTF-8 or an unreadable parquet
+    file raised as one DataError naming `file`."""
+    try:
+        for item in items:
+            yield item
+    except UnicodeDecodeError as e:
+        raise DataError(f'{file} is not UTF-8 ({e.reason}); convert it, e.g. `iconv -f latin1 -t utf-8`, or remove '
+                        'it from the input.') from None
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - zstandard, gzip and pyarrow each raise their own kinds
+        raise DataError(f'{file} cannot be read as {kind}: {" ".join(str(e).split())[:200]}. Is it complete? Fetch '
+                        'it again, or remove it from the input.') from None
+
+
+def _text(value) -> str:
+    return '' if value is None else str(value)
+
+
+def _blank_line_blocks(text: io.TextIOBase, chunk_chars: int = 1 << 20) -> Iterator[str]:
+    """re.split(BLANK_LINE, whole text), read a chunk at a time: a separator cut by a chunk's end is
+    whole again in the next, so the blocks are the same."""
+    pending = ''
+    while chunk := text.read(chunk_chars):
+        *blocks, pending = _BLANK_LINE.split(pending + chunk)
+        yield from blocks
+    yield pending
+
+
+_BLANK_LINE = re.compile(r'\n[ \t\r]*\n')
+
+
+def _parquet_records(file: str, stream: BinaryIO, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """The columns that `fields` (dotted names) start with, a row at a time, a batch read at once."""
+    import pyarrow.parquet as pq
+    parquet = pq.ParquetFile(stream)
+    columns = list(dict.fromkeys(field.split('.', 1)[0] for field in fields))
+    for column, field in zip(columns, fields):
+        if column not in parquet.schema_arrow.names:
+            flag = '--text_field' if field == fields[0] else '--domain_field'
+            raise DataError(f'{file} has no column {column!r} (columns: {parquet.schema_arrow.names}); pass the right '
+                            f'one with {flag}=NAME.')
+    row = 0
+    for batch in parquet.iter_batches(batch_size=1024, columns=columns):
+        for record in batch.to_pylist():
+            row += 1
+            yield f'{file} row {row}', record
+
+
+def _jsonl_records(file: str, lines: Iterable[str]) -> Iterator[tuple[str, dict]]:
+    """('file:line', record) for each non-blank line of a JSON lines file."""
+    for line_no, line in enumerate(lines, 1):
         if line.strip():
             try:
                 record = json.loads(line)
@@ -141,16 +306,17 @@ def _field(record: dict, dotted: str, where: str, flag: str):
     return value
 
 
-def _hash(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+def _hash(unit: str) -> int:
+    """The first 64 bits of the unit's SHA-256 (as an int64: a hash-ordered array of 8 bytes a unit)."""
+    return int.from_bytes(hashlib.sha256(unit.encode()).digest()[:8], 'big') - (1 << 63)
 
 
-def _validation_units(units: Sequence[str], fraction: float) -> set[str]:
-    """The first round(fraction * n) units in hash order: deterministic, exactly sized."""
-    n_val = round(fraction * len(units))
-    if fraction > 0 and len(units) >= 2:
-        n_val = min(max(n_val, 1), len(units) - 1)
-    return set(sorted(units, key=_hash)[:n_val])
+def _validation_hashes(hashes: np.ndarray, fraction: float) -> frozenset[int]:
+    """The round(fraction * n) smallest of n distinct unit hashes: deterministic, exactly sized."""
+    n_val = round(fraction * len(hashes))
+    if fraction > 0 and len(hashes) >= 2:
+        n_val = min(max(n_val, 1), len(hashes) - 1)
+    return frozenset(np.sort(hashes)[:n_val].tolist())
 
 
 class _TextCorpusBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -166,15 +332,17 @@ class _TextCorpusBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True
     def _split_generators(self, dl_manager):
         skipped = SkipCounter()
         unit = (lambda file, key: file) if self.spec.holdout_unit == 'file' else (lambda file, key: key)
-        units = sorted({unit(file, key) for file, key, _ in read_documents(self.spec, skipped)})
-        if not units:
-            raise DataError(f'no non-empty documents in {len(self.spec.files)} input file(s).')
+        units = np.unique(np.fromiter((_hash(unit(file, key)) for file, key, _ in
+                                       read_documents(self.spec, skipped, 'scanning')), np.int64))
+        if not len(units):
+            raise DataError(f'no non-empty documents in {len(self.spec.files)} input file(s): '
+                            f'{", ".join(self.spec.files[:3])}{" ..." if len(self.spec.files) > 3 else ""}.')
         skipped.report()
-        validation = _validation_units(units, self.spec.validation_fraction)
+        validation = _validation_hashes(units, self.spec.validation_fraction)
 
         def generate(want_validation: bool):
-            for file, key, text in read_documents(self.spec, SkipCounter()):
-                if (unit(file, key) in validation) == want_validation:
+            for file, key, text in read_documents(self.spec, SkipCounter(), 'validation' if want_validation else 'train'):
+                if (_hash(unit(file, key)) in validation) == want_validation:
                     yield key, {'text': text}
 
         if not validation:
@@ -208,8 +376,8 @@ def _inputs_record(spec: CorpusSpec) -> dict:
     """What a dataset was prepared from: its files' contents (wherever they lie) and the split settings."""
     def digest(file: str) -> str:
         h = hashlib.sha256()
-        with open(file, 'rb') as f:
-            for chunk in iter(lambda: f.read(1 << 20), b''):
+        with _opened(file) as (raw, _):
+            for chunk in iter(lambda: raw.read(1 << 20), b''):
                 h.update(chunk)
         return h.hexdigest()
     settings = dataclasses.asdict(spec)
@@ -218,6 +386,8 @@ def _inputs_record(spec: CorpusSpec) -> dict:
 
 
 def _difference(saved: dict, current: dict) -> str:
+    saved = {'text_field': saved.get('jsonl_field', 'text'), **saved}  # datasets prepared before the rename
+    saved.pop('jsonl_field', None)
     if saved['file_sha256'] != current['file_sha256']:
         n_then, n_now = len(saved['file_sha256']), len(current['file_sha256'])
         return f'{n_then} input file(s) then, {n_now} now' if n_then != n_now else 'the input files\' contents differ'
@@ -263,8 +433,8 @@ def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False)
     builder = builder_cls(data_dir=data_dir, file_format='array_record')
     inputs = _inputs_record(spec)
     record = epath.Path(builder.data_path) / 'vrl_inputs.json'  # local or gs://
-    if record.exists() and json.loads(record.read_text()) != inputs:
-        difference = _difference(json.loads(record.read_text()), inputs)
+    difference = _difference(json.loads(record.read_text()), inputs) if record.exists() else ''
+    if difference:
         if not overwrite:
             raise DataError(f'dataset {name!r} in {data_dir} was prepared from other inputs ({difference}); '
                             'pass --overwrite to rebuild it, or choose another --name.')
@@ -281,29 +451,33 @@ def prepare_from_glob(input_glob: str, name: str, data_dir: str, overwrite: bool
 
 
 def prepare_domains(input_glob: str, name: str, data_dir: str, domain_field: str, overwrite: bool = False,
-                    **spec_fields) -> dict[str, str]:
-    """One dataset per value of `domain_field` in JSONL records (e.g. SlimPajama's
-    meta.redpajama_set_name), named NAME_<value in lower_snake_case>, each with its own validation
-    split; returns {domain: dataset name}. Train on them with data.mixture. The input is read once,
-    into a JSONL file per domain (in a temporary folder), and each of those is prepared."""
+                    text_field: str = 'text', **spec_fields) -> dict[str, str]:
+    """One dataset per value of `domain_field` in the records of JSON lines or parquet files (e.g.
+    SlimPajama's meta.redpajama_set_name), named NAME_<value in lower_snake_case>, each with its own
+    validation split; returns {domain: dataset name}. Train on them with data.mixture. The input is
+    streamed once, into a JSON lines file per domain (in a temporary folder), and each of those is
+    prepared."""
     names: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as files:
         outputs = {}
         for file in _resolve_files(input_glob):
-            for where, record in _jsonl_records(file, _read_utf8(file)):
-                domain = str(_field(record, domain_field, where, '--domain_field'))
-                if domain not in outputs:
-                    dataset = f'{name}_{re.sub(r"[^a-z0-9]+", "_", domain.lower()).strip("_")}'
-                    clash = [d for d, n in names.items() if n == dataset]
-                    if clash or dataset == f'{name}_':
-                        raise DataError(f'domains {[domain, *clash]} of {domain_field!r} make the same dataset name '
-                                        f'{dataset!r}; rename them in the input.')
-                    names[domain] = dataset
-                    outputs[domain] = files.enter_context(open(Path(folder) / f'{dataset}.jsonl', 'w', encoding='utf-8'))
-                outputs[domain].write(json.dumps(record, ensure_ascii=False) + '\n')
+            with _opened(file) as (_, stream):
+                for where, record in _records(file, stream, 'jsonl', (text_field, domain_field)):
+                    domain = str(_field(record, domain_field, where, '--domain_field'))
+                    if domain not in outputs:
+                        dataset = f'{name}_{re.sub(r"[^a-z0-9]+", "_", domain.lower()).strip("_")}'
+                        clash = [d for d, n in names.items() if n == dataset]
+                        if clash or dataset == f'{name}_':
+                            raise DataError(f'domains {[domain, *clash]} of {domain_field!r} make the same dataset '
+                                            f'name {dataset!r}; rename them in the input.')
+                        names[domain] = dataset
+                        outputs[domain] = files.enter_context(open(Path(folder) / f'{dataset}.jsonl', 'w',
+                                                                   encoding='utf-8'))
+                    text = _text(_field(record, text_field, where, '--text_field'))
+                    outputs[domain].write(json.dumps({'text': text}, ensure_ascii=False) + '\n')
         files.close()
         for domain in sorted(names):
-            spec = CorpusSpec(files=(str(Path(folder) / f'{names[domain]}.jsonl'),), split_mode='jsonl', **spec_fields)
+            spec = CorpusSpec(files=(str(Path(folder) / f'{names[domain]}.jsonl'),), **spec_fields)
             prepare(spec, names[domain], data_dir, overwrite)
     return dict(sorted(names.items()))
 
@@ -366,6 +540,17 @@ def open_split(name: str, data_dir: str, split: str):
             f'Prepare it with `python -m vrl.data prepare --input=GLOB --name={name} --data_dir={data_dir}` '
             f'for local text, or `tfds build {name} --data_dir={data_dir} --file_format=array_record` '
             'for a TFDS catalog dataset.') from e
+
+
+def dataset_path(name: str, data_dir: str) -> epath.Path:
+    """The folder of dataset `name`'s newest version in data_dir (local or remote), built first
+    if it is a built-in corpus not made yet; DataError as open_split's when there is none."""
+    open_split(name, data_dir, 'train')
+    root = storage.path(_checked_data_dir(data_dir)) / name
+    versions = [marker.parent for marker in root.glob('*/dataset_info.json')]
+    if not versions:
+        raise DataError(f'no prepared dataset {name!r} in {root} (no */dataset_info.json)')
+    return max(versions, key=lambda p: tuple(int(x) for x in p.name.split('.') if x.isdigit()))
 
 
 def texts(source, text_field: str = 'text', limit: int | None = None) -> Iterator[str]:

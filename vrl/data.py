@@ -1,4 +1,5 @@
-"""The input pipeline: TFDS source -> shuffle -> per-process shard -> tokenize -> pack -> batch.
+"""The input pipeline: TFDS source -> tokenize (or a pre-tokenized copy) -> shuffle -> per-process
+shard -> pack -> batch.
 
 Built on grain: documents are shuffled globally with a seed (a new order each epoch), each
 process takes every `process_count`-th one, worker processes tokenize, and packing runs in
@@ -14,7 +15,8 @@ window; 0 = padding) and positions restarting at each group keep attention and R
 a document.
 
     python -m vrl.data prepare --input=GLOB --name=NAME --data_dir=DIR [--validation_fraction=F] [--overwrite]
-                               [--domain_field=meta.redpajama_set_name]   (JSONL: one dataset per domain)
+                               [--text_field=text] [--domain_field=meta.redpajama_set_name] (one dataset per domain)
+    python -m vrl.data tokenize --name=NAME --data_dir=DIR --tokenizer=PATH [--workers=N]   (vrl/tokens.py)
     python -m vrl.data stats --name=NAME --data_dir=DIR [--tokenizer=PATH]
 """
 
@@ -29,7 +31,7 @@ import grain
 import numpy as np
 from absl import flags
 
-from vrl import cli, corpus, storage
+from vrl import cli, corpus, storage, tokens
 from vrl.config import ConfigError, DataConfig
 from vrl.tokenizer import Tokenizer, TokenizerError
 from vrl.tokenizer import train as train_tokenizer
@@ -129,14 +131,22 @@ def prompt_tokens(cfg: DataConfig, tokenizer: Tokenizer, text: str) -> list[int]
     return _separator(cfg, tokenizer).tolist() + tokenizer.encode(text).tolist()
 
 
-def _documents(cfg: DataConfig, split: str, name: str | None, shuffle: bool, num_epochs: int | None
-               ) -> grain.MapDataset:
-    """The split's records: of dataset `name`, or of data.sources() mixed by weight (each shuffled
-    with its own seed and repeated, then interleaved in the weights' proportions by grain)."""
+def _documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, name: str | None, shuffle: bool,
+               num_epochs: int | None) -> grain.MapDataset:
+    """The split's documents as token ids: of dataset `name`, or of data.sources() mixed by weight
+    (each shuffled with its own seed and repeated, then interleaved in the weights' proportions by
+    grain). A dataset's ids come from its pre-tokenized copy for this tokenizer when it has one
+    (data.pretokenized), else from tokenizing its text; the indices, and so everything after, are
+    the same either way."""
     sources = [(name, 1.0)] if name else cfg.sources()
     members = []
     for i, (member, _) in enumerate(sources):
-        ds = grain.MapDataset.source(corpus.open_split(member, cfg.data_dir, split))
+        pretokenized = tokens.find(member, cfg.data_dir, split, tokenizer) if cfg.pretokenized else None
+        if pretokenized is not None:
+            ds = grain.MapDataset.source(pretokenized)
+        else:
+            ds = grain.MapDataset.source(corpus.open_split(member, cfg.data_dir, split))
+            ds = ds.map(_Tokenize(tokenizer, cfg.text_field))
         members.append((ds.shuffle(seed=cfg.seed + i) if shuffle else ds).repeat(num_epochs))
     return members[0] if len(members) == 1 else grain.MapDataset.mix(members, [w for _, w in sources])
 
@@ -145,8 +155,7 @@ def _pipeline(documents: grain.MapDataset, cfg: DataConfig, tokenizer: Tokenizer
               process_count: int) -> grain.IterDataset:
     """Batches of this process's share; a finite pass ends with a padded (loss_mask 0) batch."""
     batch_size = per_process_batch_size(cfg, process_count)
-    ds = documents[process_index::process_count]
-    ds = ds.map(_Tokenize(tokenizer, cfg.text_field)).to_iter_dataset()
+    ds = documents[process_index::process_count].to_iter_dataset(_read_options(cfg))
     if cfg.num_workers:
         if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; notebooks never parse them
             flags.FLAGS.mark_as_parsed()
@@ -155,6 +164,12 @@ def _pipeline(documents: grain.MapDataset, cfg: DataConfig, tokenizer: Tokenizer
     ds = _PackIterDataset(ds, cfg.seq_len, _separator(cfg, tokenizer), tokenizer.eos_id, tokenizer.pad_id,
                           cfg.document_masking)
     return ds.batch(batch_size).map(functools.partial(_pad_batch, batch_size=batch_size))
+
+
+def _read_options(cfg: DataConfig) -> grain.ReadOptions:
+    """Reading in this process's threads: grain's default 16 threads busy-wait on their futures and
+    cost more than the records; data.read_threads > 0 overlaps slow reads (an object store)."""
+    return grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=max(cfg.read_threads, 1) * 32)
 
 
 def per_process_batch_size(cfg: DataConfig, process_count: int) -> int:
@@ -168,7 +183,7 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0,
                   process_count: int = 1) -> grain.IterDataset:
     """Endless (or data.num_epochs) shuffled, packed batches of this process's share of the global
     batch, from data.name or the data.mixture."""
-    documents = _documents(cfg, cfg.train_split, None, shuffle=True, num_epochs=cfg.num_epochs or None)
+    documents = _documents(cfg, tokenizer, cfg.train_split, None, shuffle=True, num_epochs=cfg.num_epochs or None)
     return _pipeline(documents, cfg, tokenizer, process_index=process_index, process_count=process_count)
 
 
@@ -180,7 +195,7 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, max_batches: int, proces
     With max_batches > 0 exactly that many batches come (all-padding ones after the split ends),
     so every process runs the same number of eval steps.
     """
-    documents = _documents(cfg, cfg.eval_split, name or cfg.name, shuffle=False, num_epochs=1)
+    documents = _documents(cfg, tokenizer, cfg.eval_split, name or cfg.name, shuffle=False, num_epochs=1)
     ds = _pipeline(documents, cfg, tokenizer, process_index=process_index, process_count=process_count)
     count = 0
     for batch in ds:
@@ -256,20 +271,23 @@ def split_stats(name: str, data_dir: str, tokenizer: Tokenizer | None, text_fiel
 
 def _define_flags() -> cli.Args:
     return {
-        'input': flags.DEFINE_string('input', None, 'prepare: a folder or glob of .txt / .jsonl files'),
+        'input': flags.DEFINE_string('input', None, 'prepare: a folder or glob (local or gs://) of text, JSON lines '
+                                     '(.jsonl, .jsonl.gz, .jsonl.zst) or parquet files'),
         'name': flags.DEFINE_string('name', None, 'TFDS dataset name (lower_snake_case for prepare)'),
         'data_dir': flags.DEFINE_string('data_dir', '', "TFDS data_dir ('' = ~/.cache/vrl/tensorflow_datasets)"),
         'validation_fraction': flags.DEFINE_float('validation_fraction', 0.05,
                                                   'prepare: documents held out for validation'),
-        'split_mode': flags.DEFINE_enum('split_mode', None, corpus.SPLIT_MODES,
-                                        'prepare: one document per file, per blank-line block, or per JSONL record '
-                                        '(default: jsonl for *.jsonl inputs, else file)'),
-        'jsonl_field': flags.DEFINE_string('jsonl_field', 'text', 'prepare: the JSONL field holding the text'),
-        'domain_field': flags.DEFINE_string('domain_field', None, 'prepare: one dataset per value of this (dotted) '
-                                            'JSONL field, e.g. meta.redpajama_set_name'),
+        'split_mode': flags.DEFINE_enum('split_mode', 'file', corpus.SPLIT_MODES,
+                                        'prepare, text files: one document per file, per blank-line block, or per '
+                                        'JSON line (JSON lines and parquet files: always one per record)'),
+        'text_field': flags.DEFINE_string('text_field', 'text', 'prepare: the field (JSON lines; dotted for nested) '
+                                          'or column (parquet) holding the text'),
+        'domain_field': flags.DEFINE_string('domain_field', None, 'prepare: one dataset per value of this field or '
+                                            'column, e.g. meta.redpajama_set_name'),
         'overwrite': flags.DEFINE_bool('overwrite', False, 'prepare: rebuild a dataset that was prepared from other '
-                                       'inputs'),
-        'tokenizer': flags.DEFINE_string('tokenizer', None, 'stats: a sentencepiece .model to count tokens with'),
+                                       'inputs; tokenize: make the pre-tokenized copy again'),
+        'workers': flags.DEFINE_integer('workers', None, 'tokenize: processes (default: every core)'),
+        'tokenizer': flags.DEFINE_string('tokenizer', None, 'stats, tokenize: the tokenizer (.model or tokenizer.json)'),
     }
 
 
@@ -281,21 +299,29 @@ def main(args: cli.Args, command: str) -> None:
         source, fraction, overwrite = args['input'].value, args['validation_fraction'].value, args['overwrite'].value
         if args['domain_field'].value:
             names = corpus.prepare_domains(source, name, data_dir, args['domain_field'].value,
-                                           jsonl_field=args['jsonl_field'].value, validation_fraction=fraction,
+                                           text_field=args['text_field'].value, validation_fraction=fraction,
                                            overwrite=overwrite)
             for domain, dataset in names.items():
                 print(f'prepared {dataset} ({args["domain_field"].value} = {domain!r})')
             print('train on all of them, equally weighted: --config.data.mixture=' +
                   ','.join(f'{dataset}=1' for dataset in names.values()))
             return
-        mode = args['split_mode'].value or ('jsonl' if '.jsonl' in source else 'file')
-        path = corpus.prepare_from_glob(source, name, data_dir, split_mode=mode, jsonl_field=args['jsonl_field'].value,
-                                        validation_fraction=fraction, overwrite=overwrite)
+        path = corpus.prepare_from_glob(source, name, data_dir, split_mode=args['split_mode'].value,
+                                        text_field=args['text_field'].value, validation_fraction=fraction,
+                                        overwrite=overwrite)
         print(f'prepared {name} in {path}')
+    if command == 'tokenize':
+        cli.require(args, 'tokenizer')
+        tokenizer = Tokenizer.load(args['tokenizer'].value)
+        folder = tokens.tokenize(name, data_dir, tokenizer, args['workers'].value, args['overwrite'].value,
+                                 args['text_field'].value)
+        print(f'pre-tokenized {name} with {tokenizer.path} into {folder}; training with this dataset and tokenizer '
+              'reads it (data.pretokenized=false: tokenize on the fly)')
+        return
     tokenizer = Tokenizer.load(args['tokenizer'].value) if args['tokenizer'].value else None
     for split, row in split_stats(name, data_dir, tokenizer).items():
         print(f'{split:<11}' + '  '.join(f'{k} {v:,}' for k, v in row.items()))
 
 
 if __name__ == '__main__':
-    cli.run(main, _define_flags, ('prepare', 'stats'))
+    cli.run(main, _define_flags, ('prepare', 'tokenize', 'stats'))

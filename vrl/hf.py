@@ -3,9 +3,9 @@
 Out (`python -m vrl.export`): a vanilla model is a plain `LlamaForCausalLM`; every other variant
 is a `VrlForCausalLM`, whose PyTorch code (vrl/hf_modeling/, copied into the directory, loaded
 with `trust_remote_code=True`) implements it with Llama's parameter names plus its own. Both
-get model.safetensors (float32, the unpadded vocabulary) and the tokenizer (tokenizer.model and
-a LlamaTokenizer config that encodes exactly as vrl's sentencepiece model, starting every text
-with the separator vrl trained with: EOS).
+get model.safetensors (float32, the unpadded vocabulary) and the run's tokenizer (tokenizer.model
+with a LlamaTokenizer config, or tokenizer.json with a fast-tokenizer config) that encodes exactly
+as vrl's, starting every text with the separator vrl trained with: EOS).
 In (`--init_from=hf:DIR`): a Llama directory, one vrl.export wrote (any variant), or the paper's
 official checkpoints (Llama names; SVFormer's layers >= 2 without v_proj). The tensors the
 config's model needs are listed by `links`, and each is checked by name and shape.
@@ -36,7 +36,7 @@ import numpy as np
 
 from vrl.checkpoint import CheckpointError
 from vrl.config import VARIANT_FIELDS, ModelConfig
-from vrl.tokenizer import Tokenizer
+from vrl.tokenizer import SentencePieceTokenizer, Tokenizer
 
 try:
     from safetensors.numpy import load_file, save_file
@@ -193,12 +193,27 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
-    """tokenizer.model and a LlamaTokenizer config that adds vrl's document separator (EOS) in front."""
-    (out / 'tokenizer.model').write_bytes(tokenizer.model_proto)
-    (out / 'tokenizer_config.json').write_text(json.dumps({
-        'tokenizer_class': 'LlamaTokenizer', 'legacy': True, 'add_prefix_space': False,
-        'add_bos_token': True, 'add_eos_token': False, 'bos_token': '</s>', 'eos_token': '</s>',
-        'unk_token': '<unk>', 'pad_token': '<pad>', 'model_max_length': 1 << 30}, indent=2))
+    """The run's tokenizer file and a tokenizer config under which Hugging Face's tokenizer puts vrl's
+    document separator (EOS) in front of every text: a LlamaTokenizer for a sentencepiece model; for
+    a tokenizer.json, a fast tokenizer whose post-processor adds it."""
+    eos, pad = tokenizer.piece(tokenizer.eos_id)[0], tokenizer.piece(tokenizer.pad_id)[0]
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        (out / 'tokenizer.model').write_bytes(tokenizer.file_bytes)
+        config = {'tokenizer_class': 'LlamaTokenizer', 'legacy': True, 'add_prefix_space': False,
+                  'add_bos_token': True, 'add_eos_token': False, 'unk_token': '<unk>'}
+    else:
+        rust = json.loads(tokenizer.file_bytes)
+        rust['post_processor'] = {'type': 'TemplateProcessing',
+                                  'single': [{'SpecialToken': {'id': eos, 'type_id': 0}},
+                                             {'Sequence': {'id': 'A', 'type_id': 0}}],
+                                  'pair': [{'SpecialToken': {'id': eos, 'type_id': 0}},
+                                           {'Sequence': {'id': 'A', 'type_id': 0}},
+                                           {'Sequence': {'id': 'B', 'type_id': 1}}],
+                                  'special_tokens': {eos: {'id': eos, 'ids': [tokenizer.eos_id], 'tokens': [eos]}}}
+        (out / 'tokenizer.json').write_text(json.dumps(rust, ensure_ascii=False))
+        config = {'tokenizer_class': 'PreTrainedTokenizerFast'}
+    (out / 'tokenizer_config.json').write_text(json.dumps(
+        {**config, 'bos_token': eos, 'eos_token': eos, 'pad_token': pad, 'model_max_length': 1 << 30}, indent=2))
 
 
 def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer, out: Path) -> list[Path]:
@@ -310,25 +325,26 @@ def _ambiguity(model_type: str, cfg: ModelConfig) -> str:
 
 
 def run_tokenizer(path: str, named: str) -> tuple[str, str]:
-    """The sentencepiece model a run started from hf:DIR must train with, and a line for the log.
+    """The tokenizer a run started from hf:DIR must train with, and a line for the log.
 
-    The weights' own DIR/tokenizer.model, or `named` (data.tokenizer) after checking that it has the
-    same pieces. HFError naming both and their first difference when they disagree, or when DIR has
-    no tokenizer.model and none is named (a tokenizer trained for the run would feed these weights
-    ids they never saw).
+    The weights' own DIR/tokenizer.model or DIR/tokenizer.json (in that order), or `named`
+    (data.tokenizer) after checking that it has the same pieces. HFError naming both and their first
+    difference when they disagree, or when DIR has neither and none is named (a tokenizer trained
+    for the run would feed these weights ids they never saw).
     """
-    theirs = Path(path) / 'tokenizer.model'
-    if named and not theirs.is_file():
-        return named, f'tokenizer {named} (data.tokenizer; {path} has no tokenizer.model to check it against)'
+    theirs = next((Path(path) / name for name in ('tokenizer.model', 'tokenizer.json')
+                   if (Path(path) / name).is_file()), None)
+    if named and theirs is None:
+        return named, f'tokenizer {named} (data.tokenizer; {path} has no tokenizer.model or tokenizer.json to check it against)'
     if named:
         difference = Tokenizer.load(named).difference(Tokenizer.load(str(theirs)))
         if difference:
             raise HFError(f'data.tokenizer={named} is not the tokenizer the weights in {path} were trained with '
                           f'({theirs}): {difference}. Leave data.tokenizer empty to train with theirs.')
         return named, f'tokenizer {named} (data.tokenizer, the same pieces as {theirs})'
-    if not theirs.is_file():
+    if theirs is None:
         other = ', '.join(p.name for p in sorted(Path(path).glob('tokenizer*')))
-        raise HFError(f'{path} has no tokenizer.model{f" (only {other}; vrl reads sentencepiece models)" if other else ""}'
+        raise HFError(f'{path} has no tokenizer.model or tokenizer.json{f" (only {other})" if other else ""}'
                       ': a tokenizer trained for this run would feed these weights ids they never saw. Name the '
-                      'sentencepiece model they were trained with: --config.data.tokenizer=PATH.')
+                      'tokenizer they were trained with: --config.data.tokenizer=PATH.')
     return str(theirs), f'tokenizer {theirs}'

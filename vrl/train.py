@@ -179,7 +179,7 @@ def _hf_dir(init_from: str) -> str:
 
 def _hf_tokenizer(config: Config, init_from: str | None, path: epath.Path) -> tuple[Config, epath.Path | None, str]:
     """A run started from hf:DIR trains with the tokenizer its weights came with (vrl/hf.py's
-    `run_tokenizer`), kept in the workdir as tokenizer.model so that the run's tools find it after
+    `run_tokenizer`), kept in the workdir under its file's name so that the run's tools find it after
     DIR is gone: (the config naming it, the file to copy there or None, how it was chosen)."""
     if not (init_from and init_from.startswith('hf:')):
         return config, None, ''
@@ -187,7 +187,7 @@ def _hf_tokenizer(config: Config, init_from: str | None, path: epath.Path) -> tu
     chosen, line = hf.run_tokenizer(_hf_dir(init_from), config.data.tokenizer)
     if config.data.tokenizer:
         return config, None, line
-    kept = path / workdir_lib.TOKENIZER
+    kept = path / epath.Path(chosen).name
     return dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=str(kept))), epath.Path(chosen), line
 
 

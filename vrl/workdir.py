@@ -33,9 +33,10 @@ from vrl import storage
 from vrl.config import Config
 from vrl.errors import VrlError
 
-TOKENIZER = 'tokenizer.model'  # the tokenizer a run started from Hugging Face weights came with
+# the tokenizer a run started from Hugging Face weights came with (with a tokenizer.json, its config)
+TOKENIZER_FILES = ('tokenizer.model', 'tokenizer.json', 'tokenizer_config.json')
 WANDB_RUN_ID = 'wandb_run_id'  # the W&B run this workdir's run logs to (vrl/tracking.py)
-RUN_FILES = ('checkpoints', 'metrics.jsonl', 'config.json', 'tensorboard', TOKENIZER, WANDB_RUN_ID)
+RUN_FILES = ('checkpoints', 'metrics.jsonl', 'config.json', 'tensorboard', *TOKENIZER_FILES, WANDB_RUN_ID)
 
 
 class WorkdirError(VrlError, RuntimeError):
@@ -199,12 +200,16 @@ def start_over(workdir: epath.Path, config: Config, latest_step: int | None) -> 
 
 
 def keep_tokenizer(workdir: epath.Path, source: epath.Path, chosen: str) -> str:
-    """Copies the tokenizer a run starts with into the workdir, unless the workdir's run already has
-    one (a resume keeps the tokenizer it trained with); returns the line for the log."""
-    kept = workdir / TOKENIZER
+    """Copies the tokenizer a run starts with (and a tokenizer.json's tokenizer_config.json, which
+    names its special tokens) into the workdir, unless the workdir's run already has one (a resume
+    keeps the tokenizer it trained with); returns the line for the log."""
+    kept = workdir / source.name
     if kept.exists() and (workdir / 'checkpoints').exists():
         return f'{chosen}: the workdir keeps the one its run trained with, {kept}'
     workdir.mkdir(parents=True, exist_ok=True)
+    beside = source.parent / 'tokenizer_config.json'
+    if source.name == 'tokenizer.json' and beside.exists():
+        storage.write_bytes(workdir / beside.name, beside.read_bytes())
     storage.write_bytes(kept, source.read_bytes())
     return f'{chosen}, copied to {kept}'
 

@@ -1,0 +1,73 @@
+"""Peak memory and speed of `vrl.data prepare` on one large JSON lines file: its memory must not grow
+with the file's size (it streams).
+
+    python bench/prepare_memory.py [--sizes_mb 200,2000] [--compress zst]
+
+Writes a file of ~1,000-word documents (words drawn from the embedded Shakespeare) of each size in
+a temp folder, prepares it in a subprocess, and reads that process's peak RSS (ru_maxrss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vrl import corpus  # noqa: E402
+
+
+# runs the command given after it and prints the peak RSS (KiB) of it and its children
+PEAK = ('import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); '
+        'print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)')
+
+
+def write_jsonl(path: Path, megabytes: int, compress: str) -> int:
+    words = np.array(Path(corpus.shakespeare_spec().files[0]).read_text().split())
+    rng = np.random.default_rng(0)
+    written = 0
+    raw = open(path, 'wb')
+    out = raw
+    if compress == 'zst':
+        import zstandard
+        out = zstandard.ZstdCompressor(level=3).stream_writer(raw)
+    while written < megabytes << 20:
+        block = ''.join(json.dumps({'text': ' '.join(rng.choice(words, 1000))}) + '\n' for _ in range(500)).encode()
+        out.write(block)
+        written += len(block)
+    out.close()
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--sizes_mb', default='200,2000')
+    parser.add_argument('--compress', default='', choices=('', 'zst'))
+    args = parser.parse_args()
+    print('| JSON lines | on disk | prepare seconds | MB/s (uncompressed) | peak RSS |\n|---|---|---|---|---|')
+    for megabytes in map(int, args.sizes_mb.split(',')):
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / f'big.jsonl{"." + args.compress if args.compress else ""}'
+            size = write_jsonl(path, megabytes, args.compress)
+            start = time.perf_counter()
+            measured = subprocess.run([sys.executable, '-c', PEAK, sys.executable, '-m', 'vrl.data', 'prepare',
+                                       f'--input={path}', '--name=big', f'--data_dir={folder}/tfds'],
+                                      check=True, cwd=ROOT, capture_output=True, text=True,
+                                      env={**os.environ, 'PYTHONPATH': str(ROOT)})
+            seconds = time.perf_counter() - start
+            peak = int(measured.stdout.split()[-1]) / 1024
+            print(f'| {size / 2**20:,.0f} MB | {path.stat().st_size / 2**20:,.0f} MB | {seconds:.0f} | '
+                  f'{size / 2**20 / seconds:.1f} | {peak:,.0f} MB |', flush=True)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,222 @@
+"""The paper's data at pod speed: Hugging Face tokenizer.json tokenizers, parquet / .jsonl.gz /
+.jsonl.zst inputs streamed, and pre-tokenized datasets read by the same pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import itertools
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vrl import corpus, data, tokens
+from vrl.tokenizer import EOS_ID, HuggingFaceTokenizer, Tokenizer, TokenizerError
+from vrl.tokenizer import train as train_tokenizer
+
+TEXT = 'ROMEO: What say 東京🎭 café?\n\n  Thou art\tthere, 12345.'
+
+
+@pytest.fixture(scope='module')
+def hf_tokenizer(small_corpus, tmp_path_factory) -> HuggingFaceTokenizer:
+    cfg, _ = small_corpus
+    texts = corpus.texts(corpus.open_split('plays', cfg.data_dir, 'train'))
+    tok = train_tokenizer(itertools.chain(texts, [TEXT]), 600, str(tmp_path_factory.mktemp('hf') / 'tokenizer.json'))
+    assert isinstance(tok, HuggingFaceTokenizer)
+    return tok
+
+
+def test_a_trained_tokenizer_json_is_exact_on_any_text(hf_tokenizer, small_corpus):
+    tok = hf_tokenizer
+    assert (tok.eos_id, tok.pad_id) == (EOS_ID, 0) and tok.vocab_size <= 600
+    cfg, _ = small_corpus
+    texts = [TEXT] + list(itertools.islice(corpus.texts(corpus.open_split('plays', cfg.data_dir, 'validation')), 50))
+    for text in texts:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert int(tok.utf8_bytes[ids].sum()) == len(text.encode('utf-8'))  # bits per byte stays exact
+    context, continuation = 'ROMEO: What', ' say 東京'
+    first, second = tok.encode_pair(context, continuation)
+    assert first + second == tok.encode(context + continuation).tolist() and second
+    assert tok.decode(second).endswith('東京')
+    again = Tokenizer.load(tok.path)
+    assert again.difference(tok) is None and again.fingerprint == tok.fingerprint
+    import pickle
+    assert (pickle.loads(pickle.dumps(tok)).encode(TEXT) == tok.encode(TEXT)).all()
+
+
+def test_special_tokens_come_from_the_config_beside_or_their_usual_names(hf_tokenizer, tmp_path):
+    rust = json.loads(hf_tokenizer.file_bytes)
+    renamed = {'</s>': '<|endoftext|>', '<pad>': '<|padding|>'}  # GPT-NeoX's names
+    for token in rust['added_tokens']:
+        token['content'] = renamed.get(token['content'], token['content'])
+    rust['model']['vocab'] = {renamed.get(piece, piece): i for piece, i in rust['model']['vocab'].items()}
+    (tmp_path / 'neox').mkdir()
+    (tmp_path / 'neox' / 'tokenizer.json').write_text(json.dumps(rust))
+    neox = Tokenizer.load(str(tmp_path / 'neox' / 'tokenizer.json'))
+    assert (neox.eos_id, neox.pad_id, neox.bos_id) == (1, 0, 2)
+    (tmp_path / 'neox' / 'tokenizer_config.json').write_text(json.dumps({'eos_token': '<s>', 'pad_token': None}))
+    assert Tokenizer.load(str(tmp_path / 'neox' / 'tokenizer.json')).eos_id == 2
+    rust['added_tokens'] = [dict(t, special=False) if t['content'] == '<|endoftext|>' else t for t in rust['added_tokens']]
+    (tmp_path / 'bare.json').write_text(json.dumps(rust))
+    with pytest.raises(TokenizerError, match=r'bare.json: no EOS token \(special tokens: .*tokenizer_config.json'):
+        Tokenizer.load(str(tmp_path / 'bare.json'))
+    (tmp_path / 'broken.json').write_text('{"model": 1}')
+    with pytest.raises(TokenizerError, match=r"broken.json' is not a Hugging Face tokenizer.json"):
+        Tokenizer.load(str(tmp_path / 'broken.json'))
+
+
+def test_the_exported_tokenizer_json_encodes_as_the_run_did_in_transformers(hf_tokenizer, small_corpus, tmp_path):
+    transformers = pytest.importorskip('transformers')
+    from vrl import hf
+    hf.write_tokenizer(hf_tokenizer, tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    cfg, _ = small_corpus
+    assert theirs(TEXT).input_ids == data.prompt_tokens(cfg, hf_tokenizer, TEXT)
+    assert Tokenizer.load(str(tmp_path / 'tokenizer.json')).difference(hf_tokenizer) is None
+    assert hf.run_tokenizer(str(tmp_path), '') == (str(tmp_path / 'tokenizer.json'), f'tokenizer {tmp_path / "tokenizer.json"}')
+
+
+def _records(n: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    words = ['thou', 'art', '東京', 'café', 'the', 'king', '🎭', 'say']
+    return [{'text': ' '.join(rng.choice(words, rng.integers(5, 40))) + f' {i}', 'meta': {'set': 'ab'[i % 2]}}
+            for i in range(n)]
+
+
+def test_jsonl_gz_zst_and_parquet_are_read_as_plain_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+    records = _records(60)
+    lines = ''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in records).encode()
+    inputs = {'jsonl': lines, 'jsonl.gz': gzip.compress(lines), 'jsonl.zst': zstandard.ZstdCompressor().compress(lines)}
+    for ending, payload in inputs.items():
+        (tmp_path / ending).mkdir()
+        (tmp_path / ending / f'part.{ending}').write_bytes(payload)
+    (tmp_path / 'parquet').mkdir()
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / 'parquet' / 'part.parquet', row_group_size=16)
+    got = {}
+    for kind in ('jsonl', 'jsonl.gz', 'jsonl.zst', 'parquet'):
+        name = 'c_' + kind.replace('.', '_')
+        corpus.prepare_from_glob(str(tmp_path / kind), name, str(tmp_path / 'tfds'), validation_fraction=0.2)
+        got[kind] = {split: sorted(corpus.texts(corpus.open_split(name, str(tmp_path / 'tfds'), split)))
+                     for split in ('train', 'validation')}
+    assert sorted(got['jsonl']['train'] + got['jsonl']['validation']) == sorted(r['text'] for r in records)
+    for kind, splits in got.items():  # the held-out documents follow the file's name, so only their number is equal
+        assert sorted(splits['train'] + splits['validation']) == sorted(got['jsonl']['train'] + got['jsonl']['validation'])
+        assert len(splits['validation']) == len(got['jsonl']['validation']) == 12
+    domains = corpus.prepare_domains(str(tmp_path / 'parquet'), 'dom', str(tmp_path / 'tfds'), 'meta.set',
+                                     validation_fraction=0.2)
+    assert domains == {'a': 'dom_a', 'b': 'dom_b'}
+
+
+def test_bad_corpus_files_are_one_line_naming_the_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+    whole = zstandard.ZstdCompressor().compress(b''.join(json.dumps(r).encode() + b'\n' for r in _records(400)))
+    (tmp_path / 'cut').mkdir()
+    (tmp_path / 'cut' / 'part.jsonl.zst').write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(corpus.DataError, match=r'part.jsonl.zst cannot be read as JSON lines: .*Fetch it again'):
+        corpus.prepare_from_glob(str(tmp_path / 'cut'), 'cut', str(tmp_path / 'tfds'))
+    (tmp_path / 'cols').mkdir()
+    pq.write_table(pa.Table.from_pylist([{'body': 'x'}]), tmp_path / 'cols' / 'p.parquet')
+    with pytest.raises(corpus.DataError, match=r"p.parquet has no column 'text' \(columns: \['body'\]\); .*--text_field"):
+        corpus.prepare_from_glob(str(tmp_path / 'cols'), 'cols', str(tmp_path / 'tfds'))
+    (tmp_path / 'empty').mkdir()
+    (tmp_path / 'empty' / 'e.jsonl').write_text('{"text": ""}\n{"text": "  "}\n')
+    with pytest.raises(corpus.DataError, match=r'no non-empty documents in 1 input file\(s\): .*e.jsonl'):
+        corpus.prepare_from_glob(str(tmp_path / 'empty'), 'empty', str(tmp_path / 'tfds'))
+    assert not list((tmp_path / 'tfds').glob('*/*/dataset_info.json'))  # nothing left as if complete
+
+
+def test_blank_line_blocks_are_the_same_read_a_chunk_at_a_time():
+    import io
+    import re
+    rng = np.random.default_rng(1)
+    text = ''.join(rng.choice(['a', 'b ', '\n', '\n\n', '\n \t\n', '\r\n\r\n', 'é'], 3000))
+    for chunk in (1, 2, 3, 7, 64):
+        assert list(corpus._blank_line_blocks(io.StringIO(text), chunk)) == re.split(r'\n[ \t\r]*\n', text)
+
+
+@pytest.fixture(scope='module')
+def pretokenized(small_corpus, hf_tokenizer, tmp_path_factory):
+    """The plays dataset copied to a folder of its own and pre-tokenized there by the tokenizer.json."""
+    cfg, _ = small_corpus
+    data_dir = tmp_path_factory.mktemp('pretokenized')
+    shutil.copytree(Path(cfg.data_dir) / 'plays', data_dir / 'plays')
+    folder = tokens.tokenize('plays', str(data_dir), hf_tokenizer, workers=2)
+    return dataclasses.replace(cfg, data_dir=str(data_dir), tokenizer=hf_tokenizer.path), folder
+
+
+@pytest.mark.parametrize('process_count, document_masking', [(1, True), (2, False)])
+def test_pretokenized_batches_equal_tokenizing_on_the_fly(pretokenized, hf_tokenizer, caplog, process_count,
+                                                         document_masking):
+    cfg, folder = pretokenized
+    cfg = dataclasses.replace(cfg, document_masking=document_masking, num_epochs=2)
+    with caplog.at_level(logging.INFO):
+        fast = [list(data.train_dataset(cfg, hf_tokenizer, i, process_count)) for i in range(process_count)]
+    assert f'plays train: pre-tokenized by {hf_tokenizer.path}' in caplog.text and str(folder) in caplog.text
+    slow = [list(data.train_dataset(dataclasses.replace(cfg, pretokenized=False), hf_tokenizer, i, process_count))
+            for i in range(process_count)]
+    assert len(fast[0]) > 4
+    for a, b in zip(itertools.chain(*fast), itertools.chain(*slow), strict=True):
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    evaluated = list(data.eval_batches(cfg, hf_tokenizer, 0))
+    on_the_fly = list(data.eval_batches(dataclasses.replace(cfg, pretokenized=False), hf_tokenizer, 0))
+    assert all((a['inputs'] == b['inputs']).all() for a, b in zip(evaluated, on_the_fly, strict=True))
+
+
+def test_a_pretokenized_iterator_resumes_exactly(pretokenized, hf_tokenizer):
+    cfg, _ = pretokenized
+    cfg = dataclasses.replace(cfg, num_epochs=0, document_masking=True)
+    whole = iter(data.train_dataset(cfg, hf_tokenizer))
+    expected = [next(whole) for _ in range(12)]
+    first = iter(data.train_dataset(cfg, hf_tokenizer))
+    for _ in range(5):
+        next(first)
+    state = json.loads(json.dumps(first.get_state()))
+    resumed = iter(data.train_dataset(cfg, hf_tokenizer))
+    resumed.set_state(state)
+    for want in expected[5:]:
+        got = next(resumed)
+        assert all((got[k] == want[k]).all() for k in want)
+
+
+def test_tokenize_resumes_from_the_shards_it_finished_and_checks_the_dataset(pretokenized, hf_tokenizer, caplog,
+                                                                              tmp_path):
+    cfg, folder = pretokenized
+    data_dir = tmp_path / 'copy'
+    shutil.copytree(Path(cfg.data_dir), data_dir)
+    copy = Path(str(folder).replace(cfg.data_dir, str(data_dir)))
+    info = json.loads((copy / tokens.MARKER).read_text())
+    shard = info['splits']['train']['shards'][1]
+    before = (copy / f'{shard}.tokens').read_bytes()
+    for name in (tokens.MARKER, f'{shard}.offsets.npy', f'{shard}.tokens'):
+        os.remove(copy / name)  # killed while writing this shard
+    (copy / f'{shard}.tokens.partial').write_bytes(b'half')
+    with caplog.at_level(logging.INFO):
+        tokens.tokenize('plays', str(data_dir), hf_tokenizer, workers=1)
+    total = sum(len(s['shards']) for s in info['splits'].values())
+    assert f'1 shards to write ({total - 1} done before)' in caplog.text
+    assert (copy / f'{shard}.tokens').read_bytes() == before and json.loads((copy / tokens.MARKER).read_text()) == info
+    info['splits']['train']['documents'] += 1  # as if the dataset had been rebuilt since
+    (copy / tokens.MARKER).write_text(json.dumps(info))
+    with pytest.raises(corpus.DataError, match=rf'{copy} holds .* train documents but dataset \'plays\' has .*'
+                                               r'--overwrite'):
+        tokens.find('plays', str(data_dir), 'train', hf_tokenizer)
+
+
+def test_another_tokenizers_copy_is_named_and_not_used(pretokenized, small_corpus, caplog):
+    cfg, folder = pretokenized
+    _, sentencepiece = small_corpus
+    with caplog.at_level(logging.INFO):
+        assert tokens.find('plays', cfg.data_dir, 'train', sentencepiece) is None
+    assert f'tokenized on the fly by {sentencepiece.path} (pre-tokenized copies there are of other tokenizers: ' \
+           f'{folder})' in caplog.text
