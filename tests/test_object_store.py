@@ -173,3 +173,24 @@ def test_storage_on_the_bucket_creates_once_moves_folders_and_lists(gcs):
     assert not (root / 'run').exists()
     local = storage.path('relative/folder')
     assert not storage.is_remote(local) and str(local) == os.path.abspath('relative/folder')
+
+
+def test_compressed_records_in_the_bucket_are_prepared_and_pretokenized_there(gcs):
+    """A glob of .jsonl.zst / .jsonl objects prepared into a gs:// data_dir, a tokenizer.json trained
+    into the bucket, the dataset pre-tokenized there (tokens.json last) and found by the pipeline."""
+    import zstandard
+    from vrl import corpus, tokens
+    from vrl.tokenizer import train
+    fs = bucket_fs()
+    lines = ''.join(json.dumps({'text': f'record {i} ' * 20}) + '\n' for i in range(50)).encode()
+    fs.pipe_file('vrl/raw/a.jsonl.zst', zstandard.ZstdCompressor().compress(lines))
+    fs.pipe_file('vrl/raw/b.jsonl', lines)
+    built = corpus.prepare_from_glob('gs://vrl/raw/*', 'raw', 'gs://vrl/rawtfds', validation_fraction=0.1)
+    assert built == 'gs://vrl/rawtfds/raw/1.0.0'
+    assert len(list(corpus.texts(corpus.open_split('raw', 'gs://vrl/rawtfds', 'train')))) == 90
+    tok = train(corpus.texts(corpus.open_split('raw', 'gs://vrl/rawtfds', 'train')), 300, 'gs://vrl/raw.json')
+    folder = tokens.tokenize('raw', 'gs://vrl/rawtfds', tok, workers=1)
+    assert str(folder).startswith('gs://vrl/rawtfds/raw/1.0.0/vrl_tokens/') and fs.exists(f'{str(folder)[5:]}/tokens.json')
+    source = tokens.find('raw', 'gs://vrl/rawtfds', 'validation', tok)
+    texts = list(corpus.texts(corpus.open_split('raw', 'gs://vrl/rawtfds', 'validation')))
+    assert [source[i].tolist() for i in range(len(source))] == [tok.encode(t).tolist() for t in texts]

@@ -123,8 +123,10 @@ def tokenize(name: str, data_dir: str, tokenizer: Tokenizer, workers: int | None
         logging.info('%s is already complete', target)
         return target
     local = storage.scratch(target) if storage.is_remote(target) else target
-    if overwrite and local.exists():
-        local.rmtree()
+    if overwrite:
+        storage.delete(target / MARKER)  # incomplete from here until the new one is written last
+        if local.exists():
+            local.rmtree()
     local.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for(tokenizer.vocab_size)
     workers = workers or os.cpu_count() or 1
