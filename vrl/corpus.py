@@ -103,10 +103,7 @@ def _format(file: str, split_mode: str) -> str:
 def _resolve_files(input_glob: str) -> tuple[str, ...]:
     """The files a folder or glob names, local or on an object store (gs://bucket/shards/*.parquet)."""
     if storage.is_remote(input_glob):
-        fs, inner = storage._filesystem(input_glob)
-        scheme = input_glob.split('://', 1)[0]
-        found = fs.find(inner) if fs.isdir(inner) else fs.glob(inner)
-        files = sorted(f'{scheme}://{f}' for f in found if not f.endswith('/'))
+        files = storage.matching(input_glob)
     elif Path(input_glob).is_dir():
         files = sorted(str(p) for p in Path(input_glob).rglob('*') if p.is_file())
     else:
@@ -187,10 +184,10 @@ def read_documents(spec: CorpusSpec, skipped: SkipCounter, desc: str = 'reading'
     """
     bare = [f.split('://', 1)[-1] for f in spec.files]
     root = os.path.dirname(bare[0]) if len(bare) == 1 else os.path.commonpath(bare)
-    with tqdm.tqdm(total=sum(map(_size, spec.files)), unit='B', unit_scale=True, desc=desc, mininterval=1.0,
-                   disable=None) as bar:
+    sizes = [_size(file) for file in spec.files]  # one stat per file (a request on an object store)
+    with tqdm.tqdm(total=sum(sizes), unit='B', unit_scale=True, desc=desc, mininterval=1.0, disable=None) as bar:
         documents = 0
-        for file, bare_file in zip(spec.files, bare):
+        for file, bare_file, size in zip(spec.files, bare, sizes):
             file_id = os.path.relpath(bare_file, root)
             done = 0
             with _opened(file) as (raw, stream):
@@ -204,7 +201,7 @@ def read_documents(spec: CorpusSpec, skipped: SkipCounter, desc: str = 'reading'
                         bar.update(raw.tell() - done)
                         done = raw.tell()
                         bar.set_postfix(documents=f'{documents:,}', refresh=False)
-                bar.update(_size(file) - done)
+                bar.update(size - done)
 
 
 def _file_documents(file: str, stream: BinaryIO, spec: CorpusSpec) -> Iterator[str]:

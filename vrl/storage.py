@@ -105,6 +105,14 @@ def files(folder: epath.Path) -> dict[str, int]:
                        for d, _, names in os.walk(folder) for name in names))
 
 
+def matching(pattern: str) -> list[str]:
+    """The files a remote folder holds, or a remote glob matches, as sorted URLs."""
+    fs, inner = _filesystem(pattern)
+    scheme = pattern.split('://', 1)[0]
+    found = fs.find(inner) if fs.isdir(inner) else fs.glob(inner)
+    return sorted(f'{scheme}://{f}' for f in found if not f.endswith('/'))
+
+
 def copy_tree(source: epath.Path, target: epath.Path, last: tuple[str, ...] = (),
               known: dict[str, int] | None = None) -> dict[str, int]:
     """Copies every file under folder `source` to the same place under `target` (either may be
