@@ -175,27 +175,31 @@ def test_restarts_say_what_they_do(small_corpus, tmp_path, capsys):
 
 
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(small_corpus, tmp_path):
-    config = tiny_config(small_corpus, steps=40, checkpoint_every=2, log_every=1)
-    probe = tmp_path / 'probe'
-    train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2)), str(probe))
-    one_checkpoint = sum(p.stat().st_blocks * 512 for p in (probe / 'checkpoints' / '2').rglob('*') if p.is_file())
+    config = tiny_config(small_corpus, steps=100_000, checkpoint_every=2, log_every=1)
     small = tmp_path / 'small_disk'
-    small.mkdir()  # room for two checkpoints and the run's logs, not for the three it keeps
-    size_kib = (one_checkpoint * 5 // 2 + 200_000) // 1024
-    if subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size_kib}k', 'tmpfs', str(small)],
-                      capture_output=True).returncode:
+    small.mkdir()
+    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=64m', 'tmpfs', str(small)], capture_output=True).returncode:
         pytest.skip('cannot mount a small tmpfs here (needs root); the full-disk path is untested')
+    run = None
     try:
         workdir = small / 'run'
-        out = subprocess.run(cli_args(config, workdir), cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert out.returncode != 0
-        last_line = out.stderr.strip().splitlines()[-1]
+        run = start_run(config, workdir)
+        wait_for(lambda: saved_steps(workdir), 300, run)
+        # Fill the disk, leaving room for the run's logs but not for another checkpoint (over 1 MB).
+        room = os.statvfs(small)
+        with open(small / 'ballast', 'wb') as ballast:
+            ballast.write(b'\0' * (room.f_bavail * room.f_frsize - 300_000))
+        output = run.communicate(timeout=300)[0]
+        assert run.returncode != 0
+        last_line = output.strip().splitlines()[-1]
         assert last_line.startswith('error: saving a checkpoint in') and 'no space left on device' in last_line
         assert not list((workdir / 'checkpoints').glob('*.orbax-checkpoint-tmp*'))  # no partial folder
         kept = saved_steps(workdir)[-1]  # the steps saved before the disk filled up are intact
         copy = tmp_path / 'copy'
         shutil.copytree(workdir, copy)
     finally:
+        if run is not None:
+            run.kill()
         subprocess.run(['umount', str(small)], check=True)
     resumed = train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=kept + 1)), str(copy))
     assert min(resumed.losses) == kept + 1
