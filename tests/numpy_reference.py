@@ -58,13 +58,14 @@ def _np_kv_weights(cfg: ModelConfig, p: dict, n: int, layer: dict) -> tuple:
 
 
 def _np_value_embedding(cfg: ModelConfig, p: dict, n: int, x: np.ndarray, tokens: np.ndarray):
-    """2 sigmoid(x W_gate) * table[token] for layer n + 1 if it has a value embedding, else None."""
+    """(the gate 2 sigmoid(x W_gate) (L, K, 1), table[token] (L, K, Dh)) for layer n + 1 if it has a
+    value embedding, else None."""
     if n + 1 not in cfg.value_embed_layers:
         return None
     entry = cfg.value_embed_layers.index(n + 1)
     table = cfg.value_embed_tables[entry] if cfg.value_embed_tables else entry
     gate = 2 * _np_sigmoid(x @ p['value_embeds']['gates'][entry])[:, :, None]
-    return gate * p['value_embeds']['tables'][table][tokens]
+    return gate, p['value_embeds']['tables'][table][tokens]
 
 
 def _np_depth_weights(cfg: ModelConfig, p: dict) -> np.ndarray:
@@ -81,7 +82,8 @@ def _np_depth_weights(cfg: ModelConfig, p: dict) -> np.ndarray:
 def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = None) -> np.ndarray:
     """One sequence (L,) -> logits (L, vocab_size), straight from docs/paper.md's equations.
 
-    With `trace`, appends per layer (attention (heads, L, L), attended values (L, K, Dh), output (L, D)).
+    With `trace`, appends per layer (attention (heads, L, L), attended values (L, K, Dh), output (L, D),
+    the mean value-embedding gate or NaN).
     """
     L = tokens.shape[0]
     G = cfg.n_heads // cfg.n_kv_heads
@@ -101,7 +103,7 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
             k, v_n = group_kv
         ve = _np_value_embedding(cfg, p, n, x, tokens)
         if ve is not None:
-            v_n = v_n + ve
+            v_n = v_n + ve[0] * ve[1]
         if n == 0:
             v = v1 = v_n
         elif cfg.attention == 'svformer':
@@ -129,7 +131,7 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
             blocks.append(h)
             h = sum(w * b for w, b in zip(_np_depth_weights(cfg, p)[n], blocks))
         if trace is not None:
-            trace.append((att, v, h))
+            trace.append((att, v, h, np.nan if ve is None else ve[0].mean()))
     x = _np_rms(h, p['final_norm']['scale'], cfg.norm_eps)
     head = p['embed'].T if cfg.tie_embeddings else p['head']
     return (x @ head)[:, :cfg.vocab_size]

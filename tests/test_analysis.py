@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop'
 
 
 STATISTICS = layer_stats.LayerStats._fields
+UNGATED = [name for name in STATISTICS if name != 'value_gate']  # what a model without value embeddings reports
 
 
 def test_entropy_of_uniform_and_of_one_key():
@@ -63,7 +64,8 @@ def test_layer_stats_match_the_numpy_reference(variant):
         numpy_reference.forward(cfg, params, tokens[b], trace)
         expected = {name: [] for name in STATISTICS}
         expected['similarity'].append(_np_similarity(params['embed'][tokens[b]]))
-        for att_HxLxL, v_LxKxDh, h_LxD in trace:
+        for att_HxLxL, v_LxKxDh, h_LxD, value_gate in trace:
+            expected['value_gate'].append(value_gate)
             importance = att_HxLxL.mean(0).sum(0) / att_HxLxL.mean(0).sum()
             expected['entropy'].append(-np.sum(importance * np.log(importance)))
             expected['first_token_attention'].append(att_HxLxL.mean(0)[:, 0].mean())
@@ -76,7 +78,14 @@ def test_layer_stats_match_the_numpy_reference(variant):
         for name in STATISTICS:
             got = np.asarray(getattr(stats, name))[:, b]
             assert got.shape == (cfg.n_layers + (name == 'similarity'),), name
-            assert rel_err(got, expected[name]) < 1e-4, name
+            assert _close(got, expected[name], 1e-4), name
+
+
+def _close(got, expected, tolerance: float) -> bool:
+    """NaN (or None: a layer without the statistic) in the same places, the rest within `tolerance`."""
+    got, expected = np.asarray(got, float), np.asarray(expected, float)
+    real = ~np.isnan(expected)
+    return np.array_equal(np.isnan(got), ~real) and (not real.any() or rel_err(got[real], expected[real]) < tolerance)
 
 
 def _np_similarity(h_LxD: np.ndarray) -> float:
@@ -106,9 +115,9 @@ def test_analyze_command_writes_json_and_plots(two_runs, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for run, variant in (('vanilla', 'vanilla + MQA'), ('resformer', 'resformer (learnable) + MQA')):
         record = json.loads((out / run / 'analysis.json').read_text())
-        assert set(record) == set(STATISTICS) | {'variant', 'step', 'sequences', 'seq_len'}
+        assert set(record) == set(UNGATED) | {'variant', 'step', 'sequences', 'seq_len'}
         assert (record['variant'], record['step'], record['sequences'], record['seq_len']) == (variant, SHARED_RUN_STEPS, 6, 32)
-        for name in STATISTICS:
+        for name in UNGATED:
             assert len(record[name]) == 3 + (name == 'similarity') and all(np.isfinite(record[name])), name
         assert all(0 <= e <= math.log(32) + 1e-6 for e in record['entropy'])
         assert all(0 < m <= 1 for m in record['first_token_attention'])
@@ -137,14 +146,15 @@ def test_analyze_bad_input_is_one_clear_line(two_runs, tmp_path, args, message):
 
 def test_training_logs_the_diagnostics_that_analyze_computes_on_its_checkpoint(small_corpus, tmp_path):
     """train.diagnostics_every: per layer, the statistics of vrl.analyze on the same sequences and
-    parameters (to rounding), ResFormer's lambdas as the checkpoint holds them, in metrics.jsonl and
-    as one TensorBoard chart per statistic."""
+    parameters (to rounding), ResFormer's lambdas as the checkpoint holds them, the gates of the
+    layers with value embeddings (null in the one without), in metrics.jsonl and as one TensorBoard
+    chart per statistic."""
     import dataclasses
     from tests.runs import tiny_config
     from vrl import analyze, checkpoint, train
     config = tiny_config(small_corpus, attention='resformer', steps=4, checkpoint_every=4, diagnostics_every=2,
                          diagnostics_sequences=3, sample_prompt='')
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3))
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3, value_embed_layers=(1, 3)))
     workdir = tmp_path / 'run'
     result = train.run(config, str(workdir))
     records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
@@ -155,8 +165,10 @@ def test_training_logs_the_diagnostics_that_analyze_computes_on_its_checkpoint(s
     assert logged[2]['entropy'] != logged[4]['entropy']  # the parameters of that step, not the first ones
 
     analysed = analyze.analyze_run(str(workdir), 3, 0, 2)  # the same 3 sequences, in other batches
+    gates = logged[4]['value_gate']
+    assert gates[1] is None and all(0 < g < 2 and g != 1 for g in (gates[0], gates[2]))  # moved off the init's 1
     for name in STATISTICS:
-        assert rel_err(np.asarray(logged[4][name]), np.asarray(analysed[name])) < 1e-5, name
+        assert _close(logged[4][name], analysed[name], 1e-5), name
     lambdas = result.state.params['lambdas']
     np.testing.assert_allclose(logged[4]['lambda_1'], np.asarray(lambdas['v1'][...]), rtol=1e-6)
     np.testing.assert_allclose(logged[4]['lambda_2'], np.asarray(lambdas['vn'][...]), rtol=1e-6)
@@ -165,4 +177,5 @@ def test_training_logs_the_diagnostics_that_analyze_computes_on_its_checkpoint(s
     charts = tensorboard_scalars(workdir / 'tensorboard')
     entropy = {folder: points for (folder, tag), points in charts.items() if tag == 'diagnostics/entropy'}
     assert len(entropy) == 3, list(charts)  # one line per layer in one chart
+    assert len({folder for folder, tag in charts if tag == 'diagnostics/value_gate'}) == 2  # the gated layers
     assert all([step for step, _ in points] == [2, 4] for points in entropy.values())

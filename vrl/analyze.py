@@ -3,8 +3,9 @@
 For the latest checkpoint of each run, over --sequences validation sequences of --seq_len tokens
 from the run's own dataset, computes per layer (vrl/layer_stats.py): attention entropy, first-token
 attention, token similarity (embedding output first), and value- and hidden-state norms of the
-first token and of the rest. Writes OUT/<run name>/analysis.json (one float per layer for each
-statistic, plus `variant`, `step`, `sequences`, `seq_len`) and OUT/*.png, one line per run.
+first token and of the rest, and for value embeddings their gates. Writes OUT/<run name>/analysis.json
+(one float per layer for each statistic, null where a layer has no value embedding, plus `variant`,
+`step`, `sequences`, `seq_len`) and OUT/*.png, one line per run.
 The model runs one layer at a time, so only one layer's (L x L) attention maps exist at once.
 """
 
@@ -15,7 +16,7 @@ import json
 from absl import flags
 from etils import epath
 
-from vrl import cli, diagnostics, plots, storage
+from vrl import cli, diagnostics, layer_stats, plots, storage
 from vrl.errors import VrlError
 from vrl.trained import load_trained
 
@@ -49,6 +50,7 @@ _PLOTS = {  # file -> (title, y label, [(statistic, line style)])
     'hidden_norms': ('Hidden-state norms (solid: first token, dashed: the rest)', 'L2 norm',
                      [('hidden_norm_first', '-'), ('hidden_norm_rest', '--')]),
 }
+PLOTTED = [statistic for _, _, statistics in _PLOTS.values() for statistic, _ in statistics]
 
 
 def plot(results: dict[str, dict], out: epath.Path) -> list[epath.Path]:
@@ -58,7 +60,7 @@ def plot(results: dict[str, dict], out: epath.Path) -> list[epath.Path]:
         lines = []
         for color, (run, result) in enumerate(results.items()):
             for statistic, style in statistics:
-                first_layer = 0 if statistic == 'similarity' else 1  # similarity starts at the embedding
+                first_layer = layer_stats.first_layer(statistic)
                 values = result[statistic]
                 lines.append(plots.Line(f'{run} ({result["variant"]})' if style == '-' else None,
                                         range(first_layer, first_layer + len(values)), values, style, color))

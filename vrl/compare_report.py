@@ -61,7 +61,7 @@ def write_plots(results: list[dict], variants: list[str], workdir: epath.Path) -
             'step', 'relative training loss (mean over seeds)', relative_lines, markers=False))
     analysed = {v: [r['analysis'] for r in runs if r['analysis']] for v, runs in by_variant.items()}
     mean_analysis = {variant: {'variant': by_variant[variant][0]['model'], **{
-        k: np.mean([a[k] for a in analyses], axis=0).tolist() for k in analyze.STATISTICS}}
+        k: np.mean([a[k] for a in analyses], axis=0).tolist() for k in analyze.PLOTTED}}
         for variant, analyses in analysed.items() if analyses}
     figures = written + diagnostics_plots(by_variant, workdir)
     return figures + (analyze.plot(mean_analysis, workdir) if mean_analysis else [])

@@ -3,8 +3,9 @@ reports of a checkpoint and what training logs every `train.diagnostics_every` s
 two agree to rounding on the same parameters and sequences.
 
 The statistics are vrl/layer_stats.py's (attention entropy, attention on the first token, value and
-hidden-state norms, token similarity), each averaged over the sequences, one value per layer; for a
-ResFormer with scalar lambdas also the (lambda_1, lambda_2) each layer n >= 2 uses now.
+hidden-state norms, token similarity, value-embedding gates), each averaged over the sequences, one
+value per layer; for a ResFormer with scalar lambdas also the (lambda_1, lambda_2) each layer n >= 2
+uses now.
 """
 
 from __future__ import annotations
@@ -57,14 +58,17 @@ def summed_stats(trainer: Trainer) -> Callable[[Any, jax.Array], dict[str, jax.A
 
 def averaged(stats_fn: Callable, trainer: Trainer, params: Any, tokens_NxL: np.ndarray, batch_size: int
              ) -> dict[str, list[float]]:
-    """Each statistic per layer, averaged over the N sequences, taken batch_size at a time."""
+    """Each statistic per layer, averaged over the N sequences, taken batch_size at a time; the
+    value-embedding gate only for a model with value embeddings, null in the layers without one."""
     sums: dict[str, np.ndarray] = {}
     for start in range(0, len(tokens_NxL), batch_size):
         batch = tokens_NxL[start:start + batch_size]
         placed = jax.device_put(batch, sharding.fitted_sharding(trainer.mesh, ('batch', 'length'), batch.shape))
         for name, value in jax.device_get(stats_fn(params, placed)).items():
             sums[name] = sums.get(name, 0.0) + np.asarray(value, np.float64)
-    return {name: (sums[name] / len(tokens_NxL)).tolist() for name in STATISTICS}
+    means = {name: [None if np.isnan(x) else x for x in (sums[name] / len(tokens_NxL)).tolist()]
+             for name in STATISTICS}
+    return means if trainer.config.model.value_embed_layers else {n: v for n, v in means.items() if n != 'value_gate'}
 
 
 def lambdas(trainer: Trainer, params: Any) -> dict[str, list[float]]:

@@ -10,6 +10,8 @@ sequence (B,); `python -m vrl.analyze` averages them over validation sequences.
 - similarity: mean off-diagonal cosine similarity of a sequence's token states (eq. 13).
 - value / hidden norms: L2 norm of the first token's attended values (over kv heads and head
   dims) or hidden state, and the mean of the other tokens' ("value-state drains").
+- value_gate: a value embedding's gate 2 sigmoid(x W) averaged over tokens and kv heads (1 at
+  init: the lookup added as is; towards 0: shut); NaN in a layer without a value embedding.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class AttentionStats(NamedTuple):
     first_token_attention: Array
     value_norm_first: Array
     value_norm_rest: Array
+    value_gate: Array
 
 
 class LayerStats(NamedTuple):
@@ -36,6 +39,7 @@ class LayerStats(NamedTuple):
     first_token_attention: Array
     value_norm_first: Array
     value_norm_rest: Array
+    value_gate: Array
     hidden_norm_first: Array
     hidden_norm_rest: Array
     similarity: Array
@@ -79,10 +83,15 @@ def first_and_rest_norms(x_BxLx___: Array) -> tuple[Array, Array]:
     return norms_BxL[:, 0], jnp.mean(norms_BxL[:, 1:], axis=-1)
 
 
-def attention_stats(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array) -> AttentionStats:
+def attention_stats(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array,
+                    value_gate_BxLxKx1: Array | None) -> AttentionStats:
+    """The attention statistics; value_gate_BxLxKx1 is the layer's value-embedding gate (None: none)."""
     probs_BxLxS = attention_probs(q_BxLxHxDh, k_BxSxKxDh, mask_BxLxS)
+    B = q_BxLxHxDh.shape[0]
+    gate_B = (jnp.full((B,), jnp.nan, jnp.float32) if value_gate_BxLxKx1 is None
+              else jnp.mean(value_gate_BxLxKx1.astype(jnp.float32), axis=(1, 2, 3)))
     return AttentionStats(attention_entropy(probs_BxLxS), first_token_attention(probs_BxLxS),
-                          *first_and_rest_norms(v_BxSxKxDh))
+                          *first_and_rest_norms(v_BxSxKxDh), gate_B)
 
 
 def layer_stats(attention: AttentionStats, h_BxLxD: Array) -> LayerStats:
@@ -94,3 +103,8 @@ def first_layer(statistic: str) -> int:
     """The layer of a per-layer record's first value: similarity starts at the embedding output (0),
     ResFormer's lambdas (`lambda_1`, `lambda_2`) at layer 2, every other statistic at layer 1."""
     return {'similarity': 0, 'lambda_1': 2, 'lambda_2': 2}.get(statistic, 1)
+
+
+def by_layer(statistic: str, values: list[float | None]) -> dict[str, float]:
+    """A per-layer record as {"layer_<i>": value}, leaving out the layers without one (None)."""
+    return {f'layer_{i}': v for i, v in enumerate(values, first_layer(statistic)) if v is not None}

@@ -160,15 +160,14 @@ class MetricsWriter:
 
     def write_diagnostics(self, step: int, diagnostics: dict[str, list[float]]) -> None:
         """One record {"step": S, "diagnostics": {statistic: [one value per layer]}} in metrics.jsonl,
-        and in TensorBoard one chart per statistic, a line per layer."""
+        and in TensorBoard one chart per statistic, a line per layer (but those without: null)."""
         if not self.enabled:
             return
         self._line({'step': step, 'diagnostics': diagnostics})
         if self._tracker is not None:
             self._tracker.log(step, {'diagnostics': diagnostics})
         for name, values in diagnostics.items():
-            self._tensorboard.add_scalars(f'diagnostics/{name}', {f'layer_{i}': value for i, value in
-                                                                  enumerate(values, layer_stats.first_layer(name))}, step)
+            self._tensorboard.add_scalars(f'diagnostics/{name}', layer_stats.by_layer(name, values), step)
 
     def mark_start(self, step: int, how: str, **details: Any) -> None:
         """A record that a run (re)started at `step`: later records of a step supersede earlier ones."""

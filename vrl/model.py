@@ -219,6 +219,7 @@ class Block(nnx.Module):
         x_BxLxD = self.attn_norm(s.h)
         q_BxLxHxDh = self.attn.queries(x_BxLxD, positions_BxL)
         k_BxLxKxDh, v_n = self.attn.keys_values(x_BxLxD, positions_BxL, s.v1, p.kv, s.kv)  # CLA
+        scale_BxLxKx1 = None
         if p.value_embed is not None:  # value embeddings: V_n + 2 sigmoid(x W_gate) * table[token]
             gate_BxLxKx1 = variants.gate(x_BxLxD, p.value_embed.gate_w, self.attn.ops.project)
             scale_BxLxKx1 = variants.VALUE_EMBED_GATE_SCALE * gate_BxLxKx1
@@ -241,7 +242,7 @@ class Block(nnx.Module):
         if record:
             B, L = q_BxLxHxDh.shape[:2]
             dense_BxLxS = mask.dense(B, L) if isinstance(mask, Causal) else mask
-            stats = layer_stats.attention_stats(q_BxLxHxDh, keys, values, dense_BxLxS)
+            stats = layer_stats.attention_stats(q_BxLxHxDh, keys, values, dense_BxLxS, scale_BxLxKx1)
         return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), cache, stats
 
 
@@ -358,8 +359,9 @@ class Decoder(nnx.Module):
             return h_BxLxD, cache, None
         stats = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first_stats, stacked_stats)
         embedding_similarity = layer_stats.token_similarity(self.embed[...].astype(dtype)[tokens_BxL])
-        return h_BxLxD, cache, stats._replace(similarity=jnp.concatenate([embedding_similarity[None],
-                                                                           stats.similarity]))
+        gated_Lx1 = np.isin(np.arange(1, L + 1), self.cfg.value_embed_layers)[:, None]  # the stack computes every gate
+        return h_BxLxD, cache, stats._replace(similarity=jnp.concatenate([embedding_similarity[None], stats.similarity]),
+                                              value_gate=jnp.where(gated_Lx1, stats.value_gate, jnp.nan))
 
     def _layer(self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array,
                record: bool) -> tuple[Stream, layer_stats.LayerStats | None]:

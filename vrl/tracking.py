@@ -46,8 +46,7 @@ class WandbRun:
         """A metrics.jsonl record: its numbers, and each diagnostic as diagnostics/<statistic>/layer_<i>."""
         values = {k: v for k, v in record.items() if k != 'step' and isinstance(v, (int, float))}
         for name, per_layer in record.get('diagnostics', {}).items():
-            first = layer_stats.first_layer(name)
-            values |= {f'diagnostics/{name}/layer_{i}': v for i, v in enumerate(per_layer, first)}
+            values |= {f'diagnostics/{name}/{layer}': v for layer, v in layer_stats.by_layer(name, per_layer).items()}
         if values:
             self._run.log(values, step=step)
 
