@@ -22,13 +22,14 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers import NAMED_VARIANTS, randomize, rel_err, small_model_config, variant_params
+from tests.helpers import FAST_TIER, NAMED_VARIANTS, randomize, rel_err, small_model_config, variant_params
 from tests.runs import SHARED_RUN_STEPS, cli_args, params_equal
 from vrl import data, decode, hf, train, trained
 from vrl.model import Decoder
 from vrl.step import Trainer
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+UNDER_OLDEST_TRANSFORMERS = os.environ.get('VRL_UNDER_OLDEST_TRANSFORMERS') == '1'
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +161,7 @@ def _variant(name: str, tokenizer) -> tuple:
     return cfg, model
 
 
-@pytest.mark.parametrize('name', variant_params(by_name=True))
+@pytest.mark.parametrize('name', FAST_TIER if UNDER_OLDEST_TRANSFORMERS else variant_params(by_name=True))
 def test_every_variant_exports_and_comes_back(name, exported, tmp_path):
     run, _ = exported
     cfg, model = _variant(name, run.tokenizer)
@@ -263,10 +264,11 @@ INTEROP_TESTS = ('loads_the_export or every_variant_exports or generate_matches 
 OLDEST_TRANSFORMERS = Path(os.environ.get('VRL_OLDEST_TRANSFORMERS', Path(sys.prefix) / 'oldest-transformers'))
 
 
-@pytest.mark.skipif(os.environ.get('VRL_UNDER_OLDEST_TRANSFORMERS') == '1', reason='this is that run')
+@pytest.mark.skipif(UNDER_OLDEST_TRANSFORMERS, reason='this is that run')
 def test_the_oldest_supported_transformers_passes_the_interop_tests(tmp_path):
-    """This module's interop tests again, in a subprocess whose path starts with the oldest
-    transformers vrl supports (installed apart: requirements-oldest.txt)."""
+    """This module's interop tests again (every_variant_exports on the fast tier's four variants;
+    the current transformers takes them all), in a subprocess whose path starts with the oldest transformers vrl supports
+    (installed apart: requirements-oldest.txt)."""
     oldest = hf.TRANSFORMERS.split('>=')[1]
     if not (OLDEST_TRANSFORMERS / 'transformers').is_dir():
         pytest.fail(f'no transformers in {OLDEST_TRANSFORMERS}: install the oldest supported one with '
