@@ -74,8 +74,11 @@ def test_epochs_reshuffle(small_corpus):
     assert collections.Counter(docs[:n]) == collections.Counter(docs[n:]) and docs[:n] != docs[n:]
 
 
-@pytest.mark.parametrize('process_count', [2, 4])
-def test_process_shards_partition_the_epoch(small_corpus, process_count):
+@pytest.mark.parametrize('process_count, min_blocks', [(2, data.MIN_BLOCKS), (4, 1 << 40), (2, 8)])
+def test_process_shards_partition_the_epoch(small_corpus, process_count, min_blocks, monkeypatch):
+    """Every document once per epoch over the processes' shares, in blocks of consecutive documents
+    as this corpus has them (3), one document each (min_blocks 2^40) and ~50 each (min_blocks 8)."""
+    monkeypatch.setattr(data, 'MIN_BLOCKS', min_blocks)
     cfg, tokenizer = small_corpus
     cfg = dataclasses.replace(cfg, batch_size=8 * process_count)
     union = collections.Counter()

@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -155,10 +156,19 @@ def pretokenized(small_corpus, hf_tokenizer, tmp_path_factory):
     return dataclasses.replace(cfg, data_dir=str(data_dir), tokenizer=hf_tokenizer.path), folder
 
 
+BLOCKS = pytest.mark.parametrize('min_blocks', [1 << 40, 8], ids=['one_document_each', 'blocks'])
+
+
+@BLOCKS
 @pytest.mark.parametrize('process_count, document_masking', [(1, True), (2, False)])
 def test_pretokenized_batches_equal_tokenizing_on_the_fly(pretokenized, hf_tokenizer, caplog, process_count,
-                                                         document_masking):
+                                                         document_masking, min_blocks, monkeypatch):
+    """Batch for batch, over 2 epochs, in each process; with one document per grain element and
+    in blocks of consecutive documents (a corpus of short documents; here ~50)."""
+    monkeypatch.setattr(data, 'MIN_BLOCKS', min_blocks)
     cfg, folder = pretokenized
+    per_block = data._Blocks(corpus.open_split('plays', cfg.data_dir, 'train'), hf_tokenizer, 'text', None).per_block
+    assert (per_block == 1) == (min_blocks > 1000) and per_block < 100
     cfg = dataclasses.replace(cfg, document_masking=document_masking, num_epochs=2)
     with caplog.at_level(logging.INFO):
         fast = [list(data.train_dataset(cfg, hf_tokenizer, i, process_count)) for i in range(process_count)]
@@ -173,7 +183,9 @@ def test_pretokenized_batches_equal_tokenizing_on_the_fly(pretokenized, hf_token
     assert all((a['inputs'] == b['inputs']).all() for a, b in zip(evaluated, on_the_fly, strict=True))
 
 
-def test_a_pretokenized_iterator_resumes_exactly(pretokenized, hf_tokenizer):
+@BLOCKS
+def test_a_pretokenized_iterator_resumes_exactly(pretokenized, hf_tokenizer, min_blocks, monkeypatch):
+    monkeypatch.setattr(data, 'MIN_BLOCKS', min_blocks)
     cfg, _ = pretokenized
     cfg = dataclasses.replace(cfg, num_epochs=0, document_masking=True)
     whole = iter(data.train_dataset(cfg, hf_tokenizer))
@@ -213,10 +225,22 @@ def test_tokenize_resumes_from_the_shards_it_finished_and_checks_the_dataset(pre
         tokens.find('plays', str(data_dir), 'train', hf_tokenizer)
 
 
-def test_another_tokenizers_copy_is_named_and_not_used(pretokenized, small_corpus, caplog):
+def test_a_dataset_pretokenized_only_by_another_tokenizer_is_refused_before_anything_compiles(
+        pretokenized, small_corpus, tmp_path, capsys):
+    """The config names a tokenizer without a copy while another's copy is there: one line naming
+    the copies and the ways on, before the run resolves (compiles) anything; data.pretokenized=false
+    trains on the fly."""
+    from tests.runs import tiny_config
+    from vrl import train
     cfg, folder = pretokenized
     _, sentencepiece = small_corpus
-    with caplog.at_level(logging.INFO):
-        assert tokens.find('plays', cfg.data_dir, 'train', sentencepiece) is None
-    assert f'tokenized on the fly by {sentencepiece.path} (pre-tokenized copies there are of other tokenizers: ' \
-           f'{folder})' in caplog.text
+    with pytest.raises(corpus.DataError, match=rf"dataset 'plays' is pre-tokenized only by other tokenizers than "
+                                               rf"{re.escape(sentencepiece.path)} \({re.escape(str(folder))};"):
+        tokens.find('plays', cfg.data_dir, 'train', sentencepiece)
+    config = tiny_config(small_corpus, steps=1, checkpoint_every=1)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, data_dir=cfg.data_dir))
+    with pytest.raises(corpus.DataError, match='data.pretokenized=false'):
+        train.run(config, str(tmp_path / 'refused'))
+    assert 'model.attention_impl' not in capsys.readouterr().out  # resolve (which may compile) never ran
+    on_the_fly = dataclasses.replace(config, data=dataclasses.replace(config.data, pretokenized=False))
+    assert len(train.run(on_the_fly, str(tmp_path / 'on_the_fly')).losses) == 1

@@ -77,6 +77,10 @@ class TokenSource:
         offsets, i = self._offsets[shard], index - self._first[shard]
         return self._tokens[shard][offsets[i]:offsets[i + 1]].astype(np.int32)
 
+    def documents(self, indices: range) -> list[np.ndarray]:
+        """Documents indices.start..stop - 1 (consecutive), each as an int32 array."""
+        return [self[i] for i in indices]
+
     def __getstate__(self) -> dict[str, Any]:
         return {'shards': self._shards, 'dtype': self._dtype}
 
@@ -85,16 +89,21 @@ class TokenSource:
 
 
 def find(name: str, data_dir: str, split: str, tokenizer: Tokenizer) -> TokenSource | None:
-    """The split of dataset `name` pre-tokenized by `tokenizer`, or None (the log says why: none
-    made, or only by other tokenizers). DataError when the copy does not match the dataset."""
+    """The split of dataset `name` pre-tokenized by `tokenizer`, or None when the dataset has no
+    pre-tokenized copy at all (the log says so). DataError when its copies are all of other
+    tokenizers (a config naming another tokenizer than meant, or one changed since), or when the
+    copy does not match the dataset."""
     dataset = corpus.dataset_path(name, data_dir)
     remote = folder(dataset, tokenizer)
+    make = f'`python -m vrl.data tokenize --name={name} --data_dir={data_dir} --tokenizer={tokenizer.path}`'
     if not (remote / MARKER).exists():
         others = sorted(str(marker.parent) for marker in (dataset / 'vrl_tokens').glob('*/' + MARKER))
-        logging.info('%s %s: tokenized on the fly by %s%s; pre-tokenize once with `python -m vrl.data tokenize '
-                     '--name=%s --data_dir=%s --tokenizer=%s`', name, split, tokenizer.path,
-                     f' (pre-tokenized copies there are of other tokenizers: {", ".join(others)})' if others else '',
-                     name, data_dir, tokenizer.path)
+        if others:
+            raise corpus.DataError(
+                f'dataset {name!r} is pre-tokenized only by other tokenizers than {tokenizer.path} ({", ".join(others)}; '
+                f'each folder\'s tokens.json names its tokenizer). Pre-tokenize it by this one with {make}, name '
+                'the tokenizer that made a copy in data.tokenizer, or tokenize on the fly: data.pretokenized=false.')
+        logging.info('%s %s: tokenized on the fly by %s; pre-tokenize once with %s', name, split, tokenizer.path, make)
         return None
     local = storage.local_copy(remote)
     info = json.loads((local / MARKER).read_text())
@@ -105,8 +114,7 @@ def find(name: str, data_dir: str, split: str, tokenizer: Tokenizer) -> TokenSou
     if entry['documents'] != expected:
         raise corpus.DataError(
             f'{remote} holds {entry["documents"]} {split} documents but dataset {name!r} has {expected}: it was '
-            f'made from another version of the dataset. Make it again: `python -m vrl.data tokenize --name={name} '
-            f'--data_dir={data_dir} --tokenizer={tokenizer.path} --overwrite`.')
+            f'made from another version of the dataset. Make it again: {make[:-1]} --overwrite`.')
     logging.info('%s %s: pre-tokenized by %s (%s documents, %s tokens) in %s', name, split, tokenizer.path,
                  f'{entry["documents"]:,}', f'{entry["tokens"]:,}', remote)
     return TokenSource([str(local / shard) for shard in entry['shards']], info['dtype'])

@@ -228,8 +228,13 @@ def _run(configs: list[Config], paths: list[epath.Path], fresh: bool, init_from:
     say = print if is_writer else (lambda line: None)
     mesh = sharding.make_mesh(configs[0].mesh)
     sharding.check_fits_mesh(configs[0], mesh.devices.shape)
-    config, _ = resolve.resolve(configs[0], list(mesh.devices.flat), aot.local_hbm_bytes(), say)
-    config, tokenizer_source, tokenizer_line = _hf_tokenizer(config, init_from, paths[0])
+    config, tokenizer_source, tokenizer_line = _hf_tokenizer(configs[0], init_from, paths[0])
+    # the data before anything compiles (auto-fit compiles for minutes): the workdir's copy of an
+    # hf: tokenizer is made further down, so its source stands in for it here
+    data_cfg = config.data if tokenizer_source is None else dataclasses.replace(config.data, tokenizer=str(tokenizer_source))
+    tokenizer = multihost.process_0_first(lambda: data.ready(data_cfg, config.model.vocab_size))
+    dataset = data.train_dataset(data_cfg, tokenizer, jax.process_index(), jax.process_count())
+    config, _ = resolve.resolve(config, list(mesh.devices.flat), aot.local_hbm_bytes(), say)
     trainer = Trainer(config, mesh)
     group = trainer.group(len(configs))
     labels = [f'[{path.name}] ' if group.members > 1 else '' for path in paths]
@@ -242,8 +247,7 @@ def _run(configs: list[Config], paths: list[epath.Path], fresh: bool, init_from:
         say(workdir_lib.keep_tokenizer(paths[0], tokenizer_source, tokenizer_line))
     multihost.sync('vrl workdir ready')
     members = [_Member(c, path, label, is_writer) for c, path, label in zip(member_configs, paths, labels)]
-    tokenizer = multihost.process_0_first(lambda: data.ready(config.data, config.model.vocab_size))
-    data_iterator = iter(data.train_dataset(config.data, tokenizer, jax.process_index(), jax.process_count()))
+    data_iterator = iter(dataset)
     try:
         return _train(trainer, group, members, tokenizer, data_iterator, init_from, branch_from, fresh, preemption)
     finally:
