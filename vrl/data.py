@@ -67,7 +67,9 @@ class _Blocks:
         documents = range(block * self.per_block, min((block + 1) * self.per_block, self.documents))
         if self._pretokenized is not None:
             return self._pretokenized.documents(documents)
-        texts = [record[self._field] for record in self._text.__getitems__(list(documents))]
+        # array_record reads a list on a thread pool: ~350 us to start, then faster than one by one
+        records = self._text.__getitems__(list(documents)) if len(documents) > 16 else [self._text[i] for i in documents]
+        texts = [record[self._field] for record in records]
         return self._tokenizer.encode_batch([t.decode('utf-8') if isinstance(t, bytes) else t for t in texts])
 
 
