@@ -37,8 +37,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.train_throughput import Stepper, bench_config  # noqa: E402
-from vrl import backend, host_memory  # noqa: E402
-from vrl.config import Config  # noqa: E402
+from vrl.core import backend, host_memory  # noqa: E402
+from vrl.core.config import Config  # noqa: E402
 
 try:
     import torch

@@ -1,7 +1,7 @@
 """How many sequences' KV caches fit in a given memory, per variant (arithmetic, no device needed).
 
     python bench/capacity.py [--size 82m|180m|468m] [--memory_gib 16] [--contexts 2048,8192,32768]
-                             [--dtype bfloat16] [--variants vanilla,svformer,...]   (vrl/presets.py names)
+                             [--dtype bfloat16] [--variants vanilla,svformer,...]   (vrl/model/presets.py names)
 
 SVFormer keeps one value slot for all layers, so its batch is about 2L / (L + 1) of vanilla's;
 the column `expected` shows that bound for SVFormer rows (and the kv-head ratio for GQA/MQA).
@@ -17,8 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import base  # noqa: E402
-from vrl import accounting, presets  # noqa: E402
-from vrl.config import from_configdict  # noqa: E402
+from vrl.model import accounting, presets  # noqa: E402
+from vrl.core.config import from_configdict  # noqa: E402
 
 
 def main() -> None:

@@ -20,13 +20,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from vrl import resolve  # noqa: E402
-from vrl.config import Config, ModelConfig  # noqa: E402
-from vrl.model import Decoder  # noqa: E402
+from vrl.model import resolve  # noqa: E402
+from vrl.core.config import Config, ModelConfig  # noqa: E402
+from vrl.model.decoder import Decoder  # noqa: E402
 
 
 def build_seconds(cfg: ModelConfig) -> float:
-    """Building the model eagerly (random weights on the device): vrl/params.py keeps its compiles few."""
+    """Building the model eagerly (random weights on the device): vrl/model/params.py keeps its compiles few."""
     start = time.perf_counter()
     jax.block_until_ready(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0))))
     return time.perf_counter() - start

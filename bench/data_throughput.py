@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vrl import corpus, data, tokens  # noqa: E402
-from vrl.config import DataConfig  # noqa: E402
-from vrl.tokenizer import train as train_tokenizer  # noqa: E402
+from vrl.data import corpus, pipeline, tokens  # noqa: E402
+from vrl.core.config import DataConfig  # noqa: E402
+from vrl.data.tokenizer import train as train_tokenizer  # noqa: E402
 
 
 def pages(folder: Path, chars: int = 4000) -> corpus.CorpusSpec:
@@ -42,7 +42,7 @@ def pages(folder: Path, chars: int = 4000) -> corpus.CorpusSpec:
 
 
 def tokens_per_second(cfg: DataConfig, tokenizer, batches: int) -> float:
-    iterator = iter(data.train_dataset(cfg, tokenizer))
+    iterator = iter(pipeline.train_dataset(cfg, tokenizer))
     next(iterator)  # start-up (worker processes) is not throughput
     start = time.perf_counter()
     for _ in range(batches):

@@ -1,7 +1,7 @@
 """KV-cache bytes and decode tokens/s per variant, at a given filled context, for the 82M config.
 
     python bench/decode.py [--size 82m] [--contexts 512,2048,8192] [--batches 1,8] [--new_tokens 16]
-                           [--variants vanilla,resformer,svformer]   (vrl/presets.py names)
+                           [--variants vanilla,resformer,svformer]   (vrl/model/presets.py names)
 
 The cache is filled with random keys and values up to the context (prefill is not timed:
 each decode step reads the whole cache, which is what the context length changes). Compute
@@ -32,9 +32,10 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import base  # noqa: E402
-from vrl import accounting, decode, host_memory, presets, resolve  # noqa: E402
-from vrl.config import Config, from_configdict  # noqa: E402
-from vrl.model import Decoder  # noqa: E402
+from vrl.model import accounting, decode, presets, resolve  # noqa: E402
+from vrl.core import host_memory  # noqa: E402
+from vrl.core.config import Config, from_configdict  # noqa: E402
+from vrl.model.decoder import Decoder  # noqa: E402
 
 
 def memory_bandwidth(n_bytes: int = 2**30, repeats: int = 5) -> float:

@@ -1,4 +1,4 @@
-"""What the training diagnostics cost (vrl/diagnostics.py): the seconds of one diagnostics pass
+"""What the training diagnostics cost (vrl/train/diagnostics.py): the seconds of one diagnostics pass
 (train.diagnostics_sequences validation-length sequences, every layer's statistics) beside the
 seconds of one train step of the same config, and their ratio at the default interval.
 
@@ -23,8 +23,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.train_throughput import Stepper, bench_config  # noqa: E402
-from vrl import diagnostics  # noqa: E402
-from vrl.config import TrainConfig  # noqa: E402
+from vrl.train import diagnostics  # noqa: E402
+from vrl.core.config import TrainConfig  # noqa: E402
 
 
 def main() -> None:

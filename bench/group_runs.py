@@ -8,7 +8,7 @@ Step time: the single-run step and the group's step in alternating rounds in one
 batch (a shared host drifts over minutes), each round two steps of each with the second timed (the
 first after the other's pays for memory the other freed), median of 20 rounds after one to warm up, with the model FLOP/s each
 reaches against the host's measured matmul peak; `floor at peak` is the least time (vs one run's
-step) the group could take at that peak. Total time: `vrl.compare`'s
+step) the group could take at that peak. Total time: `vrl.experiments.compare`'s
 runner (grid.train_all) training the variant's seeds in fresh workdirs under --workdir: one seed;
 all seeds with --group_runs=false; all seeds grouped. Goal (issue #29): the group in at most 2x one
 run's time.
@@ -29,9 +29,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import reproduce_cpu  # noqa: E402
-from vrl import accounting, cli, grid, host_memory, metrics, presets, sharding  # noqa: E402
-from vrl.config import Config, from_configdict  # noqa: E402
-from vrl.step import Trainer  # noqa: E402
+from vrl.model import accounting, presets  # noqa: E402
+from vrl.core import cli, host_memory, sharding  # noqa: E402
+from vrl.experiments import grid  # noqa: E402
+from vrl.train import metrics  # noqa: E402
+from vrl.core.config import Config, from_configdict  # noqa: E402
+from vrl.train.step import Trainer  # noqa: E402
 
 
 def config_for(variant: str, steps: int) -> Config:

@@ -1,4 +1,4 @@
-"""vrl/ops.py's hand-written backwards against autodiff, op by op, in the real train step compiled
+"""vrl/model/ops.py's hand-written backwards against autodiff, op by op, in the real train step compiled
 ahead of time for a TPU slice (no TPU needed: libtpu describes it, requirements-tpu.txt).
 
     python bench/hand_vjp.py [--config svformer,468m] [--topology v5e:4x4] [--microbatches 8]
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from configs import base  # noqa: E402
-from vrl import aot  # noqa: E402
-from vrl.config import HAND_VJP_OPS, from_configdict  # noqa: E402
+from vrl.train import aot  # noqa: E402
+from vrl.core.config import HAND_VJP_OPS, from_configdict  # noqa: E402
 
 
 def settings(attention_impl: str, autodiff: list[str]) -> list[str]:

@@ -1,4 +1,4 @@
-"""lm-eval adapter throughput: loglikelihood requests/s through vrl.evaluate.VrlLM.
+"""lm-eval adapter throughput: loglikelihood requests/s through vrl.tools.evaluate.VrlLM.
 
     python bench/lm_eval_throughput.py [--configs tiny,82m] [--batches 1,32] [--requests 64]
 
@@ -6,7 +6,7 @@ Requests look like a multiple-choice task's (hellaswag-like): a ~100-token Shake
 and a ~20-token continuation, four continuations per context. The model is freshly initialised
 (throughput does not depend on the weights), the tokenizer is the tiny config's; the first call
 compiles and is not timed. Float32 on CPU, the config's compute dtype elsewhere. Like
-`python -m vrl.evaluate`, it runs without huge-page malloc (vrl/host_memory.py): for scoring it
+`python -m vrl.tools.evaluate`, it runs without huge-page malloc (vrl/core/host_memory.py): for scoring it
 measured about 5% slower (82M, batch 32: 4.3-4.4 against 4.5-4.7 requests/s, 2026-11-24).
 """
 
@@ -24,11 +24,13 @@ import jax  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from configs import base, tiny  # noqa: E402
-from vrl import aot, corpus, data, sharding  # noqa: E402
-from vrl.config import from_configdict  # noqa: E402
-from vrl.evaluate import VrlLM  # noqa: E402
-from vrl.step import Trainer  # noqa: E402
-from vrl.trained import TrainedRun  # noqa: E402
+from vrl.train import aot  # noqa: E402
+from vrl.data import corpus, pipeline  # noqa: E402
+from vrl.core import sharding  # noqa: E402
+from vrl.core.config import from_configdict  # noqa: E402
+from vrl.tools.evaluate import VrlLM  # noqa: E402
+from vrl.train.step import Trainer  # noqa: E402
+from vrl.train.trained import TrainedRun  # noqa: E402
 
 
 def requests(tokenizer, n: int) -> list[Instance]:
@@ -56,7 +58,7 @@ def main() -> None:
     parser.add_argument('--requests', type=int, default=64)
     args = parser.parse_args()
     tiny_config = from_configdict(tiny.get_config())
-    tokenizer = data.load_tokenizer(tiny_config.data, tiny_config.model.vocab_size)
+    tokenizer = pipeline.load_tokenizer(tiny_config.data, tiny_config.model.vocab_size)
     reqs = requests(tokenizer, args.requests)
     tokens = sum(len(tokenizer.encode(''.join(r.args))) for r in reqs) / len(reqs)
     print(f'{jax.devices()[0].device_kind}; {len(reqs)} loglikelihood requests of {tokens:.0f} tokens on average')

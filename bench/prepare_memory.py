@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vrl import corpus  # noqa: E402
+from vrl.data import corpus  # noqa: E402
 
 
 # runs the command given after it and prints the peak RSS (KiB) of it and its children

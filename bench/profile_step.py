@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from bench.train_throughput import NAMED, Stepper, bench_config  # noqa: E402
-from vrl import backend, host_memory  # noqa: E402
+from vrl.core import backend, host_memory  # noqa: E402
 
 STEPS = 2
 

@@ -3,18 +3,18 @@
     python bench/train_throughput.py [--configs tiny,82m] [--variants all|vanilla,svformer,...]
                                      [--seq_len 512] [--batch 4] [--steps 5] [--dtype bfloat16]
 
-Variants are vrl/presets.py's names (`--variants all`, the default, runs every preset). On a
+Variants are vrl/model/presets.py's names (`--variants all`, the default, runs every preset). On a
 shared host step times drift by several percent over minutes, so each variant's steps alternate
 with vanilla's in one process: `vs vanilla` is the ratio of the two medians taken side by side,
 and vanilla's own row is the median over all its steps.
 
 MFU counts model FLOPs only: 6 x (weight-matmul parameters, the output head included) per token
-plus the causal attention matmuls (vrl.accounting.training_flops_per_token). The peak is this
+plus the causal attention matmuls (vrl.model.accounting.training_flops_per_token). The peak is this
 host's matmul FLOP/s in the compute dtype (`--dtype`: float32 by default on CPU, bfloat16 on
-accelerators), measured with a jitted 1024^3 matmul (vrl.metrics); on an accelerator, the device's
+accelerators), measured with a jitted 1024^3 matmul (vrl.train.metrics); on an accelerator, the device's
 bf16 peak.
 Step time is the median of the timed steps. Like `python -m vrl.main`, the script restarts itself
-with glibc's huge-page malloc (vrl/host_memory.py); VRL_HUGE_PAGES=0 measures without it.
+with glibc's huge-page malloc (vrl/core/host_memory.py); VRL_HUGE_PAGES=0 measures without it.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import base, reproduce_cpu, tiny  # noqa: E402
-from vrl import accounting, aot, backend, host_memory, metrics, presets, sharding  # noqa: E402
-from vrl.config import Config, from_configdict  # noqa: E402
-from vrl.step import Trainer  # noqa: E402
+from vrl.model import accounting, presets  # noqa: E402
+from vrl.train import aot, metrics  # noqa: E402
+from vrl.core import backend, host_memory, sharding  # noqa: E402
+from vrl.core.config import Config, from_configdict  # noqa: E402
+from vrl.train.step import Trainer  # noqa: E402
 
 
 NAMED = {'tiny': tiny.get_config, 'reproduce_cpu': reproduce_cpu.get_config}
@@ -44,7 +46,7 @@ NAMED = {'tiny': tiny.get_config, 'reproduce_cpu': reproduce_cpu.get_config}
 def bench_config(name: str, variant: str, seq_len: int | None, batch: int | None, remat: str,
                  dtype: str) -> Config:
     """The `name` config ('tiny', 'reproduce_cpu' or a configs/base.py size) as `variant` (a
-    vrl/presets.py name), at this batch x seq_len (None: the config's own), remat and compute dtype,
+    vrl/model/presets.py name), at this batch x seq_len (None: the config's own), remat and compute dtype,
     its microbatches fitted to the devices."""
     config = from_configdict(NAMED[name]() if name in NAMED else base.get_config(f'vanilla,{name}'))
     model = presets.apply(variant, dataclasses.replace(config.model, compute_dtype=dtype, remat=remat))
@@ -56,7 +58,7 @@ def bench_config(name: str, variant: str, seq_len: int | None, batch: int | None
 
 class Stepper:
     """One config's sharded state, a fixed random batch and its jitted step, compiled and warmed up;
-    with `members` > 1, a group of that many seeds trained in one step (vrl/step.py RunGroup)."""
+    with `members` > 1, a group of that many seeds trained in one step (vrl/train/step.py RunGroup)."""
 
     def __init__(self, config: Config, members: int = 1):
         self.config = config
@@ -91,7 +93,7 @@ def measure_against(vanilla: Stepper, config: Config, steps: int) -> tuple[float
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument('--configs', default='tiny,82m')
-    parser.add_argument('--variants', default='all', help='vrl/presets.py names, comma-separated, or all')
+    parser.add_argument('--variants', default='all', help='vrl/model/presets.py names, comma-separated, or all')
     parser.add_argument('--seq_len', type=int, default=512)
     parser.add_argument('--batch', type=int, default=4)
     parser.add_argument('--steps', type=int, default=5)
@@ -105,7 +107,7 @@ def main() -> None:
     isa = f' ({backend.describe_cpu_isa()})' if jax.default_backend() == 'cpu' else ''
     print(f'{jax.device_count()} x {jax.devices()[0].device_kind}{isa}, {args.dtype}; peak {peak / 1e9:,.0f} GFLOP/s '
           f'({f"measured {args.dtype} matmul" if jax.default_backend() == "cpu" else "bf16 table"}); '
-          f'huge-page malloc {"on" if huge_pages else "off"} (vrl/host_memory.py)')
+          f'huge-page malloc {"on" if huge_pages else "off"} (vrl/core/host_memory.py)')
     variants = list(presets.PRESETS) if args.variants == 'all' else args.variants.split(',')
     args.width = max(map(len, variants))
     print(f'{"config":>6} | {"variant":>{args.width}} | {"batch x seq":>11} | {"params":>8} | {"step s":>7} | '

@@ -1,11 +1,11 @@
-"""The paper's recipe (vrl/config.py defaults) at one of its three sizes, for one variant.
+"""The paper's recipe (vrl/core/config.py defaults) at one of its three sizes, for one variant.
 
 Use directly as `--config=configs/base.py:svformer,468m`, or through the thin named files
 (`configs/svformer_468m.py`). Sizes are docs/paper.md's sizes table. A third part picks
 one of the paper's sequence lengths with its batch, ~2M tokens per step (docs/paper.md):
 `configs/base.py:svformer,82m,64k` is 65,536 x 32. RoPE theta stays the paper's 10,000;
 override it with `--config.model.rope_theta=...`. A fourth part picks the optimizer recipe
-(vrl/optimizer.py's RECIPES): `configs/base.py:svformer,468m,2k,muon`. Microbatches and remat are `auto` (vrl/aot.py):
+(vrl/train/optimizer.py's RECIPES): `configs/base.py:svformer,468m,2k,muon`. Microbatches and remat are `auto` (vrl/train/aot.py):
 the fewest microbatches and the cheapest remat whose step fits the devices' memory, chosen by
 compiling before step 1; set them to override.
 """
@@ -14,8 +14,8 @@ import dataclasses
 
 import ml_collections
 
-from vrl import config as vrl_config
-from vrl import optimizer
+from vrl.core import config as vrl_config
+from vrl.train import optimizer
 
 SIZES = {
     '82m': dict(n_layers=8, n_heads=8, n_kv_heads=8, d_model=512, d_ff=1792),

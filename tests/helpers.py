@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from vrl.config import ModelConfig
+from vrl.core.config import ModelConfig
 
 
 def small_model_config(**overrides) -> ModelConfig:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from vrl.config import ModelConfig
+from vrl.core.config import ModelConfig
 
 
 def _np_rms(x, scale, eps):

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from vrl.config import Config, ModelConfig, OptimizerConfig, TrainConfig
+from vrl.core.config import Config, ModelConfig, OptimizerConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,21 +48,21 @@ def shared_run_config(small_corpus, attention: str) -> Config:
 def shared_run(small_corpus, folder: Path, attention: str) -> Path:
     """The workdir of the shared run of `attention` under `folder`, trained by the first process that
     asks (an exclusive file lock serializes the pytest-xdist workers; the others wait, then read)."""
-    from vrl import train
+    from vrl.train import loop
     workdir, done = folder / attention, folder / f'{attention}.done'
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f'{attention}.lock', 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            train.run(shared_run_config(small_corpus, attention), str(workdir))
+            loop.run(shared_run_config(small_corpus, attention), str(workdir))
             done.touch()
     return workdir
 
 
 def train_losses(config: Config, devices, batches: list[dict]) -> tuple[list[float], Any]:
     """The loss of each step of a fresh seed-0 state over `batches` on a mesh of `devices`, and the final state."""
-    from vrl import sharding
-    from vrl.step import Trainer
+    from vrl.core import sharding
+    from vrl.train.step import Trainer
     trainer = Trainer(config, sharding.make_mesh(config.mesh, devices))
     state = trainer.init_state(0)
     losses = []

@@ -11,9 +11,9 @@ from flax import nnx
 
 from configs import base
 from tests.helpers import VARIANT_IDS, VARIANTS, small_model_config, variant_params
-from vrl import accounting
-from vrl.config import from_configdict
-from vrl.model import Decoder
+from vrl.model import accounting
+from vrl.core.config import from_configdict
+from vrl.model.decoder import Decoder
 
 
 def _real_param_count(cfg) -> int:
@@ -103,7 +103,7 @@ def test_each_variant_changes_the_count_by_its_formula():
 
 @pytest.mark.parametrize('variant', variant_params())
 def test_max_batch_for_cache_is_the_largest_allocated_cache_that_fits(variant):
-    from vrl import decode
+    from vrl.model import decode
     cfg = small_model_config(**variant)
     context, memory = 40, 3_000_000
 
@@ -123,7 +123,7 @@ def test_svformer_fits_about_2l_over_l_plus_1_times_the_batch():
 
 
 def test_sequence_length_study_configs_keep_2m_tokens_per_step():
-    from vrl.config import ConfigError
+    from vrl.core.config import ConfigError
     for seq, want_len in (('512', 512), ('2k', 2048), ('8k', 8192), ('32k', 32768), ('64k', 65536)):
         config = from_configdict(base.get_config(f'svformer,82m,{seq}'))
         assert config.data.seq_len == want_len and config.data.seq_len * config.data.batch_size == 2**21

@@ -1,5 +1,5 @@
 """Attention-concentration analysis: known answers, the model's statistics against the float64 NumPy
-reference's attention maps, and `python -m vrl.analyze` on real trained checkpoints."""
+reference's attention maps, and `python -m vrl.experiments.analyze` on real trained checkpoints."""
 
 import json
 import math
@@ -16,8 +16,8 @@ from tests import numpy_reference
 from tests.conftest import ROOT
 from tests.helpers import NAMED_VARIANTS, randomize, rel_err, random_tokens, small_model_config, tensorboard_scalars
 from tests.runs import SHARED_RUN_STEPS
-from vrl import layer_stats
-from vrl.model import Decoder
+from vrl.model import layer_stats
+from vrl.model.decoder import Decoder
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -104,7 +104,7 @@ def two_runs(shared_runs):
 
 
 def _analyze(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, '-m', 'vrl.analyze', *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, '-m', 'vrl.experiments.analyze', *args], capture_output=True, text=True,
                           cwd=str(ROOT), timeout=600)
 
 
@@ -145,18 +145,19 @@ def test_analyze_bad_input_is_one_clear_line(two_runs, tmp_path, args, message):
 
 
 def test_training_logs_the_diagnostics_that_analyze_computes_on_its_checkpoint(small_corpus, tmp_path):
-    """train.diagnostics_every: per layer, the statistics of vrl.analyze on the same sequences and
+    """train.diagnostics_every: per layer, the statistics of vrl.experiments.analyze on the same sequences and
     parameters (to rounding), ResFormer's lambdas as the checkpoint holds them, the gates of the
     layers with value embeddings (null in the one without), in metrics.jsonl and as one TensorBoard
     chart per statistic."""
     import dataclasses
     from tests.runs import tiny_config
-    from vrl import analyze, checkpoint, train
+    from vrl.experiments import analyze
+    from vrl.train import checkpoint, loop
     config = tiny_config(small_corpus, attention='resformer', steps=4, checkpoint_every=4, diagnostics_every=2,
                          diagnostics_sequences=3, sample_prompt='')
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3, value_embed_layers=(1, 3)))
     workdir = tmp_path / 'run'
-    result = train.run(config, str(workdir))
+    result = loop.run(config, str(workdir))
     records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
     logged = {r['step']: r['diagnostics'] for r in records if 'diagnostics' in r}
     assert sorted(logged) == [2, 4]

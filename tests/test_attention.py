@@ -1,4 +1,4 @@
-"""Training attention implementations (vrl/attention.py): splash (in Pallas' interpreter on CPU)
+"""Training attention implementations (vrl/model/attention.py): splash (in Pallas' interpreter on CPU)
 against the XLA path for every variant, and how `auto` and explicit choices resolve."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from flax import nnx
 
 from configs import base, tiny
 from tests.helpers import NAMED_VARIANTS, cases, randomize, rel_err, small_model_config
-from vrl import aot, attention, ops, resolve
-from vrl.config import Config, ConfigError, DataConfig, from_configdict
-from vrl.model import Decoder
+from vrl.train import aot
+from vrl.model import attention, ops, resolve
+from vrl.core.config import Config, ConfigError, DataConfig, from_configdict
+from vrl.model.decoder import Decoder
 
 L = 128  # one splash block of the TPU's 128 lanes
 
@@ -71,7 +72,7 @@ def test_splash_without_documents_and_multi_query():
 
 
 def test_auto_picks_each_platforms_kernel_and_says_why_not():
-    """vrl/resolve.py, the one place an `auto` becomes a choice: each with its reason, said once."""
+    """vrl/model/resolve.py, the one place an `auto` becomes a choice: each with its reason, said once."""
     model = small_model_config(head_dim=64, compute_dtype='bfloat16', attention_impl='auto', hand_vjp='auto')
 
     def resolved(platform: str, seq_len: int = 2048, masking: bool = False, **fields) -> tuple[str, list[str]]:
@@ -95,12 +96,12 @@ def test_auto_picks_each_platforms_kernel_and_says_why_not():
 
 def test_code_that_uses_a_setting_refuses_auto_by_name():
     q = jnp.ones((1, 8, 2, 4))
-    with pytest.raises(ConfigError, match=r"model.attention_impl='auto' is unresolved here: vrl.resolve.execution"):
+    with pytest.raises(ConfigError, match=r"model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution"):
         attention.attention('auto', q, q, q, attention.Causal(None), causal_chunks=1)
     with pytest.raises(ConfigError, match=r"model.hand_vjp='auto' is unresolved here"):
         ops.hot_ops('auto')
     model = Decoder(small_model_config(remat='auto'), rngs=nnx.Rngs(0))  # building (for shapes) is fine
-    with pytest.raises(ConfigError, match=r"model.remat='auto' is unresolved here: vrl.resolve.memory"):
+    with pytest.raises(ConfigError, match=r"model.remat='auto' is unresolved here: vrl.train.aot.resolve"):
         model(jnp.ones((1, 8), jnp.int32))
 
 

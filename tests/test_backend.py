@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, tiny_config
-from vrl import backend
+from vrl.core import backend
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 

@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, saved_steps, tiny_config, wait_for, write_choice_task
-from vrl import compare_report, curves
-from vrl.config import Config
+from vrl.experiments import compare_report, curves
+from vrl.core.config import Config
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -49,7 +49,7 @@ def _compare_args(small_corpus, workdir, *args: str, steps: int = 4) -> list[str
     config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1,
                          diagnostics_every=2, diagnostics_sequences=2)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3))
-    return [*cli_args(config, workdir, 'vrl.compare'), '--analysis_sequences=4', *args]
+    return [*cli_args(config, workdir, 'vrl.experiments.compare'), '--analysis_sequences=4', *args]
 
 
 def _compare(small_corpus, workdir, *args: str, steps: int = 4) -> subprocess.CompletedProcess:
@@ -157,6 +157,6 @@ def test_one_seed_is_reported_as_one_seed_not_as_zero_spread():
 
 
 def test_list_variants():
-    out = subprocess.run([sys.executable, '-m', 'vrl.compare', '--list_variants'], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, '-m', 'vrl.experiments.compare', '--list_variants'], capture_output=True, text=True,
                          cwd=str(ROOT), check=True).stdout
     assert 'resformer:learnable_plus' in out and 'denseformer' in out and 'cla2' in out

@@ -1,5 +1,5 @@
-"""The CPU's instruction set, read from /proc/cpuinfo and XLA_FLAGS (vrl/backend.py), and the choice made
-from it: model.compute_dtype=auto is bfloat16 only where the CPU has bf16 dot instructions (vrl/resolve.py)."""
+"""The CPU's instruction set, read from /proc/cpuinfo and XLA_FLAGS (vrl/core/backend.py), and the choice made
+from it: model.compute_dtype=auto is bfloat16 only where the CPU has bf16 dot instructions (vrl/model/resolve.py)."""
 
 import dataclasses
 
@@ -11,9 +11,10 @@ from flax import nnx
 
 from tests.helpers import rel_err, small_model_config
 from tests.test_model import _loss
-from vrl import backend, resolve
-from vrl.config import Config, ConfigError
-from vrl.model import Decoder
+from vrl.core import backend
+from vrl.model import resolve
+from vrl.core.config import Config, ConfigError
+from vrl.model.decoder import Decoder
 
 ZEN3 = 'fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2'  # AVX2, no AVX-512
 ZEN4 = ZEN3 + ' avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni avx512_bf16'

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from vrl import corpus, data
-from vrl.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError
-from vrl.tokenizer import train as train_tokenizer
+from vrl.data import corpus, pipeline
+from vrl.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError
+from vrl.data.tokenizer import train as train_tokenizer
 
 def _all_batches(ds) -> list[dict]:
     return list(ds)
@@ -33,7 +33,7 @@ def _corpus_documents(cfg, tokenizer, split='train') -> list[tuple[int, ...]]:
 
 def test_packing_loses_and_duplicates_nothing(small_corpus):
     cfg, tokenizer = small_corpus
-    batches = _all_batches(data.train_dataset(cfg, tokenizer))
+    batches = _all_batches(pipeline.train_dataset(cfg, tokenizer))
     assert {k: v.shape for k, v in batches[0].items()} == {k: (8, 64) for k in ('inputs', 'targets', 'loss_mask')}
     packed = _target_documents(batches)
     expected = _corpus_documents(cfg, tokenizer)
@@ -46,21 +46,21 @@ def test_packing_loses_and_duplicates_nothing(small_corpus):
 
 def test_eval_pass_is_the_split_in_order_and_padded(small_corpus):
     cfg, tokenizer = small_corpus
-    batches = list(data.eval_batches(cfg, tokenizer, max_batches=0))
+    batches = list(pipeline.eval_batches(cfg, tokenizer, max_batches=0))
     assert _target_documents(batches) == _corpus_documents(cfg, tokenizer, 'validation')
     assert all(b['inputs'].shape == (8, 64) for b in batches)
     assert batches[-1]['loss_mask'].sum() < 8 * 64
-    again = list(data.eval_batches(cfg, tokenizer, max_batches=0))
+    again = list(pipeline.eval_batches(cfg, tokenizer, max_batches=0))
     assert all(np.array_equal(a['inputs'], b['inputs']) for a, b in zip(batches, again))
-    exactly = list(data.eval_batches(cfg, tokenizer, max_batches=len(batches) + 2))
+    exactly = list(pipeline.eval_batches(cfg, tokenizer, max_batches=len(batches) + 2))
     assert len(exactly) == len(batches) + 2 and exactly[-1]['loss_mask'].sum() == 0
 
 
 def test_seed_sets_the_order(small_corpus):
     cfg, tokenizer = small_corpus
-    first = [b['inputs'] for b, _ in zip(data.train_dataset(cfg, tokenizer), range(5))]
-    same = [b['inputs'] for b, _ in zip(data.train_dataset(cfg, tokenizer), range(5))]
-    other = [b['inputs'] for b, _ in zip(data.train_dataset(dataclasses.replace(cfg, seed=1), tokenizer), range(5))]
+    first = [b['inputs'] for b, _ in zip(pipeline.train_dataset(cfg, tokenizer), range(5))]
+    same = [b['inputs'] for b, _ in zip(pipeline.train_dataset(cfg, tokenizer), range(5))]
+    other = [b['inputs'] for b, _ in zip(pipeline.train_dataset(dataclasses.replace(cfg, seed=1), tokenizer), range(5))]
     assert all(np.array_equal(a, b) for a, b in zip(first, same))
     assert not all(np.array_equal(a, b) for a, b in zip(first, other))
 
@@ -68,23 +68,23 @@ def test_seed_sets_the_order(small_corpus):
 def test_epochs_reshuffle(small_corpus):
     cfg, tokenizer = small_corpus
     cfg = dataclasses.replace(cfg, num_epochs=2)
-    docs = _target_documents(_all_batches(data.train_dataset(cfg, tokenizer)))
+    docs = _target_documents(_all_batches(pipeline.train_dataset(cfg, tokenizer)))
     n = len(_corpus_documents(cfg, tokenizer))
     assert len(docs) == 2 * n
     assert collections.Counter(docs[:n]) == collections.Counter(docs[n:]) and docs[:n] != docs[n:]
 
 
-@pytest.mark.parametrize('process_count, min_blocks', [(2, data.MIN_BLOCKS), (4, 1 << 40), (2, 8)])
+@pytest.mark.parametrize('process_count, min_blocks', [(2, pipeline.MIN_BLOCKS), (4, 1 << 40), (2, 8)])
 def test_process_shards_partition_the_epoch(small_corpus, process_count, min_blocks, monkeypatch):
     """Every document once per epoch over the processes' shares, in blocks of consecutive documents
     as this corpus has them (3), one document each (min_blocks 2^40) and ~50 each (min_blocks 8)."""
-    monkeypatch.setattr(data, 'MIN_BLOCKS', min_blocks)
+    monkeypatch.setattr(pipeline, 'MIN_BLOCKS', min_blocks)
     cfg, tokenizer = small_corpus
     cfg = dataclasses.replace(cfg, batch_size=8 * process_count)
     union = collections.Counter()
     total = 0
     for index in range(process_count):
-        ds = data.train_dataset(cfg, tokenizer, process_index=index, process_count=process_count)
+        ds = pipeline.train_dataset(cfg, tokenizer, process_index=index, process_count=process_count)
         docs = _target_documents(list(ds))
         union.update(docs)
         total += len(docs)
@@ -97,13 +97,13 @@ def test_resume_yields_the_uninterrupted_batches(small_corpus, workers, document
     cfg, tokenizer = small_corpus
     cfg = dataclasses.replace(cfg, num_epochs=0, num_workers=workers, document_masking=document_masking)
     k, m = 7, 5
-    straight = iter(data.train_dataset(cfg, tokenizer))
+    straight = iter(pipeline.train_dataset(cfg, tokenizer))
     reference = [next(straight) for _ in range(k + m)]
-    first = iter(data.train_dataset(cfg, tokenizer))
+    first = iter(pipeline.train_dataset(cfg, tokenizer))
     for _ in range(k):
         next(first)
     state = json.loads(json.dumps(first.get_state()))  # what the checkpoint stores
-    resumed = iter(data.train_dataset(cfg, tokenizer))
+    resumed = iter(pipeline.train_dataset(cfg, tokenizer))
     resumed.set_state(state)
     for expected in reference[k:]:
         got = next(resumed)
@@ -117,8 +117,8 @@ def test_resume_yields_the_uninterrupted_batches(small_corpus, workers, document
 def test_worker_count_does_not_change_batches(small_corpus):
     cfg, tokenizer = small_corpus
     cfg = dataclasses.replace(cfg, num_epochs=0)
-    plain = [b['inputs'] for b, _ in zip(data.train_dataset(cfg, tokenizer), range(6))]
-    it = iter(data.train_dataset(dataclasses.replace(cfg, num_workers=1), tokenizer))
+    plain = [b['inputs'] for b, _ in zip(pipeline.train_dataset(cfg, tokenizer), range(6))]
+    it = iter(pipeline.train_dataset(dataclasses.replace(cfg, num_workers=1), tokenizer))
     with_worker = [next(it)['inputs'] for _ in range(6)]
     it.close()
     assert all(np.array_equal(a, b) for a, b in zip(plain, with_worker))
@@ -127,7 +127,7 @@ def test_worker_count_does_not_change_batches(small_corpus):
 def test_document_masking_fields(small_corpus):
     cfg, tokenizer = small_corpus
     cfg = dataclasses.replace(cfg, document_masking=True, add_bos=True)
-    batch = next(iter(data.train_dataset(cfg, tokenizer)))
+    batch = next(iter(pipeline.train_dataset(cfg, tokenizer)))
     for inputs, segs, pos in zip(batch['inputs'], batch['segment_ids'], batch['positions']):
         starts = np.flatnonzero(inputs == EOS_ID)  # EOS opens each document group
         assert np.all(inputs[starts[starts + 1 < 64] + 1] == BOS_ID)
@@ -187,7 +187,7 @@ def test_the_kjv_corpus_builds_from_its_package_with_whole_books_held_out(tmp_pa
 
 def test_stats(small_corpus):
     cfg, tokenizer = small_corpus
-    stats = data.split_stats(cfg.name, cfg.data_dir, tokenizer)
+    stats = pipeline.split_stats(cfg.name, cfg.data_dir, tokenizer)
     assert stats['train']['documents'] == len(_corpus_documents(cfg, tokenizer))
     assert stats['train']['tokens'] == sum(map(len, _corpus_documents(cfg, tokenizer)))
     assert stats['validation']['characters'] > 0
@@ -209,7 +209,7 @@ def test_tokenizer_round_trip_and_special_ids(small_corpus, tmp_path):
 def test_vocab_too_small_for_tokenizer(small_corpus):
     cfg, tokenizer = small_corpus
     with pytest.raises(TokenizerError, match='model.vocab_size=256'):
-        data.load_tokenizer(dataclasses.replace(cfg, tokenizer=tokenizer.path), 256)
+        pipeline.load_tokenizer(dataclasses.replace(cfg, tokenizer=tokenizer.path), 256)
 
 
 def test_bad_inputs_give_clear_errors(tmp_path, caplog):
@@ -226,7 +226,7 @@ def test_bad_inputs_give_clear_errors(tmp_path, caplog):
     jsonl.write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(corpus.DataError, match=r"r.jsonl:2 has no field 'text'.*--text_field"):
         corpus.prepare_from_glob(str(jsonl), 'x', str(tmp_path / 'd'), split_mode='jsonl')
-    with pytest.raises(TokenizerError, match="'/no/such.model' does not exist.*vrl.tokenizer train"):
+    with pytest.raises(TokenizerError, match="'/no/such.model' does not exist.*vrl.data.tokenizer train"):
         Tokenizer.load('/no/such.model')
     with pytest.raises(corpus.DataError, match='invalid: use lower_snake_case'):
         corpus.prepare_from_glob(str(jsonl), 'Bad-Name', str(tmp_path / 'd'), split_mode='jsonl')

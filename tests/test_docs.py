@@ -36,7 +36,7 @@ def commands() -> list[tuple[str, str, list[str]]]:
     for page in PAGES:
         for line in shell_blocks(page):
             for part in re.split(r'&&|;', line):
-                match = re.search(r'python -m (vrl\.\w+)(.*)', part)
+                match = re.search(r'python -m (vrl(?:\.\w+)+)(.*)', part)
                 if match:
                     args = re.sub(r'\[(--[^\]]+)\]', r'\1', match.group(2))
                     found.append((page.name, match.group(1), shlex.split(args)))
@@ -46,11 +46,13 @@ def commands() -> list[tuple[str, str, list[str]]]:
 CHECK = r'''
 import json, sys
 from absl import flags
-from vrl.config import from_configdict
+from vrl.core.config import from_configdict
 import importlib
 results = []
 for page, module, args in json.loads(sys.stdin.read()):
     mod = importlib.import_module(module)
+    if not hasattr(mod, '_define_flags'):  # a package's command: its __main__
+        mod = importlib.import_module(module + '.__main__')
     defined = mod._define_flags()
     sys.argv = ['prog', *args]  # config_flags reads its overrides from sys.argv
     try:
@@ -70,8 +72,8 @@ print(json.dumps(results))
 def test_every_vrl_command_in_the_docs_parses_with_the_real_flags():
     found = commands()
     modules = {module for _, module, _ in found}
-    assert {'vrl.main', 'vrl.compare', 'vrl.study', 'vrl.generate', 'vrl.analyze', 'vrl.evaluate', 'vrl.export',
-            'vrl.data', 'vrl.tokenizer'} <= modules, modules
+    assert {'vrl.main', 'vrl.experiments.compare', 'vrl.experiments.study', 'vrl.experiments.analyze',
+            'vrl.tools.generate', 'vrl.tools.evaluate', 'vrl.tools.export', 'vrl.data', 'vrl.data.tokenizer'} <= modules, modules
     out = subprocess.run([sys.executable, '-c', CHECK], input=json.dumps(found), cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -87,7 +89,7 @@ def test_every_script_the_docs_name_exists():
 
 def test_a_mistyped_flag_in_a_command_is_caught():
     """The check can fail: a flag no command defines is reported with its page."""
-    out = subprocess.run([sys.executable, '-c', CHECK], input=json.dumps([['x.md', 'vrl.export', ['--wrkdir=a']]]),
+    out = subprocess.run([sys.executable, '-c', CHECK], input=json.dumps([['x.md', 'vrl.tools.export', ['--wrkdir=a']]]),
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     failures = json.loads(out.stdout.strip().splitlines()[-1])
-    assert failures[0].startswith('x.md: python -m vrl.export --wrkdir=a: UnrecognizedFlagError')
+    assert failures[0].startswith('x.md: python -m vrl.tools.export --wrkdir=a: UnrecognizedFlagError')

@@ -1,4 +1,4 @@
-"""vrl.evaluate: lm-evaluation-harness requests against direct forward passes, and the command on a
+"""vrl.tools.evaluate: lm-evaluation-harness requests against direct forward passes, and the command on a
 local multiple-choice task."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from flax import nnx
 from lm_eval.api.instance import Instance
 
 from tests.runs import CHOICE_DOCS, SHARED_RUN_STEPS, write_choice_task
-from vrl import evaluate
+from vrl.tools import evaluate
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -120,7 +120,7 @@ def test_generate_until_cuts_at_the_first_stop_string(lm):
 
 def test_the_command_runs_a_local_task_and_its_scores_are_the_models(lm, workdir, tmp_path):
     tasks = write_choice_task(tmp_path / 'tasks')
-    out = subprocess.run([sys.executable, '-m', 'vrl.evaluate', f'--workdir={workdir}', '--tasks=toy_choice',
+    out = subprocess.run([sys.executable, '-m', 'vrl.tools.evaluate', f'--workdir={workdir}', '--tasks=toy_choice',
                           f'--include_path={tasks}', '--log_samples', '--batch_size=4'],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -154,7 +154,7 @@ def test_bad_input_is_named(workdir, small_corpus, tmp_path):
 
 
 def _evaluate(workdir: Path, tasks: Path, task: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, '-m', 'vrl.evaluate', f'--workdir={workdir}', f'--tasks={task}',
+    return subprocess.run([sys.executable, '-m', 'vrl.tools.evaluate', f'--workdir={workdir}', f'--tasks={task}',
                            f'--include_path={tasks}'], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

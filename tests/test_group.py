@@ -1,4 +1,4 @@
-"""Runs trained together (vrl/step.py's RunGroup, train.run_group, grid.train_all): each member is
+"""Runs trained together (vrl/train/step.py's RunGroup, train.run_group, grid.train_all): each member is
 the run trained alone (losses, eval, parameters, checkpoints), a member's workdir resumes alone,
 only runs of one shape, data and step are grouped, and a killed grouped comparison resumes."""
 
@@ -15,8 +15,10 @@ import pytest
 from tests.conftest import ROOT
 from tests.helpers import rel_err
 from tests.runs import cli_args, saved_steps, tiny_config, wait_for
-from vrl import checkpoint, compare, grid, sharding, train
-from vrl.step import Trainer
+from vrl.train import checkpoint, loop
+from vrl.experiments import compare, grid
+from vrl.core import sharding
+from vrl.train.step import Trainer
 
 pytestmark = pytest.mark.slow  # trains real runs and starts processes: outside the edit loop's tier
 
@@ -65,9 +67,9 @@ def test_a_member_is_the_run_trained_alone_and_goes_on_alone(small_corpus, tmp_p
     extended alone by two steps equals its run alone extended."""
     seeds = [0, 1, 2]
     workdirs = [tmp_path / f's{seed}' for seed in seeds]
-    group = train.run_group([_config(small_corpus, 'resformer', seed) for seed in seeds], [str(w) for w in workdirs])
+    group = loop.run_group([_config(small_corpus, 'resformer', seed) for seed in seeds], [str(w) for w in workdirs])
     for seed, workdir, result in zip(seeds, workdirs, group):
-        single = train.run(_config(small_corpus, 'resformer', seed), str(tmp_path / f'alone{seed}'))
+        single = loop.run(_config(small_corpus, 'resformer', seed), str(tmp_path / f'alone{seed}'))
         assert sorted(result.losses) == list(range(1, STEPS + 1))
         assert rel_err(list(single.losses.values()), list(result.losses.values())) < 1e-5
         assert result.eval_loss == pytest.approx(single.eval_loss, rel=1e-5)
@@ -79,8 +81,8 @@ def test_a_member_is_the_run_trained_alone_and_goes_on_alone(small_corpus, tmp_p
         logged = grid.read_metrics(workdir / 'metrics.jsonl')
         assert logged[STEPS]['eval_loss'] == pytest.approx(result.eval_loss)
         assert json.loads((workdir / 'config.json').read_text())['config']['train']['seed'] == seed
-    extended = train.run(_config(small_corpus, 'resformer', 1, steps=STEPS + 2), str(workdirs[1]))
-    straight = train.run(_config(small_corpus, 'resformer', 1, steps=STEPS + 2), str(tmp_path / 'alone1'))
+    extended = loop.run(_config(small_corpus, 'resformer', 1, steps=STEPS + 2), str(workdirs[1]))
+    straight = loop.run(_config(small_corpus, 'resformer', 1, steps=STEPS + 2), str(tmp_path / 'alone1'))
     assert sorted(extended.losses) == [STEPS + 1, STEPS + 2]
     assert [extended.losses[s] for s in (STEPS + 1, STEPS + 2)] == pytest.approx(
         [straight.losses[s] for s in (STEPS + 1, STEPS + 2)], rel=1e-5)
@@ -89,8 +91,8 @@ def test_a_member_is_the_run_trained_alone_and_goes_on_alone(small_corpus, tmp_p
 def test_members_must_share_everything_but_the_seed(small_corpus, tmp_path):
     other_lr = _config(small_corpus, 'vanilla', 1)
     other_lr = dataclasses.replace(other_lr, optimizer=dataclasses.replace(other_lr.optimizer, peak_lr=1e-3))
-    with pytest.raises(train.TrainingError, match='differ only in train.seed'):
-        train.run_group([_config(small_corpus, 'vanilla', 0), other_lr], [str(tmp_path / 'a'), str(tmp_path / 'b')])
+    with pytest.raises(loop.TrainingError, match='differ only in train.seed'):
+        loop.run_group([_config(small_corpus, 'vanilla', 0), other_lr], [str(tmp_path / 'a'), str(tmp_path / 'b')])
     assert not (tmp_path / 'a').exists()
 
 
@@ -103,7 +105,7 @@ def test_the_grid_groups_unfinished_runs_of_one_shape_data_and_step(small_corpus
 
     # resformer-s2 stopped at step 2 of 4 (a run of its own, interrupted)
     partial = run('resformer', 2)
-    train.run(dataclasses.replace(partial.config, train=dataclasses.replace(partial.config.train, steps=2)),
+    loop.run(dataclasses.replace(partial.config, train=dataclasses.replace(partial.config.train, steps=2)),
               str(tmp_path / 'runs' / partial.name))
     first = [run('resformer', 0), run('resformer', 1), partial, run('resformer', 3)]
     others = [run('svformer', 0), run('svformer', 1), run('resformer', 4, 1e-3)]
@@ -129,7 +131,7 @@ def test_the_grid_groups_unfinished_runs_of_one_shape_data_and_step(small_corpus
 
 def test_a_killed_grouped_comparison_resumes_to_the_uninterrupted_report(small_corpus, tmp_path):
     config = _config(small_corpus, 'vanilla', 0, steps=12)
-    args = [*cli_args(config, tmp_path / 'killed', 'vrl.compare'), '--variants=resformer', '--seeds=0,1',
+    args = [*cli_args(config, tmp_path / 'killed', 'vrl.experiments.compare'), '--variants=resformer', '--seeds=0,1',
             '--analysis_sequences=0']
     first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     members = [tmp_path / 'killed' / 'runs' / f'resformer-s{seed}' for seed in (0, 1)]

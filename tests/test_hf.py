@@ -1,4 +1,4 @@
-"""The Hugging Face way out and in: vrl.export -> transformers (PyTorch, CPU) and --init_from=hf:.
+"""The Hugging Face way out and in: vrl.tools.export -> transformers (PyTorch, CPU) and --init_from=hf:.
 
 A trained vanilla run goes through the real command as a plain LlamaForCausalLM; every variant
 (random parameters) goes through hf.export as a VrlForCausalLM with vrl's modeling file."""
@@ -24,9 +24,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers import FAST_TIER, NAMED_VARIANTS, randomize, rel_err, small_model_config, variant_params
 from tests.runs import SHARED_RUN_STEPS, cli_args, params_equal
-from vrl import data, decode, hf, train, trained
-from vrl.model import Decoder
-from vrl.step import Trainer
+from vrl.data import pipeline
+from vrl.model import decode
+from vrl.interop import hf
+from vrl.train import loop, trained
+from vrl.model.decoder import Decoder
+from vrl.train.step import Trainer
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 UNDER_OLDEST_TRANSFORMERS = os.environ.get('VRL_UNDER_OLDEST_TRANSFORMERS') == '1'
@@ -39,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def exported(shared_runs, tmp_path_factory):
     """The session's trained vanilla MQA run (2 heads, 1 kv head) and its export."""
     run, out_dir = shared_runs('vanilla'), tmp_path_factory.mktemp('hf') / 'hf'
-    out = subprocess.run([sys.executable, '-m', 'vrl.export', f'--workdir={run}', f'--out={out_dir}'],
+    out = subprocess.run([sys.executable, '-m', 'vrl.tools.export', f'--workdir={run}', f'--out={out_dir}'],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f'vanilla + MQA at step {SHARED_RUN_STEPS}' in out.stdout
@@ -47,7 +50,7 @@ def exported(shared_runs, tmp_path_factory):
 
 
 def _export(workdir: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, '-m', 'vrl.export', f'--workdir={workdir}', f'--out={out}', *flags],
+    return subprocess.run([sys.executable, '-m', 'vrl.tools.export', f'--workdir={workdir}', f'--out={out}', *flags],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -77,7 +80,7 @@ def test_export_overwrites_nothing_it_did_not_write(exported, shared_runs, tmp_p
 
 
 def test_an_interrupted_export_leaves_the_old_directory_and_no_half_one(tmp_path):
-    from vrl import export
+    from vrl.tools import export
     out = tmp_path / 'hf'
     export.publish(out, {'workdir': 'a'}, False, lambda folder: (folder / 'model.safetensors').write_text('first'))
     before = _hashes(out)
@@ -98,7 +101,7 @@ def test_transformers_loads_the_export_and_agrees(exported):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert type(model).__name__ == 'LlamaForCausalLM'
     text = 'HAMLET: To be, or not to be, that is the question. naïve café'
-    ids = data.prompt_tokens(run.config.data, run.tokenizer, text)
+    ids = pipeline.prompt_tokens(run.config.data, run.tokenizer, text)
     assert AutoTokenizer.from_pretrained(folder)(text)['input_ids'] == ids  # the same ids, EOS in front
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits.numpy()
@@ -106,7 +109,7 @@ def test_transformers_loads_the_export_and_agrees(exported):
     assert theirs.shape == ours.shape
     assert np.max(np.abs(theirs - ours)) / np.max(np.abs(ours)) < 1e-4
     # greedy decoding: transformers' generate and vrl's KV-cache decoder pick the same tokens
-    prompt = data.prompt_tokens(run.config.data, run.tokenizer, 'ROMEO:')
+    prompt = pipeline.prompt_tokens(run.config.data, run.tokenizer, 'ROMEO:')
     with torch.no_grad():
         generated = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
     generator = decode.Generator(run.config.model, run.trainer.graphdef, run.params, max_len=64,
@@ -117,7 +120,7 @@ def test_transformers_loads_the_export_and_agrees(exported):
 def test_init_from_hf_restores_identical_parameters(exported):
     run, folder = exported
     trainer = Trainer(run.config, run.trainer.mesh)
-    params, note = train._initial_params(f'hf:{folder}', trainer, run.config)
+    params, note = loop._initial_params(f'hf:{folder}', trainer, run.config)
     assert params_equal(jax.device_get(params), jax.device_get(run.params))
     assert note.startswith(f' ({len(load_file(str(folder / "model.safetensors")))} tensors), tokenizer ')
     assert 'also fit a fixed-lambda ResFormer' in note  # a plain Llama config.json cannot say
@@ -137,20 +140,20 @@ def test_bad_directories_are_named(exported, tmp_path):
         return f'hf:{bad}'
 
     with pytest.raises(hf.HFError, match=r"holds a 'gpt2' model .*Llama models"):
-        train._initial_params(copy({'model_type': 'gpt2'}), trainer, run.config)
+        loop._initial_params(copy({'model_type': 'gpt2'}), trainer, run.config)
     with pytest.raises(hf.HFError, match=r'vocab_size=9999 but model.vocab_size=512'):
-        train._initial_params(copy({'vocab_size': 9999}), trainer, run.config)
+        loop._initial_params(copy({'vocab_size': 9999}), trainer, run.config)
     with pytest.raises(hf.HFError, match=r"no 'model.layers.1.mlp.up_proj.weight'"):
-        train._initial_params(copy(drop='model.layers.1.mlp.up_proj.weight'), trainer, run.config)
+        loop._initial_params(copy(drop='model.layers.1.mlp.up_proj.weight'), trainer, run.config)
     with pytest.raises(hf.HFError, match=r'num_key_value_heads=2 but the config has model.n_kv_heads=1'):
-        train._initial_params(copy({'num_key_value_heads': 2}), trainer, run.config)
+        loop._initial_params(copy({'num_key_value_heads': 2}), trainer, run.config)
     with pytest.raises(hf.HFError, match=r"no 'model.value_lambdas.v1' \(resformer \(learnable\) \+ MQA needs it\)"):
         config = dataclasses.replace(run.config, model=dataclasses.replace(
             run.config.model, attention='resformer', lambda_mode='learnable'))
-        train._initial_params(f'hf:{folder}', Trainer(config, run.trainer.mesh), config)
+        loop._initial_params(f'hf:{folder}', Trainer(config, run.trainer.mesh), config)
     with pytest.raises(hf.HFError, match=r"'model.layers.1.self_attn.v_proj.weight'.*svformer \+ MQA has no place for"):
         config = dataclasses.replace(run.config, model=dataclasses.replace(run.config.model, attention='svformer'))
-        train._initial_params(f'hf:{folder}', Trainer(config, run.trainer.mesh), config)
+        loop._initial_params(f'hf:{folder}', Trainer(config, run.trainer.mesh), config)
 
 
 def _variant(name: str, tokenizer) -> tuple:
@@ -191,7 +194,7 @@ def test_transformers_generate_matches_vrl_decoding(name, exported, tmp_path):
     hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, 64, run.tokenizer, tmp_path)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
     eos = run.tokenizer.eos_id
-    prompts = [data.prompt_tokens(run.config.data, run.tokenizer, text) for text in ('ROMEO: What say', 'KING:')]
+    prompts = [pipeline.prompt_tokens(run.config.data, run.tokenizer, text) for text in ('ROMEO: What say', 'KING:')]
     want = decode.Generator(cfg, nnx.graphdef(model), nnx.state(model), max_len=48, eos_id=eos).generate(
         prompts, decode.Sampling(max_new_tokens=12)).tokens
     P = max(map(len, prompts))
@@ -288,7 +291,7 @@ def test_the_oldest_supported_transformers_passes_the_interop_tests(tmp_path):
 
 
 def test_an_export_must_match_the_variant_it_starts(exported, tmp_path):
-    """A vrl.export directory starts only the variant it holds; the first field that differs is named."""
+    """A vrl.tools.export directory starts only the variant it holds; the first field that differs is named."""
     run, _ = exported
     cfg, model = _variant('resformer-learnable', run.tokenizer)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -329,19 +332,19 @@ def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp
     run, folder = exported
     config = dataclasses.replace(run.config, model=dataclasses.replace(run.config.model, vocab_size=1024),
                                  data=dataclasses.replace(run.config.data, tokenizer=''))
-    chosen, source, line = train._hf_tokenizer(config, f'hf:{folder}', tmp_path / 'run')
+    chosen, source, line = loop._hf_tokenizer(config, f'hf:{folder}', tmp_path / 'run')
     assert (source, chosen.data.tokenizer) == (folder / 'tokenizer.model', str(tmp_path / 'run' / 'tokenizer.model'))
     assert line == f'tokenizer {folder / "tokenizer.model"}'
     named = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=run.tokenizer.path))
-    assert train._hf_tokenizer(named, f'hf:{folder}', tmp_path)[:2] == (named, None)  # the same pieces
+    assert loop._hf_tokenizer(named, f'hf:{folder}', tmp_path)[:2] == (named, None)  # the same pieces
 
-    from vrl import corpus, tokenizer as tokenizer_lib
+    from vrl.data import corpus, tokenizer as tokenizer_lib
     texts = corpus.texts(corpus.open_split(run.config.data.name, run.config.data.data_dir, 'train'))
     other = tokenizer_lib.train(texts, 600, str(tmp_path / 'other.model'))
     named = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=other.path))
     with pytest.raises(hf.HFError, match=rf'data.tokenizer={other.path} is not the tokenizer the weights in '
                                          rf'{folder} were trained with .*: 600 vs 512 pieces'):
-        train._hf_tokenizer(named, f'hf:{folder}', tmp_path)
+        loop._hf_tokenizer(named, f'hf:{folder}', tmp_path)
     bare = tmp_path / 'bare'
     bare.mkdir()
     for name in ('config.json', 'model.safetensors'):
@@ -349,7 +352,7 @@ def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp
     (bare / 'tokenizer_config.json').write_text('{}')
     with pytest.raises(hf.HFError, match=r'has no tokenizer.model or tokenizer.json \(only tokenizer_config.json\)'
                                          r'.*--config.data.tokenizer=PATH'):
-        train._hf_tokenizer(config, f'hf:{bare}', tmp_path)
+        loop._hf_tokenizer(config, f'hf:{bare}', tmp_path)
 
 
 def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, tmp_path):
@@ -367,7 +370,7 @@ def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, 
     assert (tmp_path / 'run' / 'tokenizer.model').read_bytes() == (folder / 'tokenizer.model').read_bytes()
     recorded = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
     eval_loss = next(r['eval_loss'] for r in recorded if 'eval_loss' in r)
-    expected = train.validate(run.trainer, run.params, run.config, run.tokenizer).loss
+    expected = loop.validate(run.trainer, run.params, run.config, run.tokenizer).loss
     assert abs(eval_loss - expected) < 1e-5 * expected
     again = _export(tmp_path / 'run', tmp_path / 'hf')
     assert again.returncode == 0, again.stderr[-3000:]

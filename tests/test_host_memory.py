@@ -1,4 +1,4 @@
-"""vrl/host_memory.py: when the restart applies, and that it really cuts page faults."""
+"""vrl/core/host_memory.py: when the restart applies, and that it really cuts page faults."""
 
 import os
 import platform
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from vrl import host_memory
+from vrl.core import host_memory
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -32,7 +32,7 @@ def test_when_the_restart_applies(environ, libc, thp_modes, expected):
 
 _PROBE = '''
 import ctypes, resource
-from vrl import host_memory
+from vrl.core import host_memory
 print('started', flush=True)
 host_memory.use_huge_pages()
 libc, size = ctypes.CDLL(None), 256 * 2**20  # glibc's malloc, as XLA:CPU's buffers get (numpy madvises its own)
@@ -66,7 +66,7 @@ def test_a_command_asking_for_huge_pages_runs_after_the_restart():
     if host_memory.tunables_with_huge_pages({}, platform.libc_ver(), modes) is None:
         pytest.skip(f'huge-page malloc does not apply here (libc {platform.libc_ver()}, THP "{modes.strip()}")')
     env = {k: v for k, v in os.environ.items() if k not in ('GLIBC_TUNABLES', 'VRL_HUGE_PAGES')}
-    command = ('import os\nfrom vrl import cli\nprint("started", flush=True)\n'
+    command = ('import os\nfrom vrl.core import cli\nprint("started", flush=True)\n'
                'cli.run(lambda args: print(os.environ.get("GLIBC_TUNABLES")), dict, huge_pages=%s)')
     for huge_pages, expected in ((True, ['started', 'started', 'glibc.malloc.hugetlb=1']), (False, ['started', 'None'])):
         out = subprocess.run([sys.executable, '-c', command % huge_pages], cwd=ROOT, env=env,

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from tests.runs import tiny_config
-from vrl import corpus, data, train
-from vrl.config import ConfigError, DataConfig
-from vrl.tokenizer import EOS_ID
+from vrl.data import corpus, pipeline
+from vrl.train import loop
+from vrl.core.config import ConfigError, DataConfig
+from vrl.data.tokenizer import EOS_ID
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -45,7 +46,7 @@ def _documents(batches: list[dict]) -> list[tuple[int, ...]]:
 
 
 def _first_batches(cfg, tokenizer, n, **process) -> list[dict]:
-    it = iter(data.train_dataset(cfg, tokenizer, **process))
+    it = iter(pipeline.train_dataset(cfg, tokenizer, **process))
     return [next(it) for _ in range(n)]
 
 
@@ -78,10 +79,10 @@ def test_resume_and_process_shards(domains):
     cfg, tokenizer = domains
     k, m = 6, 4
     reference = _first_batches(cfg, tokenizer, k + m)
-    first = iter(data.train_dataset(cfg, tokenizer))
+    first = iter(pipeline.train_dataset(cfg, tokenizer))
     for _ in range(k):
         next(first)
-    resumed = iter(data.train_dataset(cfg, tokenizer))
+    resumed = iter(pipeline.train_dataset(cfg, tokenizer))
     resumed.set_state(json.loads(json.dumps(first.get_state())))  # what the checkpoint stores
     for expected in reference[k:]:
         got = next(resumed)
@@ -96,14 +97,14 @@ def test_eval_reports_each_domain_and_their_unweighted_mean(domains, tmp_path):
     cfg, tokenizer = domains
     config = tiny_config((dataclasses.replace(cfg, tokenizer=tokenizer.path), tokenizer), steps=4,
                          checkpoint_every=4, eval_batches=0)
-    result = train.run(config, str(tmp_path / 'run'))
+    result = loop.run(config, str(tmp_path / 'run'))
     records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
     final = [r for r in records if 'eval_loss' in r][-1]
-    trainer = train.Trainer(config, train.sharding.make_mesh(config.mesh))
+    trainer = loop.Trainer(config, loop.sharding.make_mesh(config.mesh))
     by_hand = {}
     for name in ('slim_alpha', 'slim_beta_set'):  # each validation split alone, as a single-dataset run
         alone = dataclasses.replace(config, data=dataclasses.replace(config.data, mixture='', name=name))
-        by_hand[name] = train.validate(trainer, result.state.params, alone, tokenizer).domains[name]
+        by_hand[name] = loop.validate(trainer, result.state.params, alone, tokenizer).domains[name]
         assert final[f'eval_loss/{name}'] == pytest.approx(by_hand[name][0], rel=1e-6)
         assert final[f'eval_bpb/{name}'] == pytest.approx(by_hand[name][1], rel=1e-6)
         # bits per byte from the split's own texts: every document's tokens and its EOS are targets
@@ -127,4 +128,4 @@ def test_bad_mixtures_are_named(domains):
         DataConfig(mixture='a=1', num_epochs=1)
     missing = dataclasses.replace(cfg, mixture='slim_alpha=1,slim_gamma=1')
     with pytest.raises(corpus.DataError, match='slim_gamma'):
-        next(iter(data.train_dataset(missing, tokenizer)))
+        next(iter(pipeline.train_dataset(missing, tokenizer)))

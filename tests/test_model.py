@@ -12,9 +12,10 @@ from flax import nnx
 from tests import numpy_reference
 from tests.helpers import (FAST_TIER, NAMED_VARIANTS, cases, copy_params, randomize, rel_err, random_tokens,
                            small_model_config, variant_params)
-from vrl.config import ConfigError
-from vrl import attention, ops, step
-from vrl.model import Decoder
+from vrl.core.config import ConfigError
+from vrl.model import attention, ops
+from vrl.train import step
+from vrl.model.decoder import Decoder
 
 
 def _loss(model: Decoder, tokens: jax.Array) -> jax.Array:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop'
 def bucket_config(gcs, plays_dir, small_corpus):
     """tiny_config with its dataset built into gs://vrl/tfds and its tokenizer at gs://vrl/plays.model."""
     from etils import epath
-    from vrl import corpus
+    from vrl.data import corpus
     _, tokenizer = small_corpus
     built = corpus.prepare_from_glob(str(plays_dir), 'plays', 'gs://vrl/tfds', split_mode='blank_line',
                                      validation_fraction=0.1)
@@ -68,15 +68,19 @@ def test_a_second_writer_is_refused_and_a_stale_lease_taken_over(gcs, bucket_con
 
 
 def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, tmp_path):
-    """The tools on gs://: a run's workdir read by vrl.export (--out on gs://), vrl.analyze (--out on
-    gs://), vrl.generate (--prompts_file on gs://) and vrl.evaluate (its lm_eval/ in the workdir);
+    """The tools on gs://: a run's workdir read by vrl.tools.export (--out on gs://), vrl.experiments.analyze (--out on
+    gs://), vrl.tools.generate (--prompts_file on gs://) and vrl.tools.evaluate (its lm_eval/ in the workdir);
     runs started from a gs:// checkpoint and from an hf:gs:// export; a grid directory's lease and
     reports; dataset statistics from a gs:// data_dir."""
     from tests.runs import write_choice_task
-    from vrl import data, evaluate, grid, storage, train
-    from vrl.tokenizer import Tokenizer
+    from vrl.data import pipeline
+    from vrl.tools import evaluate
+    from vrl.experiments import grid
+    from vrl.core import storage
+    from vrl.train import loop
+    from vrl.data.tokenizer import Tokenizer
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=4))
-    source = train.run(config, 'gs://vrl/tools/run')
+    source = loop.run(config, 'gs://vrl/tools/run')
     env = machine_env(gcs, tmp_path / 'host')
 
     def command(module: str, *flags: str) -> str:
@@ -85,15 +89,15 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
         assert out.returncode == 0, out.stderr[-3000:]
         return out.stdout
 
-    command('vrl.export', '--workdir=gs://vrl/tools/run', '--out=gs://vrl/tools/hf')
+    command('vrl.tools.export', '--workdir=gs://vrl/tools/run', '--out=gs://vrl/tools/hf')
     exported = {p.rsplit('/', 1)[1] for p in bucket_fs().ls('vrl/tools/hf')}
     assert {'config.json', 'model.safetensors', 'tokenizer.model', 'vrl_export.json', 'README.md'} <= exported
     assert json.loads(bucket_fs().cat('vrl/tools/hf/vrl_export.json'))['workdir'] == 'gs://vrl/tools/run'
-    command('vrl.analyze', '--workdir=gs://vrl/tools/run', '--out=gs://vrl/tools/analysis', '--sequences=2',
+    command('vrl.experiments.analyze', '--workdir=gs://vrl/tools/run', '--out=gs://vrl/tools/analysis', '--sequences=2',
             '--batch_size=2')
     assert bucket_fs().exists('vrl/tools/analysis/run/analysis.json') and bucket_fs().glob('vrl/tools/analysis/*.png')
     bucket_fs().pipe_file('vrl/tools/prompts.txt', b'KING:\nHAMLET:\n')
-    generated = command('vrl.generate', '--workdir=gs://vrl/tools/run', '--prompts_file=gs://vrl/tools/prompts.txt',
+    generated = command('vrl.tools.generate', '--workdir=gs://vrl/tools/run', '--prompts_file=gs://vrl/tools/prompts.txt',
                         '--max_new_tokens=4')
     assert 'KING:' in generated and 'HAMLET:' in generated
 
@@ -104,7 +108,7 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
 
     short = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2, checkpoint_every=2))
     for start, workdir in (('gs://vrl/tools/run', 'gs://vrl/tools/from_run'), ('hf:gs://vrl/tools/hf', 'gs://vrl/tools/from_hf')):
-        first = train.run(short, workdir, init_from=start)
+        first = loop.run(short, workdir, init_from=start)
         assert first.step == 2 and first.losses[1] < source.losses[1], (start, first.losses, source.losses)  # trained weights
 
     directory = grid.GridDirectory(storage.path('gs://vrl/tools/grid'), 'compare.json', 'comparison')
@@ -114,7 +118,7 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
     directory.close()
     assert bucket_fs().cat('vrl/tools/grid/report.md') == b'# report' and not bucket_fs().exists('vrl/tools/grid/.lock')
 
-    stats = data.split_stats('plays', 'gs://vrl/tfds', Tokenizer.load('gs://vrl/plays.model'))
+    stats = pipeline.split_stats('plays', 'gs://vrl/tfds', Tokenizer.load('gs://vrl/plays.model'))
     assert stats['train']['documents'] > 100 and stats['validation']['tokens'] > 0
     assert not list(tmp_path.rglob('gs:')) and not list(ROOT.rglob('gs:'))
 
@@ -147,12 +151,12 @@ def test_a_bad_store_is_one_line_before_anything_runs(gcs, bucket_config, tmp_pa
     ('tokenizer', 'gs://vrl/none.model', "tokenizer 'gs://vrl/none.model' does not exist. Train one with"),
 ])
 def test_data_on_a_missing_bucket_is_one_line(gcs, bucket_config, tmp_path, field, value, message):
-    """What a run's first data step (process 0's, vrl/multihost.py) says; vrl.main prints it as `error: ...`."""
-    from vrl import data
-    from vrl.errors import VrlError
+    """What a run's first data step (process 0's, vrl/core/multihost.py) says; vrl.main prints it as `error: ...`."""
+    from vrl.data import pipeline
+    from vrl.core.errors import VrlError
     config = dataclasses.replace(bucket_config.data, **{field: value})
     with pytest.raises(VrlError) as raised:
-        data.ready(config, bucket_config.model.vocab_size)
+        pipeline.ready(config, bucket_config.model.vocab_size)
     assert str(raised.value).startswith(message) and '\n' not in str(raised.value), raised.value
     assert not list(tmp_path.rglob('gs:')) and not list(ROOT.rglob('gs:'))
 
@@ -160,7 +164,7 @@ def test_data_on_a_missing_bucket_is_one_line(gcs, bucket_config, tmp_path, fiel
 def test_storage_on_the_bucket_creates_once_moves_folders_and_lists(gcs):
     """What the workdir code asks of an object store: create-if-absent, whole-object replace, a
     folder moved (--fresh, rejected checkpoints), every file listed (datasets)."""
-    from vrl import storage
+    from vrl.core import storage
     root = storage.path('gs://vrl/storage_check')
     assert storage.is_remote(root) and str(root) == 'gs://vrl/storage_check'
     assert storage.create_exclusive(root / 'lease', b'first')
@@ -179,8 +183,8 @@ def test_compressed_records_in_the_bucket_are_prepared_and_pretokenized_there(gc
     """A glob of .jsonl.zst / .jsonl objects prepared into a gs:// data_dir, a tokenizer.json trained
     into the bucket, the dataset pre-tokenized there (tokens.json last) and found by the pipeline."""
     import zstandard
-    from vrl import corpus, tokens
-    from vrl.tokenizer import train
+    from vrl.data import corpus, tokens
+    from vrl.data.tokenizer import train
     fs = bucket_fs()
     lines = ''.join(json.dumps({'text': f'record {i} ' * 20}) + '\n' for i in range(50)).encode()
     fs.pipe_file('vrl/raw/a.jsonl.zst', zstandard.ZstdCompressor().compress(lines))

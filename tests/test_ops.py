@@ -1,4 +1,4 @@
-"""vrl/ops.py: values and gradients of the hand-written backward passes, against float64
+"""vrl/model/ops.py: values and gradients of the hand-written backward passes, against float64
 autodiff of the plain formulations, on random inputs and cotangents."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import cases, rel_err
-from vrl import ops
+from vrl.model import ops
 
 
 def _value_and_vjp(fn, args, cotangent):

@@ -15,9 +15,9 @@ from configs import base as base_configs
 from configs import reproduce_cpu
 from tests.helpers import NAMED_VARIANTS, small_model_config
 from tests.runs import params_equal, tiny_config, train_losses
-from vrl import checkpoint, optimizer, train
-from vrl.config import Config, ConfigError, DataConfig, MeshConfig, OptimizerConfig, TrainConfig, from_configdict
-from vrl.step import abstract_model
+from vrl.train import checkpoint, optimizer, loop
+from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, OptimizerConfig, TrainConfig, from_configdict
+from vrl.train.step import abstract_model
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic Newton-Schulz iteration's (a, b, c)
 
@@ -191,11 +191,11 @@ def _muon_run(small_corpus, **train_fields) -> Config:
 
 @pytest.mark.slow
 def test_muon_resumes_exactly_refuses_adamw_and_branches_from_the_stable_phase(small_corpus, tmp_path):
-    straight = train.run(_muon_run(small_corpus, steps=12, checkpoint_every=100), str(tmp_path / 'straight'))
+    straight = loop.run(_muon_run(small_corpus, steps=12, checkpoint_every=100), str(tmp_path / 'straight'))
     assert sorted(int(p.name) for p in (tmp_path / 'straight' / 'checkpoints').iterdir() if p.name.isdigit()) == \
         [6, 12]  # wsd saves its last stable step (decay_start 6) as well as the end
-    first = train.run(_muon_run(small_corpus, steps=8, checkpoint_every=4), str(tmp_path / 'resumed'))
-    second = train.run(_muon_run(small_corpus, steps=12, checkpoint_every=4), str(tmp_path / 'resumed'))
+    first = loop.run(_muon_run(small_corpus, steps=8, checkpoint_every=4), str(tmp_path / 'resumed'))
+    second = loop.run(_muon_run(small_corpus, steps=12, checkpoint_every=4), str(tmp_path / 'resumed'))
     assert {**first.losses, **second.losses} == straight.losses
     assert params_equal(second.state.params, straight.state.params)
     assert params_equal(second.state.opt_state, straight.state.opt_state)
@@ -203,11 +203,11 @@ def test_muon_resumes_exactly_refuses_adamw_and_branches_from_the_stable_phase(s
     adamw = tiny_config(small_corpus, steps=16)
     with pytest.raises(checkpoint.CheckpointMismatchError,
                        match=re.escape("trained with optimizer.name='muon' but the config has optimizer.name='adamw'")):
-        train.run(adamw, str(tmp_path / 'resumed'))
+        loop.run(adamw, str(tmp_path / 'resumed'))
 
     longer = _muon_run(small_corpus, steps=16, checkpoint_every=100)
     longer = dataclasses.replace(longer, optimizer=dataclasses.replace(longer.optimizer, decay_steps=16))
-    branched = train.run(longer, str(tmp_path / 'extended'), branch_from=str(tmp_path / 'straight' / 'checkpoints' / '6'))
+    branched = loop.run(longer, str(tmp_path / 'extended'), branch_from=str(tmp_path / 'straight' / 'checkpoints' / '6'))
     assert min(branched.losses) == 7 and branched.step == 16
     # steps 7 and 8 see the step-6 state, and step 7's update is at the peak LR in both; from step 8's
     # update on, the longer run stays at the peak while the straight one decays

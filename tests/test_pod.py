@@ -14,7 +14,7 @@ import pytest
 
 from tests.gcs_emulator import bucket_fs, free_port, machine_env
 from tests.runs import ROOT, cli_args, tiny_config
-from vrl.config import Config
+from vrl.core.config import Config
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 

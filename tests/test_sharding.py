@@ -18,9 +18,11 @@ from jax.sharding import PartitionSpec
 from tests.conftest import ROOT
 from tests.helpers import NAMED_VARIANTS
 from tests.runs import TINY_MODEL, cli_args, tiny_config, train_losses
-from vrl import aot, data, sharding
-from vrl.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig
-from vrl.step import Trainer
+from vrl.train import aot
+from vrl.data import pipeline
+from vrl.core import sharding
+from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig
+from vrl.train.step import Trainer
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -35,7 +37,7 @@ def test_meshes_agree_with_one_device_and_shard_as_the_rules_say(small_corpus):
     assert jax.device_count() == 8
     _, tokenizer = small_corpus
     config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1))
-    iterator = iter(data.train_dataset(config.data, tokenizer))
+    iterator = iter(pipeline.train_dataset(config.data, tokenizer))
     batches = [next(iterator) for _ in range(3)]
     reference, _ = train_losses(config, jax.devices()[:1], batches)
     for shape in ((8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)):
@@ -63,7 +65,7 @@ def test_every_baseline_trains_sharded_as_on_one_device(small_corpus, variant):
     config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1))
     model = dataclasses.replace(config.model, n_layers=4, **{'lambda_mode': 'identity', **NAMED_VARIANTS[variant]})
     config = dataclasses.replace(config, model=model)
-    iterator = iter(data.train_dataset(config.data, tokenizer))
+    iterator = iter(pipeline.train_dataset(config.data, tokenizer))
     batches = [next(iterator) for _ in range(2)]
     reference, _ = train_losses(config, jax.devices()[:1], batches)
     losses, _ = train_losses(dataclasses.replace(config, mesh=MeshConfig(2, 2, 2)), jax.devices(), batches)
@@ -125,7 +127,7 @@ def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp
 
     # one process, 8 devices, fed the concatenation of the two processes' shards
     _, tokenizer = small_corpus
-    shards = [iter(data.train_dataset(config.data, tokenizer, i, 2)) for i in range(2)]
+    shards = [iter(pipeline.train_dataset(config.data, tokenizer, i, 2)) for i in range(2)]
     batches = []
     for _ in range(6):
         parts = [next(shard) for shard in shards]

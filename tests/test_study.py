@@ -14,8 +14,8 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, saved_steps, tiny_config
-from vrl import curves, grid, scaling, study, study_report
-from vrl.config import Config, DataConfig, ModelConfig, OptimizerConfig, TrainConfig
+from vrl.experiments import curves, grid, scaling, study, study_report
+from vrl.core.config import Config, DataConfig, ModelConfig, OptimizerConfig, TrainConfig
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -187,7 +187,7 @@ def test_plan_keeps_tokens_per_step_and_scales_the_budget():
     by_name = {r.name: r.config for r in runs}
     small, large = by_name['vanilla-d64-lr0.001-L64-s0'], by_name['vanilla-d128-lr0.001-L64-s0']
     assert large.train.steps == 400 and large.optimizer.decay_steps == 400
-    from vrl import accounting
+    from vrl.model import accounting
     ratio = accounting.non_embedding_params(small.model) / accounting.non_embedding_params(large.model)
     assert small.train.steps == round(400 * ratio) and small.optimizer.decay_steps == small.train.steps
     assert by_name['svformer-d64-lr0.001-L64-s0'].train.steps == small.train.steps  # the same tokens per size
@@ -213,7 +213,7 @@ def test_bad_axes_are_named(changes, message):
 
 def _study(small_corpus, workdir, *args, steps=4):
     config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1)
-    return subprocess.run([*cli_args(config, workdir, 'vrl.study'), '--variants=vanilla,svformer',
+    return subprocess.run([*cli_args(config, workdir, 'vrl.experiments.study'), '--variants=vanilla,svformer',
                            '--sizes=d32,d48', '--seeds=0', *args], capture_output=True, text=True, cwd=str(ROOT),
                           timeout=900)
 
@@ -283,7 +283,7 @@ def test_another_base_config_is_refused_and_nothing_is_overwritten(studied, smal
 
 def test_a_ladder_of_one_size_reports_without_a_fit(small_corpus, tmp_path):
     config = tiny_config(small_corpus, steps=2, checkpoint_every=2, eval_every=1, eval_batches=1)
-    result = subprocess.run([*cli_args(config, tmp_path, 'vrl.study'), '--variants=vanilla', '--sizes=base'],
+    result = subprocess.run([*cli_args(config, tmp_path, 'vrl.experiments.study'), '--variants=vanilla', '--sizes=base'],
                             capture_output=True, text=True, cwd=str(ROOT), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (tmp_path / 'study.md').read_text()
@@ -298,7 +298,7 @@ def test_a_ladder_of_one_size_reports_without_a_fit(small_corpus, tmp_path):
 ])
 def test_bad_input_is_one_line_and_writes_nothing(small_corpus, tmp_path, args, message):
     config = tiny_config(small_corpus)
-    result = subprocess.run([*cli_args(config, tmp_path / 'new', 'vrl.study'), *args], capture_output=True,
+    result = subprocess.run([*cli_args(config, tmp_path / 'new', 'vrl.experiments.study'), *args], capture_output=True,
                             text=True, cwd=str(ROOT), timeout=300)
     assert result.returncode != 0 and message in result.stderr and 'Traceback' not in result.stderr
     assert not (tmp_path / 'new').exists()

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vrl import corpus, data, tokens
-from vrl.tokenizer import EOS_ID, HuggingFaceTokenizer, Tokenizer, TokenizerError
-from vrl.tokenizer import train as train_tokenizer
+from vrl.data import corpus, pipeline, tokens
+from vrl.data.tokenizer import EOS_ID, HuggingFaceTokenizer, Tokenizer, TokenizerError
+from vrl.data.tokenizer import train as train_tokenizer
 
 TEXT = 'ROMEO: What say 東京🎭 café?\n\n  Thou art\tthere, 12345.'
 
@@ -74,11 +74,11 @@ def test_special_tokens_come_from_the_config_beside_or_their_usual_names(hf_toke
 
 def test_the_exported_tokenizer_json_encodes_as_the_run_did_in_transformers(hf_tokenizer, small_corpus, tmp_path):
     transformers = pytest.importorskip('transformers')
-    from vrl import hf
+    from vrl.interop import hf
     hf.write_tokenizer(hf_tokenizer, tmp_path)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     cfg, _ = small_corpus
-    assert theirs(TEXT).input_ids == data.prompt_tokens(cfg, hf_tokenizer, TEXT)
+    assert theirs(TEXT).input_ids == pipeline.prompt_tokens(cfg, hf_tokenizer, TEXT)
     assert Tokenizer.load(str(tmp_path / 'tokenizer.json')).difference(hf_tokenizer) is None
     assert hf.run_tokenizer(str(tmp_path), '') == (str(tmp_path / 'tokenizer.json'), f'tokenizer {tmp_path / "tokenizer.json"}')
 
@@ -165,36 +165,36 @@ def test_pretokenized_batches_equal_tokenizing_on_the_fly(pretokenized, hf_token
                                                          document_masking, min_blocks, monkeypatch):
     """Batch for batch, over 2 epochs, in each process; with one document per grain element and
     in blocks of consecutive documents (a corpus of short documents; here ~50)."""
-    monkeypatch.setattr(data, 'MIN_BLOCKS', min_blocks)
+    monkeypatch.setattr(pipeline, 'MIN_BLOCKS', min_blocks)
     cfg, folder = pretokenized
-    per_block = data._Blocks(corpus.open_split('plays', cfg.data_dir, 'train'), hf_tokenizer, 'text', None).per_block
+    per_block = pipeline._Blocks(corpus.open_split('plays', cfg.data_dir, 'train'), hf_tokenizer, 'text', None).per_block
     assert (per_block == 1) == (min_blocks > 1000) and per_block < 100
     cfg = dataclasses.replace(cfg, document_masking=document_masking, num_epochs=2)
     with caplog.at_level(logging.INFO):
-        fast = [list(data.train_dataset(cfg, hf_tokenizer, i, process_count)) for i in range(process_count)]
+        fast = [list(pipeline.train_dataset(cfg, hf_tokenizer, i, process_count)) for i in range(process_count)]
     assert f'plays train: pre-tokenized by {hf_tokenizer.path}' in caplog.text and str(folder) in caplog.text
-    slow = [list(data.train_dataset(dataclasses.replace(cfg, pretokenized=False), hf_tokenizer, i, process_count))
+    slow = [list(pipeline.train_dataset(dataclasses.replace(cfg, pretokenized=False), hf_tokenizer, i, process_count))
             for i in range(process_count)]
     assert len(fast[0]) > 4
     for a, b in zip(itertools.chain(*fast), itertools.chain(*slow), strict=True):
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    evaluated = list(data.eval_batches(cfg, hf_tokenizer, 0))
-    on_the_fly = list(data.eval_batches(dataclasses.replace(cfg, pretokenized=False), hf_tokenizer, 0))
+    evaluated = list(pipeline.eval_batches(cfg, hf_tokenizer, 0))
+    on_the_fly = list(pipeline.eval_batches(dataclasses.replace(cfg, pretokenized=False), hf_tokenizer, 0))
     assert all((a['inputs'] == b['inputs']).all() for a, b in zip(evaluated, on_the_fly, strict=True))
 
 
 @BLOCKS
 def test_a_pretokenized_iterator_resumes_exactly(pretokenized, hf_tokenizer, min_blocks, monkeypatch):
-    monkeypatch.setattr(data, 'MIN_BLOCKS', min_blocks)
+    monkeypatch.setattr(pipeline, 'MIN_BLOCKS', min_blocks)
     cfg, _ = pretokenized
     cfg = dataclasses.replace(cfg, num_epochs=0, document_masking=True)
-    whole = iter(data.train_dataset(cfg, hf_tokenizer))
+    whole = iter(pipeline.train_dataset(cfg, hf_tokenizer))
     expected = [next(whole) for _ in range(12)]
-    first = iter(data.train_dataset(cfg, hf_tokenizer))
+    first = iter(pipeline.train_dataset(cfg, hf_tokenizer))
     for _ in range(5):
         next(first)
     state = json.loads(json.dumps(first.get_state()))
-    resumed = iter(data.train_dataset(cfg, hf_tokenizer))
+    resumed = iter(pipeline.train_dataset(cfg, hf_tokenizer))
     resumed.set_state(state)
     for want in expected[5:]:
         got = next(resumed)
@@ -231,7 +231,7 @@ def test_a_dataset_pretokenized_only_by_another_tokenizer_is_refused_before_anyt
     the copies and the ways on, before the run resolves (compiles) anything; data.pretokenized=false
     trains on the fly."""
     from tests.runs import tiny_config
-    from vrl import train
+    from vrl.train import loop
     cfg, folder = pretokenized
     _, sentencepiece = small_corpus
     with pytest.raises(corpus.DataError, match=rf"dataset 'plays' is pre-tokenized only by other tokenizers than "
@@ -240,7 +240,7 @@ def test_a_dataset_pretokenized_only_by_another_tokenizer_is_refused_before_anyt
     config = tiny_config(small_corpus, steps=1, checkpoint_every=1)
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, data_dir=cfg.data_dir))
     with pytest.raises(corpus.DataError, match='data.pretokenized=false'):
-        train.run(config, str(tmp_path / 'refused'))
+        loop.run(config, str(tmp_path / 'refused'))
     assert 'model.attention_impl' not in capsys.readouterr().out  # resolve (which may compile) never ran
     on_the_fly = dataclasses.replace(config, data=dataclasses.replace(config.data, pretokenized=False))
-    assert len(train.run(on_the_fly, str(tmp_path / 'on_the_fly')).losses) == 1
+    assert len(loop.run(on_the_fly, str(tmp_path / 'on_the_fly')).losses) == 1

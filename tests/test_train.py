@@ -17,9 +17,11 @@ import pytest
 from tests.conftest import ROOT
 from tests.helpers import rel_err
 from tests.runs import logged_steps, params_equal, saved_steps, start_run, tiny_config, wait_for
-from vrl import accounting, checkpoint, data, train
-from vrl.step import Trainer
-from vrl import sharding
+from vrl.model import accounting
+from vrl.train import checkpoint, loop
+from vrl.data import pipeline
+from vrl.train.step import Trainer
+from vrl.core import sharding
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop'
 def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path):
     config = tiny_config(small_corpus, steps=40, eval_every=20, sample_prompt='HAMLET.', sample_tokens=8,
                          log_every=10)
-    result = train.run(config, str(tmp_path))
+    result = loop.run(config, str(tmp_path))
     assert result.step == 40 and not result.preempted
     # at least 1 nat below a uniform guess (ln V); the first steps sit at ln V
     assert result.losses[1] > math.log(512) - 0.1
@@ -36,7 +38,7 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path):
     # bf16 compute (bf16 matmuls accumulating in float32, float32 parameters) learns like float32
     bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype='bfloat16'),
                                train=dataclasses.replace(config.train, eval_every=0, sample_prompt=''))
-    bf16_losses = train.run(bf16, str(tmp_path / 'bf16')).losses
+    bf16_losses = loop.run(bf16, str(tmp_path / 'bf16')).losses
     final = [np.mean([losses[s] for s in range(36, 41)]) for losses in (result.losses, bf16_losses)]
     assert abs(final[1] - final[0]) < 0.05, final
     records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
@@ -51,7 +53,7 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path):
 
     # the generate command on this run, and its errors
     def generate(workdir, *prompts, flags=('--max_new_tokens=5',)):
-        return subprocess.run([sys.executable, '-m', 'vrl.generate', f'--workdir={workdir}', *flags,
+        return subprocess.run([sys.executable, '-m', 'vrl.tools.generate', f'--workdir={workdir}', *flags,
                                *[f'--prompt={p}' for p in prompts]], cwd=ROOT, capture_output=True, text=True)
     out = generate(tmp_path, 'HAMLET.', 'To be')
     assert out.returncode == 0, out.stderr[-2000:]
@@ -73,9 +75,9 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path):
 
 
 def test_resume_is_exact(small_corpus, tmp_path):
-    straight = train.run(tiny_config(small_corpus, steps=12), str(tmp_path / 'straight'))
-    first = train.run(tiny_config(small_corpus, steps=6, checkpoint_every=3), str(tmp_path / 'resumed'))
-    second = train.run(tiny_config(small_corpus, steps=12), str(tmp_path / 'resumed'))
+    straight = loop.run(tiny_config(small_corpus, steps=12), str(tmp_path / 'straight'))
+    first = loop.run(tiny_config(small_corpus, steps=6, checkpoint_every=3), str(tmp_path / 'resumed'))
+    second = loop.run(tiny_config(small_corpus, steps=12), str(tmp_path / 'resumed'))
     assert first.step == 6 and min(second.losses) == 7  # the second run started at step 7
     assert {**first.losses, **second.losses} == straight.losses
     assert params_equal(second.state.params, straight.state.params)
@@ -92,8 +94,8 @@ def test_sigterm_saves_and_resume_matches_uninterrupted(small_corpus, tmp_path):
     assert proc.returncode == 0, output
     saved = saved_steps(workdir)
     assert len(saved) == 1 and 3 <= saved[0] < 60 and 'preempted: saved step' in output
-    resumed = train.run(config, str(workdir))
-    straight = train.run(config, str(tmp_path / 'straight'))
+    resumed = loop.run(config, str(workdir))
+    straight = loop.run(config, str(tmp_path / 'straight'))
     assert min(resumed.losses) == saved[0] + 1
     assert params_equal(resumed.state.params, straight.state.params)
 
@@ -106,7 +108,7 @@ def test_kill_during_async_save_leaves_last_complete_checkpoint(small_corpus, tm
     proc.kill()  # SIGKILL: saves are in flight every step
     proc.wait()
     complete = saved_steps(workdir)
-    resumed = train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=complete[-1] + 2)),
+    resumed = loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=complete[-1] + 2)),
                         str(workdir))
     assert min(resumed.losses) == complete[-1] + 1 and resumed.step == complete[-1] + 2
 
@@ -115,7 +117,7 @@ def test_gradient_accumulation_equals_one_big_batch(small_corpus):
     config = tiny_config(small_corpus)
     _, tokenizer = small_corpus
     mesh = sharding.make_mesh(config.mesh)
-    batch = next(iter(data.train_dataset(config.data, tokenizer)))
+    batch = next(iter(pipeline.train_dataset(config.data, tokenizer)))
     results = []
     for k in (1, 4):
         cfg = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=k))
@@ -134,13 +136,13 @@ def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path, capfd):
     config = tiny_config(small_corpus, steps=4, checkpoint_every=1)
     exploding = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e38,
                                                                           init_lr=1e38, final_lr=1e38))
-    with pytest.raises(train.TrainingError, match=r'at step 2; no checkpoint of it was written \(latest saved: 1\)'):
-        train.run(exploding, str(tmp_path / 'error'))
+    with pytest.raises(loop.TrainingError, match=r'at step 2; no checkpoint of it was written \(latest saved: 1\)'):
+        loop.run(exploding, str(tmp_path / 'error'))
     assert saved_steps(tmp_path / 'error') == [1]  # no checkpoint of the bad step
     skipping = dataclasses.replace(exploding, train=dataclasses.replace(exploding.train, nan_policy='skip'))
     # steps 2, 3, 4 are skipped: the run saves step 4, then ends with an error, since most of it was skipped
-    with pytest.raises(train.TrainingError, match=r'3 of the 4 steps this run took were non-finite and skipped'):
-        train.run(skipping, str(tmp_path / 'skip'))
+    with pytest.raises(loop.TrainingError, match=r'3 of the 4 steps this run took were non-finite and skipped'):
+        loop.run(skipping, str(tmp_path / 'skip'))
     abstract_params = Trainer(skipping, sharding.make_mesh(skipping.mesh)).abstract_state.params
     after_step_1 = checkpoint.restore_params(str(tmp_path / 'error'), abstract_params)
     assert saved_steps(tmp_path / 'skip')[-1] == 4
@@ -150,9 +152,9 @@ def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path, capfd):
     assert 'NaN or Inf' not in capfd.readouterr().err  # TensorBoard gets no non-finite scalar
     # steps 2, 3, 4 are non-finite: a limit of 2 skips in a row stops at step 4, naming it
     limited = dataclasses.replace(skipping, train=dataclasses.replace(skipping.train, max_skipped_steps=2, steps=6))
-    with pytest.raises(train.TrainingError, match=r'3 steps in a row up to step 4 were non-finite and skipped '
+    with pytest.raises(loop.TrainingError, match=r'3 steps in a row up to step 4 were non-finite and skipped '
                                                   r'\(train.max_skipped_steps=2\)'):
-        train.run(limited, str(tmp_path / 'limited'))
+        loop.run(limited, str(tmp_path / 'limited'))
 
 
 def test_update_that_overflows_is_not_finite(small_corpus):
@@ -173,7 +175,7 @@ def test_update_that_overflows_is_not_finite(small_corpus):
     state = state._replace(opt_state=jax.tree.map(extreme_moments, state.opt_state,
                                                   is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)))
     before = jax.device_get(state)
-    batch = next(iter(data.train_dataset(config.data, data.load_tokenizer(config.data, 512), 0, 1)))
+    batch = next(iter(pipeline.train_dataset(config.data, pipeline.load_tokenizer(config.data, 512), 0, 1)))
     after, step_metrics = trainer.train_step(state, trainer.device_batch(batch))
     assert np.isfinite(float(step_metrics['loss'])) and np.isfinite(float(step_metrics['grad_norm']))
     assert not bool(step_metrics['finite'])
@@ -189,19 +191,19 @@ def _tree_bytes(folder: Path) -> dict[str, bytes]:
 def test_resuming_another_model_is_refused_and_changes_nothing(small_corpus, tmp_path_factory, field, value):
     workdir = tmp_path_factory.getbasetemp() / 'mismatch_run'
     if not workdir.exists():
-        train.run(tiny_config(small_corpus, steps=4), str(workdir))
+        loop.run(tiny_config(small_corpus, steps=4), str(workdir))
     before = _tree_bytes(workdir)
     config = tiny_config(small_corpus, steps=8)
     other = dataclasses.replace(config, model=dataclasses.replace(config.model, **{field: value}))
     saved = getattr(config.model, field)
     with pytest.raises(checkpoint.CheckpointMismatchError,
                        match=re.escape(f'trained with model.{field}={saved!r} but the config has model.{field}={value!r}')):
-        train.run(other, str(workdir))
+        loop.run(other, str(workdir))
     assert _tree_bytes(workdir) == before
 
 
 def test_init_from_checks_shapes(small_corpus, tmp_path):
-    train.run(tiny_config(small_corpus, steps=1, checkpoint_every=1), str(tmp_path))
+    loop.run(tiny_config(small_corpus, steps=1, checkpoint_every=1), str(tmp_path))
     config = tiny_config(small_corpus)
     wider = dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=96))
     abstract = Trainer(wider, sharding.make_mesh(wider.mesh)).abstract_state.params
@@ -216,7 +218,7 @@ def test_init_from_checks_shapes(small_corpus, tmp_path):
 
 def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    source = train.run(tiny_config(small_corpus, steps=4), 'runs/source')
+    source = loop.run(tiny_config(small_corpus, steps=4), 'runs/source')
     config = tiny_config(small_corpus, steps=1)
     mesh = sharding.make_mesh(config.mesh)
     restored = checkpoint.restore_params('runs/source', Trainer(config, mesh).abstract_state.params)
@@ -257,9 +259,9 @@ def test_eval_bits_per_byte_is_the_loss_over_the_bytes(small_corpus):
     _, tokenizer = small_corpus
     trainer = Trainer(config, sharding.make_mesh(config.mesh))
     params = trainer.init_state(0).params
-    evaluation = train.validate(trainer, params, config, tokenizer)
+    evaluation = loop.validate(trainer, params, config, tokenizer)
     tokens = n_bytes = 0
-    for batch in data.eval_batches(config.data, tokenizer, 3):
+    for batch in pipeline.eval_batches(config.data, tokenizer, 3):
         mask = batch['loss_mask'] > 0
         tokens += int(mask.sum())
         n_bytes += sum(len(tokenizer.decode(row[m]).encode('utf-8')) for row, m in zip(batch['targets'], mask))
@@ -281,8 +283,8 @@ def test_weights_and_biases_gets_every_record_and_a_resumed_run_continues_it(sma
     config = tiny_config(small_corpus, steps=4, log_every=1, checkpoint_every=2, diagnostics_every=2,
                          diagnostics_sequences=2, wandb_project='vrl-test')
     workdir = tmp_path / 'run'
-    train.run(config, str(workdir))
-    train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6)), str(workdir))
+    loop.run(config, str(workdir))
+    loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6)), str(workdir))
     run_id = (workdir / 'wandb_run_id').read_text()
     files = sorted(tmp_path.glob('wandb/offline-run-*/run-*.wandb'))
     assert [f.name for f in files] == [f'run-{run_id}.wandb'] * 2  # both starts: one W&B run

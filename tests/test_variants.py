@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 from tests.helpers import copy_params, randomize, rel_err, random_tokens, small_model_config
-from vrl import accounting, decode, presets, variants
-from vrl.config import ConfigError
-from vrl.model import Decoder
+from vrl.model import accounting, decode, presets, variants
+from vrl.core.config import ConfigError
+from vrl.model.decoder import Decoder
 
 
 def _logits(model: Decoder, tokens) -> jnp.ndarray:
@@ -109,7 +109,7 @@ def test_cla_later_layers_have_no_key_or_value_projection():
 @pytest.mark.parametrize('size', ['tiny', '82m'])
 def test_every_preset_builds_on_the_shipped_shapes(size):
     from configs import base, tiny
-    from vrl.config import from_configdict
+    from vrl.core.config import from_configdict
     config = from_configdict(tiny.get_config() if size == 'tiny' else base.get_config(f'vanilla,{size}'))
     models = {name: presets.apply(name, config.model) for name in presets.PRESETS}
     for cfg in models.values():

@@ -17,9 +17,9 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, logged_steps, saved_steps, start_run, tiny_config, wait_for
-from vrl import checkpoint, train, trained
-from vrl.config import MeshConfig
-from vrl.workdir import WorkdirError
+from vrl.train import checkpoint, loop, trained
+from vrl.core.config import MeshConfig
+from vrl.train.workdir import WorkdirError
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -48,7 +48,7 @@ def test_one_writer_a_killed_holder_does_not_block_and_ctrl_c_saves(small_corpus
     wait_for(lambda: logged_steps(workdir) >= interrupted_at + 2, 180, killed)
     killed.kill()  # kill -9 while holding the lock
     killed.wait()
-    resumed = train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=interrupted_at + 1)),
+    resumed = loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=interrupted_at + 1)),
                         str(workdir))
     assert min(resumed.losses) == interrupted_at + 1
     starts = [r['event'] for r in _records(workdir) if 'event' in r]
@@ -81,14 +81,14 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(small_corpus, tm
     reason; the run resumes from step 3 and retraces the first run's losses exactly."""
     workdir = tmp_path / 'run'
     config = tiny_config(small_corpus, steps=12, checkpoint_every=3, keep_checkpoints=4)
-    first = train.run(config, str(workdir))
+    first = loop.run(config, str(workdir))
     assert saved_steps(workdir) == [3, 6, 9, 12]
     damages = {12: (_flip_one_bit_in_each, 'differs from the one saved (checksum mismatch)'),
                9: (_truncate_each, 'cannot be read'), 6: (_delete_a_folder, 'cannot be read')}
     for step, (damage, _) in damages.items():
         damage(workdir / 'checkpoints' / str(step))
     capsys.readouterr()
-    resumed = train.run(config, str(workdir))
+    resumed = loop.run(config, str(workdir))
     said = capsys.readouterr().out
     damaged_lines = [line for line in said.splitlines() if 'damaged' in line]
     assert len(damaged_lines) == 3  # one line each, no traceback
@@ -104,10 +104,10 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(small_corpus, tm
 def test_no_restorable_checkpoint_moves_nothing(small_corpus, tmp_path):
     workdir = tmp_path / 'run'
     config = tiny_config(small_corpus, steps=4, checkpoint_every=4)
-    train.run(config, str(workdir))
+    loop.run(config, str(workdir))
     _flip_one_bit_in_each(workdir / 'checkpoints' / '4')
     with pytest.raises(checkpoint.CorruptCheckpointError, match='no checkpoint in .* can be restored: step 4: '):
-        train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=8)), str(workdir))
+        loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=8)), str(workdir))
     assert saved_steps(workdir) == [4] and not (workdir / 'rejected_checkpoints').exists()
 
 
@@ -133,40 +133,40 @@ def _sigterm_after(workdir: Path, steps: int) -> Iterator[None]:
 
 def test_fresh_keeps_the_old_run_and_resumes_its_own(small_corpus, tmp_path, capsys):
     workdir = tmp_path / 'run'
-    old = train.run(tiny_config(small_corpus, steps=8, checkpoint_every=4), str(workdir))
+    old = loop.run(tiny_config(small_corpus, steps=8, checkpoint_every=4), str(workdir))
     config = tiny_config(small_corpus, steps=30, log_every=1, checkpoint_every=1000, seed=1)
     with _sigterm_after(workdir, 3):
-        preempted = train.run(config, str(workdir), fresh=True)
+        preempted = loop.run(config, str(workdir), fresh=True)
     assert preempted.preempted and min(preempted.losses) == 1
     (previous,) = (workdir / 'previous_runs').iterdir()  # the old run, whole
     assert saved_steps(previous) == [4, 8] and (previous / 'metrics.jsonl').exists()
     assert old.step == 8 and saved_steps(workdir) == [preempted.step]
 
     capsys.readouterr()
-    again = train.run(config, str(workdir), fresh=True)  # the same command: the fresh run goes on
+    again = loop.run(config, str(workdir), fresh=True)  # the same command: the fresh run goes on
     assert '--fresh: resuming the run that --fresh started' in capsys.readouterr().out
     assert min(again.losses) == preempted.step + 1 and again.step == 30
     assert len(list((workdir / 'previous_runs').iterdir())) == 1
     record = json.loads((workdir / 'config.json').read_text())
     assert [h['step'] for h in record['history']] == [0, preempted.step] and record['started_fresh']
 
-    finished = train.run(config, str(workdir), fresh=True)  # a finished fresh run: --fresh starts over
+    finished = loop.run(config, str(workdir), fresh=True)  # a finished fresh run: --fresh starts over
     assert min(finished.losses) == 1 and len(list((workdir / 'previous_runs').iterdir())) == 2
 
 
 def test_restarts_say_what_they_do(small_corpus, tmp_path, capsys):
     workdir = tmp_path / 'run'
     config = tiny_config(small_corpus, steps=4, checkpoint_every=2)
-    train.run(config, str(workdir))
-    with pytest.raises(train.TrainingError, match=r'train.steps=2 is below the step of the checkpoint .* \(4\)'):
-        train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2)), str(workdir))
+    loop.run(config, str(workdir))
+    with pytest.raises(loop.TrainingError, match=r'train.steps=2 is below the step of the checkpoint .* \(4\)'):
+        loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2)), str(workdir))
     capsys.readouterr()
     longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6))
-    train.run(longer, str(workdir), init_from=str(workdir))
+    loop.run(longer, str(workdir), init_from=str(workdir))
     said = capsys.readouterr().out
     assert '--init_from ignored: the workdir has a checkpoint, so this run resumes from step 4' in said
     assert 'train.steps changed since the last start: 4 -> 6' in said
-    train.run(longer, str(workdir))
+    loop.run(longer, str(workdir))
     assert 'nothing to train: the checkpoint is at step 6' in capsys.readouterr().out
     history = json.loads((workdir / 'config.json').read_text())['history']
     assert history[1]['changed'] == {'train.steps': [4, 6]} and history[2]['changed'] == {}
@@ -201,7 +201,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(sma
         if run is not None:
             run.kill()
         subprocess.run(['umount', str(small)], check=True)
-    resumed = train.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=kept + 1)), str(copy))
+    resumed = loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=kept + 1)), str(copy))
     assert min(resumed.losses) == kept + 1
 
 
@@ -216,12 +216,12 @@ def test_a_damaged_run_record_is_one_line(tmp_path, text, reason):
 
 def test_resume_on_another_mesh_split(small_corpus, tmp_path, capsys):
     config = tiny_config(small_corpus, steps=4, checkpoint_every=2)
-    straight = train.run(config, str(tmp_path / 'straight'))  # fsdp over all 8 devices
+    straight = loop.run(config, str(tmp_path / 'straight'))  # fsdp over all 8 devices
     first = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2))
-    train.run(first, str(tmp_path / 'resharded'))
+    loop.run(first, str(tmp_path / 'resharded'))
     other_mesh = dataclasses.replace(config, mesh=MeshConfig(data=1, fsdp=4, tensor=2))
     capsys.readouterr()
-    resumed = train.run(other_mesh, str(tmp_path / 'resharded'))
+    resumed = loop.run(other_mesh, str(tmp_path / 'resharded'))
     assert 'mesh.fsdp changed since the last start: -1 -> 4' in capsys.readouterr().out
     assert sorted(resumed.losses) == [3, 4]
     for step in (3, 4):
@@ -233,7 +233,7 @@ def test_a_damaged_checkpoint_is_one_line_on_the_command_line(small_corpus, tmp_
     does not reach the terminal."""
     workdir = tmp_path / 'run'
     config = tiny_config(small_corpus, steps=4, checkpoint_every=2)
-    train.run(config, str(workdir))
+    loop.run(config, str(workdir))
     _truncate_each(workdir / 'checkpoints' / '4')
     longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6))
     out = subprocess.run(cli_args(longer, workdir), cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -1,7 +1,7 @@
 """vrl's entry point: `python -m vrl.main --config=configs/tiny.py --workdir=DIR`.
 
 `--summary` prints the model's size and cost from the config alone and exits;
-otherwise the config is trained (vrl/train.py). Overrides: `--config.train.steps=200`.
+otherwise the config is trained (vrl/train/loop.py). Overrides: `--config.train.steps=200`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from vrl import accounting, cli, resolve
-from vrl.config import Config, ConfigError, from_configdict
+from vrl.model import accounting, resolve
+from vrl.core import cli
+from vrl.core.config import Config, ConfigError, from_configdict
 
 def _define_flags() -> cli.Args:
     return {
@@ -103,7 +104,7 @@ def _initialize_distributed(args: cli.Args) -> None:
 
 
 def _compile_only(config: Config, topology: str | None, num_slices: int) -> None:
-    from vrl import aot
+    from vrl.train import aot
     if topology:
         import jax
         # compile for the described slice only: no TPU runtime here to start, no executable to cache
@@ -114,7 +115,7 @@ def _compile_only(config: Config, topology: str | None, num_slices: int) -> None
     else:
         import jax
         devices, hbm = jax.devices(), aot.local_hbm_bytes()
-    fitted, report = resolve.resolve(config, devices, hbm, lambda line: print(line, flush=True))
+    fitted, report = aot.resolve(config, devices, hbm, lambda line: print(line, flush=True))
     report = report or aot.compile_train_step(fitted, devices, hbm)
     print(report.table())
     if not report.fits:
@@ -142,9 +143,9 @@ def main(args: cli.Args) -> None:
         return
     _initialize_distributed(args)
     cli.require(args, 'workdir')
-    from vrl import checkpoint, train  # here, so that --summary needs no data stack
+    from vrl.train import checkpoint, loop  # here, so that --summary needs no data stack
     try:
-        train.run(config, args['workdir'].value, fresh=args['fresh'].value, init_from=args['init_from'].value,
+        loop.run(config, args['workdir'].value, fresh=args['fresh'].value, init_from=args['init_from'].value,
                   branch_from=args['branch_from'].value)
     except checkpoint.SaveError as e:
         # the failed save's writer threads can still print asyncio noise while Python shuts down:

@@ -1,0 +1,117 @@
+"""What every `python -m vrl.<command>` shares, in one place.
+
+    if __name__ == '__main__':
+        cli.run(main, _define_flags)            # main(args)
+        cli.run(main, _define_flags, huge_pages=True)  # after a restart with huge-page malloc
+        cli.run(main, _define_flags, ('prepare', 'stats'))  # main(args, command)
+
+Flags are defined only when the command runs (other modules and the notebook import its
+functions); a bad `--config` file or override is one line naming it; library INFO logging (absl,
+TFDS) is off unless `--verbosity` is given; a `VrlError` ends the command with one line,
+`error: <message>`, and exit status 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+from absl import app, flags, logging
+
+from vrl.core import host_memory
+from vrl.core.config import Config
+from vrl.core.errors import VrlError
+
+Args = dict[str, flags.FlagHolder]
+
+
+def run(main: Callable[..., None], define_flags: Callable[[], Args], commands: tuple[str, ...] = (),
+        huge_pages: bool = False) -> None:
+    """Runs `main(args)`, or `main(args, command)` when the command takes one of `commands` first.
+    `huge_pages`: first restart with glibc's huge-page malloc (vrl/core/host_memory.py), for the commands
+    whose XLA:CPU steps it speeds up (training, decoding; docs/training.md has the figures)."""
+    if huge_pages:
+        host_memory.use_huge_pages()
+    args = define_flags()
+
+    def entry(argv: list[str]) -> None:
+        positional = argv[1:]
+        if commands and (len(positional) != 1 or positional[0] not in commands):
+            raise app.UsageError(f'usage: python -m {_module()} {"|".join(commands)} [--flags]; --helpfull lists them')
+        if not commands and positional:
+            raise app.UsageError(f'unexpected arguments: {positional}')
+        if not flags.FLAGS['verbosity'].present:
+            logging.set_verbosity(logging.WARNING)
+        try:
+            main(args, *positional)
+        except VrlError as e:
+            sys.exit(f'error: {e}')
+
+    app.run(entry, flags_parser=_parse_flags)
+
+
+def enable_compilation_cache() -> None:
+    """Compiled steps are reused across runs and invocations (a grid's seeds share one compile);
+    JAX_COMPILATION_CACHE_DIR overrides the place (~/.cache/vrl/jax_cache)."""
+    import jax
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update('jax_compilation_cache_dir', str(Path.home() / '.cache' / 'vrl' / 'jax_cache'))
+
+
+def require(args: Args, *names: str) -> None:
+    """app.UsageError naming the flags in `names` that were not given."""
+    missing = [f'--{name}' for name in names if not args[name].value]
+    if missing:
+        raise app.UsageError(f'{" and ".join(missing)} {"is" if len(missing) == 1 else "are"} required')
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with config errors (unknown key, missing or broken file) as one clear line."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        text = str(e)
+        if 'Traceback' in text:  # a config file raised: its exception's last line says why
+            text = text.strip().splitlines()[-1].split(': ', 1)[-1]
+        sys.exit(f'error: {" ".join(text.split())}\nPass --help for usage.')
+    except SyntaxError as e:
+        sys.exit(f'error: the config file {e.filename} does not parse: {e.msg} (line {e.lineno})')
+    except KeyError as e:  # --config.SECTION.x=... with an unknown SECTION
+        text = str(e.args[0]) if e.args else '?'
+        key = re.split(r"['\\\n]", text.strip("'"), maxsplit=1)[0]
+        given = next((a.split('=')[0] for a in argv if a.startswith(f'--config.{key}.')), f'--config.{key}')
+        hint = re.search(r'Did you mean "(\w+)"', text)
+        sys.exit(f'error: {given}: {key!r} is not a config section; allowed: '
+                 + ', '.join(f.name for f in dataclasses.fields(Config))
+                 + (f' (did you mean {hint.group(1)!r}?)' if hint else ''))
+    except (AttributeError, TypeError, ValueError, OSError) as e:  # raised by --config.x=...
+        unknown = _unknown_field(e, argv) if isinstance(e, AttributeError) else None
+        if unknown:
+            sys.exit(f'error: {unknown}')
+        message = ' '.join(str(e.args[0] if e.args else e).replace("\\'", "'").replace('\\n', ' ').split())
+        sys.exit(f'error: bad --config or override: {message.strip(chr(39))}'.replace("' Did you", ': Did you'))
+
+
+def _unknown_field(e: AttributeError, argv: list[str]) -> str | None:
+    """`--config.SECTION.FIELD=...` naming no field of SECTION: which override, and the section's fields."""
+    inner = e.args[0] if e.args else ''
+    text = str(inner.args[0] if isinstance(inner, KeyError) and inner.args else inner).strip('"\'')
+    key, hint = re.split(r'[:\'"\s]', text, maxsplit=1)[0], re.search(r'Did you mean "(\w+)"', text)
+    for arg in argv:
+        parts = arg.split('=', 1)[0].removeprefix('--config.').split('.')
+        if arg.startswith('--config.') and len(parts) == 2 and parts[1] == key:
+            section = getattr(Config(), parts[0], None)
+            if dataclasses.is_dataclass(section):
+                allowed = ', '.join(f.name for f in dataclasses.fields(section))
+                return (f'{arg.split("=", 1)[0]}: {key!r} is not a field of {parts[0]}; allowed: {allowed}'
+                        + (f' (did you mean {hint.group(1)!r}?)' if hint else ''))
+    return None
+
+
+def _module() -> str:
+    main = sys.modules['__main__']
+    spec = getattr(main, '__spec__', None)
+    return spec.name.removesuffix('.__main__') if spec else sys.argv[0]

@@ -1,0 +1,63 @@
+"""What the processes of a multi-host job (jax.distributed) do together: wait for each other, and let
+process 0 alone do what must happen once — check and claim the workdir, build a dataset or train a
+tokenizer in a shared data_dir — while the others learn its outcome. A one-process job runs each
+function directly."""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import jax
+import numpy as np
+
+from vrl.core.errors import VrlError
+
+T = TypeVar('T')
+_MESSAGE_BYTES = 2048  # process 0's error line, as every process receives it
+
+
+class ProcessZeroError(VrlError, RuntimeError):
+    """Process 0 stopped on bad input; another process reports its line."""
+
+
+def sync(name: str) -> None:
+    """Every process waits here until all have arrived."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def _broadcast_text(text: str) -> str:
+    """Process 0's `text` (at most _MESSAGE_BYTES of UTF-8), on every process."""
+    from jax.experimental import multihost_utils
+    buffer = np.zeros(_MESSAGE_BYTES, np.uint8)
+    encoded = text.encode()[:_MESSAGE_BYTES]
+    buffer[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+    received = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+    return bytes(received).rstrip(b'\0').decode(errors='replace')
+
+
+def on_process_0(fn: Callable[[], T]) -> T | None:
+    """fn() on process 0 (None elsewhere). A VrlError it raises stops every process: process 0 raises
+    it, each other process a ProcessZeroError with its message, so none waits for a peer that left."""
+    if jax.process_count() == 1:
+        return fn()
+    result, error = None, None
+    if jax.process_index() == 0:
+        try:
+            result = fn()
+        except VrlError as e:
+            error = e
+    message = _broadcast_text(str(error) if error else '')
+    if error is not None:
+        raise error
+    if message:
+        raise ProcessZeroError(f'process 0 stopped: {message}')
+    return result
+
+
+def process_0_first(fn: Callable[[], T]) -> T:
+    """fn() on process 0, then on every other process once process 0's call has returned: what it
+    made in a shared place (a dataset, a tokenizer) is there for the others to read."""
+    result = on_process_0(fn)
+    return result if jax.process_index() == 0 else fn()

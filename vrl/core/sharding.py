@@ -1,0 +1,178 @@
+"""The device mesh and the logical-to-mesh sharding rules: the only place either is decided.
+
+Mesh axes ('data', 'fsdp', 'tensor'). Parameters are fully sharded over `fsdp` on their
+`embed` axis and tensor-parallel over `tensor` on heads / kv_heads / mlp / vocab; the batch
+is split over ('data', 'fsdp'). Across TPU slices (mesh.slices), `data` is outermost and spans
+them, so the data-center network carries only data parallelism. The model only names logical axes (vrl/model/decoder.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from vrl.core.config import Config, ConfigError, MeshConfig
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+BATCH_AXES = ('data', 'fsdp')
+
+# logical axis -> mesh axis (None = replicated)
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    'batch': BATCH_AXES,
+    'length': None,
+    'embed': 'fsdp',
+    'heads': 'tensor',
+    'kv_heads': 'tensor',
+    'mlp': 'tensor',
+    'vocab': 'tensor',
+    'head_dim': None,
+    'layers': None,
+    'act_embed': None,  # activations keep d_model whole; their batch is what is split
+}
+
+
+def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    """Resolves -1 within a slice and checks that the sizes multiply to the device count; the
+    `data` size returned spans all cfg.slices slices (slices x cfg.data)."""
+    if n_devices % cfg.slices:
+        raise ConfigError(f'mesh.slices={cfg.slices} is invalid: it must divide the {n_devices} devices.')
+    per_slice = n_devices // cfg.slices
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    where = f' per slice ({per_slice} of them)' if cfg.slices > 1 else ''
+    if -1 in sizes:
+        if per_slice % known:
+            raise ConfigError(f'mesh=(data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor}) is invalid: '
+                              f'the fixed sizes ({known}) must divide the {per_slice} devices{where}.')
+        sizes[sizes.index(-1)] = per_slice // known
+    if math.prod(sizes) != per_slice:
+        raise ConfigError(f'mesh=(data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor}) is invalid: '
+                          f'the sizes multiply to {math.prod(sizes)} but there are {per_slice} devices{where}; '
+                          'make them multiply to the device count or set one to -1.')
+    return (cfg.slices * sizes[0], sizes[1], sizes[2])
+
+
+def check_fits_mesh(config: Config, shape: tuple[int, int, int]) -> None:
+    """ConfigError naming the field if a parameter or the batch cannot split evenly over the mesh."""
+    data, fsdp, tensor = shape
+    model = config.model
+    for field in ('n_heads', 'n_kv_heads', 'd_ff'):
+        if getattr(model, field) % tensor:
+            raise ConfigError(f'mesh.tensor={tensor} is invalid: it must divide model.{field}='
+                              f'{getattr(model, field)}.')
+    if model.d_model % fsdp:
+        raise ConfigError(f'mesh.fsdp={fsdp} is invalid: it must divide model.d_model={model.d_model} '
+                          '(parameters are sharded over fsdp on d_model).')
+    batch, parts = config.data.batch_size, max(config.train.microbatches, 1)  # 0 = auto: vrl/train/aot.py picks
+    if (batch // parts) % (data * fsdp):
+        raise ConfigError(f'data.batch_size={batch} is invalid: each of its train.microbatches={parts} '
+                          f'part(s) is split over mesh data x fsdp = {data * fsdp} devices; use a multiple '
+                          f'of {parts * data * fsdp}.')
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh over `devices`. With several slices, `data`'s outer part runs across them (the
+    data-center network carries only data parallelism); fsdp and tensor stay within a slice."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(cfg, len(devices))
+    spanned = len({getattr(d, 'slice_index', 0) for d in devices})
+    if spanned != cfg.slices and spanned > 1:
+        raise ConfigError(f'mesh.slices={cfg.slices} is invalid: the devices span {spanned} slices; '
+                          f'set --config.mesh.slices={spanned}.')
+    if spanned > 1:
+        per_slice = (shape[0] // cfg.slices, *shape[1:])
+        return Mesh(mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1), devices), MESH_AXES)
+    try:
+        device_array = mesh_utils.create_device_mesh(shape, devices)
+    except Exception:  # fake CPU devices and odd shapes have no physical topology to follow
+        device_array = np.asarray(devices).reshape(shape)
+    return Mesh(device_array, MESH_AXES)
+
+
+def logical_spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
+    """PartitionSpec for logical axis names; a mesh axis is used at most once per array."""
+    used: set[str] = set()
+    spec = []
+    for name in logical_axes:
+        axes = LOGICAL_RULES.get(name) if name else None
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def fitted_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+    """Like the rules, but a dimension that the mesh axes do not divide stays whole (replicated).
+
+    For arrays whose sizes come from the request rather than the config, such as a decode
+    batch of 1 on an 8-way ('data', 'fsdp') mesh.
+    """
+    fitted = []
+    for axes, size in zip(logical_spec(logical_axes), shape):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        fitted.append(axes if size % math.prod(mesh.shape[a] for a in names) == 0 else None)
+    return NamedSharding(mesh, PartitionSpec(*fitted))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Pins an activation's sharding by the rules inside a `jax.set_mesh` context; else a no-op."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_spec(logical_axes))
+
+
+def traced_in(mesh: Mesh | None, fn: Callable) -> Callable:
+    """`fn`, traced with `mesh` as the context that `constrain` reads (for jax.jit to wrap)."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def param_shardings(abstract_state: nnx.State, mesh: Mesh) -> dict[str, Any]:
+    """A pure-dict tree of NamedShardings for the model's parameters, from their metadata."""
+    shardings = jax.tree.map(lambda v: NamedSharding(mesh, logical_spec(v.out_sharding or ())),
+                             abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(shardings)
+
+
+def like_params(abstract_opt_state: Any, abstract_params: Any, param_shardings: Any, mesh: Mesh) -> Any:
+    """Shardings for an optimizer state: a leaf whose key path ends in a parameter's path, with that
+    parameter's shape (a moment, whatever transformation holds it), is sharded like the parameter;
+    counters and the rest are replicated."""
+    def names(path) -> tuple[str, ...]:
+        return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+    params = {names(p): (x.shape, s) for (p, x), s in zip(jax.tree_util.tree_leaves_with_path(abstract_params),
+                                                            jax.tree.leaves(param_shardings))}
+
+    def pick(path, leaf):
+        keys = names(path)
+        for start in range(len(keys)):
+            shape, spec = params.get(keys[start:], (None, None))
+            if spec is not None and tuple(shape) == tuple(leaf.shape):
+                return spec
+        return replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """(batch, length) arrays: batch over ('data', 'fsdp')."""
+    return NamedSharding(mesh, logical_spec(('batch', 'length')))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

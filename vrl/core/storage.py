@@ -1,0 +1,241 @@
+"""Paths that may be remote: one place that knows whether a path is an object-store URL.
+
+Every path a user gives (a workdir, a data_dir, a tokenizer) goes through `path()`: a local path
+becomes an absolute `epath.Path`, a URL (`gs://bucket/run`, `s3://...`) stays a URL and is served by
+fsspec (gcsfs for gs://; etils.epath picks it). The rest of vrl reads and writes through the
+`epath.Path` it gets and does not care which it is; what an object store cannot do (append to a
+file, lock one, rename a folder cheaply) is asked of this module:
+
+- `is_remote(p)`: whether p lives on an object store;
+- `create_exclusive(p, data)`: write p only if no object or file is there (GCS: a
+  generation-match precondition; a local file: O_EXCL), False if one was;
+- `exists(p, what)` and `check_writable(p, what)`: one clear line (StorageError) for a bucket that
+  does not exist, no credentials, permission denied or an unreachable endpoint, before anything
+  else is read or written;
+- `scratch(p)`: a local folder standing for remote p, for what must be written locally first
+  (TensorBoard's event files, which are appended to).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import tempfile
+import urllib.parse
+import uuid
+
+from etils import epath
+
+from vrl.core.errors import VrlError
+
+REMOTE_SCHEMES = ('gs://', 's3://', 'gcs://', 'az://', 'abfs://')
+
+
+class StorageError(VrlError, OSError):
+    """A path that cannot be used: the message names it and says what to do."""
+
+
+def is_remote(p: str | os.PathLike) -> bool:
+    return str(p).startswith(REMOTE_SCHEMES)
+
+
+def path(p: str | os.PathLike) -> epath.Path:
+    """`p` as an epath.Path: a URL as it is, a local path made absolute."""
+    if is_remote(p):
+        _quiet_clients()
+        return epath.Path(str(p))
+    return epath.Path(os.path.abspath(os.path.expanduser(str(p))))
+
+
+def _filesystem(p: epath.Path):
+    """The fsspec filesystem and the path within it for a remote `p`."""
+    import fsspec
+    fs, inner = fsspec.core.url_to_fs(str(p))
+    return fs, inner
+
+
+def create_exclusive(p: epath.Path, data: bytes) -> bool:
+    """Writes `data` to `p` only if nothing is there yet; False if something was."""
+    if not is_remote(p):
+        try:
+            fd = os.open(os.fspath(p), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, 'wb') as f:
+            f.write(data)
+        return True
+    fs, inner = _filesystem(p)
+    try:
+        fs.pipe_file(inner, data, mode='create')  # GCS: ifGenerationMatch=0
+    except FileExistsError:
+        return False
+    return True
+
+
+def write_bytes(p: epath.Path, data: bytes) -> None:
+    """Replaces `p` whole: an object store has no partial object; a local file is written beside and
+    renamed, so a reader never sees half of it."""
+    if is_remote(p):
+        p.write_bytes(data)
+        return
+    partial = p.parent / f'.{p.name}.{uuid.uuid4().hex[:8]}.partial'
+    partial.write_bytes(data)
+    os.replace(partial, p)
+
+
+def delete(p: epath.Path) -> None:
+    """Removes file or object `p` if it is there."""
+    try:
+        p.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def files(folder: epath.Path) -> dict[str, int]:
+    """Every file under `folder` (a path relative to it, sorted) and its size in bytes: one listing on
+    an object store."""
+    if is_remote(folder):
+        fs, inner = _filesystem(folder)
+        fs.invalidate_cache(inner)
+        found = fs.find(inner, detail=True)
+        return {name[len(inner.rstrip('/')) + 1:]: int(info['size']) for name, info in sorted(found.items())}
+    return dict(sorted((os.path.relpath(os.path.join(d, name), folder), os.path.getsize(os.path.join(d, name)))
+                       for d, _, names in os.walk(folder) for name in names))
+
+
+def matching(pattern: str) -> list[str]:
+    """The files a remote folder holds, or a remote glob matches, as sorted URLs."""
+    fs, inner = _filesystem(pattern)
+    scheme = pattern.split('://', 1)[0]
+    found = fs.find(inner) if fs.isdir(inner) else fs.glob(inner)
+    return sorted(f'{scheme}://{f}' for f in found if not f.endswith('/'))
+
+
+def copy_tree(source: epath.Path, target: epath.Path, last: tuple[str, ...] = (),
+              known: dict[str, int] | None = None) -> dict[str, int]:
+    """Copies every file under folder `source` to the same place under `target` (either may be
+    remote), except those that `known` (relative path -> size) says the target holds at their size
+    already; returns the sizes of what `source` holds, the `known` of the next call. The files whose
+    names end with one of `last` go last, in that order: what marks a folder complete, so that a
+    reader never takes a half-copied one for whole."""
+    def order(relative: str) -> int:
+        return next((i + 1 for i, name in enumerate(last) if relative.endswith(name)), 0)
+    sizes = files(source)
+    for relative in sorted(sizes, key=order):
+        if (known or {}).get(relative) != sizes[relative]:
+            (target / relative).parent.mkdir(parents=True, exist_ok=True)
+            (target / relative).write_bytes((source / relative).read_bytes())
+    return sizes
+
+
+def local_copy(folder: epath.Path) -> epath.Path:
+    """A local folder holding what remote `folder` holds, for readers that open local files only
+    (array_record, safetensors): the objects missing locally, or of another size, are copied down
+    into this process's scratch. A local `folder` is itself."""
+    if not is_remote(folder):
+        return folder
+    local = scratch(folder)
+    copy_tree(folder, local, known=files(local))
+    return local
+
+
+def move(source: epath.Path, target: epath.Path) -> None:
+    """Moves file or folder `source` to `target`: a rename locally; on an object store a copy of each
+    object, then its removal (no object is lost if that stops half way)."""
+    if not is_remote(source):
+        os.replace(source, target)
+        return
+    fs, inner = _filesystem(source)
+    _, inner_target = _filesystem(target)
+    fs.mv(inner, inner_target, recursive=True)
+
+
+def scratch(p: epath.Path) -> epath.Path:
+    """A local folder that stands for remote `p` in this process's temp folder, created: the URL's
+    path under TMPDIR/vrl-scratch/<scheme>/, so that the scratch of p / name is scratch(p) / name."""
+    scheme, rest = str(p).split('://', 1)
+    folder = epath.Path(tempfile.gettempdir()) / 'vrl-scratch' / scheme / rest.strip('/')
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def exists(p: epath.Path, what: str) -> bool:
+    """Whether file or folder `p` is there. A bucket that does not exist, an unreachable store or
+    missing credentials raise StorageError in one line naming `what` (e.g. 'data.tokenizer') and
+    the path: there is nothing vrl could make there."""
+    try:
+        _check_reachable(p)
+        if p.exists():
+            return True
+        if is_remote(p):
+            fs, inner = _filesystem(p)
+            bucket = inner.split('/', 1)[0]
+            if not fs.exists(bucket):
+                raise FileNotFoundError(f'404: bucket {bucket} not found')
+        return False
+    except Exception as e:  # noqa: BLE001 - every client raises its own kinds; each becomes one line
+        raise StorageError(f'cannot read {what} {p} ({explain(e, p)})') from None
+
+
+def check_writable(p: epath.Path, what: str) -> None:
+    """Creates folder `p` and proves it writable with a probe object, or raises StorageError in one
+    line naming `what` (e.g. '--workdir'), the path and what to do."""
+    probe = p / f'.vrl_write_test.{uuid.uuid4().hex[:8]}'
+    try:
+        _check_reachable(p)
+        p.mkdir(parents=True, exist_ok=True)
+        probe.write_text('ok')
+        probe.unlink()
+    except Exception as e:  # noqa: BLE001 - every client raises its own kinds; each becomes one line
+        raise StorageError(f'cannot write to {what} {p} ({explain(e, p)})') from None
+
+
+def _check_reachable(p: epath.Path) -> None:
+    """Raises ConnectionError at once when the endpoint serving gs:// path `p` refuses or does not
+    answer a TCP connection: gcsfs would retry each request with backoff for about half a minute
+    before saying so."""
+    if is_remote(p):
+        fs, _ = _filesystem(p)
+        endpoint = getattr(fs, '_location', None)  # gcsfs: the emulator's or storage.googleapis.com
+        if isinstance(endpoint, str):
+            _connect(endpoint)
+
+
+@functools.lru_cache(maxsize=None)
+def _connect(endpoint: str, timeout_seconds: float = 10.0) -> None:
+    url = urllib.parse.urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == 'https' else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_seconds).close()
+    except OSError as e:
+        _connect.cache_clear()  # a later call tries again
+        raise ConnectionError(f'cannot connect to {url.hostname}:{port}: {e}') from None
+
+
+def explain(e: BaseException, p: epath.Path) -> str:
+    """What went wrong touching `p`, and what to do, in a few words."""
+    text = ' '.join(str(e).split())
+    if not is_remote(p):
+        return f'{getattr(e, "strerror", None) or text}; choose a writable path'
+    bucket = str(p).split('://', 1)[1].split('/', 1)[0]
+    lowered = text.lower()
+    if 'credentials' in lowered or 'refresh' in lowered or 'unauthenticated' in lowered or '401' in text:
+        return ('no credentials for the object store: on a Cloud VM give its service account access to the '
+                'bucket; elsewhere run `gcloud auth application-default login` or set '
+                'GOOGLE_APPLICATION_CREDENTIALS')
+    if '403' in text or 'forbidden' in lowered or 'permission' in lowered:
+        return f'permission denied on bucket {bucket}: grant this account Storage Object Admin on it'
+    if ('404' in text or 'not found' in lowered or 'nosuchbucket' in lowered
+            or isinstance(e, FileNotFoundError)):
+        return f'bucket {bucket} does not exist: create it (gcloud storage buckets create gs://{bucket}) or fix the path'
+    if 'connect' in lowered or 'timeout' in lowered or 'unreachable' in lowered:
+        return f'the object store cannot be reached ({text[:160]}): check the network or STORAGE_EMULATOR_HOST'
+    return text[:300]
+
+
+def _quiet_clients() -> None:
+    """gcsfs logs a warning per call when it cannot tell a bucket's type, and a traceback when a
+    request runs out of retries; vrl reports what failed in its own one line (`explain`)."""
+    logging.getLogger('gcsfs').setLevel(logging.CRITICAL)

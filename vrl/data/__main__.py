@@ -1,0 +1,75 @@
+"""`python -m vrl.data prepare|tokenize|stats`: build a TFDS dataset from text, JSON lines or parquet
+files (vrl/data/corpus.py), pre-tokenize it once (vrl/data/tokens.py), or count its documents, characters and
+tokens.
+
+    python -m vrl.data prepare --input=GLOB --name=NAME --data_dir=DIR [--validation_fraction=F] [--overwrite]
+                               [--text_field=text] [--domain_field=meta.redpajama_set_name] (one dataset per domain)
+    python -m vrl.data tokenize --name=NAME --data_dir=DIR --tokenizer=PATH [--workers=N]   (vrl/data/tokens.py)
+    python -m vrl.data stats --name=NAME --data_dir=DIR [--tokenizer=PATH]
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from vrl.core import cli
+from vrl.data import corpus, pipeline, tokens
+from vrl.data.tokenizer import Tokenizer
+
+
+def _define_flags() -> cli.Args:
+    return {
+        'input': flags.DEFINE_string('input', None, 'prepare: a folder or glob (local or gs://) of text, JSON lines '
+                                     '(.jsonl, .jsonl.gz, .jsonl.zst) or parquet files'),
+        'name': flags.DEFINE_string('name', None, 'TFDS dataset name (lower_snake_case for prepare)'),
+        'data_dir': flags.DEFINE_string('data_dir', '', "TFDS data_dir ('' = ~/.cache/vrl/tensorflow_datasets)"),
+        'validation_fraction': flags.DEFINE_float('validation_fraction', 0.05,
+                                                  'prepare: documents held out for validation'),
+        'split_mode': flags.DEFINE_enum('split_mode', 'file', corpus.SPLIT_MODES,
+                                        'prepare, text files: one document per file, per blank-line block, or per '
+                                        'JSON line (JSON lines and parquet files: always one per record)'),
+        'text_field': flags.DEFINE_string('text_field', 'text', 'prepare: the field (JSON lines; dotted for nested) '
+                                          'or column (parquet) holding the text'),
+        'domain_field': flags.DEFINE_string('domain_field', None, 'prepare: one dataset per value of this field or '
+                                            'column, e.g. meta.redpajama_set_name'),
+        'overwrite': flags.DEFINE_bool('overwrite', False, 'prepare: rebuild a dataset that was prepared from other '
+                                       'inputs; tokenize: make the pre-tokenized copy again'),
+        'workers': flags.DEFINE_integer('workers', None, 'tokenize: processes (default: every core)'),
+        'tokenizer': flags.DEFINE_string('tokenizer', None, 'stats, tokenize: the tokenizer (.model or tokenizer.json)'),
+    }
+
+
+def main(args: cli.Args, command: str) -> None:
+    cli.require(args, 'name')
+    name, data_dir = args['name'].value, args['data_dir'].value
+    if command == 'prepare':
+        cli.require(args, 'input')
+        source, fraction, overwrite = args['input'].value, args['validation_fraction'].value, args['overwrite'].value
+        if args['domain_field'].value:
+            names = corpus.prepare_domains(source, name, data_dir, args['domain_field'].value,
+                                           text_field=args['text_field'].value, validation_fraction=fraction,
+                                           overwrite=overwrite)
+            for domain, dataset in names.items():
+                print(f'prepared {dataset} ({args["domain_field"].value} = {domain!r})')
+            print('train on all of them, equally weighted: --config.data.mixture=' +
+                  ','.join(f'{dataset}=1' for dataset in names.values()))
+            return
+        path = corpus.prepare_from_glob(source, name, data_dir, split_mode=args['split_mode'].value,
+                                        text_field=args['text_field'].value, validation_fraction=fraction,
+                                        overwrite=overwrite)
+        print(f'prepared {name} in {path}')
+    if command == 'tokenize':
+        cli.require(args, 'tokenizer')
+        tokenizer = Tokenizer.load(args['tokenizer'].value)
+        folder = tokens.tokenize(name, data_dir, tokenizer, args['workers'].value, args['overwrite'].value,
+                                 args['text_field'].value)
+        print(f'pre-tokenized {name} with {tokenizer.path} into {folder}; training with this dataset and tokenizer '
+              'reads it (data.pretokenized=false: tokenize on the fly)')
+        return
+    tokenizer = Tokenizer.load(args['tokenizer'].value) if args['tokenizer'].value else None
+    for split, row in pipeline.split_stats(name, data_dir, tokenizer).items():
+        print(f'{split:<11}' + '  '.join(f'{k} {v:,}' for k, v in row.items()))
+
+
+if __name__ == '__main__':
+    cli.run(main, _define_flags, ('prepare', 'tokenize', 'stats'))

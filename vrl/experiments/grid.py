@@ -1,0 +1,228 @@
+"""A grid of training runs in one directory: what `vrl.experiments.compare` and `vrl.experiments.study` share.
+
+Each run is a vrl.main workdir, DIR/runs/<name>/, trained on the local devices (on a pod every
+host runs the same command, so each run uses all hosts); runs that differ only in seed are trained
+together, one compiled step over a run axis (`train_all`; vrl/train/step.py's RunGroup), the rest one
+after another. A finished run (its
+result.json exists) is read back, an unfinished one resumes from its checkpoint, so widening a
+grid trains only the new runs and an interrupted grid continues where it stopped. DIR/<record>
+holds the grid's base config; another base config in the same DIR is refused, and one process
+at a time may write DIR (`GridDirectory`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from etils import epath
+
+from vrl.model import accounting
+from vrl.experiments import analyze
+from vrl.train import checkpoint, loop
+from vrl.core import multihost, storage
+from vrl.train import workdir as workdir_lib
+from vrl.core.config import Config
+from vrl.core.errors import VrlError
+
+BASELINE = 'vanilla'  # what every statistic of a comparison or study is measured against
+
+
+class GridError(VrlError, ValueError):
+    """Bad grid input; the message names the problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One point of a grid: a preset variant, an init seed, the full config and, for a study, the
+    other coordinates (e.g. (('size', 'd128'), ('lr', '3e-03'))) that name its folder."""
+    variant: str
+    seed: int
+    config: Config
+    coordinates: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return '-'.join([self.variant.replace(':', '-'), *(value for _, value in self.coordinates), f's{self.seed}'])
+
+
+@dataclasses.dataclass
+class Downstream:
+    """lm-eval tasks to run on every run (vrl.tools.evaluate), with one task index for all of them."""
+    tasks: list[str]
+    limit: float | None = None
+    include_path: str | None = None
+    _task_manager: Any = dataclasses.field(default=None, init=False, repr=False)
+
+    def index(self) -> Any:
+        """lm-eval's TaskManager for the tasks, built once; EvaluateError names an unknown task."""
+        from vrl.tools import evaluate  # lm-eval: requirements-extra.txt
+        if self._task_manager is None:
+            self._task_manager = evaluate.task_manager_for(self.tasks, self.include_path)
+        return self._task_manager
+
+    def metrics(self, run_dir: epath.Path, tasks: list[str]) -> dict[str, dict[str, float]]:
+        """{requested task: {metric: value}}: lm-eval's numbers without their stderr and filter suffix; a
+        group without its own aggregate gets each subtask's, named 'subtask/metric'."""
+        from vrl.tools import evaluate  # lm-eval: requirements-extra.txt
+        results = evaluate.evaluate(str(run_dir), tasks, limit=self.limit, task_manager=self.index()).results
+
+        def numbers(task: str, prefix: str = '') -> dict[str, float]:
+            return {prefix + name.split(',')[0]: float(value) for name, value in results['results'].get(task, {}).items()
+                    if isinstance(value, (int, float)) and '_stderr' not in name}
+        by_task = {}
+        for task in tasks:
+            by_task[task] = numbers(task)
+            if not by_task[task]:
+                for subtask in results.get('group_subtasks', {}).get(task, []):
+                    by_task[task].update(numbers(subtask, f'{subtask}/'))
+        return by_task
+
+
+class GridDirectory:
+    """DIR of a comparison or study: its one writer (a lock on DIR/.lock) and its base-config record.
+
+    `open` refuses, before anything is written, a DIR whose record holds another base config (naming
+    the first difference) or that another process is writing (naming it); `write_text` replaces a
+    report file atomically, so a reader never sees half of one."""
+
+    def __init__(self, path: epath.Path, record: str, kind: str):
+        self.path, self.record, self.kind = path, path / record, kind
+        self._lock: workdir_lib.Lock | workdir_lib.Lease | None = None
+
+    def open(self, base: Config) -> None:
+        self.check_same_base(base)
+        self._lock = workdir_lib.hold(self.path, self.kind, base.train.lease_stale_seconds)
+
+        def claim() -> None:
+            workdir_lib.claim(self._lock)
+            self.check_same_base(base)  # a writer that finished just before us may have written it
+            self.write_text(self.record.name, json.dumps({'base_config': dataclasses.asdict(base)}, indent=2))
+        multihost.on_process_0(claim)
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def check_same_base(self, base: Config) -> None:
+        if not self.record.exists():
+            return
+        saved = json.loads(self.record.read_text())['base_config']
+        for name, (old, value) in workdir_lib.changes(saved, workdir_lib.as_json(base)).items():
+            raise GridError(f'{self.path} holds a {self.kind} of another config: {name} was {old!r} there and is '
+                            f'{value!r} now; use another --workdir (nothing was changed).')
+
+    def write_text(self, name: str, text: str) -> epath.Path:
+        """DIR/name replaced whole by `text` (process 0 only)."""
+        target = self.path / name
+        if jax.process_index() == 0:
+            storage.write_bytes(target, text.encode())
+        return target
+
+
+def train_all(runs: list[Run], workdir: epath.Path, analysis_sequences: int, downstream: Downstream | None = None,
+              group_runs: bool = True) -> list[dict[str, Any]]:
+    """Every run's result (`train_or_reuse`), in order. With `group_runs`, the unfinished runs that
+    differ only in seed and stand at the same checkpoint step are first trained together, one
+    compiled step for all (train.run_group); a run with no such partner trains alone."""
+    trained: dict[str, dict[str, Any]] = {}
+    for members in (_groups(runs, workdir) if group_runs else []):
+        names = ', '.join(run.name for run in members)
+        if len(members) == 1:
+            logging.warning('%s: trained alone (no unfinished run of its shape, data and step to group with)', names)
+            continue
+        logging.warning('%s: trained together (same shape, data and step; seeds differ)', names)
+        trained |= _train(members, workdir, analysis_sequences)
+    return [train_or_reuse(run, workdir, analysis_sequences, downstream, trained.get(run.name)) for run in runs]
+
+
+def _groups(runs: list[Run], workdir: epath.Path) -> list[list[Run]]:
+    """The unfinished runs by (config but its seed, latest checkpoint step), in first-seen order."""
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        run_dir = workdir / 'runs' / run.name
+        if not (run_dir / 'result.json').exists():
+            key = (loop.group_key(run.config), checkpoint.latest_step(run_dir) if run_dir.exists() else None)
+            groups.setdefault(key, []).append(run)
+    return list(groups.values())
+
+
+def train_or_reuse(run: Run, workdir: epath.Path, analysis_sequences: int, downstream: Downstream | None = None,
+                   trained: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's result: `trained` (from its group), read back if it finished before, else trained (or
+    resumed), evaluated and, with analysis_sequences > 0, analysed; then evaluated on the downstream
+    tasks it has no result for."""
+    run_dir = workdir / 'runs' / run.name
+    result_file = run_dir / 'result.json'
+    reused = trained is None and result_file.exists()
+    if reused:
+        logging.warning('%s: finished before, reused', run.name)
+        result = json.loads(result_file.read_text())
+    else:
+        result = trained or _train([run], workdir, analysis_sequences)[run.name]
+    result.setdefault('downstream', {})
+    missing = [t for t in (downstream.tasks if downstream else []) if t not in result['downstream']]
+    if missing:
+        result['downstream'].update(downstream.metrics(run_dir, missing))
+    if (missing or not reused) and jax.process_index() == 0:
+        result_file.write_text(json.dumps(result))
+    return json.loads(json.dumps(result))  # keys as strings, as when read back
+
+
+def _train(runs: list[Run], workdir: epath.Path, analysis_sequences: int) -> dict[str, dict[str, Any]]:
+    """Trains (or resumes) the runs, together if more than one, analyses each, and gathers its numbers
+    from metrics.jsonl. Each run's 'seconds' is its share of the wall time."""
+    started = time.perf_counter()
+    run_dirs = [workdir / 'runs' / run.name for run in runs]
+    outcomes = loop.run_group([run.config for run in runs], [str(d) for d in run_dirs])
+    seconds = (time.perf_counter() - started) / len(runs)
+    results = {}
+    for run, run_dir, outcome in zip(runs, run_dirs, outcomes):
+        if outcome.preempted:
+            raise SystemExit(f'{run.name} was preempted and saved; run the same command to resume')
+        started = time.perf_counter()
+        analysis = analyze.analyze_run(str(run_dir), analysis_sequences, 0, 8) if analysis_sequences else None
+        results[run.name] = _result(run, run_dir, outcome.step, seconds + time.perf_counter() - started, analysis)
+    return results
+
+
+def _result(run: Run, run_dir: epath.Path, final_step: int, seconds: float, analysis: dict | None) -> dict[str, Any]:
+    """A trained run's numbers, from its metrics.jsonl."""
+    records = read_metrics(run_dir / 'metrics.jsonl')
+    speeds = [r['tokens_per_sec'] for step, r in sorted(records.items()) if 'tokens_per_sec' in r][1:]
+    eval_curve = {step: r['eval_loss'] for step, r in sorted(records.items()) if 'eval_loss' in r}
+    if final_step not in eval_curve:  # stopped between its last save and its final eval
+        raise GridError(f'{run_dir} finished training but holds no eval at step {final_step}; remove that '
+                        'folder to train the run again.')
+    cfg = run.config
+    account = accounting.account(cfg.model, cfg.data.seq_len)
+    return {
+        'variant': run.variant, 'model': cfg.model.variant_name, 'seed': run.seed, 'step': final_step,
+        'coordinates': dict(run.coordinates),
+        # the final eval (also when the training had finished in an earlier, interrupted invocation)
+        'eval_loss': eval_curve[final_step], 'params': account.params,
+        'non_embedding_params': account.non_embedding_params,
+        'kv_cache_bytes_per_token': account.kv_cache_bytes_per_token,
+        'tokens_per_step': cfg.data.batch_size * cfg.data.seq_len, 'peak_lr': cfg.optimizer.peak_lr,
+        'seq_len': cfg.data.seq_len, 'flops': account.flops_per_token * cfg.data.batch_size * cfg.data.seq_len
+        * final_step, 'seconds': seconds,
+        'tokens_per_sec': float(np.median(speeds)) if speeds else float('nan'),
+        'train_loss': {step: r['loss'] for step, r in records.items() if 'loss' in r},
+        'eval_curve': eval_curve,
+        'diagnostics': {step: r['diagnostics'] for step, r in sorted(records.items()) if 'diagnostics' in r},
+        'analysis': analysis,
+    }
+
+
+def read_metrics(path: epath.Path) -> dict[int, dict]:
+    """metrics.jsonl by step; a step logged twice (re-run after a resume) keeps its last record."""
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        by_step.setdefault(record['step'], {}).update(record)
+    return by_step

@@ -1,0 +1,53 @@
+"""The configuration of vrl's models in the Hugging Face format (written by `python -m vrl.tools.export`).
+
+Llama's fields for the decoder's shape, plus vrl's own (vrl/core/config.py's ModelConfig, same names):
+attention (vanilla | resformer | svformer), lambda_mode, lambda1, lambda2, sparse_layers,
+neutreno, neutreno_lambda, denseformer, kv_share, value_embed_layers, value_embed_tables.
+This file and modeling_vrl.py need torch and transformers only, not vrl.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+
+class VrlConfig(PreTrainedConfig):
+    model_type = 'vrl'
+    keys_to_ignore_at_inference = ['cache', 'past_key_values']
+
+    def __init__(self, vocab_size: int = 32000, hidden_size: int = 512, intermediate_size: int = 1792,
+                 num_hidden_layers: int = 8, num_attention_heads: int = 8, num_key_value_heads: int = 8,
+                 head_dim: int = 64, rms_norm_eps: float = 1e-5, rope_theta: float = 10_000.0,
+                 max_position_embeddings: int = 2048, tie_word_embeddings: bool = False,
+                 attention: str = 'vanilla', lambda_mode: str = 'identity', lambda1: float = 0.5,
+                 lambda2: float = 0.5, sparse_layers: tuple[int, ...] = (), neutreno: bool = False,
+                 neutreno_lambda: float = 0.4, denseformer: bool = False, kv_share: int = 1,
+                 value_embed_layers: tuple[int, ...] = (), value_embed_tables: tuple[int, ...] = (),
+                 initializer_range: float = 0.02, use_cache: bool = True, **kwargs):
+        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+        self.num_key_value_heads, self.head_dim = num_key_value_heads, head_dim
+        self.rms_norm_eps, self.rope_theta = rms_norm_eps, rope_theta
+        self.max_position_embeddings, self.initializer_range = max_position_embeddings, initializer_range
+        self.use_cache = use_cache
+        self.attention, self.lambda_mode, self.lambda1, self.lambda2 = attention, lambda_mode, lambda1, lambda2
+        self.sparse_layers = list(sparse_layers)
+        self.neutreno, self.neutreno_lambda, self.denseformer = neutreno, neutreno_lambda, denseformer
+        self.kv_share = kv_share
+        self.value_embed_layers, self.value_embed_tables = list(value_embed_layers), list(value_embed_tables)
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def key_owner(self, layer: int) -> int:
+        """The 0-based layer whose keys `layer` attends with: the first of its CLA group."""
+        return layer - layer % self.kv_share
+
+    def value_owner(self, layer: int) -> int:
+        """The 0-based layer whose cached values `layer` attends over: layer 1 (V_1) for SVFormer."""
+        return 0 if self.attention == 'svformer' else self.key_owner(layer)
+
+    def value_embed_table(self, layer: int) -> int | None:
+        """The value-embedding table 0-based `layer` adds to its V, or None."""
+        if layer + 1 not in self.value_embed_layers:
+            return None
+        entry = self.value_embed_layers.index(layer + 1)
+        return self.value_embed_tables[entry] if self.value_embed_tables else entry

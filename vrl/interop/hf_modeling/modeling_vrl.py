@@ -1,0 +1,304 @@
+"""vrl's decoder in PyTorch, for `transformers` (`trust_remote_code=True`): written into every
+directory `python -m vrl.tools.export` makes for a model that is not a plain Llama.
+
+A Llama decoder (pre-RMSNorm, rotate-half RoPE, SwiGLU, no biases) in which each of vrl's
+variants changes one thing, as in vrl/model/decoder.py:
+
+- the values a layer attends over: ResFormer mixes lambda_2 V_n + lambda_1 V_1 (scalars per
+  layer, or per token and kv head: `mix_proj`), SVFormer's layers >= 2 attend over V_1, value
+  embeddings add 2 sigmoid(x W_gate) * table[token] to V_n: `VrlAttention.values_of`;
+- which layer's K and V a layer uses (CLA: the first of each group of kv_share layers);
+- what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended));
+- how block outputs combine into the next block's input (DenseFormer's depth weights).
+
+The KV cache is transformers' DynamicCache with one entry per layer: keys and values, keys only
+(SVFormer's layers >= 2: their values are V_1, cached once by layer 1), or nothing (CLA layers
+that borrow their group's). Shapes: B batch, T new tokens, S cached + new tokens, D hidden,
+H heads, K kv heads, G = H // K, Dh head dim; per-head tensors are heads-major (B, K, T, Dh).
+
+Works with transformers 5.3 and later (vrl/interop/hf.py TRANSFORMERS): the cache comes in as `cache` (the name generate() passes
+from 5.24 on) or `past_key_values` (before), and goes out under the name the installed
+transformers' output class declares.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_vrl import VrlConfig
+
+VALUE_EMBED_GATE_SCALE = 2.0  # gate = 2 sigmoid(x W): 1 at W = 0
+
+
+# The field of transformers' model outputs that holds the cache: `cache` from 5.24 on, `past_key_values` before.
+CACHE_FIELD = 'cache' if 'cache' in CausalLMOutputWithPast.__dataclass_fields__ else 'past_key_values'
+
+
+class KeysOnlyLayer(DynamicLayer):
+    """A cache entry that keeps keys; its values stay zero-width (B, K, S, 0): no bytes, and every
+    DynamicLayer method (crop, reorder, batch select) still applies."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(key_states, value_states[..., :0], *args, **kwargs)
+
+
+class NothingLayer(DynamicLayer):
+    """A cache entry that keeps neither: keys and values zero-width (B, K, S, 0), so it holds no
+    bytes yet still counts the positions seen, and every DynamicLayer method still applies."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(key_states[..., :0], value_states[..., :0], *args, **kwargs)
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+
+def shape_cache(cache: DynamicCache, config: VrlConfig) -> DynamicCache:
+    """Gives an empty cache one entry per layer: keys and values (DynamicLayer), keys only, or nothing
+    (CLA's borrowing layers). transformers builds every entry as a DynamicLayer."""
+    kinds = [DynamicLayer if config.value_owner(layer) == layer else KeysOnlyLayer
+             if config.key_owner(layer) == layer else NothingLayer for layer in range(config.num_hidden_layers)]
+    if cache.get_seq_length() == 0 and [type(entry) for entry in cache.layers] != kinds:
+        cache.layers[:] = [kind() for kind in kinds]
+        cache.layer_class_to_replicate = None
+    return cache
+
+
+class VrlRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+
+
+def rope(x_BxNxTxDh: torch.Tensor, positions_BxT: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention, in float32."""
+    half = x_BxNxTxDh.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x_BxNxTxDh.device) / half)
+    angles_Bx1xTxHalf = (positions_BxT.float()[..., None] * inv_freq)[:, None]
+    sin, cos = angles_Bx1xTxHalf.sin(), angles_Bx1xTxHalf.cos()
+    x1, x2 = x_BxNxTxDh.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BxNxTxDh.dtype)
+
+
+class ValueLambdas(nn.Module):
+    """ResFormer's scalar (lambda_1, lambda_2) of layers 2..L (N = L - 1 entries), per lambda_mode:
+    identity 0.5 / 0.5; constant lambda1 / lambda2; sparse: those on sparse_layers, 0 / 1 elsewhere;
+    learnable: parameters v1, vn (N,); learnable_plus: vn (N,) and lambda_1 = s softmax(w)."""
+
+    def __init__(self, config: VrlConfig):
+        super().__init__()
+        N, mode = config.num_hidden_layers - 1, config.lambda_mode
+        self.mode = mode
+        if mode == 'learnable':
+            self.v1, self.vn = nn.Parameter(torch.full((N,), 0.5)), nn.Parameter(torch.full((N,), 0.5))
+        elif mode == 'learnable_plus':
+            self.vn, self.w = nn.Parameter(torch.full((N,), 0.5)), nn.Parameter(torch.zeros(N))
+            self.s = nn.Parameter(torch.tensor(float(config.num_hidden_layers)))
+        elif mode == 'sparse':
+            chosen = [layer + 2 in config.sparse_layers for layer in range(N)]
+            self.fixed = ([config.lambda1 if c else 0.0 for c in chosen], [config.lambda2 if c else 1.0 for c in chosen])
+        else:
+            v1, vn = (0.5, 0.5) if mode == 'identity' else (config.lambda1, config.lambda2)
+            self.fixed = ([v1] * N, [vn] * N)
+
+    def forward(self, layer: int) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """(lambda_1, lambda_2) of 0-based `layer` >= 1."""
+        if self.mode == 'learnable':
+            return self.v1[layer - 1], self.vn[layer - 1]
+        if self.mode == 'learnable_plus':
+            return self.s * torch.softmax(self.w, dim=0)[layer - 1], self.vn[layer - 1]
+        return self.fixed[0][layer - 1], self.fixed[1][layer - 1]
+
+
+class VrlAttention(nn.Module):
+    def __init__(self, config: VrlConfig, layer: int):
+        super().__init__()
+        D, H, K, Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.layer, self.config = layer, config
+        self.heads, self.kv_heads, self.head_dim = H, K, Dh
+        owns_kv = config.key_owner(layer) == layer
+        self.q_proj = nn.Linear(D, H * Dh, bias=False)
+        self.k_proj = nn.Linear(D, K * Dh, bias=False) if owns_kv else None
+        self.v_proj = (nn.Linear(D, K * Dh, bias=False)
+                       if owns_kv and (layer == 0 or config.attention != 'svformer') else None)
+        self.o_proj = nn.Linear(H * Dh, D, bias=False)
+        per_token = layer > 0 and config.attention == 'resformer' and config.lambda_mode == 'per_token'
+        self.mix_proj = nn.Linear(D, K, bias=False) if per_token else None
+        has_value_embed = config.value_embed_table(layer) is not None
+        self.value_embed_gate = nn.Linear(D, K, bias=False) if has_value_embed else None
+
+    def heads_major(self, x_BxTxND: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BxTxND.shape
+        return x_BxTxND.view(B, T, -1, self.head_dim).transpose(1, 2)
+
+    def gate(self, proj: nn.Linear, x_BxTxD: torch.Tensor) -> torch.Tensor:
+        """sigmoid(x W) per token and kv head, (B, K, T, 1), in float32."""
+        return torch.sigmoid(proj(x_BxTxD).float()).transpose(1, 2)[..., None]
+
+    def values_of(self, x_BxTxD, v_n, v1, lambdas, value_embed_BxTxKDh) -> tuple[torch.Tensor, torch.Tensor]:
+        """V_n (with its value embedding) and the values (B, K, T, Dh) this layer attends over."""
+        if value_embed_BxTxKDh is not None:
+            scale = VALUE_EMBED_GATE_SCALE * self.gate(self.value_embed_gate, x_BxTxD)
+            v_n = v_n + (scale * self.heads_major(value_embed_BxTxKDh)).to(v_n.dtype)
+        if v1 is None or self.config.attention == 'vanilla':
+            return v_n, v_n
+        if self.config.attention == 'svformer':
+            return v_n, v1
+        if self.mix_proj is not None:
+            mix = self.gate(self.mix_proj, x_BxTxD)
+            return v_n, (mix * v1 + (1 - mix) * v_n).to(v_n.dtype)
+        lambda_v1, lambda_vn = lambdas
+        return v_n, lambda_vn * v_n + lambda_v1 * v1
+
+    def forward(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, v1, borrowed, lambdas, value_embed_BxTxKDh, cache):
+        """The attention output (B, T, D) and (keys, V_n, attended values) of the T new tokens."""
+        theta = self.config.rope_theta
+        q = rope(self.heads_major(self.q_proj(x_BxTxD)), positions_BxT, theta)
+        if self.k_proj is not None:
+            k = rope(self.heads_major(self.k_proj(x_BxTxD)), positions_BxT, theta)
+            v_n = v1 if self.v_proj is None else self.heads_major(self.v_proj(x_BxTxD))
+        else:  # CLA: the group's first layer's keys and attended values
+            k, v_n = borrowed
+        v_n, v = self.values_of(x_BxTxD, v_n, v1, lambdas, value_embed_BxTxKDh)
+        keys, values = k, v
+        if cache is not None:
+            cache.update(k, v, self.layer)  # each entry keeps what its kind holds (shape_cache)
+            keys = cache.layers[self.config.key_owner(self.layer)].keys
+            values = cache.layers[self.config.value_owner(self.layer)].values
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_Bx1xTxS, enable_gqa=True)
+        if self.config.neutreno and v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V), per query head
+            o = o + self.config.neutreno_lambda * (v1 - v).repeat_interleave(self.heads // self.kv_heads, dim=1)
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), (k, v_n, v)
+
+
+class VrlMLP(nn.Module):
+    def __init__(self, config: VrlConfig):
+        super().__init__()
+        D, F_ = config.hidden_size, config.intermediate_size
+        self.gate_proj, self.up_proj = nn.Linear(D, F_, bias=False), nn.Linear(D, F_, bias=False)
+        self.down_proj = nn.Linear(F_, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VrlDecoderLayer(nn.Module):
+    def __init__(self, config: VrlConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = VrlRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = VrlAttention(config, layer)
+        self.post_attention_layernorm = VrlRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = VrlMLP(config)
+        # DenseFormer: the next block's input is sum_j w_j B_j over B_0 (the embedding) .. B_{layer+1}
+        identity = torch.zeros(layer + 2)
+        identity[-1] = 1.0
+        self.depth_weights = nn.Parameter(identity) if config.denseformer else None
+
+    def forward(self, h_BxTxD, *attention_inputs):
+        out, kv = self.self_attn(self.input_layernorm(h_BxTxD), *attention_inputs)
+        h_BxTxD = h_BxTxD + out
+        return h_BxTxD + self.mlp(self.post_attention_layernorm(h_BxTxD)), kv
+
+
+class VrlPreTrainedModel(PreTrainedModel):
+    config_class = VrlConfig
+    base_model_prefix = 'model'
+    _no_split_modules = ['VrlDecoderLayer']
+    _skip_keys_device_placement = ['cache', 'past_key_values']
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, std)
+
+
+class VrlModel(VrlPreTrainedModel):
+    def __init__(self, config: VrlConfig):
+        super().__init__(config)
+        K, Dh = config.num_key_value_heads, config.head_dim
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(VrlDecoderLayer(config, layer) for layer in range(config.num_hidden_layers))
+        self.norm = VrlRMSNorm(config.hidden_size, config.rms_norm_eps)
+        scalar_lambdas = config.attention == 'resformer' and config.lambda_mode != 'per_token'
+        self.value_lambdas = ValueLambdas(config) if scalar_lambdas else None
+        tables = set(config.value_embed_tables or range(len(config.value_embed_layers)))
+        self.value_embeds = nn.ModuleList(nn.Embedding(config.vocab_size, K * Dh) for _ in tables) if tables else None
+        self.post_init()
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                use_cache: bool | None = None, **kwargs) -> tuple[torch.Tensor, DynamicCache | None]:
+        """Final-normalised hidden states (B, T, D) of T new tokens after the cached ones, and the cache.
+
+        attention_mask (B, S), 1 for real tokens, 0 for padding; positions then count real tokens.
+        """
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if cache is not None:
+            cache = shape_cache(cache, self.config)
+        B, T = input_ids.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        S = past + T
+        real_BxS = (torch.ones(B, S, dtype=torch.bool, device=input_ids.device) if attention_mask is None
+                    else attention_mask.bool())
+        if position_ids is None:
+            position_ids = (real_BxS.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+        query_T, key_S = torch.arange(past, S, device=input_ids.device), torch.arange(S, device=input_ids.device)
+        causal_TxS = key_S[None, :] <= query_T[:, None]
+        own_TxS = key_S[None, :] == query_T[:, None]  # a padding query sees itself: no empty softmax row
+        mask_Bx1xTxS = (causal_TxS & (real_BxS[:, None, :] | own_TxS))[:, None]
+
+        h = self.embed_tokens(input_ids)
+        blocks = [h]  # DenseFormer's B_0, B_1, ...
+        v1 = borrowed = None
+        for layer, block in enumerate(self.layers):
+            lambdas = self.value_lambdas(layer) if self.value_lambdas is not None and layer > 0 else None
+            table = self.config.value_embed_table(layer)
+            value_embed = None if table is None else self.value_embeds[table](input_ids)
+            h, (k, v_n, v) = block(h, position_ids, mask_Bx1xTxS, v1, borrowed, lambdas, value_embed, cache)
+            v1 = v if v1 is None else v1
+            borrowed = (k, v)
+            if block.depth_weights is not None:
+                blocks.append(h)
+                h = torch.einsum('j,jbtd->btd', block.depth_weights.to(h.dtype), torch.stack(blocks))
+        return self.norm(h), cache
+
+
+class VrlForCausalLM(VrlPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {'lm_head.weight': 'model.embed_tokens.weight'}
+
+    def __init__(self, config: VrlConfig):
+        super().__init__(config)
+        self.model = VrlModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                use_cache: bool | None = None, labels: torch.LongTensor | None = None,
+                logits_to_keep: int = 0, past_key_values: DynamicCache | None = None,
+                **kwargs) -> CausalLMOutputWithPast:
+        """`cache` and `past_key_values` are one argument under its new and its old name: give either."""
+        if cache is not None and past_key_values is not None:
+            raise ValueError('give the cache as `cache` or as `past_key_values`, not both')
+        h, cache = self.model(input_ids, attention_mask, position_ids,
+                              past_key_values if cache is None else cache, use_cache)
+        logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float()
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                   ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})

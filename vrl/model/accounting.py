@@ -1,0 +1,104 @@
+"""Parameter counts, training FLOPs and KV-cache size from a ModelConfig alone (no weights).
+
+The counts mirror `vrl.model.decoder.Decoder` exactly; tests/test_accounting.py holds them to the
+real module's parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from vrl.model import resolve
+from vrl.core.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAccount:
+    params: int  # every parameter allocated, with the padded vocabulary
+    params_unpadded: int  # the same with vocab_size rows/columns instead of the padded count
+    non_embedding_params: int  # params minus the input embedding, the output head and value-embedding tables
+    matmul_params: int  # weights used in a matmul per token: non-embedding ones + the head
+    flops_per_token: float  # training (forward + backward), see `training_flops_per_token`
+    kv_cache_bytes_per_token: int  # one sequence, all layers, compute dtype
+
+
+def _kv_projections(cfg: ModelConfig) -> int:
+    """W_K and W_V matrices: one per cache slot (CLA shares them per group, SVFormer has one W_V)."""
+    return cfg.n_key_slots + cfg.n_value_slots
+
+
+def _gate_matrices(cfg: ModelConfig) -> int:
+    """(D, K) gates: the per-token mix's W_mix in layers 2..L, a gate per value-embedding layer."""
+    per_token = cfg.per_token_mix
+    return (cfg.n_stacked if per_token else 0) + len(cfg.value_embed_layers)
+
+
+def _scalar_params(cfg: ModelConfig) -> int:
+    """ResFormer's learnable lambdas and DenseFormer's L (L + 3) / 2 averaging weights."""
+    lambdas = 0
+    if cfg.attention == 'resformer':
+        lambdas = {'learnable': 2 * cfg.n_stacked, 'learnable_plus': 2 * cfg.n_stacked + 1}.get(cfg.lambda_mode, 0)
+    L = cfg.n_layers
+    return lambdas + (L * (L + 3) // 2 if cfg.denseformer else 0)
+
+
+def _vocab_params(cfg: ModelConfig, vocab: int) -> int:
+    """The embedding, the head unless tied, and the value-embedding tables (vocab x K x Dh each)."""
+    tables = max(cfg.value_embed_table_ids, default=-1) + 1
+    return vocab * (cfg.d_model * (1 if cfg.tie_embeddings else 2) + tables * cfg.n_kv_heads * cfg.head_dim)
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """6 * matmul_params + 6 * L * H * Dh * seq_len.
+
+    The first term is the forward (2 FLOPs per multiply-add) and backward (twice the
+    forward) of every weight matmul, the output head included. The second is the same for
+    the two attention matmuls (QK^T and AV), each 2 * Dh FLOPs per query-key pair per head,
+    with seq_len / 2 keys per query on average under the causal mask. Elementwise work (the
+    value mixes, NeuTRENO, DenseFormer's averages) and lookups (value embeddings) are not counted.
+    """
+    return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    D, H, K, Dh, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    per_layer = 2 * D * H * Dh + 3 * D * F  # W_Q, W_O, SwiGLU
+    return (cfg.n_layers * per_layer + _kv_projections(cfg) * D * K * Dh + _gate_matrices(cfg) * D * K
+            + D * cfg.padded_vocab_size)
+
+
+def non_embedding_params(cfg: ModelConfig) -> int:
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model
+    return matmul_params(cfg) - cfg.d_model * cfg.padded_vocab_size + norms + _scalar_params(cfg)
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
+    """A key and a value slot's vectors per token: cfg.n_key_slots + cfg.n_value_slots of them, in the
+    compute dtype (`auto`: as it resolves on this process's backend)."""
+    itemsize = jnp.dtype(resolve.local_compute_dtype(cfg)).itemsize
+    return _kv_projections(cfg) * cfg.n_kv_heads * cfg.head_dim * itemsize
+
+
+def max_batch_for_cache(cfg: ModelConfig, context: int, memory_bytes: float) -> int:
+    """The most sequences of `context` tokens whose KV cache fits in `memory_bytes`."""
+    return int(memory_bytes // (kv_cache_bytes_per_token(cfg) * context))
+
+
+def vanilla_mha(cfg: ModelConfig) -> ModelConfig:
+    """The same shape as plain multi-head attention: the reference for cache and parameter ratios."""
+    return dataclasses.replace(cfg, attention='vanilla', n_kv_heads=cfg.n_heads, kv_share=1, neutreno=False,
+                               denseformer=False, value_embed_layers=(), value_embed_tables=())
+
+
+def account(cfg: ModelConfig, seq_len: int) -> ModelAccount:
+    non_embedding = non_embedding_params(cfg)
+    return ModelAccount(
+        params=non_embedding + _vocab_params(cfg, cfg.padded_vocab_size),
+        params_unpadded=non_embedding + _vocab_params(cfg, cfg.vocab_size),
+        non_embedding_params=non_embedding,
+        matmul_params=matmul_params(cfg),
+        flops_per_token=training_flops_per_token(cfg, seq_len),
+        kv_cache_bytes_per_token=kv_cache_bytes_per_token(cfg),
+    )

@@ -1,0 +1,165 @@
+"""Training attention: which implementation computes it (`model.attention_impl`), and the kernels.
+
+- xla: vrl.model.ops.attention on every backend. It materialises (L / attention_chunks, S) float32
+  logits per head and query chunk, which is what keeps long sequences out of reach.
+- splash: TPU Pallas splash attention (jax.experimental.pallas.ops.tpu.splash_attention). The
+  causal mask and the segment ids (data.document_masking) are applied inside the kernel, and GQA
+  kv heads are read in place. Blocks of min(512, L) tokens, so L must be a multiple of 128 (or
+  shorter than 512 and a multiple of 128). Chosen off TPU, it runs in Pallas' interpreter
+  (it becomes `splash_interpret`): slow, for checking numerics on CPU.
+- cudnn: jax.nn.dot_product_attention(implementation='cudnn') on NVIDIA GPUs: causal, GQA,
+  bfloat16. cuDNN through JAX takes no segment ids, so document masking falls back to xla.
+- auto (the default): splash on TPU, cudnn on GPU where it can serve the config, else xla;
+  resolved by vrl/model/resolve.py, which logs the choice and its reason. The code here takes only
+  a resolved value.
+
+Value residual only changes V, so every variant runs on every implementation. Decoding (a KV
+cache) and vrl.experiments.analyze's attention statistics always take the XLA path, which works everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+from vrl.model import ops
+from vrl.core.config import ATTENTION_IMPLS, ConfigError, ModelConfig
+from vrl.core.sharding import logical_spec
+
+Array = jax.Array
+
+SPLASH_BLOCK = 512  # tokens per splash block (queries and keys), or L when shorter
+_LANES = 128  # splash blocks must be multiples of the TPU's 128 lanes
+
+
+class Causal(NamedTuple):
+    """Training's mask, never materialised whole: key j is seen by query i when j <= i and, with
+    segment ids, both are in the same document."""
+    segment_ids_BxL: Array | None
+
+    def dense(self, B: int, L: int) -> Array:
+        """The (B, L, L) boolean mask, for the XLA path."""
+        mask_LxL = jnp.tril(jnp.ones((L, L), jnp.bool_))
+        if self.segment_ids_BxL is None:
+            return jnp.broadcast_to(mask_LxL, (B, L, L))
+        ids = self.segment_ids_BxL
+        return mask_LxL & (ids[:, :, None] == ids[:, None, :])
+
+
+def why_not(impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool) -> str | None:
+    """Why `impl` cannot compute this model's training attention on `platform`, or None if it can."""
+    if impl in ('splash', 'splash_interpret'):
+        block = min(SPLASH_BLOCK, seq_len)
+        if block % _LANES or seq_len % block:
+            return f'splash needs data.seq_len a multiple of {_LANES} (and of {SPLASH_BLOCK} above it); it is {seq_len}'
+    if impl == 'cudnn':
+        if platform != 'gpu':
+            return f'cuDNN attention runs on NVIDIA GPUs (this is {platform})'
+        if cfg.compute_dtype != 'bfloat16':
+            return f'cuDNN attention needs model.compute_dtype=bfloat16 (it is {cfg.compute_dtype})'
+        if cfg.head_dim % 8 or cfg.head_dim > 128:
+            return f'cuDNN attention needs head_dim a multiple of 8 and at most 128 (it is {cfg.head_dim})'
+        if document_masking:
+            return 'cuDNN attention through JAX takes no segment ids (data.document_masking=True)'
+    return None
+
+
+def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool) -> tuple[str, str]:
+    """(the implementation to trace for `cfg` on `platform` ('cpu', 'gpu', 'tpu'), why). `auto` picks
+    the platform's kernel where it can serve the config, else xla; an explicit choice that cannot
+    serve is a ConfigError with the reason (vrl/model/resolve.py calls this)."""
+    impl = cfg.attention_impl
+    if impl == 'xla':
+        return impl, 'as configured'
+    if impl != 'auto':
+        reason = why_not(impl, cfg, platform, seq_len, document_masking)
+        if reason:
+            raise ConfigError(f'model.attention_impl={impl!r} cannot run here: {reason}. '
+                              f'Allowed: {", ".join(ATTENTION_IMPLS[:-1])}.')
+        if impl.startswith('splash') and platform != 'tpu':
+            return 'splash_interpret', f"splash in Pallas' interpreter on {platform} (slow; for checking numerics)"
+        return impl, 'as configured'
+    kernel = {'tpu': 'splash', 'gpu': 'cudnn'}.get(platform)
+    if kernel is None:
+        return 'xla', f'no attention kernel on {platform}'
+    reason = why_not(kernel, cfg, platform, seq_len, document_masking)
+    return ('xla', reason) if reason else (kernel, f'the {platform} kernel serves this config')
+
+
+def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask: Causal | Array,
+              causal_chunks: int, xla_attention: Callable[..., Array] = ops.attention) -> Array:
+    """Softmax attention (B, L, H, Dh) of training (a `Causal` mask) or of an explicit (B, L, S) one,
+    by `impl` (a resolved one: xla, splash, splash_interpret or cudnn); an explicit mask always takes
+    the XLA path, which computes each query chunk with `xla_attention` (vrl.model.ops' attention,
+    hand-written backward or autodiff)."""
+    if impl == 'auto' and isinstance(mask, Causal):
+        raise ConfigError("model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
+                          'platform (a Trainer does it itself).')
+    if impl == 'xla' or not isinstance(mask, Causal):
+        B, L = q_BxLxHxDh.shape[:2]
+        dense = mask.dense(B, L) if isinstance(mask, Causal) else mask
+        return _xla(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1,
+                    xla_attention)
+    if impl == 'cudnn':
+        return _dot_product_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, 'cudnn')
+    interpret = impl == 'splash_interpret'
+    return _per_shard(lambda q, k, v, ids: _splash(q, k, v, ids, interpret),
+                      q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL)
+
+
+def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array, causal_chunks: int,
+         xla_attention: Callable[..., Array]) -> Array:
+    """`xla_attention` (vrl.model.ops'); causal_chunks > 1 promises a causal mask over queries at the last L of
+    the S key positions: each of that many query chunks skips the keys after its last query."""
+    B, L, H, Dh = q_BxLxHxDh.shape
+    S, K = k_BxSxKxDh.shape[1:3]
+    q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, H // K, Dh)
+    bounds = sorted({L * i // causal_chunks for i in range(causal_chunks + 1)})
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        seen = S - L + end  # keys [0, seen) are all the chunk's queries can see
+        outs.append(xla_attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :seen], v_BxSxKxDh[:, :seen],
+                                  mask_BxLxS[:, start:end, :seen]))
+    return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
+
+
+def _dot_product_attention(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, implementation: str) -> Array:
+    """jax.nn.dot_product_attention on vrl's layouts (its BTNH), causal, GQA kv heads as they are."""
+    return jax.nn.dot_product_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, is_causal=True,
+                                        implementation=implementation)
+
+
+def _per_shard(kernel, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, ids_BxL: Array | None) -> Array:
+    """Runs a Pallas kernel on each device's shard (batch over data x fsdp, heads over tensor):
+    a custom call cannot be partitioned by XLA, only placed whole per device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return kernel(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
+    q_spec = logical_spec(('batch', 'length', 'heads', 'head_dim'))
+    kv_spec = logical_spec(('batch', 'length', 'kv_heads', 'head_dim'))
+    ids_spec = None if ids_BxL is None else logical_spec(('batch', 'length'))
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, ids_spec), out_specs=q_spec,
+                         check_vma=False)(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
+
+
+def _splash(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, ids_BxL: Array | None,
+            interpret: bool) -> Array:
+    """Causal splash attention, heads-major inside; q is scaled by 1/sqrt(Dh) here (splash does not)."""
+    B, L, H, Dh = q_BxLxHxDh.shape
+    block = min(SPLASH_BLOCK, L)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    kernel = splash.make_splash_mha(splash_mask.MultiHeadMask([splash_mask.CausalMask((L, L))] * H),
+                                    block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    q_BxHxLxDh = (q_BxLxHxDh * (1 / math.sqrt(Dh))).transpose(0, 2, 1, 3)
+    k_BxKxSxDh, v_BxKxSxDh = k_BxSxKxDh.transpose(0, 2, 1, 3), v_BxSxKxDh.transpose(0, 2, 1, 3)
+    if ids_BxL is None:
+        out_BxHxLxDh = jax.vmap(kernel)(q_BxHxLxDh, k_BxKxSxDh, v_BxKxSxDh)
+    else:
+        out_BxHxLxDh = jax.vmap(kernel)(q_BxHxLxDh, k_BxKxSxDh, v_BxKxSxDh, splash.SegmentIds(q=ids_BxL, kv=ids_BxL))
+    return out_BxHxLxDh.transpose(0, 2, 1, 3)

@@ -1,0 +1,423 @@
+"""A Llama-style decoder with value residual learning, its baselines and its later family.
+
+Shape suffixes: B batch, L query length, S key length, D d_model, H query heads,
+K kv heads, G = H // K heads per kv head, Dh head dim, F d_ff, V padded vocab,
+N = n_layers - 1 stacked layers.
+
+Layer 1 runs on its own and creates V_1 (its value projection of its normalised input,
+before GQA grouping, not detached). Layers 2..L are one stacked `Block` whose parameters
+carry a leading `layers` axis; `jax.lax.scan` walks them (decoding: a Python loop) carrying
+a `Stream`: the hidden state, V_1, and what the baselines need (CLA's shared K/V,
+DenseFormer's block outputs, the KV cache). Every variant changes one of four things, each
+in one place:
+
+- the values a layer attends over (ResFormer, SVFormer, the per-token mix, value
+  embeddings): `Attention.values` and the value-embedding line of `Block.__call__`;
+- what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended)): `Block.__call__`;
+- which layer's K/V a layer uses (CLA): `Attention.keys_values`;
+- how block outputs combine into the next block's input (DenseFormer): `Decoder._layer`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from vrl.model import attention, layer_stats, ops, params, variants
+from vrl.model.attention import Causal
+from vrl.core.config import ConfigError, ModelConfig
+from vrl.core.sharding import constrain
+from vrl.model.variants import Lambdas, LayerKV, ValueEmbed
+
+Array = jax.Array
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, stack: int | None):
+        self.scale = params.constant(np.ones(cfg.d_model), ('embed',), stack)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x_BxLxD: Array) -> Array:
+        x = x_BxLxD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...]).astype(x_BxLxD.dtype)
+
+
+def rope(x_BxLxNxDh: Array, positions_BxL: Array, theta: float) -> Array:
+    """Rotary embedding, rotate-half convention; computed in float32."""
+    half = x_BxLxNxDh.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles_BxLx1xHalf = (positions_BxL.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+    sin, cos = jnp.sin(angles_BxLx1xHalf), jnp.cos(angles_BxLx1xHalf)
+    x1, x2 = jnp.split(x_BxLxNxDh.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxNxDh.dtype)
+
+
+class KVCache(NamedTuple):
+    """Cached keys and attended values: one (B * K, S, Dh) array per slot, row b * K + k holding
+    sequence b's kv head k, positions before head dims as attention reads them. Each slot is its
+    own buffer: a step writes its new position in place and the attention matmuls read the slot
+    where it lies. (XLA:CPU copies a slice of a stacked array before a matmul reads it, and copies
+    or transposes a (B, K, S, Dh) slot whose batch of 1 it drops; either made a step move about
+    three times the cache's bytes.)
+
+    Layer n uses slots cfg.key_slot(n) and cfg.value_slot(n): one per layer for vanilla and
+    ResFormer (which caches its mixed values), one per group for CLA, and a single value slot,
+    V_1, for SVFormer. Only the first layer of a slot writes it: the layers after it would
+    write the same rows (V_1, CLA's borrowed K/V), and a second write made XLA copy the slot.
+    """
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+    index: Array  # int32 scalar: cache positions [0, index) are filled
+
+    def update(self, cfg: ModelConfig, layer: int, k_BxTxKxDh: Array, v_BxTxKxDh: Array
+               ) -> tuple[Array, Array, KVCache]:
+        """Writes T new keys and values at [index, index + T) of the slots `layer` owns, in place;
+        returns the layer's whole (B * K, S, Dh) keys and values, and the cache."""
+        def write(slots: tuple[Array, ...], slot: int, new_BxTxKxDh: Array) -> tuple[Array, ...]:
+            B, T, K, Dh = new_BxTxKxDh.shape
+            new_NxTxDh = new_BxTxKxDh.transpose(0, 2, 1, 3).reshape(B * K, T, Dh).astype(slots[slot].dtype)
+            zero = jnp.zeros((), jnp.int32)
+            written = jax.lax.dynamic_update_slice(slots[slot], new_NxTxDh, (zero, self.index, zero))
+            return (*slots[:slot], written, *slots[slot + 1:])
+
+        def owns(slot_of) -> bool:  # the first layer of a slot writes it; the rest hold the same rows
+            return layer == 0 or slot_of(layer - 1) != slot_of(layer)
+        k_slot, v_slot = cfg.key_slot(layer), cfg.value_slot(layer)
+        k = write(self.k, k_slot, k_BxTxKxDh) if owns(cfg.key_slot) else self.k
+        v = write(self.v, v_slot, v_BxTxKxDh) if owns(cfg.value_slot) else self.v
+        return k[k_slot], v[v_slot], KVCache(k, v, self.index)
+
+
+class Attention(nnx.Module):
+    """W_Q and W_O; W_K and W_V where the layer owns them (CLA keeps the stacked owners' in
+    variants.SharedKeyValues, SVFormer's layers >= 2 have no W_V); the per-token mix's W_mix."""
+
+    def __init__(self, cfg: ModelConfig, *, first: bool, stack: int | None, rngs: nnx.Rngs):
+        D, H, K, Dh, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std
+        owns_kv = first or cfg.kv_share == 1
+        self.wq = params.normal(rngs, (D, H, Dh), ('embed', 'heads', 'head_dim'), std, stack)
+        self.wk = params.normal(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, stack) if owns_kv else None
+        self.wv = (params.normal(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, stack)
+                   if owns_kv and (first or cfg.attention != 'svformer') else None)
+        self.wo = params.normal(rngs, (H, Dh, D), ('heads', 'head_dim', 'embed'), std, stack)
+        per_token = not first and cfg.per_token_mix
+        self.w_mix = params.normal(rngs, (D, K), ('embed', 'kv_heads'), std, stack) if per_token else None
+        self.variant = cfg.attention
+        self.rope_theta = cfg.rope_theta
+        self.hand_vjp = cfg.hand_vjp
+
+    @property
+    def ops(self) -> ops.HotOps:
+        return ops.hot_ops(self.hand_vjp)  # at call time: a model is built (for shapes) before hand_vjp resolves
+
+    def queries(self, x_BxLxD: Array, positions_BxL: Array) -> Array:
+        q_BxLxHxDh = self.ops.project(x_BxLxD, self.wq[...].astype(x_BxLxD.dtype), 1)
+        return rope(q_BxLxHxDh, positions_BxL, self.rope_theta)
+
+    def keys_values(self, x_BxLxD: Array, positions_BxL: Array, v1_BxLxKxDh: Array | None, kv: LayerKV | None,
+                    borrowed: tuple[Array, Array] | None) -> tuple[Array, Array]:
+        """Keys (with RoPE) and the layer's own values V_n: x W_V, or V_1 where the layer has no W_V.
+
+        CLA (kv given): only the first layer of a group projects; the others borrow its keys and
+        the values it attended over.
+        """
+        def project(wk_DxKxDh: Array, wv_DxKxDh: Array | None) -> tuple[Array, Array]:
+            dtype = x_BxLxD.dtype
+            k = rope(self.ops.project(x_BxLxD, wk_DxKxDh.astype(dtype), 1), positions_BxL, self.rope_theta)
+            return k, v1_BxLxKxDh if wv_DxKxDh is None else self.ops.project(x_BxLxD, wv_DxKxDh.astype(dtype), 1)
+
+        if kv is None:
+            return project(self.wk[...], None if self.wv is None else self.wv[...])
+        # a select, not lax.cond: a cond inside the sharded layer scan crashed XLA:CPU once in CI
+        # (tests/test_sharding.py, svformer-cla2); the borrowing layers' projection (zero weights) is wasted
+        own = project(kv.wk, kv.wv)
+        return tuple(jnp.where(kv.owns, mine, theirs) for mine, theirs in zip(own, borrowed))
+
+    def values(self, x_BxLxD: Array, v_n: Array, v1: Array | None, lambdas: Lambdas | None) -> Array:
+        """The values (B, L, K, Dh) this layer attends over: where the variants differ in V.
+
+        Layer 1 (v1 is None) attends over its own V_n, which is V_1 for every variant.
+        """
+        if v1 is None or self.variant == 'vanilla':
+            return v_n
+        if self.variant == 'svformer':
+            return v1
+        if self.w_mix is not None:  # per-token mix: lambda = sigmoid(x W_mix) per token and kv head
+            mix_BxLxKx1 = self.mix_gate(x_BxLxD)
+            return (mix_BxLxKx1 * v1 + (1 - mix_BxLxKx1) * v_n).astype(v_n.dtype)
+        return lambdas.vn.astype(v_n.dtype) * v_n + lambdas.v1.astype(v_n.dtype) * v1
+
+    def mix_gate(self, x_BxLxD: Array) -> Array:
+        """The per-token mix's weight of V_1, (B, L, K, 1) in [0, 1]."""
+        return variants.gate(x_BxLxD, self.w_mix[...], self.ops.project)
+
+    def output(self, o_BxLxHxDh: Array) -> Array:
+        return self.ops.project(o_BxLxHxDh, self.wo[...].astype(o_BxLxHxDh.dtype), 2)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: (silu(x W_gate) * x W_up) W_down."""
+
+    def __init__(self, cfg: ModelConfig, *, stack: int | None, rngs: nnx.Rngs):
+        D, F, std = cfg.d_model, cfg.d_ff, cfg.init_std
+        self.w_gate = params.normal(rngs, (D, F), ('embed', 'mlp'), std, stack)
+        self.w_up = params.normal(rngs, (D, F), ('embed', 'mlp'), std, stack)
+        self.w_down = params.normal(rngs, (F, D), ('mlp', 'embed'), std, stack)
+        self.hand_vjp = cfg.hand_vjp
+
+    @property
+    def ops(self) -> ops.HotOps:
+        return ops.hot_ops(self.hand_vjp)
+
+    def __call__(self, x_BxLxD: Array) -> Array:
+        dtype = x_BxLxD.dtype
+        gate_BxLxF = self.ops.project(x_BxLxD, self.w_gate[...].astype(dtype), 1)
+        up_BxLxF = self.ops.project(x_BxLxD, self.w_up[...].astype(dtype), 1)
+        return self.ops.project(self.ops.swiglu(gate_BxLxF, up_BxLxF), self.w_down[...].astype(dtype), 1)
+
+
+class LayerInputs(NamedTuple):
+    """A layer's share of the variants' per-layer inputs; for layers 2..L each has a leading N axis
+    that the scan slices."""
+    layer: Array | int  # the 0-based layer index: an int where the layers are unrolled (it picks cache slots)
+    lambdas: Lambdas | None  # ResFormer's scalar mix
+    kv: LayerKV | None  # CLA: the layer's W_K, W_V (zeros where it borrows) and whether it owns them
+    value_embed: ValueEmbed | None  # value embeddings: the layer's lookup and gate weight (zeros: none)
+    dense_row: Array | None  # DenseFormer: (L + 1,) weights over B_0..B_L, zero past this block
+
+
+class Stream(NamedTuple):
+    """What each layer hands the next: the layer scan's carry."""
+    h: Array  # (B, L, D) the next block's input
+    v1: Array | None  # (B, L, K, Dh) V_1, once layer 1 has run
+    kv: tuple[Array, Array] | None  # CLA: the current group's keys and attended values (B, L, K, Dh)
+    blocks: Array | None  # DenseFormer: (L + 1, B, L, D) the embedding output and the block outputs so far
+    cache: KVCache | None  # decoding: every layer's keys and values
+
+
+class Block(nnx.Module):
+    """Pre-norm attention + SwiGLU. With `stack`, one module holds N layers' parameters."""
+
+    def __init__(self, cfg: ModelConfig, *, first: bool, stack: int | None, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, stack)
+        self.attn = Attention(cfg, first=first, stack=stack, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, stack)
+        self.mlp = MLP(cfg, stack=stack, rngs=rngs)
+        self.cfg = cfg
+        self.neutreno_lambda = cfg.neutreno_lambda if cfg.neutreno else None
+
+    def __call__(self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array, record: bool
+                 ) -> tuple[Array, tuple[Array, Array], KVCache | None, layer_stats.AttentionStats | None]:
+        """The block's output (B, L, D), its keys and attended values for the L tokens, the cache with
+        them written and, when recording, its attention statistics."""
+        x_BxLxD = self.attn_norm(s.h)
+        q_BxLxHxDh = self.attn.queries(x_BxLxD, positions_BxL)
+        k_BxLxKxDh, v_n = self.attn.keys_values(x_BxLxD, positions_BxL, s.v1, p.kv, s.kv)  # CLA
+        scale_BxLxKx1 = None
+        if p.value_embed is not None:  # value embeddings: V_n + 2 sigmoid(x W_gate) * table[token]
+            gate_BxLxKx1 = variants.gate(x_BxLxD, p.value_embed.gate_w, self.attn.ops.project)
+            scale_BxLxKx1 = variants.VALUE_EMBED_GATE_SCALE * gate_BxLxKx1
+            v_n = v_n + (scale_BxLxKx1 * p.value_embed.e).astype(v_n.dtype)
+        v_BxLxKxDh = self.attn.values(x_BxLxD, v_n, s.v1, p.lambdas)  # ResFormer, SVFormer, per-token mix
+        keys, values, cache = k_BxLxKxDh, v_BxLxKxDh, s.cache
+        if cache is not None:
+            keys, values, cache = cache.update(self.cfg, p.layer, k_BxLxKxDh, v_BxLxKxDh)
+        keys, values = keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype)
+        if cache is None:  # training's causal mask, or an explicit one: vrl/model/attention.py decides how
+            o_BxLxHxDh = attention.attention(self.cfg.attention_impl, q_BxLxHxDh, keys, values, mask,
+                                             self.cfg.attention_chunks, self.attn.ops.attention)
+        else:  # the cache's (B * K, S, Dh) slots as they lie
+            o_BxLxHxDh = ops.attend_cache(q_BxLxHxDh, keys, values, mask)
+        if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V)
+            o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_BxLxKxDh), o_BxLxHxDh.shape)
+        h_BxLxD = s.h + self.attn.output(o_BxLxHxDh)
+        h_BxLxD = h_BxLxD + self.mlp(self.mlp_norm(h_BxLxD))
+        stats = None
+        if record:
+            B, L = q_BxLxHxDh.shape[:2]
+            dense_BxLxS = mask.dense(B, L) if isinstance(mask, Causal) else mask
+            stats = layer_stats.attention_stats(q_BxLxHxDh, keys, values, dense_BxLxS, scale_BxLxKx1)
+        return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), cache, stats
+
+
+def _per_query_head(x_BxLxKxDh: Array, shape_BxLxHxDh: tuple[int, ...]) -> Array:
+    """A kv head's vector for each of the G query heads of its group: (B, L, K, Dh) -> (B, L, H, Dh)."""
+    B, L, K, Dh = x_BxLxKxDh.shape
+    G = shape_BxLxHxDh[2] // K
+    return jnp.broadcast_to(x_BxLxKxDh[:, :, :, None], (B, L, K, G, Dh)).reshape(shape_BxLxHxDh)
+
+
+_ACTIVATION = ('batch', 'length', 'act_embed')  # the hidden state between blocks
+
+_REMAT_POLICIES = {
+    'full': None,
+    'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        V, D = cfg.padded_vocab_size, cfg.d_model
+        self.embed = params.normal(rngs, (V, D), ('vocab', 'embed'), cfg.init_std)
+        self.first = Block(cfg, first=True, stack=None, rngs=rngs)
+        self.layers = Block(cfg, first=False, stack=cfg.n_stacked, rngs=rngs)
+        scalar_lambdas = cfg.attention == 'resformer' and not cfg.per_token_mix
+        self.lambdas = variants.ValueResidualLambdas(cfg) if scalar_lambdas else None
+        self.shared_kv = variants.SharedKeyValues(cfg, rngs) if cfg.kv_share > 1 else None
+        self.value_embeds = variants.ValueEmbeddings(cfg, rngs) if cfg.value_embed_layers else None
+        self.depth_weights = variants.DepthWeights(cfg) if cfg.denseformer else None
+        self.final_norm = RMSNorm(cfg, None)
+        self.head = None if cfg.tie_embeddings else params.normal(rngs, (D, V), ('embed', 'vocab'), cfg.init_std)
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.cfg.resolved_compute_dtype)
+
+    def __call__(self, tokens_BxL: Array, positions_BxL: Array | None = None,
+                 segment_ids_BxL: Array | None = None) -> Array:
+        """Float32 logits (B, L, V); padded vocab entries are -1e30.
+
+        positions default to 0..L-1; with segment ids, attention stays within a document.
+        """
+        return self.logits(self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL))
+
+    def hidden(self, tokens_BxL: Array, positions_BxL: Array | None = None,
+               segment_ids_BxL: Array | None = None) -> Array:
+        """The final-normalised hidden states (B, L, D) that `head_DxV` turns into logits."""
+        B, L = tokens_BxL.shape
+        if positions_BxL is None:
+            positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
+        h_BxLxD, _, _ = self._forward(tokens_BxL, positions_BxL, Causal(segment_ids_BxL), None, False)
+        return h_BxLxD
+
+    def layer_stats(self, tokens_BxL: Array) -> layer_stats.LayerStats:
+        """Per-layer attention, value and hidden-state statistics of causal sequences (vrl/model/layer_stats.py),
+        each (L, B), computed one layer at a time; `similarity` (L + 1, B) starts at the embedding."""
+        B, L = tokens_BxL.shape
+        positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
+        _, _, stats = self._forward(tokens_BxL, positions_BxL, Causal(None), None, True)
+        return stats
+
+    def split_layers(self) -> list[nnx.State]:
+        """The stacked layers' parameters as one state per layer (layers 2..L): what the layer loop walks."""
+        _, stacked_state = nnx.split(self.layers)
+        return [jax.tree.map(lambda x: x[i], stacked_state) for i in range(self.cfg.n_stacked)]
+
+    def decode(self, tokens_BxT: Array, pad_B: Array, cache: KVCache, layers: list[nnx.State] | None = None
+               ) -> tuple[Array, KVCache]:
+        """Runs T new tokens at cache positions [index, index + T) of left-padded sequences.
+
+        pad_B: how many cache positions at the start of each sequence are padding. Each new
+        token attends to the real tokens up to itself; RoPE positions count real tokens only.
+        layers: `split_layers()`, taken once outside a loop of decode steps. XLA:CPU copies a
+        slice of the stacked weights before a matmul reads it, so slicing them every step
+        copied every layer's weights every step.
+        """
+        B, T = tokens_BxT.shape
+        S = cache.k[0].shape[1]
+        query_index_BxT = jnp.broadcast_to(cache.index + jnp.arange(T), (B, T))
+        key_index_S = jnp.arange(S)
+        mask_BxTxS = ((key_index_S[None, None, :] <= query_index_BxT[:, :, None])
+                      & (key_index_S[None, None, :] >= pad_B[:, None, None]))
+        h_BxTxD, cache, _ = self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache, False,
+                                          layers)
+        return self.logits(h_BxTxD), cache
+
+    def _forward(self, tokens_BxL: Array, positions_BxL: Array, mask: Causal | Array, cache: KVCache | None,
+                 record: bool, layers: list[nnx.State] | None = None
+                 ) -> tuple[Array, KVCache | None, layer_stats.LayerStats | None]:
+        """The final-normalised hidden states (B, L, D), the updated cache when decoding, and the
+        per-layer statistics when recording."""
+        dtype, L = self.compute_dtype, self.cfg.n_layers
+        h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION)
+        blocks = None
+        if self.depth_weights is not None:
+            blocks = jnp.zeros((L + 1, *h_BxLxD.shape), dtype).at[0].set(h_BxLxD)
+        dense_LxL1 = None if self.depth_weights is None else self.depth_weights.matrix()
+        ve = self.value_embeds
+        first = LayerInputs(layer=0, lambdas=None, kv=None,
+                            value_embed=None if ve is None else ve.for_first(tokens_BxL, dtype),
+                            dense_row=None if dense_LxL1 is None else dense_LxL1[0])
+        stacked = LayerInputs(layer=jnp.arange(1, L, dtype=jnp.int32),
+                              lambdas=None if self.lambdas is None else self.lambdas.for_stack(),
+                              kv=None if self.shared_kv is None else self.shared_kv.for_stack(),
+                              value_embed=None if ve is None else ve.for_stack(tokens_BxL, dtype),
+                              dense_row=None if dense_LxL1 is None else dense_LxL1[1:])
+        s, first_stats = self._layer(self.first, Stream(h_BxLxD, None, None, blocks, cache), first,
+                                     positions_BxL, mask, record)
+        s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask, record, layers)
+        h_BxLxD = self.final_norm(s.h)
+        cache = None if cache is None else s.cache._replace(index=cache.index + tokens_BxL.shape[1])
+        if not record:
+            return h_BxLxD, cache, None
+        stats = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first_stats, stacked_stats)
+        embedding_similarity = layer_stats.token_similarity(self.embed[...].astype(dtype)[tokens_BxL])
+        gated_Lx1 = np.isin(np.arange(1, L + 1), self.cfg.value_embed_layers)[:, None]  # the stack computes every gate
+        return h_BxLxD, cache, stats._replace(similarity=jnp.concatenate([embedding_similarity[None], stats.similarity]),
+                                              value_gate=jnp.where(gated_Lx1, stats.value_gate, jnp.nan))
+
+    def _layer(self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array,
+               record: bool) -> tuple[Stream, layer_stats.LayerStats | None]:
+        """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average."""
+        h_BxLxD, kv, cache, attention_stats = block(s, p, positions_BxL, mask, record)
+        blocks = s.blocks
+        if blocks is not None:  # DenseFormer: the next input is a learned average of B_0..B_layer+1
+            blocks = jax.lax.dynamic_update_index_in_dim(blocks, h_BxLxD, p.layer + 1, 0)
+            h_BxLxD = jnp.einsum('j,jbld->bld', p.dense_row.astype(blocks.dtype), blocks)
+        h_BxLxD = constrain(h_BxLxD, _ACTIVATION)
+        v1 = kv[1] if s.v1 is None else s.v1
+        s = Stream(h_BxLxD, v1, kv if self.cfg.kv_share > 1 else None, blocks, cache)
+        return s, layer_stats.layer_stats(attention_stats, h_BxLxD) if record else None
+
+    def _stacked_layers(self, s: Stream, inputs: LayerInputs, positions_BxL: Array, mask: Causal | Array,
+                        record: bool, layers: list[nnx.State] | None
+                        ) -> tuple[Stream, layer_stats.LayerStats | None]:
+        """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`.
+
+        V_1 is the same for every layer, so it is a constant of the scan rather than part of its
+        carry: the backward pass keeps a scan's carry once per layer (N copies of V_1), and a constant
+        once (docs/performance.md, "Train-step memory"). Decoding always loops, so
+        that each layer's cache slots are known when tracing (KVCache: one buffer per slot), and
+        takes each layer's parameters from `layers` where given (`decode`).
+        """
+        graphdef, stacked_state = nnx.split(self.layers)
+        v1, decoding = s.v1, s.cache is not None
+        def body(s: Stream, per_layer):
+            layer_state, p = per_layer
+            s, stats = self._layer(nnx.merge(graphdef, layer_state), s._replace(v1=v1), p, positions_BxL, mask,
+                                   record)
+            return s._replace(v1=None), stats
+
+        if self.cfg.remat == 'auto' and not decoding:
+            raise ConfigError("model.remat='auto' is unresolved here: vrl.train.aot.resolve resolves it by compiling "
+                              'for the devices (vrl.main and train.run do it).')
+        if self.cfg.remat != 'none' and not decoding:
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        s = s._replace(v1=None)
+        if self.cfg.scan_layers and not decoding:
+            s, stats = jax.lax.scan(body, s, (stacked_state, inputs))
+            return s._replace(v1=v1), stats
+        layers = self.split_layers() if layers is None else layers
+        outputs = []
+        for i in range(self.cfg.n_stacked):
+            p = jax.tree.map(lambda x: x[i], inputs)
+            s, stats = body(s, (layers[i], p._replace(layer=i + 1) if decoding else p))
+            outputs.append(stats)
+        return s._replace(v1=v1), None if not record else jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+
+    def head_DxV(self) -> Array:
+        """The output head in the compute dtype: the embedding transposed when tied."""
+        head_DxV = self.embed[...].T if self.head is None else self.head[...]
+        return head_DxV.astype(self.compute_dtype)
+
+    def logits(self, x_BxLxD: Array) -> Array:
+        logits_BxLxV = ops.project(x_BxLxD, self.head_DxV(), 1, jnp.float32)
+        is_real_V = jnp.arange(logits_BxLxV.shape[-1]) < self.cfg.vocab_size
+        return constrain(jnp.where(is_real_V, logits_BxLxV, -1e30), ('batch', 'length', 'vocab'))

@@ -1,0 +1,333 @@
+"""Orbax checkpoints of {train state, data iterator position, meta} in `WORKDIR/checkpoints`.
+
+Saves are asynchronous; Orbax writes each step to a temporary folder and renames it when
+complete, so a process killed mid-save leaves the previous step restorable. The data
+iterator state is one JSON file per process (grain's handler). `meta` (JSON) holds the
+model config the step was trained with and a fingerprint of every array of the state.
+
+Restoring checks the saved model config against the config (a different model is refused,
+naming the field), then the parameter shapes, then restores and recomputes the fingerprint.
+A step that cannot be read or whose fingerprint differs is moved to
+`WORKDIR/rejected_checkpoints/` (never deleted) and the previous complete step is restored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Iterator
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from vrl.train import orbax_noise
+from vrl.core import storage
+from vrl.core.config import EXECUTION_FIELDS, Config, ModelConfig, TrainConfig
+from vrl.core.errors import CheckpointError
+
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint does not fit the config; the message names the first difference."""
+
+
+class SaveError(CheckpointError, RuntimeError):
+    """An asynchronous save failed (e.g. a full disk); its partial folder has been removed."""
+
+
+class CorruptCheckpointError(CheckpointError, RuntimeError):
+    """A checkpoint step cannot be read, or its arrays are not the ones saved."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """There is no checkpoint where one was asked for; the message says where vrl looked."""
+
+
+def make_manager(workdir: str, cfg: TrainConfig) -> ocp.CheckpointManager:
+    return _manager(epath.Path(workdir) / 'checkpoints', ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.keep_checkpoints, keep_period=cfg.keep_period or None,
+        enable_async_checkpointing=True, create=True))
+
+
+def _manager(folder: epath.Path, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
+    orbax_noise.quiet()
+    return ocp.CheckpointManager(folder, options=options,
+                                 item_handlers={'state': ocp.StandardCheckpointHandler(),
+                                                'data': grain.checkpoint.CheckpointHandler(),
+                                                'meta': ocp.JsonCheckpointHandler()})
+
+
+def _leaf_fingerprint(x: jax.Array) -> jax.Array:
+    """[sum of the bit patterns, sum of bit pattern x (2 i + 1)] mod 2^32: any single flipped bit
+    or swapped pair of elements changes it."""
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f'uint{8 * x.dtype.itemsize}')).astype(jnp.uint32)
+    odd = (2 * jnp.arange(x.size, dtype=jnp.uint32) + 1).reshape(x.shape)
+    return jnp.stack([bits.sum(dtype=jnp.uint32), (bits * odd).sum(dtype=jnp.uint32)])
+
+
+_fingerprints = jax.jit(lambda tree: jax.tree.map(_leaf_fingerprint, tree))
+
+
+def fingerprint(tree: Any) -> dict[str, list[int]]:
+    """Per array of `tree` (by path name), two uint32 checksums computed where the array lies."""
+    host = jax.device_get(_fingerprints(tree))
+    return {_path_name(p): [int(v) for v in np.asarray(x)] for p, x in jax.tree_util.tree_leaves_with_path(host)}
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any, config: Config,
+         force: bool = False) -> bool:
+    """Starts an async save of `state`, the iterator's position (if any) and the meta record."""
+    meta = {'model': dataclasses.asdict(config.model), 'optimizer': config.optimizer.name,
+            'fingerprint': fingerprint(state)}
+    items = {'state': ocp.args.StandardSave(state), 'meta': ocp.args.JsonSave(meta)}
+    if data_iterator is not None:
+        items['data'] = grain.checkpoint.CheckpointSave(data_iterator)
+    with _save_errors(manager):  # the save waits for the previous one, which may have failed
+        return manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+
+def check_saves(manager: ocp.CheckpointManager, wait: bool = False) -> None:
+    """Raises SaveError if an earlier asynchronous save failed; with `wait`, waits for the one in
+    flight first. Without, it costs nothing while a save is still running."""
+    if wait or not manager.is_saving_in_progress():
+        with _save_errors(manager):
+            manager.wait_until_finished()  # returns at once when done, raises if that save failed
+
+
+@contextlib.contextmanager
+def _save_errors(manager: ocp.CheckpointManager) -> Iterator[None]:
+    """A failed save as one SaveError line (`close` removes its partial folder; the steps before it stay)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - whatever the writer raised, the save is lost
+        reason = 'no space left on device' if 'No space left on device' in str(e) else _one_line(e)
+        folder = epath.Path(manager.directory)
+        latest = latest_step(folder.parent)
+        kept = f'the latest complete checkpoint is step {latest}' if latest is not None else 'no checkpoint is complete yet'
+        raise SaveError(f'saving a checkpoint in {folder} failed ({reason}); its partial folder is removed and '
+                        f'{kept}. Fix the cause and run the same command to resume.') from None
+
+
+def close(manager: ocp.CheckpointManager) -> None:
+    """Closes the manager; then any `*.orbax-checkpoint-tmp` folder is a failed save's, and is removed."""
+    manager.close()
+    if jax.process_index() == 0:
+        for partial in epath.Path(manager.directory).glob('*.orbax-checkpoint-tmp*'):
+            partial.rmtree(missing_ok=True)
+
+
+def _path_name(path) -> str:
+    return '.'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
+
+
+def check_compatible(saved: Any, expected: Any, where: str) -> None:
+    """Raises CheckpointMismatchError naming the first parameter whose presence or shape differs."""
+    saved_leaves = {_path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(saved)}
+    expected_leaves = {_path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    for name, want in expected_leaves.items():
+        if name not in saved_leaves:
+            raise CheckpointMismatchError(f'{where} has no parameter {name} (shape {tuple(want.shape)}) that '
+                                          'the config needs: it was written for another model config.')
+        got = tuple(saved_leaves[name].shape)
+        if got != tuple(want.shape):
+            raise CheckpointMismatchError(f'{where}: parameter {name} has shape {got} but the config '
+                                          f'needs {tuple(want.shape)}; it was written for another model config.')
+    extra = sorted(set(saved_leaves) - set(expected_leaves))
+    if extra:
+        raise CheckpointMismatchError(f'{where} has parameter {extra[0]} that the config does not: it was '
+                                      'written for another model config.')
+
+
+def _read_meta(step_dir: epath.Path) -> dict | None:
+    """The step's meta record; None for a checkpoint written before vrl saved one."""
+    if not (step_dir / 'meta').exists():
+        return None
+    try:
+        return ocp.JsonCheckpointHandler().restore(step_dir / 'meta')
+    except Exception as e:  # noqa: BLE001 - any read failure means the step is damaged
+        raise CorruptCheckpointError(f'its meta record cannot be read ({_one_line(e)})') from e
+
+
+def check_model(saved: dict | None, model: ModelConfig, where: str) -> None:
+    """Refuses a checkpoint whose saved model config differs from `model` in a field that changes
+    the model (execution settings such as remat may change); names the field and both values."""
+    if saved is None:
+        return
+    current = dataclasses.asdict(model)
+    for name, value in saved['model'].items():
+        if name in EXECUTION_FIELDS or name not in current:
+            continue
+        if _normalized(value) != _normalized(current[name]):
+            raise CheckpointMismatchError(
+                f'{where} was trained with model.{name}={_normalized(value)!r} but the config has '
+                f'model.{name}={_normalized(current[name])!r}; a different model cannot resume this run '
+                '(start it from these weights in a new --workdir with --init_from).')
+
+
+def check_optimizer(saved: dict | None, optimizer: str, saved_state: Any, expected_state: Any, where: str) -> None:
+    """Refuses a checkpoint whose optimizer (by name) or optimizer-state layout differs from the config's."""
+    was = (saved or {}).get('optimizer', 'adamw')  # checkpoints from before Muon are AdamW's
+    if was != optimizer:
+        raise CheckpointMismatchError(
+            f'{where} was trained with optimizer.name={was!r} but the config has optimizer.name={optimizer!r}; '
+            'its optimizer state cannot continue under another optimizer (start from its weights in a new '
+            '--workdir with --init_from).')
+    saved_names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved_state)}
+    expected_names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected_state)}
+    if saved_names != expected_names:
+        first = sorted(saved_names ^ expected_names)[0]
+        side = 'only the checkpoint' if first in saved_names else 'only the config'
+        raise CheckpointMismatchError(
+            f'{where}: its optimizer state differs from the config\'s ({first} is in {side}); were '
+            'optimizer.grad_clip or an optimizer.*_lr_ratio switched between 0/1 and another value? Resume '
+            'with the run\'s optimizer settings.')
+
+
+def _normalized(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _one_line(e: BaseException) -> str:
+    text = ' '.join(str(e).split()).split(' See full TensorStore details')[0] or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + '...'
+
+
+def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iterator: Any,
+                  config: Config) -> Any:
+    """Step `step`'s verified state; CheckpointMismatchError for another model, CorruptCheckpointError
+    for a step that cannot be read or whose arrays differ from the ones saved."""
+    where = f'checkpoint {manager.directory}/{step}'
+    meta = _read_meta(epath.Path(manager.directory) / str(step))
+    check_model(meta, config.model, where)
+    try:
+        metadata = manager.item_metadata(step)['state']
+    except Exception as e:  # noqa: BLE001
+        raise CorruptCheckpointError(f'its array metadata cannot be read ({_one_line(e)})') from e
+    check_compatible(metadata['params'], abstract_state.params, where)
+    check_optimizer(meta, config.optimizer.name, metadata['opt_state'], abstract_state.opt_state, where)
+    items = {'state': ocp.args.StandardRestore(abstract_state)}
+    if data_iterator is not None:
+        items['data'] = grain.checkpoint.CheckpointRestore(data_iterator)
+    try:
+        state = manager.restore(step, args=ocp.args.Composite(**items))['state']
+    except Exception as e:  # noqa: BLE001
+        raise CorruptCheckpointError(f'it cannot be read ({_one_line(e)})') from e
+    if meta is not None:
+        restored = fingerprint(state)
+        for name, saved in meta['fingerprint'].items():
+            if restored.get(name) != saved:
+                raise CorruptCheckpointError(f'array {name} differs from the one saved (checksum mismatch)')
+    return state
+
+
+def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any, data_iterator: Any,
+                   config: Config, say: Callable[[str], None] = print) -> tuple[Any, int] | None:
+    """The newest step that reads back intact, as (state, step); None if there is no checkpoint.
+
+    Newer steps that are damaged are reported in one line each and moved to
+    `rejected_checkpoints/` next to `checkpoints/` (never deleted), so the run re-saves those steps.
+    If no step can be restored, nothing is moved and CorruptCheckpointError names each reason.
+    """
+    steps = sorted(manager.all_steps(), reverse=True)
+    damaged: list[tuple[int, str]] = []
+    for step in steps:
+        state, reason = None, ''
+        try:
+            state = _restore_step(manager, step, abstract_state, data_iterator, config)
+        except CorruptCheckpointError as e:
+            reason = str(e)
+        if jax.process_count() > 1:  # every host restored its own shards: all must have succeeded
+            from jax.experimental import multihost_utils
+            if not np.all(multihost_utils.process_allgather(np.array(not reason))):
+                reason = reason or 'another host could not read its shards'
+        if not reason:
+            for bad_step, why in damaged:
+                moved = _reject(manager, bad_step, why)
+                say(f'checkpoint step {bad_step} is damaged: {why}; moved to {moved}, resuming from step {step}')
+            if damaged:
+                manager.reload()
+            logging.info('restored step %d from %s', step, manager.directory)
+            return state, step
+        damaged.append((step, reason))
+    if damaged:
+        raise CorruptCheckpointError(
+            f'no checkpoint in {manager.directory} can be restored: '
+            + '; '.join(f'step {s}: {why}' for s, why in damaged)
+            + '. Nothing was moved; start a new --workdir (optionally --init_from a copy you trust).')
+    return None
+
+
+def _reject(manager: ocp.CheckpointManager, step: int, reason: str) -> epath.Path:
+    """Moves a damaged step out of the manager's sight, with a note of why (process 0 only)."""
+    source = epath.Path(manager.directory) / str(step)
+    target = epath.Path(manager.directory).parent / 'rejected_checkpoints' / f'{step}-{time.strftime("%Y%m%dT%H%M%S")}'
+    if jax.process_index() == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        storage.move(source, target)
+        (target / 'REJECTED.txt').write_text(reason + '\n')
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(f'vrl rejected checkpoint {step}')
+    return target
+
+
+def latest_step(workdir: str | epath.Path) -> int | None:
+    """The newest complete step saved in `workdir` (None if none), without a manager."""
+    folder = epath.Path(workdir) / 'checkpoints'
+    steps = ocp.utils.checkpoint_steps(folder) if folder.is_dir() else []
+    return max(steps) if steps else None
+
+
+def step_folder(path: str) -> tuple[epath.Path, int | None]:
+    """The folder holding `state/` for a workdir (its latest step) or a step folder, and its step
+    (None if the folder name is not one); NoCheckpointError names the place and how to make one."""
+    root = storage.path(path)
+    if storage.exists(root / 'checkpoints', 'the checkpoint'):
+        root = root / 'checkpoints'
+    if (root / 'state').exists():
+        return root, int(root.name) if root.name.isdigit() else None
+    steps = ocp.utils.checkpoint_steps(root) if root.is_dir() else []
+    if not steps:
+        raise NoCheckpointError(f'no checkpoint in {path}: expected a workdir with checkpoints/ or a step '
+                                'folder holding state/ (train one with `python -m vrl.main --workdir=...`).')
+    return root / str(max(steps)), max(steps)
+
+
+def restore_branch(path: str, abstract_state: Any, data_iterator: Any, config: Config) -> tuple[Any, int]:
+    """Another run's whole state at one step (parameters, optimizer, data position), as (state, step):
+    `--branch_from`, e.g. to extend a wsd run from its last stable step in a new workdir."""
+    root, step = step_folder(path)
+    if step is None:
+        raise NoCheckpointError(f'{path} is not a checkpoint step folder (DIR/checkpoints/STEP): --branch_from '
+                                'needs one.')
+    manager = _manager(root.parent, ocp.CheckpointManagerOptions(read_only=True))
+    try:
+        return _restore_step(manager, step, abstract_state, data_iterator, config), step
+    finally:
+        manager.close()
+
+
+def restore_params(path: str, abstract_params: Any, model: ModelConfig | None = None) -> Any:
+    """Parameters only, from a workdir (its latest step) or a step folder: for --init_from (any
+    model whose shapes match) and for decoding (`model` given: the saved model config must match)."""
+    root, _ = step_folder(path)
+    if model is not None:
+        check_model(_read_meta(root), model, f'checkpoint {root}')
+    checkpointer = ocp.PyTreeCheckpointer()
+    # the handler's metadata: the checkpointer's also looks for step metadata, which the manager
+    # writes one folder up, and logs a warning that it is missing
+    check_compatible(ocp.PyTreeCheckpointHandler().metadata(root / 'state')['params'], abstract_params,
+                     f'checkpoint {root}')
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), abstract_params)
+    restored = checkpointer.restore(root / 'state', args=ocp.args.PyTreeRestore(
+        item={'params': abstract_params}, restore_args={'params': restore_args}, partial_restore=True))
+    return restored['params']
