@@ -74,13 +74,19 @@ def test_epochs_reshuffle(small_corpus):
     assert collections.Counter(docs[:n]) == collections.Counter(docs[n:]) and docs[:n] != docs[n:]
 
 
-@pytest.mark.parametrize('process_count, min_blocks', [(2, pipeline.MIN_BLOCKS), (4, 1 << 40), (2, 8)])
-def test_process_shards_partition_the_epoch(small_corpus, process_count, min_blocks, monkeypatch):
-    """Every document once per epoch over the processes' shares, in blocks of consecutive documents
-    as this corpus has them (3), one document each (min_blocks 2^40) and ~50 each (min_blocks 8)."""
+@pytest.mark.parametrize('process_count, min_blocks, bytes_per_token', [(2, pipeline.MIN_BLOCKS, pipeline.BYTES_PER_TOKEN),
+                                                                         (4, 1 << 40, 4), (2, 8, 32)])
+def test_process_shards_partition_the_epoch(small_corpus, process_count, min_blocks, bytes_per_token, monkeypatch):
+    """Every document once per epoch over the processes' shares: in blocks of consecutive documents
+    as this corpus has them with windows of 256 tokens (a few each), one document each (min_blocks
+    2^40) and ~50 each (min_blocks 8, 32 bytes per token)."""
     monkeypatch.setattr(pipeline, 'MIN_BLOCKS', min_blocks)
+    monkeypatch.setattr(pipeline, 'BYTES_PER_TOKEN', bytes_per_token)
     cfg, tokenizer = small_corpus
-    cfg = dataclasses.replace(cfg, batch_size=8 * process_count)
+    cfg = dataclasses.replace(cfg, batch_size=8 * process_count, seq_len=256)
+    per_block = pipeline._Blocks(corpus.open_split(cfg.name, cfg.data_dir, 'train'), tokenizer, 'text', None,
+                                 cfg.seq_len).per_block
+    assert (per_block == 1) == (min_blocks > 1000) and per_block < 100
     union = collections.Counter()
     total = 0
     for index in range(process_count):

@@ -156,18 +156,26 @@ def pretokenized(small_corpus, hf_tokenizer, tmp_path_factory):
     return dataclasses.replace(cfg, data_dir=str(data_dir), tokenizer=hf_tokenizer.path), folder
 
 
-BLOCKS = pytest.mark.parametrize('min_blocks', [1 << 40, 8], ids=['one_document_each', 'blocks'])
+BLOCKS = pytest.mark.parametrize('min_blocks, bytes_per_token', [(1 << 40, 4), (8, 128)],
+                                 ids=['one_document_each', 'blocks'])
+
+
+def _blocks(monkeypatch, min_blocks: int, bytes_per_token: int) -> None:
+    monkeypatch.setattr(pipeline, 'MIN_BLOCKS', min_blocks)
+    monkeypatch.setattr(pipeline, 'BYTES_PER_TOKEN', bytes_per_token)
 
 
 @BLOCKS
 @pytest.mark.parametrize('process_count, document_masking', [(1, True), (2, False)])
 def test_pretokenized_batches_equal_tokenizing_on_the_fly(pretokenized, hf_tokenizer, caplog, process_count,
-                                                         document_masking, min_blocks, monkeypatch):
+                                                         document_masking, min_blocks, bytes_per_token,
+                                                         monkeypatch):
     """Batch for batch, over 2 epochs, in each process; with one document per grain element and
     in blocks of consecutive documents (a corpus of short documents; here ~50)."""
-    monkeypatch.setattr(pipeline, 'MIN_BLOCKS', min_blocks)
+    _blocks(monkeypatch, min_blocks, bytes_per_token)
     cfg, folder = pretokenized
-    per_block = pipeline._Blocks(corpus.open_split('plays', cfg.data_dir, 'train'), hf_tokenizer, 'text', None).per_block
+    per_block = pipeline._Blocks(corpus.open_split('plays', cfg.data_dir, 'train'), hf_tokenizer, 'text', None,
+                                 cfg.seq_len).per_block
     assert (per_block == 1) == (min_blocks > 1000) and per_block < 100
     cfg = dataclasses.replace(cfg, document_masking=document_masking, num_epochs=2)
     with caplog.at_level(logging.INFO):
@@ -184,8 +192,9 @@ def test_pretokenized_batches_equal_tokenizing_on_the_fly(pretokenized, hf_token
 
 
 @BLOCKS
-def test_a_pretokenized_iterator_resumes_exactly(pretokenized, hf_tokenizer, min_blocks, monkeypatch):
-    monkeypatch.setattr(pipeline, 'MIN_BLOCKS', min_blocks)
+def test_a_pretokenized_iterator_resumes_exactly(pretokenized, hf_tokenizer, min_blocks, bytes_per_token,
+                                                 monkeypatch):
+    _blocks(monkeypatch, min_blocks, bytes_per_token)
     cfg, _ = pretokenized
     cfg = dataclasses.replace(cfg, num_epochs=0, document_masking=True)
     whole = iter(pipeline.train_dataset(cfg, hf_tokenizer))

@@ -36,7 +36,7 @@ from vrl.data.tokenizer import train as train_tokenizer
 Batch = dict[str, np.ndarray]  # inputs, targets, loss_mask [, segment_ids, positions]: (B, L)
 
 
-BLOCK_BYTES = 8192  # a grain element holds as many whole documents as fit this many stored bytes (at least one),
+BYTES_PER_TOKEN = 4  # a grain element holds about a window of stored text, seq_len * this many bytes (a document at least),
 MIN_BLOCKS = 1000  # and a split has at least this many elements where it has the documents (a fine-grained shuffle)
 
 
@@ -44,16 +44,19 @@ class _Blocks:
     """A split as blocks of consecutive documents, each read at once as a list of token arrays:
     block b holds documents [b R, (b + 1) R). grain spends ~50 us on every element it shuffles,
     shards and prefetches, which bounded a corpus of 50-token documents at ~0.8M tokens/s; R
-    documents per element pay it once. R comes from the stored split's bytes per document
-    (BLOCK_BYTES) and its size (MIN_BLOCKS), so it is 1 for web pages and small splits, and the
-    pre-tokenized and on-the-fly readers agree.
-    Picklable: grain workers read their own."""
+    documents per element pay it once. R comes from the stored split's bytes per document, so that
+    a block holds about one window of text (seq_len tokens of BYTES_PER_TOKEN bytes; a batch then
+    draws about as many places in the corpus as it has windows, as a corpus of long documents
+    does), and from its size (MIN_BLOCKS): 1 for web pages and small splits. The pre-tokenized and
+    on-the-fly readers cut the same blocks. Picklable: grain workers read their own."""
 
-    def __init__(self, text: Any, tokenizer: Tokenizer, text_field: str, pretokenized: tokens.TokenSource | None):
+    def __init__(self, text: Any, tokenizer: Tokenizer, text_field: str, pretokenized: tokens.TokenSource | None,
+                 seq_len: int):
         self._text, self._tokenizer, self._field, self._pretokenized = text, tokenizer, text_field, pretokenized
         split = text.dataset_info.splits[text.split]
         self.documents = len(text)
-        self.per_block = max(1, min(BLOCK_BYTES * split.num_examples // max(split.num_bytes, 1),
+        window_bytes = BYTES_PER_TOKEN * seq_len
+        self.per_block = max(1, min(window_bytes * split.num_examples // max(split.num_bytes, 1),
                                     self.documents // MIN_BLOCKS))
 
     def __len__(self) -> int:
@@ -180,7 +183,8 @@ def _documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, name: str | No
     members, block_weights = [], []
     for i, (member, weight) in enumerate(sources):
         pretokenized = tokens.find(member, cfg.data_dir, split, tokenizer) if cfg.pretokenized else None
-        blocks = _Blocks(corpus.open_split(member, cfg.data_dir, split), tokenizer, cfg.text_field, pretokenized)
+        blocks = _Blocks(corpus.open_split(member, cfg.data_dir, split), tokenizer, cfg.text_field, pretokenized,
+                         cfg.seq_len)
         ds = grain.MapDataset.source(blocks)
         members.append((ds.shuffle(seed=cfg.seed + i) if shuffle else ds).repeat(num_epochs))
         block_weights.append(weight * len(blocks) / blocks.documents)  # the weights are in documents
