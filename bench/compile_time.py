@@ -20,8 +20,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from vrl.model import resolve  # noqa: E402
 from vrl.core.config import Config, ModelConfig  # noqa: E402
+from vrl.model import resolve  # noqa: E402
 from vrl.model.decoder import Decoder  # noqa: E402
 
 

@@ -32,9 +32,9 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import base  # noqa: E402
-from vrl.model import accounting, decode, presets, resolve  # noqa: E402
 from vrl.core import host_memory  # noqa: E402
 from vrl.core.config import Config, from_configdict  # noqa: E402
+from vrl.model import accounting, decode, presets, resolve  # noqa: E402
 from vrl.model.decoder import Decoder  # noqa: E402
 
 

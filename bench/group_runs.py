@@ -29,11 +29,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import reproduce_cpu  # noqa: E402
-from vrl.model import accounting, presets  # noqa: E402
 from vrl.core import cli, host_memory, sharding  # noqa: E402
-from vrl.experiments import grid  # noqa: E402
-from vrl.train import metrics  # noqa: E402
 from vrl.core.config import Config, from_configdict  # noqa: E402
+from vrl.experiments import grid  # noqa: E402
+from vrl.model import accounting, presets  # noqa: E402
+from vrl.train import metrics  # noqa: E402
 from vrl.train.step import Trainer  # noqa: E402
 
 

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from configs import base  # noqa: E402
-from vrl.train import aot  # noqa: E402
 from vrl.core.config import HAND_VJP_OPS, from_configdict  # noqa: E402
+from vrl.train import aot  # noqa: E402
 
 
 def settings(attention_impl: str, autodiff: list[str]) -> list[str]:

@@ -24,11 +24,11 @@ import jax  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from configs import base, tiny  # noqa: E402
-from vrl.train import aot  # noqa: E402
-from vrl.data import corpus, pipeline  # noqa: E402
 from vrl.core import sharding  # noqa: E402
 from vrl.core.config import from_configdict  # noqa: E402
+from vrl.data import corpus, pipeline  # noqa: E402
 from vrl.tools.evaluate import VrlLM  # noqa: E402
+from vrl.train import aot  # noqa: E402
 from vrl.train.step import Trainer  # noqa: E402
 from vrl.train.trained import TrainedRun  # noqa: E402
 

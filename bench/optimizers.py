@@ -24,10 +24,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import reproduce_cpu  # noqa: E402
-from vrl.experiments import curves, grid  # noqa: E402
-from vrl.model import presets  # noqa: E402
 from vrl.core import sharding  # noqa: E402
 from vrl.core.config import Config, from_configdict  # noqa: E402
+from vrl.experiments import curves, grid  # noqa: E402
+from vrl.model import presets  # noqa: E402
 from vrl.train.step import Trainer  # noqa: E402
 
 OPTIMIZERS = ('adamw', 'muon')

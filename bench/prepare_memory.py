@@ -25,7 +25,6 @@ sys.path.insert(0, str(ROOT))
 
 from vrl.data import corpus  # noqa: E402
 
-
 # runs the command given after it and prints the peak RSS (KiB) of it and its children
 PEAK = ('import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); '
         'print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)')

@@ -33,12 +33,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import base, reproduce_cpu, tiny  # noqa: E402
-from vrl.model import accounting, presets  # noqa: E402
-from vrl.train import aot, metrics  # noqa: E402
 from vrl.core import backend, host_memory, sharding  # noqa: E402
 from vrl.core.config import Config, from_configdict  # noqa: E402
+from vrl.model import accounting, presets  # noqa: E402
+from vrl.train import aot, metrics  # noqa: E402
 from vrl.train.step import Trainer  # noqa: E402
-
 
 NAMED = {'tiny': tiny.get_config, 'reproduce_cpu': reproduce_cpu.get_config}
 

@@ -10,8 +10,8 @@ import json
 import subprocess
 import sys
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np

@@ -11,8 +11,8 @@ from flax import nnx
 
 from configs import base
 from tests.helpers import VARIANT_IDS, VARIANTS, small_model_config, variant_params
-from vrl.model import accounting
 from vrl.core.config import from_configdict
+from vrl.model import accounting
 from vrl.model.decoder import Decoder
 
 

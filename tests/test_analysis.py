@@ -14,7 +14,7 @@ from flax import nnx
 
 from tests import numpy_reference
 from tests.conftest import ROOT
-from tests.helpers import NAMED_VARIANTS, randomize, rel_err, random_tokens, small_model_config, tensorboard_scalars
+from tests.helpers import NAMED_VARIANTS, random_tokens, randomize, rel_err, small_model_config, tensorboard_scalars
 from tests.runs import SHARED_RUN_STEPS
 from vrl.model import layer_stats
 from vrl.model.decoder import Decoder
@@ -150,6 +150,7 @@ def test_training_logs_the_diagnostics_that_analyze_computes_on_its_checkpoint(s
     layers with value embeddings (null in the one without), in metrics.jsonl and as one TensorBoard
     chart per statistic."""
     import dataclasses
+
     from tests.runs import tiny_config
     from vrl.experiments import analyze
     from vrl.train import checkpoint, loop

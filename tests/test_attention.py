@@ -15,10 +15,10 @@ from flax import nnx
 
 from configs import base, tiny
 from tests.helpers import NAMED_VARIANTS, cases, randomize, rel_err, small_model_config
-from vrl.train import aot
-from vrl.model import attention, ops, resolve
 from vrl.core.config import Config, ConfigError, DataConfig, from_configdict
+from vrl.model import attention, ops, resolve
 from vrl.model.decoder import Decoder
+from vrl.train import aot
 
 L = 128  # one splash block of the TPU's 128 lanes
 

@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, saved_steps, tiny_config, wait_for, write_choice_task
-from vrl.experiments import compare_report, curves
 from vrl.core.config import Config
+from vrl.experiments import compare_report, curves
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 

@@ -12,8 +12,8 @@ from flax import nnx
 from tests.helpers import rel_err, small_model_config
 from tests.test_model import _loss
 from vrl.core import backend
-from vrl.model import resolve
 from vrl.core.config import Config, ConfigError
+from vrl.model import resolve
 from vrl.model.decoder import Decoder
 
 ZEN3 = 'fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2'  # AVX2, no AVX-512

@@ -14,6 +14,7 @@ from vrl.data import corpus, pipeline
 from vrl.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError
 from vrl.data.tokenizer import train as train_tokenizer
 
+
 def _all_batches(ds) -> list[dict]:
     return list(ds)
 

@@ -11,9 +11,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from tests.helpers import FAST_TIER, NAMED_VARIANTS, cases, randomize, rel_err, small_model_config
-from vrl.model import decode
 from vrl.core import sharding
 from vrl.core.config import MeshConfig
+from vrl.model import decode
 from vrl.model.decoder import Decoder
 
 

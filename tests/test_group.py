@@ -15,9 +15,9 @@ import pytest
 from tests.conftest import ROOT
 from tests.helpers import rel_err
 from tests.runs import cli_args, saved_steps, tiny_config, wait_for
-from vrl.train import checkpoint, loop
-from vrl.experiments import compare, grid
 from vrl.core import sharding
+from vrl.experiments import compare, grid
+from vrl.train import checkpoint, loop
 from vrl.train.step import Trainer
 
 pytestmark = pytest.mark.slow  # trains real runs and starts processes: outside the edit loop's tier

@@ -25,10 +25,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.helpers import FAST_TIER, NAMED_VARIANTS, randomize, rel_err, small_model_config, variant_params
 from tests.runs import SHARED_RUN_STEPS, cli_args, params_equal
 from vrl.data import pipeline
-from vrl.model import decode
 from vrl.interop import hf
-from vrl.train import loop, trained
+from vrl.model import decode
 from vrl.model.decoder import Decoder
+from vrl.train import loop, trained
 from vrl.train.step import Trainer
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
@@ -338,7 +338,8 @@ def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp
     named = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=run.tokenizer.path))
     assert loop._hf_tokenizer(named, f'hf:{folder}', tmp_path)[:2] == (named, None)  # the same pieces
 
-    from vrl.data import corpus, tokenizer as tokenizer_lib
+    from vrl.data import corpus
+    from vrl.data import tokenizer as tokenizer_lib
     texts = corpus.texts(corpus.open_split(run.config.data.name, run.config.data.data_dir, 'train'))
     other = tokenizer_lib.train(texts, 600, str(tmp_path / 'other.model'))
     named = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=other.path))

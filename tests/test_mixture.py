@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from tests.runs import tiny_config
-from vrl.data import corpus, pipeline
-from vrl.train import loop
 from vrl.core.config import ConfigError, DataConfig
+from vrl.data import corpus, pipeline
 from vrl.data.tokenizer import EOS_ID
+from vrl.train import loop
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 

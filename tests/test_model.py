@@ -10,12 +10,12 @@ import pytest
 from flax import nnx
 
 from tests import numpy_reference
-from tests.helpers import (FAST_TIER, NAMED_VARIANTS, cases, copy_params, randomize, rel_err, random_tokens,
+from tests.helpers import (FAST_TIER, NAMED_VARIANTS, cases, copy_params, random_tokens, randomize, rel_err,
                            small_model_config, variant_params)
 from vrl.core.config import ConfigError
 from vrl.model import attention, ops
-from vrl.train import step
 from vrl.model.decoder import Decoder
+from vrl.train import step
 
 
 def _loss(model: Decoder, tokens: jax.Array) -> jax.Array:

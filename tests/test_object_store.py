@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop'
 def bucket_config(gcs, plays_dir, small_corpus):
     """tiny_config with its dataset built into gs://vrl/tfds and its tokenizer at gs://vrl/plays.model."""
     from etils import epath
+
     from vrl.data import corpus
     _, tokenizer = small_corpus
     built = corpus.prepare_from_glob(str(plays_dir), 'plays', 'gs://vrl/tfds', split_mode='blank_line',
@@ -73,12 +74,12 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
     runs started from a gs:// checkpoint and from an hf:gs:// export; a grid directory's lease and
     reports; dataset statistics from a gs:// data_dir."""
     from tests.runs import write_choice_task
-    from vrl.data import pipeline
-    from vrl.tools import evaluate
-    from vrl.experiments import grid
     from vrl.core import storage
-    from vrl.train import loop
+    from vrl.data import pipeline
     from vrl.data.tokenizer import Tokenizer
+    from vrl.experiments import grid
+    from vrl.tools import evaluate
+    from vrl.train import loop
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=4))
     source = loop.run(config, 'gs://vrl/tools/run')
     env = machine_env(gcs, tmp_path / 'host')
@@ -152,8 +153,8 @@ def test_a_bad_store_is_one_line_before_anything_runs(gcs, bucket_config, tmp_pa
 ])
 def test_data_on_a_missing_bucket_is_one_line(gcs, bucket_config, tmp_path, field, value, message):
     """What a run's first data step (process 0's, vrl/core/multihost.py) says; vrl.main prints it as `error: ...`."""
-    from vrl.data import pipeline
     from vrl.core.errors import VrlError
+    from vrl.data import pipeline
     config = dataclasses.replace(bucket_config.data, **{field: value})
     with pytest.raises(VrlError) as raised:
         pipeline.ready(config, bucket_config.model.vocab_size)
@@ -183,6 +184,7 @@ def test_compressed_records_in_the_bucket_are_prepared_and_pretokenized_there(gc
     """A glob of .jsonl.zst / .jsonl objects prepared into a gs:// data_dir, a tokenizer.json trained
     into the bucket, the dataset pre-tokenized there (tokens.json last) and found by the pipeline."""
     import zstandard
+
     from vrl.data import corpus, tokens
     from vrl.data.tokenizer import train
     fs = bucket_fs()

@@ -15,8 +15,8 @@ from configs import base as base_configs
 from configs import reproduce_cpu
 from tests.helpers import NAMED_VARIANTS, small_model_config
 from tests.runs import params_equal, tiny_config, train_losses
-from vrl.train import checkpoint, optimizer, loop
 from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, OptimizerConfig, TrainConfig, from_configdict
+from vrl.train import checkpoint, loop, optimizer
 from vrl.train.step import abstract_model
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic Newton-Schulz iteration's (a, b, c)

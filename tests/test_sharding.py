@@ -18,10 +18,10 @@ from jax.sharding import PartitionSpec
 from tests.conftest import ROOT
 from tests.helpers import NAMED_VARIANTS
 from tests.runs import TINY_MODEL, cli_args, tiny_config, train_losses
-from vrl.train import aot
-from vrl.data import pipeline
 from vrl.core import sharding
 from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig
+from vrl.data import pipeline
+from vrl.train import aot
 from vrl.train.step import Trainer
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier

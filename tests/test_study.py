@@ -14,8 +14,8 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, saved_steps, tiny_config
-from vrl.experiments import curves, grid, scaling, study, study_report
 from vrl.core.config import Config, DataConfig, ModelConfig, OptimizerConfig, TrainConfig
+from vrl.experiments import curves, grid, scaling, study, study_report
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 

@@ -17,11 +17,11 @@ import pytest
 from tests.conftest import ROOT
 from tests.helpers import rel_err
 from tests.runs import logged_steps, params_equal, saved_steps, start_run, tiny_config, wait_for
+from vrl.core import sharding
+from vrl.data import pipeline
 from vrl.model import accounting
 from vrl.train import checkpoint, loop
-from vrl.data import pipeline
 from vrl.train.step import Trainer
-from vrl.core import sharding
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from tests.helpers import copy_params, randomize, rel_err, random_tokens, small_model_config
-from vrl.model import accounting, decode, presets, variants
+from tests.helpers import copy_params, random_tokens, randomize, rel_err, small_model_config
 from vrl.core.config import ConfigError
+from vrl.model import accounting, decode, presets, variants
 from vrl.model.decoder import Decoder
 
 

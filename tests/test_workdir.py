@@ -17,8 +17,8 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, logged_steps, saved_steps, start_run, tiny_config, wait_for
-from vrl.train import checkpoint, loop, trained
 from vrl.core.config import MeshConfig
+from vrl.train import checkpoint, loop, trained
 from vrl.train.workdir import WorkdirError
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier

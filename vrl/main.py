@@ -15,9 +15,10 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from vrl.model import accounting, resolve
 from vrl.core import cli
 from vrl.core.config import Config, ConfigError, from_configdict
+from vrl.model import accounting, resolve
+
 
 def _define_flags() -> cli.Args:
     return {

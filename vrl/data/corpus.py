@@ -27,8 +27,8 @@ from typing import BinaryIO, Iterable, Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 import tqdm
-from tensorflow_datasets.core import shuffle as tfds_shuffle
 from etils import epath
+from tensorflow_datasets.core import shuffle as tfds_shuffle
 
 from vrl.core import storage
 from vrl.core.errors import VrlError

@@ -27,9 +27,9 @@ import grain
 import numpy as np
 from absl import flags
 
-from vrl.data import corpus, tokens
 from vrl.core import storage
 from vrl.core.config import ConfigError, DataConfig
+from vrl.data import corpus, tokens
 from vrl.data.tokenizer import Tokenizer, TokenizerError
 from vrl.data.tokenizer import train as train_tokenizer
 

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from vrl.data import corpus
 from vrl.core import storage
+from vrl.data import corpus
 from vrl.data.tokenizer import Tokenizer
 
 MARKER = 'tokens.json'

@@ -17,10 +17,10 @@ from absl import flags
 from etils import epath
 
 from vrl.core import cli, storage
-from vrl.train import diagnostics
-from vrl.model import layer_stats
-from vrl.experiments import plots
 from vrl.core.errors import VrlError
+from vrl.experiments import plots
+from vrl.model import layer_stats
+from vrl.train import diagnostics
 from vrl.train.trained import load_trained
 
 STATISTICS = diagnostics.STATISTICS

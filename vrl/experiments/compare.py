@@ -35,10 +35,10 @@ from etils import epath
 from ml_collections import config_flags
 
 from vrl.core import cli, storage
-from vrl.experiments import compare_report, curves, grid
-from vrl.model import presets
 from vrl.core.config import Config, from_configdict
+from vrl.experiments import compare_report, curves, grid
 from vrl.experiments.grid import BASELINE, Downstream, Run
+from vrl.model import presets
 
 
 def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:

@@ -22,13 +22,13 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from vrl.model import accounting
-from vrl.experiments import analyze
-from vrl.train import checkpoint, loop
 from vrl.core import multihost, storage
-from vrl.train import workdir as workdir_lib
 from vrl.core.config import Config
 from vrl.core.errors import VrlError
+from vrl.experiments import analyze
+from vrl.model import accounting
+from vrl.train import checkpoint, loop
+from vrl.train import workdir as workdir_lib
 
 BASELINE = 'vanilla'  # what every statistic of a comparison or study is measured against
 

@@ -39,14 +39,14 @@ from absl import flags
 from etils import epath
 from ml_collections import config_flags
 
-from vrl.model import accounting, presets, resolve
-from vrl.train import checkpoint, metrics
 from vrl.core import cli, storage
+from vrl.core.config import Config, ModelConfig, from_configdict
 from vrl.experiments import grid, study_report
 from vrl.experiments.compare import parse_seeds
-from vrl.core.config import Config, ModelConfig, from_configdict
 from vrl.experiments.grid import GridError, Run
 from vrl.experiments.study_report import BASELINE, Axes
+from vrl.model import accounting, presets, resolve
+from vrl.train import checkpoint, metrics
 
 BUDGETS = ('steps', 'params')
 _SIZE = re.compile(r'(?:d(\d+))?(?:l(\d+))?')

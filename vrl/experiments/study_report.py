@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from vrl.experiments import compare_report, curves, plots, scaling
 from vrl.core.config import ModelConfig
+from vrl.experiments import compare_report, curves, plots, scaling
 from vrl.experiments.grid import BASELINE
 
 _STYLES = ('-', '--', ':', '-.')

@@ -34,8 +34,8 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from vrl.core.errors import CheckpointError
 from vrl.core.config import VARIANT_FIELDS, ModelConfig
+from vrl.core.errors import CheckpointError
 from vrl.data.tokenizer import SentencePieceTokenizer, Tokenizer
 
 try:

@@ -10,8 +10,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from vrl.model import resolve
 from vrl.core.config import ModelConfig
+from vrl.model import resolve
 
 
 @dataclasses.dataclass(frozen=True)

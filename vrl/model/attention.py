@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
-from vrl.model import ops
 from vrl.core.config import ATTENTION_IMPLS, ConfigError, ModelConfig
 from vrl.core.sharding import logical_spec
+from vrl.model import ops
 
 Array = jax.Array
 

@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vrl.model import attention, layer_stats, ops, params, variants
-from vrl.model.attention import Causal
 from vrl.core.config import ConfigError, ModelConfig
 from vrl.core.sharding import constrain
+from vrl.model import attention, layer_stats, ops, params, variants
+from vrl.model.attention import Causal
 from vrl.model.variants import Lambdas, LayerKV, ValueEmbed
 
 Array = jax.Array

@@ -21,9 +21,9 @@ from typing import Callable
 
 import jax
 
-from vrl.model import attention, ops
 from vrl.core import backend
 from vrl.core.config import Config, ModelConfig
+from vrl.model import attention, ops
 
 Say = Callable[[str], None]
 

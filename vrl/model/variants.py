@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vrl.model import params
 from vrl.core.config import ModelConfig
+from vrl.model import params
 
 Array = jax.Array
 

@@ -53,11 +53,11 @@ except ImportError as e:
     raise ImportError(f'vrl.tools.evaluate needs lm-evaluation-harness ({e}): pip install -r requirements-extra.txt'
                       ) from e
 
-from vrl.train import checkpoint
 from vrl.core import cli, sharding, storage
+from vrl.core.errors import VrlError
 from vrl.data import pipeline
 from vrl.model import decode
-from vrl.core.errors import VrlError
+from vrl.train import checkpoint
 from vrl.train.trained import TrainedRun, load_trained
 
 

@@ -11,9 +11,9 @@ import sys
 
 from absl import flags
 
-from vrl.model import accounting, decode
 from vrl.core import cli, storage
 from vrl.data import pipeline
+from vrl.model import accounting, decode
 from vrl.train.trained import TrainedRun, load_trained
 
 

@@ -24,10 +24,11 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from vrl.model import accounting, resolve as model_resolve
 from vrl.core import backend, sharding
 from vrl.core.config import Config
 from vrl.core.errors import VrlError
+from vrl.model import accounting
+from vrl.model import resolve as model_resolve
 from vrl.train.step import Trainer
 
 GiB = 1 << 30

@@ -26,11 +26,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from vrl.train import orbax_noise
 from vrl.core import storage
 from vrl.core.config import EXECUTION_FIELDS, Config, ModelConfig, TrainConfig
 from vrl.core.errors import CheckpointError
-
+from vrl.train import orbax_noise
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):

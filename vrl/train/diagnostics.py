@@ -19,13 +19,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from vrl.data import pipeline
-from vrl.model import layer_stats
 from vrl.core import sharding
 from vrl.core.config import Config
 from vrl.core.errors import VrlError
-from vrl.train.step import Trainer
+from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer
+from vrl.model import layer_stats
+from vrl.train.step import Trainer
 
 STATISTICS = layer_stats.LayerStats._fields
 

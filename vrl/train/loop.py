@@ -22,15 +22,13 @@ import jax
 import numpy as np
 from etils import epath
 
-from vrl.model import accounting, decode
-from vrl.train import aot, checkpoint, diagnostics, metrics
-from vrl.data import pipeline
-from vrl.core import multihost
-from vrl.core import sharding, storage
-from vrl.train import tracking
-from vrl.train import workdir as workdir_lib
+from vrl.core import multihost, sharding, storage
 from vrl.core.config import Config
 from vrl.core.errors import VrlError
+from vrl.data import pipeline
+from vrl.model import accounting, decode
+from vrl.train import aot, checkpoint, diagnostics, metrics, tracking
+from vrl.train import workdir as workdir_lib
 from vrl.train.step import RunGroup, Trainer, TrainState
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
-import math
 import logging
+import math
 import sys
 import threading
 import time
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from vrl.model import layer_stats
 from vrl.core import storage
+from vrl.model import layer_stats
 from vrl.train import tracking
 
 FLUSH_SECONDS = 60.0  # an object-store workdir's metrics reach the store at most this long after a record

@@ -17,11 +17,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from vrl.model import ops, resolve
-from vrl.train import optimizer as vrl_optimizer
 from vrl.core import sharding
 from vrl.core.config import Config, ConfigError, ModelConfig
+from vrl.model import ops, resolve
 from vrl.model.decoder import Decoder
+from vrl.train import optimizer as vrl_optimizer
 
 Batch = dict[str, jax.Array]  # (B, L) int32: inputs, targets, loss_mask [, segment_ids, positions]
 Metrics = dict[str, jax.Array]  # scalars

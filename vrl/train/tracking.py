@@ -15,11 +15,12 @@ from typing import Any
 
 from etils import epath
 
-from vrl.model import layer_stats
 from vrl.core import storage
-from vrl.train import workdir as workdir_lib
 from vrl.core.config import Config
 from vrl.core.errors import VrlError
+from vrl.model import layer_stats
+from vrl.train import workdir as workdir_lib
+
 
 class TrackingError(VrlError, ImportError):
     """W&B was asked for but cannot be used; the message says what to install."""

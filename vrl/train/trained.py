@@ -9,13 +9,13 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
-from vrl.train import checkpoint
-from vrl.data import pipeline
 from vrl.core import sharding, storage
-from vrl.train import workdir as workdir_lib
 from vrl.core.config import Config, from_configdict
-from vrl.train.step import Trainer
+from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer
+from vrl.train import checkpoint
+from vrl.train import workdir as workdir_lib
+from vrl.train.step import Trainer
 
 
 def load_run(workdir: str) -> tuple[Config, Tokenizer]:
