@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 from tests.helpers import rel_err
 from tests.runs import logged_steps, params_equal, saved_steps, start_run, tiny_config, wait_for
 from vrl.core import sharding
-from vrl.data import pipeline
+from vrl.data import corpus, pipeline
 from vrl.model import accounting
 from vrl.train import checkpoint, loop
 from vrl.train.step import Trainer
@@ -199,6 +199,19 @@ def test_resuming_another_model_is_refused_and_changes_nothing(small_corpus, tmp
     with pytest.raises(checkpoint.CheckpointMismatchError,
                        match=re.escape(f'trained with model.{field}={saved!r} but the config has model.{field}={value!r}')):
         loop.run(other, str(workdir))
+    assert _tree_bytes(workdir) == before
+
+
+def test_a_data_position_saved_in_other_blocks_is_refused_and_changes_nothing(small_corpus, tmp_path, monkeypatch):
+    """A checkpoint whose data iterator counted one document per grain element (as vrl did before it
+    read blocks) is not restored into a pipeline of blocks: one line, and the run's files untouched."""
+    workdir = tmp_path / 'run'
+    loop.run(tiny_config(small_corpus, steps=4), str(workdir))
+    before = _tree_bytes(workdir)
+    monkeypatch.setattr(pipeline, 'BYTES_PER_TOKEN', 128)  # a few speeches a block at this seq_len
+    with pytest.raises(corpus.DataError, match=re.escape('the saved data position counts grain elements of [1] '
+                                                         'documents (per dataset), but this pipeline reads [')):
+        loop.run(tiny_config(small_corpus, steps=8), str(workdir))
     assert _tree_bytes(workdir) == before
 
 

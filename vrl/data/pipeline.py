@@ -77,9 +77,10 @@ class _PackIterator(grain.DatasetIterator):
     overlap by one. Each document arrives as a piece and is joined once a window's worth has
     arrived: joining the buffer per document copied it once per document."""
 
-    def __init__(self, parent: grain.DatasetIterator, seq_len: int, separator: np.ndarray,
+    def __init__(self, parent: grain.DatasetIterator, layout: tuple[int, ...], seq_len: int, separator: np.ndarray,
                  eos_id: int, pad_id: int, document_masking: bool):
         super().__init__(parent)
+        self._layout = layout  # documents per element of each dataset: what the parent's position counts
         self._L, self._separator, self._eos, self._pad = seq_len, separator, eos_id, pad_id
         self._document_masking = document_masking
         self._tokens = np.zeros((0,), np.int32)  # stream not yet emitted (the next window's start)
@@ -126,9 +127,18 @@ class _PackIterator(grain.DatasetIterator):
 
     def get_state(self) -> dict[str, Any]:  # between windows every piece is joined
         return {'parent': self._parent.get_state(), 'tokens': self._tokens.tolist(),
-                'groups': self._groups.tolist(), 'n_groups': self._n_groups, 'exhausted': self._exhausted}
+                'groups': self._groups.tolist(), 'n_groups': self._n_groups, 'exhausted': self._exhausted,
+                'documents_per_element': list(self._layout)}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        saved = tuple(state.get('documents_per_element', [1] * len(self._layout)))  # before blocks: one each
+        if saved != self._layout:
+            raise corpus.DataError(
+                f'the saved data position counts grain elements of {list(saved)} documents (per dataset), but this '
+                f'pipeline reads {list(self._layout)} (blocks of about a window of text, data.seq_len tokens; vrl read '
+                'one document per element before it read blocks): restored, it would land elsewhere in the epoch. '
+                'Resume with the vrl version and data.seq_len that saved it, or start a new --workdir from these '
+                'weights with --init_from=CHECKPOINT.')
         self._parent.set_state(state['parent'])
         self._tokens = np.asarray(state['tokens'], np.int32)
         self._groups = np.asarray(state['groups'], np.int64)
@@ -154,10 +164,10 @@ def _example(window: np.ndarray, groups: np.ndarray, L: int, pad_id: int,
 
 
 class _PackIterDataset(grain.IterDataset):
-    def __init__(self, parent: grain.IterDataset, seq_len: int, separator: np.ndarray, eos_id: int, pad_id: int,
-                 document_masking: bool):
+    def __init__(self, parent: grain.IterDataset, layout: tuple[int, ...], seq_len: int, separator: np.ndarray,
+                 eos_id: int, pad_id: int, document_masking: bool):
         super().__init__(parent)
-        self._args = (seq_len, separator, eos_id, pad_id, document_masking)
+        self._args = (layout, seq_len, separator, eos_id, pad_id, document_masking)
 
     def __iter__(self) -> _PackIterator:
         return _PackIterator(self._parent.__iter__(), *self._args)
@@ -173,14 +183,15 @@ def prompt_tokens(cfg: DataConfig, tokenizer: Tokenizer, text: str) -> list[int]
 
 
 def _documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, name: str | None, shuffle: bool,
-               num_epochs: int | None) -> grain.MapDataset:
-    """The split's documents as token ids, in blocks of consecutive documents (`_Blocks`): of
+               num_epochs: int | None) -> tuple[grain.MapDataset, tuple[int, ...]]:
+    """The split's documents as token ids, in blocks of consecutive documents (`_Blocks`), and each
+    dataset's documents per block: of
     dataset `name`, or of data.sources() mixed by weight (each shuffled with its own seed and
     repeated, then interleaved in the weights' proportions by grain). A dataset's ids come from its
     pre-tokenized copy for this tokenizer when it has one (data.pretokenized), else from tokenizing
     its text; the blocks, and so everything after, are the same either way."""
     sources = [(name, 1.0)] if name else cfg.sources()
-    members, block_weights = [], []
+    members, block_weights, layout = [], [], []
     for i, (member, weight) in enumerate(sources):
         pretokenized = tokens.find(member, cfg.data_dir, split, tokenizer) if cfg.pretokenized else None
         blocks = _Blocks(corpus.open_split(member, cfg.data_dir, split), tokenizer, cfg.text_field, pretokenized,
@@ -188,20 +199,22 @@ def _documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, name: str | No
         ds = grain.MapDataset.source(blocks)
         members.append((ds.shuffle(seed=cfg.seed + i) if shuffle else ds).repeat(num_epochs))
         block_weights.append(weight * len(blocks) / blocks.documents)  # the weights are in documents
-    return members[0] if len(members) == 1 else grain.MapDataset.mix(members, block_weights)
+        layout.append(blocks.per_block)
+    return (members[0] if len(members) == 1 else grain.MapDataset.mix(members, block_weights)), tuple(layout)
 
 
-def _pipeline(documents: grain.MapDataset, cfg: DataConfig, tokenizer: Tokenizer, *, process_index: int,
-              process_count: int) -> grain.IterDataset:
+def _pipeline(documents: tuple[grain.MapDataset, tuple[int, ...]], cfg: DataConfig, tokenizer: Tokenizer, *,
+              process_index: int, process_count: int) -> grain.IterDataset:
     """Batches of this process's share; a finite pass ends with a padded (loss_mask 0) batch."""
     batch_size = per_process_batch_size(cfg, process_count)
-    ds = documents[process_index::process_count].to_iter_dataset(_read_options(cfg))
+    blocks, layout = documents
+    ds = blocks[process_index::process_count].to_iter_dataset(_read_options(cfg))
     if cfg.num_workers:
         if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; notebooks never parse them
             flags.FLAGS.mark_as_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers,
                                                          per_worker_buffer_size=max(cfg.prefetch, 1) * 16))
-    ds = _PackIterDataset(ds, cfg.seq_len, _separator(cfg, tokenizer), tokenizer.eos_id, tokenizer.pad_id,
+    ds = _PackIterDataset(ds, layout, cfg.seq_len, _separator(cfg, tokenizer), tokenizer.eos_id, tokenizer.pad_id,
                           cfg.document_masking)
     return ds.batch(batch_size).map(functools.partial(_pad_batch, batch_size=batch_size))
 

@@ -28,7 +28,7 @@ from etils import epath
 
 from vrl.core import storage
 from vrl.core.config import EXECUTION_FIELDS, Config, ModelConfig, TrainConfig
-from vrl.core.errors import CheckpointError
+from vrl.core.errors import CheckpointError, VrlError
 from vrl.train import orbax_noise
 
 
@@ -218,6 +218,8 @@ def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any
         items['data'] = grain.checkpoint.CheckpointRestore(data_iterator)
     try:
         state = manager.restore(step, args=ocp.args.Composite(**items))['state']
+    except VrlError:  # the data iterator refusing a position it cannot take: not damage
+        raise
     except Exception as e:  # noqa: BLE001
         raise CorruptCheckpointError(f'it cannot be read ({_one_line(e)})') from e
     if meta is not None:
