@@ -104,15 +104,15 @@ def find(name: str, data_dir: str, split: str, tokenizer: Tokenizer) -> TokenSou
     copy does not match the dataset."""
     dataset = corpus.dataset_path(name, data_dir)
     remote = folder(dataset, tokenizer)
-    make = f'`python -m vrl.data tokenize --name={name} --data_dir={data_dir} --tokenizer={tokenizer.path}`'
+    make = f'python -m vrl.data tokenize --name={name} --data_dir={data_dir} --tokenizer={tokenizer.path}'
     if not (remote / MARKER).exists():
         others = sorted(str(marker.parent) for marker in (dataset / 'vrl_tokens').glob('*/' + MARKER))
         if others:
             raise corpus.DataError(
                 f'dataset {name!r} is pre-tokenized only by other tokenizers than {tokenizer.path} ({", ".join(others)}; '
-                f'each folder\'s tokens.json names its tokenizer). Pre-tokenize it by this one with {make}, name '
+                f'each folder\'s tokens.json names its tokenizer). Pre-tokenize it by this one with `{make}`, name '
                 'the tokenizer that made a copy in data.tokenizer, or tokenize on the fly: data.pretokenized=false.')
-        logging.info('%s %s: tokenized on the fly by %s; pre-tokenize once with %s', name, split, tokenizer.path, make)
+        logging.info('%s %s: tokenized on the fly by %s; pre-tokenize once with `%s`', name, split, tokenizer.path, make)
         return None
     local = storage.local_copy(remote)
     info = json.loads((local / MARKER).read_text())
@@ -123,7 +123,7 @@ def find(name: str, data_dir: str, split: str, tokenizer: Tokenizer) -> TokenSou
     if entry['documents'] != expected:
         raise corpus.DataError(
             f'{remote} holds {entry["documents"]} {split} documents but dataset {name!r} has {expected}: it was '
-            f'made from another version of the dataset. Make it again: {make[:-1]} --overwrite`.')
+            f'made from another version of the dataset. Make it again: `{make} --overwrite`.')
     logging.info('%s %s: pre-tokenized by %s (%s documents, %s tokens) in %s', name, split, tokenizer.path,
                  f'{entry["documents"]:,}', f'{entry["tokens"]:,}', remote)
     return TokenSource([str(local / shard) for shard in entry['shards']], info['dtype'])
