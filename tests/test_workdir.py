@@ -3,6 +3,7 @@ checkpoints, --fresh, restarts in the record. Real processes, real Orbax, temp d
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -174,6 +175,29 @@ def test_restarts_say_what_they_do(small_corpus, tmp_path, capsys):
     assert events == [(0, 'started'), (4, 'resumed'), (6, 'resumed')]
 
 
+def _free(disk: Path) -> int:
+    room = os.statvfs(disk)
+    return room.f_bavail * room.f_frsize
+
+
+def _fill(disk: Path, leave: int) -> None:
+    """Fills `disk` but `leave` bytes while a run goes on writing to it: a megabyte at a time, then to
+    the byte; where the run took the room first, the ballast gives `leave` back."""
+    fd = os.open(disk / 'ballast', os.O_WRONLY | os.O_CREAT)
+    try:
+        while (room := _free(disk) - leave) > 0:
+            try:
+                os.write(fd, b'\0' * min(room, 1 << 20))
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                break
+        if _free(disk) < leave:
+            os.ftruncate(fd, max(0, os.fstat(fd).st_size - (leave - _free(disk))))
+    finally:
+        os.close(fd)
+
+
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(small_corpus, tmp_path):
     config = tiny_config(small_corpus, steps=100_000, checkpoint_every=2, log_every=1)
     small = tmp_path / 'small_disk'
@@ -185,10 +209,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(sma
         workdir = small / 'run'
         run = start_run(config, workdir)
         wait_for(lambda: saved_steps(workdir), 300, run)
-        # Fill the disk, leaving room for the run's logs but not for another checkpoint (over 1 MB).
-        room = os.statvfs(small)
-        with open(small / 'ballast', 'wb') as ballast:
-            ballast.write(b'\0' * (room.f_bavail * room.f_frsize - 300_000))
+        _fill(small, leave=300_000)  # room for the run's logs, not for another checkpoint (over 1 MB)
         output = run.communicate(timeout=300)[0]
         assert run.returncode != 0
         last_line = output.strip().splitlines()[-1]
