@@ -59,20 +59,42 @@ def test_prepare_splits_jsonl_by_domain_each_with_validation(domains):
         assert text.startswith(ALPHA if name == 'slim_alpha' else BETA)
 
 
+def _token_shares(batches: list[dict], prefixes: tuple[str, ...], tokenizer) -> list[int]:
+    """The tokens (separator included) of the complete documents in `batches` that start with each prefix."""
+    counts = [0] * len(prefixes)
+    for document in _documents(batches):
+        text = tokenizer.decode(document)
+        counts[next(i for i, p in enumerate(prefixes) if text.startswith(p))] += len(document) + 1
+    return counts
+
+
 def test_tokens_follow_the_weights(domains):
+    """alpha=3, beta=1: three quarters of the tokens are alpha's."""
     cfg, tokenizer = domains
-    x_ids = set(tokenizer.encode(ALPHA).tolist()) - set(tokenizer.encode(BETA).tolist())
-    z_ids = set(tokenizer.encode(BETA).tolist()) - set(tokenizer.encode(ALPHA).tolist())
-    assert x_ids and z_ids
-    targets = np.concatenate([b['targets'][b['loss_mask'] == 1] for b in _first_batches(cfg, tokenizer, 60)])
-    x, z = np.isin(targets, list(x_ids)).sum(), np.isin(targets, list(z_ids)).sum()
-    per_doc_x = np.isin(tokenizer.encode(ALPHA), list(x_ids)).sum()
-    per_doc_z = np.isin(tokenizer.encode(BETA), list(z_ids)).sum()
-    documents = x / per_doc_x, z / per_doc_z  # documents drawn from each
-    assert documents[0] / documents[1] == pytest.approx(3, rel=0.05)
+    alpha, beta = _token_shares(_first_batches(cfg, tokenizer, 60), (ALPHA, BETA), tokenizer)
+    assert alpha / beta == pytest.approx(3, rel=0.05)
     # documents arrive whole and each dataset's are all there is
     texts = [tokenizer.decode(d) for d in _documents(_first_batches(cfg, tokenizer, 20))]
     assert texts and all(t.rsplit(' ', 1)[0] in (ALPHA, BETA) for t in texts)
+
+
+@pytest.mark.parametrize('pretokenized', [False, True], ids=['on_the_fly', 'pretokenized'])
+def test_weights_are_token_shares_whatever_the_document_lengths(domains, tmp_path, pretokenized):
+    """Short and 10x longer documents at 1:1 give each half of the tokens (not of the documents)."""
+    from vrl.data import tokens
+    cfg, tokenizer = domains
+    long_text = ' '.join([BETA] * 10)
+    records = ([{'text': f'{ALPHA} {i}', 'meta': {'set': 'short'}} for i in range(400)]
+               + [{'text': f'{long_text} {i}', 'meta': {'set': 'long'}} for i in range(400)])
+    (tmp_path / 'lengths.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+    data_dir = str(tmp_path / 'tfds')
+    corpus.prepare_domains(str(tmp_path / 'lengths.jsonl'), 'len', data_dir, 'meta.set', validation_fraction=0.05)
+    if pretokenized:
+        for name in ('len_short', 'len_long'):
+            tokens.tokenize(name, data_dir, tokenizer, workers=1)
+    mixed = dataclasses.replace(cfg, data_dir=data_dir, mixture='len_short=1,len_long=1', pretokenized=pretokenized)
+    short, long = _token_shares(_first_batches(mixed, tokenizer, 80), (ALPHA, BETA), tokenizer)
+    assert short / long == pytest.approx(1, rel=0.05)
 
 
 def test_resume_and_process_shards(domains):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -200,3 +201,84 @@ def test_compressed_records_in_the_bucket_are_prepared_and_pretokenized_there(gc
     source = tokens.find('raw', 'gs://vrl/rawtfds', 'validation', tok)
     texts = list(corpus.texts(corpus.open_split('raw', 'gs://vrl/rawtfds', 'validation')))
     assert [source[i].tolist() for i in range(len(source))] == [tok.encode(t).tolist() for t in texts]
+
+
+def test_pretokenized_shards_are_read_in_place_through_a_slow_store(gcs, small_corpus, tmp_path, monkeypatch):
+    """A dataset pre-tokenized in the bucket, read through a proxy adding 20 ms a request and a
+    bandwidth cap, with its offsets held in memory and read by range: every process's batches (in blocks, with document masking) equal those read from
+    the same files on local disk, the iterator's position carries over between the two, nothing of
+    the dataset is copied into local scratch, and the bytes fetched are those of the batches read."""
+    import itertools
+    import shutil
+    import tempfile
+
+    import gcsfs
+
+    from tests.slow_store import SlowStore
+    from vrl.core import storage
+    from vrl.data import pipeline, tokens
+    cfg, tokenizer = small_corpus
+    local_dir = tmp_path / 'tfds'
+    shutil.copytree(Path(cfg.data_dir) / 'plays', local_dir / 'plays')
+    made = tokens.tokenize('plays', str(local_dir), tokenizer, workers=1)
+    storage.copy_tree(storage.path(str(local_dir)), storage.path('gs://vrl/inplace'))
+    token_bytes = sum(f.stat().st_size for f in Path(made).glob('*.tokens'))
+    local = dataclasses.replace(cfg, data_dir=str(local_dir), document_masking=True, num_epochs=0, seq_len=128,
+                                batch_size=4, read_threads=2)
+    remote = dataclasses.replace(local, data_dir='gs://vrl/inplace')
+    monkeypatch.setattr(pipeline, 'BYTES_PER_TOKEN', 16)  # blocks of several speeches
+    with SlowStore(gcs, latency_s=0.02, bandwidth=20e6) as slow:
+        monkeypatch.setenv('STORAGE_EMULATOR_HOST', slow.url)
+        gcsfs.GCSFileSystem.clear_instance_cache()
+        try:
+            for index in range(2):  # process 1 reads each block's offsets by range, process 0 a shard's at once
+                monkeypatch.setattr(tokens, 'OFFSETS_HELD_BYTES', 0 if index else 256 << 20)
+                in_place = iter(pipeline.train_dataset(remote, tokenizer, index, 2))
+                from_disk = iter(pipeline.train_dataset(local, tokenizer, index, 2))
+                for a, b in zip(itertools.islice(in_place, 6), itertools.islice(from_disk, 6)):
+                    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+                resumed = iter(pipeline.train_dataset(local, tokenizer, index, 2))
+                resumed.set_state(json.loads(json.dumps(in_place.get_state())))
+                for a, b in zip(itertools.islice(in_place, 3), itertools.islice(resumed, 3)):
+                    assert all((a[k] == b[k]).all() for k in a)
+        finally:
+            gcsfs.GCSFileSystem.clear_instance_cache()
+        # two processes' iterators, each with up to 64 blocks read ahead: a copy would be twice the tokens
+        assert slow.requests > 20 and slow.bytes_served < token_bytes / 4
+    assert not (Path(tempfile.gettempdir()) / 'vrl-scratch' / 'gs' / 'vrl' / 'inplace').exists()
+
+
+def test_two_hosts_tokenize_into_the_bucket_what_one_machine_makes(gcs, bucket_config, small_corpus, tmp_path):
+    """`python -m vrl.data tokenize` on two hosts joined by jax.distributed, sharing nothing but the
+    bucket: each writes its share of the shards straight into it, and the folder equals what one
+    process makes on local disk, shard for shard (tokens.json names the tokenizer's path as given)."""
+    import shutil
+
+    from tests.gcs_emulator import free_port
+    from vrl.data import tokens
+    cfg, tokenizer = small_corpus
+    local_dir = tmp_path / 'tfds'
+    shutil.copytree(Path(cfg.data_dir) / 'plays', local_dir / 'plays')
+    reference = Path(tokens.tokenize('plays', str(local_dir), tokenizer, workers=1))
+    port = free_port()
+    hosts = [tmp_path / f'host{i}' for i in range(2)]
+    pod = [subprocess.Popen([sys.executable, '-m', 'vrl.data', 'tokenize', '--name=plays', '--data_dir=gs://vrl/tfds',
+                             '--tokenizer=gs://vrl/plays.model', '--workers=1', f'--coordinator_address=127.0.0.1:{port}',
+                             '--num_processes=2', f'--process_id={i}', '--verbosity=0'], cwd=host,
+                            env={**machine_env(gcs, host), 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': ''},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i, host in enumerate(hosts)]
+    outputs = [(p.wait(timeout=300), p.stdout.read()) for p in pod]
+    assert all(code == 0 for code, _ in outputs), outputs
+    shares = [re.search(r'(\d+) of (\d+) shards to write here', text).groups() for _, text in outputs]
+    assert int(shares[0][0]) + int(shares[1][0]) == int(shares[0][1]) and abs(int(shares[0][0]) - int(shares[1][0])) <= 1
+    written = f'vrl/tfds/plays/1.0.0/vrl_tokens/{tokenizer.fingerprint}'
+    fs = bucket_fs()
+    names = sorted(p.name for p in reference.iterdir())
+    assert sorted(f.rsplit('/', 1)[1] for f in fs.find(written)) == names and len(names) > 30
+    for name in names:
+        got, want = fs.cat(f'{written}/{name}'), (reference / name).read_bytes()
+        if name == tokens.MARKER:
+            got, want = json.loads(got), json.loads(want)
+            assert got.pop('tokenizer') == 'gs://vrl/plays.model' and want.pop('tokenizer') == tokenizer.path
+        assert got == want, name

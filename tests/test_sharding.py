@@ -188,6 +188,14 @@ def test_launch_scripts_dry_run_name_every_step():
         line = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', step, '--name=pod1'], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout
         assert line.startswith(f'gcloud compute tpus tpu-vm {"ssh" if step == "logs" else "delete"} pod1')
+    tokenize = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', 'tokenize', '--name=pod1', '--dataset=web',
+                               '--data_dir=gs://bucket/tfds', '--tokenizer=gs://bucket/tokenizer.json'],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(tokenize) == 1 and '--worker=all' in tokenize[0]
+    assert r'vrl.data\ tokenize\ --name=web\ --data_dir=gs://bucket/tfds\ --tokenizer=gs://bucket/tokenizer.json' in tokenize[0]
+    incomplete = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', 'tokenize', '--name=pod1'], cwd=ROOT,
+                                capture_output=True, text=True)
+    assert incomplete.returncode == 2 and 'tokenize needs --dataset=NAME' in incomplete.stderr
     multi = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', 'all', '--name=pods', '--slices=2'],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(multi) == 5  # one queued resource, then install and train on each of its two slices

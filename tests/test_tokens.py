@@ -174,8 +174,7 @@ def test_pretokenized_batches_equal_tokenizing_on_the_fly(pretokenized, hf_token
     in blocks of consecutive documents (a corpus of short documents; here ~50)."""
     _blocks(monkeypatch, min_blocks, bytes_per_token)
     cfg, folder = pretokenized
-    per_block = pipeline._Blocks(corpus.open_split('plays', cfg.data_dir, 'train'), hf_tokenizer, 'text', None,
-                                 cfg.seq_len).per_block
+    per_block = pipeline._Blocks(None, corpus.split_info('plays', cfg.data_dir, 'train'), cfg.seq_len).per_block
     assert (per_block == 1) == (min_blocks > 1000) and per_block < 100
     cfg = dataclasses.replace(cfg, document_masking=document_masking, num_epochs=2)
     with caplog.at_level(logging.INFO):
@@ -225,13 +224,19 @@ def test_tokenize_resumes_from_the_shards_it_finished_and_checks_the_dataset(pre
     with caplog.at_level(logging.INFO):
         tokens.tokenize('plays', str(data_dir), hf_tokenizer, workers=1)
     total = sum(len(s['shards']) for s in info['splits'].values())
-    assert f'1 shards to write ({total - 1} done before)' in caplog.text
+    assert f'1 of {total} shards to write here ({total - 1} done before)' in caplog.text
     assert (copy / f'{shard}.tokens').read_bytes() == before and json.loads((copy / tokens.MARKER).read_text()) == info
-    info['splits']['train']['documents'] += 1  # as if the dataset had been rebuilt since
-    (copy / tokens.MARKER).write_text(json.dumps(info))
-    with pytest.raises(corpus.DataError, match=rf'{copy} holds .* train documents but dataset \'plays\' has .*'
-                                               r'--overwrite'):
-        tokens.find('plays', str(data_dir), 'train', hf_tokenizer)
+    assert info['dataset_fingerprint'] == corpus.fingerprint('plays', str(data_dir)) and info['text_field'] == 'text'
+    documents = info['splits']['train']['documents']
+    for field, value, why in [('documents', documents + 1, f'{documents + 1} documents then, {documents} now'),
+                              ('dataset_fingerprint', '0' * 16, 'the dataset was prepared again from other inputs'),
+                              ('text_field', 'body', "its text field was 'body', data.text_field is 'text'")]:
+        stale = json.loads(json.dumps(info))
+        (stale['splits']['train'] if field == 'documents' else stale)[field] = value
+        (copy / tokens.MARKER).write_text(json.dumps(stale))
+        with pytest.raises(corpus.DataError, match=rf"{copy} was made from other text than dataset 'plays' holds "
+                                                   rf"now \({re.escape(why)}.*--overwrite"):
+            tokens.find('plays', str(data_dir), 'train', hf_tokenizer)
 
 
 def test_a_dataset_pretokenized_only_by_another_tokenizer_is_refused_before_anything_compiles(
@@ -253,3 +258,13 @@ def test_a_dataset_pretokenized_only_by_another_tokenizer_is_refused_before_anyt
     assert 'model.attention_impl' not in capsys.readouterr().out  # resolve (which may compile) never ran
     on_the_fly = dataclasses.replace(config, data=dataclasses.replace(config.data, pretokenized=False))
     assert len(loop.run(on_the_fly, str(tmp_path / 'on_the_fly')).losses) == 1
+
+
+def test_held_offsets_keep_the_most_recently_used_within_their_limit():
+    held = tokens._HeldOffsets(limit=200)
+    arrays = {key: np.arange(10, dtype=np.int64) + i for i, key in enumerate('abc')}  # 80 bytes each
+    held.put('a', arrays['a'])
+    held.put('b', arrays['b'])
+    assert (held.get('a') == arrays['a']).all()  # now the most recent
+    held.put('c', arrays['c'])
+    assert held.get('b') is None and (held.get('a') == arrays['a']).all() and (held.get('c') == arrays['c']).all()

@@ -15,7 +15,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from vrl.core import cli
+from vrl.core import cli, multihost
 from vrl.core.config import Config, ConfigError, from_configdict
 from vrl.model import accounting, resolve
 
@@ -35,11 +35,7 @@ def _define_flags() -> cli.Args:
                                         '(needs libtpu; no TPU needed). Default: the local devices.'),
         'num_slices': flags.DEFINE_integer('num_slices', 1, 'With --topology: compile for this many such slices '
                                            'joined over the data-center network (sets mesh.slices).'),
-        'coordinator_address': flags.DEFINE_string('coordinator_address', None, 'Multi-process: host:port of '
-                                                   'process 0 (GPU clusters, localhost tests). Cloud TPU and SLURM '
-                                                   'are auto-detected.'),
-        'num_processes': flags.DEFINE_integer('num_processes', None, 'Multi-process: how many processes.'),
-        'process_id': flags.DEFINE_integer('process_id', None, 'Multi-process: this process\'s index.'),
+        **multihost.define_flags(),
         'init_from': flags.DEFINE_string('init_from', None, 'Initialise parameters from this checkpoint directory '
                                          '(a step folder or a workdir), or from a Hugging Face Llama directory as '
                                          'hf:DIR, instead of at random.'),
@@ -93,17 +89,6 @@ def print_summary(config: Config, as_json: bool) -> None:
                           'kv_cache_vs_vanilla_mha': acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token}))
 
 
-def _initialize_distributed(args: cli.Args) -> None:
-    """jax.distributed for several processes: explicit flags, or a detected Cloud TPU pod / SLURM job."""
-    import jax
-    if args['coordinator_address'].value:
-        jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU processes talk over gloo
-        jax.distributed.initialize(args['coordinator_address'].value, args['num_processes'].value,
-                                   args['process_id'].value)
-    elif ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '') or int(os.environ.get('SLURM_NTASKS', '1')) > 1:
-        jax.distributed.initialize()
-
-
 def _compile_only(config: Config, topology: str | None, num_slices: int) -> None:
     from vrl.train import aot
     if topology:
@@ -142,7 +127,7 @@ def main(args: cli.Args) -> None:
     if args['compile_only'].value:
         _compile_only(config, args['topology'].value, args['num_slices'].value)
         return
-    _initialize_distributed(args)
+    multihost.initialize(args)
     cli.require(args, 'workdir')
     from vrl.train import checkpoint, loop  # here, so that --summary needs no data stack
     try:

@@ -232,19 +232,22 @@ class DataConfig:
     # tokenize`; the log says which); false = tokenize on the fly
     pretokenized: bool = True
     num_workers: int = 0  # grain worker processes; 0 = in the main process
-    read_threads: int = 0  # threads reading documents ahead in each process; 0 = read when needed
+    # threads reading blocks of documents ahead in each process (on an object store, the ranged reads
+    # in flight); 0 = read when needed; -1 = auto: 0 on local disk, 64 for a data_dir on a store
+    read_threads: int = -1
     prefetch: int = 2  # batches read ahead per worker
     add_bos: bool = False  # put BOS at every document start (EOS always ends one)
     document_masking: bool = False  # segment ids + per-document positions: no attention across docs
-    # several datasets instead of `name`: 'NAME=WEIGHT,NAME=WEIGHT' (documents are drawn in these
-    # proportions; each dataset's validation split is evaluated on its own); '' = `name` alone
+    # several datasets instead of `name`: 'NAME=WEIGHT,NAME=WEIGHT' (each dataset's share of the tokens;
+    # each dataset's validation split is evaluated on its own); '' = `name` alone
     mixture: str = ''
 
     def __post_init__(self):
         for name in ('seq_len', 'batch_size', 'tokenizer_train_docs'):
             _require(getattr(self, name) >= 1, f'data.{name}', getattr(self, name), 'an integer >= 1')
-        for name in ('num_epochs', 'num_workers', 'read_threads', 'prefetch'):
+        for name in ('num_epochs', 'num_workers', 'prefetch'):
             _require(getattr(self, name) >= 0, f'data.{name}', getattr(self, name), 'an integer >= 0')
+        _require(self.read_threads >= -1, 'data.read_threads', self.read_threads, 'an integer >= 0, or -1 (auto)')
         _require(bool(self.name), 'data.name', self.name, 'a non-empty TFDS dataset name')
         if self.mixture:
             self.sources()  # parses, or names what is wrong

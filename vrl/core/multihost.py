@@ -1,14 +1,17 @@
-"""What the processes of a multi-host job (jax.distributed) do together: wait for each other, and let
-process 0 alone do what must happen once — check and claim the workdir, build a dataset or train a
-tokenizer in a shared data_dir — while the others learn its outcome. A one-process job runs each
-function directly."""
+"""What the processes of a multi-host job (jax.distributed) do together: start (`initialize`, from the
+flags every command of several processes takes), wait for each other, and let process 0 alone do
+what must happen once — check and claim the workdir, build a dataset or train a tokenizer in a
+shared data_dir — while the others learn its outcome. A one-process job runs each function
+directly."""
 
 from __future__ import annotations
 
+import os
 from typing import Callable, TypeVar
 
 import jax
 import numpy as np
+from absl import flags
 
 from vrl.core.errors import VrlError
 
@@ -20,11 +23,40 @@ class ProcessZeroError(VrlError, RuntimeError):
     """Process 0 stopped on bad input; another process reports its line."""
 
 
+def define_flags() -> dict[str, flags.FlagHolder]:
+    """The flags that join a process to a job of several (Cloud TPU and SLURM need none)."""
+    return {
+        'coordinator_address': flags.DEFINE_string('coordinator_address', None, 'Multi-process: host:port of '
+                                                   'process 0 (GPU clusters, localhost tests). Cloud TPU and SLURM '
+                                                   'are auto-detected.'),
+        'num_processes': flags.DEFINE_integer('num_processes', None, 'Multi-process: how many processes.'),
+        'process_id': flags.DEFINE_integer('process_id', None, 'Multi-process: this process\'s index.'),
+    }
+
+
+def initialize(args: dict[str, flags.FlagHolder]) -> None:
+    """jax.distributed for several processes: explicit flags, or a detected Cloud TPU pod / SLURM job."""
+    if args['coordinator_address'].value:
+        jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU processes talk over gloo
+        jax.distributed.initialize(args['coordinator_address'].value, args['num_processes'].value,
+                                   args['process_id'].value)
+    elif ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '') or int(os.environ.get('SLURM_NTASKS', '1')) > 1:
+        jax.distributed.initialize()
+
+
 def sync(name: str) -> None:
     """Every process waits here until all have arrived."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
+
+
+def every_process(flag: bool) -> bool:
+    """Whether `flag` holds on every process: one small all-gather (none on one process)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.array([flag]))))
 
 
 def _broadcast_text(text: str) -> str:

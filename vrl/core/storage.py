@@ -13,7 +13,8 @@ file, lock one, rename a folder cheaply) is asked of this module:
   does not exist, no credentials, permission denied or an unreachable endpoint, before anything
   else is read or written;
 - `scratch(p)`: a local folder standing for remote p, for what must be written locally first
-  (TensorBoard's event files, which are appended to).
+  (TensorBoard's event files, which are appended to);
+- `read_range(url, start, end)`: a byte range of a file or object, read in place.
 """
 
 from __future__ import annotations
@@ -21,16 +22,19 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import urllib.parse
 import uuid
+from typing import Callable
 
 from etils import epath
 
 from vrl.core.errors import VrlError
 
 REMOTE_SCHEMES = ('gs://', 's3://', 'gcs://', 'az://', 'abfs://')
+COPY_CHUNK = 8 << 20  # bytes a copy holds in memory at once
 
 
 class StorageError(VrlError, OSError):
@@ -114,31 +118,62 @@ def matching(pattern: str) -> list[str]:
 
 
 def copy_tree(source: epath.Path, target: epath.Path, last: tuple[str, ...] = (),
-              known: dict[str, int] | None = None) -> dict[str, int]:
-    """Copies every file under folder `source` to the same place under `target` (either may be
-    remote), except those that `known` (relative path -> size) says the target holds at their size
-    already; returns the sizes of what `source` holds, the `known` of the next call. The files whose
-    names end with one of `last` go last, in that order: what marks a folder complete, so that a
-    reader never takes a half-copied one for whole."""
+              known: dict[str, int] | None = None,
+              wanted: Callable[[str], bool] = lambda relative: True) -> dict[str, int]:
+    """Copies every file under folder `source` that `wanted` (its relative path) accepts to the same
+    place under `target` (either may be remote), except those that the target holds at their size
+    already: as `known` (relative path -> size) says, or, without it, as a local target's files
+    are; returns the sizes of what `source` holds, the `known` of the next call. Each file is
+    streamed in COPY_CHUNK pieces. The files whose names end with one of `last` go last, in that
+    order: what marks a folder complete, so that a reader never takes a half-copied one for whole."""
     def order(relative: str) -> int:
         return next((i + 1 for i, name in enumerate(last) if relative.endswith(name)), 0)
+
+    def held(relative: str) -> int | None:
+        if known is not None:
+            return known.get(relative)
+        local = os.fspath(target / relative)
+        return None if is_remote(target) or not os.path.isfile(local) else os.path.getsize(local)
+
     sizes = files(source)
     for relative in sorted(sizes, key=order):
-        if (known or {}).get(relative) != sizes[relative]:
+        if wanted(relative) and held(relative) != sizes[relative]:
             (target / relative).parent.mkdir(parents=True, exist_ok=True)
-            (target / relative).write_bytes((source / relative).read_bytes())
+            with (source / relative).open('rb') as reader, (target / relative).open('wb') as writer:
+                shutil.copyfileobj(reader, writer, COPY_CHUNK)
     return sizes
 
 
-def local_copy(folder: epath.Path) -> epath.Path:
-    """A local folder holding what remote `folder` holds, for readers that open local files only
-    (array_record, safetensors): the objects missing locally, or of another size, are copied down
-    into this process's scratch. A local `folder` is itself."""
+def local_copy(folder: epath.Path, wanted: Callable[[str], bool] = lambda relative: True) -> epath.Path:
+    """A local folder holding what remote `folder` holds (the files `wanted` accepts), for readers
+    that open local files only (array_record, safetensors): the objects missing locally, or of
+    another size, are copied down into this process's scratch. A local `folder` is itself."""
     if not is_remote(folder):
         return folder
     local = scratch(folder)
-    copy_tree(folder, local, known=files(local))
+    copy_tree(folder, local, wanted=wanted)
     return local
+
+
+def put_file(local: str, target: epath.Path) -> None:
+    """Moves local file `local` to `target`: a rename on local disk, an upload (then the local file
+    removed) to an object store."""
+    if not is_remote(target):
+        os.replace(local, target)
+        return
+    fs, inner = _filesystem(target)
+    fs.put_file(local, inner)
+    os.remove(local)
+
+
+def read_range(url: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of file or object `url`: one ranged GET on an object store."""
+    if not is_remote(url):
+        with open(url, 'rb') as f:
+            f.seek(start)
+            return f.read(end - start)
+    fs, inner = _filesystem(url)
+    return fs.cat_file(inner, start, end)
 
 
 def move(source: epath.Path, target: epath.Path) -> None:

@@ -5,6 +5,9 @@ tokens.
     python -m vrl.data prepare --input=GLOB --name=NAME --data_dir=DIR [--validation_fraction=F] [--overwrite]
                                [--text_field=text] [--domain_field=meta.redpajama_set_name] (one dataset per domain)
     python -m vrl.data tokenize --name=NAME --data_dir=DIR --tokenizer=PATH [--workers=N]   (vrl/data/tokens.py)
+        on several machines at once: the same command on each, joined by jax.distributed (auto on a
+        Cloud TPU pod or under SLURM; elsewhere --coordinator_address=HOST:PORT --num_processes=N
+        --process_id=I); each writes its share of the shards
     python -m vrl.data stats --name=NAME --data_dir=DIR [--tokenizer=PATH]
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from absl import flags
 
-from vrl.core import cli
+from vrl.core import cli, multihost
 from vrl.data import corpus, pipeline, tokens
 from vrl.data.tokenizer import Tokenizer
 
@@ -36,6 +39,7 @@ def _define_flags() -> cli.Args:
                                        'inputs; tokenize: make the pre-tokenized copy again'),
         'workers': flags.DEFINE_integer('workers', None, 'tokenize: processes (default: every core)'),
         'tokenizer': flags.DEFINE_string('tokenizer', None, 'stats, tokenize: the tokenizer (.model or tokenizer.json)'),
+        **multihost.define_flags(),
     }
 
 
@@ -60,6 +64,7 @@ def main(args: cli.Args, command: str) -> None:
         print(f'prepared {name} in {path}')
     if command == 'tokenize':
         cli.require(args, 'tokenizer')
+        multihost.initialize(args)
         tokenizer = Tokenizer.load(args['tokenizer'].value)
         folder = tokens.tokenize(name, data_dir, tokenizer, args['workers'].value, args['overwrite'].value,
                                  args['text_field'].value)

@@ -391,12 +391,14 @@ def _difference(saved: dict, current: dict) -> str:
     return ', '.join(f'{k} was {saved.get(k)!r}, now {v!r}' for k, v in current.items() if saved.get(k) != v)
 
 
-def _mirror(data_dir: str, name: str) -> str:
-    """A local data_dir holding remote `data_dir`'s dataset `name` if it is complete there
-    (array_record is read and written through local files only). Returns the local data_dir."""
-    remote = storage.path(data_dir) / name
-    if any(remote.glob('*/dataset_info.json')):
-        storage.local_copy(remote)
+def _mirror(data_dir: str, name: str, split: str) -> str:
+    """A local data_dir holding what `tfds.data_source` reads of remote `data_dir`'s dataset `name`,
+    split `split`: its newest version's metadata and that split's array_record shards (not the other
+    splits, versions or pre-tokenized copies; array_record opens local files only). Returns the
+    local data_dir."""
+    shard = re.compile(r'\.array_record-\d+-of-\d+$')
+    storage.local_copy(dataset_path(name, data_dir),
+                       wanted=lambda f: '/' not in f and (not shard.search(f) or f'-{split}.array_record-' in f))
     return str(storage.scratch(storage.path(data_dir)))
 
 
@@ -411,8 +413,8 @@ def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False)
     """Builds the TFDS dataset `name` in `data_dir` (array_record); returns its folder.
 
     A dataset already there is kept if it was prepared from the same inputs; from other inputs,
-    DataError names the difference unless `overwrite` (then it is rebuilt). On an object store it is
-    built in a local mirror and then copied up (`_publish`)."""
+    DataError names the difference unless `overwrite` (then it is rebuilt, and its pre-tokenized
+    copies removed). On an object store it is built in local scratch and then copied up (`_publish`)."""
     if not _NAME.match(name):
         raise DataError(f'dataset name {name!r} is invalid: use lower_snake_case (letters, digits, _).')
     if not 0 <= spec.validation_fraction < 1:
@@ -420,27 +422,29 @@ def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False)
     if spec.split_mode not in SPLIT_MODES:
         raise DataError(f'split_mode={spec.split_mode!r} is invalid: allowed one of {SPLIT_MODES}.')
     data_dir = _checked_data_dir(data_dir)
-    if storage.is_remote(data_dir):
-        local = _mirror(data_dir, name)
-        built = prepare(spec, name, local, overwrite)
-        _publish(local, data_dir, name)
-        return str(storage.path(data_dir) / str(epath.Path(built).relative_to(local)))
     builder_cls = types.new_class(name, (_TextCorpusBuilder,), {'skip_registration': True},
                                   lambda namespace: namespace.update(name=name, spec=spec))
-    builder = builder_cls(data_dir=data_dir, file_format='array_record')
+    target = storage.path(data_dir) / name / str(builder_cls.VERSION)
     inputs = _inputs_record(spec)
-    record = epath.Path(builder.data_path) / 'vrl_inputs.json'  # local or gs://
-    difference = _difference(json.loads(record.read_text()), inputs) if record.exists() else ''
-    if difference:
+    record = target / 'vrl_inputs.json'  # written last: the dataset is complete
+    if record.exists():
+        difference = _difference(json.loads(record.read_text()), inputs)
+        if not difference:
+            return str(target)
         if not overwrite:
             raise DataError(f'dataset {name!r} in {data_dir} was prepared from other inputs ({difference}); '
                             'pass --overwrite to rebuild it, or choose another --name.')
         logging.warning('rebuilding %s: %s', name, difference)
-        epath.Path(builder.data_path).rmtree()
-        builder = builder_cls(data_dir=data_dir, file_format='array_record')
+        target.rmtree()  # with its pre-tokenized copies, which were made from the old text
+    build_dir = str(storage.scratch(storage.path(data_dir))) if storage.is_remote(data_dir) else data_dir
+    if build_dir != data_dir and (epath.Path(build_dir) / name).exists():
+        (epath.Path(build_dir) / name).rmtree()  # a reader's partial mirror is no start for a build
+    builder = builder_cls(data_dir=build_dir, file_format='array_record')
     builder.download_and_prepare()
-    record.write_text(json.dumps(inputs))
-    return str(builder.data_path)
+    (epath.Path(builder.data_path) / 'vrl_inputs.json').write_text(json.dumps(inputs))
+    if build_dir != data_dir:
+        _publish(build_dir, data_dir, name)
+    return str(target)
 
 
 def prepare_from_glob(input_glob: str, name: str, data_dir: str, overwrite: bool = False, **spec_fields) -> str:
@@ -523,31 +527,76 @@ _BUILT_IN = {SHAKESPEARE: lambda: contextlib.nullcontext(shakespeare_spec()), KJ
 def open_split(name: str, data_dir: str, split: str):
     """A random-access source over one split (`tfds.data_source`); builds a built-in corpus on first use."""
     data_dir = _checked_data_dir(data_dir)
+    _build_if_built_in(name, data_dir)
+    try:
+        local = _mirror(data_dir, name, split) if storage.is_remote(data_dir) else data_dir
+        return tfds.data_source(name, data_dir=local, split=split)
+    except DataError:
+        raise
+    except Exception as e:  # TFDS raises several kinds; all mean the same thing to the user
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _missing(name, data_dir, f'cannot read split {split!r}: {first_line}') from e
+
+
+def _build_if_built_in(name: str, data_dir: str) -> None:
     if name in _BUILT_IN and not (storage.path(data_dir) / name).exists():
         logging.info('building the built-in %r corpus in %s (once)', name, data_dir)
         with _BUILT_IN[name]() as spec:
             prepare(spec, name, data_dir)
-    try:
-        local = _mirror(data_dir, name) if storage.is_remote(data_dir) else data_dir
-        return tfds.data_source(name, data_dir=local, split=split)
-    except Exception as e:  # TFDS raises several kinds; all mean the same thing to the user
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(
-            f'cannot read split {split!r} of TFDS dataset {name!r} from data_dir {data_dir!r} ({first_line}). '
-            f'Prepare it with `python -m vrl.data prepare --input=GLOB --name={name} --data_dir={data_dir}` '
-            f'for local text, or `tfds build {name} --data_dir={data_dir} --file_format=array_record` '
-            'for a TFDS catalog dataset.') from e
+
+
+def _missing(name: str, data_dir: str, why: str) -> DataError:
+    return DataError(
+        f'TFDS dataset {name!r} in data_dir {data_dir!r}: {why}. Prepare it with `python -m vrl.data prepare '
+        f'--input=GLOB --name={name} --data_dir={data_dir}` for local text, or `tfds build {name} '
+        f'--data_dir={data_dir} --file_format=array_record` for a TFDS catalog dataset.')
 
 
 def dataset_path(name: str, data_dir: str) -> epath.Path:
     """The folder of dataset `name`'s newest version in data_dir (local or remote), built first
-    if it is a built-in corpus not made yet; DataError as open_split's when there is none."""
-    open_split(name, data_dir, 'train')
-    root = storage.path(_checked_data_dir(data_dir)) / name
-    versions = [marker.parent for marker in root.glob('*/dataset_info.json')]
-    if not versions:
-        raise DataError(f'no prepared dataset {name!r} in {root} (no */dataset_info.json)')
-    return max(versions, key=lambda p: tuple(int(x) for x in p.name.split('.') if x.isdigit()))
+    if it is a built-in corpus not made yet; DataError when there is none. A listing, no copy."""
+    data_dir = _checked_data_dir(data_dir)
+    _build_if_built_in(name, data_dir)
+    root = storage.path(data_dir) / name
+    try:
+        folders = [p for p in root.iterdir() if _VERSION.match(p.name)]  # one level: no listing of the shards
+    except (FileNotFoundError, NotADirectoryError):
+        folders = []
+    for version in sorted(folders, key=lambda p: tuple(int(x) for x in p.name.split('.')), reverse=True):
+        if (version / 'dataset_info.json').exists():
+            return version
+    raise _missing(name, data_dir, f'no prepared version in {root} (no */dataset_info.json)')
+
+
+_VERSION = re.compile(r'^\d+\.\d+\.\d+$')
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitInfo:
+    """A split's size as its dataset_info.json records it."""
+
+    documents: int
+    num_bytes: int  # of the stored records
+
+
+def fingerprint(name: str, data_dir: str) -> str:
+    """What dataset `name` holds, in 16 hex digits: the SHA-256 of its vrl_inputs.json (its input
+    files' contents and split settings) when `prepare` made it, else of its dataset_info.json (a
+    TFDS catalog dataset: its version, splits and sizes). One small read."""
+    version = dataset_path(name, data_dir)
+    record = version / 'vrl_inputs.json'
+    data = record.read_bytes() if record.exists() else (version / 'dataset_info.json').read_bytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def split_info(name: str, data_dir: str, split: str) -> SplitInfo:
+    """Split `split` of dataset `name` from its dataset_info.json alone: one small read on a store,
+    nothing copied."""
+    info = json.loads((dataset_path(name, data_dir) / 'dataset_info.json').read_text())
+    for entry in info.get('splits', []):
+        if entry['name'] == split:
+            return SplitInfo(sum(int(n) for n in entry.get('shardLengths', [])), int(entry.get('numBytes', 0)))
+    raise _missing(name, data_dir, f'no split {split!r} (it has {[e["name"] for e in info.get("splits", [])]})')
 
 
 def texts(source, text_field: str = 'text', limit: int | None = None) -> Iterator[str]:

@@ -27,7 +27,7 @@ import grain
 import numpy as np
 from absl import flags
 
-from vrl.core import storage
+from vrl.core import multihost, storage
 from vrl.core.config import ConfigError, DataConfig
 from vrl.data import corpus, tokens
 from vrl.data.tokenizer import Tokenizer, TokenizerError
@@ -40,6 +40,27 @@ BYTES_PER_TOKEN = 4  # a grain element holds about a window of stored text, seq_
 MIN_BLOCKS = 1000  # and a split has at least this many elements where it has the documents (a fine-grained shuffle)
 
 
+class _OnTheFly:
+    """A split's documents tokenized as they are read from its text (`corpus.open_split`)."""
+
+    def __init__(self, text: Any, tokenizer: Tokenizer, text_field: str):
+        self._text, self._tokenizer, self._field = text, tokenizer, text_field
+
+    def token_count(self, sample: int = 1000) -> float:
+        """The split's tokens, estimated from `sample` documents spread evenly over it."""
+        documents = len(self._text)
+        picks = np.unique(np.linspace(0, documents - 1, min(sample, documents)).astype(int))
+        records = [self._text[int(i)][self._field] for i in picks]
+        texts = [t.decode('utf-8') if isinstance(t, bytes) else t for t in records]
+        return float(np.mean([len(ids) for ids in self._tokenizer.encode_batch(texts)])) * documents
+
+    def documents(self, indices: range) -> list[np.ndarray]:
+        # array_record reads a list on a thread pool: ~350 us to start, then faster than one by one
+        records = self._text.__getitems__(list(indices)) if len(indices) > 16 else [self._text[i] for i in indices]
+        texts = [record[self._field] for record in records]
+        return self._tokenizer.encode_batch([t.decode('utf-8') if isinstance(t, bytes) else t for t in texts])
+
+
 class _Blocks:
     """A split as blocks of consecutive documents, each read at once as a list of token arrays:
     block b holds documents [b R, (b + 1) R). grain spends ~50 us on every element it shuffles,
@@ -47,29 +68,22 @@ class _Blocks:
     documents per element pay it once. R comes from the stored split's bytes per document, so that
     a block holds about one window of text (seq_len tokens of BYTES_PER_TOKEN bytes; a batch then
     draws about as many places in the corpus as it has windows, as a corpus of long documents
-    does), and from its size (MIN_BLOCKS): 1 for web pages and small splits. The pre-tokenized and
-    on-the-fly readers cut the same blocks. Picklable: grain workers read their own."""
+    does), and from its size (MIN_BLOCKS): 1 for web pages and small splits. `source` is a
+    pre-tokenized copy (tokens.TokenSource) or the text tokenized on the fly (`_OnTheFly`); both
+    cut the same blocks. Picklable: grain workers read their own."""
 
-    def __init__(self, text: Any, tokenizer: Tokenizer, text_field: str, pretokenized: tokens.TokenSource | None,
-                 seq_len: int):
-        self._text, self._tokenizer, self._field, self._pretokenized = text, tokenizer, text_field, pretokenized
-        split = text.dataset_info.splits[text.split]
-        self.documents = len(text)
+    def __init__(self, source: tokens.TokenSource | _OnTheFly, split: corpus.SplitInfo, seq_len: int):
+        self._source = source
+        self.documents = split.documents
         window_bytes = BYTES_PER_TOKEN * seq_len
-        self.per_block = max(1, min(window_bytes * split.num_examples // max(split.num_bytes, 1),
+        self.per_block = max(1, min(window_bytes * split.documents // max(split.num_bytes, 1),
                                     self.documents // MIN_BLOCKS))
 
     def __len__(self) -> int:
         return -(-self.documents // self.per_block)
 
     def __getitem__(self, block: int) -> list[np.ndarray]:
-        documents = range(block * self.per_block, min((block + 1) * self.per_block, self.documents))
-        if self._pretokenized is not None:
-            return self._pretokenized.documents(documents)
-        # array_record reads a list on a thread pool: ~350 us to start, then faster than one by one
-        records = self._text.__getitems__(list(documents)) if len(documents) > 16 else [self._text[i] for i in documents]
-        texts = [record[self._field] for record in records]
-        return self._tokenizer.encode_batch([t.decode('utf-8') if isinstance(t, bytes) else t for t in texts])
+        return self._source.documents(range(block * self.per_block, min((block + 1) * self.per_block, self.documents)))
 
 
 class _PackIterator(grain.DatasetIterator):
@@ -185,21 +199,24 @@ def prompt_tokens(cfg: DataConfig, tokenizer: Tokenizer, text: str) -> list[int]
 def _documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, name: str | None, shuffle: bool,
                num_epochs: int | None) -> tuple[grain.MapDataset, tuple[int, ...]]:
     """The split's documents as token ids, in blocks of consecutive documents (`_Blocks`), and each
-    dataset's documents per block: of
-    dataset `name`, or of data.sources() mixed by weight (each shuffled with its own seed and
-    repeated, then interleaved in the weights' proportions by grain). A dataset's ids come from its
-    pre-tokenized copy for this tokenizer when it has one (data.pretokenized), else from tokenizing
-    its text; the blocks, and so everything after, are the same either way."""
+    dataset's documents per block: of dataset `name`, or of data.sources() mixed by weight (each
+    shuffled with its own seed and repeated, then interleaved by grain so that each dataset's share
+    of the tokens is its share of the weights). A dataset's ids come from its pre-tokenized copy for
+    this tokenizer when it has one (data.pretokenized), else from tokenizing its text; the blocks,
+    and so everything after, are the same either way."""
     sources = [(name, 1.0)] if name else cfg.sources()
     members, block_weights, layout = [], [], []
     for i, (member, weight) in enumerate(sources):
-        pretokenized = tokens.find(member, cfg.data_dir, split, tokenizer) if cfg.pretokenized else None
-        blocks = _Blocks(corpus.open_split(member, cfg.data_dir, split), tokenizer, cfg.text_field, pretokenized,
-                         cfg.seq_len)
+        source = tokens.find(member, cfg.data_dir, split, tokenizer, cfg.text_field) if cfg.pretokenized else None
+        if source is None:
+            source = _OnTheFly(corpus.open_split(member, cfg.data_dir, split), tokenizer, cfg.text_field)
+        blocks = _Blocks(source, corpus.split_info(member, cfg.data_dir, split), cfg.seq_len)
         ds = grain.MapDataset.source(blocks)
         members.append((ds.shuffle(seed=cfg.seed + i) if shuffle else ds).repeat(num_epochs))
-        block_weights.append(weight * len(blocks) / blocks.documents)  # the weights are in documents
         layout.append(blocks.per_block)
+        if len(sources) > 1:  # a block's share of draws: weight / the dataset's tokens per block (separators too)
+            stream_tokens = source.token_count() + blocks.documents * len(_separator(cfg, tokenizer))
+            block_weights.append(weight * len(blocks) / stream_tokens)
     return (members[0] if len(members) == 1 else grain.MapDataset.mix(members, block_weights)), tuple(layout)
 
 
@@ -219,10 +236,18 @@ def _pipeline(documents: tuple[grain.MapDataset, tuple[int, ...]], cfg: DataConf
     return ds.batch(batch_size).map(functools.partial(_pad_batch, batch_size=batch_size))
 
 
+REMOTE_READ_THREADS = 64  # data.read_threads=-1 on an object store: ranged reads in flight per process
+
+
 def _read_options(cfg: DataConfig) -> grain.ReadOptions:
-    """Reading in this process's threads: grain's default 16 threads busy-wait on their futures and
-    cost more than the records; data.read_threads > 0 overlaps slow reads (an object store)."""
-    return grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=max(cfg.read_threads, 1) * 32)
+    """Reading in this process's threads. On local disk none by default: grain's threads busy-wait
+    on their futures and cost more than a mapped read. On an object store, where a block is two
+    ranged reads of tens of milliseconds, REMOTE_READ_THREADS reads in flight (data.read_threads
+    sets it); the blocks read ahead, at most 32 a thread, bound the reader's memory."""
+    threads = cfg.read_threads
+    if threads < 0:
+        threads = REMOTE_READ_THREADS if storage.is_remote(cfg.data_dir) else 0
+    return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(threads, 1) * 32)
 
 
 def per_process_batch_size(cfg: DataConfig, process_count: int) -> int:
@@ -245,20 +270,33 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, max_batches: int, proces
     """The validation split of dataset `name` (default data.name) in a fixed order, one pass,
     every batch full size (padding has loss_mask 0).
 
-    With max_batches > 0 exactly that many batches come (all-padding ones after the split ends),
-    so every process runs the same number of eval steps.
+    Every process gets the same number of batches, all-padding ones after its share ends: with
+    max_batches > 0 exactly that many; with 0 (the whole split) as many as the process with the most
+    has (the `process_count` processes of a jax.distributed job agree at each batch).
     """
     documents = _documents(cfg, tokenizer, cfg.eval_split, name or cfg.name, shuffle=False, num_epochs=1)
-    ds = _pipeline(documents, cfg, tokenizer, process_index=process_index, process_count=process_count)
+    ds = iter(_pipeline(documents, cfg, tokenizer, process_index=process_index, process_count=process_count))
+    padding = _pad_batch(_empty_like(cfg), per_process_batch_size(cfg, process_count))
     count = 0
-    for batch in ds:
-        if max_batches and count == max_batches:
-            return
-        yield batch
+    while not max_batches or count < max_batches:
+        batch = next(ds, None)
+        if not max_batches and (batch is None if process_count == 1 else multihost.every_process(batch is None)):
+            return  # the whole split: every process's share has ended
+        yield padding if batch is None else batch
         count += 1
-    while max_batches and count < max_batches:
-        yield _pad_batch(_empty_like(cfg), per_process_batch_size(cfg, process_count))
-        count += 1
+
+
+def next_batch(iterator: Iterator[Batch], finite: bool) -> Batch | None:
+    """The next training batch; None once a finite pass (data.num_epochs) has ended on any process,
+    on every process at the same step: the processes' shares hold different numbers of batches, and
+    one that stopped alone would leave the others waiting in the step's collectives. Endless data
+    asks no other process."""
+    batch = next(iterator, None)
+    if finite:
+        return batch if multihost.every_process(batch is not None) else None
+    if batch is None:
+        raise corpus.DataError('the training data ended, though data.num_epochs=0 repeats it forever')
+    return batch
 
 
 def _empty_like(cfg: DataConfig) -> Batch:

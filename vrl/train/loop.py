@@ -371,6 +371,20 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
         for i, m in enumerate(members):
             m.writer.write_diagnostics(step, diagnose(group.member(state.params, i)))
 
+    def data_ended(step: int, saved: bool) -> None:
+        """data.num_epochs passes ended before train.steps: the last step saved and evaluated, said."""
+        nonlocal pending
+        if pending is not None:
+            read(*pending)
+            pending = None
+        if not saved:
+            save(step, force=True)
+        evaluate(step)
+        for m in members:
+            m.writer.print(f'the data ended after step {step}: data.num_epochs={config.data.num_epochs} passes over '
+                           f'it are done, before train.steps={config.train.steps}; step {step} is saved and '
+                           'evaluated (raise data.num_epochs, or 0 to repeat it, to train on)')
+
     def results(preempted: bool) -> list[RunResult]:
         return [RunResult(step, m.losses, m.eval_loss, group.member(state, i), preempted)
                 for i, m in enumerate(members)]
@@ -382,8 +396,11 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
         for m in members:
             m.writer.print(f'train.steps=0: saved the initial parameters as step 0 in {m.path}')
     while step < config.train.steps:
-        batch = group.device_batch(next(data_iterator))
-        state, step_metrics = group.train_step(state, batch)
+        host_batch = pipeline.next_batch(data_iterator, finite=config.data.num_epochs > 0)
+        if host_batch is None:
+            data_ended(step, saved=step == start_step or step % config.train.checkpoint_every == 0)
+            break
+        state, step_metrics = group.train_step(state, group.device_batch(host_batch))
         step += 1
         for m in members:
             checkpoint.check_saves(m.manager)  # a failed async save stops the run at the next step

@@ -1,0 +1,125 @@
+"""Can a host be fed from a bucket? The pre-tokenized reader (vrl/data/tokens.py) reading token
+shards in place from a GCS emulator behind a slow-store proxy (tests/slow_store.py, its own
+process: by default 50 ms a request, 50 MB/s a connection), at the 82M config's per-host batch
+(8 x 2,048), against the same files on local disk.
+
+The dataset is synthetic web pages (lognormal lengths, median ~700 tokens, random ids in a
+32,768-piece vocabulary) written in vrl's pre-tokenized layout, --tokens in all: several times
+what the reader holds ahead (read_threads x 32 blocks of about a window each). Prints a table:
+time to the first batch, tokens/s after --warmup batches, the median and largest wait for a batch
+after warm-up, the reader's CPU seconds per million tokens, and the bytes fetched per token.
+
+    python bench/data_in_place.py [--tokens=50000000] [--latency_ms=50] [--mbps=50] [--threads=16,64,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.gcs_emulator import serving  # noqa: E402
+from vrl.core import storage  # noqa: E402
+from vrl.core.config import DataConfig  # noqa: E402
+from vrl.data import pipeline, tokens  # noqa: E402
+from vrl.data.tokenizer import Tokenizer, train  # noqa: E402
+
+VOCAB = 32_768
+SHARDS = 16
+
+
+def write_dataset(data_dir: Path, tokenizer: Tokenizer, total_tokens: int, seed: int = 0) -> None:
+    """A one-split dataset `pages` of synthetic documents, as `vrl.data prepare` + `tokenize` lay it out."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < total_tokens:
+        lengths += np.clip(rng.lognormal(6.5, 0.9, 10_000), 20, 20_000).astype(int).tolist()
+    lengths = np.array(lengths)[:np.searchsorted(np.cumsum(lengths), total_tokens) + 1]
+    version = data_dir / 'pages' / '1.0.0'
+    folder = tokens.folder(storage.path(str(version)), tokenizer)
+    folder.mkdir(parents=True)
+    bounds = np.linspace(0, len(lengths), SHARDS + 1).astype(int)
+    names = [f'train-{i:05d}-of-{SHARDS:05d}' for i in range(SHARDS)]
+    for name, lo, hi in zip(names, bounds[:-1], bounds[1:]):
+        shard_lengths = lengths[lo:hi]
+        rng.integers(3, VOCAB, int(shard_lengths.sum()), dtype=np.uint16).tofile(folder / f'{name}.tokens')
+        np.save(folder / f'{name}.offsets.npy', np.concatenate([[0], np.cumsum(shard_lengths)]).astype(np.int64))
+    splits = {'train': {'shards': names, 'documents': len(lengths), 'shard_documents': np.diff(bounds).tolist(),
+                        'tokens': int(lengths.sum())}}
+    (folder / tokens.MARKER).write_text(json.dumps({'format': tokens.FORMAT, 'dataset': 'pages',
+                                                   'fingerprint': tokenizer.fingerprint, 'dtype': '<u2',
+                                                   'splits': splits}))
+    # what TFDS records of the text: ~4 bytes a token
+    (version / 'dataset_info.json').write_text(json.dumps({'name': 'pages', 'splits': [
+        {'name': 'train', 'numBytes': str(4 * int(lengths.sum())), 'shardLengths': [str(len(lengths))]}]}))
+
+
+def measure(cfg: DataConfig, tokenizer: Tokenizer, batches: int, warmup: int) -> dict[str, float]:
+    start = time.perf_counter()
+    iterator = iter(pipeline.train_dataset(cfg, tokenizer))
+    next(iterator)
+    first = time.perf_counter() - start
+    for _ in range(warmup):
+        next(iterator)
+    waits, cpu, wall = [], time.process_time(), time.perf_counter()
+    for _ in range(batches):
+        before = time.perf_counter()
+        next(iterator)
+        waits.append(time.perf_counter() - before)
+    seconds, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    n = batches * cfg.batch_size * cfg.seq_len
+    return {'first': first, 'tokens/s': n / seconds, 'median wait': statistics.median(waits), 'max wait': max(waits),
+            'cpu per M': cpu / n * 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--tokens', type=int, default=50_000_000)
+    parser.add_argument('--latency_ms', type=float, default=50)
+    parser.add_argument('--mbps', type=float, default=50)
+    parser.add_argument('--threads', default='16,64,128')
+    parser.add_argument('--batches', type=int, default=150)
+    parser.add_argument('--warmup', type=int, default=30)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch, serving(f'{scratch}/objects') as url:
+        texts = [f'document {i}: ' + 'the quick brown fox jumps over the lazy dog ' * (i % 7 + 1) for i in range(2000)]
+        tokenizer = train(texts, 300, f'{scratch}/tokenizer.json')
+        local = Path(scratch) / 'tfds'
+        write_dataset(local, tokenizer, args.tokens)
+        storage.copy_tree(storage.path(str(local)), storage.path('gs://vrl/tfds'))
+        size = sum(f.stat().st_size for f in local.rglob('*.tokens'))
+        proxy = subprocess.Popen([sys.executable, '-m', 'tests.slow_store', f'--upstream={url}',
+                                  f'--latency_ms={args.latency_ms}', f'--mbps={args.mbps}'], cwd=ROOT,
+                                 stdout=subprocess.PIPE, text=True)
+        slow_url = proxy.stdout.readline().split("'")[1]
+        os.environ['STORAGE_EMULATOR_HOST'] = slow_url
+        import gcsfs
+        gcsfs.GCSFileSystem.clear_instance_cache()
+        base = DataConfig(name='pages', data_dir=str(local), tokenizer=tokenizer.path, seq_len=2048, batch_size=8)
+        rows = [('local disk', 0, measure(base, tokenizer, args.batches, args.warmup))]
+        for threads in map(int, args.threads.split(',')):
+            cfg = DataConfig(**{**base.__dict__, 'data_dir': 'gs://vrl/tfds', 'read_threads': threads})
+            rows.append((f'gs:// via {args.latency_ms:g} ms, {args.mbps:g} MB/s', threads,
+                         measure(cfg, tokenizer, args.batches, args.warmup)))
+        proxy.terminate()
+    print(f'dataset: {args.tokens / 1e6:.0f}M tokens ({size / 1e6:.0f} MB uint16) in {SHARDS} shards; batch 8 x 2048\n')
+    print('| store | read_threads | first batch (s) | tokens/s | median wait (ms) | max wait (ms) | reader CPU s / M tokens |')
+    print('|---|---|---|---|---|---|---|')
+    for store, threads, r in rows:
+        print(f'| {store} | {threads} | {r["first"]:.2f} | {r["tokens/s"] / 1e6:.2f}M | {1e3 * r["median wait"]:.1f} | '
+              f'{1e3 * r["max wait"]:.0f} | {r["cpu per M"]:.2f} |')
+
+
+if __name__ == '__main__':
+    main()

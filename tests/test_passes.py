@@ -1,0 +1,83 @@
+"""Finite passes end together: every process of a jax.distributed job evaluates the whole validation
+split in the same number of batches and ends a data.num_epochs pass at the same step, though their
+shares of the data hold different numbers of batches; a run whose data ends before train.steps
+says so, saved and evaluated. Real processes on 127.0.0.1 (gloo)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.gcs_emulator import free_port
+from tests.runs import ROOT, tiny_config
+from vrl.data import pipeline
+
+pytestmark = pytest.mark.slow  # real processes: outside the edit loop's tier
+
+COUNT = '''
+import json, sys
+import jax
+jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+address, count, index, config = sys.argv[1:]
+jax.distributed.initialize(address, int(count), int(index))
+from vrl.core.config import DataConfig
+from vrl.data import pipeline
+from vrl.data.tokenizer import Tokenizer
+cfg = DataConfig(**json.loads(config))
+tokenizer = Tokenizer.load(cfg.tokenizer)
+evaluated = list(pipeline.eval_batches(cfg, tokenizer, 0, jax.process_index(), jax.process_count()))
+train = iter(pipeline.train_dataset(cfg, tokenizer, jax.process_index(), jax.process_count()))
+trained = 0
+while pipeline.next_batch(train, finite=True) is not None:
+    trained += 1
+print(json.dumps({'eval': len(evaluated), 'eval_tokens': int(sum(b['loss_mask'].sum() for b in evaluated)),
+                  'train': trained}))
+'''
+
+
+def _batches(cfg, tokenizer, process_count: int) -> tuple[list[int], list[int], list[int]]:
+    """Each process's share as it stands alone: eval batches, their real tokens, train batches."""
+    evaluated = [list(pipeline.eval_batches(cfg, tokenizer, 0, i, process_count)) for i in range(process_count)]
+    trained = [sum(1 for _ in pipeline.train_dataset(cfg, tokenizer, i, process_count)) for i in range(process_count)]
+    return [len(e) for e in evaluated], [int(sum(b['loss_mask'].sum() for b in e)) for e in evaluated], trained
+
+
+@pytest.mark.parametrize('process_count', [2, 4])
+def test_every_process_runs_the_same_number_of_batches_in_a_finite_pass(small_corpus, process_count):
+    cfg, tokenizer = small_corpus
+    cfg = dataclasses.replace(cfg, batch_size=process_count, seq_len=64, num_epochs=1, read_threads=0)
+    eval_alone, tokens_alone, train_alone = _batches(cfg, tokenizer, process_count)
+    assert len(set(eval_alone)) > 1 and len(set(train_alone)) > 1  # the shares are uneven
+    address = f'127.0.0.1:{free_port()}'
+    processes = [subprocess.Popen([sys.executable, '-c', COUNT, address, str(process_count), str(i),
+                                   json.dumps(dataclasses.asdict(cfg))], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env={'PYTHONPATH': str(ROOT), 'JAX_PLATFORMS': 'cpu', 'PATH': '/usr/bin:/bin',
+                                       'XLA_FLAGS': '--xla_force_host_platform_device_count=1'})
+                 for i in range(process_count)]
+    results = []
+    for p in processes:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert [r['eval'] for r in results] == [max(eval_alone)] * process_count  # padded up to the longest share
+    assert [r['eval_tokens'] for r in results] == tokens_alone  # every real token, once
+    assert [r['train'] for r in results] == [min(train_alone)] * process_count  # stopped with the shortest
+
+
+def test_a_run_whose_data_ends_first_says_so_saved_and_evaluated(small_corpus, tmp_path, capsys):
+    from vrl.train import checkpoint, loop
+    config = tiny_config(small_corpus, steps=10_000, checkpoint_every=1000, log_every=1000)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, num_epochs=1, seq_len=128,
+                                                                  batch_size=32))
+    _, _, (steps,) = _batches(config.data, small_corpus[1], 1)
+    result = loop.run(config, str(tmp_path / 'run'))
+    out = capsys.readouterr().out
+    assert result.step == max(result.losses) == steps < 10_000
+    assert (f'the data ended after step {steps}: data.num_epochs=1 passes over it are done, before '
+            'train.steps=10000; step') in out
+    assert checkpoint.latest_step(tmp_path / 'run') == steps and result.eval_loss is not None
