@@ -78,7 +78,8 @@ def test_the_exported_tokenizer_json_encodes_as_the_run_did_in_transformers(hf_t
     hf.write_tokenizer(hf_tokenizer, tmp_path)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     cfg, _ = small_corpus
-    assert theirs(TEXT).input_ids == pipeline.prompt_tokens(cfg, hf_tokenizer, TEXT)
+    literal = TEXT + ' '.join(_special_texts(hf_tokenizer))  # special tokens' text inside a document
+    assert theirs(literal).input_ids == pipeline.prompt_tokens(cfg, hf_tokenizer, literal)
     assert Tokenizer.load(str(tmp_path / 'tokenizer.json')).difference(hf_tokenizer) is None
     assert hf.run_tokenizer(str(tmp_path), '') == (str(tmp_path / 'tokenizer.json'), f'tokenizer {tmp_path / "tokenizer.json"}')
 
@@ -268,3 +269,20 @@ def test_held_offsets_keep_the_most_recently_used_within_their_limit():
     assert (held.get('a') == arrays['a']).all()  # now the most recent
     held.put('c', arrays['c'])
     assert held.get('b') is None and (held.get('a') == arrays['a']).all() and (held.get('c') == arrays['c']).all()
+
+
+def _special_texts(tok: HuggingFaceTokenizer) -> list[str]:
+    return [t.content for t in tok._tok.get_added_tokens_decoder().values() if t.special]
+
+
+def test_special_tokens_text_in_a_document_is_ordinary_text(hf_tokenizer, tmp_path):
+    """Every special token's text, alone, inside words and between spaces, encodes to ordinary
+    pieces and decodes back; only the pipeline puts special ids (EOS, BOS, pad) into the stream."""
+    specials = _special_texts(hf_tokenizer)
+    assert {'</s>', '<pad>'} <= set(specials)
+    special_ids = set(hf_tokenizer._tok.get_added_tokens_decoder())
+    for text in specials + [f'x{s}y' for s in specials] + [f'before {s} after' for s in specials]:
+        ids = hf_tokenizer.encode(text).tolist()
+        assert not special_ids & set(ids) and hf_tokenizer.decode(ids) == text, text
+    assert [ids.tolist() for ids in hf_tokenizer.encode_batch(specials)] == [hf_tokenizer.encode(s).tolist()
+                                                                              for s in specials]

@@ -192,6 +192,9 @@ class HuggingFaceTokenizer(Tokenizer):
             self._tok = tokenizers.Tokenizer.from_str(file_bytes.decode('utf-8'))
         except Exception as e:  # noqa: BLE001 - the Rust parser's errors are one kind to the user
             raise TokenizerError(f'{path!r} is not a Hugging Face tokenizer.json ({str(e)[:200]})') from None
+        # a special token's text inside a document (web pages quote '<|endoftext|>') is text: only the
+        # pipeline puts special ids into the stream
+        self._tok.encode_special_tokens = True
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         named = _config_tokens(path)

@@ -211,7 +211,7 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
                                            {'Sequence': {'id': 'B', 'type_id': 1}}],
                                   'special_tokens': {eos: {'id': eos, 'ids': [tokenizer.eos_id], 'tokens': [eos]}}}
         (out / 'tokenizer.json').write_text(json.dumps(rust, ensure_ascii=False))
-        config = {'tokenizer_class': 'PreTrainedTokenizerFast'}
+        config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'split_special_tokens': True}  # text stays text
     (out / 'tokenizer_config.json').write_text(json.dumps(
         {**config, 'bos_token': eos, 'eos_token': eos, 'pad_token': pad, 'model_max_length': 1 << 30}, indent=2))
 
