@@ -1,9 +1,9 @@
 """Peak memory and speed of `vrl.data prepare` on one large JSON lines file: its memory must not grow
 with the file's size (it streams).
 
-    python bench/prepare_memory.py [--sizes_mb 200,2000] [--compress zst]
+    python bench/prepare_memory.py [--sizes_mb 200,2000] [--compress zst] [--words 1000]
 
-Writes a file of ~1,000-word documents (words drawn from the embedded Shakespeare) of each size in
+Writes a file of --words-word documents (words drawn from the embedded Shakespeare) of each size in
 a temp folder, prepares it in a subprocess, and reads that process's peak RSS (ru_maxrss).
 """
 
@@ -30,33 +30,36 @@ PEAK = ('import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=Tr
         'print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)')
 
 
-def write_jsonl(path: Path, megabytes: int, compress: str) -> int:
+def write_jsonl(path: Path, megabytes: int, compress: str, words_per_document: int) -> tuple[int, int]:
     words = np.array(Path(corpus.shakespeare_spec().files[0]).read_text().split())
     rng = np.random.default_rng(0)
-    written = 0
+    written = documents = 0
     raw = open(path, 'wb')
     out = raw
     if compress == 'zst':
         import zstandard
         out = zstandard.ZstdCompressor(level=3).stream_writer(raw)
     while written < megabytes << 20:
-        block = ''.join(json.dumps({'text': ' '.join(rng.choice(words, 1000))}) + '\n' for _ in range(500)).encode()
+        block = ''.join(json.dumps({'text': ' '.join(rng.choice(words, words_per_document))}) + '\n'
+                        for _ in range(500)).encode()
         out.write(block)
-        written += len(block)
+        written, documents = written + len(block), documents + 500
     out.close()
-    return written
+    return written, documents
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument('--sizes_mb', default='200,2000')
     parser.add_argument('--compress', default='', choices=('', 'zst'))
+    parser.add_argument('--words', type=int, default=1000, help='words per document')
     args = parser.parse_args()
-    print('| JSON lines | on disk | prepare seconds | MB/s (uncompressed) | peak RSS |\n|---|---|---|---|---|')
+    print('| JSON lines | documents | on disk | prepare seconds | MB/s (uncompressed) | peak RSS |\n'
+          '|---|---|---|---|---|---|')
     for megabytes in map(int, args.sizes_mb.split(',')):
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / f'big.jsonl{"." + args.compress if args.compress else ""}'
-            size = write_jsonl(path, megabytes, args.compress)
+            size, documents = write_jsonl(path, megabytes, args.compress, args.words)
             start = time.perf_counter()
             measured = subprocess.run([sys.executable, '-c', PEAK, sys.executable, '-m', 'vrl.data', 'prepare',
                                        f'--input={path}', '--name=big', f'--data_dir={folder}/tfds'],
@@ -64,7 +67,7 @@ def main() -> None:
                                       env={**os.environ, 'PYTHONPATH': str(ROOT)})
             seconds = time.perf_counter() - start
             peak = int(measured.stdout.split()[-1]) / 1024
-            print(f'| {size / 2**20:,.0f} MB | {path.stat().st_size / 2**20:,.0f} MB | {seconds:.0f} | '
+            print(f'| {size / 2**20:,.0f} MB | {documents:,} | {path.stat().st_size / 2**20:,.0f} MB | {seconds:.0f} | '
                   f'{size / 2**20 / seconds:.1f} | {peak:,.0f} MB |', flush=True)
 
 

@@ -265,6 +265,13 @@ def test_prepare_refuses_changed_input_unless_overwrite(tmp_path):
     assert sum(len(corpus.open_split('grows', data_dir, s)) for s in ('train', 'validation')) == 8
     with pytest.raises(corpus.DataError, match='validation_fraction was 0.25, now 0.5'):
         corpus.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.5)
+    corpus.prepare_from_glob(str(texts), 'first_five', data_dir, validation_fraction=0.25, limit=5)
+    kept = [t for s in ('train', 'validation') for t in corpus.texts(corpus.open_split('first_five', data_dir, s))]
+    assert sorted(kept) == [f'document {i}\n' for i in range(5)]  # files in order: the first five documents
+    with pytest.raises(corpus.DataError, match='limit was 5, now 6'):
+        corpus.prepare_from_glob(str(texts), 'first_five', data_dir, validation_fraction=0.25, limit=6)
+    with pytest.raises(corpus.DataError, match='limit=-1 is invalid'):
+        corpus.prepare_from_glob(str(texts), 'negative', data_dir, limit=-1)
 
 
 def test_too_small_for_validation_and_data_dir_a_file_fail_at_prepare(tmp_path):

@@ -262,3 +262,37 @@ def test_a_damaged_checkpoint_is_one_line_on_the_command_line(small_corpus, tmp_
     assert 'checkpoint step 4 is damaged: it cannot be read' in out.stdout and 'resuming from step 2' in out.stdout
     printed = out.stdout + out.stderr
     assert 'Traceback' not in printed and 'Exception ignored' not in printed
+
+
+def test_a_resume_that_reads_another_tokenizer_is_refused_unless_allowed(small_corpus, tmp_path, capsys):
+    """config.json records what a start read (tokenizer fingerprint and special ids, each dataset's
+    version and fingerprint, pre-tokenized or not); a resume with another tokenizer is one line naming
+    both, and data.allow_data_change=true resumes, saying so."""
+    from vrl.data import corpus
+    from vrl.data.tokenizer import train as train_tokenizer
+    config = tiny_config(small_corpus, steps=2, checkpoint_every=2)
+    workdir = tmp_path / 'run'
+    loop.run(config, str(workdir))
+    cfg, tokenizer = small_corpus
+    read = json.loads((workdir / 'config.json').read_text())['data']
+    assert read['tokenizer'] == {'path': tokenizer.path, 'fingerprint': tokenizer.fingerprint,
+                                 'vocab_size': tokenizer.vocab_size, 'eos_id': tokenizer.eos_id,
+                                 'bos_id': tokenizer.bos_id, 'pad_id': tokenizer.pad_id}
+    assert read['datasets'] == {'plays': {'version': '1.0.0', 'fingerprint': corpus.fingerprint('plays', cfg.data_dir),
+                                          'weight': 1.0, 'pretokenized': False}}
+    other = train_tokenizer(corpus.texts(corpus.open_split('plays', cfg.data_dir, 'train')), 400,
+                            str(tmp_path / 'other.model'))
+    longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=4),
+                                 data=dataclasses.replace(config.data, tokenizer=other.path))
+    capsys.readouterr()
+    with pytest.raises(loop.TrainingError, match=rf'{workdir} was trained on other data than this run reads: the '
+                                                 rf'tokenizer: {re.escape(tokenizer.path)} \(fingerprint '
+                                                 rf'{tokenizer.fingerprint}\) then, {re.escape(other.path)} '
+                                                 rf'\({other.fingerprint}\) now\..*data.allow_data_change=true'):
+        loop.run(longer, str(workdir))
+    assert checkpoint.latest_step(workdir) == 2  # nothing trained
+    allowed = dataclasses.replace(longer, data=dataclasses.replace(longer.data, allow_data_change=True))
+    assert max(loop.run(allowed, str(workdir)).losses) == 4
+    said = capsys.readouterr().out
+    assert 'resuming on changed data (data.allow_data_change=true): the tokenizer:' in said
+    assert json.loads((workdir / 'config.json').read_text())['data']['tokenizer']['fingerprint'] == other.fingerprint

@@ -241,6 +241,9 @@ class DataConfig:
     # several datasets instead of `name`: 'NAME=WEIGHT,NAME=WEIGHT' (each dataset's share of the tokens;
     # each dataset's validation split is evaluated on its own); '' = `name` alone
     mixture: str = ''
+    # resume although the tokenizer or a dataset's contents changed since the run's last start (said in
+    # the log; config.json records what each start read)
+    allow_data_change: bool = False
 
     def __post_init__(self):
         for name in ('seq_len', 'batch_size', 'tokenizer_train_docs'):

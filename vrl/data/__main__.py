@@ -3,6 +3,7 @@ files (vrl/data/corpus.py), pre-tokenize it once (vrl/data/tokens.py), or count 
 tokens.
 
     python -m vrl.data prepare --input=GLOB --name=NAME --data_dir=DIR [--validation_fraction=F] [--overwrite]
+                               [--limit=N] (the first N documents only)
                                [--text_field=text] [--domain_field=meta.redpajama_set_name] (one dataset per domain)
     python -m vrl.data tokenize --name=NAME --data_dir=DIR --tokenizer=PATH [--workers=N]   (vrl/data/tokens.py)
         on several machines at once: the same command on each, joined by jax.distributed (auto on a
@@ -37,6 +38,8 @@ def _define_flags() -> cli.Args:
                                             'column, e.g. meta.redpajama_set_name'),
         'overwrite': flags.DEFINE_bool('overwrite', False, 'prepare: rebuild a dataset that was prepared from other '
                                        'inputs; tokenize: make the pre-tokenized copy again'),
+        'limit': flags.DEFINE_integer('limit', 0, 'prepare: only the first N non-empty documents (of each dataset '
+                                      'with --domain_field): a subset to try things on; 0 = all'),
         'workers': flags.DEFINE_integer('workers', None, 'tokenize: processes (default: every core)'),
         'tokenizer': flags.DEFINE_string('tokenizer', None, 'stats, tokenize: the tokenizer (.model or tokenizer.json)'),
         **multihost.define_flags(),
@@ -52,7 +55,7 @@ def main(args: cli.Args, command: str) -> None:
         if args['domain_field'].value:
             names = corpus.prepare_domains(source, name, data_dir, args['domain_field'].value,
                                            text_field=args['text_field'].value, validation_fraction=fraction,
-                                           overwrite=overwrite)
+                                           overwrite=overwrite, limit=args['limit'].value)
             for domain, dataset in names.items():
                 print(f'prepared {dataset} ({args["domain_field"].value} = {domain!r})')
             print('train on all of them, equally weighted: --config.data.mixture=' +
@@ -60,7 +63,7 @@ def main(args: cli.Args, command: str) -> None:
             return
         path = corpus.prepare_from_glob(source, name, data_dir, split_mode=args['split_mode'].value,
                                         text_field=args['text_field'].value, validation_fraction=fraction,
-                                        overwrite=overwrite)
+                                        overwrite=overwrite, limit=args['limit'].value)
         print(f'prepared {name} in {path}')
     if command == 'tokenize':
         cli.require(args, 'tokenizer')

@@ -85,6 +85,7 @@ class CorpusSpec:
     text_field: str = 'text'
     validation_fraction: float = 0.05
     holdout_unit: str = 'document'  # document | file: whole files go to one split
+    limit: int = 0  # the first this many non-empty documents only (a subset); 0 = all
 
 
 RECORD_FORMATS = ('.parquet', '.jsonl', '.ndjson')
@@ -193,6 +194,8 @@ def read_documents(spec: CorpusSpec, skipped: SkipCounter, desc: str = 'reading'
             with _opened(file) as (raw, stream):
                 for i, doc in enumerate(_file_documents(file, stream, spec)):
                     if doc.strip():
+                        if documents == spec.limit > 0:
+                            return
                         yield file_id, f'{file_id}#{i}', doc
                         documents += 1
                     else:
@@ -308,12 +311,14 @@ def _hash(unit: str) -> int:
     return int.from_bytes(hashlib.sha256(unit.encode()).digest()[:8], 'big') - (1 << 63)
 
 
-def _validation_hashes(hashes: np.ndarray, fraction: float) -> frozenset[int]:
-    """The round(fraction * n) smallest of n distinct unit hashes: deterministic, exactly sized."""
+def _validation_cut(hashes: np.ndarray, fraction: float) -> int | None:
+    """The largest of the round(fraction * n) smallest of n distinct unit hashes, so that a unit is
+    held out when its hash is at most this (deterministic, exactly sized; one partition of the
+    array, no set of the held-out ones); None when none is held out."""
     n_val = round(fraction * len(hashes))
     if fraction > 0 and len(hashes) >= 2:
         n_val = min(max(n_val, 1), len(hashes) - 1)
-    return frozenset(np.sort(hashes)[:n_val].tolist())
+    return int(np.partition(hashes, n_val - 1)[n_val - 1]) if n_val else None
 
 
 class _TextCorpusBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -335,16 +340,17 @@ class _TextCorpusBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True
             raise DataError(f'no non-empty documents in {len(self.spec.files)} input file(s): '
                             f'{", ".join(self.spec.files[:3])}{" ..." if len(self.spec.files) > 3 else ""}.')
         skipped.report()
-        validation = _validation_hashes(units, self.spec.validation_fraction)
+        cut, n_units = _validation_cut(units, self.spec.validation_fraction), len(units)
+        del units  # the held-out documents are told by `cut` alone
 
         def generate(want_validation: bool):
             for file, key, text in read_documents(self.spec, SkipCounter(), 'validation' if want_validation else 'train'):
-                if (_hash(unit(file, key)) in validation) == want_validation:
+                if (cut is not None and _hash(unit(file, key)) <= cut) == want_validation:
                     yield key, {'text': text}
 
-        if not validation:
+        if cut is None:
             if self.spec.validation_fraction > 0:
-                raise DataError(f'{len(units)} {self.spec.holdout_unit}(s) are too few to hold out a validation '
+                raise DataError(f'{n_units} {self.spec.holdout_unit}(s) are too few to hold out a validation '
                                 f'split at validation_fraction={self.spec.validation_fraction}: give more input '
                                 '(at least 2), or --validation_fraction=0 and evaluate on another dataset.')
             logging.warning('no validation split (validation_fraction=0)')
@@ -383,7 +389,7 @@ def _inputs_record(spec: CorpusSpec) -> dict:
 
 
 def _difference(saved: dict, current: dict) -> str:
-    saved = {'text_field': saved.get('jsonl_field', 'text'), **saved}  # datasets prepared before the rename
+    saved = {'text_field': saved.get('jsonl_field', 'text'), 'limit': 0, **saved}  # the fields' defaults then
     saved.pop('jsonl_field', None)
     if saved['file_sha256'] != current['file_sha256']:
         n_then, n_now = len(saved['file_sha256']), len(current['file_sha256'])
@@ -421,6 +427,8 @@ def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False)
         raise DataError(f'validation_fraction={spec.validation_fraction} is invalid: allowed [0, 1).')
     if spec.split_mode not in SPLIT_MODES:
         raise DataError(f'split_mode={spec.split_mode!r} is invalid: allowed one of {SPLIT_MODES}.')
+    if spec.limit < 0:
+        raise DataError(f'limit={spec.limit} is invalid: allowed a number of documents >= 1, or 0 for all.')
     data_dir = _checked_data_dir(data_dir)
     builder_cls = types.new_class(name, (_TextCorpusBuilder,), {'skip_registration': True},
                                   lambda namespace: namespace.update(name=name, spec=spec))

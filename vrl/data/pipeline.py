@@ -250,6 +250,33 @@ def _read_options(cfg: DataConfig) -> grain.ReadOptions:
     return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(threads, 1) * 32)
 
 
+def provenance(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+    """What a run reads, for its record (config.json, W&B): the tokenizer (its file's fingerprint and
+    special ids) and each dataset (version, fingerprint, weight, whether its ids come pre-tokenized)."""
+    return {
+        'tokenizer': {'path': tokenizer.path, 'fingerprint': tokenizer.fingerprint, 'vocab_size': tokenizer.vocab_size,
+                      'eos_id': tokenizer.eos_id, 'bos_id': tokenizer.bos_id, 'pad_id': tokenizer.pad_id},
+        'datasets': {name: {'version': corpus.dataset_path(name, cfg.data_dir).name,
+                            'fingerprint': corpus.fingerprint(name, cfg.data_dir), 'weight': weight,
+                            'pretokenized': bool(cfg.pretokenized) and tokens.find(
+                                name, cfg.data_dir, cfg.train_split, tokenizer, cfg.text_field) is not None}
+                     for name, weight in cfg.sources()}}
+
+
+def provenance_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What a run reads now that it did not when `saved` was recorded: another tokenizer (other ids
+    for the same text) or other contents of a dataset; [] when only paths or the reading differ."""
+    changes = []
+    if saved['tokenizer']['fingerprint'] != now['tokenizer']['fingerprint']:
+        changes.append(f'the tokenizer: {saved["tokenizer"]["path"]} (fingerprint {saved["tokenizer"]["fingerprint"]}) '
+                       f'then, {now["tokenizer"]["path"]} ({now["tokenizer"]["fingerprint"]}) now')
+    for name, then in saved['datasets'].items():
+        if name in now['datasets'] and then['fingerprint'] != now['datasets'][name]['fingerprint']:
+            changes.append(f'dataset {name!r}: prepared again from other inputs since (fingerprint '
+                           f'{then["fingerprint"]} then, {now["datasets"][name]["fingerprint"]} now)')
+    return changes
+
+
 def per_process_batch_size(cfg: DataConfig, process_count: int) -> int:
     if cfg.batch_size % process_count:
         raise ConfigError(f'data.batch_size={cfg.batch_size} is invalid: allowed a multiple of the '

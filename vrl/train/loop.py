@@ -291,6 +291,19 @@ def _start(trainer: Trainer, m: _Member, data_iterator: Any, init_from: str | No
     return trainer.init_state(config.train.seed)._replace(params=params), 'started'
 
 
+def _check_reads(m: _Member, reads: dict[str, Any], allowed: bool) -> None:
+    """A resume reads what the run read before, or says what changed: refused (TrainingError) unless
+    data.allow_data_change, and then logged."""
+    saved = workdir_lib.last_read(m.path)
+    changed = pipeline.provenance_changes(saved, reads) if saved else []
+    if changed and not allowed:
+        raise TrainingError(f'{m.label}{m.path} was trained on other data than this run reads: {"; ".join(changed)}. '
+                            'Resume with what it read, train a new --workdir from its weights (--init_from), or set '
+                            'data.allow_data_change=true to go on (config.json records what each start read).')
+    for line in changed:
+        m.say(f'resuming on changed data (data.allow_data_change=true): {line}')
+
+
 def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer, data_iterator: Any,
            init_from: str | None, branch_from: str | None, fresh: bool, preemption: _Preemption
            ) -> list[RunResult]:
@@ -314,13 +327,16 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
     peak = metrics.peak_flops_per_device(config.train.peak_flops, config.model.compute_dtype) * jax.device_count()
     opt = config.optimizer
     together = f', trained with {group.members - 1} other seed(s) in one step' if group.members > 1 else ''
+    reads = {'data': pipeline.provenance(config.data, tokenizer)}
     for m, (_, how) in zip(members, starts):
+        if how == 'resumed':
+            multihost.on_process_0(lambda: _check_reads(m, reads['data'], config.data.allow_data_change))
         if is_writer:
             changed = workdir_lib.record_start(m.path, m.config, start_step, fresh, {
-                'params': account.params, 'non_embedding_params': account.non_embedding_params})
+                'params': account.params, 'non_embedding_params': account.non_embedding_params, **reads})
             for name, (old, new) in changed.items():
                 m.say(f'{name} changed since the last start: {old!r} -> {new!r}')
-        tracker = tracking.WandbRun(m.config, m.path) if is_writer and config.train.wandb_project else None
+        tracker = tracking.WandbRun(m.config, m.path, reads) if is_writer and config.train.wandb_project else None
         m.writer = metrics.MetricsWriter(str(m.path), config.train.steps, start_step, is_writer, m.label, tracker)
         m.writer.mark_start(start_step, 'resumed' if how == 'resumed' else 'started', init_from=init_from)
         begun = {'resumed': f'resumed at step {start_step}', 'branched': f'branched at step {start_step}',

@@ -27,9 +27,9 @@ class TrackingError(VrlError, ImportError):
 
 
 class WandbRun:
-    """The workdir's W&B run, started (or resumed) with the run's config."""
+    """The workdir's W&B run, started (or resumed) with the run's config and `extra` (what it reads)."""
 
-    def __init__(self, config: Config, workdir: epath.Path):
+    def __init__(self, config: Config, workdir: epath.Path, extra: dict[str, Any] | None = None):
         try:
             import wandb
         except ImportError:
@@ -42,7 +42,7 @@ class WandbRun:
         train = config.train
         self._run = wandb.init(project=train.wandb_project, entity=train.wandb_entity or None,
                                name=train.wandb_run_name or workdir.name, id=run_id, resume='allow',
-                               config=workdir_lib.as_json(config))
+                               config={**workdir_lib.as_json(config), **(extra or {})})
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         """A metrics.jsonl record: its numbers, and each diagnostic as diagnostics/<statistic>/layer_<i>."""

@@ -226,6 +226,11 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
             if old.get(section, {}).get(key) != value}
 
 
+def last_read(workdir: epath.Path) -> dict[str, Any] | None:
+    """What the run in `workdir` read at its last start (pipeline.provenance), if recorded."""
+    return (_read_record(workdir) or {}).get('data')
+
+
 def record_start(workdir: epath.Path, config: Config, step: int, fresh: bool, extra: dict[str, Any]) -> dict[str, list]:
     """Writes config.json for a start at `step` and returns the settings changed since the last start."""
     record = _read_record(workdir) or {}
