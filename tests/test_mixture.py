@@ -142,6 +142,32 @@ def test_eval_reports_each_domain_and_their_unweighted_mean(domains, tmp_path):
     assert abs(losses[0] - losses[1]) > 1e-3  # the domains differ, so the mean is a real average
 
 
+def test_data_eval_evaluates_the_sets_it_names_each_by_name(domains, tmp_path):
+    """Training on one dataset, evaluating on its validation split, another dataset's and its own
+    train split (data.eval): each set reported by name, eval_loss their unweighted mean, each equal
+    to evaluating that set alone; a set that does not exist is one line before anything compiles."""
+    cfg, tokenizer = domains
+    base = dataclasses.replace(cfg, tokenizer=tokenizer.path, mixture='', name='slim_alpha')
+    config = tiny_config((dataclasses.replace(base, eval='slim_alpha, slim_beta_set, slim_alpha:train'), tokenizer),
+                         steps=2, checkpoint_every=2, eval_batches=2)
+    result = loop.run(config, str(tmp_path / 'run'))
+    records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+    final = [r for r in records if 'eval_loss' in r][-1]
+    names = ('slim_alpha', 'slim_beta_set', 'slim_alpha:train')
+    assert {k for k in final if k.startswith('eval_loss/')} == {f'eval_loss/{n}' for n in names}
+    trainer = loop.Trainer(config, loop.sharding.make_mesh(config.mesh))
+    for name in names:
+        alone = dataclasses.replace(config, data=dataclasses.replace(config.data, eval=name))
+        (loss, _), = loop.validate(trainer, result.state.params, alone, tokenizer).domains.values()
+        assert final[f'eval_loss/{name}'] == pytest.approx(loss, rel=1e-6)
+    assert final['eval_loss'] == pytest.approx(np.mean([final[f'eval_loss/{n}'] for n in names]), rel=1e-6)
+    with pytest.raises(ConfigError, match=r"data.eval='a,,b' is invalid: .*NAME or NAME:SPLIT"):
+        DataConfig(eval='a,,b')
+    missing = dataclasses.replace(config, data=dataclasses.replace(config.data, eval='slim_alpha,slim_gamma'))
+    with pytest.raises(corpus.DataError, match="TFDS dataset 'slim_gamma'"):
+        loop.run(missing, str(tmp_path / 'missing'))
+
+
 def test_bad_mixtures_are_named(domains):
     cfg, tokenizer = domains
     with pytest.raises(ConfigError, match=r"data.mixture='a=0,b=1' is invalid: .*weights > 0.*\('a=0' is not\)"):

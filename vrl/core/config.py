@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Sequence
 
 import ml_collections
@@ -212,6 +213,14 @@ class ModelConfig:
         return self.value_embed_tables or tuple(range(len(self.value_embed_layers)))
 
 
+def _eval_set(entry: str, default_split: str) -> tuple[str, str]:
+    """'NAME:SPLIT' -> (NAME, SPLIT); 'NAME' (a TFDS name may end in ':VERSION') -> (NAME, default_split)."""
+    name, _, split = entry.rpartition(':')
+    if not name or re.fullmatch(r'\d+(\.\d+)*', split):
+        return entry, default_split
+    return name, split
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Input pipeline: a TFDS array_record dataset, a tokenizer, packing, grain."""
@@ -241,6 +250,9 @@ class DataConfig:
     # several datasets instead of `name`: 'NAME=WEIGHT,NAME=WEIGHT' (each dataset's share of the tokens;
     # each dataset's validation split is evaluated on its own); '' = `name` alone
     mixture: str = ''
+    # what evaluation reads: 'NAME' or 'NAME:SPLIT' (a prepared dataset's split; SPLIT defaults to
+    # eval_split), comma-separated, each reported by name; '' = eval_split of each dataset trained on
+    eval: str = ''
     # resume although the tokenizer or a dataset's contents changed since the run's last start (said in
     # the log; config.json records what each start read)
     allow_data_change: bool = False
@@ -252,10 +264,20 @@ class DataConfig:
             _require(getattr(self, name) >= 0, f'data.{name}', getattr(self, name), 'an integer >= 0')
         _require(self.read_threads >= -1, 'data.read_threads', self.read_threads, 'an integer >= 0, or -1 (auto)')
         _require(bool(self.name), 'data.name', self.name, 'a non-empty TFDS dataset name')
+        self.evaluated()  # parses data.eval, or names what is wrong
         if self.mixture:
             self.sources()  # parses, or names what is wrong
             _require(self.num_epochs == 0, 'data.num_epochs', self.num_epochs,
                      '0 with data.mixture (a mixture repeats its datasets forever; stop with train.steps)')
+
+    def evaluated(self) -> list[tuple[str, str]]:
+        """(dataset name, split) of each evaluation set: data.eval's, or each trained dataset's eval_split."""
+        if not self.eval:
+            return [(name, self.eval_split) for name, _ in self.sources()]
+        sets = [_eval_set(entry.strip(), self.eval_split) for entry in self.eval.split(',')]
+        _require(all(name for name, _ in sets) and len(set(sets)) == len(sets), 'data.eval', self.eval,
+                 "comma-separated distinct NAME or NAME:SPLIT entries, e.g. 'web,books:test'")
+        return sets
 
     def sources(self) -> list[tuple[str, float]]:
         """(dataset name, weight) for each dataset trained on: data.mixture's, or [(data.name, 1.0)]."""

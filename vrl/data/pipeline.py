@@ -293,15 +293,15 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0,
 
 
 def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, max_batches: int, process_index: int = 0,
-                 process_count: int = 1, name: str | None = None) -> Iterator[Batch]:
-    """The validation split of dataset `name` (default data.name) in a fixed order, one pass,
-    every batch full size (padding has loss_mask 0).
+                 process_count: int = 1, name: str | None = None, split: str | None = None) -> Iterator[Batch]:
+    """Split `split` (default data.eval_split) of dataset `name` (default data.name) in a fixed
+    order, one pass, every batch full size (padding has loss_mask 0).
 
     Every process gets the same number of batches, all-padding ones after its share ends: with
     max_batches > 0 exactly that many; with 0 (the whole split) as many as the process with the most
     has (the `process_count` processes of a jax.distributed job agree at each batch).
     """
-    documents = _documents(cfg, tokenizer, cfg.eval_split, name or cfg.name, shuffle=False, num_epochs=1)
+    documents = _documents(cfg, tokenizer, split or cfg.eval_split, name or cfg.name, shuffle=False, num_epochs=1)
     ds = iter(_pipeline(documents, cfg, tokenizer, process_index=process_index, process_count=process_count))
     padding = _pad_batch(_empty_like(cfg), per_process_batch_size(cfg, process_count))
     count = 0
@@ -343,6 +343,8 @@ def ready(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
     (vrl/core/multihost.py), so that those are made once, in the one place every host reads."""
     for name, _ in cfg.sources():
         corpus.open_split(name, cfg.data_dir, cfg.train_split)
+    for name, split in cfg.evaluated():
+        corpus.split_info(name, cfg.data_dir, split)  # a missing one is a DataError before anything compiles
     return load_tokenizer(cfg, model_vocab_size)
 
 

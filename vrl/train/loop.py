@@ -76,7 +76,8 @@ class _Preemption:
 
 @dataclasses.dataclass(frozen=True)
 class Validation:
-    """Per validation set (data.name, or each dataset of data.mixture): (nats per target token,
+    """Per evaluation set (data.eval's, or the eval_split of data.name or of each dataset of
+    data.mixture), named NAME, or NAME:SPLIT for another split: (nats per target token,
     bits per byte = summed token losses / ln 2 / UTF-8 bytes of the text they stand for)."""
     domains: dict[str, tuple[float, float]]
 
@@ -106,14 +107,14 @@ def validate(trainer: Trainer, params: Any, config: Config, tokenizer) -> Valida
 def _validations(stepper: Trainer | RunGroup, params: Any, config: Config, tokenizer) -> list[Validation]:
     """One Validation per run: `params` are one Trainer's run's, or a RunGroup's (a leading run axis)."""
     domains: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for name, _ in config.data.sources():
+    for name, split in config.data.evaluated():
         loss_sum = tokens = n_bytes = np.zeros(1)
         for batch in pipeline.eval_batches(config.data, tokenizer, config.train.eval_batches,
-                                       jax.process_index(), jax.process_count(), name=name):
+                                           jax.process_index(), jax.process_count(), name=name, split=split):
             batch['target_bytes'] = tokenizer.utf8_bytes[batch['targets']]
             out = jax.device_get(stepper.eval_step(params, stepper.device_batch(batch)))
             loss_sum, tokens, n_bytes = (loss_sum + out['loss_sum'], tokens + out['tokens'], n_bytes + out['bytes'])
-        domains[name] = (loss_sum / np.maximum(tokens, 1.0), loss_sum / math.log(2) / np.maximum(n_bytes, 1.0))
+        domains[name if split == config.data.eval_split else f'{name}:{split}'] = (loss_sum / np.maximum(tokens, 1.0), loss_sum / math.log(2) / np.maximum(n_bytes, 1.0))
     runs = len(next(iter(domains.values()))[0])
     return [Validation({name: (float(loss[i]), float(bpb[i])) for name, (loss, bpb) in domains.items()})
             for i in range(runs)]
