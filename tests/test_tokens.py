@@ -63,6 +63,21 @@ def test_special_tokens_come_from_the_config_beside_or_their_usual_names(hf_toke
     assert (neox.eos_id, neox.pad_id, neox.bos_id) == (1, 0, 2)
     (tmp_path / 'neox' / 'tokenizer_config.json').write_text(json.dumps({'eos_token': '<s>', 'pad_token': None}))
     assert Tokenizer.load(str(tmp_path / 'neox' / 'tokenizer.json')).eos_id == 2
+    # a model directory, as transformers reads it: special_tokens_map.json overrides the config's names
+    (tmp_path / 'neox' / 'special_tokens_map.json').write_text(json.dumps(
+        {'eos_token': {'content': '<|endoftext|>'}, 'pad_token': '<|padding|>'}))
+    directory = Tokenizer.load(str(tmp_path / 'neox'))
+    assert directory.path == str(tmp_path / 'neox' / 'tokenizer.json') and (directory.eos_id, directory.pad_id) == (1, 0)
+    transformers = pytest.importorskip('transformers')
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / 'neox'))
+    assert (theirs.eos_token_id, theirs.pad_token_id) == (directory.eos_id, directory.pad_id)
+    (tmp_path / 'neox' / 'tokenizer_config.json').write_text(json.dumps(
+        {'eos_token': '<s>', 'added_tokens_decoder': {}}))  # the map is legacy then, as transformers has it
+    assert Tokenizer.load(str(tmp_path / 'neox')).eos_id == 2
+    (tmp_path / 'empty_model_dir').mkdir()
+    with pytest.raises(TokenizerError, match=r"folder '.*empty_model_dir' holds neither tokenizer.json nor "
+                                             r'tokenizer.model'):
+        Tokenizer.load(str(tmp_path / 'empty_model_dir'))
     rust['added_tokens'] = [dict(t, special=False) if t['content'] == '<|endoftext|>' else t for t in rust['added_tokens']]
     (tmp_path / 'bare.json').write_text(json.dumps(rust))
     with pytest.raises(TokenizerError, match=r'bare.json: no EOS token \(special tokens: .*tokenizer_config.json'):

@@ -47,13 +47,21 @@ class Tokenizer:
 
     @staticmethod
     def load(path: str) -> 'Tokenizer':
-        """The tokenizer in file `path`: tokenizer.json-style (`*.json`) or sentencepiece (any other)."""
+        """The tokenizer in file `path`: tokenizer.json-style (`*.json`) or sentencepiece (any other);
+        or in folder `path` (a Hugging Face model directory): its tokenizer.json, else its
+        tokenizer.model."""
         file = storage.path(path)
         if not storage.exists(file, 'data.tokenizer'):
             raise TokenizerError(
                 f'tokenizer {path!r} does not exist. Train one with `python -m vrl.data.tokenizer train '
                 f'--name=NAME --data_dir=DIR --vocab_size=N --out={path}`, or leave data.tokenizer '
                 "empty ('') to train and cache one from the training split on first use.")
+        if file.is_dir():
+            found = next((file / name for name in ('tokenizer.json', 'tokenizer.model') if (file / name).exists()), None)
+            if found is None:
+                raise TokenizerError(f'folder {path!r} holds neither tokenizer.json nor tokenizer.model (a Hugging '
+                                     'Face model directory has one): name the tokenizer file in data.tokenizer')
+            file, path = found, str(found)
         kind = HuggingFaceTokenizer if path.endswith('.json') else SentencePieceTokenizer
         return kind(file.read_bytes(), path)
 
@@ -257,14 +265,17 @@ class HuggingFaceTokenizer(Tokenizer):
 
 
 def _config_tokens(path: str) -> dict[str, str]:
-    """eos_token/bos_token/pad_token from the tokenizer_config.json beside tokenizer.json `path`."""
-    config = storage.path(path).parent / 'tokenizer_config.json'
-    if not path.endswith('tokenizer.json') or not config.exists():
-        return {}
-    values = json.loads(config.read_text())
+    """eos_token/bos_token/pad_token as transformers reads them beside tokenizer file `path`: from
+    tokenizer_config.json, overridden by special_tokens_map.json unless the config lists its
+    added_tokens_decoder (then that file is legacy and unread)."""
+    folder = storage.path(path).parent
+    config_file, map_file = folder / 'tokenizer_config.json', folder / 'special_tokens_map.json'
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    if 'added_tokens_decoder' not in config and map_file.exists():
+        config |= json.loads(map_file.read_text())
     named = {}
     for key in ('eos_token', 'bos_token', 'pad_token'):
-        value = values.get(key)
+        value = config.get(key)
         value = value.get('content') if isinstance(value, dict) else value
         if isinstance(value, str):
             named[key] = value
