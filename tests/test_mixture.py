@@ -168,6 +168,31 @@ def test_data_eval_evaluates_the_sets_it_names_each_by_name(domains, tmp_path):
         loop.run(missing, str(tmp_path / 'missing'))
 
 
+def test_the_run_says_how_far_into_an_epoch_of_each_dataset_it_is(domains, tmp_path, capsys):
+    """Each dataset's train tokens (estimated on the fly from 1,000 documents: here within 2% of the
+    count) in config.json and the start's log, and epoch/NAME at every logged step: its share of the
+    tokens trained so far over them."""
+    cfg, tokenizer = domains
+    config = tiny_config((dataclasses.replace(cfg, tokenizer=tokenizer.path), tokenizer), steps=3,
+                         checkpoint_every=3, log_every=1)
+    loop.run(config, str(tmp_path / 'run'))
+    read = json.loads((tmp_path / 'run' / 'config.json').read_text())['data']['datasets']
+    said = capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+    step_tokens = config.data.batch_size * config.data.seq_len
+    for name, share in (('slim_alpha', 3 / 4), ('slim_beta_set', 1 / 4)):
+        texts = corpus.texts(corpus.open_split(name, cfg.data_dir, 'train'))
+        counted = sum(len(tokenizer.encode(t)) for t in texts)
+        assert read[name]['train_tokens'] == pytest.approx(counted, rel=0.02)
+        assert read[name]['train_tokens_are'] == 'estimated from 1,000 documents'
+        every = read[name]['train_tokens'] / (step_tokens * share)
+        assert f'data {name}: {read[name]["train_tokens"]:,} train tokens (estimated from 1,000 documents, ' \
+               f'tokenized on the fly): an epoch every {every:,.0f} steps' in said
+        for r in (r for r in records if 'loss' in r):
+            assert r[f'epoch/{name}'] == pytest.approx(r['step'] / every, rel=1e-9)
+    assert f'  epoch slim_alpha {3 / (read["slim_alpha"]["train_tokens"] / (step_tokens * 3 / 4)):.2f} slim_beta_set' in said
+
+
 def test_bad_mixtures_are_named(domains):
     cfg, tokenizer = domains
     with pytest.raises(ConfigError, match=r"data.mixture='a=0,b=1' is invalid: .*weights > 0.*\('a=0' is not\)"):

@@ -252,15 +252,29 @@ def _read_options(cfg: DataConfig) -> grain.ReadOptions:
 
 def provenance(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     """What a run reads, for its record (config.json, W&B): the tokenizer (its file's fingerprint and
-    special ids) and each dataset (version, fingerprint, weight, whether its ids come pre-tokenized)."""
-    return {
-        'tokenizer': {'path': tokenizer.path, 'fingerprint': tokenizer.fingerprint, 'vocab_size': tokenizer.vocab_size,
-                      'eos_id': tokenizer.eos_id, 'bos_id': tokenizer.bos_id, 'pad_id': tokenizer.pad_id},
-        'datasets': {name: {'version': corpus.dataset_path(name, cfg.data_dir).name,
-                            'fingerprint': corpus.fingerprint(name, cfg.data_dir), 'weight': weight,
-                            'pretokenized': bool(cfg.pretokenized) and tokens.find(
-                                name, cfg.data_dir, cfg.train_split, tokenizer, cfg.text_field) is not None}
-                     for name, weight in cfg.sources()}}
+    special ids) and each dataset (version, fingerprint, weight, whether its ids come pre-tokenized,
+    and the tokens of its train split: counted when pre-tokenized, else estimated)."""
+    datasets = {}
+    for name, weight in cfg.sources():
+        source = tokens.find(name, cfg.data_dir, cfg.train_split, tokenizer, cfg.text_field) if cfg.pretokenized else None
+        count = (source or _OnTheFly(corpus.open_split(name, cfg.data_dir, cfg.train_split), tokenizer,
+                                     cfg.text_field)).token_count()
+        datasets[name] = {'version': corpus.dataset_path(name, cfg.data_dir).name,
+                          'fingerprint': corpus.fingerprint(name, cfg.data_dir), 'weight': weight,
+                          'pretokenized': source is not None, 'train_tokens': round(count),
+                          'train_tokens_are': 'counted' if source is not None else 'estimated from 1,000 documents'}
+    return {'tokenizer': {'path': tokenizer.path, 'fingerprint': tokenizer.fingerprint,
+                          'vocab_size': tokenizer.vocab_size, 'eos_id': tokenizer.eos_id, 'bos_id': tokenizer.bos_id,
+                          'pad_id': tokenizer.pad_id},
+            'datasets': datasets}
+
+
+def epochs_per_step(read: dict[str, Any], tokens_per_step: int) -> dict[str, float]:
+    """How far into an epoch of each dataset a step takes the run: its share of a step's tokens
+    (its weight over all weights) over its train split's tokens (`read`: provenance's)."""
+    datasets = read['datasets']
+    total = sum(d['weight'] for d in datasets.values())
+    return {name: tokens_per_step * d['weight'] / total / max(d['train_tokens'], 1) for name, d in datasets.items()}
 
 
 def provenance_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

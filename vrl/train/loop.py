@@ -329,6 +329,7 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
     opt = config.optimizer
     together = f', trained with {group.members - 1} other seed(s) in one step' if group.members > 1 else ''
     reads = {'data': pipeline.provenance(config.data, tokenizer)}
+    epoch_rates = pipeline.epochs_per_step(reads['data'], tokens_per_step)
     for m, (_, how) in zip(members, starts):
         if how == 'resumed':
             multihost.on_process_0(lambda: _check_reads(m, reads['data'], config.data.allow_data_change))
@@ -344,6 +345,10 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
                  'started': 'fresh start'}[how]
         m.writer.print(f'{config.model.variant_name}: {account.params:,} params, mesh {dict(mesh.shape)}, '
                        f'{opt.name} + {opt.schedule} (peak LR {opt.peak_lr:g}), {begun}{together}')
+        for name, d in reads['data']['datasets'].items():
+            m.writer.print(f'data {name}: {d["train_tokens"]:,} train tokens ({d["train_tokens_are"]}'
+                           f'{", pre-tokenized" if d["pretokenized"] else ", tokenized on the fly"}): an epoch '
+                           f'every {1 / epoch_rates[name]:,.0f} steps')
         if start_step >= config.train.steps and (config.train.steps or how == 'resumed'):
             m.writer.print(f'nothing to train: the checkpoint is at step {start_step} = train.steps')
     resumed = starts[0][1] == 'resumed'
@@ -366,7 +371,8 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
                 tokens_per_sec = interval_steps * tokens_per_step / elapsed
                 m.writer.write(step, {'loss': mine['loss'], 'lr': mine['lr'], 'grad_norm': mine['grad_norm'],
                                       'tokens_per_sec': tokens_per_sec, 'step_time': elapsed / interval_steps,
-                                      'mfu': account.flops_per_token * tokens_per_sec / peak})
+                                      'mfu': account.flops_per_token * tokens_per_sec / peak,
+                                      **{f'epoch/{name}': step * rate for name, rate in epoch_rates.items()}})
         if logging_now:
             interval_start, interval_steps = time.perf_counter(), 0
 

@@ -202,8 +202,11 @@ class MetricsWriter:
                        f'eval_perplexity {record["eval_perplexity"]:.2f}  eval_bpb {record["eval_bpb"]:.4f}'
                        + (f'  (per dataset:{domains})' if domains else ''))
             return
+        epochs = {key[len('epoch/'):]: value for key, value in record.items() if key.startswith('epoch/')}
         short = (f'loss {record["loss"]:.4f}  lr {record["lr"]:.2e}  tok/s {record["tokens_per_sec"]:,.0f}  '
-                 f'mfu {record["mfu"]:.1%}')
+                 f'mfu {record["mfu"]:.1%}' + ('  epoch ' + ' '.join(
+                     f'{value:.2f}' if len(epochs) == 1 else f'{name} {value:.2f}' for name, value in epochs.items())
+                     if epochs else ''))
         if self._bar is not None:
             self._bar.set_postfix_str(short, refresh=False)
             self._bar.update(step - self._bar.n)
