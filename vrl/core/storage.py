@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -256,13 +257,14 @@ def explain(e: BaseException, p: epath.Path) -> str:
         return f'{getattr(e, "strerror", None) or text}; choose a writable path'
     bucket = str(p).split('://', 1)[1].split('/', 1)[0]
     lowered = text.lower()
-    if 'credentials' in lowered or 'refresh' in lowered or 'unauthenticated' in lowered or '401' in text:
+    status = {int(code) for code in re.findall(r'\b(40[134])\b', text)}  # not a port that holds the digits
+    if 'credentials' in lowered or 'refresh' in lowered or 'unauthenticated' in lowered or 401 in status:
         return ('no credentials for the object store: on a Cloud VM give its service account access to the '
                 'bucket; elsewhere run `gcloud auth application-default login` or set '
                 'GOOGLE_APPLICATION_CREDENTIALS')
-    if '403' in text or 'forbidden' in lowered or 'permission' in lowered:
+    if 403 in status or 'forbidden' in lowered or 'permission' in lowered:
         return f'permission denied on bucket {bucket}: grant this account Storage Object Admin on it'
-    if ('404' in text or 'not found' in lowered or 'nosuchbucket' in lowered
+    if (404 in status or 'not found' in lowered or 'nosuchbucket' in lowered
             or isinstance(e, FileNotFoundError)):
         return f'bucket {bucket} does not exist: create it (gcloud storage buckets create gs://{bucket}) or fix the path'
     if 'connect' in lowered or 'timeout' in lowered or 'unreachable' in lowered:
