@@ -25,7 +25,8 @@
 # After a preemption (spot VMs, a queued resource taken back): `all` again with the same flags
 # (create, install, train) resumes the run from its latest checkpoint in --workdir; no local file of
 # the old VMs is needed. The dead run's writer lease on the workdir is taken over once it has not
-# been renewed for train.lease_stale_seconds (300 s by default; docs/scaling-out.md, where files live).
+# changed for train.lease_stale_seconds (300 s by default, counted down in the log); pass
+# `-- --take_over_lease` to take it at once when the old slice is surely gone (docs/scaling-out.md).
 set -euo pipefail
 
 dry_run=0 step='' name=vrl-pod zone=us-west4-a accelerator=v5litepod-16 version=v2-alpha-tpuv5-lite

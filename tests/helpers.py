@@ -101,7 +101,9 @@ def copy_params(src: nnx.Module, dst: nnx.Module) -> None:
 
 def tensorboard_scalars(folder) -> dict[tuple[str, str], list[tuple[int, float]]]:
     """Every scalar in the TensorBoard event files under `folder`, read with tensorboardX's own
-    protos: {(event file's folder relative to `folder`, tag): [(step, value), ...]}."""
+    protos: {(event file's folder relative to `folder`, tag): [(step, value), ...]}, as TensorBoard
+    shows them: a session start at step S (a resumed run's purge_step) drops the points at S and later
+    that the files before it hold."""
     import os
     import struct
 
@@ -116,6 +118,10 @@ def tensorboard_scalars(folder) -> dict[tuple[str, str], list[tuple[int, float]]
                 (length,) = struct.unpack_from('<Q', data, offset)
                 event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
                 offset += 16 + length
+                if event.session_log.status == event_pb2.SessionLog.START:
+                    for (where, tag), points in scalars.items():
+                        if where == os.path.relpath(directory, folder):
+                            points[:] = [(step, value) for step, value in points if step < event.step]
                 for value in event.summary.value:
                     key = (os.path.relpath(directory, folder), value.tag)
                     scalars.setdefault(key, []).append((event.step, value.simple_value))

@@ -1,12 +1,17 @@
-"""A slow object store on 127.0.0.1: a TCP proxy in front of the GCS emulator that behaves as a
-real bucket does from a VM, for the tests and bench/.
+"""A slow, faulty object store on 127.0.0.1: a TCP proxy in front of the GCS emulator that behaves
+as a real bucket does from a VM, for the tests and bench/.
 
 The emulator answers in microseconds from local disk; a bucket takes tens of milliseconds a
 request and has a bandwidth per connection. The proxy delays every chunk a client sends by
 `latency_s` (a request is one chunk or a few; the delay is counted from its arrival, so requests
 in flight on other connections overlap as they would) and paces what the store sends back at
-`bandwidth` bytes/s per connection. It counts the requests and the bytes it served, so a test can
-say how much a reader fetched.
+`bandwidth` bytes/s per connection. It counts the requests and the bytes it received and served, so
+a test can say how much a writer sent and a reader fetched.
+
+It also injects the faults a real store has, on the requests a `Fault`'s pattern matches (a regex
+over the start of the request: its line, headers and the first bytes of its body, where a GCS
+upload names its object): an answer of 503, a connection reset, or a stall (the request is never
+answered; the client must time out).
 
     python -m tests.slow_store --upstream=http://127.0.0.1:4443 --latency_ms=50 --mbps=50
 """
@@ -15,22 +20,50 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import re
+import socket
+import struct
 import threading
 import time
 import urllib.parse
 
 CHUNK = 64 << 10
+REQUEST_START = re.compile(rb'^(GET|POST|PUT|DELETE|PATCH|HEAD) /')
+UNAVAILABLE = (b'HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n'
+               b'Content-Length: 62\r\n\r\n{"error": {"code": 503, "message": "injected: backend error"}}')
+
+
+@dataclasses.dataclass
+class Fault:
+    """`kind` ('503', 'reset' or 'stall') for the first `times` requests whose start matches `pattern`."""
+    pattern: str
+    kind: str
+    times: int = 1
+    injected: int = 0  # how many so far
+
+    def __post_init__(self):
+        assert self.kind in ('503', 'reset', 'stall'), self.kind
+
+    def takes(self, start: bytes) -> bool:
+        if self.injected < self.times and re.search(self.pattern.encode(), start):
+            self.injected += 1
+            return True
+        return False
 
 
 class SlowStore:
     """Serves `upstream` (http://127.0.0.1:PORT) at `url`, slowed; `start()` runs it in a thread."""
 
-    def __init__(self, upstream: str, latency_s: float = 0.05, bandwidth: float = 50e6):
+    def __init__(self, upstream: str, latency_s: float = 0.05, bandwidth: float = 50e6,
+                 faults: tuple[Fault, ...] = ()):
         parts = urllib.parse.urlsplit(upstream)
         self._upstream = (parts.hostname, parts.port)
-        self.latency_s, self.bandwidth = latency_s, bandwidth
+        self.latency_s, self.bandwidth, self.faults = latency_s, bandwidth, list(faults)
         self.requests = 0  # chunks sent by clients: about one per request
         self.bytes_served = 0  # bytes sent back to clients
+        self.bytes_received = 0  # bytes clients sent: requests and what they upload
+        self.request_lines: list[str] = []  # 'GET /storage/v1/b/...', in the order they came
         self.url = ''
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
@@ -75,7 +108,7 @@ class SlowStore:
             client_writer.close()
             return
         self._writers.add(upstream_writer)
-        pumps = [asyncio.ensure_future(self._requests(client_reader, upstream_writer)),
+        pumps = [asyncio.ensure_future(self._requests(client_reader, upstream_writer, client_writer)),
                  asyncio.ensure_future(self._responses(upstream_reader, client_writer))]
         await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         for pump in pumps:
@@ -86,14 +119,33 @@ class SlowStore:
             self._writers.discard(writer)
         self._connections.discard(asyncio.current_task())
 
-    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Client -> store: each chunk forwarded `latency_s` after it arrived, in order."""
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        client: asyncio.StreamWriter) -> None:
+        """Client -> store: each chunk forwarded `latency_s` after it arrived, in order; a request that
+        a fault takes is answered with it instead (and the connection ends)."""
         while chunk := await _read(reader):
             self.requests += 1
+            self.bytes_received += len(chunk)
             due = time.monotonic() + self.latency_s
+            if REQUEST_START.match(chunk):
+                self.request_lines.append(chunk.split(b'\r\n', 1)[0].decode(errors='replace'))
+            fault = next((f for f in self.faults if REQUEST_START.match(chunk) and f.takes(chunk)), None)
             await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if fault is not None:
+                await self._inject(fault.kind, reader, client)
+                return
             if not await _write(writer, chunk):
                 return
+
+    @staticmethod
+    async def _inject(kind: str, reader: asyncio.StreamReader, client: asyncio.StreamWriter) -> None:
+        if kind == '503':
+            await _write(client, UNAVAILABLE)
+        elif kind == 'reset':  # close with SO_LINGER 0: the client reads a TCP reset
+            client.get_extra_info('socket').setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))
+        else:  # a stall: never answered; the connection ends when the client gives up
+            while await _read(reader):
+                pass
 
     async def _responses(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Store -> client, paced at `bandwidth` bytes/s on this connection (an idle connection
@@ -129,8 +181,11 @@ def main() -> None:
     parser.add_argument('--upstream', required=True, help='the emulator, e.g. http://127.0.0.1:4443')
     parser.add_argument('--latency_ms', type=float, default=50)
     parser.add_argument('--mbps', type=float, default=50, help='megabytes per second per connection')
+    parser.add_argument('--fault', action='append', default=[], metavar='KIND:TIMES:PATTERN',
+                        help="e.g. 503:3:metrics\\.jsonl, reset:2:checkpoints, stall:1:config\\.json (repeatable)")
     args = parser.parse_args()
-    with SlowStore(args.upstream, args.latency_ms / 1e3, args.mbps * 1e6) as store:
+    faults = [Fault(pattern, kind, int(times)) for kind, times, pattern in (f.split(':', 2) for f in args.fault)]
+    with SlowStore(args.upstream, args.latency_ms / 1e3, args.mbps * 1e6, faults) as store:
         print(f"export STORAGE_EMULATOR_HOST='{store.url}'\n# serving {args.upstream} slowed; Ctrl-C stops", flush=True)
         try:
             threading.Event().wait()

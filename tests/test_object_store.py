@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -33,13 +34,14 @@ def bucket_config(gcs, plays_dir, small_corpus):
     assert built.startswith('gs://vrl/tfds/plays/') and bucket_fs().exists(built.removeprefix('gs://') + '/dataset_info.json')
     epath.Path('gs://vrl/plays.model').write_bytes(Path(tokenizer.path).read_bytes())
     config = tiny_config(small_corpus, attention='svformer', steps=8, checkpoint_every=4, log_every=1,
-                         lease_stale_seconds=3)
+                         lease_stale_seconds=8)
     return dataclasses.replace(config, data=dataclasses.replace(config.data, data_dir='gs://vrl/tfds',
                                                                   tokenizer='gs://vrl/plays.model'))
 
 
-def _run(config, workdir: str, gcs_url: str, home: Path, **popen) -> subprocess.CompletedProcess:
-    return subprocess.run(cli_args(config, workdir), cwd=home, env=machine_env(gcs_url, home), capture_output=True,
+def _run(config, workdir: str, gcs_url: str, home: Path, extra: tuple[str, ...] = (), **popen
+         ) -> subprocess.CompletedProcess:
+    return subprocess.run(cli_args(config, workdir) + list(extra), cwd=home, env=machine_env(gcs_url, home), capture_output=True,
                           text=True, timeout=600, **popen)
 
 
@@ -52,21 +54,106 @@ def test_the_lookups_are_pinned_to_localhost(gcs):
 
 
 def test_a_second_writer_is_refused_and_a_stale_lease_taken_over(gcs, bucket_config, tmp_path):
-    fs = bucket_fs()
-    held = {'holder': 'host pod-w-0, pid 77, since 2026-11-25 10:00:00', 'token': 'x', 'renewed': time.time() + 60}
-    fs.pipe_file('vrl/held/.lock', json.dumps(held).encode())
+    """A live holder (renewing) refuses a run before it writes anything; a dead one's lease is taken
+    over once unchanged for train.lease_stale_seconds (said while waiting), or at once with
+    --take_over_lease; a finished run leaves its lease released."""
+    from vrl.core import storage
+    from vrl.train import workdir as workdir_lib
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=0,
                                                                         eval_batches=1))
+    live = workdir_lib.Lease(storage.path('gs://vrl/held'), stale_after=config.train.lease_stale_seconds)
+    live.holder = 'host pod-w-0, pid 77, since 2026-11-25 10:00:00'
+    live.acquire()
     refused = _run(config, 'gs://vrl/held', gcs, tmp_path / 'host')
     assert refused.returncode != 0 and 'Traceback' not in refused.stderr
     assert ('workdir gs://vrl/held is in use by another run (host pod-w-0, pid 77, since 2026-11-25 10:00:00'
-            in refused.stderr)
+            in refused.stderr), refused.stderr[-3000:]
     assert {p.rsplit('/', 1)[1] for p in bucket_fs().ls('vrl/held')} == {'.lock'}  # nothing written
-    fs.pipe_file('vrl/held/.lock', json.dumps({**held, 'renewed': time.time() - 3600}).encode())
+    live._stop.set()  # the holder dies: its lease stays, unrenewed
+    live._renewer.join()
     taken = _run(config, 'gs://vrl/held', gcs, tmp_path / 'host2')
     assert taken.returncode == 0, taken.stderr[-3000:]
-    assert 'took over the lease of workdir gs://vrl/held from host pod-w-0, pid 77' in taken.stdout + taken.stderr
-    assert not bucket_fs().exists('vrl/held/.lock')  # released at the end
+    assert 'is leased by host pod-w-0, pid 77, since 2026-11-25 10:00:00: taking it over in 8 s' in taken.stdout
+    assert 'took over the lease of workdir gs://vrl/held from host pod-w-0, pid 77' in taken.stdout
+    released = json.loads(bucket_fs().cat('vrl/held/.lock'))
+    assert released['released'] and released['token'] != live.token
+
+    fs = bucket_fs()
+    fs.pipe_file('vrl/held/.lock', json.dumps({**released, 'released': False, 'holder': 'host gone'}).encode())
+    started = time.monotonic()
+    forced = _run(config, 'gs://vrl/held', gcs, tmp_path / 'host3', extra=['--take_over_lease'])
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert 'took over the lease of workdir gs://vrl/held from host gone: --take_over_lease' in forced.stdout
+    assert 'taking it over in' not in forced.stdout and time.monotonic() - started < 120
+
+
+def _objects(prefix: str) -> dict[str, int]:
+    """Every object under `prefix` and its generation (which any rewrite changes)."""
+    return {name: int(info['generation']) for name, info in bucket_fs().find(prefix, detail=True).items()}
+
+
+def test_a_writer_frozen_past_its_lease_stops_without_writing_over_its_successor(gcs, bucket_config, tmp_path):
+    """A run paused (SIGSTOP, as a VM is) longer than train.lease_stale_seconds is taken over by a
+    second run, which resumes and finishes; thawed, the first stops in one line at its next check,
+    having rewritten nothing: every object of the second run keeps its generation, and what the first
+    adds at most is the rest of a save that was in flight when it froze (a step never committed)."""
+    config = dataclasses.replace(bucket_config, train=dataclasses.replace(
+        bucket_config.train, steps=40, checkpoint_every=4, eval_every=0, diagnostics_every=0))
+    first = subprocess.Popen(cli_args(config, 'gs://vrl/frozen'), cwd=tmp_path, text=True,
+                             env=machine_env(gcs, tmp_path / 'first'), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not bucket_fs().exists('vrl/frozen/checkpoints/4/commit_success.txt'):
+        assert first.poll() is None and time.time() < deadline, first.communicate()
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = _run(config, 'gs://vrl/frozen', gcs, tmp_path / 'second')
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert 'took over the lease of workdir gs://vrl/frozen' in second.stdout
+        assert 'resumed at step' in second.stdout
+        after_second = _objects('vrl/frozen')
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode != 0 and 'Traceback' not in err, err[-3000:]
+    assert re.search(r'error: the lease of workdir gs://vrl/frozen was taken over by host .*: another run may be '
+                     'writing there, so this one stopped without writing more', err), err[-3000:]
+    after_first = _objects('vrl/frozen')
+    assert {name: after_first.get(name) for name in after_second} == after_second
+    committed = {name.rsplit('/', 1)[0] for name in after_first if name.endswith('/commit_success.txt')}
+    added = set(after_first) - set(after_second)
+    assert all('/checkpoints/' in name and name.split('/checkpoints/')[0] + '/checkpoints/' + name.split(
+        '/checkpoints/')[1].split('/')[0] not in committed for name in added), added
+
+
+def test_checkpoints_without_their_commit_marker_are_refused_and_partial_steps_cleaned(gcs, bucket_config, tmp_path):
+    """A local run copied up to the bucket without its steps' commit_success.txt is refused in one
+    line, not trained over from step 0 (its flock file, copied too, is no lease and holds nothing up); with the markers added it resumes, and the folder of a save that
+    never finished (no marker, no commit in its metadata) is ignored and then removed."""
+    from vrl.core import storage
+    config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=4))
+    local = _run(config, str(tmp_path / 'local_run'), gcs, tmp_path / 'host')
+    assert local.returncode == 0, local.stderr[-3000:]
+    storage.copy_tree(storage.path(str(tmp_path / 'local_run')), storage.path('gs://vrl/copied'))  # its .lock too
+    bucket_fs().rm_file('vrl/copied/checkpoints/4/commit_success.txt')  # as a copy made without it
+    before = {name: generation for name, generation in _objects('vrl/copied').items() if not name.endswith('/.lock')}
+    longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=8))
+    refused = _run(longer, 'gs://vrl/copied', gcs, tmp_path / 'host')
+    assert refused.returncode != 0 and 'Traceback' not in refused.stderr, refused.stderr[-3000:]
+    assert ('gs://vrl/copied/checkpoints holds steps [4] that Orbax finished but that lack commit_success.txt'
+            in refused.stderr), refused.stderr[-3000:]
+    assert {k: v for k, v in _objects('vrl/copied').items() if not k.endswith('/.lock')} == before
+
+    fs = bucket_fs()
+    fs.pipe_file('vrl/copied/checkpoints/4/commit_success.txt', b'')
+    for name in fs.find('vrl/copied/checkpoints/4/state'):  # a save of step 6 that died half way
+        fs.pipe_file(name.replace('/checkpoints/4/', '/checkpoints/6/'), fs.cat(name))
+    resumed = _run(longer, 'gs://vrl/copied', gcs, tmp_path / 'host')
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert 'resumed at step 4' in resumed.stdout
+    after = bucket_fs()
+    assert not after.exists('vrl/copied/checkpoints/6') and after.exists('vrl/copied/checkpoints/8/commit_success.txt')
 
 
 def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, tmp_path):
@@ -115,10 +202,11 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
 
     directory = grid.GridDirectory(storage.path('gs://vrl/tools/grid'), 'compare.json', 'comparison')
     directory.open(config)
-    assert json.loads(bucket_fs().cat('vrl/tools/grid/.lock'))['holder']  # the grid's lease
+    assert not json.loads(bucket_fs().cat('vrl/tools/grid/.lock'))['released']  # the grid's lease
     directory.write_text('report.md', '# report')
     directory.close()
-    assert bucket_fs().cat('vrl/tools/grid/report.md') == b'# report' and not bucket_fs().exists('vrl/tools/grid/.lock')
+    assert bucket_fs().cat('vrl/tools/grid/report.md') == b'# report'
+    assert json.loads(bucket_fs().cat('vrl/tools/grid/.lock'))['released']
 
     stats = pipeline.split_stats('plays', 'gs://vrl/tfds', Tokenizer.load('gs://vrl/plays.model'))
     assert stats['train']['documents'] > 100 and stats['validation']['tokens'] > 0
@@ -207,7 +295,8 @@ def test_pretokenized_shards_are_read_in_place_through_a_slow_store(gcs, small_c
     """A dataset pre-tokenized in the bucket, read through a proxy adding 20 ms a request and a
     bandwidth cap, with its offsets held in memory and read by range: every process's batches (in blocks, with document masking) equal those read from
     the same files on local disk, the iterator's position carries over between the two, nothing of
-    the dataset is copied into local scratch, and the bytes fetched are those of the batches read."""
+    the dataset is copied into local scratch, and the bytes fetched are those of the batches read; a
+    second evaluation reads tokens and nothing else (no listing, no metadata)."""
     import itertools
     import shutil
     import tempfile
@@ -241,10 +330,17 @@ def test_pretokenized_shards_are_read_in_place_through_a_slow_store(gcs, small_c
                 resumed.set_state(json.loads(json.dumps(in_place.get_state())))
                 for a, b in zip(itertools.islice(in_place, 3), itertools.islice(resumed, 3)):
                     assert all((a[k] == b[k]).all() for k in a)
+            served = slow.bytes_served
+            sets = pipeline.EvalSets(remote, tokenizer)  # a run's evaluations: the first opens, the rest only read
+            first = list(sets.batches(2))
+            opened = len(slow.request_lines)
+            again = list(sets.batches(2))
+            assert all((a[k] == b[k]).all() for a, b in zip(first, again) for k in a)
+            assert all('alt=media' in line for line in slow.request_lines[opened:]), slow.request_lines[opened:]
         finally:
             gcsfs.GCSFileSystem.clear_instance_cache()
         # two processes' iterators, each with up to 64 blocks read ahead: a copy would be twice the tokens
-        assert slow.requests > 20 and slow.bytes_served < token_bytes / 4
+        assert slow.requests > 20 and served < token_bytes / 4
     assert not (Path(tempfile.gettempdir()) / 'vrl-scratch' / 'gs' / 'vrl' / 'inplace').exists()
 
 

@@ -14,9 +14,13 @@ import pytest
 
 from tests.gcs_emulator import bucket_fs, free_port, machine_env
 from tests.runs import ROOT, cli_args, tiny_config
+from tests.slow_store import Fault, SlowStore
+from vrl.core import storage
 from vrl.core.config import Config
+from vrl.train import workdir as workdir_lib
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+STORE_TIMEOUT_S = 3  # a request unanswered for this long is abandoned and tried again
 
 
 def _losses(workdir: str) -> dict[int, float]:
@@ -27,7 +31,7 @@ def _losses(workdir: str) -> dict[int, float]:
 
 def _pod_config(small_corpus) -> Config:
     """tiny_config on the built-in Shakespeare corpus, its dataset and tokenizer made in the bucket by
-    the first run; the lease goes stale 40 s after a holder's last renewal (every 10 s)."""
+    the first run; a lease goes stale 40 s after its last renewal (every 10 s)."""
     config = tiny_config(small_corpus, attention='svformer', steps=8, checkpoint_every=4, log_every=1,
                          lease_stale_seconds=40)
     return dataclasses.replace(config, data=dataclasses.replace(
@@ -40,7 +44,8 @@ def _pod(config, workdir: str, gcs_url: str, hosts: list[Path]) -> list[subproce
     port = free_port()
     processes = []
     for i, host in enumerate(hosts):
-        env = {**machine_env(gcs_url, host), 'XLA_FLAGS': '--xla_force_host_platform_device_count=2', 'JAX_PLATFORMS': 'cpu'}
+        env = {**machine_env(gcs_url, host), 'XLA_FLAGS': '--xla_force_host_platform_device_count=2', 'JAX_PLATFORMS': 'cpu',
+               'VRL_STORE_TIMEOUT_S': str(STORE_TIMEOUT_S)}
         processes.append(subprocess.Popen(
             cli_args(config, workdir) + [f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={len(hosts)}',
                                          f'--process_id={i}'],
@@ -52,14 +57,31 @@ def _finish(pod: list[subprocess.Popen]) -> list[tuple[int, str]]:
     return [(p.wait(timeout=600), p.stdout.read()) for p in pod]
 
 
+def _faults() -> tuple[Fault, ...]:
+    """What a bucket does now and then, to each kind of object the pod reads and writes: 503s, resets,
+    requests never answered (their client times out after STORE_TIMEOUT_S and tries again)."""
+    named = {'lease': r'pod_whole(%2F|/)\.lock', 'metrics': r'pod_whole(%2F|/)metrics\.jsonl',
+             'config': r'pod_whole(%2F|/)config\.json', 'checkpoints': r'pod_whole(%2F|/)checkpoints',
+             'data': r'pod_data(%2F|/)'}
+    return (Fault(named['lease'], '503', 2), Fault(named['lease'], 'reset', 1),
+            Fault(named['metrics'], '503', 2), Fault(named['metrics'], 'reset', 1), Fault(named['metrics'], 'stall', 1),
+            Fault(named['config'], 'stall', 1), Fault(named['checkpoints'], '503', 2),
+            Fault(named['checkpoints'], 'reset', 2), Fault(named['checkpoints'], 'stall', 1),
+            Fault(named['data'], '503', 3), Fault(named['data'], 'reset', 2))
+
+
 def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs, small_corpus, tmp_path):
     """The pod rehearsal: two jax.distributed processes that share no local disk, with workdir,
     data_dir and tokenizer on gs://. The first run builds the dataset and trains the tokenizer in the
-    bucket; a pod killed (-9, both hosts) after a checkpoint and restarted on fresh machines equals an
-    uninterrupted run step by step; a second pod on a held workdir is refused by both its hosts."""
+    bucket through a store that answers 503, resets connections and leaves requests unanswered; a pod
+    killed (-9, both hosts) after a checkpoint and restarted on fresh machines, on a clean store,
+    equals it step by step; a second pod on a held workdir is refused by both its hosts."""
     config = _pod_config(small_corpus)
-    whole = _finish(_pod(config, 'gs://vrl/pod_whole', gcs, [tmp_path / 'a0', tmp_path / 'a1']))
-    assert [rc for rc, _ in whole] == [0, 0], [out[-3000:] for _, out in whole]
+    with SlowStore(gcs, latency_s=0.005, faults=_faults()) as faulty:
+        whole = _finish(_pod(config, 'gs://vrl/pod_whole', faulty.url, [tmp_path / 'a0', tmp_path / 'a1']))
+        assert [rc for rc, _ in whole] == [0, 0], [out[-3000:] for _, out in whole]
+        missed = [f for f in faulty.faults if f.injected < f.times]
+        assert not missed, missed
     fs = bucket_fs()
     assert fs.exists('vrl/pod_data/vrl_tokenizers/shakespeare_512.model')
     assert fs.glob('vrl/pod_data/shakespeare/*/dataset_info.json')
@@ -75,19 +97,21 @@ def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs
         p.kill()
         p.wait()
 
-    # the dead pod's lease is still fresh: another pod is refused by both hosts, before writing
+    # a live holder's lease (the test's own, taken from the dead pod at once): another pod is refused
+    # by both hosts, before writing; released, the next pod takes it at once and resumes
     objects = set(bucket_fs().find('vrl/pod_killed'))
+    live = workdir_lib.Lease(storage.path('gs://vrl/pod_killed'), stale_after=config.train.lease_stale_seconds,
+                             take_over=True)
+    assert live.acquire().startswith('took over the lease of workdir gs://vrl/pod_killed from host ')
     refused = _finish(_pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'c0', tmp_path / 'c1']))
     assert all(rc != 0 and 'Traceback' not in out for rc, out in refused), [out[-3000:] for _, out in refused]
     assert 'error: workdir gs://vrl/pod_killed is in use by another run (host ' in refused[0][1], refused[0][1][-3000:]
     assert 'error: process 0 stopped: workdir gs://vrl/pod_killed is in use' in refused[1][1], refused[1][1][-3000:]
     assert set(bucket_fs().find('vrl/pod_killed')) == objects
+    live.release()
 
-    lease = json.loads(bucket_fs().cat('vrl/pod_killed/.lock'))
-    time.sleep(max(0.0, lease['renewed'] + config.train.lease_stale_seconds + 1 - time.time()))
     resumed = _finish(_pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'd0', tmp_path / 'd1']))
     assert [rc for rc, _ in resumed] == [0, 0], [out[-3000:] for _, out in resumed]
-    assert 'took over the lease of workdir gs://vrl/pod_killed' in resumed[0][1]
     assert 'resumed at step' in resumed[0][1], resumed[0][1]
     got = _losses('gs://vrl/pod_killed')
     assert sorted(got) == list(range(1, 9))

@@ -6,8 +6,10 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
+import time
 import sys
 
 import jax
@@ -97,19 +99,24 @@ def test_what_does_not_split_over_the_mesh_is_named(small_corpus, shape, batch, 
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(('localhost', 0))
+        s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
 
 
-def _run_two_processes(config: Config, workdir) -> None:
+def _start_two_processes(config: Config, workdir) -> list[subprocess.Popen]:
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu')
-    procs = [subprocess.Popen(cli_args(config, workdir) + [f'--coordinator_address=localhost:{port}',
-                                                            '--num_processes=2', f'--process_id={i}'],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    return [subprocess.Popen(cli_args(config, workdir) + [f'--coordinator_address=127.0.0.1:{port}',
+                                                           '--num_processes=2', f'--process_id={i}'],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(2)]
+
+
+def _run_two_processes(config: Config, workdir) -> list[str]:
+    procs = _start_two_processes(config, workdir)
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
+    return outputs
 
 
 def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp_path):
@@ -135,6 +142,31 @@ def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp
     reference, _ = train_losses(resumed, jax.devices(), batches)
     for got, want in zip(two_process_losses, reference):
         assert abs(got - want) / want < 1e-5, (two_process_losses, reference)
+
+
+def test_a_preemption_notice_to_one_host_saves_the_same_step_on_every_host(small_corpus, tmp_path):
+    """SIGTERM to process 1 alone: JAX's preemption service agrees on a step, both processes save it
+    and exit 0 within a few steps, and the run resumes from it."""
+    config = _sharding_config(small_corpus, MeshConfig(data=2, fsdp=-1, tensor=1))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, log_every=1, checkpoint_every=10_000,
+                                                                   steps=3_000, eval_every=0, diagnostics_every=0))
+    workdir = tmp_path / 'preempted'
+    procs = _start_two_processes(config, workdir)
+    deadline = time.time() + 300
+    while not (workdir / 'metrics.jsonl').exists() or '"step": 3,' not in (workdir / 'metrics.jsonl').read_text():
+        assert all(p.poll() is None for p in procs) and time.time() < deadline, [p.communicate() for p in procs]
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    saved = sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and 3 < saved[0] < 100, (saved, outputs)
+    assert {'process_0-of-2.json', 'process_1-of-2.json'} <= {p.name for p in (workdir / 'checkpoints' / str(saved[0]) / 'data').iterdir()}
+    assert all(f'every host saves step {saved[0]}, then exits' in out for out in outputs), outputs
+    assert f'preempted: saved step {saved[0]}; run the same command to resume' in outputs[0]
+    resumed = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=saved[0] + 2))
+    outputs = _run_two_processes(resumed, workdir)
+    assert f'resumed at step {saved[0]}' in outputs[0], outputs[0][-3000:]
 
 
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,

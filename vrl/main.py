@@ -35,6 +35,9 @@ def _define_flags() -> cli.Args:
                                         '(needs libtpu; no TPU needed). Default: the local devices.'),
         'num_slices': flags.DEFINE_integer('num_slices', 1, 'With --topology: compile for this many such slices '
                                            'joined over the data-center network (sets mesh.slices).'),
+        'take_over_lease': flags.DEFINE_bool('take_over_lease', False, 'A --workdir on a bucket: take its lease at '
+                                             'once, without waiting train.lease_stale_seconds for its holder to '
+                                             'renew it; only when that run is surely gone (its VMs deleted).'),
         **multihost.define_flags(),
         'init_from': flags.DEFINE_string('init_from', None, 'Initialise parameters from this checkpoint directory '
                                          '(a step folder or a workdir), or from a Hugging Face Llama directory as '
@@ -130,12 +133,13 @@ def main(args: cli.Args) -> None:
     multihost.initialize(args)
     cli.require(args, 'workdir')
     from vrl.train import checkpoint, loop  # here, so that --summary needs no data stack
+    from vrl.train import workdir as workdir_lib
     try:
         loop.run(config, args['workdir'].value, fresh=args['fresh'].value, init_from=args['init_from'].value,
-                  branch_from=args['branch_from'].value)
-    except checkpoint.SaveError as e:
-        # the failed save's writer threads can still print asyncio noise while Python shuts down:
-        # end the process here, so that this line is the last one
+                  branch_from=args['branch_from'].value, take_over_lease=args['take_over_lease'].value)
+    except (checkpoint.SaveError, workdir_lib.LeaseLostError) as e:
+        # a failed save's writer threads can still print asyncio noise while Python shuts down, and a
+        # save in flight when the lease was lost must write no more: end the process here
         print(f'error: {e}', file=sys.stderr, flush=True)
         os._exit(1)
     except OSError as e:

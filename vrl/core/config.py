@@ -25,6 +25,7 @@ ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/
 HAND_VJP_OPS = ('project', 'attention', 'swiglu', 'cross_entropy')  # vrl/model/ops.py's hand-written backwards
 COMPUTE_DTYPES = ('auto', 'float32', 'bfloat16')  # auto: vrl/model/resolve.py
 NAN_POLICIES = ('error', 'skip')
+MIN_LEASE_STALE_SECONDS = 8  # vrl/train/workdir.py's Lease renews every quarter of it
 OPTIMIZERS = ('adamw', 'muon')  # vrl/train/optimizer.py
 SCHEDULES = ('cosine', 'wsd')
 DECAY_SHAPES = ('linear', 'sqrt')  # wsd's decay: linear, or 1 - sqrt
@@ -379,7 +380,8 @@ class TrainConfig:
     sample_prompt: str = 'ROMEO:'  # printed with a greedy continuation at the end; '' = none
     sample_tokens: int = 48
     peak_flops: float = 0.0  # per device, for MFU; 0 = device table, or a matmul probe on CPU
-    # a workdir on an object store: a writer's lease not renewed for this long is taken over (vrl/train/workdir.py)
+    # a workdir on an object store: a writer's lease not renewed for this long is taken over (vrl/train/workdir.py);
+    # at least MIN_LEASE_STALE_SECONDS, as it is renewed every quarter of it and GCS takes one write a second per object
     lease_stale_seconds: int = 300
     # per-layer attention diagnostics (vrl/train/diagnostics.py) on the first diagnostics_sequences full validation
     # sequences, every this many steps, into metrics.jsonl and TensorBoard; 0 = off
@@ -392,8 +394,9 @@ class TrainConfig:
 
     def __post_init__(self):
         _choice('train.nan_policy', self.nan_policy, NAN_POLICIES)
-        for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'lease_stale_seconds',
-                     'diagnostics_sequences'):
+        _require(self.lease_stale_seconds >= MIN_LEASE_STALE_SECONDS, 'train.lease_stale_seconds',
+                 self.lease_stale_seconds, f'an integer >= {MIN_LEASE_STALE_SECONDS}')
+        for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'diagnostics_sequences'):
             _require(getattr(self, name) >= 1, f'train.{name}', getattr(self, name), 'an integer >= 1')
         for name in ('steps', 'microbatches', 'eval_every', 'eval_batches', 'keep_period', 'sample_tokens',
                      'max_skipped_steps', 'diagnostics_every'):

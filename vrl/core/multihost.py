@@ -44,6 +44,14 @@ def initialize(args: dict[str, flags.FlagHolder]) -> None:
         jax.distributed.initialize()
 
 
+def preemption_service() -> bool:
+    """Whether JAX's preemption service runs (jax.distributed with several processes): it catches
+    SIGTERM itself, and `multihost_utils.reached_preemption_sync_point` tells every process at
+    which step to save."""
+    from jax._src import distributed  # the service's state has no public accessor
+    return jax.process_count() > 1 and distributed.global_state.preemption_sync_manager is not None
+
+
 def sync(name: str) -> None:
     """Every process waits here until all have arrived."""
     if jax.process_count() > 1:
@@ -69,18 +77,25 @@ def _broadcast_text(text: str) -> str:
     return bytes(received).rstrip(b'\0').decode(errors='replace')
 
 
+def _line(error: Exception) -> str:
+    """`error` in one line: a VrlError's message (written for the user), another's type and message."""
+    text = ' '.join(str(error).split())
+    return text if isinstance(error, VrlError) and text else f'{type(error).__name__}: {text}'
+
+
 def on_process_0(fn: Callable[[], T]) -> T | None:
-    """fn() on process 0 (None elsewhere). A VrlError it raises stops every process: process 0 raises
-    it, each other process a ProcessZeroError with its message, so none waits for a peer that left."""
+    """fn() on process 0 (None elsewhere). Whatever it raises stops every process: process 0 raises
+    it, each other process a ProcessZeroError with its line (a VrlError's message; another error's
+    type and message), so none waits for a peer that left."""
     if jax.process_count() == 1:
         return fn()
     result, error = None, None
     if jax.process_index() == 0:
         try:
             result = fn()
-        except VrlError as e:
+        except Exception as e:  # noqa: BLE001 - every kind must reach the other processes
             error = e
-    message = _broadcast_text(str(error) if error else '')
+    message = _broadcast_text('' if error is None else _line(error))
     if error is not None:
         raise error
     if message:

@@ -9,6 +9,12 @@ file, lock one, rename a folder cheaply) is asked of this module:
 - `is_remote(p)`: whether p lives on an object store;
 - `create_exclusive(p, data)`: write p only if no object or file is there (GCS: a
   generation-match precondition; a local file: O_EXCL), False if one was;
+- `read_versioned(p)` and `write_if(p, data, generation)`: a GCS object read with its generation,
+  and replaced only if that generation is still the live one (the workdir's lease);
+- `append(p, data, new)`: a file that grows costs what it grew (GCS: the new bytes composed onto
+  the object server-side);
+- every request to an object store gives up after `request_timeout_s()` without an answer,
+  retried by the client with backoff (gcsfs: 6 tries; TensorStore: its own);
 - `exists(p, what)` and `check_writable(p, what)`: one clear line (StorageError) for a bucket that
   does not exist, no credentials, permission denied or an unreachable endpoint, before anything
   else is read or written;
@@ -20,6 +26,7 @@ file, lock one, rename a folder cheaply) is asked of this module:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
@@ -36,6 +43,10 @@ from vrl.core.errors import VrlError
 
 REMOTE_SCHEMES = ('gs://', 's3://', 'gcs://', 'az://', 'abfs://')
 COPY_CHUNK = 8 << 20  # bytes a copy holds in memory at once
+# seconds a request to an object store may wait for a connection or for the next bytes of its
+# answer before it is abandoned (and retried), unless VRL_STORE_TIMEOUT_S says otherwise; a request
+# may take 5x as long in all
+REQUEST_TIMEOUT_S = 60.0
 
 
 class StorageError(VrlError, OSError):
@@ -49,7 +60,7 @@ def is_remote(p: str | os.PathLike) -> bool:
 def path(p: str | os.PathLike) -> epath.Path:
     """`p` as an epath.Path: a URL as it is, a local path made absolute."""
     if is_remote(p):
-        _quiet_clients()
+        _configure_clients()
         return epath.Path(str(p))
     return epath.Path(os.path.abspath(os.path.expanduser(str(p))))
 
@@ -77,6 +88,64 @@ def create_exclusive(p: epath.Path, data: bytes) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def read_versioned(p: epath.Path) -> tuple[bytes, int] | None:
+    """GCS object `p` and its generation (which every write of it changes), or None if absent."""
+    fs, bucket, key = _gcs_object(p)
+    try:
+        headers, data = fs.call('GET', 'b/{}/o/{}', bucket, key, alt='media')
+    except FileNotFoundError:
+        return None
+    return data, int(headers['X-Goog-Generation'])
+
+
+def write_if(p: epath.Path, data: bytes, generation: int) -> int | None:
+    """Writes GCS object `p` only if its live generation is `generation` (0: only if there is none);
+    returns the new generation, or None if the object had changed."""
+    fs, bucket, key = _gcs_object(p)
+    boundary = uuid.uuid4().hex
+    body = (f'--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{json.dumps({"name": key})}\r\n'
+            f'--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n').encode() + data + f'\r\n--{boundary}--'.encode()
+    try:
+        written = fs.call('POST', f'{fs._location}/upload/storage/v1/b/{bucket}/o', uploadType='multipart',
+                          ifGenerationMatch=str(generation), data=body, json_out=True,
+                          headers={'Content-Type': f'multipart/related; boundary="{boundary}"'})
+    except FileExistsError:  # gcsfs's reading of 412 Precondition Failed
+        return None
+    return int(written['generation'])
+
+
+def append(p: epath.Path, data: bytes, new: bool) -> None:
+    """Appends `data` to file or object `p` (`new`: p is not there yet, and is created with it). On
+    GCS only `data` goes up, as an object beside p composed onto it server-side; another store has
+    p rewritten whole."""
+    if not is_remote(p):
+        with open(p, 'ab') as f:
+            f.write(data)
+    elif new:
+        p.write_bytes(data)
+    elif not str(p).startswith(('gs://', 'gcs://')):
+        p.write_bytes(p.read_bytes() + data)
+    else:
+        fs, bucket, key = _gcs_object(p)
+        part = f'{key}.{uuid.uuid4().hex[:8]}.part'
+        fs.pipe_file(f'{bucket}/{part}', data)
+        try:  # (a compose retried after it landed would append twice: readers keep a step's last record)
+            fs.call('POST', 'b/{}/o/{}/compose', bucket, key, json_out=True, json={
+                'sourceObjects': [{'name': key}, {'name': part}],
+                'destination': {'contentType': 'application/octet-stream'}})
+        finally:
+            fs.rm_file(f'{bucket}/{part}')
+
+
+def _gcs_object(p: epath.Path):
+    """(gcsfs client, bucket, object name) of gs:// path `p`; StorageError for any other store."""
+    if not str(p).startswith(('gs://', 'gcs://')):
+        raise StorageError(f'{p}: a lease needs GCS object generations (gs://); use a gs:// or local path')
+    fs, inner = _filesystem(p)
+    bucket, key, _ = fs.split_path(inner)
+    return fs, bucket, key
 
 
 def write_bytes(p: epath.Path, data: bytes) -> None:
@@ -272,7 +341,38 @@ def explain(e: BaseException, p: epath.Path) -> str:
     return text[:300]
 
 
-def _quiet_clients() -> None:
-    """gcsfs logs a warning per call when it cannot tell a bucket's type, and a traceback when a
-    request runs out of retries; vrl reports what failed in its own one line (`explain`)."""
+def request_timeout_s() -> float:
+    """VRL_STORE_TIMEOUT_S, or REQUEST_TIMEOUT_S; StorageError for a value that is not seconds."""
+    text = os.environ.get('VRL_STORE_TIMEOUT_S', '')
+    try:
+        seconds = float(text) if text else REQUEST_TIMEOUT_S
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise StorageError(f'VRL_STORE_TIMEOUT_S={text!r}: give the seconds a request to the object store may wait, '
+                           f'e.g. {REQUEST_TIMEOUT_S:.0f}')
+    return seconds
+
+
+@functools.cache
+def _configure_clients() -> None:
+    """Once per process, before a client is made: every request to the store is bounded by
+    REQUEST_TIMEOUT_S (gcsfs: aiohttp's connect and read timeouts, then its retries; TensorStore,
+    Orbax's writer: curl's connect timeout and its abort below 1 byte/s), and gcsfs logs nothing
+    (a warning per call when it cannot tell a bucket's type, a traceback when a request runs out of
+    retries): vrl reports what failed in its own one line (`explain`). Against an emulator
+    (STORAGE_EMULATOR_HOST), which takes no credentials, gcsfs looks none up."""
     logging.getLogger('gcsfs').setLevel(logging.CRITICAL)
+    import aiohttp
+    import fsspec
+    timeout_s = request_timeout_s()
+    seconds = str(max(1, round(timeout_s)))
+    for name in ('TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS', 'TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS'):
+        os.environ.setdefault(name, seconds)
+    os.environ.setdefault('TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES', '1')
+    gcs = fsspec.config.conf.setdefault('gcs', {})
+    gcs.setdefault('requests_timeout', aiohttp.ClientTimeout(
+        total=5 * timeout_s, sock_connect=timeout_s, sock_read=timeout_s))
+    if os.environ.get('STORAGE_EMULATOR_HOST'):
+        gcs.setdefault('token', 'anon')
+        os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')  # no gRPC probe: emulators have none

@@ -306,25 +306,41 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0,
     return _pipeline(documents, cfg, tokenizer, process_index=process_index, process_count=process_count)
 
 
+class EvalSets:
+    """The validation sets of `cfg` for `tokenizer`, each opened (listed, its shards found) on first
+    use and kept: a run's evaluations after the first read batches and nothing else."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self._opened: dict[tuple[str, str], tuple[grain.MapDataset, tuple[int, ...]]] = {}
+
+    def batches(self, max_batches: int, process_index: int = 0, process_count: int = 1, name: str | None = None,
+                split: str | None = None) -> Iterator[Batch]:
+        """Split `split` (default data.eval_split) of dataset `name` (default data.name) in a fixed
+        order, one pass, every batch full size (padding has loss_mask 0).
+
+        Every process gets the same number of batches, all-padding ones after its share ends: with
+        max_batches > 0 exactly that many; with 0 (the whole split) as many as the process with the
+        most has (the `process_count` processes of a jax.distributed job agree at each batch)."""
+        cfg, key = self.cfg, (name or self.cfg.name, split or self.cfg.eval_split)
+        if key not in self._opened:
+            self._opened[key] = _documents(cfg, self.tokenizer, key[1], key[0], shuffle=False, num_epochs=1)
+        ds = iter(_pipeline(self._opened[key], cfg, self.tokenizer, process_index=process_index,
+                            process_count=process_count))
+        padding = _pad_batch(_empty_like(cfg), per_process_batch_size(cfg, process_count))
+        count = 0
+        while not max_batches or count < max_batches:
+            batch = next(ds, None)
+            if not max_batches and (batch is None if process_count == 1 else multihost.every_process(batch is None)):
+                return  # the whole split: every process's share has ended
+            yield padding if batch is None else batch
+            count += 1
+
+
 def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, max_batches: int, process_index: int = 0,
                  process_count: int = 1, name: str | None = None, split: str | None = None) -> Iterator[Batch]:
-    """Split `split` (default data.eval_split) of dataset `name` (default data.name) in a fixed
-    order, one pass, every batch full size (padding has loss_mask 0).
-
-    Every process gets the same number of batches, all-padding ones after its share ends: with
-    max_batches > 0 exactly that many; with 0 (the whole split) as many as the process with the most
-    has (the `process_count` processes of a jax.distributed job agree at each batch).
-    """
-    documents = _documents(cfg, tokenizer, split or cfg.eval_split, name or cfg.name, shuffle=False, num_epochs=1)
-    ds = iter(_pipeline(documents, cfg, tokenizer, process_index=process_index, process_count=process_count))
-    padding = _pad_batch(_empty_like(cfg), per_process_batch_size(cfg, process_count))
-    count = 0
-    while not max_batches or count < max_batches:
-        batch = next(ds, None)
-        if not max_batches and (batch is None if process_count == 1 else multihost.every_process(batch is None)):
-            return  # the whole split: every process's share has ended
-        yield padding if batch is None else batch
-        count += 1
+    """EvalSets.batches of a set opened for this pass alone."""
+    return EvalSets(cfg, tokenizer).batches(max_batches, process_index, process_count, name, split)
 
 
 def next_batch(iterator: Iterator[Batch], finite: bool) -> Batch | None:

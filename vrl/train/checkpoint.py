@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from typing import Any, Callable, Iterator
@@ -112,16 +113,56 @@ def _save_errors(manager: ocp.CheckpointManager) -> Iterator[None]:
         folder = epath.Path(manager.directory)
         latest = latest_step(folder.parent)
         kept = f'the latest complete checkpoint is step {latest}' if latest is not None else 'no checkpoint is complete yet'
-        raise SaveError(f'saving a checkpoint in {folder} failed ({reason}); its partial folder is removed and '
-                        f'{kept}. Fix the cause and run the same command to resume.') from None
+        raise SaveError(f'saving a checkpoint in {folder} failed ({reason}); its partial folder is removed (or, '
+                        f'left by a process that died, ignored on resume) and {kept}. Fix the cause and run the same '
+                        'command to resume.') from None
 
 
 def close(manager: ocp.CheckpointManager) -> None:
-    """Closes the manager; then any `*.orbax-checkpoint-tmp` folder is a failed save's, and is removed."""
+    """Closes the manager; then process 0 removes what failed saves left: locally `*.orbax-checkpoint-tmp`
+    folders, on an object store step folders without COMMITTED (Orbax writes a step in place there)."""
     manager.close()
     if jax.process_index() == 0:
-        for partial in epath.Path(manager.directory).glob('*.orbax-checkpoint-tmp*'):
+        folder = epath.Path(manager.directory)
+        partials = (_unfinished(folder) if storage.is_remote(folder)
+                    else list(folder.glob('*.orbax-checkpoint-tmp*')))
+        for partial in partials:
             partial.rmtree(missing_ok=True)
+
+
+COMMITTED = 'commit_success.txt'  # the object Orbax writes last into a step saved on an object store
+
+
+def _unfinished(folder: epath.Path) -> list[epath.Path]:
+    """The step folders under remote `folder` that a save began and never finished."""
+    steps = [p for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
+    return [p for p in steps if not (p / COMMITTED).exists() and not _finished_elsewhere(p)]
+
+
+def _finished_elsewhere(step: epath.Path) -> bool:
+    """Whether Orbax recorded a commit in the step's metadata: a step finished on local disk (where the
+    commit is a rename, not COMMITTED), e.g. a workdir copied up to a bucket."""
+    try:
+        return bool(json.loads((step / '_CHECKPOINT_METADATA').read_text()).get('commit_timestamp_nsecs'))
+    except (OSError, ValueError):
+        return False
+
+
+def check_committed(workdir: epath.Path) -> None:
+    """A workdir on an object store whose finished steps lack COMMITTED (a local workdir copied up)
+    would be taken for one without checkpoints and trained over from step 0: CheckpointError
+    naming them and the fix, before anything is written."""
+    folder = workdir / 'checkpoints'
+    if not storage.is_remote(folder) or not folder.exists():
+        return
+    copied = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and not (p / COMMITTED).exists()
+                    and _finished_elsewhere(p))
+    if copied:
+        raise CheckpointError(
+            f'{folder} holds steps {copied} that Orbax finished but that lack {COMMITTED}, the marker a step on an '
+            'object store needs (a workdir copied from local disk?); resuming would start over from step 0 beside '
+            f'them. Add the marker to each (gcloud storage cp /dev/null {folder}/STEP/{COMMITTED}), or use --fresh '
+            'to move them aside.')
 
 
 def _path_name(path) -> str:

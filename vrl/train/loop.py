@@ -1,9 +1,9 @@
 """The training loop: data -> jitted step -> lagged metrics -> eval / checkpoint -> sample.
 
 The host reads step n's metrics only after dispatching step n + 1, so the device never
-waits on logging. SIGTERM (what Cloud TPU sends before preemption) and a first Ctrl-C finish
-the current step, save, wait for the save to be durable and return normally (a second Ctrl-C
-aborts). Process 0 holds the workdir's lock for the whole run (vrl/train/workdir.py).
+waits on logging. SIGTERM (what Cloud TPU sends before preemption, seen at every step on every
+host) and a first Ctrl-C finish the current step, save, wait for the save to be durable and
+return normally (a second Ctrl-C aborts). Process 0 holds the workdir's lock for the whole run (vrl/train/workdir.py).
 
 `run_group` trains runs that differ only in seed with one step over a run axis (vrl/train/step.py's
 RunGroup), each in its own workdir with its own checkpoints, metrics and evals, as `run` would.
@@ -46,11 +46,16 @@ class RunResult:
 
 
 class _Preemption:
-    """Turns SIGTERM and the first Ctrl-C into a flag the loop checks after each step."""
+    """SIGTERM (what Cloud TPU sends before preemption) and a first Ctrl-C: the run stops after a step,
+    saved. With several processes, JAX's preemption service catches SIGTERM on any host and agrees,
+    through the coordination service, on the step at which every host saves: checked at every step
+    (a local read). A Ctrl-C and a lost lease are agreed every `every` steps (an all-gather)."""
 
     def __init__(self):
         self.requested = False
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._service = multihost.preemption_service()
+        self._previous = {sig: signal.signal(sig, self._handle)
+                          for sig in ((signal.SIGINT,) if self._service else (signal.SIGTERM, signal.SIGINT))}
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.requested:
@@ -60,14 +65,19 @@ class _Preemption:
               + (' (Ctrl-C again to abort without saving)' if signum == signal.SIGINT else ''), flush=True)
         self.requested = True
 
-    def reached(self, step: int, every: int) -> bool:
-        """With several processes, all hosts agree every `every` steps (an all-gather of one flag)."""
+    def reached(self, step: int, every: int, lease_lost: bool) -> tuple[bool, bool]:
+        """(preempted, a lease lost), the same on every process."""
         if jax.process_count() == 1:
-            return self.requested
-        if step % every:
-            return False
+            return self.requested, lease_lost
         from jax.experimental import multihost_utils
-        return bool(np.any(multihost_utils.process_allgather(np.array(self.requested))))
+        noticed = self._service and multihost_utils.reached_preemption_sync_point(step)
+        if noticed:
+            print(f'a preemption notice (SIGTERM) reached this pod: every host saves step {step}, then exits',
+                  flush=True)
+        if step % every:
+            return noticed, False
+        agreed = multihost_utils.process_allgather(np.array([self.requested, lease_lost]))
+        return noticed or bool(np.any(agreed[..., 0])), bool(np.any(agreed[..., 1]))
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -101,16 +111,17 @@ class Validation:
 
 def validate(trainer: Trainer, params: Any, config: Config, tokenizer) -> Validation:
     """train.eval_batches batches of each validation set."""
-    return _validations(trainer, params, config, tokenizer)[0]
+    return _validations(trainer, params, config, pipeline.EvalSets(config.data, tokenizer))[0]
 
 
-def _validations(stepper: Trainer | RunGroup, params: Any, config: Config, tokenizer) -> list[Validation]:
+def _validations(stepper: Trainer | RunGroup, params: Any, config: Config, sets: pipeline.EvalSets
+                 ) -> list[Validation]:
     """One Validation per run: `params` are one Trainer's run's, or a RunGroup's (a leading run axis)."""
     domains: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    tokenizer = sets.tokenizer
     for name, split in config.data.evaluated():
         loss_sum = tokens = n_bytes = np.zeros(1)
-        for batch in pipeline.eval_batches(config.data, tokenizer, config.train.eval_batches,
-                                           jax.process_index(), jax.process_count(), name=name, split=split):
+        for batch in sets.batches(config.train.eval_batches, jax.process_index(), jax.process_count(), name, split):
             batch['target_bytes'] = tokenizer.utf8_bytes[batch['targets']]
             out = jax.device_get(stepper.eval_step(params, stepper.device_batch(batch)))
             loss_sum, tokens, n_bytes = (loss_sum + out['loss_sum'], tokens + out['tokens'], n_bytes + out['bytes'])
@@ -121,15 +132,16 @@ def _validations(stepper: Trainer | RunGroup, params: Any, config: Config, token
 
 
 def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None = None,
-        branch_from: str | None = None) -> RunResult:
+        branch_from: str | None = None, take_over_lease: bool = False) -> RunResult:
     """Trains `config` in `workdir`, resuming from its latest intact checkpoint; `fresh` starts over,
     moving the old run aside (vrl/train/workdir.py). A workdir without a checkpoint starts from `init_from`'s
     parameters, or from `branch_from`'s whole state (a step folder of another run), or at random.
-    WorkdirError if another run holds the workdir."""
+    WorkdirError if another run holds the workdir (`take_over_lease`: a workdir on a bucket is taken
+    from a holder known to be gone, at once)."""
     if init_from and branch_from:
         raise TrainingError('--init_from and --branch_from both name a start: give one (--init_from: weights '
                             'only; --branch_from: the whole state of another run\'s step).')
-    return run_group([config], [workdir], fresh, init_from, branch_from)[0]
+    return run_group([config], [workdir], fresh, init_from, branch_from, take_over_lease)[0]
 
 
 def group_key(config: Config) -> Config:
@@ -138,7 +150,7 @@ def group_key(config: Config) -> Config:
 
 
 def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, init_from: str | None = None,
-              branch_from: str | None = None) -> list[RunResult]:
+              branch_from: str | None = None, take_over_lease: bool = False) -> list[RunResult]:
     """Trains runs that differ only in train.seed together (vrl/train/step.py's RunGroup: one compiled step
     over a run axis, one shared batch stream), each in its own workdir exactly as `run` would train it
     alone: its checkpoints, metrics, eval and config.json. Every member must resume from the same step
@@ -148,11 +160,12 @@ def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, i
     if len(configs) > 1 and (init_from or branch_from):
         raise TrainingError('--init_from / --branch_from start one run; train it alone.')
     paths = [storage.path(w) for w in workdirs]  # local ones absolute, as Orbax needs
-    locks = [workdir_lib.hold(path, 'run', c.train.lease_stale_seconds) for path, c in zip(paths, configs)]
+    locks = [workdir_lib.hold(path, 'run', c.train.lease_stale_seconds, take_over_lease)
+             for path, c in zip(paths, configs)]
     preemption = _Preemption()  # from here on, a signal during setup or the first compile saves too
     try:  # process 0 writes the runs' shared files; every process stops if it cannot
         multihost.on_process_0(lambda: [workdir_lib.claim(lock) for lock in locks])
-        return _run(configs, paths, fresh, init_from, branch_from, preemption)
+        return _run(configs, paths, locks, fresh, init_from, branch_from, preemption)
     finally:
         preemption.restore()
         for lock in locks:
@@ -195,10 +208,12 @@ def _hf_tokenizer(config: Config, init_from: str | None, path: epath.Path) -> tu
 
 
 class _Member:
-    """One run of a group, host side: its workdir, checkpoints, metrics, NaN policy and losses."""
+    """One run of a group, host side: its workdir and the guard that keeps it (process 0's), checkpoints,
+    metrics, NaN policy and losses."""
 
-    def __init__(self, config: Config, path: epath.Path, label: str, is_writer: bool):
-        self.config, self.path, self.label = config, path, label
+    def __init__(self, config: Config, path: epath.Path, guard: workdir_lib.Lock | workdir_lib.Lease, label: str,
+                 is_writer: bool):
+        self.config, self.path, self.guard, self.label = config, path, guard, label
         self.manager = checkpoint.make_manager(str(path), config.train)
         self.writer: metrics.MetricsWriter | None = None
         self.say = (lambda line: print(label + line, flush=True)) if is_writer else (lambda line: None)
@@ -225,8 +240,8 @@ class _Member:
         logging.warning('%sstep %d: non-finite loss, gradients or weights; update skipped', self.label, step)
 
 
-def _run(configs: list[Config], paths: list[epath.Path], fresh: bool, init_from: str | None, branch_from: str | None,
-         preemption: _Preemption) -> list[RunResult]:
+def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_lib.Lock | workdir_lib.Lease],
+         fresh: bool, init_from: str | None, branch_from: str | None, preemption: _Preemption) -> list[RunResult]:
     is_writer = jax.process_index() == 0
     say = print if is_writer else (lambda line: None)
     mesh = sharding.make_mesh(configs[0].mesh)
@@ -243,26 +258,28 @@ def _run(configs: list[Config], paths: list[epath.Path], fresh: bool, init_from:
     labels = [f'[{path.name}] ' if group.members > 1 else '' for path in paths]
     member_configs = [dataclasses.replace(config, train=dataclasses.replace(config.train, seed=c.train.seed))
                       for c in configs]
+    multihost.on_process_0(lambda: [guard.confirm() for guard in guards])  # the compile may have taken long
     if fresh and is_writer:
         for path, label, member_config in zip(paths, labels, member_configs):
             say(label + workdir_lib.start_over(path, member_config, checkpoint.latest_step(path)))
     if tokenizer_source and is_writer:
         say(workdir_lib.keep_tokenizer(paths[0], tokenizer_source, tokenizer_line))
     multihost.sync('vrl workdir ready')
-    members = [_Member(c, path, label, is_writer) for c, path, label in zip(member_configs, paths, labels)]
+    members = [_Member(*member, is_writer) for member in zip(member_configs, paths, guards, labels)]
     data_iterator = iter(dataset)
     try:
         return _train(trainer, group, members, tokenizer, data_iterator, init_from, branch_from, fresh, preemption)
     finally:
-        try:
-            for m in members:
-                checkpoint.check_saves(m.manager, wait=True)
-        finally:
-            for m in members:
-                checkpoint.close(m.manager)
-                if m.writer is not None:
-                    m.writer.close()
-            getattr(data_iterator, 'close', lambda: None)()
+        if not any(m.guard.lost for m in members):  # else another run holds a workdir: add nothing there
+            try:
+                for m in members:
+                    checkpoint.check_saves(m.manager, wait=True)
+            finally:
+                for m in members:
+                    checkpoint.close(m.manager)
+                    if m.writer is not None:
+                        m.writer.close()
+        getattr(data_iterator, 'close', lambda: None)()
 
 
 def _start(trainer: Trainer, m: _Member, data_iterator: Any, init_from: str | None, branch_from: str | None
@@ -270,6 +287,7 @@ def _start(trainer: Trainer, m: _Member, data_iterator: Any, init_from: str | No
     """The member's state to start from (its checkpoint, a branch, weights from elsewhere; None: a
     fresh init, made for the whole group at once) and how it begins."""
     config = m.config
+    checkpoint.check_committed(m.path)
     latest = m.manager.latest_step()
     if latest is not None and latest > config.train.steps:
         raise TrainingError(f'train.steps={config.train.steps} is below the step of the checkpoint in {m.path} '
@@ -328,6 +346,11 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
     peak = metrics.peak_flops_per_device(config.train.peak_flops, config.model.compute_dtype) * jax.device_count()
     opt = config.optimizer
     together = f', trained with {group.members - 1} other seed(s) in one step' if group.members > 1 else ''
+    def confirm_leases() -> None:
+        """Every process stops (LeaseLostError, one line) unless process 0 surely still holds each workdir."""
+        multihost.on_process_0(lambda: [m.guard.confirm() for m in members])
+
+    confirm_leases()
     reads = {'data': pipeline.provenance(config.data, tokenizer)}
     epoch_rates = pipeline.epochs_per_step(reads['data'], tokens_per_step)
     for m, (_, how) in zip(members, starts):
@@ -339,7 +362,8 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
             for name, (old, new) in changed.items():
                 m.say(f'{name} changed since the last start: {old!r} -> {new!r}')
         tracker = tracking.WandbRun(m.config, m.path, reads) if is_writer and config.train.wandb_project else None
-        m.writer = metrics.MetricsWriter(str(m.path), config.train.steps, start_step, is_writer, m.label, tracker)
+        m.writer = metrics.MetricsWriter(str(m.path), config.train.steps, start_step, is_writer, m.label, tracker,
+                                         m.guard)
         m.writer.mark_start(start_step, 'resumed' if how == 'resumed' else 'started', init_from=init_from)
         begun = {'resumed': f'resumed at step {start_step}', 'branched': f'branched at step {start_step}',
                  'started': 'fresh start'}[how]
@@ -377,12 +401,15 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
             interval_start, interval_steps = time.perf_counter(), 0
 
     def save(step: int, force: bool) -> None:
+        confirm_leases()
         for i, m in enumerate(members):
             m.writer.flush(wait=True)  # on an object store, every step's metrics are there before its checkpoint
             checkpoint.save(m.manager, step, group.member(state, i), data_iterator, m.config, force=force)
 
+    eval_sets = pipeline.EvalSets(config.data, tokenizer)  # opened at the first evaluation, then kept
+
     def evaluate(step: int) -> None:
-        for m, evaluation in zip(members, _validations(group, state.params, config, tokenizer)):
+        for m, evaluation in zip(members, _validations(group, state.params, config, eval_sets)):
             m.eval_loss = evaluation.loss
             m.writer.write(step, evaluation.record())
             m.writer.flush()
@@ -430,7 +457,10 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
         if pending is not None:
             read(*pending)
         pending = (step, step_metrics)
-        preempted = preemption.reached(step, config.train.log_every)
+        preempted, lease_lost = preemption.reached(step, config.train.log_every,
+                                                   any(m.guard.lost for m in members))
+        if lease_lost:
+            confirm_leases()
         at_end = step == config.train.steps
         stable_end = config.optimizer.schedule == 'wsd' and step == config.optimizer.decay_start  # to extend from
         saving = step % config.train.checkpoint_every == 0 or preempted or at_end or stable_end

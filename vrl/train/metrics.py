@@ -3,12 +3,13 @@
 Only process 0 writes. On a terminal a progress bar shows step, loss, tokens/s and ETA;
 otherwise (logs, CI) plain lines.
 
-A local workdir's metrics.jsonl is appended to and flushed at every record. An object store cannot
-append: there the writer keeps the file's text in memory and replaces the object whole at each
-`flush` (the loop flushes at every checkpoint and evaluation, and at most `FLUSH_SECONDS` after a
-record), in a background thread, so the step never waits on the store. TensorBoard's event files
-are written in local scratch and copied up at each flush. A hard kill loses at most the records
-since the last flush, all of them after the last checkpoint, which the resumed run logs again.
+A local workdir's metrics.jsonl is appended to and flushed at every record. A workdir on an object
+store has metrics.jsonl and TensorBoard's event files written in local scratch, and each `flush`
+(the loop flushes at every checkpoint and evaluation, and at most `FLUSH_SECONDS` after a record)
+sends what they grew since the last one, in a background thread, so that the step does not wait
+on the store, and the bytes sent over a run are what it logged. A hard kill loses at most the
+records since the last flush, all of them after the last checkpoint, which the resumed run logs
+again; a resumed run's TensorBoard points from its start step on replace the earlier ones.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import logging
 import math
 import sys
-import threading
 import time
 from typing import Any
 
@@ -29,8 +29,10 @@ import numpy as np
 from etils import epath
 
 from vrl.core import storage
+from vrl.core.errors import VrlError
 from vrl.model import layer_stats
 from vrl.train import tracking
+from vrl.train import workdir as workdir_lib
 
 FLUSH_SECONDS = 60.0  # an object-store workdir's metrics reach the store at most this long after a record
 
@@ -78,26 +80,20 @@ def peak_flops_per_device(configured: float = 0.0, compute_dtype: str = 'float32
 
 
 class _StoredLog:
-    """metrics.jsonl and the TensorBoard events on an object store: the text kept in memory and the
-    events in local scratch, both put on the store whole by `flush` (one background upload at a
-    time; an events file only when it grew)."""
+    """A workdir on an object store: metrics.jsonl and the TensorBoard events are written in local
+    scratch, and `flush` sends each file's growth since the last flush (storage.append: the bytes
+    uploaded over a run are what it logged), in one background upload at a time, and only while
+    `guard` confirms that this run still holds the workdir (vrl/train/workdir.py)."""
 
-    def __init__(self, workdir: epath.Path):
-        self.jsonl = workdir / 'metrics.jsonl'
-        self.tensorboard = workdir / 'tensorboard'
-        self.local_tensorboard = storage.scratch(workdir) / 'tensorboard'
-        if self.local_tensorboard.exists():  # an earlier run's events are on the store already (or moved aside)
-            self.local_tensorboard.rmtree()
-        self._text = self.jsonl.read_text() if self.jsonl.exists() else ''
-        self._lock = threading.Lock()
+    def __init__(self, workdir: epath.Path, guard: workdir_lib.Lock | workdir_lib.Lease):
+        self.workdir, self.local, self._guard = workdir, storage.scratch(workdir), guard
+        (self.local / 'metrics.jsonl').unlink(missing_ok=True)  # an earlier run's are on the store already
+        (self.local / 'tensorboard').rmtree(missing_ok=True)
+        self._sent = {'metrics.jsonl': 0}  # bytes of each local file on the store, by path under the workdir
+        self._extends = {'metrics.jsonl'} if (workdir / 'metrics.jsonl').exists() else set()  # a resumed run's
         self._uploads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='vrl-metrics')
         self._pending: concurrent.futures.Future | None = None
         self.last_flush = time.monotonic()
-        self._uploaded: dict[str, int] = {}  # TensorBoard files on the store, by size: only changed ones go up
-
-    def append(self, line: str) -> None:
-        with self._lock:
-            self._text += line
 
     def flush(self, wait: bool = False) -> None:
         """An upload in the background (none while one still runs: the next flush takes its records),
@@ -111,10 +107,18 @@ class _StoredLog:
             self._pending = self._uploads.submit(self._upload)
 
     def _upload(self) -> None:
-        with self._lock:
-            text = self._text
-        self.jsonl.write_text(text)
-        self._uploaded = storage.copy_tree(self.local_tensorboard, self.tensorboard, known=self._uploaded)
+        try:
+            self._guard.confirm()
+        except VrlError:  # the lease is lost: the loop stops every host at its next check
+            return
+        for relative, size in storage.files(self.local).items():
+            sent = self._sent.get(relative, 0)
+            if size > sent:
+                with open(self.local / relative, 'rb') as f:
+                    f.seek(sent)
+                    grown = f.read(size - sent)
+                storage.append(self.workdir / relative, grown, new=not sent and relative not in self._extends)
+                self._sent[relative] = sent + len(grown)
 
     def close(self) -> None:
         self.flush(wait=True)
@@ -125,9 +129,10 @@ class MetricsWriter:
     """metrics.jsonl + TensorBoard event files in the workdir, and the terminal."""
 
     def __init__(self, workdir: str | epath.Path, total_steps: int, start_step: int, enabled: bool,
-                 label: str = '', tracker: tracking.WandbRun | None = None):
+                 label: str, tracker: tracking.WandbRun | None, guard: workdir_lib.Lock | workdir_lib.Lease):
         """`label` starts every terminal line (a run trained in a group: its folder's name); `tracker`
-        also gets every record."""
+        also gets every record; `guard` (the workdir's Lock or Lease) is confirmed before each upload
+        to an object store."""
         self.enabled, self.label, self._tracker = enabled, label, tracker
         self.total_steps = total_steps
         self._bar = None
@@ -136,13 +141,11 @@ class MetricsWriter:
             return
         workdir = storage.path(workdir)
         if storage.is_remote(workdir):
-            self._stored = _StoredLog(workdir)
-            tensorboard_dir = self._stored.local_tensorboard
-        else:
-            self._jsonl = open(workdir / 'metrics.jsonl', 'a')
-            tensorboard_dir = workdir / 'tensorboard'
-        from tensorboardX import SummaryWriter
-        self._tensorboard = SummaryWriter(str(tensorboard_dir))
+            self._stored = _StoredLog(workdir, guard)
+            workdir = self._stored.local
+        self._jsonl = open(workdir / 'metrics.jsonl', 'a')
+        from tensorboardX import SummaryWriter  # a resumed run's points after its checkpoint replace the earlier
+        self._tensorboard = SummaryWriter(str(workdir / 'tensorboard'), purge_step=start_step + 1 if start_step else None)
         if sys.stderr.isatty():
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True,
@@ -178,13 +181,9 @@ class MetricsWriter:
                         **{k: v for k, v in details.items() if v}})
 
     def _line(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record) + '\n'
-        if self._stored is None:
-            self._jsonl.write(line)
-            self._jsonl.flush()
-            return
-        self._stored.append(line)
-        if time.monotonic() - self._stored.last_flush > FLUSH_SECONDS:
+        self._jsonl.write(json.dumps(record) + '\n')
+        self._jsonl.flush()
+        if self._stored is not None and time.monotonic() - self._stored.last_flush > FLUSH_SECONDS:
             self.flush()
 
     def flush(self, wait: bool = False) -> None:
@@ -229,10 +228,9 @@ class MetricsWriter:
             self._tensorboard.close()
             if self._tracker is not None:
                 self._tracker.finish()
+            self._jsonl.close()
             if self._stored is not None:
                 self._stored.close()
-            else:
-                self._jsonl.close()
 
 
 def _plain(value: Any) -> Any:

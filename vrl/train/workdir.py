@@ -3,9 +3,10 @@
 - `hold(workdir)`: one writer per workdir, taken by process 0 of a run (all processes of one run
   share the workdir). A local workdir: `Lock`, an exclusive `flock` on `WORKDIR/.lock`, which the
   kernel drops when the holder dies (kill -9, a lost VM), so a stale lock never blocks. A workdir
-  on an object store, where nothing can be locked: `Lease`, the object `WORKDIR/.lock` created only
-  if absent, renewed by its holder, and taken over once it has not been renewed for
-  train.lease_stale_seconds. Either names the holder in the refusal.
+  on an object store, where nothing can be locked: `Lease`, the object `WORKDIR/.lock`, written
+  only on the generation its writer read, renewed by its holder, and taken over once it has not
+  changed for train.lease_stale_seconds. Either names the holder in the refusal; `confirm()`
+  before each write stops a holder that lost it.
 - `start_over`: what `--fresh` does. The old run (checkpoints, metrics, config.json,
   TensorBoard) moves to `WORKDIR/previous_runs/<time>/`; nothing is deleted. A run that
   `--fresh` started keeps resuming under the same command (and config) until it finishes, so
@@ -57,6 +58,7 @@ class Lock:
     def __init__(self, workdir: epath.Path, holder_kind: str = 'run'):
         self.path = workdir / '.lock'
         self.holder_kind = holder_kind  # what holds it, for the refusal: 'run', 'comparison', 'study'
+        self.lost = ''  # a flock is never lost while its holder lives
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -73,6 +75,9 @@ class Lock:
         os.fsync(fd)
         self._fd = fd
 
+    def confirm(self) -> None:
+        """The kernel holds a flock for its holder's life: nothing to check before a write."""
+
     def release(self) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
@@ -81,67 +86,146 @@ class Lock:
             self._fd = None
 
 
-class Lease:
-    """A workdir on an object store's: `WORKDIR/.lock` (JSON: holder, token, renewed at), created only
-    if absent and rewritten by a thread every stale_after / 4 seconds while held. A lease not renewed
-    for `stale_after` seconds belongs to a holder that died (kill -9, a lost VM): the next run takes
-    it over and says so. A holder that finds its lease taken (it hung longer than stale_after) stops
-    renewing and logs an error; `lost` tells."""
+class LeaseLostError(WorkdirError):
+    """This run's lease on its workdir was taken over, or could not be renewed in time: another run
+    may be writing there, so this one writes nothing more."""
 
-    def __init__(self, workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0):
+
+class Lease:
+    """A workdir on GCS's: the object `WORKDIR/.lock` (JSON: holder, token), which one run at a time
+    holds, proven by the object's generation (GCS changes it at every write):
+
+    - taking it: create it only if absent, or replace a released one or one whose holder is gone;
+      every write is conditional on the generation read before it, so of two runs racing for it
+      exactly one wins;
+    - a holder renews it (a conditional rewrite) from its own thread every stale_after / 4 s;
+    - a holder is gone when the generation stays the same for stale_after seconds of the waiting
+      run's own monotonic clock (no clocks are compared); `take_over=True` takes it at once;
+    - the holder writes only while its lease is surely its own: `confirm()`, before each checkpoint
+      and upload, raises LeaseLostError once a renewal found the lease taken, or when no renewal
+      has succeeded for stale_after / 2 s and one more attempt fails. A taker waits stale_after
+      after the holder's last renewal, so the holder stops writing first.
+    - releasing it writes a released record (conditional too); the next run takes that at once.
+    """
+
+    def __init__(self, workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0,
+                 take_over: bool = False, say=print):
         self.path, self.holder_kind, self.stale_after = workdir / '.lock', holder_kind, stale_after
+        self.take_over, self.say = take_over, say
         self.token = uuid.uuid4().hex
-        self.lost = False
+        self.holder = _holder()
+        self.lost = ''  # why this run no longer holds the lease, once it does not
+        self._generation = 0  # of the lease object as this run last wrote it
+        self._renewed_at = 0.0  # monotonic time at which the last successful renewal was sent
+        self._lock = threading.Lock()  # one conditional write at a time
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
-    def _record(self) -> bytes:
-        return json.dumps({'holder': _holder(), 'token': self.token, 'renewed': time.time()}).encode()
+    def _record(self, released: bool = False) -> bytes:
+        return json.dumps({'holder': self.holder, 'token': self.token, 'released': released,
+                           'written': time.strftime('%Y-%m-%d %H:%M:%S')}).encode()
 
-    def _read(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.path.read_text())
-        except FileNotFoundError:
+    def _read(self) -> tuple[dict[str, Any], int] | None:
+        found = storage.read_versioned(self.path)
+        if found is None:
             return None
-        except ValueError:  # written by something else: as good as stale
-            return {'holder': 'an unreadable lease', 'token': '', 'renewed': 0.0}
+        try:
+            return json.loads(found[0]), found[1]
+        except ValueError:  # not a lease (a local workdir's flock file, copied up with it): free
+            return {'holder': 'a .lock that is not a lease', 'token': '', 'released': True}, found[1]
+
+    def _write(self, generation: int) -> bool:
+        """Writes this run's record over `generation`; whether it did."""
+        sent = time.monotonic()
+        written = storage.write_if(self.path, self._record(), generation)
+        if written is None:
+            return False
+        self._generation, self._renewed_at = written, sent
+        return True
 
     def acquire(self) -> str:
-        """Takes the lease; returns a line for the log when it took over a stale one. WorkdirError if
-        a live holder has it."""
-        taken_over = ''
-        if not storage.create_exclusive(self.path, self._record()):
-            held = self._read() or {'holder': 'a run that just released it', 'renewed': time.time()}
-            age = time.time() - float(held.get('renewed', 0.0))
-            if age < self.stale_after:
+        """Takes the lease, waiting out a holder that stopped renewing; returns a line for the log when
+        it took one over. WorkdirError if a live holder has it."""
+        while True:
+            found = self._read()
+            if found is None:
+                if self._write(0):
+                    break
+                continue  # created by another run meanwhile: read it
+            held, generation = found
+            if held.get('released'):
+                if self._write(generation):
+                    break
+                continue
+            if not self.take_over:
+                self._wait_out(held, generation)
+            if not self._write(generation):
+                raise WorkdirError(f'workdir {self.path.parent}: another {self.holder_kind} took the lease over '
+                                   'first; stop it or choose another --workdir.')
+            line = (f'took over the lease of workdir {self.path.parent} from {held.get("holder")}: '
+                    + ('--take_over_lease' if self.take_over else
+                       f'not renewed for {self.stale_after:.0f} s (train.lease_stale_seconds)'))
+            logging.warning('%s', line)
+            self._start_renewing()
+            return line
+        self._start_renewing()
+        return ''
+
+    def _wait_out(self, held: dict[str, Any], generation: int) -> None:
+        """Returns once `generation` has stayed the live one for stale_after seconds; WorkdirError as
+        soon as it changes (its holder renewed it, or another run took it)."""
+        deadline = time.monotonic() + self.stale_after
+        self.say(f'workdir {self.path.parent} is leased by {held.get("holder")}: taking it over in '
+                 f'{self.stale_after:.0f} s unless its holder renews it (train.lease_stale_seconds; '
+                 '--take_over_lease if that run is surely gone)')
+        said = time.monotonic()
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, max(1.0, self.stale_after / 16)))
+            found = self._read()
+            if found is None or found[1] != generation:
                 raise WorkdirError(
                     f'workdir {self.path.parent} is in use by another {self.holder_kind} ({held.get("holder")}; '
-                    f'lease renewed {age:.0f} s ago); stop it or choose another --workdir. A holder that died '
-                    f'loses the lease {self.stale_after:.0f} s after its last renewal '
-                    '(train.lease_stale_seconds).')
-            storage.delete(self.path)
-            if not storage.create_exclusive(self.path, self._record()):
-                raise WorkdirError(f'workdir {self.path.parent}: another {self.holder_kind} took over the stale '
-                                   'lease first; stop it or choose another --workdir.')
-            taken_over = (f'took over the lease of workdir {self.path.parent} from {held.get("holder")}: not '
-                          f'renewed for {age:.0f} s (train.lease_stale_seconds={self.stale_after:.0f})')
-            logging.warning('%s', taken_over)
-        self._renewer = threading.Thread(target=self._renew, name='vrl-lease', daemon=True)
-        self._renewer.start()
-        return taken_over
+                    'it renewed its lease while this one waited); stop it or choose another --workdir.')
+            if time.monotonic() - said >= 30 and left > 5:
+                self.say(f'  ... {left:.0f} s until the lease of {self.path.parent} is taken over')
+                said = time.monotonic()
 
-    def _renew(self) -> None:
-        while not self._stop.wait(self.stale_after / 4):
+    def _start_renewing(self) -> None:
+        self._renewer = threading.Thread(target=self._renew_every, name='vrl-lease', daemon=True)
+        self._renewer.start()
+
+    def _renew_every(self) -> None:
+        while not self._stop.wait(self.stale_after / 4) and not self.lost:
             try:
-                held = self._read()
-                if held is None or held.get('token') != self.token:
-                    self.lost = True
-                    logging.error('the lease of workdir %s was taken over by %s; this run no longer holds it',
-                                  self.path.parent, (held or {}).get('holder', 'nobody'))
-                    return
-                self.path.write_bytes(self._record())
-            except Exception as e:  # noqa: BLE001 - a passing outage: try again at the next renewal
+                self.renew()
+            except Exception as e:  # noqa: BLE001 - a passing outage: `confirm` decides when it is too long
                 logging.warning('renewing the lease of workdir %s failed (%s); retrying', self.path.parent, e)
+
+    def renew(self) -> None:
+        """One conditional rewrite; a lease found changed is lost (`lost` says why)."""
+        with self._lock:
+            if self.lost or self._write(self._generation):
+                return
+            found = self._read()  # changed: by a retried write of ours that had landed, or by a taker
+            if found is not None and found[0].get('token') == self.token and not found[0].get('released'):
+                self._generation = found[1]
+                self._write(self._generation)
+                return
+            self.lost = (f'the lease of workdir {self.path.parent} was taken over by '
+                         f'{(found or ({"holder": "nobody (deleted)"}, 0))[0].get("holder")}')
+            logging.error('%s; this run writes nothing more there', self.lost)
+
+    def confirm(self) -> None:
+        """Returns if this run surely still holds the lease: a write may follow. LeaseLostError if not."""
+        if not self.lost and time.monotonic() - self._renewed_at > self.stale_after / 2:
+            try:
+                self.renew()
+            except Exception as e:  # noqa: BLE001 - unrenewable: another run may take the lease over soon
+                self.lost = (f'the lease of workdir {self.path.parent} could not be renewed for '
+                             f'{time.monotonic() - self._renewed_at:.0f} s ({e})')
+        if self.lost:
+            raise LeaseLostError(f'{self.lost}: another {self.holder_kind} may be writing there, so this one '
+                                 'stopped without writing more; its last checkpoint is intact.')
 
     def release(self) -> None:
         if self._renewer is None:
@@ -149,9 +233,13 @@ class Lease:
         self._stop.set()
         self._renewer.join()
         self._renewer = None
-        held = self._read()
-        if held is not None and held.get('token') == self.token:
-            storage.delete(self.path)
+        with self._lock:
+            if self.lost:
+                return
+            try:
+                storage.write_if(self.path, self._record(released=True), self._generation)
+            except Exception as e:  # noqa: BLE001 - unreleased, the lease is taken over once stale
+                logging.warning('releasing the lease of workdir %s failed (%s)', self.path.parent, e)
 
 
 def claim(guard: Lock | Lease) -> None:
@@ -163,10 +251,12 @@ def claim(guard: Lock | Lease) -> None:
         print(taken_over, flush=True)
 
 
-def hold(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0) -> Lock | Lease:
-    """The guard that keeps a second writer out of `workdir`: a flock locally, a lease on an object store."""
+def hold(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0,
+         take_over: bool = False) -> Lock | Lease:
+    """The guard that keeps a second writer out of `workdir`: a flock locally, a lease on an object
+    store (`take_over`: at once, from a holder known to be gone)."""
     if storage.is_remote(workdir):
-        return Lease(workdir, holder_kind, stale_after)
+        return Lease(workdir, holder_kind, stale_after, take_over)
     return Lock(workdir, holder_kind)
 
 

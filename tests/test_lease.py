@@ -1,0 +1,146 @@
+"""The workdir's lease on a bucket (vrl/train/workdir.py's Lease) against the GCS emulator on
+127.0.0.1: one writer at a time, proven by object generations, whatever the clocks say."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import pytest
+
+from tests.gcs_emulator import bucket_fs
+from vrl.core import storage
+from vrl.train import workdir as workdir_lib
+
+STALE = 1.0  # seconds: the tests' lease goes stale fast (a run's is at least MIN_LEASE_STALE_SECONDS)
+
+
+def _lease(name: str, **kwargs) -> workdir_lib.Lease:
+    return workdir_lib.Lease(storage.path(f'gs://vrl/leases/{name}'), stale_after=STALE, say=lambda line: None,
+                             **kwargs)
+
+
+def _dead_holder(name: str, written: str = '2026-11-25 10:00:00') -> None:
+    """A lease left by a run that died: never renewed, never released."""
+    record = {'holder': 'host dead-vm, pid 1', 'token': 'dead', 'released': False, 'written': written}
+    bucket_fs().pipe_file(f'vrl/leases/{name}/.lock', json.dumps(record).encode())
+
+
+def _race(name: str, takers: int, **kwargs) -> tuple[list[workdir_lib.Lease], list[str]]:
+    """`takers` leases acquired at once: (the winners, the losers' errors)."""
+    leases = [_lease(name, **kwargs) for _ in range(takers)]
+    start = threading.Barrier(takers)
+
+    def take(lease: workdir_lib.Lease) -> str:
+        start.wait()
+        try:
+            lease.acquire()
+            return ''
+        except workdir_lib.WorkdirError as e:
+            return str(e)
+
+    with concurrent.futures.ThreadPoolExecutor(takers) as pool:
+        outcomes = list(pool.map(take, leases))
+    return [lease for lease, error in zip(leases, outcomes) if not error], [e for e in outcomes if e]
+
+
+def test_of_runs_racing_for_a_stale_lease_exactly_one_wins(gcs):
+    for trial in range(8):  # each waits out the dead holder on its own clock, then all write at once
+        _dead_holder(f'waited{trial}')
+        winners, errors = _race(f'waited{trial}', 4)
+        assert len(winners) == 1 and len(errors) == 3, errors
+        assert all('took the lease over first' in e or 'is in use by another run' in e for e in errors), errors
+        assert json.loads(bucket_fs().cat(f'vrl/leases/waited{trial}/.lock'))['token'] == winners[0].token
+        winners[0].release()
+
+
+def test_takers_that_read_the_same_lease_take_it_once(gcs):
+    """--take_over_lease from the same read: one conditional write lands, the others are refused."""
+    for trial in range(12):
+        _dead_holder(f'now{trial}')
+        takers = [_lease(f'now{trial}', take_over=True) for _ in range(6)]
+        found = takers[0]._read()
+        for taker in takers:  # every taker read that lease, as operators racing would have
+            taker._read = lambda found=found: found
+        winners, errors = [], []
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            for taker, future in zip(takers, [pool.submit(t.acquire) for t in takers]):
+                try:
+                    future.result()
+                    winners.append(taker)
+                except workdir_lib.WorkdirError as e:
+                    errors.append(str(e))
+        assert len(winners) == 1 and all('took the lease over first' in e for e in errors), errors
+        assert json.loads(bucket_fs().cat(f'vrl/leases/now{trial}/.lock'))['token'] == winners[0].token
+        del winners[0]._read  # its renewals read the store again
+        winners[0].release()
+
+
+def test_of_runs_racing_for_a_free_workdir_exactly_one_wins(gcs):
+    winners, errors = _race('free', 5)
+    assert len(winners) == 1 and len(errors) == 4
+    assert all('is in use by another run' in e or 'took the lease over first' in e for e in errors), errors
+    winners[0].release()
+    assert json.loads(bucket_fs().cat('vrl/leases/free/.lock'))['released']
+    again = _lease('free')
+    started = time.monotonic()
+    assert again.acquire() == ''  # a released lease is taken at once
+    assert time.monotonic() - started < STALE
+    again.release()
+
+
+def test_a_live_holder_keeps_its_lease_whatever_its_clock_says(gcs):
+    """The holder's record carries a wall time hours old (its clock is behind, or the taker's ahead): a
+    taker judging by clocks would take over; by generations it sees the renewals and is refused."""
+    holder = _lease('skewed')
+    holder.holder = 'host slow-clock, pid 2'
+    plain = holder._record
+    holder._record = lambda released=False: plain(released).replace(  # its clock, 3 hours behind
+        json.dumps(time.strftime('%Y-%m-%d %H:%M:%S')).encode(),
+        json.dumps(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(time.time() - 3 * 3600))).encode())
+    holder.acquire()
+    assert json.loads(bucket_fs().cat('vrl/leases/skewed/.lock'))['written'] < time.strftime('%Y-%m-%d %H:%M:%S',
+                                                                                          time.localtime(time.time() - 3600))
+    taker = _lease('skewed')
+    with pytest.raises(workdir_lib.WorkdirError, match=r'in use by another run \(host slow-clock'):
+        taker.acquire()
+    holder.confirm()  # still its own
+    holder.release()
+
+
+def test_a_holder_that_froze_past_the_stale_time_stops_before_its_next_write(gcs):
+    holder = _lease('frozen')
+    holder.acquire()
+    holder._stop.set()  # its renewals stop, as in a VM paused longer than the stale time
+    holder._renewer.join()
+    holder._renewer = None
+    time.sleep(STALE / 2)
+    holder.confirm()  # late, but nobody took over: its renewal in confirm() succeeds
+    taker = _lease('frozen')
+    line = taker.acquire()  # waits STALE without a change, then takes over
+    assert line.startswith('took over the lease of workdir gs://vrl/leases/frozen from host ')
+    with pytest.raises(workdir_lib.LeaseLostError, match='was taken over by host .*another run may be writing'):
+        holder.confirm()
+    assert json.loads(bucket_fs().cat('vrl/leases/frozen/.lock'))['token'] == taker.token  # untouched by holder
+    holder.release()  # writes nothing: it is not the holder
+    assert json.loads(bucket_fs().cat('vrl/leases/frozen/.lock'))['token'] == taker.token
+    taker.confirm()
+    taker.release()
+
+
+def test_a_takeover_waits_for_the_stale_time_and_says_so(gcs):
+    _dead_holder('said')
+    said = []
+    taker = workdir_lib.Lease(storage.path('gs://vrl/leases/said'), stale_after=2.0, say=said.append)
+    started = time.monotonic()
+    taker.acquire()
+    assert time.monotonic() - started >= 2.0
+    assert said[0].startswith('workdir gs://vrl/leases/said is leased by host dead-vm, pid 1: taking it over in 2 s')
+    taker.release()
+
+
+def test_a_store_without_generations_is_refused_in_one_line():
+    with pytest.raises(storage.StorageError, match='a lease needs GCS object generations'):
+        storage.read_versioned(storage.path('s3://bucket/run/.lock'))
