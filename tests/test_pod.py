@@ -82,6 +82,7 @@ def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs
         assert [rc for rc, _ in whole] == [0, 0], [out[-3000:] for _, out in whole]
         missed = [f for f in faulty.faults if f.injected < f.times]
         assert not missed, missed
+        assert 'a request to the object store failed (' in whole[0][1]  # each retry said, none silent
     fs = bucket_fs()
     assert fs.exists('vrl/pod_data/vrl_tokenizers/shakespeare_512.model')
     assert fs.glob('vrl/pod_data/shakespeare/*/dataset_info.json')

@@ -102,6 +102,28 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(small_corpus, tm
     assert saved_steps(workdir) == [3, 6, 9, 12]  # saved again by the resumed run
 
 
+def test_timed_saves_are_kept_until_the_next_and_scheduled_ones_as_configured(small_corpus, tmp_path, monkeypatch):
+    """train.checkpoint_minutes saves between the scheduled steps (here every step: the clock always
+    says it is due); of those only the newest stays. keep_checkpoints counts scheduled steps
+    (checkpoint_every and the last), and keep_period keeps every k-th beside them."""
+    saves = []
+    save = checkpoint.save
+    monkeypatch.setattr(checkpoint, 'save', lambda manager, step, *rest, **kw: (saves.append(step),
+                                                                                 save(manager, step, *rest, **kw))[1])
+    config = tiny_config(small_corpus, steps=10, checkpoint_every=4, keep_checkpoints=1, keep_period=4,
+                         checkpoint_minutes=1e-6, eval_every=0)
+    loop.run(config, str(tmp_path / 'kept'))
+    assert saves == list(range(1, 11))
+    assert saved_steps(tmp_path / 'kept') == [4, 8, 10]
+    saves.clear()
+    untimed = dataclasses.replace(config, train=dataclasses.replace(config.train, keep_period=0, checkpoint_minutes=0))
+    loop.run(untimed, str(tmp_path / 'scheduled'))
+    assert saves == [4, 8, 10] and saved_steps(tmp_path / 'scheduled') == [10]
+    wsd = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, schedule='wsd', decay_steps=10,
+                                                                    decay_fraction=0.3))
+    assert [s for s in range(1, 11) if checkpoint.permanent(wsd, s)] == [4, 7, 8, 10]  # 7: the stable phase's end
+
+
 def test_no_restorable_checkpoint_moves_nothing(small_corpus, tmp_path):
     workdir = tmp_path / 'run'
     config = tiny_config(small_corpus, steps=4, checkpoint_every=4)

@@ -371,6 +371,9 @@ class TrainConfig:
     eval_every: int = 500  # 0 = only at the end
     eval_batches: int = 16  # 0 = the whole validation split
     checkpoint_every: int = 1000
+    # also save after this many minutes without a save (a slice preempted without notice loses at most that);
+    # such a step is kept only until the next save, apart from the checkpoint_every ones; 0 = off
+    checkpoint_minutes: float = 0.0
     keep_checkpoints: int = 3
     keep_period: int = 0  # also keep every k-th step forever; 0 = off
     nan_policy: str = 'error'  # error: stop naming the step | skip: drop that update
@@ -399,7 +402,7 @@ class TrainConfig:
         for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'diagnostics_sequences'):
             _require(getattr(self, name) >= 1, f'train.{name}', getattr(self, name), 'an integer >= 1')
         for name in ('steps', 'microbatches', 'eval_every', 'eval_batches', 'keep_period', 'sample_tokens',
-                     'max_skipped_steps', 'diagnostics_every'):
+                     'max_skipped_steps', 'diagnostics_every', 'checkpoint_minutes'):
             _require(getattr(self, name) >= 0, f'train.{name}', getattr(self, name), 'an integer >= 0')
 
 

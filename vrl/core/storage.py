@@ -341,6 +341,19 @@ def explain(e: BaseException, p: epath.Path) -> str:
     return text[:300]
 
 
+class _SayRetries(logging.Filter):
+    """Of gcsfs's log, only its retries, each one warning line: a wait on the store is never silent."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if 'retrying after exception' not in text:
+            return False
+        cause = ' '.join(text.split('exception:', 1)[1].split())[:200] or 'no answer in time'
+        record.msg, record.args = 'a request to the object store failed (%s); retrying', (cause,)
+        record.levelno, record.levelname = logging.WARNING, 'WARNING'
+        return True
+
+
 def request_timeout_s() -> float:
     """VRL_STORE_TIMEOUT_S, or REQUEST_TIMEOUT_S; StorageError for a value that is not seconds."""
     text = os.environ.get('VRL_STORE_TIMEOUT_S', '')
@@ -358,11 +371,14 @@ def request_timeout_s() -> float:
 def _configure_clients() -> None:
     """Once per process, before a client is made: every request to the store is bounded by
     REQUEST_TIMEOUT_S (gcsfs: aiohttp's connect and read timeouts, then its retries; TensorStore,
-    Orbax's writer: curl's connect timeout and its abort below 1 byte/s), and gcsfs logs nothing
-    (a warning per call when it cannot tell a bucket's type, a traceback when a request runs out of
-    retries): vrl reports what failed in its own one line (`explain`). Against an emulator
-    (STORAGE_EMULATOR_HOST), which takes no credentials, gcsfs looks none up."""
-    logging.getLogger('gcsfs').setLevel(logging.CRITICAL)
+    Orbax's writer: curl's connect timeout and its abort below 1 byte/s); gcsfs's log says each
+    retry in one line and nothing else (it warns per call when it cannot tell a bucket's type, and
+    logs a traceback when a request runs out of retries): vrl reports what failed in its own one
+    line (`explain`). Against an emulator (STORAGE_EMULATOR_HOST), which takes no credentials, gcsfs
+    looks none up."""
+    gcsfs_log = logging.getLogger('gcsfs')
+    gcsfs_log.setLevel(logging.DEBUG)  # for its retries, which _SayRetries alone lets through
+    gcsfs_log.addFilter(_SayRetries())
     import aiohttp
     import fsspec
     timeout_s = request_timeout_s()

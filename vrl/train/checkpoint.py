@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -25,10 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 from etils import epath
 
 from vrl.core import storage
-from vrl.core.config import EXECUTION_FIELDS, Config, ModelConfig, TrainConfig
+from vrl.core.config import EXECUTION_FIELDS, Config, ModelConfig
 from vrl.core.errors import CheckpointError, VrlError
 from vrl.train import orbax_noise
 
@@ -49,10 +51,34 @@ class NoCheckpointError(CheckpointError, FileNotFoundError):
     """There is no checkpoint where one was asked for; the message says where vrl looked."""
 
 
-def make_manager(workdir: str, cfg: TrainConfig) -> ocp.CheckpointManager:
+def make_manager(workdir: str, config: Config) -> ocp.CheckpointManager:
+    """The run's checkpoints, of which Orbax keeps the newest (whatever made it), the newest
+    train.keep_checkpoints of the permanent steps (`permanent`), and every train.keep_period-th."""
+    policies = [_NewestPermanent(config.train.keep_checkpoints, functools.partial(permanent, config)),
+                preservation.LatestN(1)]
+    if config.train.keep_period:
+        policies.append(preservation.EveryNSteps(config.train.keep_period))
     return _manager(epath.Path(workdir) / 'checkpoints', ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.keep_checkpoints, keep_period=cfg.keep_period or None,
-        enable_async_checkpointing=True, create=True))
+        preservation_policy=preservation.AnyPreservationPolicy(policies), enable_async_checkpointing=True, create=True))
+
+
+def permanent(config: Config, step: int) -> bool:
+    """A step saved on schedule (train.checkpoint_every, the last, the end of WSD's stable phase), not
+    for a preemption or by train.checkpoint_minutes, whose saves are kept only until the next save."""
+    opt = config.optimizer
+    return (step % config.train.checkpoint_every == 0 or step == config.train.steps
+            or (opt.schedule == 'wsd' and step == opt.decay_start))
+
+
+@dataclasses.dataclass
+class _NewestPermanent:
+    """Orbax's preservation policy keeping the newest `n` steps of those `keep` accepts."""
+    n: int
+    keep: Callable[[int], bool]
+
+    def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
+        kept = [c.step for c in checkpoints if self.keep(c.step)][-self.n:]
+        return [c.step in kept for c in checkpoints]
 
 
 def _manager(folder: epath.Path, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:

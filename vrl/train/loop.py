@@ -49,7 +49,8 @@ class _Preemption:
     """SIGTERM (what Cloud TPU sends before preemption) and a first Ctrl-C: the run stops after a step,
     saved. With several processes, JAX's preemption service catches SIGTERM on any host and agrees,
     through the coordination service, on the step at which every host saves: checked at every step
-    (a local read). A Ctrl-C and a lost lease are agreed every `every` steps (an all-gather)."""
+    (a local read). A Ctrl-C, and the loop's own flags (a lost lease, a timed save due), are agreed
+    every `every` steps (an all-gather)."""
 
     def __init__(self):
         self.requested = False
@@ -65,19 +66,20 @@ class _Preemption:
               + (' (Ctrl-C again to abort without saving)' if signum == signal.SIGINT else ''), flush=True)
         self.requested = True
 
-    def reached(self, step: int, every: int, lease_lost: bool) -> tuple[bool, bool]:
-        """(preempted, a lease lost), the same on every process."""
+    def agree(self, step: int, every: int, **local: bool) -> tuple[bool, dict[str, bool]]:
+        """(preempted, each of `local`'s flags: whether it holds on any process), the same on every
+        process; with several, the flags are gathered every `every` steps and False between."""
         if jax.process_count() == 1:
-            return self.requested, lease_lost
+            return self.requested, local
         from jax.experimental import multihost_utils
         noticed = self._service and multihost_utils.reached_preemption_sync_point(step)
         if noticed:
             print(f'a preemption notice (SIGTERM) reached this pod: every host saves step {step}, then exits',
                   flush=True)
         if step % every:
-            return noticed, False
-        agreed = multihost_utils.process_allgather(np.array([self.requested, lease_lost]))
-        return noticed or bool(np.any(agreed[..., 0])), bool(np.any(agreed[..., 1]))
+            return noticed, dict.fromkeys(local, False)
+        agreed = np.any(multihost_utils.process_allgather(np.array([self.requested, *local.values()])), axis=0)
+        return noticed or bool(agreed[0]), {name: bool(flag) for name, flag in zip(local, agreed[1:])}
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -214,7 +216,7 @@ class _Member:
     def __init__(self, config: Config, path: epath.Path, guard: workdir_lib.Lock | workdir_lib.Lease, label: str,
                  is_writer: bool):
         self.config, self.path, self.guard, self.label = config, path, guard, label
-        self.manager = checkpoint.make_manager(str(path), config.train)
+        self.manager = checkpoint.make_manager(str(path), config)
         self.writer: metrics.MetricsWriter | None = None
         self.say = (lambda line: print(label + line, flush=True)) if is_writer else (lambda line: None)
         self.losses: dict[int, float] = {}
@@ -400,8 +402,11 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
         if logging_now:
             interval_start, interval_steps = time.perf_counter(), 0
 
+    minutes, saved_at = config.train.checkpoint_minutes, [time.monotonic()]  # train.checkpoint_minutes' clock
+
     def save(step: int, force: bool) -> None:
         confirm_leases()
+        saved_at[0] = time.monotonic()
         for i, m in enumerate(members):
             m.writer.flush(wait=True)  # on an object store, every step's metrics are there before its checkpoint
             checkpoint.save(m.manager, step, group.member(state, i), data_iterator, m.config, force=force)
@@ -457,13 +462,14 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
         if pending is not None:
             read(*pending)
         pending = (step, step_metrics)
-        preempted, lease_lost = preemption.reached(step, config.train.log_every,
-                                                   any(m.guard.lost for m in members))
-        if lease_lost:
+        preempted, due = preemption.agree(
+            step, config.train.log_every, lease_lost=any(m.guard.lost for m in members),
+            timed_save=bool(minutes) and time.monotonic() - saved_at[0] >= 60 * minutes)
+        if due['lease_lost']:
             confirm_leases()
         at_end = step == config.train.steps
         stable_end = config.optimizer.schedule == 'wsd' and step == config.optimizer.decay_start  # to extend from
-        saving = step % config.train.checkpoint_every == 0 or preempted or at_end or stable_end
+        saving = step % config.train.checkpoint_every == 0 or preempted or at_end or stable_end or due['timed_save']
         evaluating = bool(config.train.eval_every and step % config.train.eval_every == 0) or at_end
         if saving or evaluating:
             read(*pending)  # the NaN policy sees a step before it is saved or evaluated
