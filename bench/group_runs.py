@@ -41,7 +41,7 @@ def config_for(variant: str, steps: int) -> Config:
     config = from_configdict(reproduce_cpu.get_config())
     optimizer = dataclasses.replace(config.optimizer, decay_steps=steps)
     return dataclasses.replace(config, model=presets.apply(variant, config.model), optimizer=optimizer,
-                               train=dataclasses.replace(config.train, steps=steps, log_every=1, sample_prompt=''))
+                               train=dataclasses.replace(config.train, steps=steps, log_every=1, sample_tokens=0))
 
 
 def step_ms(config: Config, members: int, steps: int = 20) -> tuple[float, float]:

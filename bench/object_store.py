@@ -33,7 +33,7 @@ def step_times(workdir: str, steps: int, env: dict[str, str], cwd: str) -> list[
                     f'--config.train.steps={steps}', '--config.train.log_every=1', '--config.train.eval_every=0',
                     '--config.train.eval_batches=1', f'--config.train.checkpoint_every={steps // 8}',
                     f'--config.train.keep_checkpoints={steps}', '--config.train.diagnostics_every=10',
-                    '--config.train.sample_prompt='], env=env, cwd=cwd, check=True, capture_output=True)
+                    '--config.train.sample_tokens=0'], env=env, cwd=cwd, check=True, capture_output=True)
     if workdir.startswith('gs://'):
         text = bucket_fs().cat(workdir[5:] + '/metrics.jsonl').decode()
     else:

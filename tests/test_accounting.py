@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -76,6 +77,8 @@ def test_summary_command_prints_table_and_json():
     expected = accounting.account(_paper_config('svformer', '468m').model, 2048)
     assert record['params'] == expected.params
     assert 'padded to 50304' in out and 'svformer' in out
+    assert '1024 sequences x 2048 tokens = 2,097,152 tokens a step' in out
+    assert re.search(r'step time, estimated \(\d+ cpu device\(s\)\) +[\d.e+]+ s at 40% MFU of', out), out
 
 
 def test_each_variant_changes_the_count_by_its_formula():

@@ -155,7 +155,7 @@ def test_training_logs_the_diagnostics_that_analyze_computes_on_its_checkpoint(s
     from vrl.experiments import analyze
     from vrl.train import checkpoint, loop
     config = tiny_config(small_corpus, attention='resformer', steps=4, checkpoint_every=4, diagnostics_every=2,
-                         diagnostics_sequences=3, sample_prompt='')
+                         diagnostics_sequences=3, sample_tokens=0)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3, value_embed_layers=(1, 3)))
     workdir = tmp_path / 'run'
     result = loop.run(config, str(workdir))

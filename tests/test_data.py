@@ -3,7 +3,6 @@
 import collections
 import dataclasses
 import json
-import logging
 import shutil
 
 import numpy as np
@@ -218,7 +217,7 @@ def test_vocab_too_small_for_tokenizer(small_corpus):
         pipeline.load_tokenizer(dataclasses.replace(cfg, tokenizer=tokenizer.path), 256)
 
 
-def test_bad_inputs_give_clear_errors(tmp_path, caplog):
+def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     with pytest.raises(corpus.DataError, match="dataset 'no_such_data'.*vrl.data prepare"):
         corpus.open_split('no_such_data', str(tmp_path), 'train')
     empty = tmp_path / 'empty'
@@ -232,18 +231,21 @@ def test_bad_inputs_give_clear_errors(tmp_path, caplog):
     jsonl.write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(corpus.DataError, match=r"r.jsonl:2 has no field 'text'.*--text_field"):
         corpus.prepare_from_glob(str(jsonl), 'x', str(tmp_path / 'd'), split_mode='jsonl')
-    with pytest.raises(TokenizerError, match="'/no/such.model' does not exist.*vrl.data.tokenizer train"):
+    with pytest.raises(TokenizerError, match=r"'/no/such.model' \(data.tokenizer\) does not exist.*vrl.data.tokenizer train"):
         Tokenizer.load('/no/such.model')
     with pytest.raises(corpus.DataError, match='invalid: use lower_snake_case'):
         corpus.prepare_from_glob(str(jsonl), 'Bad-Name', str(tmp_path / 'd'), split_mode='jsonl')
-    # empty documents are skipped, counted and logged
+    # empty documents are skipped and counted in the line that says what was prepared, with no TFDS banner
     blanks = tmp_path / 'blanks'
     blanks.mkdir()
     (blanks / 'a.txt').write_text('one\n\n\n\n  \n\ntwo\n\nthree')
-    with caplog.at_level(logging.WARNING):
-        corpus.prepare_from_glob(str(blanks), 'blanks', str(tmp_path / 'd'), split_mode='blank_line',
-                                 validation_fraction=0.0)
-    assert 'skipped 2 empty documents' in caplog.text
+    capsys.readouterr()
+    corpus.prepare_from_glob(str(blanks), 'blanks', str(tmp_path / 'd'), split_mode='blank_line',
+                             validation_fraction=0.0)
+    said = capsys.readouterr().out
+    assert said.splitlines() == [f'preparing dataset blanks in {tmp_path}/d/blanks/1.0.0 from 1 file(s)',
+                                 'prepared dataset blanks: 3 train documents (skipped 2 empty '
+                                 'documents (text file))'], said
     assert len(tfds.data_source('blanks', data_dir=str(tmp_path / 'd'), split='train')) == 3
 
 

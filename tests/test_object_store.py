@@ -53,6 +53,19 @@ def test_the_lookups_are_pinned_to_localhost(gcs):
         assert env[key].startswith('127.0.0.1:')
 
 
+def test_the_emulator_stopped_by_its_pid_leaves_no_server_or_folder():
+    from tests.gcs_emulator import free_port
+    emulator = subprocess.Popen([sys.executable, '-m', 'tests.gcs_emulator', f'--port={free_port()}'], cwd=ROOT,
+                                stdout=subprocess.PIPE, text=True)
+    serving = next(line for line in emulator.stdout if line.startswith('# serving'))  # after the exports
+    root = serving.split(', objects in ', 1)[1].split(';', 1)[0]
+    server = subprocess.run(['pgrep', '-P', str(emulator.pid)], capture_output=True, text=True).stdout.split()
+    assert len(server) == 1 and Path(root).is_dir()
+    emulator.terminate()
+    assert emulator.wait(timeout=30) == 0
+    assert not Path(f'/proc/{server[0]}').exists() and not Path(root).exists() and not Path(f'{root}.log').exists()
+
+
 def test_a_second_writer_is_refused_and_a_stale_lease_taken_over(gcs, bucket_config, tmp_path):
     """A live holder (renewing) refuses a run before it writes anything; a dead one's lease is taken
     over once unchanged for train.lease_stale_seconds (said while waiting), or at once with
@@ -238,7 +251,7 @@ def test_a_bad_store_is_one_line_before_anything_runs(gcs, bucket_config, tmp_pa
     ('data_dir', 'gs://no-such-bucket/tfds', 'cannot read data_dir gs://no-such-bucket/tfds (bucket no-such-bucket does not exist'),
     ('tokenizer', 'gs://no-such-bucket/plays.model', 'cannot read data.tokenizer gs://no-such-bucket/plays.model (bucket '
                                                       'no-such-bucket does not exist'),
-    ('tokenizer', 'gs://vrl/none.model', "tokenizer 'gs://vrl/none.model' does not exist. Train one with"),
+    ('tokenizer', 'gs://vrl/none.model', "tokenizer 'gs://vrl/none.model' (data.tokenizer) does not exist. Train one with"),
 ])
 def test_data_on_a_missing_bucket_is_one_line(gcs, bucket_config, tmp_path, field, value, message):
     """What a run's first data step (process 0's, vrl/core/multihost.py) says; vrl.main prints it as `error: ...`."""

@@ -131,6 +131,17 @@ def test_wsd_schedule_against_a_hand_computed_table():
     assert float(optimizer.learning_rate(cfg, peak=3.0)(90)) == pytest.approx(1.8, rel=1e-6)
 
 
+def test_a_run_shorter_than_its_schedule_is_told_where_its_lr_ends():
+    cfg = OptimizerConfig(peak_lr=1.0, init_lr=0.1, final_lr=0.2, warmup_steps=10, decay_steps=100,
+                          schedule='wsd', decay_fraction=0.2)
+    note = optimizer.schedule_note(cfg, 85)  # 0.8 by the table above
+    assert note == ('train.steps=85 ends before the wsd schedule does (optimizer.decay_steps=100): the last step '
+                    'trains at lr 8.00e-01, not final_lr 0.2; set --config.optimizer.decay_steps=85 to end the '
+                    'schedule with the run')
+    assert optimizer.schedule_note(cfg, 100) == optimizer.schedule_note(cfg, 150) == ''
+    assert optimizer.schedule_note(cfg, 0) == ''  # a conversion trains no step
+
+
 @pytest.mark.parametrize('fields, message', [
     (dict(name='sgd'), "optimizer.name='sgd' is invalid: allowed one of 'adamw', 'muon'"),
     (dict(schedule='wsd', warmup_steps=50, decay_steps=100, decay_fraction=0.6), 'decay starts after warmup'),

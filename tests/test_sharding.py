@@ -9,8 +9,8 @@ import re
 import signal
 import socket
 import subprocess
-import time
 import sys
+import time
 
 import jax
 import numpy as np
@@ -142,6 +142,38 @@ def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp
     reference, _ = train_losses(resumed, jax.devices(), batches)
     for got, want in zip(two_process_losses, reference):
         assert abs(got - want) / want < 1e-5, (two_process_losses, reference)
+
+
+FAIL_ON_PROCESS_0 = '''
+import sys, time
+import jax
+jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+from vrl.core import multihost
+def build():
+    raise OSError(28, 'No space left on device', '/data/shard-3')
+started = time.monotonic()
+try:
+    multihost.on_process_0(build)
+except Exception as e:
+    print(f'{time.monotonic() - started:.1f} {type(e).__name__}: {e}', flush=True)
+'''
+
+
+def test_whatever_fails_on_process_0_reaches_the_other_host_in_one_line():
+    """Not only vrl's own errors: an OSError in what process 0 does alone (a full disk while building)
+    stops the other process at once with its type and message, instead of leaving it waiting."""
+    address = f'127.0.0.1:{_free_port()}'
+    procs = [subprocess.Popen([sys.executable, '-c', FAIL_ON_PROCESS_0, address, str(i)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=''))
+             for i in range(2)]
+    zero, one = [p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in procs]  # after gloo's lines
+    assert zero.split(' ', 1)[1].strip() == "OSError: [Errno 28] No space left on device: '/data/shard-3'", zero
+    seconds, said = one.split(' ', 1)
+    assert said.strip() == ("ProcessZeroError: process 0 stopped: OSError: [Errno 28] No space left on device: "
+                            "'/data/shard-3'"), one
+    assert float(seconds) < 30
 
 
 def test_a_preemption_notice_to_one_host_saves_the_same_step_on_every_host(small_corpus, tmp_path):

@@ -183,7 +183,7 @@ def test_plan_keeps_tokens_per_step_and_scales_the_budget():
         cfg = run.config
         assert cfg.data.batch_size * cfg.data.seq_len == 16 * 128
         assert cfg.optimizer.final_lr == pytest.approx(cfg.optimizer.peak_lr / 10)
-        assert cfg.train.sample_prompt == '' and cfg.train.log_every == 1
+        assert cfg.train.sample_tokens == 0 and cfg.train.log_every == 1
     by_name = {r.name: r.config for r in runs}
     small, large = by_name['vanilla-d64-lr0.001-L64-s0'], by_name['vanilla-d128-lr0.001-L64-s0']
     assert large.train.steps == 400 and large.optimizer.decay_steps == 400

@@ -301,3 +301,17 @@ def test_special_tokens_text_in_a_document_is_ordinary_text(hf_tokenizer, tmp_pa
         assert not special_ids & set(ids) and hf_tokenizer.decode(ids) == text, text
     assert [ids.tolist() for ids in hf_tokenizer.encode_batch(specials)] == [hf_tokenizer.encode(s).tolist()
                                                                               for s in specials]
+
+
+def test_tokenize_with_a_missing_tokenizer_says_the_command_that_makes_one(small_corpus, tmp_path):
+    """The line names the flag and fills in the dataset and data_dir given, and offers no training setting."""
+    import subprocess
+    import sys
+
+    from tests.runs import ROOT
+    cfg, _ = small_corpus
+    out = subprocess.run([sys.executable, '-m', 'vrl.data', 'tokenize', '--name=plays', f'--data_dir={cfg.data_dir}',
+                          f'--tokenizer={tmp_path}/none.json'], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+        f"error: tokenizer '{tmp_path}/none.json' (--tokenizer) does not exist. Train one with `python -m "
+        f"vrl.data.tokenizer train --name=plays --data_dir={cfg.data_dir} --vocab_size=N --out={tmp_path}/none.json`.")

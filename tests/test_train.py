@@ -26,19 +26,25 @@ from vrl.train.step import Trainer
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
 
-def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path):
+def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path, capsys):
     config = tiny_config(small_corpus, steps=40, eval_every=20, sample_prompt='HAMLET.', sample_tokens=8,
                          log_every=10)
     result = loop.run(config, str(tmp_path))
     assert result.step == 40 and not result.preempted
+    said = capsys.readouterr().out
+    assert 'train.steps=40 ends before the cosine schedule does (optimizer.decay_steps=60)' in said
+    assert '\nsample (greedy): HAMLET.' in said
     # at least 1 nat below a uniform guess (ln V); the first steps sit at ln V
     assert result.losses[1] > math.log(512) - 0.1
     assert np.mean([result.losses[s] for s in range(36, 41)]) < math.log(512) - 1.0
     assert result.eval_loss < math.log(512) - 1.0
     # bf16 compute (bf16 matmuls accumulating in float32, float32 parameters) learns like float32
     bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype='bfloat16'),
-                               train=dataclasses.replace(config.train, eval_every=0, sample_prompt=''))
+                               train=dataclasses.replace(config.train, eval_every=0, sample_prompt='', sample_tokens=4))
     bf16_losses = loop.run(bf16, str(tmp_path / 'bf16')).losses
+    _, tokenizer = small_corpus  # no prompt given: the opening words of the run's own validation data
+    opening = pipeline.opening_words(config.data, tokenizer)
+    assert opening and f'\nsample (greedy): {opening}' in capsys.readouterr().out
     final = [np.mean([losses[s] for s in range(36, 41)]) for losses in (result.losses, bf16_losses)]
     assert abs(final[1] - final[0]) < 0.05, final
     records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]

@@ -318,3 +318,18 @@ def test_a_resume_that_reads_another_tokenizer_is_refused_unless_allowed(small_c
     said = capsys.readouterr().out
     assert 'resuming on changed data (data.allow_data_change=true): the tokenizer:' in said
     assert json.loads((workdir / 'config.json').read_text())['data']['tokenizer']['fingerprint'] == other.fingerprint
+
+
+def test_a_run_refused_before_writing_leaves_no_workdir_behind(small_corpus, tmp_path):
+    """A missing tokenizer stops the run after it claimed its new workdir: the folder (with its lock
+    file) goes; a workdir that was there already stays."""
+    from vrl.data.tokenizer import TokenizerError
+    config = tiny_config(small_corpus, steps=2)
+    missing = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=str(tmp_path / 'none.model')))
+    with pytest.raises(TokenizerError, match='does not exist'):
+        loop.run(missing, str(tmp_path / 'new'))
+    assert not (tmp_path / 'new').exists()
+    (tmp_path / 'old').mkdir()
+    with pytest.raises(TokenizerError, match='does not exist'):
+        loop.run(missing, str(tmp_path / 'old'))
+    assert [p.name for p in (tmp_path / 'old').iterdir()] == ['.lock']

@@ -49,6 +49,9 @@ def _define_flags() -> cli.Args:
     }
 
 
+ASSUMED_MFU = 0.4  # --summary's step-time estimate: about what a tuned run reaches (docs/performance.md)
+
+
 def _human(n: float) -> str:
     for unit, scale in (('G', 1e9), ('M', 1e6), ('K', 1e3)):
         if abs(n) >= scale:
@@ -59,6 +62,7 @@ def _human(n: float) -> str:
 def summary_rows(config: Config) -> list[tuple[str, str]]:
     m, acc = config.model, accounting.account(config.model, config.data.seq_len)
     mha = accounting.account(accounting.vanilla_mha(m), config.data.seq_len)
+    tokens = config.data.batch_size * config.data.seq_len
     vocab = (f'{m.vocab_size} (padded to {m.padded_vocab_size})' if m.padded_vocab_size != m.vocab_size
              else str(m.vocab_size))
     return [
@@ -76,11 +80,27 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
         (f'KV cache / token ({resolve.local_compute_dtype(m)})', f'{acc.kv_cache_bytes_per_token:,} B '
          f'({acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token:.3f} of vanilla MHA, '
          f'{mha.kv_cache_bytes_per_token:,} B)'),
+        ('batch', f'{config.data.batch_size} sequences x {config.data.seq_len} tokens = {tokens:,} tokens a step'),
+        ('training', f'{config.train.steps:,} steps = {_human(config.train.steps * tokens)} tokens'),
     ]
 
 
+def step_time_row(config: Config) -> tuple[str, str]:
+    """The train step's time on this machine's devices at ASSUMED_MFU of their peak FLOP/s: an
+    estimate to plan by, not a measurement."""
+    import jax
+
+    from vrl.train import metrics
+    devices = jax.devices()
+    peak = metrics.peak_flops_per_device(config.train.peak_flops, resolve.local_compute_dtype(config.model)) * len(devices)
+    flops = accounting.account(config.model, config.data.seq_len).flops_per_token
+    seconds = flops * config.data.batch_size * config.data.seq_len / (ASSUMED_MFU * peak)
+    return (f'step time, estimated ({len(devices)} {jax.default_backend()} device(s))',
+            f'{seconds:.3g} s at {ASSUMED_MFU:.0%} MFU of {_human(peak)}FLOP/s')
+
+
 def print_summary(config: Config, as_json: bool) -> None:
-    rows = summary_rows(config)
+    rows = summary_rows(config) + [step_time_row(config)]
     width = max(len(k) for k, _ in rows)
     print('\n'.join(f'{k:<{width}}  {v}' for k, v in rows))
     if as_json:

@@ -380,7 +380,9 @@ class TrainConfig:
     # with nan_policy=skip: stop after more non-finite steps than this in a row; a run that skipped more than
     # half of its steps also ends with an error (after saving)
     max_skipped_steps: int = 20
-    sample_prompt: str = 'ROMEO:'  # printed with a greedy continuation at the end; '' = none
+    # at the end, a greedy continuation of sample_prompt ('' = the opening words of the validation split's first
+    # document) of up to sample_tokens tokens (0 = none)
+    sample_prompt: str = ''
     sample_tokens: int = 48
     peak_flops: float = 0.0  # per device, for MFU; 0 = device table, or a matmul probe on CPU
     # a workdir on an object store: a writer's lease not renewed for this long is taken over (vrl/train/workdir.py);

@@ -68,13 +68,13 @@ def main(args: cli.Args, command: str) -> None:
     if command == 'tokenize':
         cli.require(args, 'tokenizer')
         multihost.initialize(args)
-        tokenizer = Tokenizer.load(args['tokenizer'].value)
+        tokenizer = Tokenizer.load(args['tokenizer'].value, '--tokenizer', name, data_dir)
         folder = tokens.tokenize(name, data_dir, tokenizer, args['workers'].value, args['overwrite'].value,
                                  args['text_field'].value)
         print(f'pre-tokenized {name} with {tokenizer.path} into {folder}; training with this dataset and tokenizer '
               'reads it (data.pretokenized=false: tokenize on the fly)')
         return
-    tokenizer = Tokenizer.load(args['tokenizer'].value) if args['tokenizer'].value else None
+    tokenizer = Tokenizer.load(args['tokenizer'].value, '--tokenizer', name, data_dir) if args['tokenizer'].value else None
     for split, row in pipeline.split_stats(name, data_dir, tokenizer).items():
         print(f'{split:<11}' + '  '.join(f'{k} {v:,}' for k, v in row.items()))
 

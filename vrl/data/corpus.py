@@ -163,7 +163,7 @@ class _ZstdFrames(io.RawIOBase):
 
 
 class SkipCounter:
-    """Counts and logs what is skipped; nothing is dropped silently."""
+    """Counts what is skipped, for the line that says what was prepared: nothing is dropped silently."""
 
     def __init__(self):
         self.counts: dict[str, int] = {}
@@ -171,9 +171,8 @@ class SkipCounter:
     def skip(self, reason: str) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
 
-    def report(self) -> None:
-        for reason, n in sorted(self.counts.items()):
-            logging.warning('skipped %d %s', n, reason)
+    def summary(self) -> str:
+        return ', '.join(f'skipped {n:,} {reason}' for reason, n in sorted(self.counts.items()))
 
 
 def read_documents(spec: CorpusSpec, skipped: SkipCounter, desc: str = 'reading') -> Iterator[tuple[str, str, str]]:
@@ -331,15 +330,22 @@ class _TextCorpusBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True
         return tfds.core.DatasetInfo(builder=self, description='Text corpus prepared by vrl.data.corpus.',
                                      features=tfds.features.FeaturesDict({'text': tfds.features.Text()}))
 
+    def _log_download_bytes(self) -> None:  # TFDS's banner speaks of downloads; nothing is downloaded
+        print(f'preparing dataset {self.name} in {self.data_dir} from {len(self.spec.files):,} file(s)', flush=True)
+
+    def _log_download_done(self) -> None:
+        splits = ', '.join(f'{split.num_examples:,} {name}' for name, split in self.info.splits.items())
+        skipped = self.skipped.summary()
+        print(f'prepared dataset {self.name}: {splits} documents' + (f' ({skipped})' if skipped else ''), flush=True)
+
     def _split_generators(self, dl_manager):
-        skipped = SkipCounter()
+        self.skipped = skipped = SkipCounter()
         unit = (lambda file, key: file) if self.spec.holdout_unit == 'file' else (lambda file, key: key)
         units = np.unique(np.fromiter((_hash(unit(file, key)) for file, key, _ in
                                        read_documents(self.spec, skipped, 'scanning')), np.int64))
         if not len(units):
             raise DataError(f'no non-empty documents in {len(self.spec.files)} input file(s): '
                             f'{", ".join(self.spec.files[:3])}{" ..." if len(self.spec.files) > 3 else ""}.')
-        skipped.report()
         cut, n_units = _validation_cut(units, self.spec.validation_fraction), len(units)
         del units  # the held-out documents are told by `cut` alone
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-import logging
+import time
 from typing import Any, Iterator
 
 import grain
@@ -194,6 +194,17 @@ def _separator(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
 def prompt_tokens(cfg: DataConfig, tokenizer: Tokenizer, text: str) -> list[int]:
     """A prompt as the model saw document starts in training: the separator, then the text."""
     return _separator(cfg, tokenizer).tolist() + tokenizer.encode(text).tolist()
+
+
+def opening_words(cfg: DataConfig, tokenizer: Tokenizer, pieces: int = 8) -> str:
+    """The first line of the first `pieces` tokens of the first document of the validation split of
+    data.name (or of the mixture's first dataset), as text: a prompt in the run's own data."""
+    name = cfg.name or cfg.sources()[0][0]
+    source = tokens.find(name, cfg.data_dir, cfg.eval_split, tokenizer, cfg.text_field) if cfg.pretokenized else None
+    if source is None:
+        source = _OnTheFly(corpus.open_split(name, cfg.data_dir, cfg.eval_split), tokenizer, cfg.text_field)
+    words = tokenizer.decode(source.documents(range(1))[0][:pieces].tolist()).strip()
+    return words.split('\n', 1)[0].rstrip()  # its first line
 
 
 def _documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, name: str | None, shuffle: bool,
@@ -389,8 +400,9 @@ def load_tokenizer(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
         if path.exists():
             tokenizer = Tokenizer.load(str(path))
         else:
-            logging.info('training a %d-piece tokenizer on %s (once; cached at %s)', model_vocab_size,
-                         ', '.join(names), path)
+            started = time.monotonic()
+            print(f'training a {model_vocab_size}-piece tokenizer on {", ".join(names)} (at most '
+                  f'{cfg.tokenizer_train_docs:,} documents; once, cached at {path}) ...', flush=True)
             import sentencepiece
             sentencepiece.set_random_generator_seed(cfg.seed)  # the same model on every host
             per_dataset = -(-cfg.tokenizer_train_docs // len(names))  # a mixture's datasets, equally
@@ -398,6 +410,7 @@ def load_tokenizer(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
                 corpus.texts(corpus.open_split(name, cfg.data_dir, cfg.train_split), cfg.text_field,
                              limit=per_dataset) for name in names)
             tokenizer = train_tokenizer(texts, model_vocab_size, str(path))
+            print(f'trained the tokenizer in {time.monotonic() - started:.0f} s', flush=True)
     if tokenizer.vocab_size > model_vocab_size:
         raise TokenizerError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but '
                              f'model.vocab_size={model_vocab_size}: set --config.model.vocab_size='

@@ -46,16 +46,18 @@ class Tokenizer:
         self.path, self.file_bytes = path, file_bytes
 
     @staticmethod
-    def load(path: str) -> 'Tokenizer':
+    def load(path: str, setting: str = 'data.tokenizer', name: str = 'NAME', data_dir: str = 'DIR') -> 'Tokenizer':
         """The tokenizer in file `path`: tokenizer.json-style (`*.json`) or sentencepiece (any other);
         or in folder `path` (a Hugging Face model directory): its tokenizer.json, else its
-        tokenizer.model."""
+        tokenizer.model. A missing one is a TokenizerError naming `setting` (the flag or field that
+        gave `path`) and the command that trains one on dataset `name` in `data_dir`."""
         file = storage.path(path)
-        if not storage.exists(file, 'data.tokenizer'):
+        if not storage.exists(file, setting):
             raise TokenizerError(
-                f'tokenizer {path!r} does not exist. Train one with `python -m vrl.data.tokenizer train '
-                f'--name=NAME --data_dir=DIR --vocab_size=N --out={path}`, or leave data.tokenizer '
-                "empty ('') to train and cache one from the training split on first use.")
+                f'tokenizer {path!r} ({setting}) does not exist. Train one with `python -m vrl.data.tokenizer '
+                f'train --name={name} --data_dir={data_dir} --vocab_size=N --out={path}`'
+                + (", or leave data.tokenizer empty ('') to train and cache one from the training split on first use."
+                   if setting == 'data.tokenizer' else '.'))
         if file.is_dir():
             found = next((file / name for name in ('tokenizer.json', 'tokenizer.model') if (file / name).exists()), None)
             if found is None:

@@ -54,7 +54,7 @@ def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:
         model = presets.apply(variant, base.model)
         for seed in seeds:
             runs.append(Run(variant, seed, dataclasses.replace(
-                base, model=model, train=dataclasses.replace(base.train, seed=seed, log_every=1, sample_prompt=''))))
+                base, model=model, train=dataclasses.replace(base.train, seed=seed, log_every=1, sample_tokens=0))))
     return runs
 
 

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 from etils import epath
+from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
 from vrl.core import storage
 from vrl.core.config import EXECUTION_FIELDS, Config, ModelConfig

@@ -27,7 +27,7 @@ from vrl.core.config import Config
 from vrl.core.errors import VrlError
 from vrl.data import pipeline
 from vrl.model import accounting, decode
-from vrl.train import aot, checkpoint, diagnostics, metrics, tracking
+from vrl.train import aot, checkpoint, diagnostics, metrics, optimizer, tracking
 from vrl.train import workdir as workdir_lib
 from vrl.train.step import RunGroup, Trainer, TrainState
 
@@ -171,7 +171,7 @@ def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, i
     finally:
         preemption.restore()
         for lock in locks:
-            lock.release()
+            workdir_lib.let_go(lock)
 
 
 def _initial_params(init_from: str, trainer: Trainer, config: Config) -> tuple[Any, str]:
@@ -375,6 +375,9 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
             m.writer.print(f'data {name}: {d["train_tokens"]:,} train tokens ({d["train_tokens_are"]}'
                            f'{", pre-tokenized" if d["pretokenized"] else ", tokenized on the fly"}): an epoch '
                            f'every {1 / epoch_rates[name]:,.0f} steps')
+        m.writer.print(f'tokenizer {tokenizer.path} ({tokenizer.vocab_size:,} pieces); writing to {m.path}')
+        if note := optimizer.schedule_note(opt, config.train.steps):
+            m.writer.print(note)
         if start_step >= config.train.steps and (config.train.steps or how == 'resumed'):
             m.writer.print(f'nothing to train: the checkpoint is at step {start_step} = train.steps')
     resumed = starts[0][1] == 'resumed'
@@ -493,12 +496,13 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
             raise TrainingError(f'{m.label}{m.skipped} of the {step - start_step} steps this run took were '
                                 'non-finite and skipped (train.nan_policy=skip): the run is not learning; lower '
                                 f'the LR. The checkpoint of step {step} holds the weights of the last finite step.')
-    if config.train.sample_prompt and config.train.sample_tokens and step > start_step:
-        prompt = pipeline.prompt_tokens(config.data, tokenizer, config.train.sample_prompt)
+    if config.train.sample_tokens and step > start_step:
+        text = config.train.sample_prompt or pipeline.opening_words(config.data, tokenizer)
+        prompt = pipeline.prompt_tokens(config.data, tokenizer, text)
         sampling = decode.Sampling(max_new_tokens=min(config.train.sample_tokens, config.data.seq_len - len(prompt)))
         for i, m in enumerate(members):
             generator = decode.Generator(config.model, trainer.graphdef, group.member(state.params, i),
                                          config.data.seq_len, tokenizer.eos_id, mesh)
             completion = generator.generate([prompt], sampling).tokens[0]
-            m.writer.print(f'sample (greedy): {config.train.sample_prompt}{tokenizer.decode(completion)}')
+            m.writer.print(f'sample (greedy): {text}{tokenizer.decode(completion)}')
     return results(preempted=False)

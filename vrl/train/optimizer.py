@@ -115,6 +115,16 @@ def learning_rate(cfg: OptimizerConfig, peak: float | None = None) -> optax.Sche
     return optax.join_schedules([warmup, stable, decay], boundaries=[cfg.warmup_steps, cfg.decay_start])
 
 
+def schedule_note(cfg: OptimizerConfig, steps: int) -> str:
+    """A line for the start of a run whose train.steps stops before the schedule's end ('' if it
+    does not): where its LR will be, and how to make the schedule end with the run."""
+    if not 0 < steps < cfg.decay_steps:
+        return ''
+    return (f'train.steps={steps} ends before the {cfg.schedule} schedule does (optimizer.decay_steps='
+            f'{cfg.decay_steps}): the last step trains at lr {float(learning_rate(cfg)(steps)):.2e}, not final_lr '
+            f'{cfg.final_lr:g}; set --config.optimizer.decay_steps={steps} to end the schedule with the run')
+
+
 def _scale_each(factor: Callable[[tuple[str, ...], jax.Array], float]) -> optax.GradientTransformation:
     """Multiplies each update by factor(its key path, it) (stateless)."""
     def scale(updates, state, params=None):

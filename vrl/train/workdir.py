@@ -59,6 +59,7 @@ class Lock:
         self.path = workdir / '.lock'
         self.holder_kind = holder_kind  # what holds it, for the refusal: 'run', 'comparison', 'study'
         self.lost = ''  # a flock is never lost while its holder lives
+        self.created = False  # whether `claim` made the workdir
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -115,6 +116,7 @@ class Lease:
         self.token = uuid.uuid4().hex
         self.holder = _holder()
         self.lost = ''  # why this run no longer holds the lease, once it does not
+        self.created = False  # whether `claim` made the workdir
         self._generation = 0  # of the lease object as this run last wrote it
         self._renewed_at = 0.0  # monotonic time at which the last successful renewal was sent
         self._lock = threading.Lock()  # one conditional write at a time
@@ -246,9 +248,21 @@ def claim(guard: Lock | Lease) -> None:
     """Creates the guard's workdir and proves it writable (StorageError in one line naming the path
     and what to do, before anything is compiled or written), then takes the guard; a stale lease taken
     over is said on stdout."""
+    guard.created = not guard.path.parent.exists()
     storage.check_writable(guard.path.parent, '--workdir')
     if taken_over := guard.acquire():
         print(taken_over, flush=True)
+
+
+def let_go(guard: Lock | Lease) -> None:
+    """Releases the guard; a workdir that `claim` created and that holds nothing else is removed (a
+    run refused before it wrote anything leaves no trace)."""
+    guard.release()
+    workdir = guard.path.parent
+    if guard.created and set(storage.files(workdir)) <= {guard.path.name}:
+        storage.delete(guard.path)
+        if not storage.is_remote(workdir):
+            workdir.rmdir()
 
 
 def hold(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0,
