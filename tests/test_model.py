@@ -224,3 +224,33 @@ def test_hand_vjp_auto_resolves_per_platform():
         assert (hot.swiglu is ops.swiglu) == ('swiglu' in names)
         assert (hot.attention is ops.attention) == ('attention' in names)
         assert (hot.cross_entropy_sums is ops.cross_entropy_sums) == ('cross_entropy' in names)
+
+
+@pytest.mark.parametrize('variant', cases({name: NAMED_VARIANTS[name] for name in (*FAST_TIER, 'resformer-per_token')},
+                                          FAST_TIER))
+def test_a_packed_row_with_document_masking_equals_each_document_alone(variant):
+    """Three documents packed into one row as the pipeline packs them with data.document_masking
+    (segment ids, positions restarting at each document): their logits and their loss equal those of
+    each document run alone from position 0, RoPE included."""
+    model = Decoder(small_model_config(**variant), rngs=nnx.Rngs(0))
+    randomize(model, 5)
+    lengths = (5, 7, 4)
+    documents = [random_tokens(20 + i, B=1, L=n) for i, n in enumerate(lengths)]
+    packed = jnp.concatenate(documents, axis=1)
+    segment_ids = jnp.concatenate([jnp.full((1, n), i + 1) for i, n in enumerate(lengths)], axis=1)
+    positions = jnp.concatenate([jnp.arange(n)[None] for n in lengths], axis=1)
+    vocab = model.cfg.vocab_size  # the padded entries' -1e30 would hide any difference
+    alone = jnp.concatenate([model(d)[..., :vocab] for d in documents], axis=1)
+    assert rel_err(model(packed, positions, segment_ids)[..., :vocab], alone) < 1e-5
+    assert rel_err(model(packed)[..., :vocab], alone) > 1e-2  # unmasked, the later documents see the earlier ones
+
+    graphdef, params = nnx.split(model, nnx.Param)
+    targets = jnp.concatenate([jnp.roll(d, -1, axis=1) for d in documents], axis=1)  # the next token of its document
+    last = jnp.cumsum(jnp.array(lengths)) - 1
+    loss_mask = jnp.ones_like(packed).at[0, last].set(0)
+    packed_sum, _ = step.loss_sums(graphdef, params, {'inputs': packed, 'targets': targets, 'loss_mask': loss_mask,
+                                                      'positions': positions, 'segment_ids': segment_ids}, 0.0)
+    alone_sum = sum(step.loss_sums(graphdef, params, {'inputs': d, 'targets': jnp.roll(d, -1, axis=1),
+                                                      'loss_mask': jnp.ones_like(d).at[0, -1].set(0)}, 0.0)[0]
+                    for d in documents)
+    assert rel_err(packed_sum, alone_sum) < 1e-5

@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
@@ -224,3 +225,64 @@ def test_muon_resumes_exactly_refuses_adamw_and_branches_from_the_stable_phase(s
     # update on, the longer run stays at the peak while the straight one decays
     assert branched.losses[7] == straight.losses[7] and branched.losses[8] == straight.losses[8]
     assert branched.losses[9] != straight.losses[9]
+
+
+def _adamw_reference(params: dict, grads: list[dict], cfg: OptimizerConfig, ratios: dict[str, float],
+                     decayed: set[str]) -> dict:
+    """The paper's AdamW recipe in float64 NumPy, written from its definition: gradients clipped to
+    a global norm of cfg.grad_clip, Adam moments with bias correction, decoupled weight decay on the
+    `decayed` leaves only, all times the LR of the step (linear warmup from init_lr, then a cosine
+    to final_lr at decay_steps) and the leaf's ratio."""
+    def lr(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return cfg.init_lr + (cfg.peak_lr - cfg.init_lr) * step / cfg.warmup_steps
+        progress = min(step - cfg.warmup_steps, cfg.decay_steps - cfg.warmup_steps) / (cfg.decay_steps - cfg.warmup_steps)
+        return cfg.final_lr + (cfg.peak_lr - cfg.final_lr) * 0.5 * (1 + np.cos(np.pi * progress))
+
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    mu = {k: np.zeros_like(v) for k, v in p.items()}
+    nu = {k: np.zeros_like(v) for k, v in p.items()}
+    for t, g in enumerate(grads, start=1):
+        g = {k: np.asarray(v, np.float64) for k, v in g.items()}
+        norm = np.sqrt(sum((v ** 2).sum() for v in g.values()))
+        g = {k: v * min(1.0, cfg.grad_clip / norm) for k, v in g.items()}
+        for k in p:
+            mu[k] = cfg.b1 * mu[k] + (1 - cfg.b1) * g[k]
+            nu[k] = cfg.b2 * nu[k] + (1 - cfg.b2) * g[k] ** 2
+            update = (mu[k] / (1 - cfg.b1 ** t)) / (np.sqrt(nu[k] / (1 - cfg.b2 ** t)) + cfg.eps)
+            if k in decayed:
+                update = update + cfg.weight_decay * p[k]
+            p[k] = p[k] - lr(t - 1) * ratios[k] * update
+    return p
+
+
+def test_adamw_with_its_mask_clipping_and_schedule_equals_a_float64_reference():
+    """Six steps through warmup into the cosine, one of them clipped: AdamW's betas, eps, decoupled
+    decay (not on norm weights or lambdas) and each group's LR ratio, against _adamw_reference."""
+    cfg = OptimizerConfig(peak_lr=0.05, init_lr=0.001, final_lr=0.005, warmup_steps=3, decay_steps=8, b1=0.8,
+                          b2=0.9, eps=1e-6, weight_decay=0.3, grad_clip=1.0, embed_lr_ratio=2.0, head_lr_ratio=0.5,
+                          scalar_lr_ratio=3.0)
+    rng = np.random.default_rng(7)
+    shapes = {'wq': (4, 3), 'embed': (5, 4), 'head': (4, 5), 'scale': (4,), 'lambdas': (2,), 'gate': (3,)}
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    grads = [{k: (rng.normal(size=s) * (5.0 if t == 2 else 0.1)).astype(np.float32) for k, s in shapes.items()}
+             for t in range(6)]  # step 3's global norm is far above grad_clip
+    assert np.sqrt(sum((g ** 2).sum() for g in grads[2].values())) > 10 * cfg.grad_clip
+    tx = optimizer.make(cfg, {})
+    state, got = tx.init(params), {k: jnp.asarray(v) for k, v in params.items()}
+    for g in grads:
+        updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, got)
+        got = optax.apply_updates(got, updates)
+    ratios = {'wq': 1.0, 'embed': 2.0, 'head': 0.5, 'scale': 3.0, 'lambdas': 3.0, 'gate': 3.0}
+    want = _adamw_reference(params, grads, cfg, ratios, decayed={'wq', 'embed', 'head', 'gate'})
+    for k in shapes:
+        err = np.abs(np.asarray(got[k], np.float64) - want[k]).max() / np.abs(want[k] - params[k]).max()
+        assert err < 1e-4, (k, err)
+
+
+def test_cosine_schedule_against_a_hand_computed_table():
+    cfg = OptimizerConfig(peak_lr=1.0, init_lr=0.1, final_lr=0.2, warmup_steps=10, decay_steps=110)
+    lr = optimizer.learning_rate(cfg)
+    table = {0: 0.1, 5: 0.55, 10: 1.0, 35: 0.2 + 0.8 * (1 + np.cos(np.pi / 4)) / 2, 60: 0.6, 110: 0.2, 200: 0.2}
+    for step, want in table.items():
+        assert float(lr(step)) == pytest.approx(want, rel=1e-6), step

@@ -1,5 +1,6 @@
 """Training end to end on the real corpus: loss falls, resume is exact, preemption and kills are safe."""
 
+import collections
 import dataclasses
 import json
 import math
@@ -26,36 +27,51 @@ from vrl.train.step import Trainer
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
 
+def _unigram_entropy(small_corpus) -> float:
+    """Nats per token of the training split's token frequencies: what a model that ignores context
+    reaches at best."""
+    cfg, tokenizer = small_corpus
+    counts = collections.Counter()
+    for text in corpus.texts(corpus.open_split('plays', cfg.data_dir, 'train')):
+        counts.update(tokenizer.encode(text).tolist())
+    frequencies = np.array(list(counts.values()), np.float64) / sum(counts.values())
+    return float(-(frequencies * np.log(frequencies)).sum())
+
+
 def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path, capsys):
-    config = tiny_config(small_corpus, steps=40, eval_every=20, sample_prompt='HAMLET.', sample_tokens=8,
-                         log_every=10)
+    config = tiny_config(small_corpus, steps=200, eval_every=100, sample_prompt='HAMLET.', sample_tokens=8,
+                         log_every=50)
     result = loop.run(config, str(tmp_path))
-    assert result.step == 40 and not result.preempted
-    said = capsys.readouterr().out
-    assert 'train.steps=40 ends before the cosine schedule does (optimizer.decay_steps=60)' in said
-    assert '\nsample (greedy): HAMLET.' in said
-    # at least 1 nat below a uniform guess (ln V); the first steps sit at ln V
+    assert result.step == 200 and not result.preempted
+    assert '\nsample (greedy): HAMLET.' in capsys.readouterr().out
+    # it learns from context: well below the corpus's unigram entropy (5.1 nats; ln V = 6.2), which
+    # a model that ignores context cannot pass
+    entropy = _unigram_entropy(small_corpus)
     assert result.losses[1] > math.log(512) - 0.1
-    assert np.mean([result.losses[s] for s in range(36, 41)]) < math.log(512) - 1.0
-    assert result.eval_loss < math.log(512) - 1.0
-    # bf16 compute (bf16 matmuls accumulating in float32, float32 parameters) learns like float32
+    assert np.mean([result.losses[s] for s in range(191, 201)]) < entropy - 0.2
+    assert result.eval_loss < entropy - 0.25, (result.eval_loss, entropy)
+    # bf16 compute (bf16 matmuls accumulating in float32, float32 parameters) learns like float32 (the
+    # schedule does not depend on train.steps, so its first 40 steps are those of the run above)
     bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype='bfloat16'),
-                               train=dataclasses.replace(config.train, eval_every=0, sample_prompt='', sample_tokens=4))
+                               train=dataclasses.replace(config.train, steps=40, eval_every=0, sample_prompt='',
+                                                         sample_tokens=4))
     bf16_losses = loop.run(bf16, str(tmp_path / 'bf16')).losses
-    _, tokenizer = small_corpus  # no prompt given: the opening words of the run's own validation data
-    opening = pipeline.opening_words(config.data, tokenizer)
-    assert opening and f'\nsample (greedy): {opening}' in capsys.readouterr().out
     final = [np.mean([losses[s] for s in range(36, 41)]) for losses in (result.losses, bf16_losses)]
     assert abs(final[1] - final[0]) < 0.05, final
+    said = capsys.readouterr().out
+    assert 'train.steps=40 ends before the cosine schedule does (optimizer.decay_steps=60)' in said
+    _, tokenizer = small_corpus  # no prompt given: the opening words of the run's own validation data
+    opening = pipeline.opening_words(config.data, tokenizer)
+    assert opening and f'\nsample (greedy): {opening}' in said
     records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
     train_records = [r for r in records if 'loss' in r]
-    assert [r['step'] for r in train_records] == [10, 20, 30, 40]
+    assert [r['step'] for r in train_records] == [50, 100, 150, 200]
     for key in ('step', 'loss', 'lr', 'grad_norm', 'tokens_per_sec', 'step_time', 'mfu'):
         assert all(key in r for r in train_records), key
-    assert [r['step'] for r in records if 'eval_loss' in r] == [20, 40]
+    assert [r['step'] for r in records if 'eval_loss' in r] == [100, 200]
     assert json.loads((tmp_path / 'config.json').read_text())['params'] > 0
     assert list((tmp_path / 'tensorboard').iterdir())
-    assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir() if p.name.isdigit())[-1] == 40
+    assert sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir() if p.name.isdigit())[-1] == 200
 
     # the generate command on this run, and its errors
     def generate(workdir, *prompts, flags=('--max_new_tokens=5',)):
