@@ -110,3 +110,16 @@ def test_the_checks_catch_an_upward_import_and_a_circle():
 def test_each_wing_says_in_three_lines_what_it_owns_and_may_import(wing):
     doc = ast.get_docstring(modules()[f'vrl.{wing}'])
     assert doc and len(doc.splitlines()) <= 3 and 'import' in doc.lower(), doc
+
+
+SUBJECTS_KEPT_SINCE = '3dbc217'  # the commit after which every subject keeps docs/contributing.md's rule
+
+
+def test_commit_subjects_fit_in_72_characters():
+    """`git log --oneline` reads: each commit since the rule began says what changed in one short line."""
+    import subprocess
+    known = subprocess.run(['git', 'cat-file', '-e', f'{SUBJECTS_KEPT_SINCE}^{{commit}}'], cwd=ROOT,
+                           capture_output=True).returncode == 0
+    subjects = subprocess.run(['git', 'log', '--format=%s', f'{SUBJECTS_KEPT_SINCE}..HEAD' if known else 'HEAD'],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert subjects and not [s for s in subjects if len(s) > 72], [s for s in subjects if len(s) > 72]
