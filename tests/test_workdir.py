@@ -91,7 +91,7 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(small_corpus, tm
     capsys.readouterr()
     resumed = loop.run(config, str(workdir))
     said = capsys.readouterr().out
-    damaged_lines = [line for line in said.splitlines() if 'damaged' in line]
+    damaged_lines = [line for line in said.splitlines() if ' is damaged: ' in line]
     assert len(damaged_lines) == 3  # one line each, no traceback
     for step, (_, reason) in damages.items():
         assert any(f'checkpoint step {step} is damaged: ' in line and reason in line for line in damaged_lines)

@@ -248,10 +248,13 @@ def claim(guard: Lock | Lease) -> None:
     """Creates the guard's workdir and proves it writable (StorageError in one line naming the path
     and what to do, before anything is compiled or written), then takes the guard; a stale lease taken
     over is said on stdout."""
-    guard.created = not guard.path.parent.exists()
-    storage.check_writable(guard.path.parent, '--workdir')
+    workdir = guard.path.parent
+    existed = storage.is_remote(workdir) or workdir.exists()  # a bucket has no folders: empty is new
+    storage.check_writable(workdir, '--workdir')
+    created = not existed or (storage.is_remote(workdir) and not storage.files(workdir))
     if taken_over := guard.acquire():
         print(taken_over, flush=True)
+    guard.created = created
 
 
 def let_go(guard: Lock | Lease) -> None:
@@ -263,6 +266,7 @@ def let_go(guard: Lock | Lease) -> None:
         storage.delete(guard.path)
         if not storage.is_remote(workdir):
             workdir.rmdir()
+        guard.created = False
 
 
 def hold(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0,
