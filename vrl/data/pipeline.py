@@ -196,13 +196,19 @@ def prompt_tokens(cfg: DataConfig, tokenizer: Tokenizer, text: str) -> list[int]
     return _separator(cfg, tokenizer).tolist() + tokenizer.encode(text).tolist()
 
 
+def _source(cfg: DataConfig, tokenizer: Tokenizer, name: str, split: str) -> tokens.TokenSource | _OnTheFly:
+    """A split's documents as ids: its pre-tokenized copy for this tokenizer when it has one
+    (data.pretokenized), else its text tokenized as it is read."""
+    found = tokens.find(name, cfg.data_dir, split, tokenizer, cfg.text_field) if cfg.pretokenized else None
+    if found is not None:
+        return found
+    return _OnTheFly(corpus.open_split(name, cfg.data_dir, split), tokenizer, cfg.text_field)
+
+
 def opening_words(cfg: DataConfig, tokenizer: Tokenizer, pieces: int = 8) -> str:
     """The first line of the first `pieces` tokens of the first document of the validation split of
     data.name (or of the mixture's first dataset), as text: a prompt in the run's own data."""
-    name = cfg.name or cfg.sources()[0][0]
-    source = tokens.find(name, cfg.data_dir, cfg.eval_split, tokenizer, cfg.text_field) if cfg.pretokenized else None
-    if source is None:
-        source = _OnTheFly(corpus.open_split(name, cfg.data_dir, cfg.eval_split), tokenizer, cfg.text_field)
+    source = _source(cfg, tokenizer, cfg.name or cfg.sources()[0][0], cfg.eval_split)
     words = tokenizer.decode(source.documents(range(1))[0][:pieces].tolist()).strip()
     return words.split('\n', 1)[0].rstrip()  # its first line
 
@@ -218,9 +224,7 @@ def _documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, name: str | No
     sources = [(name, 1.0)] if name else cfg.sources()
     members, block_weights, layout = [], [], []
     for i, (member, weight) in enumerate(sources):
-        source = tokens.find(member, cfg.data_dir, split, tokenizer, cfg.text_field) if cfg.pretokenized else None
-        if source is None:
-            source = _OnTheFly(corpus.open_split(member, cfg.data_dir, split), tokenizer, cfg.text_field)
+        source = _source(cfg, tokenizer, member, split)
         blocks = _Blocks(source, corpus.split_info(member, cfg.data_dir, split), cfg.seq_len)
         ds = grain.MapDataset.source(blocks)
         members.append((ds.shuffle(seed=cfg.seed + i) if shuffle else ds).repeat(num_epochs))
@@ -267,13 +271,13 @@ def provenance(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     and the tokens of its train split: counted when pre-tokenized, else estimated)."""
     datasets = {}
     for name, weight in cfg.sources():
-        source = tokens.find(name, cfg.data_dir, cfg.train_split, tokenizer, cfg.text_field) if cfg.pretokenized else None
-        count = (source or _OnTheFly(corpus.open_split(name, cfg.data_dir, cfg.train_split), tokenizer,
-                                     cfg.text_field)).token_count()
+        source = _source(cfg, tokenizer, name, cfg.train_split)
+        pretokenized = isinstance(source, tokens.TokenSource)
+        count = source.token_count()
         datasets[name] = {'version': corpus.dataset_path(name, cfg.data_dir).name,
                           'fingerprint': corpus.fingerprint(name, cfg.data_dir), 'weight': weight,
-                          'pretokenized': source is not None, 'train_tokens': round(count),
-                          'train_tokens_are': 'counted' if source is not None else 'estimated from 1,000 documents'}
+                          'pretokenized': pretokenized, 'train_tokens': round(count),
+                          'train_tokens_are': 'counted' if pretokenized else 'estimated from 1,000 documents'}
     return {'tokenizer': {'path': tokenizer.path, 'fingerprint': tokenizer.fingerprint,
                           'vocab_size': tokenizer.vocab_size, 'eos_id': tokenizer.eos_id, 'bos_id': tokenizer.bos_id,
                           'pad_id': tokenizer.pad_id},

@@ -260,7 +260,7 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     labels = [f'[{path.name}] ' if group.members > 1 else '' for path in paths]
     member_configs = [dataclasses.replace(config, train=dataclasses.replace(config.train, seed=c.train.seed))
                       for c in configs]
-    multihost.on_process_0(lambda: [guard.confirm() for guard in guards])  # the compile may have taken long
+    _confirm(guards)  # the compile may have taken long
     if fresh and is_writer:
         for path, label, member_config in zip(paths, labels, member_configs):
             say(label + workdir_lib.start_over(path, member_config, checkpoint.latest_step(path)))
@@ -312,6 +312,11 @@ def _start(trainer: Trainer, m: _Member, data_iterator: Any, init_from: str | No
     return trainer.init_state(config.train.seed)._replace(params=params), 'started'
 
 
+def _confirm(guards: list[workdir_lib.Lock | workdir_lib.Lease]) -> None:
+    """Every process stops (LeaseLostError, one line) unless process 0 surely still holds each workdir."""
+    multihost.on_process_0(lambda: [guard.confirm() for guard in guards])
+
+
 def _check_reads(m: _Member, reads: dict[str, Any], allowed: bool) -> None:
     """A resume reads what the run read before, or says what changed: refused (TrainingError) unless
     data.allow_data_change, and then logged."""
@@ -349,8 +354,7 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
     opt = config.optimizer
     together = f', trained with {group.members - 1} other seed(s) in one step' if group.members > 1 else ''
     def confirm_leases() -> None:
-        """Every process stops (LeaseLostError, one line) unless process 0 surely still holds each workdir."""
-        multihost.on_process_0(lambda: [m.guard.confirm() for m in members])
+        _confirm([m.guard for m in members])
 
     confirm_leases()
     reads = {'data': pipeline.provenance(config.data, tokenizer)}
