@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from tests.gcs_emulator import serving  # noqa: E402
 from vrl.core import storage  # noqa: E402
 from vrl.core.config import DataConfig  # noqa: E402
-from vrl.data import pipeline, tokens  # noqa: E402
+from vrl.data import pipeline, shards, tokens  # noqa: E402
 from vrl.data.tokenizer import Tokenizer, train  # noqa: E402
 
 VOCAB = 32_768
@@ -57,7 +57,7 @@ def write_dataset(data_dir: Path, tokenizer: Tokenizer, total_tokens: int, seed:
         np.save(folder / f'{name}.offsets.npy', np.concatenate([[0], np.cumsum(shard_lengths)]).astype(np.int64))
     splits = {'train': {'shards': names, 'documents': len(lengths), 'shard_documents': np.diff(bounds).tolist(),
                         'tokens': int(lengths.sum())}}
-    (folder / tokens.MARKER).write_text(json.dumps({'format': tokens.FORMAT, 'dataset': 'pages',
+    (folder / tokens.MARKER).write_text(json.dumps({'format': shards.FORMAT, 'dataset': 'pages',
                                                    'fingerprint': tokenizer.fingerprint, 'dtype': '<u2',
                                                    'splits': splits}))
     # what TFDS records of the text: ~4 bytes a token

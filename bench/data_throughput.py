@@ -23,11 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vrl.core.config import DataConfig  # noqa: E402
-from vrl.data import corpus, pipeline, tokens  # noqa: E402
+from vrl.data import build, corpus, pipeline, sources, tokens  # noqa: E402
 from vrl.data.tokenizer import train as train_tokenizer  # noqa: E402
 
 
-def pages(folder: Path, chars: int = 4000) -> corpus.CorpusSpec:
+def pages(folder: Path, chars: int = 4000) -> sources.CorpusSpec:
     """The plays as JSON lines of ~`chars`-character documents, cut at blank lines."""
     lines = []
     for file in corpus.shakespeare_spec().files:
@@ -38,7 +38,7 @@ def pages(folder: Path, chars: int = 4000) -> corpus.CorpusSpec:
                 lines.append(json.dumps({'text': page}))
                 page = ''
     (folder / 'pages.jsonl').write_text('\n'.join(lines) + '\n')
-    return corpus.CorpusSpec(files=(str(folder / 'pages.jsonl'),), validation_fraction=0.02)
+    return sources.CorpusSpec(files=(str(folder / 'pages.jsonl'),), validation_fraction=0.02)
 
 
 def tokens_per_second(cfg: DataConfig, tokenizer, batches: int) -> float:
@@ -60,8 +60,8 @@ def main() -> None:
     parser.add_argument('--vocab_size', type=int, default=1024)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        corpus.prepare(corpus.shakespeare_spec(), 'speeches', folder)
-        corpus.prepare(pages(Path(folder)), 'pages', folder)
+        build.prepare(corpus.shakespeare_spec(), 'speeches', folder)
+        build.prepare(pages(Path(folder)), 'pages', folder)
         texts = list(corpus.texts(corpus.open_split('pages', folder, 'train')))
         kinds = {'sentencepiece': train_tokenizer(texts, args.vocab_size, f'{folder}/sp.model'),
                  'tokenizers': train_tokenizer(texts, args.vocab_size, f'{folder}/tokenizer.json')}

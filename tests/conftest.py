@@ -67,10 +67,10 @@ def small_corpus(plays_dir, tmp_path_factory):
     """(DataConfig, Tokenizer) over the four plays, one document per speech: a real TFDS build
     and a real 512-piece sentencepiece model, in a temp dir."""
     from vrl.core.config import DataConfig
-    from vrl.data import corpus
+    from vrl.data import build, corpus
     from vrl.data.tokenizer import train as train_tokenizer
     data_dir = str(tmp_path_factory.mktemp('tfds'))
-    corpus.prepare_from_glob(str(plays_dir), 'plays', data_dir, split_mode='blank_line', validation_fraction=0.1)
+    build.prepare_from_glob(str(plays_dir), 'plays', data_dir, split_mode='blank_line', validation_fraction=0.1)
     source = corpus.open_split('plays', data_dir, 'train')
     tokenizer = train_tokenizer(corpus.texts(source), 512, str(Path(data_dir) / 'plays.model'))
     cfg = DataConfig(name='plays', data_dir=data_dir, tokenizer=tokenizer.path, seq_len=64, batch_size=8,

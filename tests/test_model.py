@@ -10,8 +10,17 @@ import pytest
 from flax import nnx
 
 from tests import numpy_reference
-from tests.helpers import (FAST_TIER, NAMED_VARIANTS, cases, copy_params, random_tokens, randomize, rel_err,
-                           small_model_config, variant_params)
+from tests.helpers import (
+    FAST_TIER,
+    NAMED_VARIANTS,
+    cases,
+    copy_params,
+    random_tokens,
+    randomize,
+    rel_err,
+    small_model_config,
+    variant_params,
+)
 from vrl.core.config import ConfigError
 from vrl.model import attention, ops
 from vrl.model.decoder import Decoder
@@ -239,18 +248,22 @@ def test_a_packed_row_with_document_masking_equals_each_document_alone(variant):
     packed = jnp.concatenate(documents, axis=1)
     segment_ids = jnp.concatenate([jnp.full((1, n), i + 1) for i, n in enumerate(lengths)], axis=1)
     positions = jnp.concatenate([jnp.arange(n)[None] for n in lengths], axis=1)
+    # each document alone, padded at its end to the row's length: causal, so its own positions are untouched
+    padded = [jnp.pad(d, ((0, 0), (0, packed.shape[1] - d.shape[1])), constant_values=1) for d in documents]
+    forward = nnx.jit(lambda m, tokens, positions=None, segment_ids=None: m(tokens, positions, segment_ids))
     vocab = model.cfg.vocab_size  # the padded entries' -1e30 would hide any difference
-    alone = jnp.concatenate([model(d)[..., :vocab] for d in documents], axis=1)
-    assert rel_err(model(packed, positions, segment_ids)[..., :vocab], alone) < 1e-5
-    assert rel_err(model(packed)[..., :vocab], alone) > 1e-2  # unmasked, the later documents see the earlier ones
+    alone = jnp.concatenate([forward(model, p)[:, :n, :vocab] for p, n in zip(padded, lengths)], axis=1)
+    assert rel_err(forward(model, packed, positions, segment_ids)[..., :vocab], alone) < 1e-5
+    assert rel_err(forward(model, packed)[..., :vocab], alone) > 1e-2  # unmasked, the later documents see the earlier ones
 
     graphdef, params = nnx.split(model, nnx.Param)
+    loss_sums = jax.jit(step.loss_sums, static_argnums=(0, 3))
     targets = jnp.concatenate([jnp.roll(d, -1, axis=1) for d in documents], axis=1)  # the next token of its document
     last = jnp.cumsum(jnp.array(lengths)) - 1
     loss_mask = jnp.ones_like(packed).at[0, last].set(0)
-    packed_sum, _ = step.loss_sums(graphdef, params, {'inputs': packed, 'targets': targets, 'loss_mask': loss_mask,
-                                                      'positions': positions, 'segment_ids': segment_ids}, 0.0)
-    alone_sum = sum(step.loss_sums(graphdef, params, {'inputs': d, 'targets': jnp.roll(d, -1, axis=1),
-                                                      'loss_mask': jnp.ones_like(d).at[0, -1].set(0)}, 0.0)[0]
-                    for d in documents)
+    packed_sum, _ = loss_sums(graphdef, params, {'inputs': packed, 'targets': targets, 'loss_mask': loss_mask,
+                                                 'positions': positions, 'segment_ids': segment_ids}, 0.0)
+    alone_sum = sum(loss_sums(graphdef, params, {'inputs': p, 'targets': jnp.roll(p, -1, axis=1),
+                                                 'loss_mask': (jnp.arange(p.shape[1]) < n - 1)[None].astype(p.dtype)},
+                              0.0)[0] for p, n in zip(padded, lengths))
     assert rel_err(packed_sum, alone_sum) < 1e-5

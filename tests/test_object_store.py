@@ -27,9 +27,9 @@ def bucket_config(gcs, plays_dir, small_corpus):
     """tiny_config with its dataset built into gs://vrl/tfds and its tokenizer at gs://vrl/plays.model."""
     from etils import epath
 
-    from vrl.data import corpus
+    from vrl.data import build
     _, tokenizer = small_corpus
-    built = corpus.prepare_from_glob(str(plays_dir), 'plays', 'gs://vrl/tfds', split_mode='blank_line',
+    built = build.prepare_from_glob(str(plays_dir), 'plays', 'gs://vrl/tfds', split_mode='blank_line',
                                      validation_fraction=0.1)
     assert built.startswith('gs://vrl/tfds/plays/') and bucket_fs().exists(built.removeprefix('gs://') + '/dataset_info.json')
     epath.Path('gs://vrl/plays.model').write_bytes(Path(tokenizer.path).read_bytes())
@@ -280,6 +280,11 @@ def test_storage_on_the_bucket_creates_once_moves_folders_and_lists(gcs):
     assert not (root / 'run').exists()
     local = storage.path('relative/folder')
     assert not storage.is_remote(local) and str(local) == os.path.abspath('relative/folder')
+    # a scratch copy follows the object's version, not its size: replaced by as many other bytes, it is read anew
+    storage.write_bytes(root / 'model/weights', b'a' * 100)
+    assert (storage.local_copy(root / 'model') / 'weights').read_bytes() == b'a' * 100
+    storage.write_bytes(root / 'model/weights', b'b' * 100)
+    assert (storage.local_copy(root / 'model') / 'weights').read_bytes() == b'b' * 100
 
 
 def test_compressed_records_in_the_bucket_are_prepared_and_pretokenized_there(gcs):
@@ -287,13 +292,13 @@ def test_compressed_records_in_the_bucket_are_prepared_and_pretokenized_there(gc
     into the bucket, the dataset pre-tokenized there (tokens.json last) and found by the pipeline."""
     import zstandard
 
-    from vrl.data import corpus, tokens
+    from vrl.data import build, corpus, tokens
     from vrl.data.tokenizer import train
     fs = bucket_fs()
     lines = ''.join(json.dumps({'text': f'record {i} ' * 20}) + '\n' for i in range(50)).encode()
     fs.pipe_file('vrl/raw/a.jsonl.zst', zstandard.ZstdCompressor().compress(lines))
     fs.pipe_file('vrl/raw/b.jsonl', lines)
-    built = corpus.prepare_from_glob('gs://vrl/raw/*', 'raw', 'gs://vrl/rawtfds', validation_fraction=0.1)
+    built = build.prepare_from_glob('gs://vrl/raw/*', 'raw', 'gs://vrl/rawtfds', validation_fraction=0.1)
     assert built == 'gs://vrl/rawtfds/raw/1.0.0'
     assert len(list(corpus.texts(corpus.open_split('raw', 'gs://vrl/rawtfds', 'train')))) == 90
     tok = train(corpus.texts(corpus.open_split('raw', 'gs://vrl/rawtfds', 'train')), 300, 'gs://vrl/raw.json')
@@ -391,3 +396,60 @@ def test_two_hosts_tokenize_into_the_bucket_what_one_machine_makes(gcs, bucket_c
             got, want = json.loads(got), json.loads(want)
             assert got.pop('tokenizer') == 'gs://vrl/plays.model' and want.pop('tokenizer') == tokenizer.path
         assert got == want, name
+
+
+def _raw_files(count: int, documents: int) -> dict[str, bytes]:
+    """JSON lines files of web-page-like records, one of them compressed, the last with an empty record."""
+    import zstandard
+    files = {}
+    for f in range(count):
+        lines = ''.join(json.dumps({'text': f'file {f} record {i}: ' + 'words of a page ' * (1 + i % 7)}) + '\n'
+                        for i in range(documents)) + ('{"text": ""}\n' if f == count - 1 else '')
+        files[f'part{f}.jsonl'] = lines.encode()
+    files['part0.jsonl.zst'] = zstandard.ZstdCompressor().compress(files.pop('part0.jsonl'))
+    return files
+
+
+def test_two_hosts_prepare_into_the_bucket_what_one_machine_makes(gcs, bucket_config, small_corpus, tmp_path):
+    """`python -m vrl.data prepare --tokenizer` on two hosts joined by jax.distributed, reading raw
+    files from the bucket and sharing nothing else: each writes its files' shards (text and ids)
+    straight into the bucket, and the dataset equals what a pool of two processes makes on local
+    disk, file for file."""
+    from tests.gcs_emulator import free_port
+    from vrl.data import build, corpus, tokens
+    _, tokenizer = small_corpus
+    raw = tmp_path / 'raw'
+    raw.mkdir()
+    fs = bucket_fs()
+    for name, data in _raw_files(5, 120).items():
+        (raw / name).write_bytes(data)
+        fs.pipe_file(f'vrl/raw5/{name}', data)
+    reference = Path(build.prepare_from_glob(str(raw), 'web', str(tmp_path / 'tfds'), validation_fraction=0.1,
+                                             tokenizer=tokenizer, workers=2))
+    port = free_port()
+    pod = [subprocess.Popen([sys.executable, '-m', 'vrl.data', 'prepare', '--input=gs://vrl/raw5', '--name=web',
+                             '--data_dir=gs://vrl/tfds5', '--validation_fraction=0.1', '--tokenizer=gs://vrl/plays.model',
+                             '--workers=1', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+                             f'--process_id={i}'], cwd=tmp_path,
+                            env={**machine_env(gcs, tmp_path / f'host{i}'), 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': ''},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [(p.wait(timeout=300), p.stdout.read()) for p in pod]
+    assert all(code == 0 for code, _ in outputs), outputs
+    assert re.search(r'prepared dataset web: [\d,]+ train, [\d,]+ validation documents \(skipped 1 empty', outputs[0][1])
+    written = 'vrl/tfds5/web/1.0.0'
+    names = sorted(str(p.relative_to(reference)) for p in reference.rglob('*') if p.is_file())
+    assert sorted(f[len(written) + 1:] for f in fs.find(written)) == names
+    assert not any('vrl_units' in n or 'vrl_plan' in n for n in names)  # the build's own files are gone
+    for name in names:
+        got, want = fs.cat(f'{written}/{name}'), (reference / name).read_bytes()
+        if name.endswith('.json'):
+            got, want = json.loads(got), json.loads(want)
+            if name.endswith(tokens.MARKER):
+                assert got.pop('tokenizer') == 'gs://vrl/plays.model' and want.pop('tokenizer') == tokenizer.path
+            if name.endswith('dataset_info.json'):
+                got, want = got['splits'], want['splits']
+        assert got == want, name
+    texts = list(corpus.texts(corpus.open_split('web', 'gs://vrl/tfds5', 'train')))
+    source = tokens.find('web', 'gs://vrl/tfds5', 'train', tokenizer)
+    assert len(texts) == len(source) > 400
+    assert all(source[i].tolist() == tokenizer.encode(texts[i]).tolist() for i in range(0, len(texts), 7))

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vrl.data import corpus, pipeline, tokens
+from vrl.data import build, corpus, pipeline, shards, sources, tokens
 from vrl.data.tokenizer import EOS_ID, HuggingFaceTokenizer, Tokenizer, TokenizerError
 from vrl.data.tokenizer import train as train_tokenizer
 
@@ -121,14 +121,14 @@ def test_jsonl_gz_zst_and_parquet_are_read_as_plain_jsonl(tmp_path):
     got = {}
     for kind in ('jsonl', 'jsonl.gz', 'jsonl.zst', 'parquet'):
         name = 'c_' + kind.replace('.', '_')
-        corpus.prepare_from_glob(str(tmp_path / kind), name, str(tmp_path / 'tfds'), validation_fraction=0.2)
+        build.prepare_from_glob(str(tmp_path / kind), name, str(tmp_path / 'tfds'), validation_fraction=0.2)
         got[kind] = {split: sorted(corpus.texts(corpus.open_split(name, str(tmp_path / 'tfds'), split)))
                      for split in ('train', 'validation')}
     assert sorted(got['jsonl']['train'] + got['jsonl']['validation']) == sorted(r['text'] for r in records)
-    for kind, splits in got.items():  # the held-out documents follow the file's name, so only their number is equal
+    for kind, splits in got.items():  # the held-out documents follow the file's name (and the chance of 0.2)
         assert sorted(splits['train'] + splits['validation']) == sorted(got['jsonl']['train'] + got['jsonl']['validation'])
-        assert len(splits['validation']) == len(got['jsonl']['validation']) == 12
-    domains = corpus.prepare_domains(str(tmp_path / 'parquet'), 'dom', str(tmp_path / 'tfds'), 'meta.set',
+        assert 3 <= len(splits['validation']) <= 21, kind  # 12 +- 3 sigma
+    domains = build.prepare_domains(str(tmp_path / 'parquet'), 'dom', str(tmp_path / 'tfds'), 'meta.set',
                                      validation_fraction=0.2)
     assert domains == {'a': 'dom_a', 'b': 'dom_b'}
 
@@ -141,15 +141,15 @@ def test_bad_corpus_files_are_one_line_naming_the_file(tmp_path):
     (tmp_path / 'cut').mkdir()
     (tmp_path / 'cut' / 'part.jsonl.zst').write_bytes(whole[:len(whole) // 2])
     with pytest.raises(corpus.DataError, match=r'part.jsonl.zst cannot be read as JSON lines: .*Fetch it again'):
-        corpus.prepare_from_glob(str(tmp_path / 'cut'), 'cut', str(tmp_path / 'tfds'))
+        build.prepare_from_glob(str(tmp_path / 'cut'), 'cut', str(tmp_path / 'tfds'))
     (tmp_path / 'cols').mkdir()
     pq.write_table(pa.Table.from_pylist([{'body': 'x'}]), tmp_path / 'cols' / 'p.parquet')
     with pytest.raises(corpus.DataError, match=r"p.parquet has no column 'text' \(columns: \['body'\]\); .*--text_field"):
-        corpus.prepare_from_glob(str(tmp_path / 'cols'), 'cols', str(tmp_path / 'tfds'))
+        build.prepare_from_glob(str(tmp_path / 'cols'), 'cols', str(tmp_path / 'tfds'))
     (tmp_path / 'empty').mkdir()
     (tmp_path / 'empty' / 'e.jsonl').write_text('{"text": ""}\n{"text": "  "}\n')
     with pytest.raises(corpus.DataError, match=r'no non-empty documents in 1 input file\(s\): .*e.jsonl'):
-        corpus.prepare_from_glob(str(tmp_path / 'empty'), 'empty', str(tmp_path / 'tfds'))
+        build.prepare_from_glob(str(tmp_path / 'empty'), 'empty', str(tmp_path / 'tfds'))
     assert not list((tmp_path / 'tfds').glob('*/*/dataset_info.json'))  # nothing left as if complete
 
 
@@ -159,7 +159,7 @@ def test_blank_line_blocks_are_the_same_read_a_chunk_at_a_time():
     rng = np.random.default_rng(1)
     text = ''.join(rng.choice(['a', 'b ', '\n', '\n\n', '\n \t\n', '\r\n\r\n', 'é'], 3000))
     for chunk in (1, 2, 3, 7, 64):
-        assert list(corpus._blank_line_blocks(io.StringIO(text), chunk)) == re.split(r'\n[ \t\r]*\n', text)
+        assert list(sources._blank_line_blocks(io.StringIO(text), chunk)) == re.split(r'\n[ \t\r]*\n', text)
 
 
 @pytest.fixture(scope='module')
@@ -277,7 +277,7 @@ def test_a_dataset_pretokenized_only_by_another_tokenizer_is_refused_before_anyt
 
 
 def test_held_offsets_keep_the_most_recently_used_within_their_limit():
-    held = tokens._HeldOffsets(limit=200)
+    held = shards._HeldOffsets(limit=200)
     arrays = {key: np.arange(10, dtype=np.int64) + i for i, key in enumerate('abc')}  # 80 bytes each
     held.put('a', arrays['a'])
     held.put('b', arrays['b'])
@@ -315,3 +315,35 @@ def test_tokenize_with_a_missing_tokenizer_says_the_command_that_makes_one(small
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
         f"error: tokenizer '{tmp_path}/none.json' (--tokenizer) does not exist. Train one with `python -m "
         f"vrl.data.tokenizer train --name=plays --data_dir={cfg.data_dir} --vocab_size=N --out={tmp_path}/none.json`.")
+
+
+def test_a_build_stopped_by_a_bad_line_publishes_nothing_and_resumes_from_its_finished_files(tmp_path, small_corpus,
+                                                                                            capsys):
+    """Files are built in order on one process: a bad line in the fourth stops the build in one line
+    naming it, with no dataset to read; mended (at the same size), the build goes on from the fourth
+    file, and the dataset and its ids equal a build without the stop."""
+    _, tokenizer = small_corpus
+    raw = tmp_path / 'raw'
+    raw.mkdir()
+    for f in range(6):
+        (raw / f'part{f}.jsonl').write_text(''.join(json.dumps({'text': f'file {f} record {i} ' * (1 + i % 5)}) + '\n'
+                                                    for i in range(50)))
+    good = (raw / 'part3.jsonl').read_text()
+    (raw / 'part3.jsonl').write_text(good.replace('}\n', ']\n', 1))  # line 1 is no JSON object; same size
+    data_dir = str(tmp_path / 'tfds')
+    with pytest.raises(corpus.DataError, match=r'part3.jsonl:1 is not valid JSON'):
+        build.prepare_from_glob(str(raw), 'web', data_dir, tokenizer=tokenizer, workers=1)
+    with pytest.raises(corpus.DataError, match="TFDS dataset 'web'.*vrl.data prepare"):
+        corpus.open_split('web', data_dir, 'train')
+    (raw / 'part3.jsonl').write_text(good)
+    capsys.readouterr()
+    build.prepare_from_glob(str(raw), 'web', data_dir, tokenizer=tokenizer, workers=1)
+    assert 'from 6 file(s) (3 done before)' in capsys.readouterr().out
+    clean = str(tmp_path / 'clean')
+    build.prepare_from_glob(str(raw), 'web', clean, tokenizer=tokenizer, workers=1)
+    for split in ('train', 'validation'):
+        assert list(corpus.texts(corpus.open_split('web', data_dir, split))) == \
+            list(corpus.texts(corpus.open_split('web', clean, split)))
+        resumed, whole = (tokens.find('web', d, split, tokenizer) for d in (data_dir, clean))
+        assert [resumed[i].tolist() for i in range(len(resumed))] == [whole[i].tolist() for i in range(len(whole))]
+    assert corpus.fingerprint('web', data_dir) == corpus.fingerprint('web', clean)

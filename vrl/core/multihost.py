@@ -19,8 +19,8 @@ T = TypeVar('T')
 _MESSAGE_BYTES = 2048  # process 0's error line, as every process receives it
 
 
-class ProcessZeroError(VrlError, RuntimeError):
-    """Process 0 stopped on bad input; another process reports its line."""
+class PeerError(VrlError, RuntimeError):
+    """Another process stopped on bad input; this one reports its line."""
 
 
 def define_flags() -> dict[str, flags.FlagHolder]:
@@ -67,14 +67,14 @@ def every_process(flag: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array([flag]))))
 
 
-def _broadcast_text(text: str) -> str:
-    """Process 0's `text` (at most _MESSAGE_BYTES of UTF-8), on every process."""
+def _gather_text(text: str) -> list[str]:
+    """Every process's `text` (at most _MESSAGE_BYTES of UTF-8), in process order, on every process."""
     from jax.experimental import multihost_utils
     buffer = np.zeros(_MESSAGE_BYTES, np.uint8)
     encoded = text.encode()[:_MESSAGE_BYTES]
     buffer[:len(encoded)] = np.frombuffer(encoded, np.uint8)
-    received = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
-    return bytes(received).rstrip(b'\0').decode(errors='replace')
+    received = np.asarray(multihost_utils.process_allgather(buffer)).reshape(jax.process_count(), _MESSAGE_BYTES)
+    return [bytes(row).rstrip(b'\0').decode(errors='replace') for row in received]
 
 
 def _line(error: Exception) -> str:
@@ -83,24 +83,29 @@ def _line(error: Exception) -> str:
     return text if isinstance(error, VrlError) and text else f'{type(error).__name__}: {text}'
 
 
-def on_process_0(fn: Callable[[], T]) -> T | None:
-    """fn() on process 0 (None elsewhere). Whatever it raises stops every process: process 0 raises
-    it, each other process a ProcessZeroError with its line (a VrlError's message; another error's
-    type and message), so none waits for a peer that left."""
+def everywhere(fn: Callable[[], T]) -> T:
+    """fn() on every process. Whatever one raises stops every process: that one raises it, each
+    other a PeerError with its line (a VrlError's message; another error's type and message), so
+    none waits for a peer that left."""
     if jax.process_count() == 1:
         return fn()
     result, error = None, None
-    if jax.process_index() == 0:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - every kind must reach the other processes
-            error = e
-    message = _broadcast_text('' if error is None else _line(error))
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - every kind must reach the other processes
+        error = e
+    lines = _gather_text('' if error is None else _line(error))
     if error is not None:
         raise error
-    if message:
-        raise ProcessZeroError(f'process 0 stopped: {message}')
+    for index, line in enumerate(lines):
+        if line:
+            raise PeerError(f'process {index} stopped: {line}')
     return result
+
+
+def on_process_0(fn: Callable[[], T]) -> T | None:
+    """fn() on process 0 (None elsewhere); what it raises stops every process (`everywhere`)."""
+    return everywhere(lambda: fn() if jax.process_index() == 0 else None)
 
 
 def process_0_first(fn: Callable[[], T]) -> T:

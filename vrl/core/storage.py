@@ -171,12 +171,17 @@ def files(folder: epath.Path) -> dict[str, int]:
     """Every file under `folder` (a path relative to it, sorted) and its size in bytes: one listing on
     an object store."""
     if is_remote(folder):
-        fs, inner = _filesystem(folder)
-        fs.invalidate_cache(inner)
-        found = fs.find(inner, detail=True)
-        return {name[len(inner.rstrip('/')) + 1:]: int(info['size']) for name, info in sorted(found.items())}
+        return {relative: int(info['size']) for relative, info in _listing(folder).items()}
     return dict(sorted((os.path.relpath(os.path.join(d, name), folder), os.path.getsize(os.path.join(d, name)))
                        for d, _, names in os.walk(folder) for name in names))
+
+
+def _listing(folder: epath.Path) -> dict[str, dict]:
+    """Every object under remote `folder` (a path relative to it, sorted) and what the store says of
+    it (size, generation, ...): one listing, never cached."""
+    fs, inner = _filesystem(folder)
+    fs.invalidate_cache(inner)
+    return {name[len(inner.rstrip('/')) + 1:]: info for name, info in sorted(fs.find(inner, detail=True).items())}
 
 
 def matching(pattern: str) -> list[str]:
@@ -208,20 +213,38 @@ def copy_tree(source: epath.Path, target: epath.Path, last: tuple[str, ...] = ()
     sizes = files(source)
     for relative in sorted(sizes, key=order):
         if wanted(relative) and held(relative) != sizes[relative]:
-            (target / relative).parent.mkdir(parents=True, exist_ok=True)
-            with (source / relative).open('rb') as reader, (target / relative).open('wb') as writer:
-                shutil.copyfileobj(reader, writer, COPY_CHUNK)
+            _copy_file(source / relative, target / relative)
     return sizes
+
+
+def _copy_file(source: epath.Path, target: epath.Path) -> None:
+    """One file, streamed in COPY_CHUNK pieces (either side may be remote)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with source.open('rb') as reader, target.open('wb') as writer:
+        shutil.copyfileobj(reader, writer, COPY_CHUNK)
+
+
+COPIED = '.vrl_copied.json'  # in a scratch copy: the version of each object it holds
 
 
 def local_copy(folder: epath.Path, wanted: Callable[[str], bool] = lambda relative: True) -> epath.Path:
     """A local folder holding what remote `folder` holds (the files `wanted` accepts), for readers
     that open local files only (array_record, safetensors): the objects missing locally, or of
-    another size, are copied down into this process's scratch. A local `folder` is itself."""
+    another version (generation) than was copied, are copied down into this process's scratch,
+    which records the versions it holds. A local `folder` is itself."""
     if not is_remote(folder):
         return folder
     local = scratch(folder)
-    copy_tree(folder, local, wanted=wanted)
+    record = local / COPIED
+    held = json.loads(record.read_text()) if record.exists() else {}
+    now = {relative: f'{info["size"]}:{info.get("generation") or info.get("mtime")}'
+           for relative, info in _listing(folder).items()}
+    for relative, version in now.items():
+        if wanted(relative) and (held.get(relative) != version or not (local / relative).exists()):
+            _copy_file(folder / relative, local / relative)
+            held[relative] = version
+    local.mkdir(parents=True, exist_ok=True)
+    write_bytes(record, json.dumps(held).encode())
     return local
 
 

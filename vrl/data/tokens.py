@@ -2,17 +2,9 @@
 
     python -m vrl.data tokenize --name=NAME --data_dir=DIR --tokenizer=PATH [--workers=N] [--overwrite]
 
-Layout, beside the TFDS dataset it was made from (one folder per tokenizer, so several can coexist):
-
-    DATA_DIR/NAME/VERSION/vrl_tokens/<tokenizer fingerprint>/
-        train-00000-of-00008.tokens        the shard's documents' ids one after another, in the
-                                           dataset's record order, little-endian uint16
-                                           (vocabularies up to 65,536) or uint32
-        train-00000-of-00008.offsets.npy   int64: where each document starts, and the end
-        ...
-        tokens.json                        written last, what makes the folder complete: the
-                                           tokenizer, the dtype, and per split its shards and
-                                           document and token counts
+The files (one folder per tokenizer beside the dataset, so several can coexist) are vrl/data/shards.py's.
+`vrl.data prepare --tokenizer` writes them in the same pass as the text; `tokenize` makes them from a
+prepared dataset's text, for another tokenizer or a TFDS catalog dataset.
 
 Why flat shards mapped into memory rather than a record per document (ArrayRecord): a document is
 then a slice of a mapped file, about a microsecond, where a record read is tens of microseconds;
@@ -20,20 +12,16 @@ at web documents' few hundred tokens either is fast, but short documents made re
 bottleneck (docs/data.md has the figures). Documents keep the dataset's indices, so the input
 pipeline (vrl/data/pipeline.py) does on them exactly what it does on text: the same global shuffle,
 process shares, packing, mixtures and checkpointed position; only the per-document map changes,
-from tokenizing to a slice. Shards are written by a pool of processes, each to `.partial` files
-renamed when whole (the offsets last), so a killed run resumes with the shards it had finished.
+from tokenizing to a slice. Shards are written by a pool of processes, each moved into place when
+whole (the offsets last), so a killed run resumes with the shards it had finished.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import math
-import multiprocessing
 import os
-import tempfile
-import threading
 import time
 from typing import Any
 
@@ -42,128 +30,24 @@ import numpy as np
 from etils import epath
 
 from vrl.core import multihost, storage
-from vrl.data import corpus
+from vrl.data import build, corpus, shards
+from vrl.data.shards import MARKER, Shard, folder
 from vrl.data.tokenizer import Tokenizer
 
-MARKER = 'tokens.json'
-FORMAT = 2  # 2: tokens.json records the dataset's fingerprint, the text field and each shard's documents
 # shards per split: a plan that does not depend on the worker count, so a resume with another finds it
 DOCUMENTS_PER_SHARD = 100_000
 MIN_SHARDS = 16
-ENCODE_CHUNK = 256  # documents per encode_batch call
-
-
-def folder(dataset_path: epath.Path, tokenizer: Tokenizer) -> epath.Path:
-    """Where dataset folder `dataset_path` (NAME/VERSION) keeps `tokenizer`'s tokens."""
-    return dataset_path / 'vrl_tokens' / tokenizer.fingerprint
-
-
-def dtype_for(vocab_size: int) -> np.dtype:
-    return np.dtype('<u2') if vocab_size <= 1 << 16 else np.dtype('<u4')
-
-
-OFFSETS_HELD_BYTES = 256 << 20  # per process: remote shards' offsets kept in memory (a 100,000-document shard: 0.8 MB)
-
-
-class _HeldOffsets:
-    """Whole shards' offsets read from an object store, least recently used dropped past `limit`
-    bytes: with them a block is one ranged read (its tokens) instead of two. Thread-safe."""
-
-    def __init__(self, limit: int):
-        self._limit, self._bytes = limit, 0
-        self._held: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> np.ndarray | None:
-        with self._lock:
-            if key in self._held:
-                self._held.move_to_end(key)
-            return self._held.get(key)
-
-    def put(self, key: str, offsets: np.ndarray) -> np.ndarray:
-        with self._lock:
-            if key not in self._held:
-                self._held[key] = offsets
-                self._bytes += offsets.nbytes
-            while self._bytes > self._limit:
-                self._bytes -= self._held.popitem(last=False)[1].nbytes
-        return offsets
-
-
-_HELD = _HeldOffsets(OFFSETS_HELD_BYTES)
-
-
-class _Shard:
-    """One shard's offsets and tokens, read in place: slices of memory-mapped files on local disk;
-    on an object store ranged reads, the offsets of a whole shard at once (then held in memory,
-    `_HELD`) where it is at most 1/16 of OFFSETS_HELD_BYTES."""
-
-    def __init__(self, path: str, dtype: np.dtype, documents: int):
-        self._path, self._dtype, self._documents, self._remote = path, dtype, documents, storage.is_remote(path)
-        self._offsets: np.ndarray | None = None
-        self._tokens: np.ndarray | None = None
-        self._header = 0  # remote: where the offsets' data starts in the .npy file
-
-    def offsets(self, first: int, last: int) -> np.ndarray:
-        """int64 offsets[first..last], inclusive: where documents first..last - 1 start, and the end."""
-        if not self._remote:
-            if self._offsets is None:
-                self._offsets = np.load(f'{self._path}.offsets.npy', mmap_mode='r')
-            return np.asarray(self._offsets[first:last + 1])
-        if 8 * self._documents > OFFSETS_HELD_BYTES // 16:
-            return self._read_offsets(first, last)
-        whole = _HELD.get(self._path)
-        if whole is None:
-            whole = _HELD.put(self._path, self._read_offsets(0, self._documents))
-        return whole[first:last + 1]
-
-    def _read_offsets(self, first: int, last: int) -> np.ndarray:
-        if not self._header:
-            self._header, _ = _npy_header(f'{self._path}.offsets.npy')
-        data = storage.read_range(f'{self._path}.offsets.npy', self._header + 8 * first, self._header + 8 * (last + 1))
-        return np.frombuffer(data, '<i8')
-
-    def token_count(self) -> int:
-        """The shard's tokens: its last offset, one small read."""
-        return int(self._read_offsets(self._documents, self._documents)[0])
-
-    def tokens(self, start: int, end: int) -> np.ndarray:
-        """Tokens [start, end) of the shard, as int32."""
-        if end <= start:
-            return np.zeros(0, np.int32)
-        if not self._remote:
-            if self._tokens is None:
-                self._tokens = np.memmap(f'{self._path}.tokens', self._dtype, 'r')
-            return self._tokens[start:end].astype(np.int32)
-        size = self._dtype.itemsize
-        return np.frombuffer(storage.read_range(f'{self._path}.tokens', size * start, size * end),
-                             self._dtype).astype(np.int32)
-
-
-def _npy_header(url: str) -> tuple[int, int]:
-    """(where the data starts, the length) of 1-D .npy file `url`, from its first bytes."""
-    import io
-    for size in (256, 1 << 16):  # np.save's header of a 1-D array is 128 bytes
-        head = io.BytesIO(storage.read_range(url, 0, size))
-        version = np.lib.format.read_magic(head)
-        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        try:
-            shape, _, _ = read(head)
-        except ValueError:  # cut short
-            continue
-        return head.tell(), shape[0]
-    raise corpus.DataError(f'{url} is not a .npy file of offsets: make the pre-tokenized copy again (--overwrite)')
 
 
 class TokenSource:
     """Random access to a split's documents as int32 token arrays, read in place from its shards
-    (`_Shard`): nothing is copied whole. A block of consecutive documents costs one slice of each
+    (`shards.Shard`): nothing is copied whole. A block of consecutive documents costs one slice of each
     mapped file it spans on local disk, and two ranged reads on an object store (its offsets, then
     its tokens). Picklable (grain workers open their own)."""
 
     def __init__(self, shards: list[str], dtype: str, shard_documents: list[int], tokens: int):
         self._state = {'shards': shards, 'dtype': dtype, 'shard_documents': shard_documents, 'tokens': tokens}
-        self._shards = [_Shard(shard, np.dtype(dtype), n) for shard, n in zip(shards, shard_documents)]
+        self._shards = [Shard(shard, np.dtype(dtype), n) for shard, n in zip(shards, shard_documents)]
         self._first = np.cumsum([0] + list(shard_documents))  # each shard's first document
 
     def __len__(self) -> int:
@@ -247,7 +131,7 @@ def _stale(info: dict, entry: dict, dataset_fingerprint: str, documents: int, te
 
 def _shard_documents(shards: list[str]) -> list[int]:
     """Each shard's document count from its offsets' header (a tokens.json that does not list them)."""
-    return [_npy_header(f'{shard}.offsets.npy')[1] - 1 for shard in shards]
+    return [shards.npy_header(f'{shard}.offsets.npy')[1] - 1 for shard in shards]
 
 
 def tokenize(name: str, data_dir: str, tokenizer: Tokenizer, workers: int | None = None,
@@ -265,7 +149,7 @@ def tokenize(name: str, data_dir: str, tokenizer: Tokenizer, workers: int | None
     if (target / MARKER).exists():
         logging.info('%s is already complete', target)
         return target
-    dtype = dtype_for(tokenizer.vocab_size)
+    dtype = shards.dtype_for(tokenizer.vocab_size)
     workers = workers or os.cpu_count() or 1
     finished = storage.files(target) if target.exists() else {}
     splits, tasks = {}, []
@@ -274,10 +158,10 @@ def tokenize(name: str, data_dir: str, tokenizer: Tokenizer, workers: int | None
         documents = corpus.split_info(name, data_dir, split).documents
         count = max(1, min(documents, max(MIN_SHARDS, math.ceil(documents / DOCUMENTS_PER_SHARD))))
         bounds = np.linspace(0, documents, count + 1).astype(int)
-        shards = [f'{split}-{i:05d}-of-{count:05d}' for i in range(count)]
-        splits[split] = {'shards': shards, 'documents': documents, 'shard_documents': np.diff(bounds).tolist()}
+        names = [f'{split}-{i:05d}-of-{count:05d}' for i in range(count)]
+        splits[split] = {'shards': names, 'documents': documents, 'shard_documents': np.diff(bounds).tolist()}
         tasks += [(name, data_dir, split, text_field, int(bounds[i]), int(bounds[i + 1]), str(target / shard),
-                   tokenizer, dtype.str) for i, shard in enumerate(shards)]
+                   tokenizer, dtype.str) for i, shard in enumerate(names)]
     done = {k for k, task in enumerate(tasks) if f'{os.path.basename(task[6])}.offsets.npy' in finished}
     mine = [task for k, task in enumerate(tasks) if k % jax.process_count() == jax.process_index() and k not in done]
     logging.info('tokenizing %s with %s: %d of %d shards to write here (%d done before), %d processes', name,
@@ -285,14 +169,12 @@ def tokenize(name: str, data_dir: str, tokenizer: Tokenizer, workers: int | None
     start = time.perf_counter()
     if mine:
         target.mkdir(parents=True, exist_ok=True)
-        with multiprocessing.get_context('spawn').Pool(min(workers, len(mine)), initializer=_one_thread) as pool:
-            import tqdm
-            for _ in tqdm.tqdm(pool.imap_unordered(_write_shard, mine), total=len(mine), unit='shard',
-                               desc='tokenizing', disable=None):
-                pass
+        for _ in build.in_pool(_write_shard, mine, workers, 'tokenizing'):
+            pass
     multihost.sync('vrl.data tokenize: every shard written')
     record = {'dataset_fingerprint': corpus.fingerprint(name, data_dir), 'text_field': text_field}
-    multihost.on_process_0(lambda: _write_marker(target, name, tokenizer, dtype, splits, record))
+    multihost.on_process_0(lambda: shards.write_marker(target, name, tokenizer, _count_tokens(target, dtype, splits),
+                                                       record))
     info = json.loads((target / MARKER).read_text())
     total = sum(entry['tokens'] for entry in info['splits'].values())
     seconds = time.perf_counter() - start
@@ -307,17 +189,12 @@ def _clear(target: epath.Path) -> None:
         target.rmtree()
 
 
-def _write_marker(target: epath.Path, name: str, tokenizer: Tokenizer, dtype: np.dtype, splits: dict,
-                  record: dict) -> None:
-    """tokens.json, once every shard is in place: what makes the folder complete; `record` says what
-    it was made from."""
+def _count_tokens(target: epath.Path, dtype: np.dtype, splits: dict) -> dict:
+    """`splits` with each split's tokens, read from its shards' last offsets (a small read each)."""
     for entry in splits.values():
-        entry['tokens'] = sum(_Shard(str(target / shard), dtype, n).token_count()
+        entry['tokens'] = sum(Shard(str(target / shard), dtype, n).token_count()
                               for shard, n in zip(entry['shards'], entry['shard_documents']))
-    info = {'format': FORMAT, 'dataset': name, **record, 'tokenizer': tokenizer.path,
-            'fingerprint': tokenizer.fingerprint, 'vocab_size': tokenizer.vocab_size, 'dtype': dtype.str,
-            'splits': splits}
-    storage.write_bytes(target / MARKER, json.dumps(info, indent=2).encode())
+    return splits
 
 
 def _splits(dataset: epath.Path) -> list[str]:
@@ -325,30 +202,14 @@ def _splits(dataset: epath.Path) -> list[str]:
     return [split['name'] for split in info.get('splits', [])]
 
 
-def _one_thread() -> None:
-    """Each pool process encodes on one core: the processes are the parallelism."""
-    os.environ['TOKENIZERS_PARALLELISM'] = 'false'
-
-
 def _write_shard(task: tuple) -> int:
-    """Documents [start, end) of a split as one shard: SHARD.tokens, their ids one after another,
-    and SHARD.offsets.npy, where each document starts (and the end), placed last: a shard whose
-    offsets are there is whole. Written beside the target on local disk (then renamed), in a
-    temporary folder for an object store (then uploaded)."""
+    """Documents [start, end) of a split as one shard (shards.ShardWriter)."""
     name, data_dir, split, text_field, start, end, path, tokenizer, dtype = task
     source = corpus.open_split(name, data_dir, split)
-    with tempfile.TemporaryDirectory() as scratch:
-        local = os.path.join(scratch, os.path.basename(path)) if storage.is_remote(path) else path
-        lengths = []
-        with open(f'{local}.tokens.partial', 'wb') as out:
-            for first in range(start, end, ENCODE_CHUNK):
-                records = [source[i][text_field] for i in range(first, min(first + ENCODE_CHUNK, end))]
-                texts = [r.decode('utf-8') if isinstance(r, bytes) else r for r in records]
-                for ids in tokenizer.encode_batch(texts):
-                    out.write(ids.astype(dtype).tobytes())
-                    lengths.append(len(ids))
-        storage.put_file(f'{local}.tokens.partial', storage.path(f'{path}.tokens'))
-        with open(f'{local}.offsets.partial', 'wb') as out:
-            np.save(out, np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64))
-        storage.put_file(f'{local}.offsets.partial', storage.path(f'{path}.offsets.npy'))
+    writer = shards.ShardWriter(path, dtype)
+    for first in range(start, end, shards.ENCODE_CHUNK):
+        records = [source[i][text_field] for i in range(first, min(first + shards.ENCODE_CHUNK, end))]
+        for ids in tokenizer.encode_batch([r.decode('utf-8') if isinstance(r, bytes) else r for r in records]):
+            writer.write(ids)
+    writer.close()
     return end - start
