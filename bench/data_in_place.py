@@ -9,7 +9,12 @@ what the reader holds ahead (read_threads x 32 blocks of about a window each). P
 time to the first batch, tokens/s after --warmup batches, the median and largest wait for a batch
 after warm-up, the reader's CPU seconds per million tokens, and the bytes fetched per token.
 
+With --step_ms the consumer stands for a training step: it holds each batch that long (the host idle
+while the accelerator computes, as on a TPU host) before asking for the next, and the table says how
+long it then waited for data: once warm, a reader that keeps up makes no step wait.
+
     python bench/data_in_place.py [--tokens=50000000] [--latency_ms=50] [--mbps=50] [--threads=16,64,128]
+                                  [--step_ms=0]
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ def write_dataset(data_dir: Path, tokenizer: Tokenizer, total_tokens: int, seed:
         {'name': 'train', 'numBytes': str(4 * int(lengths.sum())), 'shardLengths': [str(len(lengths))]}]}))
 
 
-def measure(cfg: DataConfig, tokenizer: Tokenizer, batches: int, warmup: int) -> dict[str, float]:
+def measure(cfg: DataConfig, tokenizer: Tokenizer, batches: int, warmup: int, step_s: float = 0.0) -> dict[str, float]:
     start = time.perf_counter()
     iterator = iter(pipeline.train_dataset(cfg, tokenizer))
     next(iterator)
@@ -74,13 +79,14 @@ def measure(cfg: DataConfig, tokenizer: Tokenizer, batches: int, warmup: int) ->
         next(iterator)
     waits, cpu, wall = [], time.process_time(), time.perf_counter()
     for _ in range(batches):
+        time.sleep(step_s)
         before = time.perf_counter()
         next(iterator)
         waits.append(time.perf_counter() - before)
     seconds, cpu = time.perf_counter() - wall, time.process_time() - cpu
     n = batches * cfg.batch_size * cfg.seq_len
     return {'first': first, 'tokens/s': n / seconds, 'median wait': statistics.median(waits), 'max wait': max(waits),
-            'cpu per M': cpu / n * 1e6}
+            'waited': sum(w > 1e-3 for w in waits) / len(waits), 'cpu per M': cpu / n * 1e6}
 
 
 def main() -> None:
@@ -91,6 +97,7 @@ def main() -> None:
     parser.add_argument('--threads', default='16,64,128')
     parser.add_argument('--batches', type=int, default=150)
     parser.add_argument('--warmup', type=int, default=30)
+    parser.add_argument('--step_ms', type=float, default=0, help='the time a training step holds each batch')
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch, serving(f'{scratch}/objects') as url:
         texts = [f'document {i}: ' + 'the quick brown fox jumps over the lazy dog ' * (i % 7 + 1) for i in range(2000)]
@@ -107,18 +114,21 @@ def main() -> None:
         import gcsfs
         gcsfs.GCSFileSystem.clear_instance_cache()
         base = DataConfig(name='pages', data_dir=str(local), tokenizer=tokenizer.path, seq_len=2048, batch_size=8)
-        rows = [('local disk', 0, measure(base, tokenizer, args.batches, args.warmup))]
+        step_s = args.step_ms / 1e3
+        rows = [('local disk', 0, measure(base, tokenizer, args.batches, args.warmup, step_s))]
         for threads in map(int, args.threads.split(',')):
             cfg = DataConfig(**{**base.__dict__, 'data_dir': 'gs://vrl/tfds', 'read_threads': threads})
             rows.append((f'gs:// via {args.latency_ms:g} ms, {args.mbps:g} MB/s', threads,
-                         measure(cfg, tokenizer, args.batches, args.warmup)))
+                         measure(cfg, tokenizer, args.batches, args.warmup, step_s)))
         proxy.terminate()
-    print(f'dataset: {args.tokens / 1e6:.0f}M tokens ({size / 1e6:.0f} MB uint16) in {SHARDS} shards; batch 8 x 2048\n')
-    print('| store | read_threads | first batch (s) | tokens/s | median wait (ms) | max wait (ms) | reader CPU s / M tokens |')
-    print('|---|---|---|---|---|---|---|')
+    print(f'dataset: {args.tokens / 1e6:.0f}M tokens ({size / 1e6:.0f} MB uint16) in {SHARDS} shards; batch 8 x 2048; '
+          f'a step holds each batch {args.step_ms:g} ms\n')
+    print('| store | read_threads | first batch (s) | tokens/s | median wait (ms) | max wait (ms) | batches waited '
+          '> 1 ms | reader CPU s / M tokens |')
+    print('|---|---|---|---|---|---|---|---|')
     for store, threads, r in rows:
         print(f'| {store} | {threads} | {r["first"]:.2f} | {r["tokens/s"] / 1e6:.2f}M | {1e3 * r["median wait"]:.1f} | '
-              f'{1e3 * r["max wait"]:.0f} | {r["cpu per M"]:.2f} |')
+              f'{1e3 * r["max wait"]:.0f} | {100 * r["waited"]:.0f}% | {r["cpu per M"]:.2f} |')
 
 
 if __name__ == '__main__':

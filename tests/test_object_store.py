@@ -323,7 +323,7 @@ def test_pretokenized_shards_are_read_in_place_through_a_slow_store(gcs, small_c
 
     from tests.slow_store import SlowStore
     from vrl.core import storage
-    from vrl.data import pipeline, tokens
+    from vrl.data import pipeline, shards, tokens
     cfg, tokenizer = small_corpus
     local_dir = tmp_path / 'tfds'
     shutil.copytree(Path(cfg.data_dir) / 'plays', local_dir / 'plays')
@@ -339,7 +339,7 @@ def test_pretokenized_shards_are_read_in_place_through_a_slow_store(gcs, small_c
         gcsfs.GCSFileSystem.clear_instance_cache()
         try:
             for index in range(2):  # process 1 reads each block's offsets by range, process 0 a shard's at once
-                monkeypatch.setattr(tokens, 'OFFSETS_HELD_BYTES', 0 if index else 256 << 20)
+                monkeypatch.setattr(shards, 'OFFSETS_HELD_BYTES', 0 if index else 256 << 20)
                 in_place = iter(pipeline.train_dataset(remote, tokenizer, index, 2))
                 from_disk = iter(pipeline.train_dataset(local, tokenizer, index, 2))
                 for a, b in zip(itertools.islice(in_place, 6), itertools.islice(from_disk, 6)):

@@ -1,4 +1,3 @@
-"""The data: raw input files read (sources), datasets built from them on many processes (build) and
-read (corpus), tokenizers, pre-tokenized shards (shards: their files; tokens: finding and making
-them), the grain pipeline; commands `python -m vrl.data` and `python -m vrl.data.tokenizer`.
-Imports vrl.core only."""
+"""The data: raw files read (sources) and built into datasets on many processes (build), datasets read
+(corpus), tokenizers, pre-tokenized shards (shards, tokens), the grain pipeline; commands
+`python -m vrl.data` and `python -m vrl.data.tokenizer`. Imports vrl.core only."""
