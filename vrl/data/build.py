@@ -39,7 +39,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import jax
 import numpy as np
@@ -314,17 +314,17 @@ def _plan(spec: CorpusSpec, sizes: list[int], units: list[_Unit], tokenizer: Enc
     return {**settings, 'tokenizer': tokenizer.fingerprint if tokenizer else None}
 
 
-def _begin(spec: CorpusSpec, name: str, data_dir: str, plan: dict, overwrite: bool) -> bool:
-    """On process 0, before any unit: True when the build is complete from the same inputs (DataError
-    for other inputs, unless `overwrite`: then its datasets are removed, with their pre-tokenized
-    copies); otherwise resumes an unfinished build of the same plan or clears another's, and writes
+def _begin(spec: CorpusSpec, name: str, data_dir: str, plan: dict, overwrite: bool) -> None:
+    """On process 0, before any unit: keeps a build complete from the same inputs (DataError for
+    other inputs, unless `overwrite`: then its datasets are removed, with their pre-tokenized
+    copies); otherwise resumes an unfinished build of the same plan, or clears another's and writes
     the plan."""
     build_dir = _build_dir(data_dir, name)
     done = _complete(spec, name, data_dir)
     if done is not None:
         difference = _difference(done['inputs'], _inputs_record(spec))
         if not difference:
-            return True
+            return
         if not overwrite:
             raise DataError(f'dataset {name!r} in {data_dir} was prepared from other inputs ({difference}); '
                             'pass --overwrite to rebuild it, or choose another --name.')
@@ -332,14 +332,13 @@ def _begin(spec: CorpusSpec, name: str, data_dir: str, plan: dict, overwrite: bo
         _remove(data_dir, name, done['datasets'].values())
     elif (build_dir / PLAN).exists() and json.loads((build_dir / PLAN).read_text()) == plan:
         logging.info('resuming the build of %s in %s', name, build_dir)
-        return False
+        return
     elif build_dir.exists() or (not spec.domain_field and _version(data_dir, name).exists()):
         logging.warning('clearing an unfinished build of %s in %s: it was of other inputs or settings', name, data_dir)
         touched = {dataset for unit in _records(build_dir) for dataset in unit['datasets']}
         _remove(data_dir, name, touched | ({name} if not spec.domain_field else set()))
     (build_dir / UNITS).mkdir(parents=True, exist_ok=True)
     storage.write_bytes(build_dir / PLAN, json.dumps(plan).encode())
-    return False
 
 
 def _complete(spec: CorpusSpec, name: str, data_dir: str) -> dict | None:
@@ -351,7 +350,8 @@ def _complete(spec: CorpusSpec, name: str, data_dir: str) -> dict | None:
     return {'inputs': json.loads(marker.read_text()), 'datasets': {'': name}} if marker.exists() else None
 
 
-def _remove(data_dir: str, name: str, datasets) -> None:
+def _remove(data_dir: str, name: str, datasets: Iterable[str]) -> None:
+    """Datasets of a build (with their pre-tokenized copies) and the build's own files."""
     for dataset in datasets:
         if _version(data_dir, dataset).exists():
             _version(data_dir, dataset).rmtree()
