@@ -256,26 +256,26 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
 def test_prepare_refuses_changed_input_unless_overwrite(tmp_path):
     texts = tmp_path / 'texts'
     texts.mkdir()
-    for i in range(4):
-        (texts / f'doc{i}.txt').write_text(f'document {i}\n')
+    for i in range(20):
+        (texts / f'doc{i:02d}.txt').write_text(f'document {i}\n')
     data_dir = str(tmp_path / 'tfds')
     build.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.25)
     build.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.25)  # same input: kept
-    for i in range(4, 8):
-        (texts / f'doc{i}.txt').write_text(f'document {i}\n')
-    with pytest.raises(corpus.DataError, match=r"'grows' in .* was prepared from other inputs \(4 input file\(s\) "
-                                               r'then, 8 now\); pass --overwrite'):
+    for i in range(20, 40):
+        (texts / f'doc{i:02d}.txt').write_text(f'document {i}\n')
+    with pytest.raises(corpus.DataError, match=r"'grows' in .* was prepared from other inputs \(20 input file\(s\) "
+                                               r'then, 40 now\); pass --overwrite'):
         build.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.25)
-    assert sum(len(corpus.open_split('grows', data_dir, s)) for s in ('train', 'validation')) == 4  # kept
+    assert sum(len(corpus.open_split('grows', data_dir, s)) for s in ('train', 'validation')) == 20  # kept
     build.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.25, overwrite=True)
-    assert sum(len(corpus.open_split('grows', data_dir, s)) for s in ('train', 'validation')) == 8
+    assert sum(len(corpus.open_split('grows', data_dir, s)) for s in ('train', 'validation')) == 40
     with pytest.raises(corpus.DataError, match='validation_fraction was 0.25, now 0.5'):
         build.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.5)
-    build.prepare_from_glob(str(texts), 'first_five', data_dir, validation_fraction=0.25, limit=5)
-    kept = [t for s in ('train', 'validation') for t in corpus.texts(corpus.open_split('first_five', data_dir, s))]
-    assert sorted(kept) == [f'document {i}\n' for i in range(5)]  # files in order: the first five documents
+    build.prepare_from_glob(str(texts), 'first_five', data_dir, validation_fraction=0, limit=5)
+    kept = list(corpus.texts(corpus.open_split('first_five', data_dir, 'train')))
+    assert kept == [f'document {i}\n' for i in range(5)]  # files in order: the first five documents
     with pytest.raises(corpus.DataError, match='limit was 5, now 6'):
-        build.prepare_from_glob(str(texts), 'first_five', data_dir, validation_fraction=0.25, limit=6)
+        build.prepare_from_glob(str(texts), 'first_five', data_dir, validation_fraction=0, limit=6)
     with pytest.raises(corpus.DataError, match='limit=-1 is invalid'):
         build.prepare_from_glob(str(texts), 'negative', data_dir, limit=-1)
 
@@ -336,3 +336,19 @@ def test_a_large_file_is_written_as_several_shards_with_the_same_documents(tmp_p
     for split in ('train', 'validation'):
         assert list(corpus.texts(corpus.open_split('big', str(tmp_path / 'many'), split))) == \
             list(corpus.texts(corpus.open_split('big', str(tmp_path / 'one'), split)))
+
+
+def test_identical_documents_never_straddle_train_and_validation(tmp_path):
+    """Documents are held out by a hash of their text: the copies of a document (crawls repeat pages),
+    wherever they are in the files, all land in the same split, and both splits get some."""
+    (tmp_path / 'in').mkdir()
+    texts = [f'page {i}: ' + 'words ' * (i % 5) for i in range(60)]
+    for f in range(3):
+        order = np.random.default_rng(f).permutation(60)
+        (tmp_path / 'in' / f'crawl{f}.jsonl').write_text(''.join(json.dumps({'text': texts[i]}) + '\n' for i in order))
+    build.prepare_from_glob(str(tmp_path / 'in'), 'crawl', str(tmp_path / 'd'), validation_fraction=0.2)
+    splits = {split: collections.Counter(corpus.texts(corpus.open_split('crawl', str(tmp_path / 'd'), split)))
+              for split in ('train', 'validation')}
+    assert set(splits['train']) | set(splits['validation']) == set(texts)
+    assert not set(splits['train']) & set(splits['validation']) and splits['validation']
+    assert set(splits['train'].values()) == set(splits['validation'].values()) == {3}  # every copy, in one split

@@ -21,9 +21,9 @@ as its own shard of each split, and with a tokenizer their ids too, in the same 
 With a domain field (SlimPajama's meta.redpajama_set_name) a unit writes each record to the dataset
 of its domain, NAME_<domain>, and `NAME/vrl_domains.json`, last, lists them. A killed build resumes
 from the units it finished (the same plan is kept; another one is started afresh). The result does not depend on how many processes or hosts wrote it. Validation is held
-out by document, each with chance `validation_fraction` by a hash of its place in the input (no
-pass over the corpus first, nothing held per document), or by whole files (an exact share of the
-files, from their names). Memory does not grow with the number of documents or a file's size.
+out by document, each with chance `validation_fraction` by a hash of its text (no pass over the
+corpus first, nothing held per document; identical documents fall in the same split), or by whole
+files (an exact share of the files, from their names). Memory does not grow with the number of documents or a file's size.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def fingerprint_of(inputs_record: bytes) -> str:
 
 
 def _hash(unit: str) -> int:
-    """The first 64 bits of the unit's SHA-256, as an int64."""
+    """The first 64 bits of the SHA-256 of `unit` (a document's text, a file's path), as an int64."""
     return int.from_bytes(hashlib.sha256(unit.encode()).digest()[:8], 'big') - (1 << 63)
 
 
@@ -118,7 +118,7 @@ class _Unit:
 
     index: int
     file: str
-    file_id: str  # its path relative to the inputs' common folder: the held-out documents do not depend on where they lie
+    file_id: str  # its path relative to the inputs' common folder: whole files held out do not depend on where they lie
     held_out: bool | None  # the whole file's split (holdout_unit='file'); None: each document's by its hash
     first_shard: int  # its documents go to shards first_shard.. of each split, one per _per_shard of the file
     shards: int
@@ -249,14 +249,14 @@ def _write_unit(task: tuple) -> dict:
             entry['shards'].setdefault(split, {})[str(shard)] = writer.close()
         writers.clear()
 
-    for i, text, domain in source.documents():
+    for text, domain in source.documents():
         if kept == unit.limit:
             break
         here = unit.first_shard + min(source.position() // per_shard, unit.shards - 1)
         if here != shard:
             close_shard()
             shard = here
-        held_out = unit.held_out if unit.held_out is not None else _hash(f'{unit.file_id}#{i}') <= at_most
+        held_out = unit.held_out if unit.held_out is not None else _hash(text) <= at_most  # copies go together
         key = (domain, 'validation' if held_out else 'train')
         if key not in writers:
             dataset = dataset_name(name, domain)

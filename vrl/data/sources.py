@@ -192,15 +192,14 @@ class InputFile:
     def position(self) -> int:
         return self._rows if self.parquet else self._raw.tell()
 
-    def documents(self) -> Iterator[tuple[int, str, str]]:
-        """(index among the file's documents, empty ones counted, text, domain) of each non-empty one;
-        the domain is its record's `spec.domain_field`, '' without one."""
+    def documents(self) -> Iterator[tuple[str, str]]:
+        """(text, domain) of each non-empty document; the domain is its record's `spec.domain_field`,
+        '' without one."""
         with opened(self.file, None if self.parquet else self._digest) as (raw, stream):
             self._raw = raw
-            for i, (doc, domain) in enumerate(_file_documents(self.file, stream, self._spec)):
-                self._rows = i
+            for self._rows, (doc, domain) in enumerate(_file_documents(self.file, stream, self._spec)):
                 if doc.strip():
-                    yield i, doc, domain
+                    yield doc, domain
                 else:
                     self._skipped.skip(f'empty documents ({_format(self.file, self._spec.split_mode)} file)')
             while raw.read(1 << 20):  # the digest covers the bytes after the last document too
