@@ -154,6 +154,11 @@ def _units(spec: CorpusSpec, sizes: list[int]) -> list[_Unit]:
             for i, (f, file_id, h, first, n) in enumerate(zip(spec.files, ids, held, firsts, counts))]
 
 
+def _shard_count(units: list[_Unit]) -> int:
+    """The shards of each split, all files' together (the N of -of-N)."""
+    return units[-1].first_shard + units[-1].shards
+
+
 def _splits(spec: CorpusSpec) -> tuple[str, ...]:
     return ('train', 'validation') if spec.validation_fraction > 0 else ('train',)
 
@@ -470,7 +475,7 @@ def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False,
     """Builds dataset `name` in `data_dir` (local or on an object store) from `spec`'s files, with
     `tokenizer`'s pre-tokenized copy when given; returns its folder. See `_build`."""
     _build(spec, name, data_dir, overwrite, tokenizer, workers)
-    return str(_version(checked_data_dir(data_dir), name))
+    return str(_version(data_dir or default_data_dir(), name))
 
 
 def _build(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool, tokenizer: Encoder | None,
@@ -507,8 +512,7 @@ def _build(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool, tokenize
               f' from {len(units):,} file(s)' + (f' ({len(finished):,} done before)' if finished else ''), flush=True)
     start = time.perf_counter()
     multihost.everywhere(lambda: _write_units(spec, name, data_dir, units, sizes, finished, tokenizer, workers))
-    said = multihost.on_process_0(lambda: _finish(spec, name, data_dir, units[-1].first_shard + units[-1].shards,
-                                                  tokenizer))
+    said = multihost.on_process_0(lambda: _finish(spec, name, data_dir, _shard_count(units), tokenizer))
     if said:
         said[-1] += f' in {time.perf_counter() - start:.1f}s'
         print('\n'.join(said), flush=True)
@@ -519,7 +523,7 @@ def _write_units(spec: CorpusSpec, name: str, data_dir: str, units: list[_Unit],
                  finished: set[int], tokenizer: Encoder | None, workers: int | None) -> None:
     """This process's units not done before: every process_count-th; with --limit, all of them on
     process 0, in order (each takes what the earlier ones left of the limit)."""
-    count = units[-1].first_shard + units[-1].shards
+    count = _shard_count(units)
     if spec.limit:
         if jax.process_index() != 0:
             return
