@@ -75,6 +75,31 @@ def randomize(model: nnx.Module, seed: int) -> None:
     nnx.update(model, jax.tree.unflatten(treedef, new))
 
 
+def piece_bytes(tok) -> np.ndarray:
+    """(vocab,) the UTF-8 bytes of text each piece of sentencepiece model `tok` stands for, from its
+    pieces alone: a reference, independent of offsets, that holds for a model without a normaliser."""
+    sp = tok._sp
+    return np.array([1 if sp.is_byte(i) else 0 if sp.is_control(i) or sp.is_unknown(i)
+                     else len(sp.id_to_piece(i).replace('\u2581', ' ').encode('utf-8'))
+                     for i in range(sp.get_piece_size())], np.int64)
+
+
+def module_matmul_params(cfg: ModelConfig) -> int:
+    """The weights of `cfg`'s real Decoder that take part in a matmul per token, found by their
+    parameter paths: every parameter but the norms' scales, ResFormer's lambdas, DenseFormer's
+    weights and the lookup tables (the input embedding, unless tied, when it is the head, and
+    the value-embedding tables)."""
+    from vrl.model.decoder import Decoder
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(abstract, nnx.Param)):
+        keys = [str(getattr(k, 'key', k)) for k in path]
+        lookup = keys[0] == 'embed' and not cfg.tie_embeddings or 'tables' in keys
+        if not (lookup or 'scale' in keys or keys[0] in ('lambdas', 'depth_weights')):
+            total += leaf.size
+    return total
+
+
 def rel_err(a, b) -> float:
     """||a - b|| / ||b|| in float64."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from tests.helpers import piece_bytes
 from vrl.data import build, corpus, pipeline
 from vrl.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError
 from vrl.data.tokenizer import train as train_tokenizer
@@ -36,7 +37,14 @@ def _corpus_documents(cfg, tokenizer, split='train') -> list[tuple[int, ...]]:
 def test_packing_loses_and_duplicates_nothing(small_corpus):
     cfg, tokenizer = small_corpus
     batches = _all_batches(pipeline.train_dataset(cfg, tokenizer))
-    assert {k: v.shape for k, v in batches[0].items()} == {k: (8, 64) for k in ('inputs', 'targets', 'loss_mask')}
+    assert {k: v.shape for k, v in batches[0].items()} == {**{k: (8, 64) for k in ('inputs', 'targets', 'loss_mask')},
+                                                           'tokens_read': (8, 1)}
+    # each row counts the targets read so far; a padding row (after the pass) counts none
+    read = np.concatenate([b['tokens_read'][:, 0] for b in batches])
+    targets = np.concatenate([b['loss_mask'].sum(1) for b in batches])
+    real = targets > 0
+    np.testing.assert_array_equal(read[real], np.cumsum(targets)[real])
+    assert not read[~real].any()
     packed = _target_documents(batches)
     expected = _corpus_documents(cfg, tokenizer)
     assert collections.Counter(packed) == collections.Counter(expected)
@@ -295,13 +303,18 @@ def test_vocabulary_too_large_for_the_corpus(tmp_path):
         train_tokenizer(['a small corpus of a few words'] * 10, 5000, str(tmp_path / 'x.model'))
 
 
-def test_utf8_bytes_of_the_ids_sum_to_the_text_length(small_corpus):
+def test_bytes_per_token_of_a_sentencepiece_model_are_its_pieces_text(small_corpus):
+    """Without a normaliser the bytes counted from offsets are, token by token, the bytes of each
+    piece's text (a multi-byte character's byte pieces: its bytes on the first, 0 on the rest)."""
     _, tokenizer = small_corpus
     text = 'Ophelia: “Thou art più bello”, naïve café — 東京 🎭\n\n   spaces\tand tabs.'
-    ids = tokenizer.encode(text)
+    (ids, n_bytes), = tokenizer.encode_counting_bytes([text])
+    assert ids.tolist() == tokenizer.encode(text).tolist()
     assert any(tokenizer._sp.is_byte(int(i)) for i in ids)  # byte fallback is exercised (東, 🎭)
-    assert int(tokenizer.utf8_bytes[ids].sum()) == len(text.encode('utf-8'))
-    assert tokenizer.utf8_bytes[tokenizer.eos_id] == 0
+    assert n_bytes.sum() == len(text.encode('utf-8')) == piece_bytes(tokenizer)[ids].sum()
+    pieces = piece_bytes(tokenizer)[ids]
+    whole = [tokenizer._sp.is_byte(int(i)) for i in ids]
+    np.testing.assert_array_equal(n_bytes[~np.asarray(whole)], pieces[~np.asarray(whole)])
 
 
 def test_a_document_is_stored_as_tfds_serializes_it():

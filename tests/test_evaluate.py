@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from lm_eval.api.instance import Instance
 
+from tests.helpers import piece_bytes
 from tests.runs import CHOICE_DOCS, SHARED_RUN_STEPS, write_choice_task
 from vrl.tools import evaluate
 
@@ -48,10 +49,11 @@ def forward_log_probs(lm: evaluate.VrlLM, ids: list[int]) -> tuple[np.ndarray, n
 
 def expected_loglikelihood(lm: evaluate.VrlLM, context: str, continuation: str) -> tuple[float, bool]:
     """The continuation's tokens are those of the whole text past the last token that ends within
-    the context's bytes (counted with Tokenizer.utf8_bytes, not the adapter's piece offsets)."""
+    the context's bytes (counted from the pieces' text, tests/helpers.py's piece_bytes, not from
+    the tokenizer's offsets)."""
     tok = lm.tokenizer
     whole = tok.encode(context + continuation).tolist()
-    ends = np.cumsum(tok.utf8_bytes[whole])
+    ends = np.cumsum(piece_bytes(tok)[whole])
     n_context = int(np.sum(ends <= len(context.encode('utf-8'))))
     ids = (lm.separator + whole)[-(lm.max_len + 1):]
     n_scored = len(whole) - n_context

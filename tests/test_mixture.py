@@ -38,11 +38,23 @@ def domains(tmp_path_factory, small_corpus):
     return cfg, tokenizer
 
 
+def _streams(batches: list[dict]) -> list[np.ndarray]:
+    """Each dataset's stream of targets: a row (a window) belongs to the dataset whose count in
+    tokens_read it raised, by its targets, and to no other."""
+    read = np.concatenate([b['tokens_read'] for b in batches])
+    targets = np.concatenate([b['targets'] for b in batches])
+    mask = np.concatenate([b['loss_mask'] for b in batches]) == 1
+    raised = np.diff(read, axis=0, prepend=np.zeros((1, read.shape[1]), read.dtype))
+    assert ((raised > 0).sum(1) == 1).all() and (raised.sum(1) == mask.sum(1)).all()
+    source = raised.argmax(1)
+    return [targets[source == i][mask[source == i]] for i in range(read.shape[1])]
+
+
 def _documents(batches: list[dict]) -> list[tuple[int, ...]]:
-    """The complete documents among the batches' targets (EOS-delimited; the unfinished last one dropped)."""
-    stream = np.concatenate([b['targets'][b['loss_mask'] == 1] for b in batches])
-    pieces = np.split(stream, np.flatnonzero(stream == EOS_ID) + 1)
-    return [tuple(p[:-1]) for p in pieces[1:-1]]  # the first may have lost its start to the window
+    """The complete documents among the batches' targets, each dataset's stream split at EOS (the
+    unfinished last one dropped, and the first, which may have lost its start to the window)."""
+    return [tuple(p[:-1]) for stream in _streams(batches)
+            for p in np.split(stream, np.flatnonzero(stream == EOS_ID) + 1)[1:-1]]
 
 
 def _first_batches(cfg, tokenizer, n, **process) -> list[dict]:
@@ -60,11 +72,14 @@ def test_prepare_splits_jsonl_by_domain_each_with_validation(domains):
 
 
 def _token_shares(batches: list[dict], prefixes: tuple[str, ...], tokenizer) -> list[int]:
-    """The tokens (separator included) of the complete documents in `batches` that start with each prefix."""
-    counts = [0] * len(prefixes)
-    for document in _documents(batches):
-        text = tokenizer.decode(document)
-        counts[next(i for i, p in enumerate(prefixes) if text.startswith(p))] += len(document) + 1
+    """The target tokens of each dataset in `batches`, each dataset's complete documents starting with
+    its prefix (dataset i's with prefixes[i]), and what tokens_read counts in the last row."""
+    streams = _streams(batches)
+    for i, stream in enumerate(streams):
+        documents = np.split(stream, np.flatnonzero(stream == EOS_ID) + 1)[1:-1]
+        assert documents and all(tokenizer.decode(d[:-1]).startswith(prefixes[i]) for d in documents)
+    counts = [len(stream) for stream in streams]
+    assert batches[-1]['tokens_read'][-1].tolist() == counts
     return counts
 
 
@@ -204,8 +219,8 @@ def test_data_eval_evaluates_the_sets_it_names_each_by_name(domains, tmp_path):
 
 def test_the_run_says_how_far_into_an_epoch_of_each_dataset_it_is(domains, tmp_path, capsys):
     """Each dataset's train tokens (estimated on the fly from 1,000 documents: here within 2% of the
-    count) in config.json and the start's log, and epoch/NAME at every logged step: its share of the
-    tokens trained so far over them."""
+    count) in config.json and the start's log, and at every logged step the target tokens read from
+    each (tokens/NAME) and epoch/NAME, those over its train tokens."""
     cfg, tokenizer = domains
     config = tiny_config((dataclasses.replace(cfg, tokenizer=tokenizer.path), tokenizer), steps=3,
                          checkpoint_every=3, log_every=1)
@@ -222,9 +237,45 @@ def test_the_run_says_how_far_into_an_epoch_of_each_dataset_it_is(domains, tmp_p
         every = read[name]['train_tokens'] / (step_tokens * share)
         assert f'data {name}: {read[name]["train_tokens"]:,} train tokens (estimated from 1,000 documents, ' \
                f'tokenized on the fly): an epoch every {every:,.0f} steps' in said
-        for r in (r for r in records if 'loss' in r):
+        for r in (r for r in records if 'loss' in r):  # counted: whole windows in the weights' shares
+            assert r[f'tokens/{name}'] == r['step'] * step_tokens * share
             assert r[f'epoch/{name}'] == pytest.approx(r['step'] / every, rel=1e-9)
     assert f'  epoch slim_alpha {3 / (read["slim_alpha"]["train_tokens"] / (step_tokens * 3 / 4)):.2f} slim_beta_set' in said
+
+
+def _windows_per_batch(batches: list[dict]) -> list[tuple[int, ...]]:
+    """How many windows of each dataset each batch holds (by the tokens_read count each row raised)."""
+    counts, before = [], batches[0]['tokens_read'][:1] * 0
+    for b in batches:
+        read = np.concatenate([before, b['tokens_read']])
+        counts.append(tuple((np.diff(read, axis=0) > 0).sum(0).tolist()))
+        before = b['tokens_read'][-1:]
+    return counts
+
+
+def test_a_weight_schedule_changes_the_shares_at_its_step_and_resumes_exactly(domains):
+    """alpha=3,beta=1, then 1:1 from step 5, then beta alone from step 9: each batch of 8 windows
+    per process holds 6:2, 4:4, then 0:8, on each of two processes; resumed mid-phase from the
+    saved state, the batches and the counts go on as if uninterrupted."""
+    cfg, tokenizer = domains
+    cfg = dataclasses.replace(cfg, mixture_schedule='5:slim_alpha=1,slim_beta_set=1; 9:slim_beta_set=1')
+    assert cfg.phases() == [(0, (3.0, 1.0)), (5, (1.0, 1.0)), (9, (0.0, 1.0))]
+    want = [(6, 2)] * 5 + [(4, 4)] * 4 + [(0, 8)] * 3
+    reference = _first_batches(cfg, tokenizer, 12)
+    assert _windows_per_batch(reference) == want
+    two = dataclasses.replace(cfg, batch_size=16)
+    for index in range(2):
+        assert _windows_per_batch(_first_batches(two, tokenizer, 12, process_index=index, process_count=2)) == want
+    first = iter(pipeline.train_dataset(cfg, tokenizer))
+    for _ in range(7):
+        next(first)
+    resumed = iter(pipeline.train_dataset(cfg, tokenizer))
+    resumed.set_state(json.loads(json.dumps(first.get_state())))  # what the checkpoint stores
+    for expected in reference[7:]:
+        got = next(resumed)
+        assert got.keys() == expected.keys()
+        for key in expected:
+            np.testing.assert_array_equal(got[key], expected[key])
 
 
 def test_bad_mixtures_are_named(domains):
@@ -233,6 +284,13 @@ def test_bad_mixtures_are_named(domains):
         DataConfig(mixture='a=0,b=1')
     with pytest.raises(ConfigError, match='data.num_epochs=1 is invalid: allowed 0 with data.mixture'):
         DataConfig(mixture='a=1', num_epochs=1)
+    for schedule, named in (('5:a=1;5:b=1', "'5:b=1' is not"), ('x:a=1', "'x:a=1' is not"),
+                            ('5:c=1', "naming only data.mixture's datasets \\(a, b\\)"), ('5:a=0', "'5:a=0' is not"),
+                            ('5:a=-1', "'a=-1' is not")):
+        with pytest.raises(ConfigError, match=f'data.mixture_schedule=.* is invalid: .*{named}'):
+            DataConfig(mixture='a=1,b=1', mixture_schedule=schedule)
+    with pytest.raises(ConfigError, match="data.mixture_schedule='5:a=1' is invalid: allowed '' without data.mixture"):
+        DataConfig(mixture_schedule='5:a=1')
     missing = dataclasses.replace(cfg, mixture='slim_alpha=1,slim_gamma=1')
     with pytest.raises(corpus.DataError, match='slim_gamma'):
         next(iter(pipeline.train_dataset(missing, tokenizer)))

@@ -40,7 +40,8 @@ def test_a_trained_tokenizer_json_is_exact_on_any_text(hf_tokenizer, small_corpu
     for text in texts:
         ids = tok.encode(text)
         assert tok.decode(ids) == text
-        assert int(tok.utf8_bytes[ids].sum()) == len(text.encode('utf-8'))  # bits per byte stays exact
+        (counted, n_bytes), = tok.encode_counting_bytes([text])
+        assert counted.tolist() == ids.tolist() and n_bytes.sum() == len(text.encode('utf-8'))  # exact bits per byte
     context, continuation = 'ROMEO: What', ' say 東京'
     first, second = tok.encode_pair(context, continuation)
     assert first + second == tok.encode(context + continuation).tolist() and second
@@ -347,3 +348,60 @@ def test_a_build_stopped_by_a_bad_line_publishes_nothing_and_resumes_from_its_fi
         resumed, whole = (tokens.find('web', d, split, tokenizer) for d in (data_dir, clean))
         assert [resumed[i].tolist() for i in range(len(resumed))] == [whole[i].tolist() for i in range(len(whole))]
     assert corpus.fingerprint('web', data_dir) == corpus.fingerprint('web', clean)
+
+
+def _tokenizer_json(kind: str, texts: list[str], path: Path) -> HuggingFaceTokenizer:
+    """A small tokenizer.json trained here: 'byte_level' (GPT-2's kind), 'nfc_byte_level' (GPT-NeoX's:
+    an NFC normaliser, <|endoftext|> = 0, <|padding|> = 1) or 'metaspace' (Llama 2's: '▁' prepended,
+    byte fallback)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+    if kind == 'metaspace':
+        rust = RustTokenizer(models.BPE(byte_fallback=True))
+        rust.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme='first')
+        rust.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(prepend_scheme='first')])
+        specials = ['<unk>', '<s>', '</s>']
+        alphabet = []
+    else:
+        rust = RustTokenizer(models.BPE())
+        if kind == 'nfc_byte_level':
+            rust.normalizer = normalizers.NFC()
+        rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        rust.decoder = decoders.ByteLevel()
+        specials = ['<|endoftext|>', '<|padding|>']
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    rust.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                        initial_alphabet=alphabet))
+    path.write_text(rust.to_str())
+    return HuggingFaceTokenizer(path.read_bytes(), str(path))
+
+
+HARD_TEXTS = ['cafe\u0301 vs caf\u00e9, A\u030a, \u212b and \uac00 vs \u1100\u1161',  # NFC composes or splits these
+              '  leading spaces, a\ttab and\n\nnewlines ', '東京 🎭 naïve — “quoted”', 'x', ' ']
+
+
+@pytest.mark.parametrize('kind', ['byte_level', 'nfc_byte_level', 'metaspace'])
+def test_bits_per_byte_counts_the_original_text_whatever_the_normaliser(small_corpus, tmp_path, kind):
+    """The bytes each token stands for sum to the UTF-8 bytes of the document as written, on NFC,
+    byte-level and Metaspace tokenizer.json files and on text quoting every special token; and an
+    evaluation pass's target_bytes are exactly its documents' bytes. (With NFC, the decoded ids are
+    fewer bytes than the text: counting the pieces' text would be wrong.)"""
+    cfg, _ = small_corpus
+    train_texts = list(itertools.islice(corpus.texts(corpus.open_split('plays', cfg.data_dir, 'train')), 400))
+    tok = _tokenizer_json(kind, train_texts + HARD_TEXTS, tmp_path / 'tokenizer.json')
+    specials = _special_texts(tok)
+    texts = HARD_TEXTS + [f'a{s}b {s} ' for s in specials] + train_texts[:50]
+    for text, (ids, n_bytes) in zip(texts, tok.encode_counting_bytes(texts)):
+        assert ids.tolist() == tok.encode(text).tolist()
+        assert n_bytes.sum() == len(text.encode('utf-8')) and (n_bytes >= 0).all(), (kind, text)
+    if kind == 'nfc_byte_level':
+        assert len(tok.decode(tok.encode(HARD_TEXTS[0])).encode('utf-8')) != len(HARD_TEXTS[0].encode('utf-8'))
+    # through the pipeline: a dataset of these texts, evaluated whole
+    (tmp_path / 'docs.jsonl').write_text(''.join(json.dumps({'text': t}) + '\n' for t in texts * 3))
+    data_dir = str(tmp_path / 'tfds')
+    build.prepare_from_glob(str(tmp_path / 'docs.jsonl'), 'hard', data_dir, validation_fraction=0.5)
+    eval_cfg = dataclasses.replace(cfg, name='hard', data_dir=data_dir, tokenizer=tok.path)
+    batches = list(pipeline.eval_batches(eval_cfg, tok, max_batches=0))
+    held_out = list(corpus.texts(corpus.open_split('hard', data_dir, 'validation')))
+    assert held_out and sum(int(b['target_bytes'].sum()) for b in batches) == sum(len(t.encode('utf-8')) for t in held_out)
+    assert all(not b['target_bytes'][b['loss_mask'] == 0].any() for b in batches)

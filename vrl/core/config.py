@@ -251,6 +251,9 @@ class DataConfig:
     # several datasets instead of `name`: 'NAME=WEIGHT,NAME=WEIGHT' (each dataset's share of the tokens;
     # each dataset's validation split is evaluated on its own); '' = `name` alone
     mixture: str = ''
+    # the mixture's weights from a step on: 'STEP:NAME=WEIGHT,...;STEP:...' (a dataset left out, or at
+    # weight 0, is not read from STEP on); '' = data.mixture's weights throughout
+    mixture_schedule: str = ''
     # what evaluation reads: 'NAME' or 'NAME:SPLIT' (a prepared dataset's split; SPLIT defaults to
     # eval_split), comma-separated, each reported by name; '' = eval_split of each dataset trained on
     eval: str = ''
@@ -270,6 +273,9 @@ class DataConfig:
             self.sources()  # parses, or names what is wrong
             _require(self.num_epochs == 0, 'data.num_epochs', self.num_epochs,
                      '0 with data.mixture (a mixture repeats its datasets forever; stop with train.steps)')
+        _require(not self.mixture_schedule or bool(self.mixture), 'data.mixture_schedule', self.mixture_schedule,
+                 "'' without data.mixture (it changes the mixture's weights)")
+        self.phases()  # parses data.mixture_schedule, or names what is wrong
 
     def evaluated(self) -> list[tuple[str, str]]:
         """(dataset name, split) of each evaluation set: data.eval's, or each trained dataset's eval_split."""
@@ -284,20 +290,44 @@ class DataConfig:
         """(dataset name, weight) for each dataset trained on: data.mixture's, or [(data.name, 1.0)]."""
         if not self.mixture:
             return [(self.name, 1.0)]
-        allowed = 'comma-separated NAME=WEIGHT pairs with distinct names and weights > 0, e.g. wiki=3,books=1'
-        sources = []
-        for entry in self.mixture.split(','):
-            name, _, weight = entry.strip().rpartition('=')
-            try:
-                value = float(weight)
-            except ValueError:
-                value = math.nan
-            _require(bool(name) and math.isfinite(value) and value > 0, 'data.mixture', self.mixture,
+        return list(_weights('data.mixture', self.mixture, self.mixture, 'weights > 0, e.g. wiki=3,books=1').items())
+
+    def phases(self) -> list[tuple[int, tuple[float, ...]]]:
+        """(first step, each of sources()' datasets' weight) of each phase of the mixture, by step:
+        data.mixture's from step 0, then data.mixture_schedule's."""
+        names = [name for name, _ in self.sources()]
+        phases = [(0, tuple(weight for _, weight in self.sources()))]
+        if not self.mixture_schedule:
+            return phases
+        field, allowed = 'data.mixture_schedule', "';'-separated STEP:NAME=WEIGHT,... entries with rising steps > 0"
+        for entry in self.mixture_schedule.split(';'):
+            step, _, weights = entry.strip().partition(':')
+            _require(step.isdigit() and int(step) > phases[-1][0], field, self.mixture_schedule,
                      f'{allowed} ({entry.strip()!r} is not)')
-            sources.append((name, value))
-        names = [name for name, _ in sources]
-        _require(len(set(names)) == len(names), 'data.mixture', self.mixture, allowed)
-        return sources
+            given = _weights(field, self.mixture_schedule, weights, 'weights >= 0 of data.mixture\'s datasets',
+                             zero_allowed=True)
+            _require(set(given) <= set(names) and any(given.values()), field, self.mixture_schedule,
+                     f'{allowed}, naming only data.mixture\'s datasets ({", ".join(names)}), one at weight > 0 '
+                     f'({entry.strip()!r} is not)')
+            phases.append((int(step), tuple(given.get(name, 0.0) for name in names)))
+        return phases
+
+
+def _weights(field: str, value: str, pairs: str, allowed: str, zero_allowed: bool = False) -> dict[str, float]:
+    """'NAME=WEIGHT,...' -> {name: weight}, each weight finite and > 0 (or 0 where `zero_allowed`)."""
+    allowed = f'comma-separated NAME=WEIGHT pairs with distinct names and {allowed}'
+    weights = {}
+    for entry in pairs.split(','):
+        name, _, weight = entry.strip().rpartition('=')
+        try:
+            number = float(weight)
+        except ValueError:
+            number = math.nan
+        _require(bool(name) and name not in weights and math.isfinite(number) and (number > 0 or zero_allowed
+                 and number == 0), field, value,
+                 f'{allowed} ({entry.strip()!r} is not)')
+        weights[name] = number
+    return weights
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,14 @@ def every_process(flag: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array([flag]))))
 
 
+def summed(values: np.ndarray) -> np.ndarray:
+    """`values` summed over every process: one small all-gather (none on one process)."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+    return np.sum(multihost_utils.process_allgather(values), axis=0)
+
+
 def _gather_text(text: str) -> list[str]:
     """Every process's `text` (at most _MESSAGE_BYTES of UTF-8), in process order, on every process."""
     from jax.experimental import multihost_utils

@@ -4,8 +4,9 @@ shard -> pack -> batch.
 Built on grain: documents, in blocks of consecutive ones for a corpus of short documents (one
 document each for web pages; `_Blocks`), are shuffled globally with a seed (a new order each
 epoch), each process takes every `process_count`-th block, worker processes tokenize, and
-packing runs in the main process so that batches do not depend on the worker count. The
-iterator's state (`get_state` / `set_state`) restores the exact position.
+packing runs in the main process so that batches do not depend on the worker count. A
+mixture's datasets go through this apart, and their windows are interleaved by weight
+(`_MixIterator`). The iterator's state (`get_state` / `set_state`) restores the exact position.
 
 Packing: every document becomes a group `separator + tokens`, separator = [EOS] (+ [BOS] with
 `add_bos`), so EOS both ends one document and opens the next; an epoch's stream ends with one
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import time
 from typing import Any, Iterator
 
@@ -41,10 +43,11 @@ MIN_BLOCKS = 1000  # and a split has at least this many elements where it has th
 
 
 class _OnTheFly:
-    """A split's documents tokenized as they are read from its text (`corpus.open_split`)."""
+    """A split's documents tokenized as they are read from its text (`corpus.open_split`); with
+    `count_bytes`, each document is (ids, the UTF-8 bytes of text each id stands for)."""
 
-    def __init__(self, text: Any, tokenizer: Tokenizer, text_field: str):
-        self._text, self._tokenizer, self._field = text, tokenizer, text_field
+    def __init__(self, text: Any, tokenizer: Tokenizer, text_field: str, count_bytes: bool = False):
+        self._text, self._tokenizer, self._field, self.count_bytes = text, tokenizer, text_field, count_bytes
 
     def token_count(self, sample: int = 1000) -> float:
         """The split's tokens, estimated from `sample` documents spread evenly over it."""
@@ -54,11 +57,13 @@ class _OnTheFly:
         texts = [t.decode('utf-8') if isinstance(t, bytes) else t for t in records]
         return float(np.mean([len(ids) for ids in self._tokenizer.encode_batch(texts)])) * documents
 
-    def documents(self, indices: range) -> list[np.ndarray]:
+    def documents(self, indices: range) -> list[np.ndarray] | list[tuple[np.ndarray, np.ndarray]]:
         # array_record reads a list on a thread pool: ~350 us to start, then faster than one by one
         records = self._text.__getitems__(list(indices)) if len(indices) > 16 else [self._text[i] for i in indices]
-        texts = [record[self._field] for record in records]
-        return self._tokenizer.encode_batch([t.decode('utf-8') if isinstance(t, bytes) else t for t in texts])
+        texts = [t.decode('utf-8') if isinstance(t, bytes) else t for t in (record[self._field] for record in records)]
+        if self.count_bytes:
+            return self._tokenizer.encode_counting_bytes(texts)
+        return self._tokenizer.encode_batch(texts)
 
 
 class _Blocks:
@@ -74,6 +79,7 @@ class _Blocks:
 
     def __init__(self, source: tokens.TokenSource | _OnTheFly, split: corpus.SplitInfo, seq_len: int):
         self._source = source
+        self.count_bytes = isinstance(source, _OnTheFly) and source.count_bytes  # documents come as (ids, bytes)
         self.documents = split.documents
         window_bytes = BYTES_PER_TOKEN * seq_len
         self.per_block = max(1, min(window_bytes * split.documents // max(split.num_bytes, 1),
@@ -87,35 +93,44 @@ class _Blocks:
 
 
 class _PackIterator(grain.DatasetIterator):
-    """Blocks of documents (each document separator first) joined into windows of L + 1 tokens that
-    overlap by one. Each document arrives as a piece and is joined once a window's worth has
-    arrived: joining the buffer per document copied it once per document."""
+    """Blocks of one dataset's documents (each document separator first) joined into windows of
+    L + 1 tokens that overlap by one. Each document arrives as a piece and is joined once a window's
+    worth has arrived: joining the buffer per document copied it once per document. With
+    `count_bytes`, a document arrives as (ids, bytes of text per id) and each example gains
+    'target_bytes' (the separators stand for no text)."""
 
-    def __init__(self, parent: grain.DatasetIterator, layout: tuple[int, ...], seq_len: int, separator: np.ndarray,
-                 eos_id: int, pad_id: int, document_masking: bool):
+    def __init__(self, parent: grain.DatasetIterator, documents_per_block: int, seq_len: int, separator: np.ndarray,
+                 eos_id: int, pad_id: int, document_masking: bool, count_bytes: bool):
         super().__init__(parent)
-        self._layout = layout  # documents per element of each dataset: what the parent's position counts
+        self._per_block = documents_per_block  # what the parent's position counts
         self._L, self._separator, self._eos, self._pad = seq_len, separator, eos_id, pad_id
-        self._document_masking = document_masking
-        self._tokens = np.zeros((0,), np.int32)  # stream not yet emitted (the next window's start)
-        self._groups = np.zeros((0,), np.int64)  # document group of each buffered token
-        self._pieces: list[np.ndarray] = []  # arrived after _tokens, not yet joined to it
-        self._piece_groups: list[int] = []
+        self._document_masking, self._count_bytes = document_masking, count_bytes
+        # the stream not yet emitted (the next window's start): its tokens, each token's document
+        # group and (count_bytes) the bytes of text it stands for
+        self._tokens, self._groups, self._bytes = np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int32)
+        self._pieces: list[tuple[np.ndarray, int, np.ndarray | None]] = []  # arrived, not yet joined
         self._piece_tokens = 0
         self._n_groups = 0
         self._exhausted = False
 
-    def _add(self, tokens: np.ndarray, group: int) -> None:
-        self._pieces.append(tokens)
-        self._piece_groups.append(group)
+    def _add(self, tokens: np.ndarray, group: int, n_bytes: np.ndarray | None) -> None:
+        self._pieces.append((tokens, group, n_bytes))
         self._piece_tokens += len(tokens)
+
+    def _document(self, document: np.ndarray | tuple[np.ndarray, np.ndarray]) -> None:
+        tokens, n_bytes = document if self._count_bytes else (document, None)
+        self._n_groups += 1
+        self._add(self._separator, self._n_groups, np.zeros(len(self._separator), np.int32))
+        self._add(tokens, self._n_groups, n_bytes)
 
     def _join(self) -> None:
         if self._pieces:
-            lengths = [len(piece) for piece in self._pieces]
-            self._tokens = np.concatenate([self._tokens, *self._pieces]).astype(np.int32)
-            self._groups = np.concatenate([self._groups, np.repeat(np.asarray(self._piece_groups, np.int64), lengths)])
-            self._pieces, self._piece_groups, self._piece_tokens = [], [], 0
+            tokens, groups, n_bytes = zip(*self._pieces)
+            self._tokens = np.concatenate([self._tokens, *tokens]).astype(np.int32)
+            self._groups = np.concatenate([self._groups, np.repeat(np.asarray(groups, np.int64), list(map(len, tokens)))])
+            if self._count_bytes:
+                self._bytes = np.concatenate([self._bytes, *n_bytes]).astype(np.int32)
+            self._pieces, self._piece_tokens = [], 0
 
     def __next__(self) -> dict[str, np.ndarray]:
         L = self._L
@@ -124,35 +139,36 @@ class _PackIterator(grain.DatasetIterator):
                 block = next(self._parent)
             except StopIteration:
                 self._exhausted = True
-                if self._n_groups:
-                    self._add(np.array([self._eos], np.int32), self._n_groups)  # the last document's end
+                if self._n_groups:  # the last document's end
+                    self._add(np.array([self._eos], np.int32), self._n_groups, np.zeros(1, np.int32))
                 break
-            for doc in block:
-                self._n_groups += 1
-                self._add(self._separator, self._n_groups)
-                self._add(doc, self._n_groups)
+            for document in block:
+                self._document(document)
         self._join()
         if len(self._tokens) < 2:
             raise StopIteration
         n = min(L + 1, len(self._tokens))
-        window, groups = self._tokens[:n], self._groups[:n - 1]
+        example = _example(self._tokens[:n], self._groups[:n - 1], L, self._pad, self._document_masking)
+        if self._count_bytes:
+            example['target_bytes'] = np.zeros(L, np.int32)
+            example['target_bytes'][:n - 1] = self._bytes[1:n]
+            self._bytes = self._bytes[n - 1:]
         self._tokens, self._groups = self._tokens[n - 1:], self._groups[n - 1:]
-        return _example(window, groups, L, self._pad, self._document_masking)
+        return example
 
     def get_state(self) -> dict[str, Any]:  # between windows every piece is joined
         return {'parent': self._parent.get_state(), 'tokens': self._tokens.tolist(),
                 'groups': self._groups.tolist(), 'n_groups': self._n_groups, 'exhausted': self._exhausted,
-                'documents_per_element': list(self._layout)}
+                'documents_per_element': [self._per_block]}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        saved = tuple(state.get('documents_per_element', [1] * len(self._layout)))  # before blocks: one each
-        if saved != self._layout:
+        saved = state.get('documents_per_element', [1])  # before blocks: one each
+        if saved != [self._per_block]:
             raise corpus.DataError(
-                f'the saved data position counts grain elements of {list(saved)} documents (per dataset), but this '
-                f'pipeline reads {list(self._layout)} (blocks of about a window of text, data.seq_len tokens; vrl read '
-                'one document per element before it read blocks): restored, it would land elsewhere in the epoch. '
-                'Resume with the vrl version and data.seq_len that saved it, or start a new --workdir from these '
-                'weights with --init_from=CHECKPOINT.')
+                f'the saved data position counts grain elements of {saved} documents (per dataset), but this '
+                f'pipeline reads {[self._per_block]} (blocks of about a window of text, data.seq_len tokens): '
+                'restored, it would land elsewhere in the epoch. Resume with the vrl version and data.seq_len that '
+                'saved it, or start a new --workdir from these weights with --init_from=CHECKPOINT.')
         self._parent.set_state(state['parent'])
         self._tokens = np.asarray(state['tokens'], np.int32)
         self._groups = np.asarray(state['groups'], np.int64)
@@ -178,13 +194,78 @@ def _example(window: np.ndarray, groups: np.ndarray, L: int, pad_id: int,
 
 
 class _PackIterDataset(grain.IterDataset):
-    def __init__(self, parent: grain.IterDataset, layout: tuple[int, ...], seq_len: int, separator: np.ndarray,
-                 eos_id: int, pad_id: int, document_masking: bool):
+    def __init__(self, parent: grain.IterDataset, *args: Any):
         super().__init__(parent)
-        self._args = (layout, seq_len, separator, eos_id, pad_id, document_masking)
+        self._args = args
 
     def __iter__(self) -> _PackIterator:
         return _PackIterator(self._parent.__iter__(), *self._args)
+
+
+class _MixIterator(grain.DatasetIterator):
+    """Packed windows of each dataset of a mixture (each packed apart: a window holds one dataset's
+    text), interleaved in the token shares of the mixture's phase by step (DataConfig.phases):
+    window n of this process is in step n // windows_per_step, and within a phase each window goes
+    to the dataset furthest behind its share (the first on a tie), so every process makes the same
+    choices and a step's tokens follow the weights to within a window. Each example gains
+    'tokens_read': (datasets,) int64, the target tokens this process has read from each dataset so
+    far, kept in the state, so that a resume continues the count."""
+
+    def __init__(self, members: list[grain.DatasetIterator], phases: list[tuple[int, tuple[float, ...]]],
+                 windows_per_step: int):
+        super().__init__(members)
+        self._members, self._phases, self._per_step = members, phases, windows_per_step
+        self._windows = 0
+        self._phase = 0
+        self._taken = [0] * len(members)  # windows of each dataset in this phase
+        self._tokens_read = [0] * len(members)
+
+    def _next_member(self) -> int:
+        """The dataset furthest behind its share of this phase's windows (plain Python: a few
+        datasets, once a window)."""
+        phase = self._phase
+        while phase + 1 < len(self._phases) and self._phases[phase + 1][0] * self._per_step <= self._windows:
+            phase += 1
+        if phase != self._phase:
+            self._phase, self._taken = phase, [0] * len(self._members)
+        weights = self._phases[phase][1]
+        return min((i for i, w in enumerate(weights) if w > 0), key=lambda i: (self._taken[i] + 1) / weights[i])
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        member = self._next_member() if len(self._members) > 1 else 0
+        example = next(self._members[member])
+        self._windows += 1
+        self._taken[member] += 1
+        self._tokens_read[member] += int(example['loss_mask'].sum())
+        example['tokens_read'] = np.array(self._tokens_read, np.int64)
+        return example
+
+    def get_state(self) -> dict[str, Any]:
+        return {'members': [m.get_state() for m in self._members], 'windows': self._windows, 'phase': self._phase,
+                'taken': list(self._taken), 'tokens_read': list(self._tokens_read)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if 'members' not in state:  # saved before datasets were packed apart: one dataset's packer
+            if len(self._members) > 1:
+                raise corpus.DataError(
+                    'the saved data position is of a mixture whose datasets were mixed before packing, as vrl did '
+                    'before it packed each dataset apart: it cannot be restored into this order. Start a new '
+                    '--workdir from these weights with --init_from=CHECKPOINT.')
+            state = {'members': [state], 'windows': 0, 'phase': 0, 'taken': [0], 'tokens_read': [0]}
+        for member, saved in zip(self._members, state['members'], strict=True):
+            member.set_state(saved)
+        self._windows, self._phase = state['windows'], state['phase']
+        self._taken, self._tokens_read = list(state['taken']), list(state['tokens_read'])
+
+
+class _MixIterDataset(grain.IterDataset):
+    def __init__(self, members: list[grain.IterDataset], phases: list[tuple[int, tuple[float, ...]]],
+                 windows_per_step: int):
+        super().__init__(members)
+        self._members, self._phases, self._per_step = members, phases, windows_per_step
+
+    def __iter__(self) -> _MixIterator:
+        return _MixIterator([m.__iter__() for m in self._members], self._phases, self._per_step)
 
 
 def _separator(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
@@ -196,13 +277,15 @@ def prompt_tokens(cfg: DataConfig, tokenizer: Tokenizer, text: str) -> list[int]
     return _separator(cfg, tokenizer).tolist() + tokenizer.encode(text).tolist()
 
 
-def _source(cfg: DataConfig, tokenizer: Tokenizer, name: str, split: str) -> tokens.TokenSource | _OnTheFly:
+def _source(cfg: DataConfig, tokenizer: Tokenizer, name: str, split: str, count_bytes: bool = False
+            ) -> tokens.TokenSource | _OnTheFly:
     """A split's documents as ids: its pre-tokenized copy for this tokenizer when it has one
-    (data.pretokenized), else its text tokenized as it is read."""
-    found = tokens.find(name, cfg.data_dir, split, tokenizer, cfg.text_field) if cfg.pretokenized else None
+    (data.pretokenized), else its text tokenized as it is read; the text always where each id's
+    bytes of text are counted (`count_bytes`: they come from the text)."""
+    found = tokens.find(name, cfg.data_dir, split, tokenizer, cfg.text_field) if cfg.pretokenized and not count_bytes else None
     if found is not None:
         return found
-    return _OnTheFly(corpus.open_split(name, cfg.data_dir, split), tokenizer, cfg.text_field)
+    return _OnTheFly(corpus.open_split(name, cfg.data_dir, split), tokenizer, cfg.text_field, count_bytes)
 
 
 def opening_words(cfg: DataConfig, tokenizer: Tokenizer, pieces: int = 8) -> str:
@@ -213,55 +296,51 @@ def opening_words(cfg: DataConfig, tokenizer: Tokenizer, pieces: int = 8) -> str
     return words.split('\n', 1)[0].rstrip()  # its first line
 
 
-def _documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, name: str | None, shuffle: bool,
-               num_epochs: int | None) -> tuple[grain.MapDataset, tuple[int, ...]]:
-    """The split's documents as token ids, in blocks of consecutive documents (`_Blocks`), and each
-    dataset's documents per block: of dataset `name`, or of data.sources() mixed by weight (each
-    shuffled with its own seed and repeated, then interleaved by grain so that each dataset's share
-    of the tokens is its share of the weights). A dataset's ids come from its pre-tokenized copy for
-    this tokenizer when it has one (data.pretokenized), else from tokenizing its text; the blocks,
-    and so everything after, are the same either way."""
-    sources = [(name, 1.0)] if name else cfg.sources()
-    members, block_weights, layout = [], [], []
-    for i, (member, weight) in enumerate(sources):
-        source = _source(cfg, tokenizer, member, split)
-        blocks = _Blocks(source, corpus.split_info(member, cfg.data_dir, split), cfg.seq_len)
-        ds = grain.MapDataset.source(blocks)
-        members.append((ds.shuffle(seed=cfg.seed + i) if shuffle else ds).repeat(num_epochs))
-        layout.append(blocks.per_block)
-        if len(sources) > 1:  # a block's share of draws: weight / the dataset's tokens per block (separators too)
-            stream_tokens = source.token_count() + blocks.documents * len(_separator(cfg, tokenizer))
-            block_weights.append(weight * len(blocks) / stream_tokens)
-    return (members[0] if len(members) == 1 else grain.MapDataset.mix(members, block_weights)), tuple(layout)
+def _blocks(cfg: DataConfig, tokenizer: Tokenizer, name: str, split: str, count_bytes: bool = False) -> _Blocks:
+    """Split `split` of dataset `name` as blocks of consecutive documents' ids; the ids come from its
+    pre-tokenized copy for this tokenizer when it has one (`_source`); the blocks, and so
+    everything after, are the same either way."""
+    return _Blocks(_source(cfg, tokenizer, name, split, count_bytes), corpus.split_info(name, cfg.data_dir, split),
+                   cfg.seq_len)
 
 
-def _pipeline(documents: tuple[grain.MapDataset, tuple[int, ...]], cfg: DataConfig, tokenizer: Tokenizer, *,
-              process_index: int, process_count: int) -> grain.IterDataset:
-    """Batches of this process's share; a finite pass ends with a padded (loss_mask 0) batch."""
-    batch_size = per_process_batch_size(cfg, process_count)
-    blocks, layout = documents
-    ds = blocks[process_index::process_count].to_iter_dataset(_read_options(cfg))
-    if cfg.num_workers:
+def _windows(blocks: _Blocks, cfg: DataConfig, tokenizer: Tokenizer, *, seed: int | None, num_epochs: int | None,
+             process_index: int, process_count: int, share: float = 1.0) -> grain.IterDataset:
+    """One dataset's packed windows of L + 1 tokens, from this process's share of its blocks (every
+    `process_count`-th), shuffled with `seed` (None: in order) and repeated `num_epochs` times (None:
+    forever); read by `share` of the reading threads and worker processes (a mixture's dataset
+    reads beside the others)."""
+    ds = grain.MapDataset.source(blocks)
+    ds = (ds if seed is None else ds.shuffle(seed=seed)).repeat(num_epochs)
+    ds = ds[process_index::process_count].to_iter_dataset(_read_options(cfg, share))
+    if workers := math.ceil(cfg.num_workers * share):
         if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; notebooks never parse them
             flags.FLAGS.mark_as_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers,
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers,
                                                          per_worker_buffer_size=max(cfg.prefetch, 1) * 16))
-    ds = _PackIterDataset(ds, layout, cfg.seq_len, _separator(cfg, tokenizer), tokenizer.eos_id, tokenizer.pad_id,
-                          cfg.document_masking)
-    return ds.batch(batch_size).map(functools.partial(_pad_batch, batch_size=batch_size))
+    return _PackIterDataset(ds, blocks.per_block, cfg.seq_len, _separator(cfg, tokenizer), tokenizer.eos_id,
+                            tokenizer.pad_id, cfg.document_masking, blocks.count_bytes)
+
+
+def _batches(windows: grain.IterDataset, cfg: DataConfig, process_count: int) -> grain.IterDataset:
+    """Batches of this process's share; a finite pass ends with a padded (loss_mask 0) batch."""
+    batch_size = per_process_batch_size(cfg, process_count)
+    return windows.batch(batch_size).map(functools.partial(_pad_batch, batch_size=batch_size))
 
 
 REMOTE_READ_THREADS = 64  # data.read_threads=-1 on an object store: ranged reads in flight per process
 
 
-def _read_options(cfg: DataConfig) -> grain.ReadOptions:
-    """Reading in this process's threads. On local disk none by default: grain's threads busy-wait
-    on their futures and cost more than a mapped read. On an object store, where a block is two
-    ranged reads of tens of milliseconds, REMOTE_READ_THREADS reads in flight (data.read_threads
-    sets it); the blocks read ahead, at most 32 a thread, bound the reader's memory."""
+def _read_options(cfg: DataConfig, share: float) -> grain.ReadOptions:
+    """Reading in this process's threads, `share` of them for one dataset. On local disk none by
+    default: grain's threads busy-wait on their futures and cost more than a mapped read. On an
+    object store, where a block is two ranged reads of tens of milliseconds, REMOTE_READ_THREADS
+    reads in flight (data.read_threads sets it); the blocks read ahead, at most 32 a thread, bound
+    the reader's memory."""
     threads = cfg.read_threads
     if threads < 0:
         threads = REMOTE_READ_THREADS if storage.is_remote(cfg.data_dir) else 0
+    threads = math.ceil(threads * share)
     return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(threads, 1) * 32)
 
 
@@ -316,32 +395,61 @@ def per_process_batch_size(cfg: DataConfig, process_count: int) -> int:
 def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0,
                   process_count: int = 1) -> grain.IterDataset:
     """Endless (or data.num_epochs) shuffled, packed batches of this process's share of the global
-    batch, from data.name or the data.mixture."""
-    documents = _documents(cfg, tokenizer, cfg.train_split, None, shuffle=True, num_epochs=cfg.num_epochs or None)
-    return _pipeline(documents, cfg, tokenizer, process_index=process_index, process_count=process_count)
+    batch, from data.name or the data.mixture (each dataset shuffled with its own seed and packed
+    apart, their windows interleaved by `_MixIterator`); each batch also holds 'tokens_read':
+    (rows, datasets) int64, this process's target tokens read from each dataset up to each row."""
+    sources = cfg.sources()
+    members = [_windows(_blocks(cfg, tokenizer, name, cfg.train_split), cfg, tokenizer, seed=cfg.seed + i,
+                        num_epochs=cfg.num_epochs or None, process_index=process_index, process_count=process_count,
+                        share=1 / len(sources))
+               for i, (name, _) in enumerate(sources)]
+    mixed = _MixIterDataset(members, cfg.phases(), per_process_batch_size(cfg, process_count))
+    return _batches(mixed, cfg, process_count)
+
+
+EVAL_KEPT_BYTES = 1 << 30  # a pass of an evaluation set up to this size is kept in memory for the next
 
 
 class EvalSets:
-    """The validation sets of `cfg` for `tokenizer`, each opened (listed, its shards found) on first
-    use and kept: a run's evaluations after the first read batches and nothing else."""
+    """The validation sets of `cfg` for `tokenizer`, each opened (listed, its text found) on first use
+    and kept, and each pass's batches kept (up to EVAL_KEPT_BYTES): a run's evaluations after the
+    first read and tokenize nothing."""
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
-        self._opened: dict[tuple[str, str], tuple[grain.MapDataset, tuple[int, ...]]] = {}
+        self._opened: dict[tuple[str, str], _Blocks] = {}
+        self._kept: dict[tuple, list[Batch]] = {}
 
     def batches(self, max_batches: int, process_index: int = 0, process_count: int = 1, name: str | None = None,
                 split: str | None = None) -> Iterator[Batch]:
         """Split `split` (default data.eval_split) of dataset `name` (default data.name) in a fixed
-        order, one pass, every batch full size (padding has loss_mask 0).
+        order, one pass, every batch full size (padding has loss_mask 0), with 'target_bytes': the
+        UTF-8 bytes of text each target stands for (Tokenizer.encode_counting_bytes).
 
         Every process gets the same number of batches, all-padding ones after its share ends: with
         max_batches > 0 exactly that many; with 0 (the whole split) as many as the process with the
         most has (the `process_count` processes of a jax.distributed job agree at each batch)."""
-        cfg, key = self.cfg, (name or self.cfg.name, split or self.cfg.eval_split)
+        key = (name or self.cfg.name, split or self.cfg.eval_split)
+        this_pass = (key, max_batches, process_index, process_count)
+        if this_pass in self._kept:
+            yield from self._kept[this_pass]
+            return
+        kept, size = [], 0  # every process's batches have the same shapes: all keep them, or none
+        for batch in self._read(key, max_batches, process_index, process_count):
+            size += sum(array.nbytes for array in batch.values())
+            if size <= EVAL_KEPT_BYTES:
+                kept.append(batch)
+            yield batch
+        if size <= EVAL_KEPT_BYTES:
+            self._kept[this_pass] = kept
+
+    def _read(self, key: tuple[str, str], max_batches: int, process_index: int, process_count: int
+              ) -> Iterator[Batch]:
+        cfg = self.cfg
         if key not in self._opened:
-            self._opened[key] = _documents(cfg, self.tokenizer, key[1], key[0], shuffle=False, num_epochs=1)
-        ds = iter(_pipeline(self._opened[key], cfg, self.tokenizer, process_index=process_index,
-                            process_count=process_count))
+            self._opened[key] = _blocks(cfg, self.tokenizer, key[0], key[1], count_bytes=True)
+        ds = iter(_batches(_windows(self._opened[key], cfg, self.tokenizer, seed=None, num_epochs=1,
+                                    process_index=process_index, process_count=process_count), cfg, process_count))
         padding = _pad_batch(_empty_like(cfg), per_process_batch_size(cfg, process_count))
         count = 0
         while not max_batches or count < max_batches:
@@ -372,7 +480,8 @@ def next_batch(iterator: Iterator[Batch], finite: bool) -> Batch | None:
 
 
 def _empty_like(cfg: DataConfig) -> Batch:
-    keys = ('inputs', 'targets', 'loss_mask') + (('segment_ids', 'positions') if cfg.document_masking else ())
+    """An evaluation batch of no rows."""
+    keys = ('inputs', 'targets', 'loss_mask', 'target_bytes') + (('segment_ids', 'positions') if cfg.document_masking else ())
     return {k: np.zeros((0, cfg.seq_len), np.int32) for k in keys}
 
 

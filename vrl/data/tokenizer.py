@@ -106,15 +106,26 @@ class Tokenizer:
         """Token i's string and kind ('normal', 'control', 'byte', ...)."""
         raise NotImplementedError
 
-    def piece_bytes(self, i: int) -> int:
-        """How many UTF-8 bytes of text token i stands for (0 for a control token)."""
-        raise NotImplementedError
+    def encode_counting_bytes(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each text's (n,) int32 ids and (n,) int32 UTF-8 bytes of the text each id stands for,
+        from the tokens' offsets into the text as given, before any normaliser: summed, exactly the
+        text's bytes (the denominator of bits per byte), whatever a normaliser composes or a
+        pre-tokenizer prepends. A character's bytes go to the first token that covers it; text no
+        token covers goes to the next token (to the last at the end)."""
+        counted = []
+        for text, (ids, ends) in zip(texts, self._ends_in_bytes(texts)):
+            total = len(text.encode('utf-8'))
+            if not len(ids):
+                counted.append((ids, np.zeros(0, np.int32)))
+                continue
+            bounds = np.minimum(np.maximum.accumulate(ends), total)
+            bounds[-1] = total
+            counted.append((ids, np.diff(bounds, prepend=0).astype(np.int32)))
+        return counted
 
-    @functools.cached_property
-    def utf8_bytes(self) -> np.ndarray:
-        """(vocab_size,) int32: the UTF-8 bytes of text each token stands for, so summing over a
-        text's ids gives its length in bytes: the denominator of bits per byte."""
-        return np.array([self.piece_bytes(i) for i in range(self.vocab_size)], np.int32)
+    def _ends_in_bytes(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each text's (n,) ids and (n,) the UTF-8 byte offset into the text where each token ends."""
+        raise NotImplementedError
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """`context + continuation` encoded as one text, split before the first token that covers
@@ -176,11 +187,10 @@ class SentencePieceTokenizer(Tokenizer):
         kind = next((k for k in ('control', 'unknown', 'byte', 'unused') if getattr(self._sp, f'is_{k}')(i)), 'normal')
         return self._sp.id_to_piece(i), kind
 
-    def piece_bytes(self, i: int) -> int:
-        piece, kind = self.piece(i)
-        if kind == 'byte':
-            return 1
-        return 0 if kind in ('control', 'unknown') else len(piece.replace('\u2581', ' ').encode('utf-8'))
+    def _ends_in_bytes(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        encoded = self._sp.encode(texts, out_type='proto')
+        return [(np.array([p.id for p in e.pieces], np.int32), np.array([p.end for p in e.pieces], np.int64))
+                for e in encoded]
 
 
 # special tokens by their usual names, for a tokenizer.json without a tokenizer_config.json
@@ -211,7 +221,6 @@ class HuggingFaceTokenizer(Tokenizer):
         self.eos_id = self._special(named.get('eos_token'), _EOS_NAMES, special, 'EOS')
         self.bos_id = self._special(named.get('bos_token'), _BOS_NAMES, special, 'BOS', self.eos_id)
         self.pad_id = self._special(named.get('pad_token'), _PAD_NAMES, special, 'padding', self.eos_id)
-        self._byte_level = '"ByteLevel"' in json.dumps(json.loads(file_bytes).get('decoder'))
 
     def _special(self, configured: str | None, usual: tuple[str, ...], special: dict[str, int], what: str,
                  fallback: int | None = None) -> int:
@@ -253,17 +262,19 @@ class HuggingFaceTokenizer(Tokenizer):
         kind = 'normal' if added is None else ('control' if added.special else 'added')
         return self._tok.id_to_token(i) or '', kind
 
-    def piece_bytes(self, i: int) -> int:
-        piece, kind = self.piece(i)
-        if kind == 'control':
-            return 0
-        if kind == 'added':
-            return len(piece.encode('utf-8'))  # an added token matches its text as it is
-        if self._byte_level:
-            return len(piece)  # byte-level BPE: one character per byte
-        if re.fullmatch(r'<0x[0-9A-Fa-f]{2}>', piece):
-            return 1  # a byte-fallback piece
-        return len(piece.replace('\u2581', ' ').encode('utf-8'))
+    def _ends_in_bytes(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        ends = []
+        for text, encoding in zip(texts, self._tok.encode_batch(texts, add_special_tokens=False)):
+            chars = np.array([end for _, end in encoding.offsets], np.int64)
+            ends.append((np.asarray(encoding.ids, np.int32), chars if text.isascii() else _utf8_offsets(text)[chars]))
+        return ends
+
+
+def _utf8_offsets(text: str) -> np.ndarray:
+    """(len(text) + 1,) the UTF-8 byte offset of each character offset of `text`."""
+    code_points = np.frombuffer(text.encode('utf-32-le'), np.uint32)
+    lengths = 1 + (code_points >= 0x80) + (code_points >= 0x800) + (code_points >= 0x10000)
+    return np.concatenate([[0], np.cumsum(lengths)])
 
 
 def _config_tokens(path: str) -> dict[str, str]:

@@ -120,11 +120,9 @@ def _validations(stepper: Trainer | RunGroup, params: Any, config: Config, sets:
                  ) -> list[Validation]:
     """One Validation per run: `params` are one Trainer's run's, or a RunGroup's (a leading run axis)."""
     domains: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    tokenizer = sets.tokenizer
     for name, split in config.data.evaluated():
         loss_sum = tokens = n_bytes = np.zeros(1)
         for batch in sets.batches(config.train.eval_batches, jax.process_index(), jax.process_count(), name, split):
-            batch['target_bytes'] = tokenizer.utf8_bytes[batch['targets']]
             out = jax.device_get(stepper.eval_step(params, stepper.device_batch(batch)))
             loss_sum, tokens, n_bytes = (loss_sum + out['loss_sum'], tokens + out['tokens'], n_bytes + out['bytes'])
         domains[name if split == config.data.eval_split else f'{name}:{split}'] = (loss_sum / np.maximum(tokens, 1.0), loss_sum / math.log(2) / np.maximum(n_bytes, 1.0))
@@ -386,16 +384,22 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
             m.writer.print(f'nothing to train: the checkpoint is at step {start_step} = train.steps')
     resumed = starts[0][1] == 'resumed'
 
-    pending: tuple[int, dict] | None = None
+    pending: tuple[int, dict, np.ndarray] | None = None
     interval_start, interval_steps = time.perf_counter(), 0
+    train_tokens = {name: d['train_tokens'] for name, d in reads['data']['datasets'].items()}
 
-    def read(step: int, step_metrics: dict) -> None:
-        """Host side of step `step` for every member: NaN policy, loss record, periodic log line."""
+    def read(step: int, step_metrics: dict, tokens_read: np.ndarray) -> None:
+        """Host side of step `step` for every member: NaN policy, loss record, periodic log line
+        (with the target tokens read from each dataset up to the step, on every process)."""
         nonlocal interval_start, interval_steps
         host = jax.device_get(step_metrics)
         interval_steps += 1
         logging_now = step % config.train.log_every == 0 or step == config.train.steps
         elapsed = time.perf_counter() - interval_start
+        if logging_now:
+            read_so_far = dict(zip(train_tokens, multihost.summed(tokens_read).tolist()))
+            data_record = {**{f'tokens/{name}': n for name, n in read_so_far.items()},
+                           **{f'epoch/{name}': n / max(train_tokens[name], 1) for name, n in read_so_far.items()}}
         for i, m in enumerate(members):
             mine = group.member(host, i)
             m.check_finite(step, bool(mine['finite']))
@@ -404,8 +408,7 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
                 tokens_per_sec = interval_steps * tokens_per_step / elapsed
                 m.writer.write(step, {'loss': mine['loss'], 'lr': mine['lr'], 'grad_norm': mine['grad_norm'],
                                       'tokens_per_sec': tokens_per_sec, 'step_time': elapsed / interval_steps,
-                                      'mfu': account.flops_per_token * tokens_per_sec / peak,
-                                      **{f'epoch/{name}': step * rate for name, rate in epoch_rates.items()}})
+                                      'mfu': account.flops_per_token * tokens_per_sec / peak, **data_record})
         if logging_now:
             interval_start, interval_steps = time.perf_counter(), 0
 
@@ -462,13 +465,14 @@ def _train(trainer: Trainer, group: RunGroup, members: list[_Member], tokenizer,
         if host_batch is None:
             data_ended(step, saved=step == start_step or step % config.train.checkpoint_every == 0)
             break
+        tokens_read = host_batch.pop('tokens_read').max(axis=0)  # rows count up; padding rows are 0
         state, step_metrics = group.train_step(state, group.device_batch(host_batch))
         step += 1
         for m in members:
             checkpoint.check_saves(m.manager)  # a failed async save stops the run at the next step
         if pending is not None:
             read(*pending)
-        pending = (step, step_metrics)
+        pending = (step, step_metrics, tokens_read)
         preempted, due = preemption.agree(
             step, config.train.log_every, lease_lost=any(m.guard.lost for m in members),
             timed_save=bool(minutes) and time.monotonic() - saved_at[0] >= 60 * minutes)

@@ -171,7 +171,7 @@ class Trainer:
 
     def _eval_step(self, params: dict, batch: Batch) -> Metrics:
         """Sums over the batch's unmasked targets: cross-entropy (nats), tokens, and the UTF-8 bytes
-        they stand for (batch['target_bytes'], from Tokenizer.utf8_bytes)."""
+        they stand for (batch['target_bytes'], from Tokenizer.encode_counting_bytes)."""
         _, cross_entropy = loss_sums(self.graphdef, params, batch, 0.0)
         mask = batch['loss_mask'].astype(jnp.float32)
         return {'loss_sum': cross_entropy, 'tokens': jnp.sum(mask),
