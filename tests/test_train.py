@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers import rel_err
+from tests.helpers import module_matmul_params, rel_err
 from tests.runs import logged_steps, params_equal, saved_steps, start_run, tiny_config, wait_for
 from vrl.core import sharding
 from vrl.data import corpus, pipeline
@@ -54,8 +54,17 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path, cap
     # schedule does not depend on train.steps, so its first 40 steps are those of the run above)
     bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype='bfloat16'),
                                train=dataclasses.replace(config.train, steps=40, eval_every=0, sample_prompt='',
-                                                         sample_tokens=4))
+                                                         sample_tokens=4, peak_flops=1e11))
     bf16_losses = loop.run(bf16, str(tmp_path / 'bf16')).losses
+    # MFU by hand for its logged step: FLOPs per token from the module's matmul weights and attention,
+    # tokens per second from the step time, over train.peak_flops x devices
+    m, d = bf16.model, bf16.data
+    flops_per_token = 6 * module_matmul_params(m) + 6 * m.n_layers * m.n_heads * m.head_dim * d.seq_len
+    logged, = [json.loads(line) for line in (tmp_path / 'bf16' / 'metrics.jsonl').read_text().splitlines()
+               if '"mfu"' in line]
+    assert logged['tokens_per_sec'] == pytest.approx(d.batch_size * d.seq_len / logged['step_time'], rel=1e-6)
+    assert logged['mfu'] == pytest.approx(flops_per_token * logged['tokens_per_sec'] / (1e11 * jax.device_count()),
+                                          rel=1e-6)
     final = [np.mean([losses[s] for s in range(36, 41)]) for losses in (result.losses, bf16_losses)]
     assert abs(final[1] - final[0]) < 0.05, final
     said = capsys.readouterr().out
