@@ -34,7 +34,7 @@ from vrl.core.config import Config, from_configdict  # noqa: E402
 from vrl.experiments import grid  # noqa: E402
 from vrl.model import accounting, presets  # noqa: E402
 from vrl.train import metrics  # noqa: E402
-from vrl.train.step import Trainer  # noqa: E402
+from vrl.train.step import TrainSteps  # noqa: E402
 
 
 def config_for(variant: str, steps: int) -> Config:
@@ -46,7 +46,7 @@ def config_for(variant: str, steps: int) -> Config:
 
 def step_ms(config: Config, members: int, steps: int = 20) -> tuple[float, float]:
     """Median milliseconds per step of one run and of a group of `members`, in alternating rounds."""
-    trainer = Trainer(config, sharding.make_mesh(config.mesh))
+    trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
     group = trainer.group(members)
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size,
                                                (config.data.batch_size, config.data.seq_len + 1)).astype(np.int32)

@@ -29,7 +29,7 @@ from vrl.core.config import from_configdict  # noqa: E402
 from vrl.data import corpus, pipeline  # noqa: E402
 from vrl.tools.evaluate import VrlLM  # noqa: E402
 from vrl.train import aot  # noqa: E402
-from vrl.train.step import Trainer  # noqa: E402
+from vrl.train.step import TrainSteps  # noqa: E402
 from vrl.train.trained import TrainedRun  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def main() -> None:
         if jax.default_backend() == 'cpu':
             config = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype='float32'))
         config = aot.auto_fit(config, jax.devices(), aot.local_hbm_bytes())[0]  # named configs: microbatches=0
-        trainer = Trainer(config, sharding.make_mesh(config.mesh))
+        trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
         run = TrainedRun(config, tokenizer, trainer, trainer.init_state(0).params, None)
         for batch in map(int, args.batches.split(',')):
             rate = requests_per_sec(VrlLM(run, batch_size=batch), reqs)

@@ -37,7 +37,7 @@ from vrl.core import backend, host_memory, sharding  # noqa: E402
 from vrl.core.config import Config, from_configdict  # noqa: E402
 from vrl.model import accounting, presets  # noqa: E402
 from vrl.train import aot, metrics  # noqa: E402
-from vrl.train.step import Trainer  # noqa: E402
+from vrl.train.step import TrainSteps  # noqa: E402
 
 NAMED = {'tiny': tiny.get_config, 'reproduce_cpu': reproduce_cpu.get_config}
 
@@ -61,7 +61,7 @@ class Stepper:
 
     def __init__(self, config: Config, members: int = 1):
         self.config = config
-        self.group = Trainer(config, sharding.make_mesh(config.mesh)).group(members)  # 1: the Trainer's own step
+        self.group = TrainSteps(config, sharding.make_mesh(config.mesh)).group(members)  # 1: the TrainSteps's own step
         self.state = self.group.init_state(list(range(members)))
         rng = np.random.default_rng(0)
         shape = (config.data.batch_size, config.data.seq_len)

@@ -3,7 +3,7 @@ for compile time rather than run time.
 
 The suite's programs are tiny models whose compile takes far longer than their run, so its XLA:CPU
 skips the LLVM optimisations and the newer fusion emitters (the same HLO, the same numerics up to
-rounding; docs/contributing.md has the suite's times with and without). A jax whose XLA no longer knows
+rounding; docs/performance.md has the suite's times with and without). A jax whose XLA no longer knows
 a flag would abort on it, so the flags are probed once, in a subprocess, and the ones it rejects are
 left out. The result goes to the workers (and the tests' subprocesses) through VRL_TEST_XLA_FLAGS,
 which also overrides the whole set.
@@ -28,8 +28,11 @@ def _known(flags: tuple[str, ...]) -> tuple[str, ...]:
 os.environ.setdefault('VRL_TEST_XLA_FLAGS', ' '.join((DEVICES, *_known(FAST_COMPILE))))
 os.environ['XLA_FLAGS'] = os.environ['VRL_TEST_XLA_FLAGS']
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-# No persistent compilation cache in the test process: writing an executable to it aborted the
-# process once in CI (jax compilation_cache.put_executable_and_time, tests/test_train.py); the
+# Strict, as nanodo's tests are: an implicit rank promotion (a broadcast not written out) raises, in
+# the test process and the commands it starts.
+os.environ.setdefault('JAX_NUMPY_RANK_PROMOTION', 'raise')
+# No persistent compilation cache in the test process: writing an executable to it can abort the
+# process (jax's compilation_cache.put_executable_and_time, under tests/test_train.py); the
 # `python -m vrl.main` subprocesses keep vrl's own default cache.
 
 ROOT = Path(__file__).resolve().parents[1]

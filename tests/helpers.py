@@ -16,7 +16,7 @@ from vrl.core.config import ModelConfig
 
 def small_model_config(**overrides) -> ModelConfig:
     """A 3-layer GQA model in float32: big enough to exercise every path, fast on CPU; its execution
-    settings resolved (XLA attention, every hand-written backward), as a model built outside a Trainer needs."""
+    settings resolved (XLA attention, every hand-written backward), as a model built outside a TrainSteps needs."""
     base = ModelConfig(vocab_size=97, vocab_pad_multiple=32, n_layers=3, d_model=32, n_heads=4,
                        n_kv_heads=2, head_dim=8, d_ff=48, compute_dtype='float32', attention_impl='xla', hand_vjp='all')
     return dataclasses.replace(base, **overrides)

@@ -62,8 +62,8 @@ def shared_run(small_corpus, folder: Path, attention: str) -> Path:
 def train_losses(config: Config, devices, batches: list[dict]) -> tuple[list[float], Any]:
     """The loss of each step of a fresh seed-0 state over `batches` on a mesh of `devices`, and the final state."""
     from vrl.core import sharding
-    from vrl.train.step import Trainer
-    trainer = Trainer(config, sharding.make_mesh(config.mesh, devices))
+    from vrl.train.step import TrainSteps
+    trainer = TrainSteps(config, sharding.make_mesh(config.mesh, devices))
     state = trainer.init_state(0)
     losses = []
     for batch in batches:

@@ -28,8 +28,8 @@ from vrl.data import pipeline
 from vrl.interop import hf
 from vrl.model import decode
 from vrl.model.decoder import Decoder
-from vrl.train import loop, trained
-from vrl.train.step import Trainer
+from vrl.train import loop, start, trained
+from vrl.train.step import TrainSteps
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 UNDER_OLDEST_TRANSFORMERS = os.environ.get('VRL_UNDER_OLDEST_TRANSFORMERS') == '1'
@@ -119,8 +119,8 @@ def test_transformers_loads_the_export_and_agrees(exported):
 
 def test_init_from_hf_restores_identical_parameters(exported):
     run, folder = exported
-    trainer = Trainer(run.config, run.trainer.mesh)
-    params, note = loop._initial_params(f'hf:{folder}', trainer, run.config)
+    trainer = TrainSteps(run.config, run.trainer.mesh)
+    params, note = start.initial_params(f'hf:{folder}', trainer, run.config)
     assert params_equal(jax.device_get(params), jax.device_get(run.params))
     assert note.startswith(f' ({len(load_file(str(folder / "model.safetensors")))} tensors), tokenizer ')
     assert 'also fit a fixed-lambda ResFormer' in note  # a plain Llama config.json cannot say
@@ -128,7 +128,7 @@ def test_init_from_hf_restores_identical_parameters(exported):
 
 def test_bad_directories_are_named(exported, tmp_path):
     run, folder = exported
-    trainer = Trainer(run.config, run.trainer.mesh)
+    trainer = TrainSteps(run.config, run.trainer.mesh)
 
     def copy(edit_config=None, drop=None) -> str:
         bad = tmp_path / f'bad{len(list(tmp_path.iterdir()))}'
@@ -140,20 +140,20 @@ def test_bad_directories_are_named(exported, tmp_path):
         return f'hf:{bad}'
 
     with pytest.raises(hf.HFError, match=r"holds a 'gpt2' model .*Llama models"):
-        loop._initial_params(copy({'model_type': 'gpt2'}), trainer, run.config)
+        start.initial_params(copy({'model_type': 'gpt2'}), trainer, run.config)
     with pytest.raises(hf.HFError, match=r'vocab_size=9999 but model.vocab_size=512'):
-        loop._initial_params(copy({'vocab_size': 9999}), trainer, run.config)
+        start.initial_params(copy({'vocab_size': 9999}), trainer, run.config)
     with pytest.raises(hf.HFError, match=r"no 'model.layers.1.mlp.up_proj.weight'"):
-        loop._initial_params(copy(drop='model.layers.1.mlp.up_proj.weight'), trainer, run.config)
+        start.initial_params(copy(drop='model.layers.1.mlp.up_proj.weight'), trainer, run.config)
     with pytest.raises(hf.HFError, match=r'num_key_value_heads=2 but the config has model.n_kv_heads=1'):
-        loop._initial_params(copy({'num_key_value_heads': 2}), trainer, run.config)
+        start.initial_params(copy({'num_key_value_heads': 2}), trainer, run.config)
     with pytest.raises(hf.HFError, match=r"no 'model.value_lambdas.v1' \(resformer \(learnable\) \+ MQA needs it\)"):
         config = dataclasses.replace(run.config, model=dataclasses.replace(
             run.config.model, attention='resformer', lambda_mode='learnable'))
-        loop._initial_params(f'hf:{folder}', Trainer(config, run.trainer.mesh), config)
+        start.initial_params(f'hf:{folder}', TrainSteps(config, run.trainer.mesh), config)
     with pytest.raises(hf.HFError, match=r"'model.layers.1.self_attn.v_proj.weight'.*svformer \+ MQA has no place for"):
         config = dataclasses.replace(run.config, model=dataclasses.replace(run.config.model, attention='svformer'))
-        loop._initial_params(f'hf:{folder}', Trainer(config, run.trainer.mesh), config)
+        start.initial_params(f'hf:{folder}', TrainSteps(config, run.trainer.mesh), config)
 
 
 def _variant(name: str, tokenizer) -> tuple:
@@ -332,11 +332,11 @@ def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp
     run, folder = exported
     config = dataclasses.replace(run.config, model=dataclasses.replace(run.config.model, vocab_size=1024),
                                  data=dataclasses.replace(run.config.data, tokenizer=''))
-    chosen, source, line = loop._hf_tokenizer(config, f'hf:{folder}', tmp_path / 'run')
+    chosen, source, line = start.hf_tokenizer(config, f'hf:{folder}', tmp_path / 'run')
     assert (source, chosen.data.tokenizer) == (folder / 'tokenizer.model', str(tmp_path / 'run' / 'tokenizer.model'))
     assert line == f'tokenizer {folder / "tokenizer.model"}'
     named = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=run.tokenizer.path))
-    assert loop._hf_tokenizer(named, f'hf:{folder}', tmp_path)[:2] == (named, None)  # the same pieces
+    assert start.hf_tokenizer(named, f'hf:{folder}', tmp_path)[:2] == (named, None)  # the same pieces
 
     from vrl.data import corpus
     from vrl.data import tokenizer as tokenizer_lib
@@ -345,7 +345,7 @@ def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp
     named = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=other.path))
     with pytest.raises(hf.HFError, match=rf'data.tokenizer={other.path} is not the tokenizer the weights in '
                                          rf'{folder} were trained with .*: 600 vs 512 pieces'):
-        loop._hf_tokenizer(named, f'hf:{folder}', tmp_path)
+        start.hf_tokenizer(named, f'hf:{folder}', tmp_path)
     bare = tmp_path / 'bare'
     bare.mkdir()
     for name in ('config.json', 'model.safetensors'):
@@ -353,7 +353,7 @@ def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp
     (bare / 'tokenizer_config.json').write_text('{}')
     with pytest.raises(hf.HFError, match=r'has no tokenizer.model or tokenizer.json \(only tokenizer_config.json\)'
                                          r'.*--config.data.tokenizer=PATH'):
-        loop._hf_tokenizer(config, f'hf:{bare}', tmp_path)
+        start.hf_tokenizer(config, f'hf:{bare}', tmp_path)
 
 
 def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, tmp_path):

@@ -259,7 +259,7 @@ def test_data_on_a_missing_bucket_is_one_line(gcs, bucket_config, tmp_path, fiel
     from vrl.data import pipeline
     config = dataclasses.replace(bucket_config.data, **{field: value})
     with pytest.raises(VrlError) as raised:
-        pipeline.ready(config, bucket_config.model.vocab_size)
+        pipeline.tokenizer_for_run(config, bucket_config.model.vocab_size)
     assert str(raised.value).startswith(message) and '\n' not in str(raised.value), raised.value
     assert not list(tmp_path.rglob('gs:')) and not list(ROOT.rglob('gs:'))
 

@@ -218,7 +218,7 @@ def test_cross_entropy_sums_match_autodiff(z_loss, chunks, logit_scale):
     B, L, D, V, vocab_size = 2, 6, 16, 24, 21
     x, w = _normal(19, B, L, D), _normal(20, D, V) * (logit_scale / math.sqrt(D))
     targets = jax.random.randint(jax.random.key(21), (B, L), 0, vocab_size)
-    weights = jax.random.uniform(jax.random.key(22), (B, L)) * (jnp.arange(L) != 2)  # one token masked out
+    weights = jax.random.uniform(jax.random.key(22), (B, L)) * (jnp.arange(L) != 2)[None, :]  # one token masked out
     d_loss = 1.7  # the cotangent of the loss, as a loss scale would be
     sums, vjp = jax.vjp(lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, vocab_size, z_loss, chunks), x, w)
     dx, dw = vjp((jnp.float32(d_loss), jnp.float32(0.0)))

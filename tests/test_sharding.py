@@ -24,7 +24,7 @@ from vrl.core import sharding
 from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig
 from vrl.data import pipeline
 from vrl.train import aot
-from vrl.train.step import Trainer
+from vrl.train.step import TrainSteps
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -291,7 +291,7 @@ def test_two_slices_compile_and_only_data_parallelism_crosses_them():
     report = aot.compile_train_step(config, devices, hbm)
     assert report.fits and report.devices == 8
     assert report.hlo_flops > 0 and report.hlo_bytes_accessed > report.argument_bytes  # XLA's cost analysis
-    specs = jax.tree.leaves(Trainer(config, mesh).state_shardings, is_leaf=lambda x: hasattr(x, 'spec'))
+    specs = jax.tree.leaves(TrainSteps(config, mesh).state_shardings, is_leaf=lambda x: hasattr(x, 'spec'))
     assert specs and not any('data' in jax.tree.leaves(tuple(s.spec)) for s in specs)
     assert 'data' in jax.tree.leaves(tuple(sharding.batch_sharding(mesh).spec))
     with pytest.raises(ConfigError, match=r'mesh.slices=1 is invalid: the devices span 2 slices'):

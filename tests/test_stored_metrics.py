@@ -1,4 +1,4 @@
-"""A run's metrics on a bucket (vrl/train/metrics.py) against the GCS emulator on 127.0.0.1: each
+"""A run's metrics on a bucket (vrl/train/trackers/) against the GCS emulator on 127.0.0.1: each
 logged byte goes up once, however many flushes, and a resumed run continues one series."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import numpy as np
 from tests.gcs_emulator import bucket_fs
 from tests.helpers import tensorboard_scalars
 from vrl.core import storage
-from vrl.train import metrics
 from vrl.train import workdir as workdir_lib
+from vrl.train.trackers.composite import Trackers
 
 
 def _log(workdir, lease, steps: range, start_step: int, rng: np.random.Generator) -> None:
     """A writer logging `steps`, flushed after each as a slow run's would be by FLUSH_SECONDS."""
-    writer = metrics.MetricsWriter(workdir, steps.stop - 1, start_step, True, '', None, lease)
+    writer = Trackers.open(workdir, steps.stop - 1, start_step, True, '', lease)
     writer.mark_start(start_step, 'resumed' if start_step else 'started')
     for step in steps:
         writer.write(step, {'loss': float(rng.uniform(2, 5)), 'lr': 1e-3, 'grad_norm': 1.0, 'tokens_per_sec': 1e4,

@@ -22,7 +22,7 @@ from vrl.core import sharding
 from vrl.data import corpus, pipeline
 from vrl.model import accounting
 from vrl.train import checkpoint, loop
-from vrl.train.step import Trainer
+from vrl.train.step import TrainSteps
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -152,7 +152,7 @@ def test_gradient_accumulation_equals_one_big_batch(small_corpus):
     results = []
     for k in (1, 4):
         cfg = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=k))
-        trainer = Trainer(cfg, mesh)
+        trainer = TrainSteps(cfg, mesh)
         state, step_metrics = trainer.train_step(trainer.init_state(0), trainer.device_batch(batch))
         results.append((jax.device_get(state.params), float(step_metrics['loss'])))
     (p1, loss1), (p4, loss4) = results
@@ -174,7 +174,7 @@ def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path, capfd):
     # steps 2, 3, 4 are skipped: the run saves step 4, then ends with an error, since most of it was skipped
     with pytest.raises(loop.TrainingError, match=r'3 of the 4 steps this run took were non-finite and skipped'):
         loop.run(skipping, str(tmp_path / 'skip'))
-    abstract_params = Trainer(skipping, sharding.make_mesh(skipping.mesh)).abstract_state.params
+    abstract_params = TrainSteps(skipping, sharding.make_mesh(skipping.mesh)).abstract_state.params
     after_step_1 = checkpoint.restore_params(str(tmp_path / 'error'), abstract_params)
     assert saved_steps(tmp_path / 'skip')[-1] == 4
     # the skip run's step program is another compile of step 1 (it also selects), so equal up to rounding
@@ -194,7 +194,7 @@ def test_update_that_overflows_is_not_finite(small_corpus):
     config = tiny_config(small_corpus, nan_policy='skip')
     config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e34,
                                                                        init_lr=1e34, final_lr=1e34))
-    trainer = Trainer(config, sharding.make_mesh(config.mesh))
+    trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
     state = trainer.init_state(0)
 
     def extreme_moments(opt_state):
@@ -250,12 +250,12 @@ def test_init_from_checks_shapes(small_corpus, tmp_path):
     loop.run(tiny_config(small_corpus, steps=1, checkpoint_every=1), str(tmp_path))
     config = tiny_config(small_corpus)
     wider = dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=96))
-    abstract = Trainer(wider, sharding.make_mesh(wider.mesh)).abstract_state.params
+    abstract = TrainSteps(wider, sharding.make_mesh(wider.mesh)).abstract_state.params
     with pytest.raises(checkpoint.CheckpointMismatchError,
                        match=r'mlp.w_down has shape \(64, 32\) but the config needs \(96, 32\)'):
         checkpoint.restore_params(str(tmp_path), abstract)
     svformer = tiny_config(small_corpus, attention='svformer')
-    abstract = Trainer(svformer, sharding.make_mesh(svformer.mesh)).abstract_state.params
+    abstract = TrainSteps(svformer, sharding.make_mesh(svformer.mesh)).abstract_state.params
     with pytest.raises(checkpoint.CheckpointMismatchError, match='has parameter (lambdas|layers).* that the config does not'):
         checkpoint.restore_params(str(tmp_path), abstract)
 
@@ -265,7 +265,7 @@ def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, mo
     source = loop.run(tiny_config(small_corpus, steps=4), 'runs/source')
     config = tiny_config(small_corpus, steps=1)
     mesh = sharding.make_mesh(config.mesh)
-    restored = checkpoint.restore_params('runs/source', Trainer(config, mesh).abstract_state.params)
+    restored = checkpoint.restore_params('runs/source', TrainSteps(config, mesh).abstract_state.params)
     assert params_equal(restored, source.state.params)
 
 
@@ -301,7 +301,7 @@ def test_config_file_with_a_syntax_error(tmp_path):
 def test_eval_bits_per_byte_is_the_loss_over_the_bytes(small_corpus):
     config = tiny_config(small_corpus, eval_batches=3)
     _, tokenizer = small_corpus
-    trainer = Trainer(config, sharding.make_mesh(config.mesh))
+    trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
     params = trainer.init_state(0).params
     evaluation = loop.validate(trainer, params, config, tokenizer)
     tokens = n_bytes = 0

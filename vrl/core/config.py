@@ -152,7 +152,7 @@ class ModelConfig:
         """compute_dtype where it is resolved ('float32' or 'bfloat16'); 'auto' is a ConfigError here."""
         if self.compute_dtype == 'auto':
             raise ConfigError("model.compute_dtype='auto' is unresolved here: vrl.model.resolve.execution resolves it "
-                              'for a platform (a Trainer does it itself).')
+                              'for a platform (a TrainSteps does it itself).')
         return self.compute_dtype
 
     @property
@@ -422,7 +422,7 @@ class TrainConfig:
     # sequences, every this many steps, into metrics.jsonl and TensorBoard; 0 = off
     diagnostics_every: int = 100
     diagnostics_sequences: int = 8
-    # Weights & Biases (vrl/train/tracking.py, requirements-extra.txt): everything the run logs, from process 0; '' = off
+    # Weights & Biases (vrl/train/trackers/wandb.py, requirements-extra.txt): everything the run logs, from process 0; '' = off
     wandb_project: str = ''
     wandb_entity: str = ''  # '' = your default entity
     wandb_run_name: str = ''  # '' = the workdir's name

@@ -23,18 +23,33 @@ from vrl.core.config import Config, ConfigError, MeshConfig
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
 
+
+class Axis:
+    """The logical axes the model names its arrays' dimensions by (LOGICAL_RULES maps each to the mesh)."""
+    BATCH = 'batch'
+    LENGTH = 'length'
+    EMBED = 'embed'  # d_model of a parameter
+    HEADS = 'heads'
+    KV_HEADS = 'kv_heads'
+    MLP = 'mlp'
+    VOCAB = 'vocab'
+    HEAD_DIM = 'head_dim'
+    LAYERS = 'layers'  # the stacked (scanned) layers
+    ACT_EMBED = 'act_embed'  # d_model of an activation
+
+
 # logical axis -> mesh axis (None = replicated)
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    'batch': BATCH_AXES,
-    'length': None,
-    'embed': 'fsdp',
-    'heads': 'tensor',
-    'kv_heads': 'tensor',
-    'mlp': 'tensor',
-    'vocab': 'tensor',
-    'head_dim': None,
-    'layers': None,
-    'act_embed': None,  # activations keep d_model whole; their batch is what is split
+    Axis.BATCH: BATCH_AXES,
+    Axis.LENGTH: None,
+    Axis.EMBED: 'fsdp',
+    Axis.HEADS: 'tensor',
+    Axis.KV_HEADS: 'tensor',
+    Axis.MLP: 'tensor',
+    Axis.VOCAB: 'tensor',
+    Axis.HEAD_DIM: None,
+    Axis.LAYERS: None,
+    Axis.ACT_EMBED: None,  # activations keep d_model whole; their batch is what is split
 }
 
 
@@ -97,11 +112,14 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
 
 
 def logical_spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
-    """PartitionSpec for logical axis names; a mesh axis is used at most once per array."""
+    """PartitionSpec for logical axis names (Axis; None: replicated); a mesh axis is used at most
+    once per array. A name without a rule is a ValueError, not a silently replicated dimension."""
     used: set[str] = set()
     spec = []
     for name in logical_axes:
-        axes = LOGICAL_RULES.get(name) if name else None
+        if name is not None and name not in LOGICAL_RULES:
+            raise ValueError(f'logical axis {name!r} has no sharding rule; the axes are {sorted(LOGICAL_RULES)}')
+        axes = LOGICAL_RULES[name] if name else None
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
         axes = tuple(a for a in axes if a not in used)
         used.update(axes)

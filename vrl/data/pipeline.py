@@ -127,7 +127,8 @@ class _PackIterator(grain.DatasetIterator):
         if self._pieces:
             tokens, groups, n_bytes = zip(*self._pieces)
             self._tokens = np.concatenate([self._tokens, *tokens]).astype(np.int32)
-            self._groups = np.concatenate([self._groups, np.repeat(np.asarray(groups, np.int64), list(map(len, tokens)))])
+            lengths = list(map(len, tokens))
+            self._groups = np.concatenate([self._groups, np.repeat(np.asarray(groups, np.int64), lengths)])
             if self._count_bytes:
                 self._bytes = np.concatenate([self._bytes, *n_bytes]).astype(np.int32)
             self._pieces, self._piece_tokens = [], 0
@@ -162,7 +163,7 @@ class _PackIterator(grain.DatasetIterator):
                 'documents_per_element': [self._per_block]}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        saved = state.get('documents_per_element', [1])  # before blocks: one each
+        saved = state.get('documents_per_element', [1])  # a position saved without it counts documents
         if saved != [self._per_block]:
             raise corpus.DataError(
                 f'the saved data position counts grain elements of {saved} documents (per dataset), but this '
@@ -248,8 +249,8 @@ class _MixIterator(grain.DatasetIterator):
         if 'members' not in state:  # saved before datasets were packed apart: one dataset's packer
             if len(self._members) > 1:
                 raise corpus.DataError(
-                    'the saved data position is of a mixture whose datasets were mixed before packing, as vrl did '
-                    'before it packed each dataset apart: it cannot be restored into this order. Start a new '
+                    'the saved data position is of a mixture whose datasets were mixed before packing (an older '
+                    'vrl): it cannot be restored into this order, which packs each dataset apart. Start a new '
                     '--workdir from these weights with --init_from=CHECKPOINT.')
             state = {'members': [state], 'windows': 0, 'phase': 0, 'taken': [0], 'tokens_read': [0]}
         for member, saved in zip(self._members, state['members'], strict=True):
@@ -282,7 +283,8 @@ def _source(cfg: DataConfig, tokenizer: Tokenizer, name: str, split: str, count_
     """A split's documents as ids: its pre-tokenized copy for this tokenizer when it has one
     (data.pretokenized), else its text tokenized as it is read; the text always where each id's
     bytes of text are counted (`count_bytes`: they come from the text)."""
-    found = tokens.find(name, cfg.data_dir, split, tokenizer, cfg.text_field) if cfg.pretokenized and not count_bytes else None
+    pretokenized = cfg.pretokenized and not count_bytes
+    found = tokens.find(name, cfg.data_dir, split, tokenizer, cfg.text_field) if pretokenized else None
     if found is not None:
         return found
     return _OnTheFly(corpus.open_split(name, cfg.data_dir, split), tokenizer, cfg.text_field, count_bytes)
@@ -481,7 +483,8 @@ def next_batch(iterator: Iterator[Batch], finite: bool) -> Batch | None:
 
 def _empty_like(cfg: DataConfig) -> Batch:
     """An evaluation batch of no rows."""
-    keys = ('inputs', 'targets', 'loss_mask', 'target_bytes') + (('segment_ids', 'positions') if cfg.document_masking else ())
+    masking = ('segment_ids', 'positions') if cfg.document_masking else ()
+    keys = ('inputs', 'targets', 'loss_mask', 'target_bytes') + masking
     return {k: np.zeros((0, cfg.seq_len), np.int32) for k in keys}
 
 
@@ -491,7 +494,7 @@ def _pad_batch(batch: Batch, batch_size: int) -> Batch:
             for k, v in batch.items()}
 
 
-def ready(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
+def tokenizer_for_run(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
     """The tokenizer, with every dataset the config reads opened first: a built-in corpus is built and
     a tokenizer trained if none is named, in data_dir. A multi-host job runs this on process 0 first
     (vrl/core/multihost.py), so that those are made once, in the one place every host reads."""

@@ -97,13 +97,13 @@ class GridDirectory:
 
     def open(self, base: Config) -> None:
         self.check_same_base(base)
-        self._lock = workdir_lib.hold(self.path, self.kind, base.train.lease_stale_seconds)
+        self._lock = workdir_lib.make_guard(self.path, self.kind, base.train.lease_stale_seconds)
 
-        def claim() -> None:
-            workdir_lib.claim(self._lock)
+        def take() -> None:
+            workdir_lib.take(self._lock)
             self.check_same_base(base)  # a writer that finished just before us may have written it
             self.write_text(self.record.name, json.dumps({'base_config': dataclasses.asdict(base)}, indent=2))
-        multihost.on_process_0(claim)
+        multihost.on_process_0(take)
 
     def close(self) -> None:
         if self._lock is not None:

@@ -28,7 +28,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from vrl.core.config import ATTENTION_IMPLS, ConfigError, ModelConfig
-from vrl.core.sharding import logical_spec
+from vrl.core.sharding import Axis, logical_spec
 from vrl.model import ops
 
 Array = jax.Array
@@ -48,7 +48,7 @@ class Causal(NamedTuple):
         if self.segment_ids_BxL is None:
             return jnp.broadcast_to(mask_LxL, (B, L, L))
         ids = self.segment_ids_BxL
-        return mask_LxL & (ids[:, :, None] == ids[:, None, :])
+        return mask_LxL[None] & (ids[:, :, None] == ids[:, None, :])
 
 
 def why_not(impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool) -> str | None:
@@ -99,7 +99,7 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
     hand-written backward or autodiff)."""
     if impl == 'auto' and isinstance(mask, Causal):
         raise ConfigError("model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
-                          'platform (a Trainer does it itself).')
+                          'platform (a TrainSteps does it itself).')
     if impl == 'xla' or not isinstance(mask, Causal):
         B, L = q_BxLxHxDh.shape[:2]
         dense = mask.dense(B, L) if isinstance(mask, Causal) else mask
@@ -140,9 +140,9 @@ def _per_shard(kernel, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return kernel(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
-    q_spec = logical_spec(('batch', 'length', 'heads', 'head_dim'))
-    kv_spec = logical_spec(('batch', 'length', 'kv_heads', 'head_dim'))
-    ids_spec = None if ids_BxL is None else logical_spec(('batch', 'length'))
+    q_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.HEADS, Axis.HEAD_DIM))
+    kv_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))
+    ids_spec = None if ids_BxL is None else logical_spec((Axis.BATCH, Axis.LENGTH))
     return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, ids_spec), out_specs=q_spec,
                          check_vma=False)(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
 

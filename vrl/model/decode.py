@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from vrl.core import sharding
 from vrl.core.config import ModelConfig
 from vrl.core.errors import VrlError
+from vrl.core.sharding import Axis
 from vrl.model.decoder import Decoder, KVCache
 
 
@@ -74,8 +75,8 @@ def cache_shardings(cache: KVCache, batch: int, mesh: Mesh) -> KVCache:
     def mesh_axes(logical: str, size: int) -> tuple[str, ...]:
         axes = sharding.fitted_sharding(mesh, (logical,), (size,)).spec[0]
         return (axes,) if isinstance(axes, str) else tuple(axes or ())
-    batch_axes = mesh_axes('batch', batch)
-    rows = batch_axes + mesh_axes('kv_heads', cache.k[0].shape[0] // batch) if batch_axes or batch == 1 else ()
+    batch_axes = mesh_axes(Axis.BATCH, batch)
+    rows = batch_axes + mesh_axes(Axis.KV_HEADS, cache.k[0].shape[0] // batch) if batch_axes or batch == 1 else ()
     spec = NamedSharding(mesh, PartitionSpec(rows or None, None, None))
     return KVCache(k=(spec,) * len(cache.k), v=(spec,) * len(cache.v), index=sharding.replicated(mesh))
 

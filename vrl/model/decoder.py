@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from vrl.core.config import ConfigError, ModelConfig
-from vrl.core.sharding import constrain
+from vrl.core.sharding import Axis, constrain
 from vrl.model import attention, layer_stats, ops, params, variants
 from vrl.model.attention import Causal
 from vrl.model.variants import Lambdas, LayerKV, ValueEmbed
@@ -38,20 +38,20 @@ Array = jax.Array
 
 class RMSNorm(nnx.Module):
     def __init__(self, cfg: ModelConfig, stack: int | None):
-        self.scale = params.constant(np.ones(cfg.d_model), ('embed',), stack)
+        self.scale = params.constant(np.ones(cfg.d_model), (Axis.EMBED,), stack)
         self.eps = cfg.norm_eps
 
     def __call__(self, x_BxLxD: Array) -> Array:
         x = x_BxLxD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...]).astype(x_BxLxD.dtype)
+        return (x * self.scale[...][None, None, :]).astype(x_BxLxD.dtype)
 
 
 def rope(x_BxLxNxDh: Array, positions_BxL: Array, theta: float) -> Array:
     """Rotary embedding, rotate-half convention; computed in float32."""
     half = x_BxLxNxDh.shape[-1] // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles_BxLx1xHalf = (positions_BxL.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+    angles_BxLx1xHalf = (positions_BxL.astype(jnp.float32)[..., None] * inv_freq[None, None, :])[:, :, None, :]
     sin, cos = jnp.sin(angles_BxLx1xHalf), jnp.cos(angles_BxLx1xHalf)
     x1, x2 = jnp.split(x_BxLxNxDh.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -101,13 +101,14 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, first: bool, stack: int | None, rngs: nnx.Rngs):
         D, H, K, Dh, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std
         owns_kv = first or cfg.kv_share == 1
-        self.wq = params.normal(rngs, (D, H, Dh), ('embed', 'heads', 'head_dim'), std, stack)
-        self.wk = params.normal(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, stack) if owns_kv else None
-        self.wv = (params.normal(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, stack)
+        self.wq = params.normal(rngs, (D, H, Dh), (Axis.EMBED, Axis.HEADS, Axis.HEAD_DIM), std, stack)
+        kv_axes = (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM)
+        self.wk = params.normal(rngs, (D, K, Dh), kv_axes, std, stack) if owns_kv else None
+        self.wv = (params.normal(rngs, (D, K, Dh), kv_axes, std, stack)
                    if owns_kv and (first or cfg.attention != 'svformer') else None)
-        self.wo = params.normal(rngs, (H, Dh, D), ('heads', 'head_dim', 'embed'), std, stack)
+        self.wo = params.normal(rngs, (H, Dh, D), (Axis.HEADS, Axis.HEAD_DIM, Axis.EMBED), std, stack)
         per_token = not first and cfg.per_token_mix
-        self.w_mix = params.normal(rngs, (D, K), ('embed', 'kv_heads'), std, stack) if per_token else None
+        self.w_mix = params.normal(rngs, (D, K), (Axis.EMBED, Axis.KV_HEADS), std, stack) if per_token else None
         self.variant = cfg.attention
         self.rope_theta = cfg.rope_theta
         self.hand_vjp = cfg.hand_vjp
@@ -134,8 +135,8 @@ class Attention(nnx.Module):
 
         if kv is None:
             return project(self.wk[...], None if self.wv is None else self.wv[...])
-        # a select, not lax.cond: a cond inside the sharded layer scan crashed XLA:CPU once in CI
-        # (tests/test_sharding.py, svformer-cla2); the borrowing layers' projection (zero weights) is wasted
+        # a select, not lax.cond: XLA:CPU does not reliably compile a cond inside the sharded layer
+        # scan (tests/test_sharding.py, svformer-cla2); the borrowing layers' projection (zero weights) is wasted
         own = project(kv.wk, kv.wv)
         return tuple(jnp.where(kv.owns, mine, theirs) for mine, theirs in zip(own, borrowed))
 
@@ -166,9 +167,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, stack: int | None, rngs: nnx.Rngs):
         D, F, std = cfg.d_model, cfg.d_ff, cfg.init_std
-        self.w_gate = params.normal(rngs, (D, F), ('embed', 'mlp'), std, stack)
-        self.w_up = params.normal(rngs, (D, F), ('embed', 'mlp'), std, stack)
-        self.w_down = params.normal(rngs, (F, D), ('mlp', 'embed'), std, stack)
+        self.w_gate = params.normal(rngs, (D, F), (Axis.EMBED, Axis.MLP), std, stack)
+        self.w_up = params.normal(rngs, (D, F), (Axis.EMBED, Axis.MLP), std, stack)
+        self.w_down = params.normal(rngs, (F, D), (Axis.MLP, Axis.EMBED), std, stack)
         self.hand_vjp = cfg.hand_vjp
 
     @property
@@ -253,7 +254,7 @@ def _per_query_head(x_BxLxKxDh: Array, shape_BxLxHxDh: tuple[int, ...]) -> Array
     return jnp.broadcast_to(x_BxLxKxDh[:, :, :, None], (B, L, K, G, Dh)).reshape(shape_BxLxHxDh)
 
 
-_ACTIVATION = ('batch', 'length', 'act_embed')  # the hidden state between blocks
+_ACTIVATION = (Axis.BATCH, Axis.LENGTH, Axis.ACT_EMBED)  # the hidden state between blocks
 
 _REMAT_POLICIES = {
     'full': None,
@@ -265,7 +266,7 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         V, D = cfg.padded_vocab_size, cfg.d_model
-        self.embed = params.normal(rngs, (V, D), ('vocab', 'embed'), cfg.init_std)
+        self.embed = params.normal(rngs, (V, D), (Axis.VOCAB, Axis.EMBED), cfg.init_std)
         self.first = Block(cfg, first=True, stack=None, rngs=rngs)
         self.layers = Block(cfg, first=False, stack=cfg.n_stacked, rngs=rngs)
         scalar_lambdas = cfg.attention == 'resformer' and not cfg.per_token_mix
@@ -274,7 +275,7 @@ class Decoder(nnx.Module):
         self.value_embeds = variants.ValueEmbeddings(cfg, rngs) if cfg.value_embed_layers else None
         self.depth_weights = variants.DepthWeights(cfg) if cfg.denseformer else None
         self.final_norm = RMSNorm(cfg, None)
-        self.head = None if cfg.tie_embeddings else params.normal(rngs, (D, V), ('embed', 'vocab'), cfg.init_std)
+        self.head = None if cfg.tie_embeddings else params.normal(rngs, (D, V), (Axis.EMBED, Axis.VOCAB), cfg.init_std)
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -420,4 +421,4 @@ class Decoder(nnx.Module):
     def logits(self, x_BxLxD: Array) -> Array:
         logits_BxLxV = ops.project(x_BxLxD, self.head_DxV(), 1, jnp.float32)
         is_real_V = jnp.arange(logits_BxLxV.shape[-1]) < self.cfg.vocab_size
-        return constrain(jnp.where(is_real_V, logits_BxLxV, -1e30), ('batch', 'length', 'vocab'))
+        return constrain(jnp.where(is_real_V, logits_BxLxV, -1e30), (Axis.BATCH, Axis.LENGTH, Axis.VOCAB))

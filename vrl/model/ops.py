@@ -28,7 +28,7 @@ HAND_VJP_BY_PLATFORM says what each backend runs.
   go through in `model.head_chunks` slices of the sequence, so only a slice's logits exist at a
   time: the weight gradient is summed over the slices in float32.
 
-Every bfloat16 residual the hand-written backwards keep is kept as its uint16 bits (`_kept`):
+Every bfloat16 residual the hand-written backwards keep is kept as its uint16 bits (`_as_bits`):
 XLA:CPU writes and reads a layer of a scan-stacked bfloat16 array by converting the whole stack
 to float32 and back (a large share of the bf16 step's op time; docs/performance.md).
 
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vrl.core.config import HAND_VJP_OPS, ConfigError
-from vrl.core.sharding import constrain
+from vrl.core.sharding import Axis, constrain
 
 Array = jax.Array
 
@@ -60,7 +60,7 @@ def _pinned(x: Array, pin: bool = True) -> Array:
     return jax.lax.optimization_barrier(x) if pin else x
 
 
-def _kept(residuals):
+def _as_bits(residuals):
     """Residuals as the backward pass keeps them: bfloat16 arrays as their uint16 bits. Under the
     layer scan each is stacked over layers, and XLA:CPU writes and reads a stacked bfloat16 array
     by converting the whole stack to float32 and back at every layer; a bit cast costs nothing
@@ -68,8 +68,8 @@ def _kept(residuals):
     return _bitcast_leaves(residuals, jnp.bfloat16, jnp.uint16)
 
 
-def _unkept(residuals):
-    """`_kept`'s inverse."""
+def _from_bits(residuals):
+    """`_as_bits`'s inverse."""
     return _bitcast_leaves(residuals, jnp.uint16, jnp.bfloat16)
 
 
@@ -97,7 +97,7 @@ def _project_fwd(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | Non
     x_TxI, w_IxO = _as_matrices(x, w, n_contract)
     y_TxO = jnp.dot(x_TxI, w_IxO, preferred_element_type=jnp.float32)
     y = y_TxO.astype(out_dtype or x.dtype).reshape(*x.shape[:x.ndim - n_contract], *w.shape[n_contract:])
-    return y, _kept((x, w))
+    return y, _as_bits((x, w))
 
 
 def _tokens_last(a: Array, n_trailing: int) -> Array:
@@ -110,7 +110,7 @@ def _tokens_last(a: Array, n_trailing: int) -> Array:
 
 def _project_bwd(n_contract: int, out_dtype: jnp.dtype | None, residuals, dy: Array):
     del out_dtype
-    x, w = _unkept(residuals)
+    x, w = _from_bits(residuals)
     dx, dw_f32 = _project_grads(x, w, n_contract, dy)
     return dx, dw_f32.astype(w.dtype)
 
@@ -204,14 +204,14 @@ def _attend(q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, mask_BxLx
 def _attention_fwd(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array):
     q, k, v = _heads_major(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, pin=True)
     out_BxKxGxLxDh, softmax_stats = _attend(q, k, v, mask_BxLxS)
-    return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4), _kept((q, k, v, mask_BxLxS, out_BxKxGxLxDh, softmax_stats))
+    return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4), _as_bits((q, k, v, mask_BxLxS, out_BxKxGxLxDh, softmax_stats))
 
 
 def _attention_bwd(residuals, d_out_BxLxKxGxDh: Array):
     """Recomputes the probabilities P exactly as the forward did; dV = P^T dO, dP = dO V^T,
     dlogits = P * (dP - <dO, O>) where unmasked (0 where masked), dQ = dlogits K and
     dK = dlogits^T Q. dV and dK transpose their small operand (dO, Q), not the (L, S) matrix."""
-    q, k, v, mask_BxLxS, out_BxKxGxLxDh, (max_BxKxGxLx1, sum_BxKxGxLx1) = _unkept(residuals)
+    q, k, v, mask_BxLxS, out_BxKxGxLxDh, (max_BxKxGxLx1, sum_BxKxGxLx1) = _from_bits(residuals)
     B, K, G, L, Dh = q.shape
     probs_BxKxGxLxS = _probs(_logits(q, k, mask_BxLxS), max_BxKxGxLx1, sum_BxKxGxLx1)
     d_out_BxKxGxLxDh = _pinned(d_out_BxLxKxGxDh.transpose(0, 2, 3, 1, 4))
@@ -247,11 +247,11 @@ swiglu = jax.custom_vjp(plain_swiglu)  # the backward keeps only gate and up and
 
 
 def _swiglu_fwd(gate: Array, up: Array):
-    return plain_swiglu(gate, up), _kept((gate, up))
+    return plain_swiglu(gate, up), _as_bits((gate, up))
 
 
 def _swiglu_bwd(residuals, d_out: Array):
-    gate, up = _unkept(residuals)
+    gate, up = _from_bits(residuals)
     sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32))
     silu = gate.astype(jnp.float32) * sigmoid
     d_out = d_out.astype(jnp.float32)
@@ -326,9 +326,9 @@ def _cross_entropy(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL
     """The two sums, and (exp(logits - max) (B, L, V) with 0 for padding, its sum, logZ); w's
     padding columns repeat column 0 (`_padding_repeats_column_0`)."""
     is_real_V = jnp.arange(w_DxV.shape[-1]) < vocab_size
-    logits_BxLxV = constrain(_project_fwd(x_BxLxD, w_DxV, 1, jnp.float32)[0], ('batch', 'length', 'vocab'))
+    logits_BxLxV = constrain(_project_fwd(x_BxLxD, w_DxV, 1, jnp.float32)[0], (Axis.BATCH, Axis.LENGTH, Axis.VOCAB))
     max_BxLx1 = jnp.max(logits_BxLxV, axis=-1, keepdims=True)
-    exp_BxLxV = jnp.exp(logits_BxLxV + jnp.where(is_real_V, 0.0, -jnp.inf) - max_BxLx1)
+    exp_BxLxV = jnp.exp(logits_BxLxV + jnp.where(is_real_V, 0.0, -jnp.inf)[None, None, :] - max_BxLx1)
     sum_BxLx1 = jnp.sum(exp_BxLxV, axis=-1, keepdims=True)
     log_z_BxL = (max_BxLx1 + jnp.log(sum_BxLx1))[..., 0]
     target_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
@@ -349,7 +349,7 @@ def _cross_entropy_fwd(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights
         chunk_sums, (exp_BxCxV, sum_BxCx1, log_z_BxC) = _cross_entropy(x_BxCxD, real_w_DxV, targets_BxC,
                                                                        weights_BxC, vocab_size, z_loss)
         row_BxCx1 = (weights_BxC * (1 + 2 * z_loss * log_z_BxC))[..., None] / sum_BxCx1
-        is_target_BxCxV = jnp.arange(exp_BxCxV.shape[-1]) == targets_BxC[..., None]
+        is_target_BxCxV = jnp.arange(exp_BxCxV.shape[-1])[None, None, :] == targets_BxC[..., None]
         d_logits_BxCxV = exp_BxCxV * row_BxCx1 - jnp.where(is_target_BxCxV, weights_BxC[..., None], 0.0)
         d_x_BxCxD, chunk_d_w_DxV = _project_grads(x_BxCxD, real_w_DxV, 1, d_logits_BxCxV)
         return (_added(sums, chunk_sums), d_w_DxV + chunk_d_w_DxV), d_x_BxCxD
@@ -401,7 +401,7 @@ def hot_ops(hand_vjp: str) -> HotOps:
     """The ops for a resolved model.hand_vjp value ('all', 'none' or a comma list)."""
     if hand_vjp == 'auto':
         raise ConfigError("model.hand_vjp='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
-                          'platform (a Trainer does it itself).')
+                          'platform (a TrainSteps does it itself).')
     names = () if hand_vjp == 'none' else HAND_VJP_OPS if hand_vjp == 'all' else hand_vjp.split(',')
     return HotOps(project=project if 'project' in names else plain_project,
                   attention=attention if 'attention' in names else plain_attention,

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from vrl.core.sharding import Axis
+
 BLOCK = 1 << 16
 
 
@@ -32,7 +34,7 @@ def normal(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
            stack: int | None = None) -> nnx.Param:
     """An N(0, std) weight; `stack` prepends a `layers` axis of that size."""
     if stack is not None:
-        shape, axes = (stack, *shape), ('layers', *axes)
+        shape, axes = (stack, *shape), (Axis.LAYERS, *axes)
     value = scaled_normal(rngs.params(), shape, std)
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
@@ -41,5 +43,5 @@ def constant(value: np.ndarray | float, axes: tuple[str | None, ...], stack: int
     """A weight initialised to `value` (broadcast over a leading `layers` axis of size `stack`)."""
     value = np.asarray(value, np.float32)
     if stack is not None:
-        value, axes = np.broadcast_to(value, (stack, *value.shape)), ('layers', *axes)
+        value, axes = np.broadcast_to(value, (stack, *value.shape)), (Axis.LAYERS, *axes)
     return nnx.Param(jnp.asarray(value), out_sharding=axes, eager_sharding=False)

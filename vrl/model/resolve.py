@@ -1,5 +1,5 @@
 """The model's `auto` settings for a platform, each choice said with its reason (cheap and idempotent: a
-Trainer applies `execution` to the config it is given).
+TrainSteps applies `execution` to the config it is given).
 
     model.attention_impl   the platform's attention kernel (splash on TPU, cuDNN on NVIDIA GPUs) where it
                            serves the config, else xla (vrl/model/attention.py says what each kernel needs)

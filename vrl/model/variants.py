@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from vrl.core.config import ModelConfig
+from vrl.core.sharding import Axis
 from vrl.model import params
 
 Array = jax.Array
@@ -67,11 +68,11 @@ class ValueResidualLambdas(nnx.Module):
         N, mode = cfg.n_stacked, cfg.lambda_mode
         self.mode = mode
         if mode == 'learnable':
-            self.v1 = params.constant(np.full(N, 0.5), ('layers',))
-            self.vn = params.constant(np.full(N, 0.5), ('layers',))
+            self.v1 = params.constant(np.full(N, 0.5), (Axis.LAYERS,))
+            self.vn = params.constant(np.full(N, 0.5), (Axis.LAYERS,))
         elif mode == 'learnable_plus':
-            self.vn = params.constant(np.full(N, 0.5), ('layers',))
-            self.w = params.constant(np.zeros(N), ('layers',))
+            self.vn = params.constant(np.full(N, 0.5), (Axis.LAYERS,))
+            self.w = params.constant(np.zeros(N), (Axis.LAYERS,))
             self.s = params.constant(float(cfg.n_layers), ())
         else:
             if mode == 'identity':
@@ -106,8 +107,8 @@ class ValueEmbeddings(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         table_ids = cfg.value_embed_table_ids
         shape = (max(table_ids) + 1, cfg.padded_vocab_size, cfg.n_kv_heads, cfg.head_dim)
-        self.tables = params.normal(rngs, shape, (None, 'vocab', 'kv_heads', 'head_dim'), cfg.init_std)
-        self.gates = params.constant(np.zeros((cfg.d_model, cfg.n_kv_heads)), ('embed', 'kv_heads'),
+        self.tables = params.normal(rngs, shape, (None, Axis.VOCAB, Axis.KV_HEADS, Axis.HEAD_DIM), cfg.init_std)
+        self.gates = params.constant(np.zeros((cfg.d_model, cfg.n_kv_heads)), (Axis.EMBED, Axis.KV_HEADS),
                                      len(table_ids))
         by_layer = dict(zip((n - 1 for n in cfg.value_embed_layers), range(len(table_ids))))
         self.entry_of_layer = tuple(by_layer.get(layer) for layer in range(cfg.n_layers))  # static
@@ -147,9 +148,9 @@ class SharedKeyValues(nnx.Module):
         D, K, Dh, std = cfg.d_model, cfg.n_kv_heads, cfg.head_dim, cfg.init_std
         self.owned = tuple(cfg.owns_kv(layer) for layer in range(1, cfg.n_layers))  # static, layers 2..L
         owners = sum(self.owned)
-        self.wk = params.normal(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, owners)
+        self.wk = params.normal(rngs, (D, K, Dh), (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM), std, owners)
         self.wv = (None if cfg.attention == 'svformer'
-                   else params.normal(rngs, (D, K, Dh), ('embed', 'kv_heads', 'head_dim'), std, owners))
+                   else params.normal(rngs, (D, K, Dh), (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM), std, owners))
 
     def for_stack(self) -> LayerKV:
         index_N = _owner_index(self.owned)

@@ -7,7 +7,7 @@ With `libtpu` installed (`pip install "jax[tpu]"`), `jax.experimental.topologies
 TPU slice on any machine, so the step is compiled for that slice's devices and mesh without a
 TPU, and XLA's memory analysis says whether it fits each chip's HBM.
 
-`resolve` resolves every `auto` of a config before a Trainer is built: the model's per-platform
+`resolve` resolves every `auto` of a config before a TrainSteps is built: the model's per-platform
 choices (vrl/model/resolve.py), then `train.microbatches=0` and `model.remat=auto` by `auto_fit` (before
 training, and in --compile_only): the fewest microbatches, then the cheapest remat policy, whose
 compiled step fits FIT_MARGIN of each device's memory (1 and none where no memory limit is known).
@@ -29,7 +29,7 @@ from vrl.core.config import Config
 from vrl.core.errors import VrlError
 from vrl.model import accounting
 from vrl.model import resolve as model_resolve
-from vrl.train.step import Trainer
+from vrl.train.step import TrainSteps
 
 GiB = 1 << 30
 FIT_MARGIN = 0.9  # of a device's memory: the rest is for the runtime, fragmentation and the data
@@ -126,7 +126,7 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device], hbm_bytes:
     """Lowers and compiles the real train step for `devices` (no arrays are allocated)."""
     mesh = sharding.make_mesh(config.mesh, devices)
     sharding.check_fits_mesh(config, mesh.devices.shape)
-    trainer = Trainer(config, mesh)
+    trainer = TrainSteps(config, mesh)
     shape = (config.data.batch_size, config.data.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
              for k in ('inputs', 'targets', 'loss_mask')}

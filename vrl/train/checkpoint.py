@@ -145,15 +145,19 @@ def _save_errors(manager: ocp.CheckpointManager) -> Iterator[None]:
 
 
 def close(manager: ocp.CheckpointManager) -> None:
-    """Closes the manager; then process 0 removes what failed saves left: locally `*.orbax-checkpoint-tmp`
-    folders, on an object store step folders without COMMITTED (Orbax writes a step in place there)."""
-    manager.close()
-    if jax.process_index() == 0:
-        folder = epath.Path(manager.directory)
-        partials = (_unfinished(folder) if storage.is_remote(folder)
-                    else list(folder.glob('*.orbax-checkpoint-tmp*')))
-        for partial in partials:
-            partial.rmtree(missing_ok=True)
+    """Closes the manager (which waits for a save in flight: SaveError if it failed); then, either
+    way, process 0 removes what failed saves left: locally `*.orbax-checkpoint-tmp` folders, on an
+    object store step folders without COMMITTED (Orbax writes a step in place there)."""
+    try:
+        with _save_errors(manager):
+            manager.close()
+    finally:
+        if jax.process_index() == 0:
+            folder = epath.Path(manager.directory)
+            partials = (_unfinished(folder) if storage.is_remote(folder)
+                        else list(folder.glob('*.orbax-checkpoint-tmp*')))
+            for partial in partials:
+                partial.rmtree(missing_ok=True)
 
 
 COMMITTED = 'commit_success.txt'  # the object Orbax writes last into a step saved on an object store

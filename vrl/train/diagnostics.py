@@ -25,7 +25,7 @@ from vrl.core.errors import VrlError
 from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer
 from vrl.model import layer_stats
-from vrl.train.step import Trainer
+from vrl.train.step import TrainSteps
 
 STATISTICS = layer_stats.LayerStats._fields
 
@@ -48,7 +48,7 @@ def validation_sequences(config: Config, tok: Tokenizer, n: int, seq_len: int, s
                            f'{seq_len} tokens, fewer than {setting}={n}: lower {setting} or the sequence length.')
 
 
-def summed_stats(trainer: Trainer) -> Callable[[Any, jax.Array], dict[str, jax.Array]]:
+def summed_stats(trainer: TrainSteps) -> Callable[[Any, jax.Array], dict[str, jax.Array]]:
     """A jitted function of (params, tokens (B, L)) to each statistic summed over the B sequences:
     (layers,) each, (layers + 1,) for similarity (from the embedding); replicated on every device,
     so that every process can read it."""
@@ -58,7 +58,7 @@ def summed_stats(trainer: Trainer) -> Callable[[Any, jax.Array], dict[str, jax.A
     return jax.jit(sharding.traced_in(trainer.mesh, sums), out_shardings=NamedSharding(trainer.mesh, PartitionSpec()))
 
 
-def averaged(stats_fn: Callable, trainer: Trainer, params: Any, tokens_NxL: np.ndarray, batch_size: int
+def averaged(stats_fn: Callable, trainer: TrainSteps, params: Any, tokens_NxL: np.ndarray, batch_size: int
              ) -> dict[str, list[float]]:
     """Each statistic per layer, averaged over the N sequences, taken batch_size at a time; the
     value-embedding gate only for a model with value embeddings, null in the layers without one."""
@@ -73,7 +73,7 @@ def averaged(stats_fn: Callable, trainer: Trainer, params: Any, tokens_NxL: np.n
     return means if trainer.config.model.value_embed_layers else {n: v for n, v in means.items() if n != 'value_gate'}
 
 
-def lambdas(trainer: Trainer, params: Any) -> dict[str, list[float]]:
+def lambdas(trainer: TrainSteps, params: Any) -> dict[str, list[float]]:
     """ResFormer's (lambda_1, lambda_2) for layers 2..L as the model uses them now; {} for a model
     without scalar lambdas."""
     model = nnx.merge(trainer.graphdef, params)
@@ -87,7 +87,7 @@ class TrainingDiagnostics:
     """What training logs every train.diagnostics_every steps: the statistics on the first
     train.diagnostics_sequences full validation sequences (read once), and the lambdas."""
 
-    def __init__(self, trainer: Trainer, tokenizer: Tokenizer):
+    def __init__(self, trainer: TrainSteps, tokenizer: Tokenizer):
         cfg = trainer.config
         self.trainer, self.stats_fn = trainer, summed_stats(trainer)
         self.tokens = validation_sequences(cfg, tokenizer, cfg.train.diagnostics_sequences, cfg.data.seq_len,

@@ -62,9 +62,9 @@ _PROGRAMS: collections.OrderedDict = collections.OrderedDict()  # step program -
 _PROGRAMS_KEPT = 8
 
 
-def _programs(trainer: 'Trainer', members: int = 1) -> _Programs:
-    """The Trainer's jitted init, train and eval steps; with members > 1, the same vmapped over a
-    leading run axis of the state (the batch shared; init over a vector of seeds). Trainers whose
+def _programs(trainer: 'TrainSteps', members: int = 1) -> _Programs:
+    """The TrainSteps's jitted init, train and eval steps; with members > 1, the same vmapped over a
+    leading run axis of the state (the batch shared; init over a vector of seeds). TrainSteps whose
     steps are the same program (they differ only in seed, length, logging or data) share them, and
     with them their compiled executables: a grid's seeds, or a resumed run in the same process,
     compile once."""
@@ -101,12 +101,12 @@ def _with_run_axis(shardings: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(s.mesh, PartitionSpec(None, *s.spec)), shardings)
 
 
-class Trainer:
+class TrainSteps:
     """Builds the sharded initial state and the jitted steps for one config on one mesh."""
 
     def __init__(self, config: Config, mesh: Mesh):
         if config.train.microbatches == 0 or config.model.remat == 'auto':
-            raise ConfigError('train.microbatches=0 and model.remat=auto must be resolved before a Trainer is '
+            raise ConfigError('train.microbatches=0 and model.remat=auto must be resolved before a TrainSteps is '
                               'built: vrl.train.aot.resolve does it (vrl.main and train.run call it).')
         config = resolve.execution(config, mesh.devices.flat[0].platform)
         self.config, self.mesh = config, mesh
@@ -125,7 +125,7 @@ class Trainer:
         self.train_step, self.eval_step = self._jitted.train_step, self._jitted.eval_step
 
     def group(self, members: int) -> 'RunGroup':
-        """`members` runs of this Trainer's config (differing only in seed) stepped together."""
+        """`members` runs of this TrainSteps's config (differing only in seed) stepped together."""
         return RunGroup(self, members)
 
     def _init(self, key: jax.Array) -> TrainState:
@@ -183,19 +183,19 @@ class Trainer:
 
 
 class RunGroup:
-    """Runs of one step program (one Trainer; they differ only in seed) stepped together: each state
+    """Runs of one step program (one TrainSteps; they differ only in seed) stepped together: each state
     leaf gets a leading run axis (replicated, see `_with_run_axis`), the batch is shared, and one
-    compiled step (the Trainer's, vmapped) updates every member. One member is the Trainer's own
+    compiled step (the TrainSteps's, vmapped) updates every member. One member is the TrainSteps's own
     step, with no run axis."""
 
-    def __init__(self, trainer: Trainer, members: int):
+    def __init__(self, trainer: TrainSteps, members: int):
         self.trainer, self.members = trainer, members
         self._jitted = _programs(trainer, members)
         self.train_step, self.eval_step = self._jitted.train_step, self._jitted.eval_step
         self.device_batch = trainer.device_batch
 
     def init_state(self, seeds: list[int]) -> TrainState:
-        """Fresh states for the members' seeds (each the state its Trainer's `init_state` gives)."""
+        """Fresh states for the members' seeds (each the state its TrainSteps's `init_state` gives)."""
         if len(seeds) != self.members:
             raise ValueError(f'{len(seeds)} seeds for a group of {self.members}')
         return self._jitted.init(jnp.asarray(seeds[0] if self.members == 1 else seeds, jnp.int32))

@@ -15,7 +15,7 @@ from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer
 from vrl.train import checkpoint
 from vrl.train import workdir as workdir_lib
-from vrl.train.step import Trainer
+from vrl.train.step import TrainSteps
 
 
 def load_run(workdir: str) -> tuple[Config, Tokenizer]:
@@ -37,7 +37,7 @@ class TrainedRun(NamedTuple):
     mesh of this machine's devices shaped by the run's mesh config."""
     config: Config
     tokenizer: Tokenizer
-    trainer: Trainer
+    trainer: TrainSteps
     params: Any
     step: int | None
 
@@ -49,6 +49,6 @@ def load_trained(workdir: str) -> TrainedRun:
     config, tokenizer = load_run(workdir)
     _, step = checkpoint.step_folder(workdir)
     here = dataclasses.replace(config.model, attention_impl='auto', hand_vjp='auto')
-    trainer = Trainer(dataclasses.replace(config, model=here), sharding.make_mesh(config.mesh))
+    trainer = TrainSteps(dataclasses.replace(config, model=here), sharding.make_mesh(config.mesh))
     params = checkpoint.restore_params(workdir, trainer.abstract_state.params, config.model)
     return TrainedRun(trainer.config, tokenizer, trainer, params, step)

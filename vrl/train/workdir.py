@@ -1,6 +1,6 @@
 """The workdir's guards: one run writes it, starting over keeps the old run, restarts are recorded.
 
-- `hold(workdir)`: one writer per workdir, taken by process 0 of a run (all processes of one run
+- `make_guard(workdir)`: one writer per workdir, taken by process 0 of a run (all processes of one run
   share the workdir). A local workdir: `Lock`, an exclusive `flock` on `WORKDIR/.lock`, which the
   kernel drops when the holder dies (kill -9, a lost VM), so a stale lock never blocks. A workdir
   on an object store, where nothing can be locked: `Lease`, the object `WORKDIR/.lock`, written
@@ -36,7 +36,7 @@ from vrl.core.errors import VrlError
 
 # the tokenizer a run started from Hugging Face weights came with (with a tokenizer.json, its config)
 TOKENIZER_FILES = ('tokenizer.model', 'tokenizer.json', 'tokenizer_config.json')
-WANDB_RUN_ID = 'wandb_run_id'  # the W&B run this workdir's run logs to (vrl/train/tracking.py)
+WANDB_RUN_ID = 'wandb_run_id'  # the W&B run this workdir's run logs to (vrl/train/trackers/wandb.py)
 RUN_FILES = ('checkpoints', 'metrics.jsonl', 'config.json', 'tensorboard', *TOKENIZER_FILES, WANDB_RUN_ID)
 
 
@@ -59,7 +59,7 @@ class Lock:
         self.path = workdir / '.lock'
         self.holder_kind = holder_kind  # what holds it, for the refusal: 'run', 'comparison', 'study'
         self.lost = ''  # a flock is never lost while its holder lives
-        self.created = False  # whether `claim` made the workdir
+        self.created = False  # whether `take` made the workdir
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -116,7 +116,7 @@ class Lease:
         self.token = uuid.uuid4().hex
         self.holder = _holder()
         self.lost = ''  # why this run no longer holds the lease, once it does not
-        self.created = False  # whether `claim` made the workdir
+        self.created = False  # whether `take` made the workdir
         self._generation = 0  # of the lease object as this run last wrote it
         self._renewed_at = 0.0  # monotonic time at which the last successful renewal was sent
         self._lock = threading.Lock()  # one conditional write at a time
@@ -244,7 +244,7 @@ class Lease:
                 logging.warning('releasing the lease of workdir %s failed (%s)', self.path.parent, e)
 
 
-def claim(guard: Lock | Lease) -> None:
+def take(guard: Lock | Lease) -> None:
     """Creates the guard's workdir and proves it writable (StorageError in one line naming the path
     and what to do, before anything is compiled or written), then takes the guard; a stale lease taken
     over is said on stdout."""
@@ -258,7 +258,7 @@ def claim(guard: Lock | Lease) -> None:
 
 
 def let_go(guard: Lock | Lease) -> None:
-    """Releases the guard; a workdir that `claim` created and that holds nothing else is removed (a
+    """Releases the guard; a workdir that `take` created and that holds nothing else is removed (a
     run refused before it wrote anything leaves no trace)."""
     guard.release()
     workdir = guard.path.parent
@@ -269,7 +269,7 @@ def let_go(guard: Lock | Lease) -> None:
         guard.created = False
 
 
-def hold(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0,
+def make_guard(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0,
          take_over: bool = False) -> Lock | Lease:
     """The guard that keeps a second writer out of `workdir`: a flock locally, a lease on an object
     store (`take_over`: at once, from a holder known to be gone)."""

@@ -20,13 +20,14 @@ from vrl.core.config import Config
 from vrl.core.errors import VrlError
 from vrl.model import layer_stats
 from vrl.train import workdir as workdir_lib
+from vrl.train.trackers.tracker import Tracker
 
 
 class TrackingError(VrlError, ImportError):
     """W&B was asked for but cannot be used; the message says what to install."""
 
 
-class WandbRun:
+class WandbTracker(Tracker):
     """The workdir's W&B run, started (or resumed) with the run's config and `extra` (what it reads)."""
 
     def __init__(self, config: Config, workdir: epath.Path, extra: dict[str, Any] | None = None):
@@ -45,12 +46,14 @@ class WandbRun:
                                config={**workdir_lib.as_json(config), **(extra or {})})
 
     def log(self, step: int, record: dict[str, Any]) -> None:
-        """A metrics.jsonl record: its numbers, and each diagnostic as diagnostics/<statistic>/layer_<i>."""
         values = {k: v for k, v in record.items() if k != 'step' and isinstance(v, (int, float))}
-        for name, per_layer in record.get('diagnostics', {}).items():
-            values |= {f'diagnostics/{name}/{layer}': v for layer, v in layer_stats.by_layer(name, per_layer).items()}
         if values:
             self._run.log(values, step=step)
 
-    def finish(self) -> None:
+    def log_diagnostics(self, step: int, diagnostics: dict[str, list[float | None]]) -> None:
+        """Each diagnostic as diagnostics/<statistic>/layer_<i>."""
+        self._run.log({f'diagnostics/{name}/{layer}': v for name, per_layer in diagnostics.items()
+                       for layer, v in layer_stats.by_layer(name, per_layer).items()}, step=step)
+
+    def close(self) -> None:
         self._run.finish()

@@ -1,0 +1,322 @@
+"""What happens around training steps, each on its own schedule: the host side of a step's metrics
+(read one step late, so the device never waits on logging), checkpoints, evaluation, diagnostics,
+the lease, and the sample at the end.
+
+The loop (vrl/train/loop.py) hands each hook a `StepRecord`; a hook whose `due` says so runs. Hooks
+that must see a step pass the NaN policy first (`checks_step`: a checkpoint or an evaluation of a
+non-finite step) make the loop read that step's metrics at once. A group of runs (seeds trained
+in one step) is the `Member`s a hook serves: each hook splits a record per run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from etils import epath
+
+from vrl.core import multihost
+from vrl.core.config import Config
+from vrl.data import pipeline
+from vrl.model import decode
+from vrl.train import checkpoint
+from vrl.train import workdir as workdir_lib
+from vrl.train.start import TrainingError
+from vrl.train.step import RunGroup, TrainState
+from vrl.train.trackers.composite import Trackers
+
+
+class Member:
+    """One run of a group, host side: its workdir and the guard that keeps it (process 0's),
+    checkpoints, metrics writer, NaN count and losses."""
+
+    def __init__(self, config: Config, path: epath.Path, guard: workdir_lib.Lock | workdir_lib.Lease, label: str,
+                 is_writer: bool):
+        self.config, self.path, self.guard, self.label = config, path, guard, label
+        self.manager = checkpoint.make_manager(str(path), config)
+        self.writer: Trackers | None = None
+        self.say = (lambda line: print(label + line, flush=True)) if is_writer else (lambda line: None)
+        self.losses: dict[int, float] = {}
+        self.eval_loss: float | None = None
+        self.skipped_in_a_row = self.skipped = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What step `step` left: its device-side metrics and the state after it (a group's: a leading
+    run axis), the target tokens read from each dataset up to it (this process's), whether it is
+    train.steps, and what every process agreed on after it (preemption, the hooks' flags)."""
+    step: int
+    metrics: dict[str, jax.Array]
+    state: TrainState
+    tokens_read: np.ndarray
+    at_end: bool
+    preempted: bool
+    agreed: dict[str, bool]
+
+
+class Hook:
+    checks_step = False  # the step passes the NaN policy before this runs
+
+    def flags(self) -> dict[str, bool]:
+        """Local conditions that every process must agree on (gathered every train.log_every steps)."""
+        return {}
+
+    def poll(self) -> None:
+        """Every step, right after it is dispatched."""
+
+    def due(self, record: StepRecord) -> bool:
+        return False
+
+    def __call__(self, record: StepRecord) -> None:
+        """Runs at a step `due` chose."""
+
+    def end(self, step: int, state: TrainState) -> None:
+        """After the last step."""
+
+
+class Preemption:
+    """SIGTERM (what Cloud TPU sends before preemption) and a first Ctrl-C: the run stops after a step,
+    saved. With several processes, JAX's preemption service catches SIGTERM on any host and agrees,
+    through the coordination service, on the step at which every host saves: checked at every step
+    (a local read). A Ctrl-C, and the hooks' flags (a lost lease, a timed save due), are agreed
+    every `every` steps (an all-gather)."""
+
+    def __init__(self):
+        self.requested = False
+        self._service = multihost.preemption_service()
+        self._previous = {sig: signal.signal(sig, self._handle)
+                          for sig in ((signal.SIGINT,) if self._service else (signal.SIGTERM, signal.SIGINT))}
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt  # the second Ctrl-C aborts
+        name = 'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'
+        print(f'{name}: finishing this step, then saving and exiting'
+              + (' (Ctrl-C again to abort without saving)' if signum == signal.SIGINT else ''), flush=True)
+        self.requested = True
+
+    def agree(self, step: int, every: int, **local: bool) -> tuple[bool, dict[str, bool]]:
+        """(preempted, each of `local`'s flags: whether it holds on any process), the same on every
+        process; with several, the flags are gathered every `every` steps and False between."""
+        if jax.process_count() == 1:
+            return self.requested, local
+        from jax.experimental import multihost_utils
+        noticed = self._service and multihost_utils.reached_preemption_sync_point(step)
+        if noticed:
+            print(f'a preemption notice (SIGTERM) reached this pod: every host saves step {step}, then exits',
+                  flush=True)
+        if step % every:
+            return noticed, dict.fromkeys(local, False)
+        agreed = np.any(multihost_utils.process_allgather(np.array([self.requested, *local.values()])), axis=0)
+        return noticed or bool(agreed[0]), {name: bool(flag) for name, flag in zip(local, agreed[1:])}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class HostMetrics:
+    """The host side of each step, one step late: train.nan_policy, the loss record, and every
+    train.log_every steps the log line (with the tokens read from each dataset, summed over the
+    processes); at the end, a run that skipped most of its steps is an error."""
+
+    def __init__(self, config: Config, group: RunGroup, members: list[Member], flops_per_token: float,
+                 peak_flops: float, train_tokens: dict[str, int], start_step: int):
+        self.config, self.group, self.members = config, group, members
+        self._flops_per_token, self._peak, self._train_tokens = flops_per_token, peak_flops, train_tokens
+        self._start_step = start_step
+        self._pending: StepRecord | None = None
+        self._interval_start, self._interval_steps = time.perf_counter(), 0
+
+    def take(self, record: StepRecord) -> None:
+        """Reads the step before `record`'s, and holds `record`'s for the next step."""
+        self.settle()
+        self._pending = record
+
+    def settle(self) -> None:
+        """Reads the held step now."""
+        if self._pending is not None:
+            self._read(self._pending)
+            self._pending = None
+
+    def _read(self, record: StepRecord) -> None:
+        config, step = self.config, record.step
+        host = jax.device_get(record.metrics)
+        self._interval_steps += 1
+        logging_now = step % config.train.log_every == 0 or step == config.train.steps
+        if logging_now:
+            elapsed = time.perf_counter() - self._interval_start
+            tokens_per_sec = self._interval_steps * config.data.batch_size * config.data.seq_len / elapsed
+            read = dict(zip(self._train_tokens, multihost.summed(record.tokens_read).tolist()))
+            shared = {'tokens_per_sec': tokens_per_sec, 'step_time': elapsed / self._interval_steps,
+                      'mfu': self._flops_per_token * tokens_per_sec / self._peak,
+                      **{f'tokens/{name}': n for name, n in read.items()},
+                      **{f'epoch/{name}': n / max(self._train_tokens[name], 1) for name, n in read.items()}}
+        for i, m in enumerate(self.members):
+            mine = self.group.member(host, i)
+            _check_finite(m, step, bool(mine['finite']))
+            m.losses[step] = float(mine['loss'])
+            if logging_now:
+                m.writer.write(step, {'loss': mine['loss'], 'lr': mine['lr'], 'grad_norm': mine['grad_norm'], **shared})
+        if logging_now:
+            self._interval_start, self._interval_steps = time.perf_counter(), 0
+
+    def check_skipped(self, step: int) -> None:
+        for m in self.members:
+            if 2 * m.skipped > step - self._start_step:
+                raise TrainingError(f'{m.label}{m.skipped} of the {step - self._start_step} steps this run took were '
+                                    'non-finite and skipped (train.nan_policy=skip): the run is not learning; lower '
+                                    f'the LR. The checkpoint of step {step} holds the weights of the last finite step.')
+
+
+def _check_finite(m: Member, step: int, finite: bool) -> None:
+    """train.nan_policy for one step of one run: stop ('error', or too many skipped) or count the skip."""
+    train_cfg = m.config.train
+    if finite:
+        m.skipped_in_a_row = 0
+        return
+    if train_cfg.nan_policy == 'error':
+        raise TrainingError(f'{m.label}non-finite loss, gradients or weights at step {step}; no checkpoint '
+                            f'of it was written (latest saved: {m.manager.latest_step()}). Lower the LR or set '
+                            'train.nan_policy=skip.')
+    m.skipped_in_a_row += 1
+    m.skipped += 1
+    if m.skipped_in_a_row > train_cfg.max_skipped_steps:
+        raise TrainingError(f'{m.label}{m.skipped_in_a_row} steps in a row up to step {step} were '
+                            f'non-finite and skipped (train.max_skipped_steps={train_cfg.max_skipped_steps}): '
+                            'the run is not learning; lower the LR.')
+    logging.warning('%sstep %d: non-finite loss, gradients or weights; update skipped', m.label, step)
+
+
+class Leases(Hook):
+    """A workdir's lease lost on any process (another run took the bucket workdir) stops every
+    process, in one line, at the next agreement."""
+
+    def __init__(self, members: list[Member]):
+        self.members = members
+
+    def confirm(self) -> None:
+        """Every process stops (LeaseLostError, one line) unless process 0 surely still holds each workdir."""
+        multihost.on_process_0(lambda: [m.guard.confirm() for m in self.members])
+
+    def flags(self) -> dict[str, bool]:
+        return {'lease_lost': any(m.guard.lost for m in self.members)}
+
+    def due(self, record: StepRecord) -> bool:
+        return record.agreed['lease_lost']
+
+    def __call__(self, record: StepRecord) -> None:
+        self.confirm()
+
+
+class Checkpoints(Hook):
+    """Saves every train.checkpoint_every steps, every train.checkpoint_minutes, at the end, at a
+    preemption and at the end of WSD's stable phase (a run to extend from); a failed asynchronous
+    save stops the run at the next step."""
+    checks_step = True
+
+    def __init__(self, config: Config, group: RunGroup, members: list[Member], leases: Leases, data_iterator: Any,
+                 start_step: int):
+        self.config, self.group, self.members, self.leases = config, group, members, leases
+        self._data_iterator = data_iterator
+        self._saved_at = time.monotonic()  # train.checkpoint_minutes' clock
+        self.last_saved = start_step  # a resumed run's step is saved; a fresh run's step 0 is not asked for
+
+    def flags(self) -> dict[str, bool]:
+        minutes = self.config.train.checkpoint_minutes
+        return {'timed_save': bool(minutes) and time.monotonic() - self._saved_at >= 60 * minutes}
+
+    def poll(self) -> None:
+        for m in self.members:
+            checkpoint.check_saves(m.manager)
+
+    def due(self, record: StepRecord) -> bool:
+        train, opt = self.config.train, self.config.optimizer
+        stable_end = opt.schedule == 'wsd' and record.step == opt.decay_start
+        return (record.step % train.checkpoint_every == 0 or record.preempted or record.at_end or stable_end
+                or record.agreed['timed_save'])
+
+    def __call__(self, record: StepRecord) -> None:
+        self.save(record.step, record.state, force=record.preempted or record.at_end)
+
+    def save(self, step: int, state: TrainState, force: bool) -> None:
+        self.leases.confirm()
+        self._saved_at, self.last_saved = time.monotonic(), step
+        for i, m in enumerate(self.members):
+            m.writer.flush(wait=True)  # on an object store, every step's metrics are there before its checkpoint
+            checkpoint.save(m.manager, step, self.group.member(state, i), self._data_iterator, m.config, force=force)
+
+    def wait(self) -> None:
+        for m in self.members:
+            checkpoint.check_saves(m.manager, wait=True)
+
+    def end(self, step: int, state: TrainState) -> None:
+        self.wait()
+
+
+class Evaluation(Hook):
+    """Validation every train.eval_every steps and at the end, each run's record written."""
+    checks_step = True
+
+    def __init__(self, config: Config, members: list[Member], validate: Callable[[Any], list[Any]]):
+        self.config, self.members, self._validate = config, members, validate
+
+    def due(self, record: StepRecord) -> bool:
+        return bool(self.config.train.eval_every and record.step % self.config.train.eval_every == 0) or record.at_end
+
+    def __call__(self, record: StepRecord) -> None:
+        self.evaluate(record.step, record.state)
+
+    def evaluate(self, step: int, state: TrainState) -> None:
+        for m, evaluation in zip(self.members, self._validate(state.params)):
+            m.eval_loss = evaluation.loss
+            m.writer.write(step, evaluation.record())
+            m.writer.flush()
+
+
+class Diagnostics(Hook):
+    """The attention and value statistics every train.diagnostics_every steps (vrl/train/diagnostics.py)."""
+
+    def __init__(self, config: Config, group: RunGroup, members: list[Member], diagnose: Callable[[Any], dict]):
+        self.every, self.group, self.members, self._diagnose = config.train.diagnostics_every, group, members, diagnose
+
+    def due(self, record: StepRecord) -> bool:
+        return record.step % self.every == 0
+
+    def __call__(self, record: StepRecord) -> None:
+        for i, m in enumerate(self.members):
+            m.writer.write_diagnostics(record.step, self._diagnose(self.group.member(record.state.params, i)))
+
+
+class Sample(Hook):
+    """A greedy sample of each run at the end of a run that trained, prompted with train.sample_prompt
+    or the opening words of the run's own validation data."""
+
+    def __init__(self, config: Config, group: RunGroup, members: list[Member], graphdef: Any, mesh: Any,
+                 tokenizer: Any, start_step: int):
+        self.config, self.group, self.members, self.graphdef, self.mesh = config, group, members, graphdef, mesh
+        self.tokenizer, self.start_step = tokenizer, start_step
+
+    def end(self, step: int, state: TrainState) -> None:
+        if step <= self.start_step:
+            return
+        config = self.config
+        text = config.train.sample_prompt or pipeline.opening_words(config.data, self.tokenizer)
+        prompt = pipeline.prompt_tokens(config.data, self.tokenizer, text)
+        sampling = decode.Sampling(max_new_tokens=min(config.train.sample_tokens, config.data.seq_len - len(prompt)))
+        for i, m in enumerate(self.members):
+            generator = decode.Generator(config.model, self.graphdef, self.group.member(state.params, i),
+                                         config.data.seq_len, self.tokenizer.eos_id, self.mesh)
+            completion = generator.generate([prompt], sampling).tokens[0]
+            m.writer.print(f'sample (greedy): {text}{self.tokenizer.decode(completion)}')
+
+
+def collect_flags(hooks: list[Hook]) -> dict[str, bool]:
+    """Every hook's local flags, for the processes to agree on."""
+    return {name: flag for hook in hooks for name, flag in hook.flags().items()}

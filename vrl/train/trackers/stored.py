@@ -1,0 +1,58 @@
+"""A workdir on an object store: metrics.jsonl and the TensorBoard events are written in local
+scratch, and `flush` sends each file's growth since the last flush (storage.append: the bytes
+uploaded over a run are what it logged), in one background upload at a time, so that the step does
+not wait on the store, and only while the run still holds the workdir (vrl/train/workdir.py). A
+hard kill loses at most the records since the last flush, all of them after the last checkpoint,
+which the resumed run logs again."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+from etils import epath
+
+from vrl.core import storage
+from vrl.core.errors import VrlError
+from vrl.train import workdir as workdir_lib
+
+
+class StoredLog:
+    def __init__(self, workdir: epath.Path, guard: workdir_lib.Lock | workdir_lib.Lease):
+        self.workdir, self.local, self._guard = workdir, storage.scratch(workdir), guard
+        (self.local / 'metrics.jsonl').unlink(missing_ok=True)  # an earlier run's are on the store already
+        (self.local / 'tensorboard').rmtree(missing_ok=True)
+        self._sent = {'metrics.jsonl': 0}  # bytes of each local file on the store, by path under the workdir
+        self._extends = {'metrics.jsonl'} if (workdir / 'metrics.jsonl').exists() else set()  # a resumed run's
+        self._uploads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='vrl-metrics')
+        self._pending: concurrent.futures.Future | None = None
+        self.last_flush = time.monotonic()
+
+    def flush(self, wait: bool = False) -> None:
+        """An upload in the background (none while one still runs: the next flush takes its records),
+        or with `wait` here, after the one in flight."""
+        self.last_flush = time.monotonic()
+        if wait:
+            if self._pending is not None:
+                self._pending.result()
+            self._upload()
+        elif self._pending is None or self._pending.done():
+            self._pending = self._uploads.submit(self._upload)
+
+    def _upload(self) -> None:
+        try:
+            self._guard.confirm()
+        except VrlError:  # the lease is lost: the loop stops every host at its next check
+            return
+        for relative, size in storage.files(self.local).items():
+            sent = self._sent.get(relative, 0)
+            if size > sent:
+                with open(self.local / relative, 'rb') as f:
+                    f.seek(sent)
+                    grown = f.read(size - sent)
+                storage.append(self.workdir / relative, grown, new=not sent and relative not in self._extends)
+                self._sent[relative] = sent + len(grown)
+
+    def close(self) -> None:
+        self.flush(wait=True)
+        self._uploads.shutdown()
