@@ -153,11 +153,23 @@ def close(manager: ocp.CheckpointManager) -> None:
             manager.close()
     finally:
         if jax.process_index() == 0:
-            folder = epath.Path(manager.directory)
-            partials = (_unfinished(folder) if storage.is_remote(folder)
-                        else list(folder.glob('*.orbax-checkpoint-tmp*')))
-            for partial in partials:
-                partial.rmtree(missing_ok=True)
+            _remove_partials(epath.Path(manager.directory))
+
+
+PARTIAL_QUIET_SECONDS = 1.0  # a failed save's folder must stay gone this long to count as removed
+
+
+def _remove_partials(folder: epath.Path, tries: int = 10) -> None:
+    """Removes the folders failed saves left. Orbax reports a failed save at its first failed write,
+    while the save's other writes may still be in flight and recreate the folder (a full disk, a
+    loaded host): it is removed again until it stays gone for PARTIAL_QUIET_SECONDS."""
+    for _ in range(tries):
+        partials = _unfinished(folder) if storage.is_remote(folder) else list(folder.glob('*.orbax-checkpoint-tmp*'))
+        if not partials:
+            return
+        for partial in partials:
+            partial.rmtree(missing_ok=True)
+        time.sleep(PARTIAL_QUIET_SECONDS)
 
 
 COMMITTED = 'commit_success.txt'  # the object Orbax writes last into a step saved on an object store
