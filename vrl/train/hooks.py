@@ -61,6 +61,8 @@ class StepRecord:
 
 
 class Hook:
+    """Something done around steps on its own schedule; a new one is a subclass in the loop's
+    `step_hooks`, touching no other hook."""
     checks_step = False  # the step passes the NaN policy before this runs
 
     def flags(self) -> dict[str, bool]:
