@@ -196,6 +196,11 @@ def _check_finite(m: Member, step: int, finite: bool) -> None:
     logging.warning('%sstep %d: non-finite loss, gradients or weights; update skipped', m.label, step)
 
 
+def confirm(guards: list[workdir_lib.Lock | workdir_lib.Lease]) -> None:
+    """Every process stops (LeaseLostError, one line) unless process 0 surely still holds each workdir."""
+    multihost.on_process_0(lambda: [guard.confirm() for guard in guards])
+
+
 class Leases(Hook):
     """A workdir's lease lost on any process (another run took the bucket workdir) stops every
     process, in one line, at the next agreement."""
@@ -204,8 +209,7 @@ class Leases(Hook):
         self.members = members
 
     def confirm(self) -> None:
-        """Every process stops (LeaseLostError, one line) unless process 0 surely still holds each workdir."""
-        multihost.on_process_0(lambda: [m.guard.confirm() for m in self.members])
+        confirm([m.guard for m in self.members])
 
     def flags(self) -> dict[str, bool]:
         return {'lease_lost': any(m.guard.lost for m in self.members)}

@@ -145,7 +145,7 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     labels = [f'[{path.name}] ' if group.members > 1 else '' for path in paths]
     member_configs = [dataclasses.replace(config, train=dataclasses.replace(config.train, seed=c.train.seed))
                       for c in configs]
-    multihost.on_process_0(lambda: [guard.confirm() for guard in guards])  # the compile may have taken long
+    hooks.confirm(guards)  # the compile may have taken long
     if request.fresh and is_writer:
         for path, label, member_config in zip(paths, labels, member_configs):
             say(label + workdir_lib.start_over(path, member_config, checkpoint.latest_step(path)))
@@ -179,8 +179,8 @@ def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], to
     state, start_step = _initial_state(trainer, group, members, starts)
     leases = hooks.Leases(members)
     leases.confirm()
-    reads = _announce(trainer, group, members, starts, tokenizer, request)
     account = accounting.account(config.model, config.data.seq_len)
+    reads = _announce(trainer, group, members, starts, tokenizer, request, account)
     peak = metrics.peak_flops_per_device(config.train.peak_flops, config.model.compute_dtype) * jax.device_count()
     train_tokens = {name: d['train_tokens'] for name, d in reads['datasets'].items()}
     host = hooks.HostMetrics(config, group, members, account.flops_per_token, peak, train_tokens, start_step)
@@ -254,11 +254,10 @@ def _initial_state(trainer: TrainSteps, group: RunGroup, members: list[hooks.Mem
 
 
 def _announce(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], starts: list[start.Start], tokenizer,
-              request: start.Request) -> dict[str, Any]:
+              request: start.Request, account: accounting.ModelAccount) -> dict[str, Any]:
     """What the run reads (pipeline.provenance; a resume must read the same), recorded in config.json
     and W&B; each member's metrics writer; and the start lines. Returns what the run reads."""
     config, is_writer = trainer.config, jax.process_index() == 0
-    account = accounting.account(config.model, config.data.seq_len)
     reads = {'data': pipeline.provenance(config.data, tokenizer)}
     epoch_rates = pipeline.epochs_per_step(reads['data'], config.data.batch_size * config.data.seq_len)
     opt, start_step = config.optimizer, starts[0].step()
