@@ -1,4 +1,4 @@
-"""lm-eval adapter throughput: loglikelihood requests/s through vrl.tools.evaluate.VrlLM.
+"""lm-eval adapter throughput: loglikelihood requests/s through vrl.train.harness.VrlLM.
 
     python bench/lm_eval_throughput.py [--configs tiny,82m] [--batches 1,32] [--requests 64]
 
@@ -27,8 +27,8 @@ from configs import base, tiny  # noqa: E402
 from vrl.core import sharding  # noqa: E402
 from vrl.core.config import from_configdict  # noqa: E402
 from vrl.data import corpus, pipeline  # noqa: E402
-from vrl.tools.evaluate import VrlLM  # noqa: E402
 from vrl.train import aot  # noqa: E402
+from vrl.train.harness import VrlLM  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 from vrl.train.trained import TrainedRun  # noqa: E402
 
@@ -45,7 +45,7 @@ def requests(tokenizer, n: int) -> list[Instance]:
 
 
 def requests_per_sec(lm: VrlLM, reqs: list[Instance]) -> float:
-    lm.loglikelihood(reqs)  # compiles every length bucket the requests need
+    lm.loglikelihood(reqs)  # compiles the program of the requests' row length
     start = time.perf_counter()
     lm.loglikelihood(reqs)
     return len(reqs) / (time.perf_counter() - start)

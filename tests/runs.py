@@ -117,7 +117,7 @@ def saved_steps(workdir: Path) -> list[int]:
     return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
 
 
-CHOICE_TASK = """task: toy_choice
+CHOICE_TASK = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -133,16 +133,48 @@ metric_list:
     higher_is_better: true
 """
 
-CHOICE_DOCS = [{'question': 'HAMLET: To be, or not to b', 'choices': ['e', 'ee', 'lue'], 'answer': 0},
-               {'question': 'KING: My lord, what news from', 'choices': [' France?', ' the moon?'], 'answer': 0},
-               {'question': 'Who is there?', 'choices': [' Nay, answer me.', ' café', ' 日本'], 'answer': 1}]
+# questions with two or three continuations, some right by the plays' text and some not
+CHOICE_DOCS = [{'question': q, 'choices': c, 'answer': a} for q, c, a in [
+    ('HAMLET: To be, or not to b', ['e', 'ee', 'lue'], 0),
+    ('KING: My lord, what news from', [' France?', ' the moon?'], 0),
+    ('Who is there?', [' Nay, answer me.', ' café', ' 日本'], 1),
+    ('ROMEO: But, soft! what light through yonder', [' window breaks?', ' door squeaks?'], 0),
+    ('Good my lord, I pray', [' you', ' them', ' thee'], 0),
+    ('The king is', [' dead', ' blue', ' seven'], 0),
+    ('My', [' lord', ' dog'], 0),
+    ('Exeunt', [' all', ' none'], 1),
+]]
 
 
-def write_choice_task(folder: Path, docs: list[dict] | None = CHOICE_DOCS) -> Path:
-    """An lm-eval multiple-choice task `toy_choice` over local JSONL (missing when docs is None), in folder."""
+def write_choice_task(folder: Path, docs: list[dict] | None = CHOICE_DOCS, name: str = 'toy_choice') -> Path:
+    """An lm-eval multiple-choice task `name` over local JSONL (missing when docs is None), in folder."""
     folder.mkdir(parents=True, exist_ok=True)
-    data = folder / 'toy_choice.jsonl'
+    data = folder / f'{name}.jsonl'
     if docs is not None:
         data.write_text(''.join(json.dumps(d) + '\n' for d in docs))
-    (folder / 'toy_choice.yaml').write_text(CHOICE_TASK.format(data=data))
+    (folder / f'{name}.yaml').write_text(CHOICE_TASK.format(name=name, data=data))
+    return folder
+
+
+TEXT_TASK = """task: toy_text
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: bits_per_byte
+"""
+
+
+def write_text_task(folder: Path) -> Path:
+    """An lm-eval perplexity task `toy_text` (loglikelihood_rolling) over CHOICE_DOCS' questions, in folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / 'toy_text.jsonl'
+    data.write_text(''.join(json.dumps({'text': d['question'] + d['choices'][d['answer']]}) + '\n' for d in CHOICE_DOCS))
+    (folder / 'toy_text.yaml').write_text(TEXT_TASK.format(data=data))
     return folder

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,8 +47,11 @@ def test_summary_pairs_seeds_with_vanilla():
 
 
 def _compare_args(small_corpus, workdir, *args: str, steps: int = 4) -> list[str]:
+    """Every run also scores the task `toy_curve` every 2 steps while it trains."""
+    tasks = write_choice_task(Path(small_corpus[0].data_dir) / 'curve_task', name='toy_curve')
     config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1,
-                         diagnostics_every=2, diagnostics_sequences=2)
+                         diagnostics_every=2, diagnostics_sequences=2, downstream_tasks='toy_curve',
+                         downstream_every=2, downstream_include_path=str(tasks))
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3))
     return [*cli_args(config, workdir, 'vrl.experiments.compare'), '--analysis_sequences=4', *args]
 
@@ -77,10 +81,19 @@ def test_compare_writes_report_results_and_plots(compared):
     resformer = results['table'][1]
     assert resformer['params'] > results['table'][0]['params']  # learnable_plus adds 2 N + 1 scalars
     report = (workdir / 'report.md').read_text()
-    assert report.count('| vanilla |') == 1 and report.count('| resformer:learnable_plus |') == 1
+    # a row in the main table and one in the downstream table
+    assert report.count('| vanilla |') == 2 and report.count('| resformer:learnable_plus |') == 2
     for name in ('eval_loss', 'relative_train_loss', 'entropy', 'similarity', 'value_norms',
-                 'diagnostics_first_token_attention', 'diagnostics_entropy'):
+                 'diagnostics_first_token_attention', 'diagnostics_entropy', 'downstream_toy_curve_acc'):
         assert (workdir / f'{name}.png').read_bytes()[:4] == b'\x89PNG' and f'({name}.png)' in report
+    # the curve scored while training, and its last point as the final score, mean ± spread over seeds
+    for run in results['runs']:
+        assert sorted(run['downstream_curves']['toy_curve/acc']) == ['2', '4']
+        assert run['downstream']['toy_curve']['acc'] == run['downstream_curves']['toy_curve/acc']['4']
+    finals = [r['downstream']['toy_curve']['acc'] for r in results['runs'] if r['variant'] == 'vanilla']
+    assert results['table'][0]['downstream']['toy_curve']['acc'] == pytest.approx(
+        [np.mean(finals), np.std(finals, ddof=1)])
+    assert f'| vanilla | {curves.plus_minus(np.mean(finals), np.std(finals, ddof=1))} |' in report
     assert 'resformer:learnable_plus: eval loss' in first.stdout
 
 
@@ -107,8 +120,8 @@ def test_a_second_invocation_trains_only_the_new_variant_and_evaluates_all(compa
         run_acc = json.loads(result_file.read_text())['downstream']['toy_choice']['acc']
         assert run_acc == lm_eval_results['results']['toy_choice']['acc,none']
     accuracies = [r['downstream']['toy_choice']['acc'] for r in results['runs'] if r['variant'] == 'svformer']
-    assert table[2]['downstream']['toy_choice']['acc'] == pytest.approx(np.mean(accuracies))
-    assert '| variant | toy_choice acc |' in (workdir / 'report.md').read_text()
+    assert table[2]['downstream']['toy_choice']['acc'][0] == pytest.approx(np.mean(accuracies))
+    assert '| variant | toy_choice acc | toy_curve acc |' in (workdir / 'report.md').read_text()
 
 
 @pytest.mark.parametrize('args, message', [

@@ -19,6 +19,7 @@ from lm_eval.api.instance import Instance
 from tests.helpers import piece_bytes
 from tests.runs import CHOICE_DOCS, SHARED_RUN_STEPS, write_choice_task
 from vrl.tools import evaluate
+from vrl.train import harness
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -33,11 +34,11 @@ def workdir(shared_runs, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope='module')
-def lm(workdir) -> evaluate.VrlLM:
-    return evaluate.VrlLM(str(workdir), batch_size=3)
+def lm(workdir) -> harness.VrlLM:
+    return harness.VrlLM(str(workdir), batch_size=3)
 
 
-def forward_log_probs(lm: evaluate.VrlLM, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def forward_log_probs(lm: harness.VrlLM, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """float64 log p(ids[t] | ids[:t]) for t = 1.., and whether ids[t] is the argmax: one forward pass."""
     model = nnx.merge(lm.run.trainer.graphdef, jax.device_get(lm.run.params))
     logits = np.asarray(model(jnp.asarray([ids[:-1]])), np.float64)[0]
@@ -47,7 +48,7 @@ def forward_log_probs(lm: evaluate.VrlLM, ids: list[int]) -> tuple[np.ndarray, n
     return log_probs[np.arange(len(targets)), targets], logits.argmax(-1) == targets
 
 
-def expected_loglikelihood(lm: evaluate.VrlLM, context: str, continuation: str) -> tuple[float, bool]:
+def expected_loglikelihood(lm: harness.VrlLM, context: str, continuation: str) -> tuple[float, bool]:
     """The continuation's tokens are those of the whole text past the last token that ends within
     the context's bytes (counted from the pieces' text, tests/helpers.py's piece_bytes, not from
     the tokenizer's offsets)."""
@@ -80,7 +81,7 @@ def test_loglikelihood_equals_the_forward_pass(lm):
         assert abs(log_prob - expected) <= 1e-5 * abs(expected), pair
         assert greedy == expected_greedy
     # logits 16 positions at a time (4 chunks of a 64-token row): the same sums
-    in_chunks = evaluate.Scorer(lm.run, batch_size=2, chunk=16).score([lm._request_sequence(*p) for p in pairs])
+    in_chunks = harness.Scorer(lm.run, batch_size=2, chunk=16).score([lm._request_sequence(*p) for p in pairs])
     np.testing.assert_allclose([r[0] for r in in_chunks], [r[0] for r in results], rtol=1e-5)
 
 
@@ -142,17 +143,17 @@ def test_the_command_runs_a_local_task_and_its_scores_are_the_models(lm, workdir
 
 
 def test_bad_input_is_named(workdir, small_corpus, tmp_path):
-    with pytest.raises(evaluate.EvaluateError, match=r"unknown task\(s\) 'hellaswagg'.*did you mean hellaswag"):
+    with pytest.raises(harness.EvaluateError, match=r"unknown task\(s\) 'hellaswagg'.*did you mean hellaswag"):
         evaluate.evaluate(str(workdir), ['hellaswagg'])
     tasks = write_choice_task(tmp_path / 'tasks', docs=None)
-    with pytest.raises(evaluate.EvaluateError, match=r"task 'toy_choice': its data could not be loaded"):
+    with pytest.raises(harness.EvaluateError, match=r"task 'toy_choice': its data could not be loaded"):
         evaluate.evaluate(str(workdir), ['toy_choice'], include_path=str(tasks))
     empty = tmp_path / 'untrained'
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match='no checkpoint in'):
         evaluate.evaluate(str(empty), ['toy_choice'], include_path=str(tasks))
-    with pytest.raises(evaluate.EvaluateError, match='batch_size=0 is invalid'):
-        evaluate.VrlLM(str(workdir), batch_size=0)
+    with pytest.raises(harness.EvaluateError, match='batch_size=0 is invalid'):
+        harness.VrlLM(str(workdir), batch_size=0)
 
 
 def _evaluate(workdir: Path, tasks: Path, task: str) -> subprocess.CompletedProcess:
@@ -178,3 +179,34 @@ def test_a_data_line_that_does_not_parse_is_named_with_its_file_and_line(workdir
     result = _evaluate(workdir, tasks, 'toy_choice')
     assert result.returncode != 0 and 'Traceback' not in result.stderr
     assert f"error: task 'toy_choice': its data could not be loaded: {data}:2 is not valid JSON (" in result.stderr
+
+
+def _contexts(sample: dict) -> list[str]:
+    """The contexts of a logged sample's requests (lm-eval logs them as a dict or a list)."""
+    arguments = sample['arguments']
+    return [a['arg_0'] for a in arguments.values()] if isinstance(arguments, dict) else [a[0] for a in arguments]
+
+
+def test_lm_eval_finds_vrl_by_name_and_limit_and_num_fewshot_do_what_they_say(workdir, tmp_path):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    tasks = write_choice_task(tmp_path / 'tasks')
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    results = lm_eval.simple_evaluate(model='vrl', model_args=f'workdir={workdir},batch_size=4', tasks=['toy_choice'],
+                                      task_manager=manager, limit=3, num_fewshot=1, log_samples=True)
+    assert results['n-samples']['toy_choice'] == {'original': len(CHOICE_DOCS), 'effective': 3}
+    samples = results['samples']['toy_choice']
+    assert sorted(s['doc_id'] for s in samples) == [0, 1, 2]
+    for sample in samples:
+        own = CHOICE_DOCS[sample['doc_id']]['question']
+        for context in _contexts(sample):  # one solved example (lm-eval draws it from the same split), then the question
+            example = context[:-len(own)]
+            assert context.endswith(own) and example.endswith('\n\n'), context
+            assert any(example == d['question'] + ' ' + d['choices'][d['answer']] + '\n\n' for d in CHOICE_DOCS), context
+    # the command's function: the same numbers
+    again = evaluate.evaluate(str(workdir), ['toy_choice'], num_fewshot=1, limit=3, batch_size=4,
+                              include_path=str(tasks)).results
+    assert again['results']['toy_choice']['acc,none'] == results['results']['toy_choice']['acc,none']
+    zero_shot = evaluate.evaluate(str(workdir), ['toy_choice'], limit=3, include_path=str(tasks), log_samples=True)
+    logged = [json.loads(line) for line in zero_shot.files[-1].read_text().splitlines()]
+    assert len(logged) == 3 and all(set(_contexts(s)) == {CHOICE_DOCS[s['doc_id']]['question']} for s in logged)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from tests.conftest import ROOT
 from tests.helpers import NAMED_VARIANTS
-from tests.runs import TINY_MODEL, cli_args, tiny_config, train_losses
+from tests.runs import TINY_MODEL, cli_args, tiny_config, train_losses, write_choice_task
 from vrl.core import sharding
 from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig
 from vrl.data import pipeline
@@ -120,12 +120,23 @@ def _run_two_processes(config: Config, workdir) -> list[str]:
 
 
 def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp_path):
+    """Also the downstream tasks scored while training: each process supplies half of every batch's
+    rows, and the scores equal vrl.tools.evaluate's in one process."""
+    tasks = write_choice_task(tmp_path / 'tasks')
     config = _sharding_config(small_corpus, MeshConfig(data=2, fsdp=-1, tensor=1))
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, log_every=1, checkpoint_every=3,
-                                                                   steps=3))
+    config = dataclasses.replace(config, train=dataclasses.replace(
+        config.train, log_every=1, checkpoint_every=3, steps=3, downstream_tasks='toy_choice', downstream_every=3,
+        downstream_include_path=str(tasks)))
     workdir = tmp_path / 'two_processes'
-    _run_two_processes(config, workdir)
+    outputs = _run_two_processes(config, workdir)
     assert (workdir / 'checkpoints' / '3' / 'data' / 'process_1-of-2.json').exists()
+    # process 1 says when it starts and where it ended, and nothing of the progress
+    said = [line for line in outputs[1].splitlines() if line.startswith('process 1 of 2: ')]
+    assert len(said) == 2 and 'fresh start, to step 3; process 0 prints the progress' in said[0], outputs[1]
+    assert re.fullmatch(rf'process 1 of 2: done at step 3: loss \d+\.\d{{4}}; checkpoint in {workdir}/checkpoints/3',
+                        said[1]), said
+    assert 'step 3/3' not in outputs[1] and 'step 3/3' in outputs[0]
+    assert 'done at step 3: loss ' in outputs[0]
     resumed = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6))
     _run_two_processes(resumed, workdir)  # restores step 3 in both processes, runs 4..6
     records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
@@ -142,6 +153,13 @@ def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp
     reference, _ = train_losses(resumed, jax.devices(), batches)
     for got, want in zip(two_process_losses, reference):
         assert abs(got - want) / want < 1e-5, (two_process_losses, reference)
+
+    from vrl.tools import evaluate
+    scored = {r['step']: r['downstream/toy_choice/acc'] for r in records if 'downstream/toy_choice/acc' in r}
+    assert sorted(scored) == [3, 6]
+    one_process = evaluate.evaluate(str(workdir), ['toy_choice'], batch_size=config.data.batch_size,
+                                    include_path=str(tasks)).results
+    assert one_process['results']['toy_choice']['acc,none'] == scored[6]
 
 
 FAIL_ON_PROCESS_0 = '''

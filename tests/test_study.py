@@ -16,6 +16,7 @@ from tests.conftest import ROOT
 from tests.runs import cli_args, saved_steps, tiny_config
 from vrl.core.config import Config, DataConfig, ModelConfig, OptimizerConfig, TrainConfig
 from vrl.experiments import curves, grid, scaling, study, study_report
+from vrl.experiments.grid import GridError
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -144,6 +145,38 @@ def test_summary_of_a_synthetic_study(tmp_path):
     assert {f'diagnostics_{name}_{size}.png' for name in ('first_token_attention', 'entropy') for size in sizes} <= written
 
 
+def test_sizes_fit_on_a_downstream_score_as_its_error(tmp_path):
+    """--fit_metric=toy/acc: vanilla's error 1 - acc is 0.5 N^-0.2, the variant's is vanilla's at 1.25 N
+    from 0.95 N parameters; the loss (which picks the LR) says nothing of it."""
+    sizes, n = ['s', 'm', 'l'], [1e6, 2e6, 4e6]
+    axes = study.Axes(['vanilla', 'resformer'], sizes, [1e-3], [0, 1], [10], fit_metric='toy/acc')
+    results = []
+    for size, count in zip(sizes, n):
+        for seed in (0, 1):
+            for variant, params, error in (('vanilla', count, 0.5 * count ** -0.2),
+                                           ('resformer', 0.95 * count, 0.5 * (1.25 * count) ** -0.2)):
+                run = _result(variant, size, params, 1e-3, seed, 3.0, {50: 3.5, 100: 3.0})
+                curve = {'50': 0.5 - error / 2, '100': 1.0 - error * (0.95 + 0.1 * seed)}  # seeds' mean: 1 - error
+                run |= {'downstream': {'toy': {'acc': curve['100']}}, 'downstream_curves': {'toy/acc': curve}}
+                results.append(run)
+    summary = study_report.summarize(study_report.Points(results, axes), 10)
+    fit = summary['fits']
+    assert fit['of'] == '1 - toy/acc'
+    assert fit['variants']['vanilla']['alpha'] == pytest.approx(0.2)
+    for row in fit['params_saved']['resformer']:
+        assert row['saved'] == pytest.approx(1 - 0.95 / 1.25)
+    points = study_report.Points(results, axes)
+    figures = study_report.write_plots(points, summary, tmp_path)
+    assert {f'downstream_toy_acc_{size}.png' for size in sizes} <= {p.name for p in figures}
+    report = study_report.report(points, summary, {size: BASE.model for size in sizes}, 'intro.', figures)
+    assert '## 1 - toy/acc vs parameters' in report and 'equal 1 - toy/acc against vanilla' in report
+    error = 0.5 * 1.25e6 ** -0.2
+    assert f'| s | resformer | {curves.plus_minus(1 - error, 0.1 * error / np.sqrt(2))} |' in report
+    with pytest.raises(GridError, match=r"--fit_metric=toy/acc_norm: run vanilla \{'size': 's'\} seed 0 has no such "
+                       r'final score \(it has: toy/acc\)'):
+        study_report.summarize(study_report.Points(results, dataclasses.replace(axes, fit_metric='toy/acc_norm')), 10)
+
+
 # --- sizes and the plan ---
 
 BASE = Config(model=ModelConfig(vocab_size=512, vocab_pad_multiple=64, n_layers=8, d_model=128, n_heads=4,
@@ -202,6 +235,8 @@ def test_plan_keeps_tokens_per_step_and_scales_the_budget():
     (dict(seq_lens=[100]), '--seq_lens: 100 is invalid: allowed divisors'),
     (dict(seeds=[0, 0]), '--seeds=0,0: each value once'),
     (dict(variants=['vanilla', 'resformer:learned']), "unknown variant preset 'resformer:learned'"),
+    (dict(fit_metric='hellaswag/acc'), r"--fit_metric=hellaswag/acc is invalid: allowed eval_loss or TASK/METRIC of a "
+                                       r"task the runs score while training \(--config.train.downstream_tasks=''\)"),
 ])
 def test_bad_axes_are_named(changes, message):
     axes = dataclasses.replace(study.Axes(['vanilla'], ['d64'], [1e-3], [0], [128]), **changes)

@@ -422,6 +422,14 @@ class TrainConfig:
     # sequences, every this many steps, into metrics.jsonl and TensorBoard; 0 = off
     diagnostics_every: int = 100
     diagnostics_sequences: int = 8
+    # lm-eval tasks (comma-separated names; requirements-extra.txt) scored on the live parameters every
+    # downstream_every steps (0 = only at the end) and at the end, logged as downstream/TASK/METRIC
+    # (vrl/train/downstream.py); '' = none
+    downstream_tasks: str = ''
+    downstream_every: int = 1000
+    downstream_limit: int = 0  # examples per task; 0 = all
+    downstream_fewshot: int = -1  # few-shot examples; -1 = each task's default
+    downstream_include_path: str = ''  # a folder of task YAMLs of your own (lm-eval's include_path)
     # Weights & Biases (vrl/train/trackers/wandb.py, requirements-extra.txt): everything the run logs, from process 0; '' = off
     wandb_project: str = ''
     wandb_entity: str = ''  # '' = your default entity
@@ -434,8 +442,18 @@ class TrainConfig:
         for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'diagnostics_sequences'):
             _require(getattr(self, name) >= 1, f'train.{name}', getattr(self, name), 'an integer >= 1')
         for name in ('steps', 'microbatches', 'eval_every', 'eval_batches', 'keep_period', 'sample_tokens',
-                     'max_skipped_steps', 'diagnostics_every', 'checkpoint_minutes'):
+                     'max_skipped_steps', 'diagnostics_every', 'checkpoint_minutes', 'downstream_every',
+                     'downstream_limit'):
             _require(getattr(self, name) >= 0, f'train.{name}', getattr(self, name), 'an integer >= 0')
+        _require(self.downstream_fewshot >= -1, 'train.downstream_fewshot', self.downstream_fewshot,
+                 '-1 (each task\'s default) or an integer >= 0')
+        _require(all(self.task_names) or not self.downstream_tasks.strip(), 'train.downstream_tasks',
+                 self.downstream_tasks, "lm-eval task names separated by commas, such as 'hellaswag,piqa'")
+
+    @property
+    def task_names(self) -> list[str]:
+        """train.downstream_tasks as a list ([] = none)."""
+        return [t.strip() for t in self.downstream_tasks.split(',')] if self.downstream_tasks.strip() else []
 
 
 @dataclasses.dataclass(frozen=True)

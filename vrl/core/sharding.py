@@ -111,6 +111,11 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     return Mesh(device_array, MESH_AXES)
 
 
+def spec_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (or of a rule): a name, several, or none."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def logical_spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
     """PartitionSpec for logical axis names (Axis; None: replicated); a mesh axis is used at most
     once per array. A name without a rule is a ValueError, not a silently replicated dimension."""
@@ -119,9 +124,7 @@ def logical_spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
     for name in logical_axes:
         if name is not None and name not in LOGICAL_RULES:
             raise ValueError(f'logical axis {name!r} has no sharding rule; the axes are {sorted(LOGICAL_RULES)}')
-        axes = LOGICAL_RULES[name] if name else None
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        axes = tuple(a for a in axes if a not in used)
+        axes = tuple(a for a in spec_axes(LOGICAL_RULES[name] if name else None) if a not in used)
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)
@@ -135,8 +138,7 @@ def fitted_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Seque
     """
     fitted = []
     for axes, size in zip(logical_spec(logical_axes), shape):
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        fitted.append(axes if size % math.prod(mesh.shape[a] for a in names) == 0 else None)
+        fitted.append(axes if size % math.prod(mesh.shape[a] for a in spec_axes(axes)) == 0 else None)
     return NamedSharding(mesh, PartitionSpec(*fitted))
 
 

@@ -34,10 +34,10 @@ def summarize(results: list[dict], variants: list[str]) -> list[dict]:
     return rows
 
 
-def _mean_downstream(per_run: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """{task: {metric: mean over the runs}} for the metrics every run has."""
+def _mean_downstream(per_run: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, tuple[float, float]]]:
+    """{task: {metric: (mean, standard deviation) over the runs}} for the metrics every run has."""
     tasks = set.intersection(*(set(d) for d in per_run)) if per_run else set()
-    return {task: {metric: float(np.mean([d[task][metric] for d in per_run]))
+    return {task: {metric: curves.mean_and_spread([d[task][metric] for d in per_run])
                    for metric in set.intersection(*(set(d[task]) for d in per_run))} for task in sorted(tasks)}
 
 
@@ -62,7 +62,7 @@ def write_plots(results: list[dict], variants: list[str], workdir: epath.Path) -
     mean_analysis = {variant: {'variant': by_variant[variant][0]['model'], **{
         k: np.mean([a[k] for a in analyses], axis=0).tolist() for k in analyze.PLOTTED}}
         for variant, analyses in analysed.items() if analyses}
-    figures = written + diagnostics_plots(by_variant, workdir)
+    figures = written + diagnostics_plots(by_variant, workdir) + downstream_plots(by_variant, workdir)
     return figures + (analyze.plot(mean_analysis, workdir) if mean_analysis else [])
 
 
@@ -93,6 +93,30 @@ def diagnostics_plots(by_variant: dict[str, list[dict]], workdir: epath.Path, wh
     return written
 
 
+def downstream_plots(by_variant: dict[str, list[dict]], workdir: epath.Path, where: str = '') -> list[epath.Path]:
+    """Each downstream task's metric scored while training (train.downstream_tasks) over the steps, a
+    chart per TASK/METRIC with a line per variant (mean over its runs, the seeds' spread shaded), in
+    downstream_<task>_<metric><where>.png; none when no run scored any."""
+    names = sorted({name for runs in by_variant.values() for r in runs for name in r.get('downstream_curves', {})})
+    written = []
+    for name in names:
+        lines = []
+        for color, (variant, runs) in enumerate(by_variant.items()):
+            seeds = [r['downstream_curves'][name] for r in runs if name in r.get('downstream_curves', {})]
+            if not seeds:
+                continue
+            steps = sorted(set.intersection(*(set(c) for c in seeds)), key=int)
+            spread = [curves.mean_and_spread([c[s] for c in seeds]) for s in steps]
+            mean = [m for m, _ in spread]
+            band = ([m - d for m, d in spread], [m + d for m, d in spread]) if len(seeds) > 1 else None
+            lines.append(plots.Line(f'{variant} ({len(seeds)} seed{"s" * (len(seeds) > 1)})', [int(s) for s in steps],
+                                    mean, '-', color, band))
+        file = 'downstream_' + ''.join(c if c.isalnum() or c in '-.' else '_' for c in name) + where + '.png'
+        written.append(plots.line_plot(workdir / file, f'{name} while training{where.replace("_", ", ")}', 'step',
+                                       f'{name} (mean; shaded: ± one standard deviation over seeds)', lines))
+    return written
+
+
 def report(rows: list[dict], figures: list[epath.Path], base: Config, seeds: list[int]) -> str:
     tokens = base.train.steps * base.data.batch_size * base.data.seq_len
     lines = [
@@ -112,11 +136,12 @@ def report(rows: list[dict], figures: list[epath.Path], base: Config, seeds: lis
                      f'{delta} | {r["params"]:,} | {r["kv_cache_bytes_per_token"]:,} | {r["tokens_per_sec"]:,.0f} |')
     columns = sorted({(task, metric) for r in rows for task, metrics in r['downstream'].items() for metric in metrics})
     if columns:
-        lines += ['', '## Downstream tasks (lm-eval, mean over seeds)', '',
+        lines += ['', '## Downstream tasks (lm-eval at the final step, mean ± standard deviation over seeds)', '',
                   '| variant | ' + ' | '.join(f'{task} {metric}' for task, metric in columns) + ' |',
                   '|---|' + '---|' * len(columns)]
         for r in rows:
             lines.append(f'| {r["variant"]} | ' + ' | '.join(
-                f'{r["downstream"][t][m]:.4f}' if m in r['downstream'].get(t, {}) else '—' for t, m in columns) + ' |')
+                curves.plus_minus(*r['downstream'][t][m]) if m in r['downstream'].get(t, {}) else '—'
+                for t, m in columns) + ' |')
     lines += ['', '## Figures', ''] + [f'![{f.stem}]({f.name})' for f in figures]
     return '\n'.join(lines) + '\n'

@@ -61,27 +61,17 @@ class Downstream:
 
     def index(self) -> Any:
         """lm-eval's TaskManager for the tasks, built once; EvaluateError names an unknown task."""
-        from vrl.tools import evaluate  # lm-eval: requirements-extra.txt
+        from vrl.train import harness  # lm-eval: requirements-extra.txt
         if self._task_manager is None:
-            self._task_manager = evaluate.task_manager_for(self.tasks, self.include_path)
+            self._task_manager = harness.task_manager_for(self.tasks, self.include_path)
         return self._task_manager
 
     def metrics(self, run_dir: epath.Path, tasks: list[str]) -> dict[str, dict[str, float]]:
-        """{requested task: {metric: value}}: lm-eval's numbers without their stderr and filter suffix; a
-        group without its own aggregate gets each subtask's, named 'subtask/metric'."""
+        """{requested task: {metric: value}} on the run's latest checkpoint (harness.task_metrics)."""
         from vrl.tools import evaluate  # lm-eval: requirements-extra.txt
+        from vrl.train import harness
         results = evaluate.evaluate(str(run_dir), tasks, limit=self.limit, task_manager=self.index()).results
-
-        def numbers(task: str, prefix: str = '') -> dict[str, float]:
-            return {prefix + name.split(',')[0]: float(value) for name, value in results['results'].get(task, {}).items()
-                    if isinstance(value, (int, float)) and '_stderr' not in name}
-        by_task = {}
-        for task in tasks:
-            by_task[task] = numbers(task)
-            if not by_task[task]:
-                for subtask in results.get('group_subtasks', {}).get(task, []):
-                    by_task[task].update(numbers(subtask, f'{subtask}/'))
-        return by_task
+        return harness.task_metrics(results, tasks)
 
 
 class GridDirectory:
@@ -201,6 +191,7 @@ def _result(run: Run, run_dir: epath.Path, final_step: int, seconds: float, anal
                         'folder to train the run again.')
     cfg = run.config
     account = accounting.account(cfg.model, cfg.data.seq_len)
+    curves_of = downstream_curves(records)
     return {
         'variant': run.variant, 'model': cfg.model.variant_name, 'seed': run.seed, 'step': final_step,
         'coordinates': dict(run.coordinates),
@@ -216,7 +207,29 @@ def _result(run: Run, run_dir: epath.Path, final_step: int, seconds: float, anal
         'eval_curve': eval_curve,
         'diagnostics': {step: r['diagnostics'] for step, r in sorted(records.items()) if 'diagnostics' in r},
         'analysis': analysis,
+        'downstream_curves': curves_of,
+        'downstream': scores_at(curves_of, final_step),  # --tasks adds the tasks missing here
     }
+
+
+def downstream_curves(records: dict[int, dict]) -> dict[str, dict[int, float]]:
+    """{'TASK/METRIC': {step: score}} of the tasks scored while training (train.downstream_tasks)."""
+    out: dict[str, dict[int, float]] = {}
+    for step, record in sorted(records.items()):
+        for key, value in record.items():
+            if key.startswith('downstream/'):
+                out.setdefault(key[len('downstream/'):], {})[step] = value
+    return out
+
+
+def scores_at(curves_of: dict[str, dict[int, float]], step: int) -> dict[str, dict[str, float]]:
+    """{task: {metric: score}} at `step` of downstream_curves' curves."""
+    scores: dict[str, dict[str, float]] = {}
+    for name, curve in curves_of.items():
+        if step in curve:
+            task, metric = name.split('/', 1)
+            scores.setdefault(task, {})[metric] = curve[step]
+    return scores
 
 
 def read_metrics(path: epath.Path) -> dict[int, dict]:

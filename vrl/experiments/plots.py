@@ -19,6 +19,7 @@ class Line(NamedTuple):
     y: Sequence[float]
     style: str  # '-' solid, '--' dashed
     color: int  # index into the colour cycle: one colour per run or variant
+    band: tuple[Sequence[float], Sequence[float]] | None = None  # (low, high) at each x, shaded: e.g. the seeds' spread
 
 
 def line_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list[Line], markers: bool = True,
@@ -36,6 +37,8 @@ def line_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list[Line
     for line in lines:  # a style with its own marker ('o': points only) keeps it
         ax.plot(line.x, line.y, line.style, color=colors[line.color % len(colors)], label=line.label,
                 markersize=3, **({'marker': 'o'} if markers else {}))
+        if line.band is not None:
+            ax.fill_between(line.x, *line.band, color=colors[line.color % len(colors)], alpha=0.2, linewidth=0)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel, xscale='log' if 'x' in log else 'linear',
            yscale='log' if 'y' in log else 'linear')
     plain = matplotlib.ticker.FuncFormatter(lambda value, _: f'{value:g}')

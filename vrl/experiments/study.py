@@ -2,7 +2,7 @@
 
     python -m vrl.experiments.study --config=configs/reproduce_cpu.py --variants=vanilla,resformer,svformer \\
         --sizes=d64,d96,d128 --lrs=1e-3,3e-3,1e-2 --seeds=0,1 [--seq_lens=64,128,256] \\
-        [--budget=steps|params] --workdir=DIR [--list] [--config.train.steps=400 ...]
+        [--budget=steps|params] [--fit_metric=TASK/METRIC] --workdir=DIR [--list] [--config.train.steps=400 ...]
 
 Every (variant, size, LR, seq_len, seed) is a vrl.main workdir under DIR/runs/, trained, reused or
 resumed by vrl/experiments/grid.py exactly as vrl.experiments.compare's runs are, so adding a size, LR or seed trains only
@@ -23,6 +23,11 @@ non-embedding parameters at each size's best LR (vrl/experiments/scaling.py) and
 vanilla at equal loss, with a bootstrap interval over seeds; per size the tokens each variant
 needs to reach vanilla's final eval loss (data saved); per size and seq_len the critical step
 after which vanilla's smoothed training loss stays below the variant's.
+
+With --config.train.downstream_tasks, every run scores those lm-eval tasks while it trains: study.md
+gets their final scores and DIR the curves over training (seeds as bands), and --fit_metric=TASK/METRIC
+fits sizes on that score instead of the loss ("which size of vanilla matches ResFormer on
+hellaswag"; the best LR is still the one of lowest eval loss).
 """
 
 from __future__ import annotations
@@ -98,6 +103,13 @@ def check(base: Config, axes: Axes) -> None:
         if seq_len < 1 or tokens % seq_len:
             raise GridError(f'--seq_lens: {seq_len} is invalid: allowed divisors of the base\'s tokens per step '
                             f'({base.data.batch_size} x {base.data.seq_len} = {tokens}).')
+    if axes.fit_metric != 'eval_loss':
+        task, _, metric = axes.fit_metric.partition('/')
+        if task not in base.train.task_names or not metric:
+            raise GridError(f'--fit_metric={axes.fit_metric} is invalid: allowed eval_loss or TASK/METRIC of a task '
+                            f'the runs score while training (--config.train.downstream_tasks='
+                            f'{base.train.downstream_tasks!r}), such as hellaswag/acc_norm.')
+        study_report.lower_is_better(metric)  # a metric lm-eval knows
 
 
 def _steps(base: Config, size: ModelConfig, budget: str) -> int:
@@ -218,6 +230,9 @@ def _define_flags() -> dict:
         'workdir': flags.DEFINE_string('workdir', None, 'Where the runs, study.md and the plots go.'),
         'group_runs': flags.DEFINE_bool('group_runs', True, 'Train runs that differ only in seed together in one '
                                         'compiled step (vrl/experiments/grid.py); false: one run after another.'),
+        'fit_metric': flags.DEFINE_string('fit_metric', 'eval_loss', 'What the size fits are of: eval_loss, or '
+                                          'TASK/METRIC of train.downstream_tasks at the final step (e.g. '
+                                          'hellaswag/acc_norm; a score where higher is better is fitted as 1 - score).'),
         'list': flags.DEFINE_bool('list', False, 'Print the planned grid with estimated times; train nothing.'),
         'analysis_sequences': flags.DEFINE_integer('analysis_sequences', 0, 'Validation sequences for vrl.experiments.analyze '
                                                    'per run (0: no analysis).'),
@@ -239,7 +254,7 @@ def main(args: cli.Args) -> None:
                 _floats('--lrs', args['lrs'].value) if args['lrs'].value else [base.optimizer.peak_lr],
                 parse_seeds(args['seeds'].value),
                 [int(v) for v in _floats('--seq_lens', args['seq_lens'].value)] or [base.data.seq_len],
-                args['budget'].value)
+                args['budget'].value, args['fit_metric'].value)
     workdir = storage.path(args['workdir'].value)
     if args['list'].value:
         print(listing(plan(base, axes), workdir))

@@ -19,7 +19,7 @@ from etils import epath
 
 from vrl.core.config import ModelConfig
 from vrl.experiments import compare_report, curves, plots, scaling
-from vrl.experiments.grid import BASELINE
+from vrl.experiments.grid import BASELINE, GridError
 
 _STYLES = ('-', '--', ':', '-.')
 
@@ -33,6 +33,7 @@ class Axes:
     seeds: list[int]
     seq_lens: list[int]
     budget: str = 'steps'
+    fit_metric: str = 'eval_loss'  # or 'TASK/METRIC', a score of train.downstream_tasks at the final step
 
 
 class Points:
@@ -63,18 +64,55 @@ class Points:
     def others(self) -> list[str]:
         return [v for v in self.axes.variants if v != BASELINE]
 
+    def fitted(self, run: dict) -> float:
+        """What the size fits are of, for one run: its final eval loss, or for a downstream score
+        (axes.fit_metric 'TASK/METRIC') the score where lower is better, else its error 1 - score."""
+        if self.axes.fit_metric == 'eval_loss':
+            return run['eval_loss']
+        task, metric = self.axes.fit_metric.split('/', 1)
+        score = run.get('downstream', {}).get(task, {}).get(metric)
+        if score is None:
+            raise GridError(f'--fit_metric={self.axes.fit_metric}: run {run["variant"]} {run["coordinates"]} seed '
+                            f'{run["seed"]} has no such final score (it has: {", ".join(_scores(run)) or "none"}); '
+                            'score the task while training with --config.train.downstream_tasks.')
+        return score if lower_is_better(metric) else 1.0 - score
+
+    def fitted_label(self) -> str:
+        if self.axes.fit_metric == 'eval_loss':
+            return 'eval loss'
+        metric = self.axes.fit_metric.split('/', 1)[1]
+        return self.axes.fit_metric if lower_is_better(metric) else f'1 - {self.axes.fit_metric}'
+
+
+def _scores(run: dict) -> list[str]:
+    return [f'{task}/{metric}' for task, metrics in run.get('downstream', {}).items() for metric in metrics]
+
+
+def lower_is_better(metric: str) -> bool:
+    """lm-eval's registry's word on a metric ('acc_norm'; of 'subtask/acc', the part after the '/'; of
+    'acc_FILTER', 'acc'); GridError for a metric the registry does not know."""
+    import lm_eval.api.metrics  # noqa: F401 - registers lm-eval's metrics (requirements-extra.txt)
+    from lm_eval.api.registry import HIGHER_IS_BETTER_REGISTRY
+    name = metric.rsplit('/', 1)[-1]
+    for known in (name, name.rsplit('_', 1)[0]):
+        if known in HIGHER_IS_BETTER_REGISTRY:
+            return not HIGHER_IS_BETTER_REGISTRY[known]
+    raise GridError(f'--fit_metric: lm-eval does not say whether a higher {name!r} is better; fit one of its '
+                    f'metrics ({", ".join(sorted(HIGHER_IS_BETTER_REGISTRY))}).')
+
 
 def fits(points: Points, seq_len: int) -> dict[str, Any]:
     """Per variant, the power law over sizes at each size's best LR, and the parameters each variant
     saves against vanilla at equal loss at every vanilla size, with a bootstrap interval over seeds."""
-    per_seed, params, out = {}, {}, {'seq_len': seq_len, 'variants': {}, 'params_saved': {}}
+    per_seed, params = {}, {}
+    out = {'seq_len': seq_len, 'of': points.fitted_label(), 'variants': {}, 'params_saved': {}}
     for variant in points.axes.variants:
         runs = [points.at_best(variant, size, seq_len) for size in points.axes.sizes]
         params[variant] = [r[0]['non_embedding_params'] for r in runs]
-        per_seed[variant] = [[x['eval_loss'] for x in r] for r in runs]
-        points_of = {'params': params[variant], 'losses': [float(np.mean(s)) for s in per_seed[variant]]}
+        per_seed[variant] = [[points.fitted(x) for x in r] for r in runs]
+        points_of = {'params': params[variant], 'values': [float(np.mean(s)) for s in per_seed[variant]]}
         try:
-            law = scaling.fit_power_law(points_of['params'], points_of['losses'])
+            law = scaling.fit_power_law(points_of['params'], points_of['values'])
             out['variants'][variant] = {'a': law.a, 'alpha': law.alpha, **points_of, 'residuals': law.residuals}
         except scaling.FitError as e:
             out['variants'][variant] = {'error': str(e), **points_of}
@@ -154,12 +192,12 @@ def write_plots(points: Points, summary: dict, folder: epath.Path) -> list[epath
     written = []
     lines = []
     for variant, f in fit['variants'].items():
-        lines.append(plots.Line(variant, f['params'], f['losses'], 'o', color[variant]))
+        lines.append(plots.Line(variant, f['params'], f['values'], 'o', color[variant]))
         if 'a' in f:
             n = np.geomspace(min(f['params']), max(f['params']), 32)
             lines.append(plots.Line(None, n, scaling.PowerLaw(f['a'], f['alpha'], ()).loss(n), '-', color[variant]))
-    written.append(plots.line_plot(folder / 'loss_vs_params.png', 'Final eval loss at each size\'s best LR '
-                                   '(lines: power-law fits)', 'non-embedding parameters', 'eval loss', lines,
+    written.append(plots.line_plot(folder / 'loss_vs_params.png', f'Final {fit["of"]} at each size\'s best LR '
+                                   '(lines: power-law fits)', 'non-embedding parameters', fit['of'], lines,
                                    markers=False, log='xy'))
     lines = []
     for row in (r for r in summary['best_lr'] if r['seq_len'] == fit['seq_len']):
@@ -174,6 +212,7 @@ def write_plots(points: Points, summary: dict, folder: epath.Path) -> list[epath
     for size in axes.sizes:  # each variant at its best LR
         at_best = {variant: points.at_best(variant, size, fit['seq_len']) for variant in axes.variants}
         written += compare_report.diagnostics_plots(at_best, folder, f'_{size}')
+        written += compare_report.downstream_plots(at_best, folder, f'_{size}')
     return written
 
 
@@ -243,6 +282,7 @@ def report(points: Points, summary: dict, shapes: dict[str, ModelConfig], intro:
         lines += [f'seq_len {seq_len}:', ''] + _table(
             ['variant', 'size'] + [f'LR {lr:g}' for lr in sorted(axes.lrs)] + ['best LR'], rows) + ['']
     lines += _fit_section(summary['fits'], axes)
+    lines += _downstream_section(points, summary['fits']['seq_len'])
     lines += ['', '## Data saved', '']
     if summary['data_saved']:
         lines += ['Tokens each variant needs to reach vanilla\'s final eval loss, interpolated between evals; '
@@ -272,9 +312,9 @@ def report(points: Points, summary: dict, shapes: dict[str, ModelConfig], intro:
 def _fit_section(fit: dict, axes: Axes) -> list[str]:
     note = (' With two sizes the line passes through both points, so the residuals say nothing.'
             if len(axes.sizes) == 2 else '')
-    lines = ['## Loss vs parameters', '',
-             f'L(N) = a · N^(-alpha) over the sizes, N = non-embedding parameters, each size at its best LR '
-             f'(seq_len {fit["seq_len"]}); residual = measured minus fitted loss.{note}', '']
+    lines = ['## Loss vs parameters' if fit['of'] == 'eval loss' else f'## {fit["of"]} vs parameters', '',
+             f'L(N) = a · N^(-alpha) of the final {fit["of"]} over the sizes, N = non-embedding parameters, each size '
+             f'at its best LR by eval loss (seq_len {fit["seq_len"]}); residual = measured minus fitted.{note}', '']
     lines += _table(['variant', 'a', 'alpha', 'residuals'], [
         [variant, '—', '—', f'no fit: {f["error"]}'] if 'error' in f else
         [variant, f'{f["a"]:.4g}', f'{f["alpha"]:.4f}', ', '.join(f'{x:+.4f}' for x in f['residuals'])]
@@ -282,8 +322,8 @@ def _fit_section(fit: dict, axes: Axes) -> list[str]:
     if fit['params_saved']:
         at = [r['vanilla_params'] for r in next(iter(fit['params_saved'].values()))]
         interval = len(axes.seeds) > 1
-        lines += ['', 'Parameters saved at equal loss against vanilla: 1 - N_variant / N_vanilla, where the '
-                  'variant\'s fit reaches the loss vanilla\'s fit has at N_vanilla' +
+        lines += ['', f'Parameters saved at equal {fit["of"]} against vanilla: 1 - N_variant / N_vanilla, where the '
+                  f'variant\'s fit reaches the {fit["of"]} vanilla\'s fit has at N_vanilla' +
                   ('; 95% bootstrap interval over seeds in brackets.' if interval else '.'), '']
         lines += _table(['variant'] + [f'at N_vanilla = {n:,}' for n in at], [
             [variant] + [_percent(r['saved']) + (f' [{_percent(r["interval"][0])}, {_percent(r["interval"][1])}]'
@@ -296,3 +336,25 @@ def _fit_section(fit: dict, axes: Axes) -> list[str]:
     elif BASELINE not in axes.variants:
         lines += ['', 'Parameters saved: needs vanilla among --variants.']
     return lines
+
+
+def _downstream_section(points: Points, seq_len: int) -> list[str]:
+    """The downstream scores at the final step (train.downstream_tasks, or compare's --tasks), each
+    variant at its best LR, mean ± standard deviation over seeds; nothing when no run has any."""
+    axes = points.axes
+    names = sorted({name for variant, size in itertools.product(axes.variants, axes.sizes)
+                    for r in points.at_best(variant, size, seq_len) for name in _scores(r)})
+    if not names:
+        return []
+    rows = []
+    for size, variant in itertools.product(axes.sizes, axes.variants):
+        runs = points.at_best(variant, size, seq_len)
+        cells = []
+        for name in names:
+            task, metric = name.split('/', 1)
+            values = [r['downstream'][task][metric] for r in runs if metric in r.get('downstream', {}).get(task, {})]
+            cells.append(_loss(*curves.mean_and_spread(values)) if values else '—')
+        rows.append([size, variant, *cells])
+    return ['', '## Downstream tasks', '', f'lm-eval scores at the final step, each variant at its best LR (seq_len '
+            f'{seq_len}); the curves over training are the downstream_*.png figures.', ''] + _table(
+        ['size', 'variant', *names], rows)

@@ -100,7 +100,8 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
     if impl == 'auto' and isinstance(mask, Causal):
         raise ConfigError("model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
                           'platform (a TrainSteps does it itself).')
-    if impl == 'xla' or not isinstance(mask, Causal):
+    # cuDNN through JAX takes no segment ids: packed sequences (vrl.tools.evaluate's) take the XLA path
+    if impl == 'xla' or not isinstance(mask, Causal) or (impl == 'cudnn' and mask.segment_ids_BxL is not None):
         B, L = q_BxLxHxDh.shape[:2]
         dense = mask.dense(B, L) if isinstance(mask, Causal) else mask
         return _xla(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1,

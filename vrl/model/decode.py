@@ -73,8 +73,7 @@ def cache_shardings(cache: KVCache, batch: int, mesh: Mesh) -> KVCache:
     ('data', 'fsdp') then 'tensor' (vrl/core/sharding.py's rules); a part the mesh does not divide
     stays whole (a batch of 1 keeps only the kv-head split, an undivided larger batch neither)."""
     def mesh_axes(logical: str, size: int) -> tuple[str, ...]:
-        axes = sharding.fitted_sharding(mesh, (logical,), (size,)).spec[0]
-        return (axes,) if isinstance(axes, str) else tuple(axes or ())
+        return sharding.spec_axes(sharding.fitted_sharding(mesh, (logical,), (size,)).spec[0])
     batch_axes = mesh_axes(Axis.BATCH, batch)
     rows = batch_axes + mesh_axes(Axis.KV_HEADS, cache.k[0].shape[0] // batch) if batch_axes or batch == 1 else ()
     spec = NamedSharding(mesh, PartitionSpec(rows or None, None, None))

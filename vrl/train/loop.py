@@ -26,7 +26,7 @@ from vrl.core import multihost, sharding, storage
 from vrl.core.config import Config
 from vrl.data import pipeline
 from vrl.model import accounting
-from vrl.train import aot, checkpoint, diagnostics, hooks, metrics, optimizer, start
+from vrl.train import aot, checkpoint, diagnostics, downstream, hooks, metrics, optimizer, start
 from vrl.train import workdir as workdir_lib
 from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState, TrainSteps
@@ -139,6 +139,7 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     data_cfg = config.data if tokenizer_source is None else dataclasses.replace(config.data, tokenizer=str(tokenizer_source))
     tokenizer = multihost.process_0_first(lambda: pipeline.tokenizer_for_run(data_cfg, config.model.vocab_size))
     dataset = pipeline.train_dataset(data_cfg, tokenizer, jax.process_index(), jax.process_count())
+    task_manager = downstream.load(config.train)  # a task that cannot be loaded stops the run before a compile
     config, _ = aot.resolve(config, list(mesh.devices.flat), aot.local_hbm_bytes(), say)
     trainer = TrainSteps(config, mesh)
     group = trainer.group(len(configs))
@@ -155,7 +156,7 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     members = [hooks.Member(*member, is_writer) for member in zip(member_configs, paths, guards, labels)]
     data_iterator = iter(dataset)
     try:
-        return _train(trainer, group, members, tokenizer, data_iterator, request, preemption)
+        return _train(trainer, group, members, tokenizer, data_iterator, request, preemption, task_manager)
     finally:
         if not any(m.guard.lost for m in members):  # else another run holds a workdir: add nothing there
             try:
@@ -172,7 +173,7 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
 
 
 def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], tokenizer, data_iterator: Any,
-           request: start.Request, preemption: hooks.Preemption) -> list[RunResult]:
+           request: start.Request, preemption: hooks.Preemption, task_manager: Any) -> list[RunResult]:
     """Each member's start, its start lines, the hooks, then the loop and the end of the run."""
     config = trainer.config
     starts = [start.decide(trainer, m.config, m.path, m.manager, data_iterator, request, m.say) for m in members]
@@ -192,9 +193,13 @@ def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], to
     if every and every <= config.train.steps:
         diagnose = diagnostics.TrainingDiagnostics(trainer, tokenizer)
         step_hooks.append(hooks.Diagnostics(config, group, members, diagnose))
+    scorings = [evaluation.evaluate]  # what the last step of data that ends early gets, beside a save
+    if task_manager is not None:
+        step_hooks.append(downstream.Downstream(config, trainer, group, members, tokenizer, task_manager))
+        scorings.append(step_hooks[-1].evaluate)
     if config.train.steps == 0 and starts[0].origin != start.Origin.RESUMED:  # a conversion: the initial weights
         _save_initial(config, state, members, checkpoints, evaluation)
-    data_ended = functools.partial(_data_ended, config, host=host, checkpoints=checkpoints, evaluation=evaluation)
+    data_ended = functools.partial(_data_ended, config, host=host, checkpoints=checkpoints, scorings=scorings)
     state, step, preempted = _loop(config, group, data_iterator, state, start_step, host, step_hooks, preemption,
                                    data_ended)
     if not preempted:
@@ -204,6 +209,9 @@ def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], to
         host.check_skipped(step)
         if config.train.sample_tokens:
             hooks.Sample(config, group, members, trainer.graphdef, trainer.mesh, tokenizer, start_step).end(step, state)
+        if step > start_step:
+            tell_every_host(members, lambda m: f'done at step {step}: loss {m.losses[step]:.4f}; checkpoint in '
+                            f'{m.path}/checkpoints/{checkpoints.last_saved}')
     return [RunResult(step, m.losses, m.eval_loss, group.member(state, i), preempted) for i, m in enumerate(members)]
 
 
@@ -233,10 +241,20 @@ def _loop(config: Config, group: RunGroup, data_iterator: Any, state: TrainState
         if preempted and not record.at_end:
             for hook in step_hooks:
                 hook.end(step, state)  # the saves in flight are durable
-            for m in host.members:
-                m.writer.print(f'preempted: saved step {step}; run the same command to resume')
+            tell_every_host(host.members, lambda m: f'preempted: saved step {step} in {m.path}; run the same command '
+                            'to resume')
             return state, step, True
     return state, step, False
+
+
+def tell_every_host(members: list[hooks.Member], line_of: Callable[[hooks.Member], str]) -> None:
+    """A line per run on process 0's terminal and, headed by the process, on every other host's
+    (whose log says nothing else, so that a host that is still working does not look hung)."""
+    for m in members:
+        if jax.process_index() == 0:
+            m.writer.print(line_of(m))
+        else:
+            print(f'process {jax.process_index()} of {jax.process_count()}: {m.label}{line_of(m)}', flush=True)
 
 
 def _initial_state(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], starts: list[start.Start]
@@ -280,6 +298,9 @@ def _announce(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member],
                            f'{", pre-tokenized" if d["pretokenized"] else ", tokenized on the fly"}): an epoch '
                            f'every {1 / epoch_rates[name]:,.0f} steps')
         m.writer.print(f'tokenizer {tokenizer.path} ({tokenizer.vocab_size:,} pieces); writing to {m.path}')
+        if not is_writer:
+            tell_every_host([m], lambda m: f'{config.model.variant_name}, {begun.describe()}, to step '
+                            f'{config.train.steps}; process 0 prints the progress')
         if note := optimizer.schedule_note(opt, config.train.steps):
             m.writer.print(note)
         if start_step >= config.train.steps and (config.train.steps or begun.origin == start.Origin.RESUMED):
@@ -311,12 +332,14 @@ def _save_initial(config: Config, state: TrainState, members: list[hooks.Member]
 
 
 def _data_ended(config: Config, step: int, state: TrainState, *, host: hooks.HostMetrics,
-                checkpoints: hooks.Checkpoints, evaluation: hooks.Evaluation) -> None:
-    """data.num_epochs passes ended before train.steps: the last step saved and evaluated, said."""
+                checkpoints: hooks.Checkpoints, scorings: list[Callable[[int, TrainState], None]]) -> None:
+    """data.num_epochs passes ended before train.steps: the last step saved and evaluated (`scorings`:
+    validation, and the downstream tasks), said."""
     host.settle()
     if checkpoints.last_saved != step:
         checkpoints.save(step, state, force=True)
-    evaluation.evaluate(step, state)
+    for score in scorings:
+        score(step, state)
     for m in host.members:
         m.writer.print(f'the data ended after step {step}: data.num_epochs={config.data.num_epochs} passes over '
                        f'it are done, before train.steps={config.train.steps}; step {step} is saved and '

@@ -33,6 +33,11 @@ class TerminalTracker(Tracker):
                        f'eval_perplexity {record["eval_perplexity"]:.2f}  eval_bpb {record["eval_bpb"]:.4f}'
                        + (f'  (per dataset:{domains})' if domains else ''))
             return
+        if 'downstream_seconds' in record:
+            scores = '  '.join(f'{key[len("downstream/"):].replace("/", " ")} {value:.4f}' for key, value in record.items()
+                               if key.startswith('downstream/'))
+            self.print(f'step {step}: downstream  {scores}  ({record["downstream_seconds"]:.1f} s)')
+            return
         epochs = {key[len('epoch/'):]: value for key, value in record.items() if key.startswith('epoch/')}
         short = (f'loss {record["loss"]:.4f}  lr {record["lr"]:.2e}  tok/s {record["tokens_per_sec"]:,.0f}  '
                  f'mfu {record["mfu"]:.1%}' + ('  epoch ' + ' '.join(

@@ -1,0 +1,80 @@
+"""Downstream tasks while a run trains: lm-eval's tasks (train.downstream_tasks) scored on the live
+parameters every train.downstream_every steps and at the end, with no checkpoint written or read.
+
+The tasks are indexed and their data loaded at start-up, before anything compiles, so a task that
+cannot be loaded stops the run in one line then. Scoring is vrl/train/harness.py's (`VrlLM`: the
+requests packed into rows, data.batch_size / train.microbatches sequences' worth of tokens at a
+time, the same tasks one compiled program for the whole run) and gives the numbers
+vrl.tools.evaluate gives for a checkpoint of the same step. On a pod every process runs lm-eval on the same requests; each
+supplies its share of every batch's rows, as in training, and receives every score, and process 0
+writes `downstream/TASK/METRIC` (lm-eval's metric: acc, acc_norm, perplexity, ...) to
+metrics.jsonl, TensorBoard and W&B beside the loss.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vrl.core import multihost
+from vrl.core.config import Config, TrainConfig
+from vrl.data.tokenizer import Tokenizer
+from vrl.train.hooks import Hook, Member, StepRecord
+from vrl.train.start import TrainingError
+from vrl.train.step import RunGroup, TrainState, TrainSteps
+from vrl.train.trained import TrainedRun
+
+
+def load(train: TrainConfig) -> Any:
+    """lm-eval's index of train.downstream_tasks with each task's data loaded once (on every process:
+    each reads its own copy), or None when there are none; a missing lm-eval, an unknown task or
+    data that cannot be loaded stops every process in one line."""
+    if not train.task_names:
+        return None
+
+    def index() -> Any:
+        try:
+            from vrl.train import harness
+        except ImportError as e:
+            raise TrainingError(f'train.downstream_tasks={train.downstream_tasks!r}: {e}') from None
+        try:
+            return harness.load_tasks(train.task_names, train.downstream_include_path or None)
+        except harness.EvaluateError as e:  # its advice names the command's flag; here that is a config field
+            message = str(e).replace('--include_path', 'train.downstream_include_path')
+            raise TrainingError(f'train.downstream_tasks: {message}') from None
+    return multihost.everywhere(index)
+
+
+class Downstream(Hook):
+    """train.downstream_tasks every train.downstream_every steps and at the end, for each run of a group."""
+    checks_step = True
+
+    def __init__(self, config: Config, trainer: TrainSteps, group: RunGroup, members: list[Member],
+                 tokenizer: Tokenizer, task_manager: Any):
+        from vrl.train import harness  # lm-eval: requirements-extra.txt, present since `load` found the tasks
+        self.config, self.group, self.members, self.task_manager = config, group, members, task_manager
+        rows = config.data.batch_size // config.train.microbatches
+        self.model = harness.VrlLM(TrainedRun(config, tokenizer, trainer, None, None), batch_size=rows)
+
+    def due(self, record: StepRecord) -> bool:
+        """Every train.downstream_every steps and at train.steps; not at a preemption, whose notice
+        leaves time to save, not to score (the resumed run scores the next due step)."""
+        every = self.config.train.downstream_every
+        return (bool(every and record.step % every == 0) and not record.preempted) or record.at_end
+
+    def __call__(self, record: StepRecord) -> None:
+        self.evaluate(record.step, record.state)
+
+    def evaluate(self, step: int, state: TrainState) -> None:
+        from vrl.train import harness
+        train = self.config.train
+        for i, m in enumerate(self.members):
+            started = time.perf_counter()
+            self.model.use(self.group.member(state.params, i), step)
+            results = harness.run_tasks(self.model, train.task_names, self.task_manager,
+                                        None if train.downstream_fewshot < 0 else train.downstream_fewshot,
+                                        train.downstream_limit or None, quiet=True)
+            scores = harness.task_metrics(results, train.task_names)
+            m.writer.write(step, {f'downstream/{task}/{metric}': value for task, metrics in scores.items()
+                                  for metric, value in metrics.items()}
+                           | {'downstream_seconds': time.perf_counter() - started})
