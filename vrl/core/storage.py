@@ -33,10 +33,12 @@ import re
 import shutil
 import socket
 import tempfile
+import time
 import urllib.parse
 import uuid
 from typing import Callable
 
+import tqdm
 from etils import epath
 
 from vrl.core.errors import VrlError
@@ -225,6 +227,7 @@ def _copy_file(source: epath.Path, target: epath.Path) -> None:
 
 
 COPIED = '.vrl_copied.json'  # in a scratch copy: the version of each object it holds
+COPY_SAID_BYTES = 64 << 20  # a copy down of at least this much is said, with its time (and a bar on a terminal)
 
 
 def local_copy(folder: epath.Path, wanted: Callable[[str], bool] = lambda relative: True) -> epath.Path:
@@ -237,12 +240,21 @@ def local_copy(folder: epath.Path, wanted: Callable[[str], bool] = lambda relati
     local = scratch(folder)
     record = local / COPIED
     held = json.loads(record.read_text()) if record.exists() else {}
-    now = {relative: f'{info["size"]}:{info.get("generation") or info.get("mtime")}'
-           for relative, info in _listing(folder).items()}
-    for relative, version in now.items():
-        if wanted(relative) and (held.get(relative) != version or not (local / relative).exists()):
+    listing = _listing(folder)
+    now = {relative: f'{info["size"]}:{info.get("generation") or info.get("mtime")}' for relative, info in listing.items()}
+    missing = [relative for relative, version in now.items()
+               if wanted(relative) and (held.get(relative) != version or not (local / relative).exists())]
+    total, started = sum(int(listing[relative]['size']) for relative in missing), time.monotonic()
+    said = total >= COPY_SAID_BYTES
+    if said:
+        print(f'copying {len(missing)} file(s), {total / 2**20:,.0f} MiB, of {folder} to {local}', flush=True)
+    with tqdm.tqdm(total=total, unit='B', unit_scale=True, disable=None if said else True, mininterval=1.0) as bar:
+        for relative in missing:
             _copy_file(folder / relative, local / relative)
-            held[relative] = version
+            held[relative] = now[relative]
+            bar.update(int(listing[relative]['size']))
+    if said:
+        print(f'copied {folder} in {time.monotonic() - started:.0f} s', flush=True)
     local.mkdir(parents=True, exist_ok=True)
     write_bytes(record, json.dumps(held).encode())
     return local

@@ -30,6 +30,8 @@ from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState
 from vrl.train.trackers.composite import Trackers
 
+SILENT_WAIT_SECONDS = 2.0  # a wait longer than this is said on the terminal
+
 
 class Member:
     """One run of a group, host side: its workdir and the guard that keeps it (process 0's),
@@ -259,8 +261,17 @@ class Checkpoints(Hook):
             checkpoint.save(m.manager, step, self.group.member(state, i), self._data_iterator, m.config, force=force)
 
     def wait(self) -> None:
+        """Until the saves in flight are written (said, with how long it took, when it takes a while)."""
         for m in self.members:
+            started = time.monotonic()
+            while m.manager.is_saving_in_progress() and time.monotonic() - started < SILENT_WAIT_SECONDS:
+                time.sleep(0.05)
+            slow = m.manager.is_saving_in_progress()
+            if slow:
+                m.say(f'writing the checkpoint of step {self.last_saved} to {m.path} ...')
             checkpoint.check_saves(m.manager, wait=True)
+            if slow:
+                m.say(f'checkpoint of step {self.last_saved} written in {time.monotonic() - started:.0f} s')
 
     def end(self, step: int, state: TrainState) -> None:
         self.wait()
