@@ -28,6 +28,8 @@ def _known(flags: tuple[str, ...]) -> tuple[str, ...]:
 os.environ.setdefault('VRL_TEST_XLA_FLAGS', ' '.join((DEVICES, *_known(FAST_COMPILE))))
 os.environ['XLA_FLAGS'] = os.environ['VRL_TEST_XLA_FLAGS']
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+for _name in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE'):  # lm-eval's `datasets` reads local task files only
+    os.environ[_name] = '1'
 # Strict, as nanodo's tests are: an implicit rank promotion (a broadcast not written out) raises, in
 # the test process and the commands it starts.
 os.environ.setdefault('JAX_NUMPY_RANK_PROMOTION', 'raise')

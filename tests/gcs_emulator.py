@@ -30,7 +30,9 @@ PINNED = {'GCE_METADATA_HOST': CLOSED_PORT, 'GCE_METADATA_IP': CLOSED_PORT, 'GCE
           'NO_GCE_CHECK': 'True', 'GOOGLE_CLOUD_PROJECT': 'vrl-test', 'GOOGLE_APPLICATION_CREDENTIALS': '',
           'CLOUDSDK_CONFIG': '/nonexistent',
           'FSSPEC_GCS_TOKEN': 'anon',  # gcsfs: an emulator takes no credentials, so none are looked up
-          'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false'}  # no bucket-type probe over gRPC: the emulator has none
+          'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',  # no bucket-type probe over gRPC: the emulator has none
+          # Hugging Face's libraries look up their hub (and `datasets` an S3 endpoint) unless told not to
+          'HF_HUB_OFFLINE': '1', 'HF_DATASETS_OFFLINE': '1'}
 
 
 def environment(url: str) -> dict[str, str]:

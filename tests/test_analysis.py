@@ -3,8 +3,10 @@ reference's attention maps, and `python -m vrl.experiments.analyze` on real trai
 
 import json
 import math
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +144,23 @@ def test_analyze_bad_input_is_one_clear_line(two_runs, tmp_path, args, message):
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
     assert 'Traceback' not in result.stderr
     assert not (tmp_path / 'out').exists()  # nothing half-written
+
+
+def test_generate_and_analyze_refuse_a_config_json_that_is_not_their_checkpoints(two_runs, tmp_path):
+    """config.json edited after training (another RoPE theta, the same shapes): both tools name the
+    field and both values, and run nothing."""
+    workdir = Path(shutil.copytree(two_runs / 'vanilla', tmp_path / 'edited'))
+    record = json.loads((workdir / 'config.json').read_text())
+    record['config']['model']['rope_theta'] = 500_000.0
+    (workdir / 'config.json').write_text(json.dumps(record))
+    message = 'trained with model.rope_theta=10000.0 but the config has model.rope_theta=500000.0'
+    analyzed = _analyze(f'--workdir={workdir}', f'--out={tmp_path / "out"}')
+    generated = subprocess.run([sys.executable, '-m', 'vrl.tools.generate', f'--workdir={workdir}', '--prompt=ROMEO:'],
+                               capture_output=True, text=True, cwd=str(ROOT), timeout=600)
+    for result in (analyzed, generated):
+        assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+        assert 'Traceback' not in result.stderr
+    assert not (tmp_path / 'out').exists() and 'ROMEO:' not in generated.stdout
 
 
 def test_training_logs_the_diagnostics_that_analyze_computes_on_its_checkpoint(small_corpus, tmp_path):

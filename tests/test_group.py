@@ -96,7 +96,7 @@ def test_members_must_share_everything_but_the_seed(small_corpus, tmp_path):
     assert not (tmp_path / 'a').exists()
 
 
-def test_the_grid_groups_unfinished_runs_of_one_shape_data_and_step(small_corpus, tmp_path, caplog):
+def test_the_grid_groups_unfinished_runs_of_one_shape_data_and_step(small_corpus, tmp_path, caplog, capsys):
     """(ResFormer as above, so its programs are compiled already.)"""
     def run(attention: str, seed: int, peak_lr: float = 3e-3) -> grid.Run:
         config = _config(small_corpus, attention, seed)
@@ -127,6 +127,14 @@ def test_the_grid_groups_unfinished_runs_of_one_shape_data_and_step(small_corpus
     with caplog.at_level(logging.WARNING):
         grid.train_all([*first, run('resformer', 5)], tmp_path, 0)
     assert caplog.text.count('finished before, reused') == 4 and 'resformer-0.003-s5: trained alone' in caplog.text
+    # group_runs=False (compare's --group_runs=false): one run after another, each printing as a run alone
+    caplog.clear()
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING):
+        alone = grid.train_all([run('resformer', 6), run('resformer', 7)], tmp_path, 0, group_runs=False)
+    printed = capsys.readouterr().out
+    assert [r['step'] for r in alone] == [STEPS] * 2 and 'trained together' not in caplog.text
+    assert printed.count('resformer (learnable)') == 2 and '[resformer-0.003-s6]' not in printed, printed
 
 
 def test_a_killed_grouped_comparison_resumes_to_the_uninterrupted_report(small_corpus, tmp_path):

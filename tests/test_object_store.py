@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.gcs_emulator import RefusingStore, bucket_fs, machine_env
-from tests.runs import ROOT, cli_args, tiny_config
+from tests.runs import ROOT, cli_args, tiny_config, write_choice_task
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -45,12 +45,32 @@ def _run(config, workdir: str, gcs_url: str, home: Path, extra: tuple[str, ...] 
                           text=True, timeout=600, **popen)
 
 
-def test_the_lookups_are_pinned_to_localhost(gcs):
-    env = machine_env(gcs, Path('/tmp'))
-    assert env['STORAGE_EMULATOR_HOST'].startswith('http://127.0.0.1:')
-    assert env['TENSORSTORE_GCS_HTTP_URL'] == env['STORAGE_EMULATOR_HOST']
-    for key in ('GCE_METADATA_HOST', 'GCE_METADATA_IP', 'GCE_METADATA_ROOT'):
-        assert env[key].startswith('127.0.0.1:')
+INET_ADDRESS = re.compile(r'inet_addr\("([^"]+)"\)|inet_pton\(AF_INET6, "([^"]+)"')  # in strace's connect() lines
+
+
+def test_a_bucket_run_connects_to_nothing_but_this_machine(gcs, bucket_config, tmp_path):
+    """Every connect() of a run on a gs:// workdir and of the evaluation of its checkpoint, their
+    Python clients (gcsfs, google-auth) and C++ ones (TensorStore under Orbax) alike, recorded by
+    strace: each goes to 127.0.0.1 (or ::1) or a local socket, so no client reached for a real cloud
+    (a DNS look-up of a cloud name would show as a connect to the resolver)."""
+    config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=2,
+                                                                          checkpoint_every=2))
+    home, trace = tmp_path / 'host', tmp_path / 'connect.trace'
+    env = machine_env(gcs, home)
+    tasks = write_choice_task(tmp_path / 'tasks')
+    for args in (cli_args(config, 'gs://vrl/traced'),
+                 [sys.executable, '-m', 'vrl.tools.evaluate', '--workdir=gs://vrl/traced', '--tasks=toy_choice',
+                  f'--include_path={tasks}', '--batch_size=4']):
+        out = subprocess.run(['strace', '-f', '-qq', '--seccomp-bpf', '-e', 'trace=connect', '-e', 'signal=none',
+                              '-o', str(trace), *args], cwd=home, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        calls = [line for line in trace.read_text().splitlines() if 'connect(' in line]
+        inet = [line for line in calls if 'AF_INET' in line]
+        found = [INET_ADDRESS.search(line) for line in inet]
+        assert len(inet) > 10, calls[:20]  # the emulator was reached, so the trace saw the clients
+        assert all(found), [line for line, m in zip(inet, found) if not m]
+        addresses = {m.group(1) or m.group(2) for m in found}
+        assert addresses <= {'127.0.0.1', '::1', '::ffff:127.0.0.1'}, addresses
 
 
 def test_the_emulator_stopped_by_its_pid_leaves_no_server_or_folder():

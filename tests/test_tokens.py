@@ -107,20 +107,21 @@ def _records(n: int) -> list[dict]:
             for i in range(n)]
 
 
-def test_jsonl_gz_zst_and_parquet_are_read_as_plain_jsonl(tmp_path):
+def test_jsonl_ndjson_gz_zst_and_parquet_are_read_as_plain_jsonl(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
     records = _records(60)
     lines = ''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in records).encode()
-    inputs = {'jsonl': lines, 'jsonl.gz': gzip.compress(lines), 'jsonl.zst': zstandard.ZstdCompressor().compress(lines)}
+    inputs = {'jsonl': lines, 'ndjson': lines, 'jsonl.gz': gzip.compress(lines),
+              'jsonl.zst': zstandard.ZstdCompressor().compress(lines)}
     for ending, payload in inputs.items():
         (tmp_path / ending).mkdir()
         (tmp_path / ending / f'part.{ending}').write_bytes(payload)
     (tmp_path / 'parquet').mkdir()
     pq.write_table(pa.Table.from_pylist(records), tmp_path / 'parquet' / 'part.parquet', row_group_size=16)
     got = {}
-    for kind in ('jsonl', 'jsonl.gz', 'jsonl.zst', 'parquet'):
+    for kind in ('jsonl', 'ndjson', 'jsonl.gz', 'jsonl.zst', 'parquet'):
         name = 'c_' + kind.replace('.', '_')
         build.prepare_from_glob(str(tmp_path / kind), name, str(tmp_path / 'tfds'), validation_fraction=0.2)
         got[kind] = {split: sorted(corpus.texts(corpus.open_split(name, str(tmp_path / 'tfds'), split)))
@@ -205,6 +206,34 @@ def test_pretokenized_batches_equal_tokenizing_on_the_fly(pretokenized, hf_token
     evaluated = list(pipeline.eval_batches(cfg, hf_tokenizer, 0))
     on_the_fly = list(pipeline.eval_batches(dataclasses.replace(cfg, pretokenized=False), hf_tokenizer, 0))
     assert all((a['inputs'] == b['inputs']).all() for a, b in zip(evaluated, on_the_fly, strict=True))
+
+
+def test_a_vocabulary_above_65536_pieces_is_stored_in_uint32(small_corpus, hf_tokenizer, tmp_path):
+    """The tokenizer.json with 2^16 filler pieces before its own (specials keep their ids), so every
+    ordinary id is above what uint16 holds: the shards are uint32 and read back as tokenizing does."""
+    rust = json.loads(Path(hf_tokenizer.path).read_text())
+    specials = {t['content'] for t in rust['added_tokens']}
+    vocab = rust['model']['vocab']
+    n_special = len(specials)
+    assert sorted(vocab[p] for p in specials) == list(range(n_special))  # the trainer puts them first
+    shift = 1 << 16
+    rust['model']['vocab'] = {**{p: i if p in specials else i + shift for p, i in vocab.items()},
+                              **{f'<filler{k}>': k for k in range(n_special, n_special + shift)}}
+    (tmp_path / 'big.json').write_text(json.dumps(rust))
+    big = Tokenizer.load(str(tmp_path / 'big.json'))
+    assert big.vocab_size > shift and min(big.encode(TEXT)) >= shift
+    cfg, _ = small_corpus
+    data_dir = tmp_path / 'tfds'
+    shutil.copytree(Path(cfg.data_dir) / 'plays', data_dir / 'plays')
+    folder = tokens.tokenize('plays', str(data_dir), big, workers=1)
+    assert shards.dtype_for(big.vocab_size) == np.dtype('<u4')
+    assert json.loads((Path(folder) / 'tokens.json').read_text())['dtype'] == '<u4'
+    cfg = dataclasses.replace(cfg, data_dir=str(data_dir), tokenizer=big.path, num_epochs=1)
+    fast = list(pipeline.train_dataset(cfg, big, 0, 1))
+    slow = list(pipeline.train_dataset(dataclasses.replace(cfg, pretokenized=False), big, 0, 1))
+    assert max(int(b['inputs'].max()) for b in fast) >= shift
+    for a, b in zip(fast, slow, strict=True):
+        assert all((a[k] == b[k]).all() for k in a)
 
 
 @BLOCKS

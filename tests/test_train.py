@@ -233,6 +233,41 @@ def test_resuming_another_model_is_refused_and_changes_nothing(small_corpus, tmp
     assert _tree_bytes(workdir) == before
 
 
+def test_execution_settings_may_change_on_resume_and_the_run_goes_on_as_before(small_corpus, tmp_path):
+    """remat, scan_layers, attention_impl, hand_vjp and both chunk counts change how the model runs, not
+    what it computes: a resume under all of them continues the run's losses; compute_dtype may change
+    too (the numbers then differ by bfloat16's rounding)."""
+    config = tiny_config(small_corpus, steps=8)
+    straight = loop.run(config, str(tmp_path / 'straight'))
+    loop.run(tiny_config(small_corpus, steps=4), str(tmp_path / 'changed'))
+    model = dataclasses.replace(config.model, remat='full', scan_layers=not config.model.scan_layers,
+                                attention_impl='xla', hand_vjp='none', attention_chunks=2, head_chunks=2)
+    resumed = loop.run(dataclasses.replace(config, model=model), str(tmp_path / 'changed'))
+    assert sorted(resumed.losses) == [5, 6, 7, 8]
+    for step, loss in resumed.losses.items():
+        assert abs(loss - straight.losses[step]) <= 1e-5 * straight.losses[step], (step, loss, straight.losses[step])
+    bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype='bfloat16'),
+                               train=dataclasses.replace(config.train, steps=10))
+    assert loop.run(bf16, str(tmp_path / 'changed')).step == 10
+
+
+@pytest.mark.parametrize('changes, message', [
+    (dict(name='muon', peak_lr=0.02), "was trained with optimizer.name='adamw' but the config has optimizer.name='muon'"),
+    (dict(grad_clip=0.0), "its optimizer state differs from the config's"),
+])
+def test_resuming_under_another_optimizer_state_is_refused_and_changes_nothing(small_corpus, tmp_path_factory, changes,
+                                                                               message):
+    workdir = tmp_path_factory.getbasetemp() / 'mismatch_run'
+    if not workdir.exists():
+        loop.run(tiny_config(small_corpus, steps=4), str(workdir))
+    before = _tree_bytes(workdir)
+    config = tiny_config(small_corpus, steps=8)
+    other = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, **changes))
+    with pytest.raises(checkpoint.CheckpointMismatchError, match=re.escape(message)):
+        loop.run(other, str(workdir))
+    assert _tree_bytes(workdir) == before
+
+
 def test_a_data_position_saved_in_other_blocks_is_refused_and_changes_nothing(small_corpus, tmp_path, monkeypatch):
     """A checkpoint whose data iterator counted one document per grain element (as vrl did before it
     read blocks) is not restored into a pipeline of blocks: one line, and the run's files untouched."""
