@@ -358,7 +358,8 @@ def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp
 
 def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, tmp_path):
     """`--init_from=hf:DIR --config.train.steps=0`: a step-0 checkpoint of the imported weights, with
-    the export's tokenizer kept in the workdir; its evaluation and its export equal the original's."""
+    the export's tokenizer kept in the workdir; its evaluation and its export equal the original's,
+    and it trains on."""
     run, folder = exported
     config = dataclasses.replace(run.config, train=dataclasses.replace(run.config.train, steps=0),
                                  data=dataclasses.replace(run.config.data, tokenizer=''))
@@ -379,3 +380,11 @@ def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, 
     original, converted = load_file(str(folder / 'model.safetensors')), load_file(str(tmp_path / 'hf' / 'model.safetensors'))
     assert original.keys() == converted.keys()
     assert all(np.array_equal(original[k], converted[k]) for k in original)
+    # the converted workdir trains on: the same command with more steps resumes step 0 (--init_from is then
+    # ignored, said), with the tokenizer its weights came with
+    longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2, checkpoint_every=2))
+    on = subprocess.run([*cli_args(longer, tmp_path / 'run'), f'--init_from=hf:{folder}'], cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+    assert on.returncode == 0, on.stderr[-3000:]
+    assert 'resumed at step 0' in on.stdout and 'the workdir keeps the one its run trained with' in on.stdout, on.stdout
+    assert 'done at step 2: loss ' in on.stdout and (tmp_path / 'run' / 'checkpoints' / '2').is_dir()

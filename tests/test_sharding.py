@@ -213,7 +213,8 @@ def test_a_preemption_notice_to_one_host_saves_the_same_step_on_every_host(small
     assert len(saved) == 1 and 3 < saved[0] < 100, (saved, outputs)
     assert {'process_0-of-2.json', 'process_1-of-2.json'} <= {p.name for p in (workdir / 'checkpoints' / str(saved[0]) / 'data').iterdir()}
     assert all(f'every host saves step {saved[0]}, then exits' in out for out in outputs), outputs
-    assert f'preempted: saved step {saved[0]}; run the same command to resume' in outputs[0]
+    said = f'preempted: saved step {saved[0]} in {workdir}; run the same command to resume'
+    assert said in outputs[0] and f'process 1 of 2: {said}' in outputs[1], outputs
 
 
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
