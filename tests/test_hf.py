@@ -387,4 +387,5 @@ def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, 
                         capture_output=True, text=True, timeout=600)
     assert on.returncode == 0, on.stderr[-3000:]
     assert 'resumed at step 0' in on.stdout and 'the workdir keeps the one its run trained with' in on.stdout, on.stdout
+    assert f'\ntokenizer {tmp_path / "run" / "tokenizer.model"} (' in on.stdout  # it reads the workdir's copy
     assert 'done at step 2: loss ' in on.stdout and (tmp_path / 'run' / 'checkpoints' / '2').is_dir()

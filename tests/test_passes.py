@@ -78,9 +78,12 @@ def test_a_run_whose_data_ends_first_says_so_saved_and_evaluated(small_corpus, t
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, num_epochs=1, seq_len=128,
                                                                   batch_size=32))
     _, _, (steps,) = _batches(config.data, small_corpus[1], 1)
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=steps))
     result = loop.run(config, str(tmp_path / 'run'))
     out = capsys.readouterr().out
     assert result.step == max(result.losses) == steps < 10_000
     assert (f'the data ended after step {steps}: data.num_epochs=1 passes over it are done, before '
             'train.steps=10000; step') in out
     assert checkpoint.latest_step(tmp_path / 'run') == steps and result.eval_loss is not None
+    records = [json.loads(line) for line in (tmp_path / 'run/metrics.jsonl').read_text().splitlines()]
+    assert [r['step'] for r in records if 'eval_loss' in r] == [steps]  # due and the data's end: evaluated once

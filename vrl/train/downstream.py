@@ -19,7 +19,7 @@ from typing import Any
 from vrl.core import multihost
 from vrl.core.config import Config, TrainConfig
 from vrl.data.tokenizer import Tokenizer
-from vrl.train.hooks import Hook, Member, StepRecord
+from vrl.train.hooks import Member, Scoring, StepRecord
 from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState, TrainSteps
 from vrl.train.trained import TrainedRun
@@ -45,9 +45,8 @@ def load(train: TrainConfig) -> Any:
     return multihost.everywhere(index)
 
 
-class Downstream(Hook):
+class Downstream(Scoring):
     """train.downstream_tasks every train.downstream_every steps and at the end, for each run of a group."""
-    checks_step = True
 
     def __init__(self, config: Config, trainer: TrainSteps, group: RunGroup, members: list[Member],
                  tokenizer: Tokenizer, task_manager: Any):
@@ -62,10 +61,7 @@ class Downstream(Hook):
         every = self.config.train.downstream_every
         return (bool(every and record.step % every == 0) and not record.preempted) or record.at_end
 
-    def __call__(self, record: StepRecord) -> None:
-        self.evaluate(record.step, record.state)
-
-    def evaluate(self, step: int, state: TrainState) -> None:
+    def score(self, step: int, state: TrainState) -> None:
         from vrl.train import harness
         train = self.config.train
         for i, m in enumerate(self.members):

@@ -277,9 +277,26 @@ class Checkpoints(Hook):
         self.wait()
 
 
-class Evaluation(Hook):
-    """Validation every train.eval_every steps and at the end, each run's record written."""
+class Scoring(Hook):
+    """A hook that scores the parameters at the steps it is due (validation, downstream tasks), and
+    at the last step of data that ends early: `evaluate` scores a step once."""
     checks_step = True
+    scored_at: int | None = None
+
+    def __call__(self, record: StepRecord) -> None:
+        self.evaluate(record.step, record.state)
+
+    def evaluate(self, step: int, state: TrainState) -> None:
+        if step != self.scored_at:
+            self.scored_at = step
+            self.score(step, state)
+
+    def score(self, step: int, state: TrainState) -> None:
+        """Scores `state` at `step`, each run's record written."""
+
+
+class Evaluation(Scoring):
+    """Validation every train.eval_every steps and at the end, each run's record written."""
 
     def __init__(self, config: Config, members: list[Member], validate: Callable[[Any], list[Any]]):
         self.config, self.members, self._validate = config, members, validate
@@ -287,10 +304,7 @@ class Evaluation(Hook):
     def due(self, record: StepRecord) -> bool:
         return bool(self.config.train.eval_every and record.step % self.config.train.eval_every == 0) or record.at_end
 
-    def __call__(self, record: StepRecord) -> None:
-        self.evaluate(record.step, record.state)
-
-    def evaluate(self, step: int, state: TrainState) -> None:
+    def score(self, step: int, state: TrainState) -> None:
         for m, evaluation in zip(self.members, self._validate(state.params)):
             m.eval_loss = evaluation.loss
             m.writer.write(step, evaluation.record())

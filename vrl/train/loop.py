@@ -134,9 +134,10 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     mesh = sharding.make_mesh(configs[0].mesh)
     sharding.check_fits_mesh(configs[0], mesh.devices.shape)
     config, tokenizer_source, tokenizer_line = start.hf_tokenizer(configs[0], request.init_from, paths[0])
-    # the data before anything compiles (auto-fit compiles for minutes): the workdir's copy of an
-    # hf: tokenizer is made further down, so its source stands in for it here
-    data_cfg = config.data if tokenizer_source is None else dataclasses.replace(config.data, tokenizer=str(tokenizer_source))
+    # the data before anything compiles (auto-fit compiles for minutes): a new run's copy of an hf:
+    # tokenizer is made in the workdir further down, so its source stands in for it here
+    copied_later = tokenizer_source and (request.fresh or not workdir_lib.kept_tokenizer(paths[0], tokenizer_source))
+    data_cfg = dataclasses.replace(config.data, tokenizer=str(tokenizer_source)) if copied_later else config.data
     tokenizer = multihost.process_0_first(lambda: pipeline.tokenizer_for_run(data_cfg, config.model.vocab_size))
     dataset = pipeline.train_dataset(data_cfg, tokenizer, jax.process_index(), jax.process_count())
     task_manager = downstream.load(config.train)  # a task that cannot be loaded stops the run before a compile
@@ -193,10 +194,10 @@ def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], to
     if every and every <= config.train.steps:
         diagnose = diagnostics.TrainingDiagnostics(trainer, tokenizer)
         step_hooks.append(hooks.Diagnostics(config, group, members, diagnose))
-    scorings = [evaluation.evaluate]  # what the last step of data that ends early gets, beside a save
+    scorings: list[hooks.Scoring] = [evaluation]  # what the last step of data that ends early gets, beside a save
     if task_manager is not None:
-        step_hooks.append(downstream.Downstream(config, trainer, group, members, tokenizer, task_manager))
-        scorings.append(step_hooks[-1].evaluate)
+        scorings.append(downstream.Downstream(config, trainer, group, members, tokenizer, task_manager))
+        step_hooks.append(scorings[-1])
     if config.train.steps == 0 and starts[0].origin != start.Origin.RESUMED:  # a conversion: the initial weights
         _save_initial(config, state, members, checkpoints, evaluation)
     data_ended = functools.partial(_data_ended, config, host=host, checkpoints=checkpoints, scorings=scorings)
@@ -332,14 +333,14 @@ def _save_initial(config: Config, state: TrainState, members: list[hooks.Member]
 
 
 def _data_ended(config: Config, step: int, state: TrainState, *, host: hooks.HostMetrics,
-                checkpoints: hooks.Checkpoints, scorings: list[Callable[[int, TrainState], None]]) -> None:
+                checkpoints: hooks.Checkpoints, scorings: list[hooks.Scoring]) -> None:
     """data.num_epochs passes ended before train.steps: the last step saved and evaluated (`scorings`:
-    validation, and the downstream tasks), said."""
+    validation, and the downstream tasks, each unless it scored that step already), said."""
     host.settle()
     if checkpoints.last_saved != step:
         checkpoints.save(step, state, force=True)
-    for score in scorings:
-        score(step, state)
+    for scoring in scorings:
+        scoring.evaluate(step, state)
     for m in host.members:
         m.writer.print(f'the data ended after step {step}: data.num_epochs={config.data.num_epochs} passes over '
                        f'it are done, before train.steps={config.train.steps}; step {step} is saved and '

@@ -307,13 +307,19 @@ def start_over(workdir: epath.Path, config: Config, latest_step: int | None) -> 
     return f'--fresh: moved the previous run to {target}'
 
 
+def kept_tokenizer(workdir: epath.Path, source: epath.Path) -> epath.Path | None:
+    """The workdir's copy of the tokenizer `source` names, if the workdir holds a run, which trained with it."""
+    kept = workdir / source.name
+    return kept if kept.exists() and (workdir / 'checkpoints').exists() else None
+
+
 def keep_tokenizer(workdir: epath.Path, source: epath.Path, chosen: str) -> str:
     """Copies the tokenizer a run starts with (and a tokenizer.json's tokenizer_config.json, which
     names its special tokens) into the workdir, unless the workdir's run already has one (a resume
     keeps the tokenizer it trained with); returns the line for the log."""
-    kept = workdir / source.name
-    if kept.exists() and (workdir / 'checkpoints').exists():
+    if kept := kept_tokenizer(workdir, source):
         return f'{chosen}: the workdir keeps the one its run trained with, {kept}'
+    kept = workdir / source.name
     workdir.mkdir(parents=True, exist_ok=True)
     beside = source.parent / 'tokenizer_config.json'
     if source.name == 'tokenizer.json' and beside.exists():
