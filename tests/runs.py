@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import re
 import subprocess
 import sys
 import time
@@ -82,6 +83,15 @@ def cli_args(config: Config, workdir: Path | str, module: str = 'vrl.main') -> l
     """`python -m module` on the same config, as overrides of configs/tiny.py (from any folder)."""
     return [sys.executable, '-m', module, f'--config={ROOT / "configs/tiny.py"}', f'--workdir={workdir}',
             *overrides(config)]
+
+
+_NOT_FOR_USERS = re.compile(r'Traceback|ownload|\[Gloo\]|^[IWEF]\d{4} \d\d:\d\d:\d\d')
+
+
+def not_for_users(said: str) -> list[str]:
+    """The lines of a command's output that a user should not see: a traceback, a download banner,
+    Gloo's connections or any other native library's log line (absl's format)."""
+    return [line for line in said.splitlines() if _NOT_FOR_USERS.search(line)]
 
 
 def start_run(config: Config, workdir: Path) -> subprocess.Popen:

@@ -246,7 +246,8 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
         Tokenizer.load('/no/such.model')
     with pytest.raises(corpus.DataError, match='invalid: use lower_snake_case'):
         build.prepare_from_glob(str(jsonl), 'Bad-Name', str(tmp_path / 'd'), split_mode='jsonl')
-    # empty documents are skipped and counted in the line that says what was prepared, with no TFDS banner
+    # a text file's empty blocks are skipped unsaid; a record's empty text is counted in the line that
+    # says what was prepared; no TFDS banner
     blanks = tmp_path / 'blanks'
     blanks.mkdir()
     (blanks / 'a.txt').write_text('one\n\n\n\n  \n\ntwo\n\nthree')
@@ -256,9 +257,12 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     said = capsys.readouterr().out
     lines = said.splitlines()
     assert lines[0] == f'preparing dataset blanks in {tmp_path}/d/blanks/1.0.0 from 1 file(s)' and len(lines) == 2, said
-    assert re.fullmatch(r'prepared dataset blanks: 3 train documents \(skipped 2 empty documents \(text file\)\) '
-                        r'in \d+\.\ds', lines[1]), said
+    assert re.fullmatch(r'prepared dataset blanks: 3 train documents in \d+\.\ds', lines[1]), said
     assert len(tfds.data_source('blanks', data_dir=str(tmp_path / 'd'), split='train')) == 3
+    (tmp_path / 'e.jsonl').write_text('{"text": "one"}\n{"text": " "}\n{"text": "two"}\n')
+    build.prepare_from_glob(str(tmp_path / 'e.jsonl'), 'empties', str(tmp_path / 'd'), validation_fraction=0.0)
+    assert re.fullmatch(r'prepared dataset empties: 2 train documents \(skipped 1 empty documents \(jsonl file\)\) '
+                        r'in \d+\.\ds', capsys.readouterr().out.splitlines()[1])
 
 
 def test_prepare_refuses_changed_input_unless_overwrite(tmp_path):

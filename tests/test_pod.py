@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.gcs_emulator import bucket_fs, free_port, machine_env
-from tests.runs import ROOT, cli_args, tiny_config
+from tests.runs import ROOT, cli_args, not_for_users, tiny_config
 from tests.slow_store import Fault, SlowStore
 from vrl.core import storage
 from vrl.core.config import Config
@@ -83,6 +84,8 @@ def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs
         missed = [f for f in faulty.faults if f.injected < f.times]
         assert not missed, missed
         assert 'a request to the object store failed (' in whole[0][1]  # each retry said, none silent
+        for _, out in whole:  # what a faulty store makes TensorStore warn about stays; no noise beside it
+            assert not [line for line in out.splitlines() if re.search(r'Traceback|\[Gloo\]|google_auth', line)], out
     fs = bucket_fs()
     assert fs.exists('vrl/pod_data/vrl_tokenizers/shakespeare_512.model')
     assert fs.glob('vrl/pod_data/shakespeare/*/dataset_info.json')
@@ -114,6 +117,10 @@ def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs
     resumed = _finish(_pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'd0', tmp_path / 'd1']))
     assert [rc for rc, _ in resumed] == [0, 0], [out[-3000:] for _, out in resumed]
     assert 'resumed at step' in resumed[0][1], resumed[0][1]
+    assert not not_for_users(resumed[0][1]) and not not_for_users(resumed[1][1]), resumed
+    assert re.search(r'^data shakespeare: .*\ntokenizer gs://vrl/pod_data/vrl_tokenizers/shakespeare_512.model '
+                     r'\(512 pieces\); writing to gs://vrl/pod_killed$', resumed[0][1], re.M), resumed[0][1]
+    assert re.search(r'^process 1 of 2: svformer, resumed at step \d, to step 8;', resumed[1][1], re.M), resumed[1][1]
     got = _losses('gs://vrl/pod_killed')
     assert sorted(got) == list(range(1, 9))
     assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in want), (got, want)

@@ -7,7 +7,8 @@
 
 Flags are defined only when the command runs (other modules and the notebook import its
 functions); a bad `--config` file or override is one line naming it; library INFO logging (absl,
-TFDS) is off unless `--verbosity` is given; a `VrlError` ends the command with one line,
+TFDS) and the native libraries' lines that say nothing (vrl/core/native_lines.py) are off unless
+`--verbosity` is given; a `VrlError` ends the command with one line,
 `error: <message>`, and exit status 1.
 """
 
@@ -21,7 +22,7 @@ from typing import Callable
 
 from absl import app, flags, logging
 
-from vrl.core import host_memory
+from vrl.core import host_memory, native_lines
 from vrl.core.config import Config
 from vrl.core.errors import VrlError
 
@@ -45,6 +46,7 @@ def run(main: Callable[..., None], define_flags: Callable[[], Args], commands: t
             raise app.UsageError(f'unexpected arguments: {positional}')
         if not flags.FLAGS['verbosity'].present:
             logging.set_verbosity(logging.WARNING)
+            native_lines.quiet()
         try:
             main(args, *positional)
         except VrlError as e:

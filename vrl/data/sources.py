@@ -200,8 +200,8 @@ class InputFile:
             for self._rows, (doc, domain) in enumerate(_file_documents(self.file, stream, self._spec)):
                 if doc.strip():
                     yield doc, domain
-                else:
-                    self._skipped.skip(f'empty documents ({_format(self.file, self._spec.split_mode)} file)')
+                elif (kind := _format(self.file, self._spec.split_mode)) != 'text':  # a text file's are its blank lines
+                    self._skipped.skip(f'empty documents ({kind} file)')
             while raw.read(1 << 20):  # the digest covers the bytes after the last document too
                 pass
             self._read_whole = True
