@@ -114,6 +114,19 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert draws == {0, 1}
 
 
+def test_temperature_and_top_k_draw_from_the_tempered_truncated_distribution():
+    """20,000 draws at temperature 2 and top-k 3 from four tokens: each of the three kept tokens as
+    often as softmax(logits / 2) over them says (within 5 standard errors), the fourth never."""
+    probabilities = np.array([0.4, 0.3, 0.2, 0.1])
+    logits = jnp.log(jnp.asarray(probabilities, jnp.float32))[None]
+    sampling = decode.Sampling(temperature=2.0, top_k=3)
+    draws = jax.vmap(lambda key: decode.sample(logits, key, sampling)[0])(jax.random.split(jax.random.key(7), 20_000))
+    frequencies = np.bincount(np.asarray(draws), minlength=4) / 20_000
+    tempered = np.sqrt(probabilities[:3]) / np.sqrt(probabilities[:3]).sum()
+    assert frequencies[3] == 0
+    np.testing.assert_allclose(frequencies[:3], tempered, atol=5 * np.sqrt(0.25 / 20_000))
+
+
 def test_stops_at_eos():
     model = _model(attention='vanilla')
     generator = _generator(model)

@@ -180,6 +180,37 @@ def test_every_variant_exports_and_comes_back(name, exported, tmp_path):
     assert params_equal(back, params)
 
 
+def test_a_tied_head_exports_as_llama_and_a_larger_vocabulary_pads_zero_rows(exported, tmp_path):
+    """A vanilla with its head tied to the embedding is a LlamaForCausalLM with tie_word_embeddings
+    and no lm_head tensor; imported into a model with a larger vocabulary, the new rows are zero, so
+    the old tokens' logits are unchanged and the new ones' are 0."""
+    run, _ = exported
+    cfg = small_model_config(vocab_size=run.tokenizer.vocab_size, attention='vanilla', tie_embeddings=True)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    randomize(model, seed=11)
+    hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, 64, run.tokenizer, tmp_path)
+    assert json.loads((tmp_path / 'config.json').read_text())['tie_word_embeddings'] is True
+    assert 'lm_head.weight' not in load_file(str(tmp_path / 'model.safetensors'))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == 'LlamaForCausalLM'
+    tokens = np.random.default_rng(11).integers(0, cfg.vocab_size, (2, 13))
+    with torch.no_grad():
+        their_logits = theirs(torch.tensor(tokens)).logits.numpy()
+    assert rel_err(their_logits, np.asarray(model(jnp.asarray(tokens)))[..., :cfg.vocab_size]) < 1e-4
+
+    V, wider = cfg.vocab_size, dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 100)
+    wide_model = Decoder(wider, rngs=nnx.Rngs(1))
+    shapes = jax.tree.map(np.shape, nnx.to_pure_dict(nnx.state(wide_model, nnx.Param)))
+    imported = hf.load_params(str(tmp_path), wider, shapes).params
+    exported_rows = load_file(str(tmp_path / 'model.safetensors'))['model.embed_tokens.weight']
+    np.testing.assert_array_equal(imported['embed'][:V], exported_rows)
+    assert not imported['embed'][V:].any()
+    nnx.update(wide_model, imported)
+    wide_logits = np.asarray(wide_model(jnp.asarray(tokens)))
+    assert rel_err(wide_logits[..., :V], their_logits) < 1e-4
+    assert not wide_logits[..., V:wider.vocab_size].any()
+
+
 def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
     return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
 

@@ -1,4 +1,4 @@
-"""vrl/core/host_memory.py: when the restart applies, and that it really cuts page faults."""
+"""vrl/core/host_memory.py: when the restart applies, and that glibc's malloc then asks the kernel for huge pages."""
 
 import os
 import platform
@@ -31,34 +31,38 @@ def test_when_the_restart_applies(environ, libc, thp_modes, expected):
 
 
 _PROBE = '''
-import ctypes, resource
+import ctypes, re
 from vrl.core import host_memory
 print('started', flush=True)
 host_memory.use_huge_pages()
 libc, size = ctypes.CDLL(None), 256 * 2**20  # glibc's malloc, as XLA:CPU's buffers get (numpy madvises its own)
 libc.malloc.restype = ctypes.c_void_p
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-ctypes.memset(libc.malloc(size), 1, size)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+address, flags = libc.malloc(size), None
+ctypes.memset(address, 1, size)
+for line in open('/proc/self/smaps'):  # the mapping holding the buffer, and its VmFlags
+    if bounds := re.match(r'([0-9a-f]+)-([0-9a-f]+) ', line):
+        holds = int(bounds[1], 16) <= address < int(bounds[2], 16)
+    elif line.startswith('VmFlags:') and holds:
+        flags = line.split()[1:]
+print('advised' if 'hg' in flags else 'not-advised')
 '''
 
 
-def _page_faults(extra_env: dict[str, str]) -> tuple[list[str], int]:
+def _malloc_advice(extra_env: dict[str, str]) -> list[str]:
+    """The probe's lines: 'started' at each start, then whether a 256 MiB malloc's mapping carries
+    MADV_HUGEPAGE (VmFlags 'hg'). Whether the kernel then backs it with huge pages depends on the
+    free memory at the time; bench/train_throughput.py measures a step with and without."""
     env = {k: v for k, v in os.environ.items() if k not in ('GLIBC_TUNABLES', 'VRL_HUGE_PAGES')}
-    out = subprocess.run([sys.executable, '-c', _PROBE], cwd=ROOT, env={**env, **extra_env},
-                         capture_output=True, text=True, check=True).stdout.split()
-    return out[:-1], int(out[-1])
+    return subprocess.run([sys.executable, '-c', _PROBE], cwd=ROOT, env={**env, **extra_env},
+                          capture_output=True, text=True, check=True).stdout.split()
 
 
-def test_restart_once_and_fewer_page_faults():
+def test_restart_once_and_malloc_asks_for_huge_pages():
     modes = host_memory.THP_MODE_FILE.read_text() if host_memory.THP_MODE_FILE.exists() else ''
     if host_memory.tunables_with_huge_pages({}, platform.libc_ver(), modes) is None:
         pytest.skip(f'huge-page malloc does not apply here (libc {platform.libc_ver()}, THP "{modes.strip()}")')
-    restarted, faults_huge = _page_faults({})
-    not_restarted, faults_small = _page_faults({'VRL_HUGE_PAGES': '0'})
-    assert restarted == ['started', 'started'] and not_restarted == ['started']
-    assert faults_small > 60_000  # 256 MiB in 4 KiB pages
-    assert faults_huge < faults_small / 10, (faults_huge, faults_small)
+    assert _malloc_advice({}) == ['started', 'started', 'advised']
+    assert _malloc_advice({'VRL_HUGE_PAGES': '0'}) == ['started', 'not-advised']
 
 
 def test_a_command_asking_for_huge_pages_runs_after_the_restart():

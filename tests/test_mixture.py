@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import pytest
 from tests.runs import tiny_config
 from vrl.core.config import ConfigError, DataConfig
 from vrl.data import build, corpus, pipeline
+from vrl.data import tokenizer as tokenizer_lib
 from vrl.data.tokenizer import EOS_ID
 from vrl.train import loop
 
@@ -81,6 +85,25 @@ def _token_shares(batches: list[dict], prefixes: tuple[str, ...], tokenizer) -> 
     counts = [len(stream) for stream in streams]
     assert batches[-1]['tokens_read'][-1].tolist() == counts
     return counts
+
+
+def test_a_mixture_without_a_tokenizer_trains_one_on_an_equal_share(domains, tmp_path):
+    """No data.tokenizer: the tokenizer is trained on the first tokenizer_train_docs / 2 documents of
+    each dataset (300 alpha, 120 beta), so beta's own character is a piece of its own; byte for
+    byte the tokenizer trained on those documents alone."""
+    cfg, _ = domains
+    cfg = dataclasses.replace(cfg, tokenizer='', tokenizer_train_docs=40, data_dir=str(tmp_path / 'tfds'))
+    shutil.copytree(domains[0].data_dir, cfg.data_dir)
+    trained = pipeline.load_tokenizer(cfg, 276)
+    assert Path(trained.path) == tmp_path / 'tfds/vrl_tokenizers/slim_alpha+slim_beta_set_276.model'
+    assert len(trained.encode('ž')) == 1  # not two byte-fallback pieces: beta's documents were read
+
+    import sentencepiece
+    sentencepiece.set_random_generator_seed(cfg.seed)
+    shares = [corpus.texts(corpus.open_split(name, cfg.data_dir, 'train'), limit=20)
+              for name in ('slim_alpha', 'slim_beta_set')]
+    by_hand = tokenizer_lib.train(itertools.chain(*shares), 276, str(tmp_path / 'by_hand.model'))
+    assert Path(trained.path).read_bytes() == Path(by_hand.path).read_bytes()
 
 
 def test_tokens_follow_the_weights(domains):

@@ -135,13 +135,16 @@ def test_kill_during_async_save_leaves_last_complete_checkpoint(small_corpus, tm
     config = tiny_config(small_corpus, steps=10_000, log_every=1, checkpoint_every=1, keep_checkpoints=2)
     workdir = tmp_path / 'killed'
     proc = start_run(config, workdir)
-    wait_for(lambda: len(saved_steps(workdir)) >= 2 and logged_steps(workdir) >= 8, 120, proc)
-    proc.kill()  # SIGKILL: saves are in flight every step
+    in_flight = lambda: list((workdir / 'checkpoints').glob('*.orbax-checkpoint-tmp*'))  # noqa: E731
+    wait_for(lambda: len(saved_steps(workdir)) >= 2 and logged_steps(workdir) >= 8 and in_flight(), 120, proc)
+    proc.kill()  # SIGKILL while a save's temporary folder is there
     proc.wait()
     complete = saved_steps(workdir)
-    resumed = loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=complete[-1] + 2)),
-                        str(workdir))
+    ending = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=complete[-1] + 2))
+    resumed = loop.run(ending, str(workdir))
     assert min(resumed.losses) == complete[-1] + 1 and resumed.step == complete[-1] + 2
+    assert not in_flight()
+    assert params_equal(resumed.state.params, loop.run(ending, str(tmp_path / 'straight')).state.params)
 
 
 def test_gradient_accumulation_equals_one_big_batch(small_corpus):
@@ -390,3 +393,9 @@ def test_weights_and_biases_gets_every_record_and_a_resumed_run_continues_it(sma
         for layer, value in enumerate(logged[step]['diagnostics']['entropy'], 1):
             assert history[step][f'diagnostics/entropy/layer_{layer}'] == pytest.approx(value, rel=1e-6)
     assert 'eval_loss' in history[6]
+
+    loop.run(config, str(workdir), fresh=True)  # --fresh: a new W&B run, its own id
+    fresh_id = (workdir / 'wandb_run_id').read_text()
+    assert fresh_id != run_id and (workdir / 'previous_runs').exists()
+    assert sorted(f.name for f in tmp_path.glob('wandb/offline-run-*/run-*.wandb')) == sorted(
+        [f'run-{run_id}.wandb'] * 2 + [f'run-{fresh_id}.wandb'])

@@ -220,30 +220,40 @@ def _fill(disk: Path, leave: int) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _run_on_a_small_disk(config, folder: Path, size: str) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """`python -m vrl.main` with its workdir on a tmpfs of `size` mounted at `folder` in a user and
+    mount namespace of its own (no root needed), and that disk as this process reaches it
+    (/proc/PID/root). The namespace's shell prints `run exited: CODE` after the run, then keeps
+    the disk until the context ends."""
+    script = 'mount -t tmpfs -o size="$1" tmpfs "$0" && "${@:2}"; echo "run exited: $?"; read _'
+    run = subprocess.Popen(['unshare', '--user', '--map-root-user', '--mount', 'bash', '-c', script, str(folder), size,
+                            *cli_args(config, folder / 'run')], cwd=ROOT, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        yield run, Path(f'/proc/{run.pid}/root') / folder.relative_to('/')
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+
+
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(small_corpus, tmp_path):
     config = tiny_config(small_corpus, steps=100_000, checkpoint_every=2, log_every=1)
-    small = tmp_path / 'small_disk'
-    small.mkdir()
-    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=64m', 'tmpfs', str(small)], capture_output=True).returncode:
-        pytest.skip('cannot mount a small tmpfs here (needs root); the full-disk path is untested')
-    run = None
-    try:
-        workdir = small / 'run'
-        run = start_run(config, workdir)
+    (tmp_path / 'small_disk').mkdir()
+    with _run_on_a_small_disk(config, tmp_path / 'small_disk', '64m') as (run, disk):
+        workdir = disk / 'run'
         wait_for(lambda: saved_steps(workdir), 300, run)
-        _fill(small, leave=300_000)  # room for the run's logs, not for another checkpoint (over 1 MB)
-        output = run.communicate(timeout=300)[0]
-        assert run.returncode != 0
-        last_line = output.strip().splitlines()[-1]
+        _fill(disk, leave=300_000)  # room for the run's logs, not for another checkpoint (over 1 MB)
+        lines = []
+        while (line := run.stdout.readline()) and not line.startswith('run exited: '):
+            lines.append(line)
+        assert line.startswith('run exited: ') and line != 'run exited: 0\n', ''.join(lines[-30:])
+        last_line = lines[-1]
         assert last_line.startswith('error: saving a checkpoint in') and 'no space left on device' in last_line
         assert not list((workdir / 'checkpoints').glob('*.orbax-checkpoint-tmp*'))  # no partial folder
         kept = saved_steps(workdir)[-1]  # the steps saved before the disk filled up are intact
         copy = tmp_path / 'copy'
         shutil.copytree(workdir, copy)
-    finally:
-        if run is not None:
-            run.kill()
-        subprocess.run(['umount', str(small)], check=True)
     resumed = loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=kept + 1)), str(copy))
     assert min(resumed.losses) == kept + 1
 
