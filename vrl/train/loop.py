@@ -136,7 +136,8 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     config, tokenizer_source, tokenizer_line = start.hf_tokenizer(configs[0], request.init_from, paths[0])
     # the data before anything compiles (auto-fit compiles for minutes): a new run's copy of an hf:
     # tokenizer is made in the workdir further down, so its source stands in for it here
-    copied_later = tokenizer_source and (request.fresh or not workdir_lib.kept_tokenizer(paths[0], tokenizer_source))
+    copied_later = tokenizer_source is not None and (
+        request.fresh or not workdir_lib.kept_tokenizer(paths[0], tokenizer_source))
     data_cfg = dataclasses.replace(config.data, tokenizer=str(tokenizer_source)) if copied_later else config.data
     tokenizer = multihost.process_0_first(lambda: pipeline.tokenizer_for_run(data_cfg, config.model.vocab_size))
     dataset = pipeline.train_dataset(data_cfg, tokenizer, jax.process_index(), jax.process_count())
