@@ -86,7 +86,10 @@ def matrix_dims(axes: Axes) -> MuonDimensionNumbers:
 
 
 def weight_decay_mask(params: Any) -> Any:
-    """True for parameters that are decayed: every weight matrix and the embeddings."""
+    """True for parameters that are decayed: every weight matrix and the embeddings, the gates'
+    d_model x kv_heads projections (value embeddings, the per-token mix) among them; the paper's
+    recipe decays neither norms nor scalars, so norm scales, lambdas and DenseFormer's weights are
+    not."""
     def decayed(path, _):
         return not set(_keys(path)) & set(_NOT_DECAYED)
     return jax.tree_util.tree_map_with_path(decayed, params)
