@@ -42,6 +42,23 @@ sys.path.insert(0, str(ROOT))
 
 import pytest  # noqa: E402
 
+# The modules that take longest, longest first (`--durations`, docs/performance.md): with `-n 2 --dist
+# loadfile` a worker takes the next module as it frees up, so starting the long ones first leaves the
+# short ones for the end, and neither worker idles while the other runs a long module alone.
+LONGEST_FIRST = ('test_object_store.py', 'test_sharding.py', 'test_train.py', 'test_hf.py', 'test_pod.py',
+                 'test_group.py', 'test_study.py', 'test_evaluate.py', 'test_compare.py', 'test_workdir.py',
+                 'test_attention.py', 'test_notebook.py', 'test_first_use.py')
+
+
+def pytest_configure(config):
+    if hasattr(config.option, 'loadscopereorder'):  # pytest-xdist would order modules by test count
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(autouse=True, scope='module')
 def _fresh_jit_caches():
