@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
+
 from vrl.core import multihost
 from vrl.core.config import Config, TrainConfig
 from vrl.data.tokenizer import Tokenizer
@@ -38,7 +40,8 @@ def load(train: TrainConfig) -> Any:
         except ImportError as e:
             raise TrainingError(f'train.downstream_tasks={train.downstream_tasks!r}: {e}') from None
         try:
-            return harness.load_tasks(train.task_names, train.downstream_include_path or None)
+            return harness.load_tasks(train.task_names, train.downstream_include_path or None,
+                                      quiet=jax.process_index() != 0)  # the others print two lines only
         except harness.EvaluateError as e:  # its advice names the command's flag; here that is a config field
             message = str(e).replace('--include_path', 'train.downstream_include_path')
             raise TrainingError(f'train.downstream_tasks: {message}') from None

@@ -366,11 +366,13 @@ def task_manager_for(tasks: list[str], include_path: str | None = None) -> TaskM
     return task_manager
 
 
-def load_tasks(tasks: list[str], include_path: str | None = None) -> TaskManager:
+def load_tasks(tasks: list[str], include_path: str | None = None, quiet: bool = False) -> TaskManager:
     """task_manager_for, then each task's data loaded once: EvaluateError, saying how to provide it,
-    for the first task whose data cannot be loaded (before hours of training, not after)."""
+    for the first task whose data cannot be loaded (before hours of training, not after); quiet:
+    without the `datasets` library's progress bars (a pod's other hosts)."""
     task_manager = task_manager_for(tasks, include_path)
-    failure = _unloadable_task(task_manager, tasks)
+    with _datasets_bars_off() if quiet else contextlib.nullcontext():
+        failure = _unloadable_task(task_manager, tasks)
     if failure:
         raise failure
     return task_manager
@@ -399,16 +401,31 @@ def run_tasks(model: VrlLM, tasks: list[str], task_manager: TaskManager, num_few
 
 @contextlib.contextmanager
 def _quieted() -> Iterator[None]:
-    """lm-eval's logger at WARNING and its per-task request-building bar off, for the duration."""
+    """lm-eval's logger at WARNING and its per-task request-building bar off, and `datasets`' bars,
+    for the duration."""
     logger, bar = logging.getLogger('lm-eval'), lm_eval.api.task.tqdm
     level = logger.level
     logger.setLevel(logging.WARNING)
     lm_eval.api.task.tqdm = functools.partial(bar, disable=True)
     try:
-        yield
+        with _datasets_bars_off():
+            yield
     finally:
         logger.setLevel(level)
         lm_eval.api.task.tqdm = bar
+
+
+@contextlib.contextmanager
+def _datasets_bars_off() -> Iterator[None]:
+    """The `datasets` library's progress bars (building a task's split) off, for the duration."""
+    import datasets
+    was_on = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
 
 
 def task_metrics(results: dict, tasks: list[str]) -> dict[str, dict[str, float]]:
