@@ -24,21 +24,22 @@ import subprocess
 import sys
 import threading
 
-NOISE = (  # per descriptor: what is dropped, each a whole line without its newline
-    (1, re.compile(rb'\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. '
-                   rb'Expected number of connected peer ranks is : \1')),
-    (2, re.compile(rb'[IWE]\d{4} [\d:.]+ +\d+ google_auth_provider\.cc:\d+\] '
-                   rb'(Could not find the credentials file in the standard gcloud location \[.*\]\. You may specify'
-                   rb' a credentials file using \$GOOGLE_APPLICATION_CREDENTIALS, or to use Google application '
-                   rb'default credentials, run: gcloud auth application-default login'
-                   rb'|Using GOOGLE_AUTH_TOKEN_FOR_TESTING)')),
-)
+NOISE = {  # per stream: what is dropped, each a whole line without its newline
+    'stdout': re.compile(rb'\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. '
+                         rb'Expected number of connected peer ranks is : \1'),
+    'stderr': re.compile(rb'[IWE]\d{4} [\d:.]+ +\d+ google_auth_provider\.cc:\d+\] '
+                         rb'(Could not find the credentials file in the standard gcloud location \[.*\]\. You may '
+                         rb'specify a credentials file using \$GOOGLE_APPLICATION_CREDENTIALS, or to use Google '
+                         rb'application default credentials, run: gcloud auth application-default login'
+                         rb'|Using GOOGLE_AUTH_TOKEN_FOR_TESTING)'),
+}
 
 
 def quiet() -> None:
     """Filters descriptors 1 and 2 through the child process from here to the process's end."""
     targets, read_ends = [], []
-    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+    for fd, name in enumerate(NOISE, 1):  # 1: stdout, 2: stderr
+        stream = getattr(sys, name)
         stream.flush()
         targets.append(os.dup(fd))
         python_side = open(os.dup(fd), 'w', encoding=stream.encoding, errors=stream.errors)
@@ -47,10 +48,7 @@ def quiet() -> None:
         os.dup2(write_end, fd)
         os.close(write_end)
         read_ends.append(read_end)
-        if fd == 1:
-            sys.stdout = python_side
-        else:
-            sys.stderr = python_side
+        setattr(sys, name, python_side)
     # the child's own 1 and 2 are the original ones; it holds no write end of its pipes
     subprocess.Popen([sys.executable, '-m', 'vrl.core.native_lines', *map(str, read_ends)], pass_fds=read_ends,
                      stdin=subprocess.DEVNULL, stdout=targets[0], stderr=targets[1])
@@ -84,7 +82,7 @@ def _serve(read_ends: list[int]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     threads = [threading.Thread(target=pass_on, args=(source, target, noise))
-               for source, (target, noise) in zip(read_ends, NOISE)]
+               for target, (source, noise) in enumerate(zip(read_ends, NOISE.values()), 1)]
     for thread in threads:
         thread.start()
     for thread in threads:
