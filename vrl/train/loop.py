@@ -195,10 +195,9 @@ def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], to
     if every and every <= config.train.steps:
         diagnose = diagnostics.TrainingDiagnostics(trainer, tokenizer)
         step_hooks.append(hooks.Diagnostics(config, group, members, diagnose))
-    scorings: list[hooks.Scoring] = [evaluation]  # what the last step of data that ends early gets, beside a save
     if task_manager is not None:
-        scorings.append(downstream.Downstream(config, trainer, group, members, tokenizer, task_manager))
-        step_hooks.append(scorings[-1])
+        step_hooks.append(downstream.Downstream(config, trainer, group, members, tokenizer, task_manager))
+    scorings = [hook for hook in step_hooks if isinstance(hook, hooks.Scoring)]  # also at data that ends early
     if config.train.steps == 0 and starts[0].origin != start.Origin.RESUMED:  # a conversion: the initial weights
         _save_initial(config, state, members, checkpoints, evaluation)
     data_ended = functools.partial(_data_ended, config, host=host, checkpoints=checkpoints, scorings=scorings)
