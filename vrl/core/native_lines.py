@@ -3,7 +3,7 @@ nothing, with no setting of their own to quiet them:
 
 - Gloo (JAX's collectives between CPU processes, as in a pod rehearsed on one machine) prints
   `[Gloo] Rank R is connected to N peer ranks. Expected number of connected peer ranks is : N`
-  on its standard output at every connection;
+  on its standard output at every connection, two ranks' lines at times interleaved;
 - TensorStore (Orbax's array writer) logs, at error level, that no gcloud credentials file exists,
   on its way to the credentials it then finds (a TPU VM's metadata server).
 
@@ -24,14 +24,61 @@ import subprocess
 import sys
 import threading
 
-NOISE = {  # per stream: what is dropped, each a whole line without its newline
-    'stdout': re.compile(rb'\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. '
-                         rb'Expected number of connected peer ranks is : \1'),
-    'stderr': re.compile(rb'[IWE]\d{4} [\d:.]+ +\d+ google_auth_provider\.cc:\d+\] '
-                         rb'(Could not find the credentials file in the standard gcloud location \[.*\]\. You may '
-                         rb'specify a credentials file using \$GOOGLE_APPLICATION_CREDENTIALS, or to use Google '
-                         rb'application default credentials, run: gcloud auth application-default login'
-                         rb'|Using GOOGLE_AUTH_TOKEN_FOR_TESTING)'),
+
+class Drop:
+    """Drops the whole lines that `pattern` matches."""
+
+    def __init__(self, pattern: bytes):
+        self.pattern = re.compile(pattern)
+
+    def feed(self, line: bytes) -> list[bytes]:
+        """The lines to pass on, given the next one (each without its newline)."""
+        return [] if self.pattern.fullmatch(line) else [line]
+
+    def end(self) -> list[bytes]:
+        """The lines held back, passed on at end of file."""
+        return []
+
+
+class GlooLines:
+    """Drops Gloo's connection lines. The ranks of one process (one per local device) connect on
+    threads that write into one C stdio buffer a token at a time, so two ranks' lines can interleave
+    at any token, e.g. `[Gloo] Rank [Gloo] Rank 0 is connected ... : 3` then `1 is connected ... : 3`.
+    A run of lines made only of Gloo's tokens is held until every message begun in it has ended, then
+    dropped if every peer count in it (connected, expected) is the same number, else passed whole."""
+
+    TOKENS = re.compile(rb'(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. '
+                        rb'|Expected number of connected peer ranks is : )+')
+    START = b'[Gloo] Rank '
+    COUNT = re.compile(rb'(?: is connected to |peer ranks is : )(\d+)')
+
+    def __init__(self):
+        self.held: list[bytes] = []
+        self.unended = 0  # messages begun in `held` whose newline has not come
+
+    def feed(self, line: bytes) -> list[bytes]:
+        starts = line.count(self.START)
+        if not self.TOKENS.fullmatch(line) or not (starts or self.held):
+            return self.end() + [line]
+        self.held.append(line)
+        self.unended += starts - 1
+        if self.unended:
+            return []
+        held, self.held = self.held, []
+        return [] if len(set(self.COUNT.findall(b' '.join(held)))) == 1 else held
+
+    def end(self) -> list[bytes]:
+        held, self.held, self.unended = self.held, [], 0
+        return held
+
+
+NOISE = {  # per stream, what drops its lines
+    'stdout': GlooLines,
+    'stderr': lambda: Drop(rb'[IWE]\d{4} [\d:.]+ +\d+ google_auth_provider\.cc:\d+\] '
+                           rb'(Could not find the credentials file in the standard gcloud location \[.*\]\. You may '
+                           rb'specify a credentials file using \$GOOGLE_APPLICATION_CREDENTIALS, or to use Google '
+                           rb'application default credentials, run: gcloud auth application-default login'
+                           rb'|Using GOOGLE_AUTH_TOKEN_FOR_TESTING)'),
 }
 
 
@@ -56,15 +103,15 @@ def quiet() -> None:
         os.close(fd)
 
 
-def pass_on(source: int, target: int, noise: re.Pattern[bytes]) -> None:
-    """Copies `source` to `target` line by line until end of file, leaving out lines `noise` matches;
-    once `target` is gone (its reader closed it), reads on, so that no writer ever blocks."""
+def pass_on(source: int, target: int, noise: Drop | GlooLines) -> None:
+    """Copies `source` to `target` line by line until end of file, leaving out the lines `noise`
+    drops, and a last line without newline as it is; once `target` is gone (its reader closed it),
+    reads on, so that no writer ever blocks."""
     pending = b''
     while chunk := os.read(source, 1 << 16):
         *lines, pending = (pending + chunk).split(b'\n')
-        _write(target, b''.join(line + b'\n' for line in lines if not noise.fullmatch(line)))
-    if not noise.fullmatch(pending):
-        _write(target, pending)
+        _write(target, b''.join(kept + b'\n' for line in lines for kept in noise.feed(line)))
+    _write(target, b''.join(kept + b'\n' for kept in noise.end()) + pending)
 
 
 def _write(target: int, data: bytes) -> None:
@@ -81,7 +128,7 @@ def _serve(read_ends: list[int]) -> None:
     run has stopped."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    threads = [threading.Thread(target=pass_on, args=(source, target, noise))
+    threads = [threading.Thread(target=pass_on, args=(source, target, noise()))
                for target, (source, noise) in enumerate(zip(read_ends, NOISE.values()), 1)]
     for thread in threads:
         thread.start()
