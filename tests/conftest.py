@@ -101,14 +101,22 @@ def small_corpus(plays_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope='session')
-def shared_runs(small_corpus, tmp_path_factory):
-    """`shared_runs(attention)`: the workdir of a tiny run (tests/runs.py shared_run_config) trained once
-    per pytest session, for every xdist worker (in the session's common temp folder), for the tests
-    that only read a trained run. A test that writes into a workdir copies it or trains its own."""
-    from tests.runs import shared_run
+def shared_runs_folder(tmp_path_factory) -> Path:
+    """Where the shared runs are: the session's common temp folder (every xdist worker's), or
+    VRL_SHARED_RUNS, a pytest session's that starts this one (tests/test_hf.py's oldest transformers)."""
+    if 'VRL_SHARED_RUNS' in os.environ:
+        return Path(os.environ['VRL_SHARED_RUNS'])
     base = tmp_path_factory.getbasetemp()
-    folder = (base.parent if os.environ.get('PYTEST_XDIST_WORKER') else base) / 'shared_runs'
-    return lambda attention: shared_run(small_corpus, folder, attention)
+    return (base.parent if os.environ.get('PYTEST_XDIST_WORKER') else base) / 'shared_runs'
+
+
+@pytest.fixture(scope='session')
+def shared_runs(small_corpus, shared_runs_folder):
+    """`shared_runs(attention)`: the workdir of a tiny run (tests/runs.py shared_run_config) trained once
+    per pytest session, for every xdist worker, for the tests that only read a trained run. A test that
+    writes into a workdir copies it or trains its own."""
+    from tests.runs import shared_run
+    return lambda attention: shared_run(small_corpus, shared_runs_folder, attention)
 
 
 @pytest.fixture(scope='module')

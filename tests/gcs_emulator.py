@@ -42,11 +42,14 @@ def environment(url: str) -> dict[str, str]:
 
 def machine_env(url: str, home: Path) -> dict[str, str]:
     """The environment of a process on a machine of its own: its own HOME and TMPDIR (no disk shared
-    with another), the emulator at `url`, nothing else to reach, this checkout importable."""
+    with another), the emulator at `url`, nothing else to reach, this checkout importable. Only JAX's
+    compilation cache is the test machine's (~/.cache/vrl/jax_cache, as for the suite's other
+    commands), so that a test's hosts do not each compile the same programs from nothing."""
     home.mkdir(parents=True, exist_ok=True)
     (home / 'tmp').mkdir(exist_ok=True)
+    cache = os.environ.get('JAX_COMPILATION_CACHE_DIR', str(Path.home() / '.cache' / 'vrl' / 'jax_cache'))
     return {**os.environ, **environment(url), 'HOME': str(home), 'TMPDIR': str(home / 'tmp'),
-            'PYTHONPATH': str(Path(__file__).resolve().parents[1])}
+            'PYTHONPATH': str(Path(__file__).resolve().parents[1]), 'JAX_COMPILATION_CACHE_DIR': cache}
 
 
 def free_port() -> int:

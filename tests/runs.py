@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,6 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TINY_MODEL = dict(vocab_size=512, vocab_pad_multiple=64, n_layers=2, d_model=32, n_heads=2, n_kv_heads=2,
                   head_dim=16, d_ff=64, compute_dtype='float32')
+
+
+def host_xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a process that stands for one host of `devices` fake CPU devices: the suite's
+    (tests/conftest.py, compiling for compile time) with that device count."""
+    kept = [f for f in os.environ['VRL_TEST_XLA_FLAGS'].split() if not f.startswith('--xla_force_host_platform_')]
+    return ' '.join([*kept, f'--xla_force_host_platform_device_count={devices}'])
 
 
 def tiny_config(small_corpus, attention='resformer', **train_fields) -> Config:

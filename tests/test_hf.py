@@ -299,17 +299,18 @@ OLDEST_TRANSFORMERS = Path(os.environ.get('VRL_OLDEST_TRANSFORMERS', Path(sys.pr
 
 
 @pytest.mark.skipif(UNDER_OLDEST_TRANSFORMERS, reason='this is that run')
-def test_the_oldest_supported_transformers_passes_the_interop_tests(tmp_path):
+def test_the_oldest_supported_transformers_passes_the_interop_tests(tmp_path, shared_runs_folder):
     """This module's interop tests again (every_variant_exports on the fast tier's four variants;
     the current transformers takes them all), in a subprocess whose path starts with the oldest transformers vrl supports
-    (installed apart: requirements-oldest.txt)."""
+    (installed apart: requirements-oldest.txt), reading this session's shared runs."""
     oldest = hf.TRANSFORMERS.split('>=')[1]
     if not (OLDEST_TRANSFORMERS / 'transformers').is_dir():
         pytest.fail(f'no transformers in {OLDEST_TRANSFORMERS}: install the oldest supported one with '
                     f'`pip install --no-deps --target {OLDEST_TRANSFORMERS} -r requirements-oldest.txt` '
                     '(or point VRL_OLDEST_TRANSFORMERS at such a folder)')
     env = {**{k: v for k, v in os.environ.items() if not k.startswith('PYTEST_XDIST')},  # a session of its own
-           'PYTHONPATH': os.pathsep.join([str(OLDEST_TRANSFORMERS), str(ROOT)]), 'VRL_UNDER_OLDEST_TRANSFORMERS': '1'}
+           'PYTHONPATH': os.pathsep.join([str(OLDEST_TRANSFORMERS), str(ROOT)]), 'VRL_UNDER_OLDEST_TRANSFORMERS': '1',
+           'VRL_SHARED_RUNS': str(shared_runs_folder)}
     version = subprocess.run([sys.executable, '-c', 'import transformers; print(transformers.__version__)'],
                              env=env, capture_output=True, text=True, timeout=120)
     assert version.stdout.strip() == oldest, version.stderr[-2000:]

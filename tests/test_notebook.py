@@ -1,10 +1,13 @@
 """notebooks/vrl_quickstart.ipynb runs top to bottom (a CPU-sized budget), showing its plots and a sample."""
 
+import os
+
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
 from tests.conftest import ROOT
+from tests.runs import host_xla_flags
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -14,8 +17,8 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
     parameters = [c for c in notebook.cells if 'parameters' in c.metadata.get('tags', [])]
     assert len(parameters) == 1
     parameters[0].source += f'\nSTEPS = 8\nWORKDIR = {str(tmp_path / "quickstart")!r}\n'
-    NotebookClient(notebook, timeout=1200, kernel_name='python3',
-                   resources={'metadata': {'path': str(ROOT)}}).execute()
+    NotebookClient(notebook, timeout=1200, kernel_name='python3',  # on one CPU device, as a laptop or Colab's CPU
+                   resources={'metadata': {'path': str(ROOT)}}).execute(env={**os.environ, 'XLA_FLAGS': host_xla_flags(1)})
     outputs = [o for c in notebook.cells if c.cell_type == 'code' for o in c.outputs]
     assert not [o for o in outputs if o.output_type == 'error']
     images = [o for o in outputs if o.output_type == 'display_data' and 'image/png' in o.data]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.gcs_emulator import RefusingStore, bucket_fs, machine_env
-from tests.runs import ROOT, cli_args, tiny_config, write_choice_task
+from tests.runs import ROOT, cli_args, host_xla_flags, tiny_config, write_choice_task
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -405,7 +405,7 @@ def test_two_hosts_tokenize_into_the_bucket_what_one_machine_makes(gcs, bucket_c
     pod = [subprocess.Popen([sys.executable, '-m', 'vrl.data', 'tokenize', '--name=plays', '--data_dir=gs://vrl/tfds',
                              '--tokenizer=gs://vrl/plays.model', '--workers=1', f'--coordinator_address=127.0.0.1:{port}',
                              '--num_processes=2', f'--process_id={i}', '--verbosity=0'], cwd=host,
-                            env={**machine_env(gcs, host), 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': ''},
+                            env={**machine_env(gcs, host), 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': host_xla_flags(1)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i, host in enumerate(hosts)]
     outputs = [(p.wait(timeout=300), p.stdout.read()) for p in pod]
@@ -457,7 +457,7 @@ def test_two_hosts_prepare_into_the_bucket_what_one_machine_makes(gcs, bucket_co
                              '--data_dir=gs://vrl/tfds5', '--validation_fraction=0.1', '--tokenizer=gs://vrl/plays.model',
                              '--workers=1', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
                              f'--process_id={i}'], cwd=tmp_path,
-                            env={**machine_env(gcs, tmp_path / f'host{i}'), 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': ''},
+                            env={**machine_env(gcs, tmp_path / f'host{i}'), 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': host_xla_flags(1)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outputs = [(p.wait(timeout=300), p.stdout.read()) for p in pod]
     assert all(code == 0 for code, _ in outputs), outputs

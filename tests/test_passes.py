@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tests.gcs_emulator import free_port
-from tests.runs import ROOT, tiny_config
+from tests.runs import ROOT, host_xla_flags, tiny_config
 from vrl.data import pipeline
 
 pytestmark = pytest.mark.slow  # real processes: outside the edit loop's tier
@@ -60,7 +60,7 @@ def test_every_process_runs_the_same_number_of_batches_in_a_finite_pass(small_co
                                    json.dumps(dataclasses.asdict(cfg))], cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True,
                                   env={'PYTHONPATH': str(ROOT), 'JAX_PLATFORMS': 'cpu', 'PATH': '/usr/bin:/bin',
-                                       'XLA_FLAGS': '--xla_force_host_platform_device_count=1'})
+                                       'XLA_FLAGS': host_xla_flags(1)})
                  for i in range(process_count)]
     results = []
     for p in processes:

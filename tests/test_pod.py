@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.gcs_emulator import bucket_fs, free_port, machine_env
-from tests.runs import ROOT, cli_args, not_for_users, tiny_config
+from tests.runs import ROOT, cli_args, host_xla_flags, not_for_users, tiny_config
 from tests.slow_store import Fault, SlowStore
 from vrl.core import storage
 from vrl.core.config import Config
@@ -45,7 +45,7 @@ def _pod(config, workdir: str, gcs_url: str, hosts: list[Path]) -> list[subproce
     port = free_port()
     processes = []
     for i, host in enumerate(hosts):
-        env = {**machine_env(gcs_url, host), 'XLA_FLAGS': '--xla_force_host_platform_device_count=2', 'JAX_PLATFORMS': 'cpu',
+        env = {**machine_env(gcs_url, host), 'XLA_FLAGS': host_xla_flags(2), 'JAX_PLATFORMS': 'cpu',
                'VRL_STORE_TIMEOUT_S': str(STORE_TIMEOUT_S)}
         processes.append(subprocess.Popen(
             cli_args(config, workdir) + [f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={len(hosts)}',

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from tests.conftest import ROOT
 from tests.helpers import NAMED_VARIANTS
-from tests.runs import TINY_MODEL, cli_args, tiny_config, train_losses, write_choice_task
+from tests.runs import TINY_MODEL, cli_args, host_xla_flags, tiny_config, train_losses, write_choice_task
 from vrl.core import sharding
 from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig
 from vrl.data import pipeline
@@ -105,7 +105,7 @@ def _free_port() -> int:
 
 def _start_two_processes(config: Config, workdir) -> list[subprocess.Popen]:
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu')
+    env = dict(os.environ, XLA_FLAGS=host_xla_flags(4), JAX_PLATFORMS='cpu')
     return [subprocess.Popen(cli_args(config, workdir) + [f'--coordinator_address=127.0.0.1:{port}',
                                                            '--num_processes=2', f'--process_id={i}'],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -184,7 +184,7 @@ def test_whatever_fails_on_process_0_reaches_the_other_host_in_one_line():
     address = f'127.0.0.1:{_free_port()}'
     procs = [subprocess.Popen([sys.executable, '-c', FAIL_ON_PROCESS_0, address, str(i)], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=''))
+                              env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=host_xla_flags(1)))
              for i in range(2)]
     zero, one = [p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in procs]  # after gloo's lines
     assert zero.split(' ', 1)[1].strip() == "OSError: [Errno 28] No space left on device: '/data/shard-3'", zero
