@@ -75,8 +75,9 @@ def train_losses(config: Config, devices, batches: list[dict]) -> tuple[list[flo
     trainer = TrainSteps(config, sharding.make_mesh(config.mesh, devices))
     state = trainer.init_state(0)
     losses = []
-    for batch in batches:
-        state, out = trainer.train_step(state, trainer.device_batch(batch))
+    for batch in batches:  # as the loop does, the tokens read stay on the host
+        state, out = trainer.train_step(state, trainer.device_batch({k: v for k, v in batch.items()
+                                                                     if k != 'tokens_read'}))
         losses.append(float(out['loss']))
     return losses, state
 

@@ -75,6 +75,29 @@ def test_every_baseline_trains_sharded_as_on_one_device(small_corpus, variant):
         assert abs(got - want) / want < 1e-5, (losses, reference)
 
 
+@pytest.mark.parametrize('variant', ['vanilla', 'resformer-learnable_plus', 'svformer', 'all-baselines'])
+def test_a_sequence_split_over_the_context_axis_trains_as_on_one_device(small_corpus, variant):
+    """mesh.context = 2, 4 and 8, beside the other axes: every variant (the all-baselines one: the
+    per-token mix, value tables, CLA's shared K/V, DenseFormer, NeuTRENO) with document masking
+    (segment ids and per-document RoPE positions across the parts) trains exactly as one device does."""
+    _, tokenizer = small_corpus
+    config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1))
+    model = dataclasses.replace(config.model, n_layers=4, attention_impl='xla',
+                                **{'lambda_mode': 'identity', **NAMED_VARIANTS[variant]})
+    config = dataclasses.replace(config, model=model,
+                                 data=dataclasses.replace(config.data, document_masking=True))
+    iterator = iter(pipeline.train_dataset(config.data, tokenizer))
+    batches = [next(iterator) for _ in range(3)]
+    assert sum(len(set(row.tolist()) - {0}) > 1 for row in batches[0]['segment_ids']) >= 2  # rows of 2+ documents
+    reference, _ = train_losses(config, jax.devices()[:1], batches)
+    for mesh in (MeshConfig(data=1, fsdp=2, tensor=2, context=2), MeshConfig(data=2, fsdp=1, tensor=1, context=4),
+                 MeshConfig(data=1, fsdp=1, tensor=1, context=8)):
+        losses, state = train_losses(dataclasses.replace(config, mesh=mesh), jax.devices(), batches)
+        assert dict(state.params['embed'].sharding.mesh.shape)['context'] == mesh.context
+        for got, want in zip(losses, reference):
+            assert abs(got - want) / want < 1e-5, (mesh, losses, reference)
+
+
 @pytest.mark.parametrize('mesh, message', [
     (MeshConfig(data=2, fsdp=3, tensor=1), 'multiply to 6 but there are 8 devices'),
     (MeshConfig(data=3, fsdp=-1, tensor=1), 'fixed sizes (3) must divide the 8 devices'),
@@ -84,17 +107,34 @@ def test_bad_mesh_sizes(mesh, message):
         sharding.make_mesh(mesh)
 
 
-@pytest.mark.parametrize('shape, batch, d_model, message', [
-    ((1, 1, 8), 8, 32, 'mesh.tensor=8 is invalid: it must divide model.n_heads=4'),
-    ((1, 8, 1), 6, 32, 'data.batch_size=6 is invalid: .* split over mesh data x fsdp = 8 devices; use a multiple of 8'),
-    ((1, 8, 1), 8, 36, 'mesh.fsdp=8 is invalid: it must divide model.d_model=36'),
+@pytest.mark.parametrize('mesh, batch, d_model, seq_len, message', [
+    (MeshConfig(1, 1, 8), 8, 32, 64, 'mesh.tensor=8 is invalid: it must divide model.n_heads=4'),
+    (MeshConfig(1, 8, 1), 6, 32, 64,
+     'data.batch_size=6 is invalid: .* split over mesh data x fsdp = 8 devices; use a multiple of 8'),
+    (MeshConfig(1, 8, 1), 8, 36, 64, 'mesh.fsdp=8 is invalid: it must divide model.d_model=36'),
+    (MeshConfig(1, 2, 1, context=4), 8, 32, 66, 'mesh.context=4 is invalid: it must divide data.seq_len=66'),
 ])
-def test_what_does_not_split_over_the_mesh_is_named(small_corpus, shape, batch, d_model, message):
-    config = _sharding_config(small_corpus, MeshConfig(*shape))
-    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=batch),
+def test_what_does_not_split_over_the_mesh_is_named(small_corpus, mesh, batch, d_model, seq_len, message):
+    config = _sharding_config(small_corpus, mesh)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=batch, seq_len=seq_len),
                                  model=dataclasses.replace(config.model, d_model=d_model))
     with pytest.raises(ConfigError, match=message):
-        sharding.check_fits_mesh(config, shape)
+        sharding.check_fits_mesh(config, sharding.mesh_shape(mesh, jax.device_count()))
+
+
+def test_context_parallelism_takes_the_xla_path_and_the_tools_split_no_sequence():
+    """mesh.context > 1: auto attention resolves to xla, with the reason; an explicit kernel is refused
+    naming it; and the tools that read a trained run (decoding, scoring) split no sequence."""
+    from vrl.model import attention
+    cfg = ModelConfig(**{**TINY_MODEL, 'compute_dtype': 'bfloat16'})
+    assert attention.choose(cfg, 'tpu', 2048, False, context=4) == (
+        'xla', 'context parallelism (mesh.context=4) runs the XLA path; splash does not split a sequence')
+    with pytest.raises(ConfigError, match=r"model.attention_impl='splash' cannot run here: context parallelism"):
+        attention.choose(dataclasses.replace(cfg, attention_impl='splash'), 'tpu', 2048, False, context=2)
+    assert sharding.without_context(MeshConfig(data=2, fsdp=2, tensor=1, context=2)) == MeshConfig(2, 4, 1)
+    assert sharding.without_context(MeshConfig(data=2, fsdp=-1, tensor=1, context=2)) == MeshConfig(2, -1, 1)
+    assert sharding.mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=1, context=2), 8) == {
+        'data': 2, 'fsdp': 2, 'context': 2, 'tensor': 1}
 
 
 def _free_port() -> int:
@@ -304,7 +344,7 @@ def test_two_slices_compile_and_only_data_parallelism_crosses_them():
     config = Config(model=ModelConfig(**TINY_MODEL), data=DataConfig(seq_len=128, batch_size=8),
                     mesh=MeshConfig(slices=2))
     mesh = sharding.make_mesh(config.mesh, devices)
-    assert dict(mesh.shape) == {'data': 2, 'fsdp': 4, 'tensor': 1}
+    assert dict(mesh.shape) == {'data': 2, 'fsdp': 4, 'context': 1, 'tensor': 1}
     for i in range(2):
         assert {d.slice_index for d in mesh.devices[i].flat} == {i}
     report = aot.compile_train_step(config, devices, hbm)

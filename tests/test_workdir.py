@@ -272,10 +272,11 @@ def test_resume_on_another_mesh_split(small_corpus, tmp_path, capsys):
     straight = loop.run(config, str(tmp_path / 'straight'))  # fsdp over all 8 devices
     first = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2))
     loop.run(first, str(tmp_path / 'resharded'))
-    other_mesh = dataclasses.replace(config, mesh=MeshConfig(data=1, fsdp=4, tensor=2))
+    other_mesh = dataclasses.replace(config, mesh=MeshConfig(data=1, fsdp=2, tensor=2, context=2))  # sequences split
     capsys.readouterr()
     resumed = loop.run(other_mesh, str(tmp_path / 'resharded'))
-    assert 'mesh.fsdp changed since the last start: -1 -> 4' in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert 'mesh.fsdp changed since the last start: -1 -> 2' in said and 'mesh.context changed' in said, said
     assert sorted(resumed.losses) == [3, 4]
     for step in (3, 4):
         assert abs(resumed.losses[step] - straight.losses[step]) / straight.losses[step] < 1e-5

@@ -1,13 +1,16 @@
 """The device mesh and the logical-to-mesh sharding rules: the only place either is decided.
 
-Mesh axes ('data', 'fsdp', 'tensor'). Parameters are fully sharded over `fsdp` on their
+Mesh axes ('data', 'fsdp', 'context', 'tensor'). Parameters are fully sharded over `fsdp` on their
 `embed` axis and tensor-parallel over `tensor` on heads / kv_heads / mlp / vocab; the batch
-is split over ('data', 'fsdp'). Across TPU slices (mesh.slices), `data` is outermost and spans
-them, so the data-center network carries only data parallelism. The model only names logical axes (vrl/model/decoder.py).
+is split over ('data', 'fsdp') and each sequence over `context` (context parallelism: attention
+gathers the keys and values, vrl/model/attention.py). Across TPU slices (mesh.slices), `data` is
+outermost and spans them, so the data-center network carries only data parallelism. The model only
+names logical axes (vrl/model/decoder.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Sequence
@@ -20,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vrl.core.config import Config, ConfigError, MeshConfig
 
-MESH_AXES = ('data', 'fsdp', 'tensor')
+MESH_AXES = ('data', 'fsdp', 'context', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
 
 
@@ -41,7 +44,7 @@ class Axis:
 # logical axis -> mesh axis (None = replicated)
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     Axis.BATCH: BATCH_AXES,
-    Axis.LENGTH: None,
+    Axis.LENGTH: 'context',
     Axis.EMBED: 'fsdp',
     Axis.HEADS: 'tensor',
     Axis.KV_HEADS: 'tensor',
@@ -53,30 +56,38 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
-    """Resolves -1 within a slice and checks that the sizes multiply to the device count; the
-    `data` size returned spans all cfg.slices slices (slices x cfg.data)."""
+def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
+    """The size of each mesh axis (MESH_AXES' order): resolves -1 within a slice and checks that the
+    sizes multiply to the device count; `data` spans all cfg.slices slices (slices x cfg.data)."""
     if n_devices % cfg.slices:
         raise ConfigError(f'mesh.slices={cfg.slices} is invalid: it must divide the {n_devices} devices.')
     per_slice = n_devices // cfg.slices
-    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    sizes = [getattr(cfg, axis) for axis in MESH_AXES]
     known = math.prod(s for s in sizes if s != -1)
     where = f' per slice ({per_slice} of them)' if cfg.slices > 1 else ''
+    named = ', '.join(f'{axis}={size}' for axis, size in zip(MESH_AXES, sizes))
     if -1 in sizes:
         if per_slice % known:
-            raise ConfigError(f'mesh=(data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor}) is invalid: '
-                              f'the fixed sizes ({known}) must divide the {per_slice} devices{where}.')
+            raise ConfigError(f'mesh=({named}) is invalid: the fixed sizes ({known}) must divide the '
+                              f'{per_slice} devices{where}.')
         sizes[sizes.index(-1)] = per_slice // known
     if math.prod(sizes) != per_slice:
-        raise ConfigError(f'mesh=(data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor}) is invalid: '
-                          f'the sizes multiply to {math.prod(sizes)} but there are {per_slice} devices{where}; '
-                          'make them multiply to the device count or set one to -1.')
-    return (cfg.slices * sizes[0], sizes[1], sizes[2])
+        raise ConfigError(f'mesh=({named}) is invalid: the sizes multiply to {math.prod(sizes)} but there are '
+                          f'{per_slice} devices{where}; make them multiply to the device count or set one to -1.')
+    return dict(zip(MESH_AXES, (cfg.slices * sizes[0], *sizes[1:])))
 
 
-def check_fits_mesh(config: Config, shape: tuple[int, int, int]) -> None:
-    """ConfigError naming the field if a parameter or the batch cannot split evenly over the mesh."""
-    data, fsdp, tensor = shape
+def without_context(cfg: MeshConfig) -> MeshConfig:
+    """The same devices with every sequence whole: `fsdp` takes the context axis' devices."""
+    if cfg.context == 1:
+        return cfg
+    return dataclasses.replace(cfg, context=1, fsdp=-1 if cfg.fsdp == -1 else cfg.fsdp * cfg.context)
+
+
+def check_fits_mesh(config: Config, shape: dict[str, int]) -> None:
+    """ConfigError naming the field if a parameter, the batch or a sequence cannot split evenly over
+    the mesh (`shape`: each mesh axis' size)."""
+    data, fsdp, context, tensor = (shape[axis] for axis in MESH_AXES)
     model = config.model
     for field in ('n_heads', 'n_kv_heads', 'd_ff'):
         if getattr(model, field) % tensor:
@@ -90,20 +101,27 @@ def check_fits_mesh(config: Config, shape: tuple[int, int, int]) -> None:
         raise ConfigError(f'data.batch_size={batch} is invalid: each of its train.microbatches={parts} '
                           f'part(s) is split over mesh data x fsdp = {data * fsdp} devices; use a multiple '
                           f'of {parts * data * fsdp}.')
+    if config.data.seq_len % context:
+        raise ConfigError(f'mesh.context={context} is invalid: it must divide data.seq_len={config.data.seq_len} '
+                          '(each sequence is split over the context axis).')
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The mesh over `devices`. With several slices, `data`'s outer part runs across them (the
     data-center network carries only data parallelism); fsdp and tensor stay within a slice."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(cfg, len(devices))
+    shape = tuple(mesh_shape(cfg, len(devices)).values())
+    local = sum(d.process_index == devices[0].process_index for d in devices)
+    if local % cfg.context:
+        raise ConfigError(f'mesh.context={cfg.context} is invalid: it must divide the {local} devices of a '
+                          'process (a sequence is split within one host, which reads it whole).')
     spanned = len({getattr(d, 'slice_index', 0) for d in devices})
     if spanned != cfg.slices and spanned > 1:
         raise ConfigError(f'mesh.slices={cfg.slices} is invalid: the devices span {spanned} slices; '
                           f'set --config.mesh.slices={spanned}.')
     if spanned > 1:
         per_slice = (shape[0] // cfg.slices, *shape[1:])
-        return Mesh(mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1), devices), MESH_AXES)
+        return Mesh(mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1, 1), devices), MESH_AXES)
     try:
         device_array = mesh_utils.create_device_mesh(shape, devices)
     except Exception:  # fake CPU devices and odd shapes have no physical topology to follow

@@ -13,6 +13,9 @@
   resolved by vrl/model/resolve.py, which logs the choice and its reason. The code here takes only
   a resolved value.
 
+With the mesh's `context` axis above 1 (context parallelism, docs/scaling-out.md), training attention
+takes the XLA path on each device's part of the sequence, over the whole sequence's keys and values.
+
 Value residual only changes V, so every variant runs on every implementation. Decoding (a KV
 cache) and vrl.experiments.analyze's attention statistics always take the XLA path, which works everywhere.
 """
@@ -51,8 +54,12 @@ class Causal(NamedTuple):
         return mask_LxL[None] & (ids[:, :, None] == ids[:, None, :])
 
 
-def why_not(impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool) -> str | None:
-    """Why `impl` cannot compute this model's training attention on `platform`, or None if it can."""
+def why_not(impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool,
+            context: int = 1) -> str | None:
+    """Why `impl` cannot compute this model's training attention on `platform` with each sequence
+    split over `context` devices, or None if it can."""
+    if context > 1 and impl != 'xla':
+        return f'context parallelism (mesh.context={context}) runs the XLA path; {impl} does not split a sequence'
     if impl in ('splash', 'splash_interpret'):
         block = min(SPLASH_BLOCK, seq_len)
         if block % _LANES or seq_len % block:
@@ -69,7 +76,8 @@ def why_not(impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_m
     return None
 
 
-def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool) -> tuple[str, str]:
+def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool,
+           context: int = 1) -> tuple[str, str]:
     """(the implementation to trace for `cfg` on `platform` ('cpu', 'gpu', 'tpu'), why). `auto` picks
     the platform's kernel where it can serve the config, else xla; an explicit choice that cannot
     serve is a ConfigError with the reason (vrl/model/resolve.py calls this)."""
@@ -77,7 +85,7 @@ def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool
     if impl == 'xla':
         return impl, 'as configured'
     if impl != 'auto':
-        reason = why_not(impl, cfg, platform, seq_len, document_masking)
+        reason = why_not(impl, cfg, platform, seq_len, document_masking, context)
         if reason:
             raise ConfigError(f'model.attention_impl={impl!r} cannot run here: {reason}. '
                               f'Allowed: {", ".join(ATTENTION_IMPLS[:-1])}.')
@@ -87,7 +95,7 @@ def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool
     kernel = {'tpu': 'splash', 'gpu': 'cudnn'}.get(platform)
     if kernel is None:
         return 'xla', f'no attention kernel on {platform}'
-    reason = why_not(kernel, cfg, platform, seq_len, document_masking)
+    reason = why_not(kernel, cfg, platform, seq_len, document_masking, context)
     return ('xla', reason) if reason else (kernel, f'the {platform} kernel serves this config')
 
 
@@ -100,6 +108,8 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
     if impl == 'auto' and isinstance(mask, Causal):
         raise ConfigError("model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
                           'platform (a TrainSteps does it itself).')
+    if isinstance(mask, Causal) and _context_size() > 1:  # the sequence split over devices (choose: xla)
+        return _context_parallel(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, xla_attention)
     # cuDNN through JAX takes no segment ids: packed sequences (vrl.tools.evaluate's) take the XLA path
     if impl == 'xla' or not isinstance(mask, Causal) or (impl == 'cudnn' and mask.segment_ids_BxL is not None):
         B, L = q_BxLxHxDh.shape[:2]
@@ -127,6 +137,41 @@ def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Ar
         outs.append(xla_attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :seen], v_BxSxKxDh[:, :seen],
                                   mask_BxLxS[:, start:end, :seen]))
     return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
+
+
+def _context_size() -> int:
+    """How many devices each sequence is split over: the traced-in mesh's `context` axis (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get('context', 1)
+
+
+def _context_parallel(q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, ids_BxL: Array | None,
+                      xla_attention: Callable[..., Array]) -> Array:
+    """Causal attention with each sequence split over the mesh's `context` axis (L is the whole
+    sequence here; a device holds L / context of it): each device keeps its queries and gathers the
+    keys, values and segment ids of the whole sequence (in the backward pass, their gradients are
+    reduce-scattered back), and its queries' positions start at its part's offset. The causal work
+    is not balanced: the last part's queries see every key, the first part's only their own."""
+    mesh = jax.sharding.get_abstract_mesh()
+    q_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.HEADS, Axis.HEAD_DIM))
+    kv_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))
+    ids_spec = None if ids_BxL is None else logical_spec((Axis.BATCH, Axis.LENGTH))
+
+    def local(q_BxPxHxDh, k_BxPxKxDh, v_BxPxKxDh, ids_BxP):
+        def whole(part):
+            return jax.lax.all_gather(part, 'context', axis=1, tiled=True)
+
+        k_BxLxKxDh, v_BxLxKxDh = whole(k_BxPxKxDh), whole(v_BxPxKxDh)
+        B, P = q_BxPxHxDh.shape[:2]
+        L = k_BxLxKxDh.shape[1]
+        positions_P = jax.lax.axis_index('context') * P + jnp.arange(P)
+        mask_BxPxL = jnp.broadcast_to(positions_P[:, None] >= jnp.arange(L)[None, :], (B, P, L))
+        if ids_BxP is not None:
+            mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == whole(ids_BxP)[:, None, :])
+        return _xla(q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_BxPxL, 1, xla_attention)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, ids_spec), out_specs=q_spec,
+                         check_vma=False)(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxL)
 
 
 def _dot_product_attention(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, implementation: str) -> Array:

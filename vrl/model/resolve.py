@@ -52,7 +52,8 @@ def execution(config: Config, platform: str, say: Say = logging.info) -> Config:
     an explicit value that cannot run there is a ConfigError with the reason."""
     dtype, why_dtype = compute_dtype(config.model, platform)
     model = dataclasses.replace(config.model, compute_dtype=dtype)  # cuDNN attention needs bfloat16
-    impl, why_impl = attention.choose(model, platform, config.data.seq_len, config.data.document_masking)
+    impl, why_impl = attention.choose(model, platform, config.data.seq_len, config.data.document_masking,
+                                      config.mesh.context)
     hand_vjp, why_vjp = ops.choose_hand_vjp(model.hand_vjp, platform)
     for field, new, why in (('compute_dtype', dtype, why_dtype), ('attention_impl', impl, why_impl),
                             ('hand_vjp', hand_vjp, why_vjp)):

@@ -125,7 +125,7 @@ class CompileReport:
 def compile_train_step(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None) -> CompileReport:
     """Lowers and compiles the real train step for `devices` (no arrays are allocated)."""
     mesh = sharding.make_mesh(config.mesh, devices)
-    sharding.check_fits_mesh(config, mesh.devices.shape)
+    sharding.check_fits_mesh(config, dict(mesh.shape))
     trainer = TrainSteps(config, mesh)
     shape = (config.data.batch_size, config.data.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
@@ -164,7 +164,7 @@ def auto_fit(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | Non
     if not (auto_microbatches or auto_remat):
         return config, None
     mesh_shape = sharding.mesh_shape(config.mesh, len(devices))
-    rows = config.data.batch_size // (mesh_shape[0] * mesh_shape[1])  # sequences per device per step
+    rows = config.data.batch_size // (mesh_shape['data'] * mesh_shape['fsdp'])  # sequences per device per step
     counts = [m for m in range(1, rows + 1) if rows % m == 0] if auto_microbatches else [config.train.microbatches]
     remats = REMAT_BY_COST if auto_remat else (config.model.remat,)
 

@@ -132,7 +132,7 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     is_writer = jax.process_index() == 0
     say = print if is_writer else (lambda line: None)
     mesh = sharding.make_mesh(configs[0].mesh)
-    sharding.check_fits_mesh(configs[0], mesh.devices.shape)
+    sharding.check_fits_mesh(configs[0], dict(mesh.shape))
     config, tokenizer_source, tokenizer_line = start.hf_tokenizer(configs[0], request.init_from, paths[0])
     # the data before anything compiles (auto-fit compiles for minutes): a new run's copy of an hf:
     # tokenizer is made in the workdir further down, so its source stands in for it here

@@ -45,10 +45,12 @@ class TrainedRun(NamedTuple):
 def load_trained(workdir: str) -> TrainedRun:
     """The run's config, tokenizer and latest parameters (checked against the saved model config).
     The attention kernel and hand-written backwards are chosen for this machine (`auto`), not the
-    one the run trained on: they change how the model runs, not what it computes."""
+    one the run trained on: they change how the model runs, not what it computes; and no sequence is
+    split (mesh.context): the tools' sequences have lengths of their own."""
     config, tokenizer = load_run(workdir)
     _, step = checkpoint.step_folder(workdir)
-    here = dataclasses.replace(config.model, attention_impl='auto', hand_vjp='auto')
-    trainer = TrainSteps(dataclasses.replace(config, model=here), sharding.make_mesh(config.mesh))
+    here = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_impl='auto', hand_vjp='auto'),
+                               mesh=sharding.without_context(config.mesh))
+    trainer = TrainSteps(here, sharding.make_mesh(here.mesh))
     params = checkpoint.restore_params(workdir, trainer.abstract_state.params, config.model)
     return TrainedRun(trainer.config, tokenizer, trainer, params, step)

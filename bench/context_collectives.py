@@ -1,0 +1,149 @@
+"""Bytes that cross the `context` axis in one train step, per variant, read from the compiled program.
+
+    python bench/context_collectives.py [--size tiny|82m|180m|468m] [--contexts 2,4] [--seq_len 256]
+
+On fake CPU devices (no accelerator needed): the real train step for each variant on a mesh of
+`context` devices (the rest fsdp) is compiled, and every collective in its HLO is counted: those
+in the scanned layers' loops (forward and backward) times the loop's trip count, the rest once.
+The `context` groups are told from fsdp's by their replica groups, so parameter gathers are
+listed apart. Columns: all-gather and reduce-scatter bytes per device over the context axis, their
+sum as a share of vanilla's, the least that the attention needs (each layer's K and V gathered
+forward and their gradients reduce-scattered backward; SVFormer's V_1 once, not once a layer),
+and the collectives over the other axes (fsdp's parameter gathers and gradient reductions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from configs import base, tiny  # noqa: E402
+from vrl.core import sharding  # noqa: E402
+from vrl.core.config import MeshConfig, from_configdict  # noqa: E402
+from vrl.model import resolve  # noqa: E402
+from vrl.train.step import TrainSteps  # noqa: E402
+
+BYTES = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'pred': 1, 's8': 1, 'u8': 1, 'f64': 8, 's64': 8}
+_COLLECTIVE = re.compile(r'= (\(.*?\)|\S+) (all-gather|reduce-scatter|all-reduce)(?:-start)?\((.*)$')
+
+
+def _bytes(result_type: str) -> int:
+    """Bytes of an HLO result type: one array (f32[2,64]{1,0}) or a tuple of them."""
+    return sum(BYTES[dtype] * math.prod(int(d) for d in dims.split(',') if d)
+               for dtype, dims in re.findall(r'(\w+)\[([\d,]*)\]', result_type))
+
+
+def _groups(line: str) -> list[list[int]]:
+    """The device groups of a collective, from its replica_groups: explicit ({{0,1},{2,3}}), iota
+    ([4,2]<=[8]), or over axes of a mesh of device ids in order (mesh['axis_0'=2,'axis_1'=4] {'axis_1'})."""
+    explicit = re.search(r'replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}', line)
+    if explicit:
+        return [[int(i) for i in group.split(',') if i] for group in re.findall(r'\{([\d,]*)\}', explicit.group(1))]
+    iota = re.search(r'replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', line)
+    if iota:  # [groups,size]<=[dims] with an optional transpose T(perm) of the ids before the reshape
+        ids = np.arange(math.prod(int(d) for d in iota.group(3).split(','))).reshape(
+            [int(d) for d in iota.group(3).split(',')])
+        if iota.group(4):
+            ids = ids.transpose([int(d) for d in iota.group(4).split(',')])
+        return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+    meshed = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
+                       r"\{([^}]*)\}", line)
+    if not meshed:
+        raise ValueError(f'replica groups not understood: {line[:300]}')
+    sizes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", meshed.group(1))}
+    over = re.findall(r"'(\w+)'", meshed.group(4))
+    ids = np.arange(math.prod(sizes.values()))
+    if meshed.group(2):  # the mesh's devices in an order of their own: ids reshaped, then transposed
+        ids = ids.reshape([int(d) for d in meshed.group(2).split(',')])
+        if meshed.group(3):
+            ids = ids.transpose([int(d) for d in meshed.group(3).split(',')])
+    ids = ids.reshape(list(sizes.values()))
+    axes = list(sizes)
+    ids = np.moveaxis(ids, [axes.index(a) for a in over], range(len(axes) - len(over), len(axes)))
+    return ids.reshape(-1, math.prod(sizes[a] for a in over)).tolist()
+
+
+def count(hlo: str, context_groups: set[tuple[int, ...]]) -> dict[str, int]:
+    """Bytes per device per step of each collective kind over the context axis, and the rest."""
+    trips = {body: int(n) for body, n in re.findall(r'body=%?([\w.\-]+).*?"known_trip_count":\{"n":"(\d+)"\}', hlo)}
+    totals: dict[str, int] = {}
+    for computation in re.split(r'\n(?=\S)', hlo):
+        name = re.match(r'(?:ENTRY )?%?([\w.\-]+)', computation)
+        times = trips.get(name.group(1), 1) if name else 1
+        for line in computation.splitlines():
+            match = _COLLECTIVE.search(line)
+            if not match:
+                continue
+            result_type, kind, rest = match.groups()
+            groups = {tuple(sorted(g)) for g in _groups(rest)}
+            axis = 'context' if groups <= context_groups else 'other'
+            totals[f'{kind} {axis}'] = totals.get(f'{kind} {axis}', 0) + times * _bytes(result_type)
+    return totals
+
+
+def least_bytes(config, mesh_shape: dict[str, int]) -> int:
+    """The attention's own exchange per device per step: whole-sequence K and V (in the compute
+    dtype) of this device's rows, gathered forward and reduce-scattered backward, in every layer;
+    SVFormer's layers >= 2 share V_1, which would cross once."""
+    m = config.model
+    rows = config.data.batch_size // (mesh_shape['data'] * mesh_shape['fsdp'])
+    kv = rows * config.data.seq_len * (m.n_kv_heads // mesh_shape['tensor']) * m.head_dim
+    kv *= jnp.dtype(m.compute_dtype).itemsize
+    tensors = m.n_layers + 1 if m.attention == 'svformer' else 2 * m.n_layers
+    return 2 * tensors * kv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--size', default='tiny', help='tiny (configs/tiny.py) or a configs/base.py size: 82m, 180m, 468m')
+    parser.add_argument('--contexts', default='2,4')
+    parser.add_argument('--seq_len', type=int, default=256)
+    args = parser.parse_args()
+    start = from_configdict(tiny.get_config() if args.size == 'tiny' else base.get_config(f'vanilla,{args.size}'))
+    start = dataclasses.replace(start, data=dataclasses.replace(start.data, seq_len=args.seq_len,
+                                                                batch_size=jax.device_count()))
+    print(f'{args.size}, seq_len {args.seq_len}, {jax.device_count()} {jax.devices()[0].platform} devices; '
+          'MB per device per step')
+    print('| variant | context | all-gather (context) | reduce-scatter (context) | vs vanilla | attention needs '
+          '| other collectives |')
+    print('|---|---|---|---|---|---|---|')
+    for context in [int(c) for c in args.contexts.split(',')]:
+        vanilla = None
+        for variant in ('vanilla', 'resformer', 'svformer'):
+            config = dataclasses.replace(
+                start, model=dataclasses.replace(start.model, attention=variant, attention_impl='xla'),
+                mesh=MeshConfig(data=1, fsdp=-1, tensor=1, context=context))
+            config = resolve.execution(config, 'cpu', say=lambda line: None)
+            mesh = sharding.make_mesh(config.mesh)
+            trainer = TrainSteps(config, mesh)
+            shape = (config.data.batch_size, config.data.seq_len)
+            batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32 if k != 'loss_mask' else jnp.float32,
+                                             sharding=trainer.batch_sharding)
+                     for k in ('inputs', 'targets', 'loss_mask')}
+            hlo = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
+            ids = mesh.device_ids  # (data, fsdp, context, tensor)
+            groups = {tuple(sorted(int(i) for i in row)) for row in ids.transpose(0, 1, 3, 2).reshape(-1, context)}
+            totals = count(hlo, groups)
+            exchanged = totals.get('all-gather context', 0) + totals.get('reduce-scatter context', 0)
+            vanilla = vanilla or exchanged
+            other = sum(v for k, v in totals.items() if not k.endswith(' context'))
+            print(f'| {variant} | {context} | {totals.get("all-gather context", 0) / 1e6:.2f} | '
+                  f'{totals.get("reduce-scatter context", 0) / 1e6:.2f} | {exchanged / vanilla:.2f} | '
+                  f'{least_bytes(config, dict(mesh.shape)) / 1e6:.2f} | {other / 1e6:.2f} |')
+
+
+if __name__ == '__main__':
+    main()
