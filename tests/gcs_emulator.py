@@ -25,6 +25,8 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from vrl.core.cli import compilation_cache_dir
+
 CLOSED_PORT = '127.0.0.1:9'  # the discard port: nothing listens, so a look-up fails at once
 PINNED = {'GCE_METADATA_HOST': CLOSED_PORT, 'GCE_METADATA_IP': CLOSED_PORT, 'GCE_METADATA_ROOT': CLOSED_PORT,
           'NO_GCE_CHECK': 'True', 'GOOGLE_CLOUD_PROJECT': 'vrl-test', 'GOOGLE_APPLICATION_CREDENTIALS': '',
@@ -47,9 +49,8 @@ def machine_env(url: str, home: Path) -> dict[str, str]:
     commands), so that a test's hosts do not each compile the same programs from nothing."""
     home.mkdir(parents=True, exist_ok=True)
     (home / 'tmp').mkdir(exist_ok=True)
-    cache = os.environ.get('JAX_COMPILATION_CACHE_DIR', str(Path.home() / '.cache' / 'vrl' / 'jax_cache'))
     return {**os.environ, **environment(url), 'HOME': str(home), 'TMPDIR': str(home / 'tmp'),
-            'PYTHONPATH': str(Path(__file__).resolve().parents[1]), 'JAX_COMPILATION_CACHE_DIR': cache}
+            'PYTHONPATH': str(Path(__file__).resolve().parents[1]), 'JAX_COMPILATION_CACHE_DIR': compilation_cache_dir()}
 
 
 def free_port() -> int:

@@ -11,12 +11,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
 from tests.runs import not_for_users
+from vrl.core import cli
 from vrl.core.config import DataConfig
 from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer
@@ -29,7 +29,7 @@ def user(tmp_path):
     """Runs `python -m ARGS` in a new folder as a user whose HOME is new (the compiled programs' cache kept, to save
     time); returns everything it printed, stdout and stderr together, after checking it succeeded."""
     env = {**os.environ, 'HOME': str(tmp_path / 'home'),
-           'JAX_COMPILATION_CACHE_DIR': str(Path.home() / '.cache' / 'vrl' / 'jax_cache'), 'PYTHONPATH': str(ROOT)}
+           'JAX_COMPILATION_CACHE_DIR': cli.compilation_cache_dir(), 'PYTHONPATH': str(ROOT)}
 
     def run(*args: str) -> str:
         out = subprocess.run([sys.executable, '-m', *args], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -15,6 +15,7 @@ TFDS) and the native libraries' lines that say nothing (vrl/core/native_lines.py
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 from pathlib import Path
@@ -55,12 +56,17 @@ def run(main: Callable[..., None], define_flags: Callable[[], Args], commands: t
     app.run(entry, flags_parser=_parse_flags)
 
 
+def compilation_cache_dir() -> str:
+    """Where compiled programs are kept: JAX_COMPILATION_CACHE_DIR, else ~/.cache/vrl/jax_cache."""
+    return os.environ.get('JAX_COMPILATION_CACHE_DIR') or str(Path.home() / '.cache' / 'vrl' / 'jax_cache')
+
+
 def enable_compilation_cache() -> None:
-    """Compiled steps are reused across runs and invocations (a grid's seeds share one compile);
-    JAX_COMPILATION_CACHE_DIR overrides the place (~/.cache/vrl/jax_cache)."""
+    """Compiled steps are reused across runs and invocations (a grid's seeds share one compile), in
+    `compilation_cache_dir()`."""
     import jax
     if not jax.config.jax_compilation_cache_dir:
-        jax.config.update('jax_compilation_cache_dir', str(Path.home() / '.cache' / 'vrl' / 'jax_cache'))
+        jax.config.update('jax_compilation_cache_dir', compilation_cache_dir())
 
 
 def require(args: Args, *names: str) -> None:
