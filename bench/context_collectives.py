@@ -5,11 +5,14 @@
 On fake CPU devices (no accelerator needed): the real train step for each variant on a mesh of
 `context` devices (the rest fsdp) is compiled, and every collective in its HLO is counted: those
 in the scanned layers' loops (forward and backward) times the loop's trip count, the rest once.
-The `context` groups are told from fsdp's by their replica groups, so parameter gathers are
-listed apart. Columns: all-gather and reduce-scatter bytes per device over the context axis, their
-sum as a share of vanilla's, the least that the attention needs (each layer's K and V gathered
-forward and their gradients reduce-scattered backward; SVFormer's V_1 once, not once a layer),
-and the collectives over the other axes (fsdp's parameter gathers and gradient reductions).
+The `context` groups are told from fsdp's by their replica groups. Columns, in MB per device per
+step (a collective counts the whole array it assembles or reduces): the attention's all-gathers
+and reduce-scatters over the context axis (K and V, forward and backward), their sum as a share
+of vanilla's, the least that the attention needs (each layer's K and V gathered forward and their
+gradients reduce-scattered backward; SVFormer's V_1 once, not once a layer), the rest over the
+context axis (mostly the weight gradients' all-reduce: a context group's devices hold the same
+parameters, as data parallelism's do), and the collectives over the other axes (fsdp's parameter
+gathers and gradient reductions).
 """
 
 from __future__ import annotations
@@ -77,7 +80,9 @@ def _groups(line: str) -> list[list[int]]:
 
 
 def count(hlo: str, context_groups: set[tuple[int, ...]]) -> dict[str, int]:
-    """Bytes per device per step of each collective kind over the context axis, and the rest."""
+    """Bytes per device per step of each collective kind: the attention's over the context axis (in
+    its shard_map), the rest over the context axis, and those over other axes. A collective counts
+    the whole array it assembles or reduces (a reduce-scatter's operand, not its shard)."""
     trips = {body: int(n) for body, n in re.findall(r'body=%?([\w.\-]+).*?"known_trip_count":\{"n":"(\d+)"\}', hlo)}
     totals: dict[str, int] = {}
     for computation in re.split(r'\n(?=\S)', hlo):
@@ -89,8 +94,9 @@ def count(hlo: str, context_groups: set[tuple[int, ...]]) -> dict[str, int]:
                 continue
             result_type, kind, rest = match.groups()
             groups = {tuple(sorted(g)) for g in _groups(rest)}
-            axis = 'context' if groups <= context_groups else 'other'
-            totals[f'{kind} {axis}'] = totals.get(f'{kind} {axis}', 0) + times * _bytes(result_type)
+            axis = 'other' if not groups <= context_groups else 'attention' if '/shard_map/' in rest else 'context'
+            whole = _bytes(result_type) * (len(next(iter(groups))) if kind == 'reduce-scatter' else 1)
+            totals[f'{kind} {axis}'] = totals.get(f'{kind} {axis}', 0) + times * whole
     return totals
 
 
@@ -106,6 +112,22 @@ def least_bytes(config, mesh_shape: dict[str, int]) -> int:
     return 2 * tensors * kv
 
 
+def measure(config) -> tuple[dict[str, int], int]:
+    """`count` of the train step compiled for `config` on this process' devices, and `least_bytes`."""
+    config = resolve.execution(config, jax.devices()[0].platform, say=lambda line: None)
+    mesh = sharding.make_mesh(config.mesh)
+    trainer = TrainSteps(config, mesh)
+    shape = (config.data.batch_size, config.data.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32 if k != 'loss_mask' else jnp.float32,
+                                     sharding=trainer.batch_sharding)
+             for k in ('inputs', 'targets', 'loss_mask')}
+    hlo = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
+    ids = mesh.device_ids  # (data, fsdp, context, tensor)
+    context = mesh.shape['context']
+    groups = {tuple(sorted(int(i) for i in row)) for row in ids.transpose(0, 1, 3, 2).reshape(-1, context)}
+    return count(hlo, groups), least_bytes(config, dict(mesh.shape))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--size', default='tiny', help='tiny (configs/tiny.py) or a configs/base.py size: 82m, 180m, 468m')
@@ -117,32 +139,23 @@ def main() -> None:
                                                                 batch_size=jax.device_count()))
     print(f'{args.size}, seq_len {args.seq_len}, {jax.device_count()} {jax.devices()[0].platform} devices; '
           'MB per device per step')
-    print('| variant | context | all-gather (context) | reduce-scatter (context) | vs vanilla | attention needs '
-          '| other collectives |')
-    print('|---|---|---|---|---|---|---|')
+    print('| variant | context | K/V all-gather | K/V reduce-scatter | vs vanilla | attention needs '
+          '| rest over context | other axes |')
+    print('|---|---|---|---|---|---|---|---|')
     for context in [int(c) for c in args.contexts.split(',')]:
         vanilla = None
         for variant in ('vanilla', 'resformer', 'svformer'):
             config = dataclasses.replace(
                 start, model=dataclasses.replace(start.model, attention=variant, attention_impl='xla'),
                 mesh=MeshConfig(data=1, fsdp=-1, tensor=1, context=context))
-            config = resolve.execution(config, 'cpu', say=lambda line: None)
-            mesh = sharding.make_mesh(config.mesh)
-            trainer = TrainSteps(config, mesh)
-            shape = (config.data.batch_size, config.data.seq_len)
-            batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32 if k != 'loss_mask' else jnp.float32,
-                                             sharding=trainer.batch_sharding)
-                     for k in ('inputs', 'targets', 'loss_mask')}
-            hlo = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
-            ids = mesh.device_ids  # (data, fsdp, context, tensor)
-            groups = {tuple(sorted(int(i) for i in row)) for row in ids.transpose(0, 1, 3, 2).reshape(-1, context)}
-            totals = count(hlo, groups)
-            exchanged = totals.get('all-gather context', 0) + totals.get('reduce-scatter context', 0)
+            totals, least = measure(config)
+            exchanged = totals.get('all-gather attention', 0) + totals.get('reduce-scatter attention', 0)
             vanilla = vanilla or exchanged
-            other = sum(v for k, v in totals.items() if not k.endswith(' context'))
-            print(f'| {variant} | {context} | {totals.get("all-gather context", 0) / 1e6:.2f} | '
-                  f'{totals.get("reduce-scatter context", 0) / 1e6:.2f} | {exchanged / vanilla:.2f} | '
-                  f'{least_bytes(config, dict(mesh.shape)) / 1e6:.2f} | {other / 1e6:.2f} |')
+            rest = sum(v for k, v in totals.items() if k.endswith(' context'))
+            other = sum(v for k, v in totals.items() if k.endswith(' other'))
+            print(f'| {variant} | {context} | {totals.get("all-gather attention", 0) / 1e6:.2f} | '
+                  f'{totals.get("reduce-scatter attention", 0) / 1e6:.2f} | {exchanged / vanilla:.2f} | '
+                  f'{least / 1e6:.2f} | {rest / 1e6:.2f} | {other / 1e6:.2f} |')
 
 
 if __name__ == '__main__':

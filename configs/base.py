@@ -24,8 +24,10 @@ SIZES = {
 }
 
 
-# the paper's sequence-length study: sequence length -> sequences per step (~2M tokens)
-SEQUENCES = {'512': (512, 4096), '2k': (2048, 1024), '8k': (8192, 256), '32k': (32768, 64), '64k': (65536, 32)}
+# sequence length -> sequences per step (~2M tokens): the paper's study (512 to 64k) and, for
+# context parallelism (mesh.context), 128k and 256k
+SEQUENCES = {'512': (512, 4096), '2k': (2048, 1024), '8k': (8192, 256), '32k': (32768, 64), '64k': (65536, 32),
+             '128k': (131072, 16), '256k': (262144, 8)}
 
 
 def get_config(arg: str = 'vanilla,82m') -> ml_collections.ConfigDict:

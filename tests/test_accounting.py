@@ -151,7 +151,8 @@ def test_svformer_fits_about_2l_over_l_plus_1_times_the_batch():
 
 def test_sequence_length_study_configs_keep_2m_tokens_per_step():
     from vrl.core.config import ConfigError
-    for seq, want_len in (('512', 512), ('2k', 2048), ('8k', 8192), ('32k', 32768), ('64k', 65536)):
+    for seq, want_len in (('512', 512), ('2k', 2048), ('8k', 8192), ('32k', 32768), ('64k', 65536), ('128k', 2**17),
+                          ('256k', 2**18)):
         config = from_configdict(base.get_config(f'svformer,82m,{seq}'))
         assert config.data.seq_len == want_len and config.data.seq_len * config.data.batch_size == 2**21
     assert from_configdict(base.get_config('svformer,82m')).data.seq_len == 2048

@@ -98,6 +98,31 @@ def test_a_sequence_split_over_the_context_axis_trains_as_on_one_device(small_co
             assert abs(got - want) / want < 1e-5, (mesh, losses, reference)
 
 
+def test_only_keys_and_values_cross_the_context_axis_and_svformer_sends_v1_once(small_corpus):
+    """The compiled train step at mesh.context=4 (bench/context_collectives.py's count of its HLO):
+    vanilla's attention exchanges exactly each layer's K and V (gathered forward, reduce-scattered
+    backward); outside it, no more of the sequence crosses the context axis than the embedding
+    lookup's one hidden state forward and one backward (GSPMD once gathered whole hidden states
+    around every matmul of every layer), and the weight gradients' all-reduce; and SVFormer, whose
+    layers >= 2 share V_1, sends at most (2N + 3) / (4N) of vanilla's bytes (ideal: (2N + 2) / (4N))."""
+    spec = importlib.util.spec_from_file_location('context_collectives', ROOT / 'bench' / 'context_collectives.py')
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=2, tensor=1, context=4))
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=4, attention_impl='xla'))
+    sent = {}
+    for variant in ('vanilla', 'svformer'):
+        totals, least = bench.measure(dataclasses.replace(
+            config, model=dataclasses.replace(config.model, attention=variant)))
+        sent[variant] = totals.get('all-gather attention', 0) + totals.get('reduce-scatter attention', 0)
+        hidden = config.data.batch_size // 2 * config.data.seq_len * config.model.d_model * 4  # fsdp 2, float32
+        assert totals.get('all-gather context', 0) + totals.get('reduce-scatter context', 0) <= 2 * hidden, totals
+        if variant == 'vanilla':
+            assert sent[variant] == least, totals
+    N = config.model.n_layers
+    assert sent['svformer'] <= (2 * N + 3) / (4 * N) * sent['vanilla'], sent
+
+
 @pytest.mark.parametrize('mesh, message', [
     (MeshConfig(data=2, fsdp=3, tensor=1), 'multiply to 6 but there are 8 devices'),
     (MeshConfig(data=3, fsdp=-1, tensor=1), 'fixed sizes (3) must divide the 8 devices'),

@@ -167,6 +167,32 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_spec(logical_axes))
 
 
+def context_parts() -> int:
+    """How many devices each sequence is split over: the traced-in mesh's `context` axis (1 outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get('context', 1)
+
+
+def split_tokens(a: jax.Array, axis: int) -> jax.Array:
+    """Pins axis `axis` of `a`, the batch and length axes merged into one token axis (B x L, batch
+    major), to the batch's and the sequence's mesh axes when sequences are split over `context`.
+
+    GSPMD does not carry a split length axis through the reshape that merges it with the batch: it
+    gathers whole sequences onto every device first, around every matmul (47 MB of 52 MB crossing
+    the context axis per step, tiny config at context 4: bench/context_collectives.py). The other
+    axes stay as propagation leaves them. A no-op with every sequence whole, or where the tokens do
+    not divide evenly (a decode step's few rows)."""
+    if context_parts() == 1:
+        return a
+    axes = spec_axes(LOGICAL_RULES[Axis.BATCH]) + spec_axes(LOGICAL_RULES[Axis.LENGTH])
+    mesh = jax.sharding.get_abstract_mesh()
+    if a.shape[axis] % math.prod(mesh.shape[name] for name in axes):
+        return a
+    spec = [PartitionSpec.UNCONSTRAINED] * a.ndim
+    spec[axis] = axes
+    return jax.lax.with_sharding_constraint(a, PartitionSpec(*spec))
+
+
 def traced_in(mesh: Mesh | None, fn: Callable) -> Callable:
     """`fn`, traced with `mesh` as the context that `constrain` reads (for jax.jit to wrap)."""
     if mesh is None:

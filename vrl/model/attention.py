@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec
 
 from vrl.core.config import ATTENTION_IMPLS, ConfigError, ModelConfig
-from vrl.core.sharding import Axis, logical_spec
+from vrl.core.sharding import Axis, context_parts, logical_spec
 from vrl.model import ops
 
 Array = jax.Array
@@ -100,16 +101,19 @@ def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool
 
 
 def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask: Causal | Array,
-              causal_chunks: int, xla_attention: Callable[..., Array] = ops.attention) -> Array:
+              causal_chunks: int, xla_attention: Callable[..., Array] = ops.attention,
+              v_copies_CxBxSxKxDh: Array | None = None) -> Array:
     """Softmax attention (B, L, H, Dh) of training (a `Causal` mask) or of an explicit (B, L, S) one,
     by `impl` (a resolved one: xla, splash, splash_interpret or cudnn); an explicit mask always takes
     the XLA path, which computes each query chunk with `xla_attention` (vrl.model.ops' attention,
-    hand-written backward or autodiff)."""
+    hand-written backward or autodiff). With sequences split over `context`, `v_copies_CxBxSxKxDh`
+    (`whole_copies` of the values, made once for all layers) stands in for gathering V."""
     if impl == 'auto' and isinstance(mask, Causal):
         raise ConfigError("model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
                           'platform (a TrainSteps does it itself).')
-    if isinstance(mask, Causal) and _context_size() > 1:  # the sequence split over devices (choose: xla)
-        return _context_parallel(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, xla_attention)
+    if isinstance(mask, Causal) and context_parts() > 1:  # the sequence split over devices (choose: xla)
+        return _context_parallel(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, causal_chunks,
+                                 xla_attention, v_copies_CxBxSxKxDh)
     # cuDNN through JAX takes no segment ids: packed sequences (vrl.tools.evaluate's) take the XLA path
     if impl == 'xla' or not isinstance(mask, Causal) or (impl == 'cudnn' and mask.segment_ids_BxL is not None):
         B, L = q_BxLxHxDh.shape[:2]
@@ -124,54 +128,77 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
 
 
 def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array, causal_chunks: int,
-         xla_attention: Callable[..., Array]) -> Array:
-    """`xla_attention` (vrl.model.ops'); causal_chunks > 1 promises a causal mask over queries at the last L of
-    the S key positions: each of that many query chunks skips the keys after its last query."""
+         xla_attention: Callable[..., Array], skip_unseen: bool = True) -> Array:
+    """`xla_attention` (vrl.model.ops') in `causal_chunks` query chunks, one after another (only a
+    chunk's logits exist at a time). With skip_unseen, causal_chunks > 1 promises a causal mask over
+    queries at the last L of the S key positions: each chunk skips the keys after its last query."""
     B, L, H, Dh = q_BxLxHxDh.shape
     S, K = k_BxSxKxDh.shape[1:3]
     q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, H // K, Dh)
     bounds = sorted({L * i // causal_chunks for i in range(causal_chunks + 1)})
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        seen = S - L + end  # keys [0, seen) are all the chunk's queries can see
+        seen = S - L + end if skip_unseen else S  # keys [0, seen) are all the chunk's queries can see
         outs.append(xla_attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :seen], v_BxSxKxDh[:, :seen],
                                   mask_BxLxS[:, start:end, :seen]))
     return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
 
 
-def _context_size() -> int:
-    """How many devices each sequence is split over: the traced-in mesh's `context` axis (1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else dict(mesh.shape).get('context', 1)
-
-
 def _context_parallel(q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, ids_BxL: Array | None,
-                      xla_attention: Callable[..., Array]) -> Array:
+                      query_chunks: int, xla_attention: Callable[..., Array], v_copies_CxBxLxKxDh: Array | None
+                      ) -> Array:
     """Causal attention with each sequence split over the mesh's `context` axis (L is the whole
-    sequence here; a device holds L / context of it): each device keeps its queries and gathers the
+    sequence here; a device holds P = L / context of it): each device keeps its queries and gathers the
     keys, values and segment ids of the whole sequence (in the backward pass, their gradients are
-    reduce-scattered back), and its queries' positions start at its part's offset. The causal work
-    is not balanced: the last part's queries see every key, the first part's only their own."""
+    reduce-scattered back), and its queries' positions start at its part's offset. Values given as
+    `whole_copies` are not gathered: each device reads its own copy.
+
+    Each device computes its P queries' logits over all L keys, in `query_chunks` chunks, the
+    masked ones too (a part's offset is a traced value, so no key range can be skipped): the same
+    work on every device, twice the causal need on average, and (P / query_chunks, L) float32 logits
+    per head at a time."""
     mesh = jax.sharding.get_abstract_mesh()
     q_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.HEADS, Axis.HEAD_DIM))
     kv_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))
     ids_spec = None if ids_BxL is None else logical_spec((Axis.BATCH, Axis.LENGTH))
+    if v_copies_CxBxLxKxDh is not None:
+        v_BxLxKxDh, kv_spec_v = v_copies_CxBxLxKxDh, _copies_spec()
+    else:
+        kv_spec_v = kv_spec
 
-    def local(q_BxPxHxDh, k_BxPxKxDh, v_BxPxKxDh, ids_BxP):
-        def whole(part):
-            return jax.lax.all_gather(part, 'context', axis=1, tiled=True)
-
-        k_BxLxKxDh, v_BxLxKxDh = whole(k_BxPxKxDh), whole(v_BxPxKxDh)
+    def local(q_BxPxHxDh, k_BxPxKxDh, v_local, ids_BxP):
+        k_BxLxKxDh = _whole(k_BxPxKxDh)
+        v_BxLxKxDh = _whole(v_local) if v_copies_CxBxLxKxDh is None else v_local[0]
         B, P = q_BxPxHxDh.shape[:2]
         L = k_BxLxKxDh.shape[1]
         positions_P = jax.lax.axis_index('context') * P + jnp.arange(P)
         mask_BxPxL = jnp.broadcast_to(positions_P[:, None] >= jnp.arange(L)[None, :], (B, P, L))
         if ids_BxP is not None:
-            mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == whole(ids_BxP)[:, None, :])
-        return _xla(q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_BxPxL, 1, xla_attention)
+            mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == _whole(ids_BxP)[:, None, :])
+        return _xla(q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_BxPxL, query_chunks, xla_attention, skip_unseen=False)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, ids_spec), out_specs=q_spec,
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec_v, ids_spec), out_specs=q_spec,
                          check_vma=False)(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxL)
+
+
+def whole_copies(v_BxLxKxDh: Array) -> Array:
+    """(C, B, L, K, Dh): the whole sequence of `v` on each of the C = context devices, axis 0 split
+    over `context`, for `attention` to read in place of gathering V in every layer. SVFormer's layers
+    >= 2 all attend over V_1, so V_1 crosses the context axis once per step: this gather forward, and
+    one reduce-scatter of the gradients that every layer added to the copies backward."""
+    kv_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))
+    return jax.shard_map(lambda v: _whole(v)[None], mesh=jax.sharding.get_abstract_mesh(), in_specs=kv_spec,
+                         out_specs=_copies_spec(), check_vma=False)(v_BxLxKxDh)
+
+
+def _copies_spec() -> PartitionSpec:
+    batch, _, heads, head_dim = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))
+    return PartitionSpec('context', batch, None, heads, head_dim)
+
+
+def _whole(part_BxPx_: Array) -> Array:
+    """A device's part of the sequence -> the whole sequence (axis 1), inside a shard_map."""
+    return jax.lax.all_gather(part_BxPx_, 'context', axis=1, tiled=True)
 
 
 def _dot_product_attention(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, implementation: str) -> Array:

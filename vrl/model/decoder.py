@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from vrl.core.config import ConfigError, ModelConfig
-from vrl.core.sharding import Axis, constrain
+from vrl.core.sharding import Axis, constrain, context_parts
 from vrl.model import attention, layer_stats, ops, params, variants
 from vrl.model.attention import Causal
 from vrl.model.variants import Lambdas, LayerKV, ValueEmbed
@@ -197,6 +197,7 @@ class Stream(NamedTuple):
     """What each layer hands the next: the layer scan's carry."""
     h: Array  # (B, L, D) the next block's input
     v1: Array | None  # (B, L, K, Dh) V_1, once layer 1 has run
+    v1_copies: Array | None  # SVFormer with sequences split over `context`: attention.whole_copies(V_1)
     kv: tuple[Array, Array] | None  # CLA: the current group's keys and attended values (B, L, K, Dh)
     blocks: Array | None  # DenseFormer: (L + 1, B, L, D) the embedding output and the block outputs so far
     cache: KVCache | None  # decoding: every layer's keys and values
@@ -232,7 +233,7 @@ class Block(nnx.Module):
         keys, values = keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype)
         if cache is None:  # training's causal mask, or an explicit one: vrl/model/attention.py decides how
             o_BxLxHxDh = attention.attention(self.cfg.attention_impl, q_BxLxHxDh, keys, values, mask,
-                                             self.cfg.attention_chunks, self.attn.ops.attention)
+                                             self.cfg.attention_chunks, self.attn.ops.attention, s.v1_copies)
         else:  # the cache's (B * K, S, Dh) slots as they lie
             o_BxLxHxDh = ops.attend_cache(q_BxLxHxDh, keys, values, mask)
         if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V)
@@ -351,7 +352,7 @@ class Decoder(nnx.Module):
                               kv=None if self.shared_kv is None else self.shared_kv.for_stack(),
                               value_embed=None if ve is None else ve.for_stack(tokens_BxL, dtype),
                               dense_row=None if dense_LxL1 is None else dense_LxL1[1:])
-        s, first_stats = self._layer(self.first, Stream(h_BxLxD, None, None, blocks, cache), first,
+        s, first_stats = self._layer(self.first, Stream(h_BxLxD, None, None, None, blocks, cache), first,
                                      positions_BxL, mask, record)
         s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask, record, layers)
         h_BxLxD = self.final_norm(s.h)
@@ -374,7 +375,7 @@ class Decoder(nnx.Module):
             h_BxLxD = jnp.einsum('j,jbld->bld', p.dense_row.astype(blocks.dtype), blocks)
         h_BxLxD = constrain(h_BxLxD, _ACTIVATION)
         v1 = kv[1] if s.v1 is None else s.v1
-        s = Stream(h_BxLxD, v1, kv if self.cfg.kv_share > 1 else None, blocks, cache)
+        s = Stream(h_BxLxD, v1, None, kv if self.cfg.kv_share > 1 else None, blocks, cache)
         return s, layer_stats.layer_stats(attention_stats, h_BxLxD) if record else None
 
     def _stacked_layers(self, s: Stream, inputs: LayerInputs, positions_BxL: Array, mask: Causal | Array,
@@ -390,11 +391,15 @@ class Decoder(nnx.Module):
         """
         graphdef, stacked_state = nnx.split(self.layers)
         v1, decoding = s.v1, s.cache is not None
+        v1_copies = None
+        if self.cfg.attention == 'svformer' and isinstance(mask, Causal) and context_parts() > 1:
+            v1_copies = attention.whole_copies(v1)  # the values of every layer here: sent once, not once a layer
+
         def body(s: Stream, per_layer):
             layer_state, p = per_layer
-            s, stats = self._layer(nnx.merge(graphdef, layer_state), s._replace(v1=v1), p, positions_BxL, mask,
-                                   record)
-            return s._replace(v1=None), stats
+            s, stats = self._layer(nnx.merge(graphdef, layer_state), s._replace(v1=v1, v1_copies=v1_copies), p,
+                                   positions_BxL, mask, record)
+            return s._replace(v1=None, v1_copies=None), stats
 
         if self.cfg.remat == 'auto' and not decoding:
             raise ConfigError("model.remat='auto' is unresolved here: vrl.train.aot.resolve resolves it by compiling "

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vrl.core.config import HAND_VJP_OPS, ConfigError
-from vrl.core.sharding import Axis, constrain
+from vrl.core.sharding import Axis, constrain, context_parts, split_tokens
 
 Array = jax.Array
 
@@ -90,7 +90,7 @@ project = jax.custom_vjp(plain_project, nondiff_argnums=(2, 3))
 
 def _as_matrices(x: Array, w: Array, n_contract: int) -> tuple[Array, Array]:
     contracted = math.prod(w.shape[:n_contract])
-    return x.reshape(-1, contracted), w.reshape(contracted, -1)
+    return split_tokens(x.reshape(-1, contracted), 0), w.reshape(contracted, -1)
 
 
 def _project_fwd(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | None):
@@ -105,7 +105,7 @@ def _tokens_last(a: Array, n_trailing: int) -> Array:
     reshape that merges the token axes keeps XLA from turning the transpose into a layout change)."""
     lead = a.ndim - n_trailing
     transposed = a.transpose(*range(lead, a.ndim), *range(lead))
-    return _pinned(transposed.reshape(-1, math.prod(a.shape[:lead])))
+    return _pinned(split_tokens(transposed.reshape(-1, math.prod(a.shape[:lead])), 1))
 
 
 def _project_bwd(n_contract: int, out_dtype: jnp.dtype | None, residuals, dy: Array):
@@ -124,7 +124,7 @@ def _project_grads(x: Array, w: Array, n_contract: int, dy: Array) -> tuple[Arra
     x_TxI, w_IxO = _as_matrices(x, w, n_contract)
     I, O = w_IxO.shape
     dy = dy.astype(x.dtype).reshape(*x.shape[:x.ndim - n_contract], O)
-    dy_TxO = dy.reshape(-1, O)
+    dy_TxO = split_tokens(dy.reshape(-1, O), 0)
     dx_TxI = jnp.einsum('to,io->ti', dy_TxO, w_IxO, preferred_element_type=jnp.float32)
     if I <= O:
         dw_IxO = jnp.einsum('it,to->io', _tokens_last(x, n_contract), dy_TxO, preferred_element_type=jnp.float32)
@@ -298,17 +298,22 @@ def _padding_repeats_column_0(w_DxV: Array, vocab_size: int) -> Array:
 
 
 def _over_length_chunks(step: Callable, carry, chunks: int, *arrays_BxL: Array):
-    """lax.scan of step(carry, *slices) -> (carry, out) over consecutive slices of the arrays' length
-    axis (axis 1), as many as the largest divisor of L that is at most `chunks`. Returns the last
-    carry and the outs joined back along the length axis."""
+    """lax.scan of step(carry, *slices) -> (carry, out) over slices of the arrays' length axis
+    (axis 1), as many as the largest divisor of the L / c positions of a context part that is at
+    most `chunks` (c = sharding.context_parts(): 1 unless sequences are split over devices). Slice
+    i holds the i-th consecutive run of every part, so each device computes its share of every
+    slice. Returns the last carry and the outs joined back along the length axis."""
     B, L = arrays_BxL[0].shape[:2]
-    n = max(d for d in range(1, chunks + 1) if L % d == 0)
+    c = context_parts()
+    n = max(d for d in range(1, chunks + 1) if (L // c) % d == 0)
 
     def split(a_BxLx_: Array) -> Array:  # (n, B, L / n, ...)
-        return jnp.moveaxis(a_BxLx_.reshape(B, n, L // n, *a_BxLx_.shape[2:]), 1, 0)
+        rest = a_BxLx_.shape[2:]
+        return jnp.moveaxis(a_BxLx_.reshape(B, c, n, L // (c * n), *rest), 2, 0).reshape(n, B, L // n, *rest)
 
-    def join(a_NxBxCx_: Array) -> Array:
-        return jnp.moveaxis(a_NxBxCx_, 0, 1).reshape(B, L, *a_NxBxCx_.shape[3:])
+    def join(a_NxBxSx_: Array) -> Array:
+        rest = a_NxBxSx_.shape[3:]
+        return jnp.moveaxis(a_NxBxSx_.reshape(n, B, c, L // (c * n), *rest), 0, 2).reshape(B, L, *rest)
 
     carry, outs = jax.lax.scan(lambda c, slices: step(c, *slices), carry, tuple(map(split, arrays_BxL)))
     return carry, jax.tree.map(join, outs)
