@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument('--seqs', default='64k')
     parser.add_argument('--impls', default='splash', help='splash, xla (a row that does not fit says so)')
     parser.add_argument('--contexts', default='1', help='chips each sequence is split over (mesh.context)')
+    parser.add_argument('--attention_chunks', type=int, default=None, help="the XLA path's query chunks "
+                        "(model.attention_chunks; default the config's)")
     parser.add_argument('--topology', default='v5p:2x2x2')
     args = parser.parse_args()
     import jax
@@ -47,7 +49,8 @@ def main() -> None:
                 config = from_configdict(base.get_config(f'{args.variant},{size},{seq}'))
                 config = dataclasses.replace(
                     config, data=dataclasses.replace(config.data, batch_size=len(devices)),
-                    model=dataclasses.replace(config.model, attention_impl=impl),
+                    model=dataclasses.replace(config.model, attention_impl=impl,
+                                              attention_chunks=args.attention_chunks or config.model.attention_chunks),
                     mesh=dataclasses.replace(config.mesh, context=context))
                 row = f'| {size} | {seq} | {impl} | {context} |'
                 try:

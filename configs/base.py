@@ -5,9 +5,10 @@ Use directly as `--config=configs/base.py:svformer,468m`, or through the thin na
 one of the paper's sequence lengths with its batch, ~2M tokens per step (docs/paper.md):
 `configs/base.py:svformer,82m,64k` is 65,536 x 32. RoPE theta stays the paper's 10,000;
 override it with `--config.model.rope_theta=...`. A fourth part picks the optimizer recipe
-(vrl/train/optimizer.py's RECIPES): `configs/base.py:svformer,468m,2k,muon`. Microbatches and remat are `auto` (vrl/train/aot.py):
-the fewest microbatches and the cheapest remat whose step fits the devices' memory, chosen by
-compiling before step 1; set them to override.
+(vrl/train/optimizer.py's RECIPES): `configs/base.py:svformer,468m,2k,muon`. Microbatches and
+remat are `auto` (vrl/train/aot.py): the fewest microbatches and the cheapest remat whose step
+fits the devices' memory, chosen by compiling before step 1; set them to override. From 64k on,
+`mesh.context` is auto too: each sequence is split over chips only where a whole one does not fit.
 """
 
 import dataclasses
@@ -28,6 +29,7 @@ SIZES = {
 # context parallelism (mesh.context), 128k and 256k
 SEQUENCES = {'512': (512, 4096), '2k': (2048, 1024), '8k': (8192, 256), '32k': (32768, 64), '64k': (65536, 32),
              '128k': (131072, 16), '256k': (262144, 8)}
+LONG = 65536  # from this length, mesh.context is auto: split each sequence over chips only if it must
 
 
 def get_config(arg: str = 'vanilla,82m') -> ml_collections.ConfigDict:
@@ -46,5 +48,6 @@ def get_config(arg: str = 'vanilla,82m') -> ml_collections.ConfigDict:
     model = dataclasses.replace(vrl_config.ModelConfig(), attention=attention, remat='auto', **SIZES[size])
     data = dataclasses.replace(vrl_config.DataConfig(), name='c4/en:3.1.0', seq_len=seq_len, batch_size=batch_size)
     train = dataclasses.replace(vrl_config.TrainConfig(), microbatches=0)
+    mesh = dataclasses.replace(vrl_config.MeshConfig(), context=0 if seq_len >= LONG else 1)
     opt = optimizer.recipe(vrl_config.OptimizerConfig(), optimizer_name)
-    return vrl_config.to_configdict(vrl_config.Config(model=model, data=data, optimizer=opt, train=train))
+    return vrl_config.to_configdict(vrl_config.Config(model=model, data=data, optimizer=opt, train=train, mesh=mesh))

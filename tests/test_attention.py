@@ -12,10 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import base, tiny
 from tests.helpers import NAMED_VARIANTS, cases, randomize, rel_err, small_model_config
-from vrl.core.config import Config, ConfigError, DataConfig, from_configdict
+from vrl.core import sharding
+from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, from_configdict
 from vrl.model import attention, ops, resolve
 from vrl.model.decoder import Decoder
 from vrl.train import aot
@@ -23,11 +25,11 @@ from vrl.train import aot
 L = 128  # one splash block of the TPU's 128 lanes
 
 
-def _documents(B: int, seed: int) -> jax.Array:
-    """Segment ids of packed documents of random lengths, (B, L)."""
+def _documents(B: int, seed: int, length: int = L) -> jax.Array:
+    """Segment ids of packed documents of random lengths, (B, length)."""
     rng = np.random.default_rng(seed)
-    starts = np.sort(rng.choice(np.arange(1, L), size=(B, 3), replace=False), axis=1)
-    return jnp.asarray((np.arange(L)[None, None] >= starts[:, :, None]).sum(1), jnp.int32)
+    starts = np.sort(rng.choice(np.arange(1, length), size=(B, 3), replace=False), axis=1)
+    return jnp.asarray((np.arange(length)[None, None] >= starts[:, :, None]).sum(1), jnp.int32)
 
 
 # The kernel sees only q, k, v and the mask; these variants cover every way the model builds them
@@ -56,6 +58,35 @@ def test_splash_matches_xla_in_the_model(name):
     assert abs(float(got - want)) / abs(float(want)) < 1e-4
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         assert rel_err(a, b) < 1e-4 if np.any(b) else not np.any(a)  # the head takes no part in hidden()
+
+
+@pytest.mark.parametrize('name', ['vanilla', 'svformer'])
+def test_splash_on_each_part_of_a_split_sequence_matches_xla(name):
+    """mesh.context=2: each device runs splash on its part of the sequence, the causal mask offset by
+    the part's start, over the gathered keys and values (SVFormer's layers >= 2: V_1's whole copies).
+    The model's loss and gradients equal the XLA path's on one device, with packed documents."""
+    cfg = small_model_config(**NAMED_VARIANTS[name])
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    randomize(model, seed=1)
+    params = nnx.state(model, nnx.Param)
+    tokens = jax.random.randint(jax.random.key(2), (2, 2 * L), 0, cfg.vocab_size)
+    segment_ids = _documents(2, seed=3, length=2 * L)
+    weights = jax.random.normal(jax.random.key(4), (2, 2 * L, cfg.d_model))
+
+    def loss(params, impl):
+        impl_model = nnx.merge(nnx.graphdef(Decoder(dataclasses.replace(cfg, attention_impl=impl),
+                                                    rngs=nnx.Rngs(0))), params)
+        return jnp.sum(impl_model.hidden(tokens, None, segment_ids) * weights)
+
+    want, want_grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, 'xla')
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, context=2), jax.devices()[:2])
+    split = jax.jit(sharding.traced_in(mesh, jax.value_and_grad(loss)), static_argnums=1)
+    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    got, got_grads = split(params, 'splash_interpret')
+    assert 'stablehlo.case' in split.lower(params, 'splash_interpret').as_text()  # each part's own kernel
+    assert abs(float(got - want)) / abs(float(want)) < 1e-4
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        assert rel_err(a, b) < 1e-4 if np.any(b) else not np.any(a)
 
 
 def test_splash_without_documents_and_multi_query():
@@ -153,6 +184,35 @@ def test_auto_fit_picks_the_fewest_microbatches_that_fit():
     assert report.total_bytes <= aot.FIT_MARGIN * hbm
     # the bisection ends between the count that fits and the one below it, which it compiled too
     assert re.search(rf'auto fit: microbatches={count // 2}, remat=none: .* does not fit', lines), lines
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
+def test_auto_context_splits_sequences_only_when_whole_ones_do_not_fit():
+    """mesh.context=0 with one 2,048-token sequence per v5e chip, against a memory limit below what a
+    whole sequence per chip needs: context 1 is compiled and refused; context 2 with 2 microbatches
+    (half a sequence per chip at a time) fits, and the mesh's fsdp axis gives up the devices."""
+    config = from_configdict(tiny.get_config())
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=4, seq_len=2048),
+                                 model=dataclasses.replace(config.model, remat='none', attention_impl='xla'))
+    devices, _ = aot.tpu_devices('v5e:2x2')  # one host of 4 chips: context 1, 2 or 4
+    whole = aot.compile_train_step(config, devices, None).total_bytes  # a whole sequence per chip
+    hbm = int(0.9 * whole / aot.FIT_MARGIN)  # fits 90% of a whole sequence's need
+    auto = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=0),
+                               mesh=dataclasses.replace(config.mesh, context=0))
+    said = []
+    fitted, report = aot.resolve(auto, devices, hbm, said.append)
+    lines = '\n'.join(said)
+    assert re.search(r'auto fit: mesh.context=1 does not fit \(the train step does not fit', lines), lines
+    assert f'auto fit: mesh.context=2 (the fewest devices per sequence that fit: {report.total_bytes / aot.GiB:.2f} ' \
+           'GiB per device)' in lines, lines
+    assert (fitted.mesh.context, fitted.train.microbatches, fitted.model.attention_impl) == (2, 2, 'xla')
+    assert report.mesh == {'data': 1, 'fsdp': 2, 'context': 2, 'tensor': 1}
+    assert report.total_bytes <= aot.FIT_MARGIN * hbm
+    pod, _ = aot.tpu_devices('v5p:2x2x2')  # two hosts of 4 chips: a host reads whole sequences
+    with pytest.raises(ConfigError, match=r'mesh.context=8 is invalid: it must divide the 4 devices of a process'):
+        sharding.make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, context=8), pod)
 
 
 def test_the_cudnn_call_means_what_the_xla_path_computes():

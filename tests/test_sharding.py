@@ -147,19 +147,30 @@ def test_what_does_not_split_over_the_mesh_is_named(small_corpus, mesh, batch, d
         sharding.check_fits_mesh(config, sharding.mesh_shape(mesh, jax.device_count()))
 
 
-def test_context_parallelism_takes_the_xla_path_and_the_tools_split_no_sequence():
-    """mesh.context > 1: auto attention resolves to xla, with the reason; an explicit kernel is refused
-    naming it; and the tools that read a trained run (decoding, scoring) split no sequence."""
+def test_context_parallelism_takes_splash_or_xla_and_the_tools_split_no_sequence():
+    """mesh.context > 1: auto attention resolves to splash on TPU where each part is whole splash
+    blocks, else xla, with the reason; cuDNN, which takes no part of a sequence, is refused naming
+    it; and the tools that read a trained run (decoding, scoring) split no sequence."""
     from vrl.model import attention
-    cfg = ModelConfig(**{**TINY_MODEL, 'compute_dtype': 'bfloat16'})
-    assert attention.choose(cfg, 'tpu', 2048, False, context=4) == (
-        'xla', 'context parallelism (mesh.context=4) runs the XLA path; splash does not split a sequence')
-    with pytest.raises(ConfigError, match=r"model.attention_impl='splash' cannot run here: context parallelism"):
-        attention.choose(dataclasses.replace(cfg, attention_impl='splash'), 'tpu', 2048, False, context=2)
+    cfg = ModelConfig(**{**TINY_MODEL, 'compute_dtype': 'bfloat16', 'head_dim': 64})
+    assert attention.choose(cfg, 'tpu', 2048, False, context=4) == ('splash', 'the tpu kernel serves this config')
+    assert attention.choose(cfg, 'tpu', 512, False, context=8) == (
+        'xla', 'splash needs data.seq_len / mesh.context=8 a multiple of 128 (and of 512 above it); it is 64')
+    assert attention.choose(cfg, 'gpu', 2048, False, context=2) == (
+        'xla', 'context parallelism (mesh.context=2) runs splash or the XLA path; cuDNN does not split a sequence')
+    with pytest.raises(ConfigError, match=r"model.attention_impl='cudnn' cannot run here: context parallelism"):
+        attention.choose(dataclasses.replace(cfg, attention_impl='cudnn'), 'gpu', 2048, False, context=2)
     assert sharding.without_context(MeshConfig(data=2, fsdp=2, tensor=1, context=2)) == MeshConfig(2, 4, 1)
     assert sharding.without_context(MeshConfig(data=2, fsdp=-1, tensor=1, context=2)) == MeshConfig(2, -1, 1)
     assert sharding.mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=1, context=2), 8) == {
         'data': 2, 'fsdp': 2, 'context': 2, 'tensor': 1}
+    # context 0 (auto): picked by compiling (tests/test_attention.py), never a mesh as it stands
+    assert sharding.without_context(MeshConfig(data=2, fsdp=-1, tensor=1, context=0)) == MeshConfig(2, -1, 1)
+    with pytest.raises(ConfigError, match=r'mesh.context=0 \(auto\) is unresolved here: vrl.train.aot.resolve'):
+        sharding.mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=1, context=0), 8)
+    with pytest.raises(ConfigError, match=r'mesh.context.*0 \(auto: .*\) with one of mesh.data, mesh.fsdp, '
+                                          r'mesh.tensor at -1'):
+        MeshConfig(data=2, fsdp=4, tensor=1, context=0)
 
 
 def _free_port() -> int:

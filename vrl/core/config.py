@@ -464,14 +464,16 @@ class MeshConfig:
     fsdp: int = -1
     tensor: int = 1
     slices: int = 1  # TPU slices joined over the data-center network: the outer part of `data`
-    context: int = 1  # devices each sequence is split over (context parallelism), within a host
+    context: int = 1  # devices each sequence is split over (context parallelism), within a host; 0 = auto
 
     def __post_init__(self):
         sizes = (self.data, self.fsdp, self.tensor)
         _require(all(s == -1 or s >= 1 for s in sizes) and sizes.count(-1) <= 1, 'mesh', sizes,
                  'sizes >= 1 with at most one -1')
         _require(self.slices >= 1, 'mesh.slices', self.slices, 'an integer >= 1')
-        _require(self.context >= 1, 'mesh.context', self.context, 'an integer >= 1')
+        _require(self.context >= 1 or (self.context == 0 and -1 in sizes), 'mesh.context', self.context,
+                 'an integer >= 1, or 0 (auto: vrl/train/aot.py picks it) with one of mesh.data, mesh.fsdp, '
+                 'mesh.tensor at -1 to take the rest')
 
 
 @dataclasses.dataclass(frozen=True)

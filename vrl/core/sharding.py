@@ -61,6 +61,9 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
     sizes multiply to the device count; `data` spans all cfg.slices slices (slices x cfg.data)."""
     if n_devices % cfg.slices:
         raise ConfigError(f'mesh.slices={cfg.slices} is invalid: it must divide the {n_devices} devices.')
+    if cfg.context == 0:
+        raise ConfigError('mesh.context=0 (auto) is unresolved here: vrl.train.aot.resolve picks it by compiling '
+                          'for the devices (vrl.main and train.run do it).')
     per_slice = n_devices // cfg.slices
     sizes = [getattr(cfg, axis) for axis in MESH_AXES]
     known = math.prod(s for s in sizes if s != -1)
@@ -78,9 +81,10 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
 
 
 def without_context(cfg: MeshConfig) -> MeshConfig:
-    """The same devices with every sequence whole: `fsdp` takes the context axis' devices."""
-    if cfg.context == 1:
-        return cfg
+    """The same devices with every sequence whole: `fsdp` takes the context axis' devices (with
+    context 0, auto, the axis at -1 takes them)."""
+    if cfg.context in (0, 1):
+        return dataclasses.replace(cfg, context=1)
     return dataclasses.replace(cfg, context=1, fsdp=-1 if cfg.fsdp == -1 else cfg.fsdp * cfg.context)
 
 

@@ -14,7 +14,8 @@
   a resolved value.
 
 With the mesh's `context` axis above 1 (context parallelism, docs/scaling-out.md), training attention
-takes the XLA path on each device's part of the sequence, over the whole sequence's keys and values.
+runs splash or the XLA path on each device's part of the sequence, over the whole sequence's keys
+and values (cuDNN does not take a part).
 
 Value residual only changes V, so every variant runs on every implementation. Decoding (a KV
 cache) and vrl.experiments.analyze's attention statistics always take the XLA path, which works everywhere.
@@ -22,6 +23,7 @@ cache) and vrl.experiments.analyze's attention statistics always take the XLA pa
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -59,12 +61,14 @@ def why_not(impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_m
             context: int = 1) -> str | None:
     """Why `impl` cannot compute this model's training attention on `platform` with each sequence
     split over `context` devices, or None if it can."""
-    if context > 1 and impl != 'xla':
-        return f'context parallelism (mesh.context={context}) runs the XLA path; {impl} does not split a sequence'
+    if context > 1 and impl == 'cudnn':
+        return (f'context parallelism (mesh.context={context}) runs splash or the XLA path; cuDNN does not split '
+                'a sequence')
     if impl in ('splash', 'splash_interpret'):
-        block = min(SPLASH_BLOCK, seq_len)
-        if block % _LANES or seq_len % block:
-            return f'splash needs data.seq_len a multiple of {_LANES} (and of {SPLASH_BLOCK} above it); it is {seq_len}'
+        part, name = seq_len // context, 'data.seq_len' if context == 1 else f'data.seq_len / mesh.context={context}'
+        block = min(SPLASH_BLOCK, part)
+        if block % _LANES or part % block:
+            return f'splash needs {name} a multiple of {_LANES} (and of {SPLASH_BLOCK} above it); it is {part}'
     if impl == 'cudnn':
         if platform != 'gpu':
             return f'cuDNN attention runs on NVIDIA GPUs (this is {platform})'
@@ -111,8 +115,8 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
     if impl == 'auto' and isinstance(mask, Causal):
         raise ConfigError("model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
                           'platform (a TrainSteps does it itself).')
-    if isinstance(mask, Causal) and context_parts() > 1:  # the sequence split over devices (choose: xla)
-        return _context_parallel(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, causal_chunks,
+    if isinstance(mask, Causal) and context_parts() > 1:  # the sequence split over devices (choose: xla or splash)
+        return _context_parallel(impl, q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, causal_chunks,
                                  xla_attention, v_copies_CxBxSxKxDh)
     # cuDNN through JAX takes no segment ids: packed sequences (vrl.tools.evaluate's) take the XLA path
     if impl == 'xla' or not isinstance(mask, Causal) or (impl == 'cudnn' and mask.segment_ids_BxL is not None):
@@ -123,7 +127,7 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
     if impl == 'cudnn':
         return _dot_product_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, 'cudnn')
     interpret = impl == 'splash_interpret'
-    return _per_shard(lambda q, k, v, ids: _splash(q, k, v, ids, interpret),
+    return _per_shard(lambda q, k, v, ids: _splash(q, k, v, ids, ids, interpret),
                       q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL)
 
 
@@ -144,7 +148,7 @@ def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Ar
     return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
 
 
-def _context_parallel(q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, ids_BxL: Array | None,
+def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, ids_BxL: Array | None,
                       query_chunks: int, xla_attention: Callable[..., Array], v_copies_CxBxLxKxDh: Array | None
                       ) -> Array:
     """Causal attention with each sequence split over the mesh's `context` axis (L is the whole
@@ -153,10 +157,12 @@ def _context_parallel(q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, i
     reduce-scattered back), and its queries' positions start at its part's offset. Values given as
     `whole_copies` are not gathered: each device reads its own copy.
 
-    Each device computes its P queries' logits over all L keys, in `query_chunks` chunks, the
+    xla: each device computes its P queries' logits over all L keys, in `query_chunks` chunks, the
     masked ones too (a part's offset is a traced value, so no key range can be skipped): the same
     work on every device, twice the causal need on average, and (P / query_chunks, L) float32 logits
-    per head at a time."""
+    per head at a time. splash: one kernel per part, its causal mask offset by the part's start, and
+    each device runs its own (lax.switch on its index); masked blocks are skipped, so the last
+    part, whose queries see every key, does the most work."""
     mesh = jax.sharding.get_abstract_mesh()
     q_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.HEADS, Axis.HEAD_DIM))
     kv_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))
@@ -165,16 +171,23 @@ def _context_parallel(q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, i
         v_BxLxKxDh, kv_spec_v = v_copies_CxBxLxKxDh, _copies_spec()
     else:
         kv_spec_v = kv_spec
+    parts = context_parts()
 
     def local(q_BxPxHxDh, k_BxPxKxDh, v_local, ids_BxP):
         k_BxLxKxDh = _whole(k_BxPxKxDh)
         v_BxLxKxDh = _whole(v_local) if v_copies_CxBxLxKxDh is None else v_local[0]
+        ids_whole_BxL = None if ids_BxP is None else _whole(ids_BxP)
         B, P = q_BxPxHxDh.shape[:2]
         L = k_BxLxKxDh.shape[1]
-        positions_P = jax.lax.axis_index('context') * P + jnp.arange(P)
+        part = jax.lax.axis_index('context')
+        if impl.startswith('splash'):
+            kernels = [functools.partial(_splash, interpret=impl == 'splash_interpret', q_offset=i * P)
+                       for i in range(parts)]
+            return jax.lax.switch(part, kernels, q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxP, ids_whole_BxL)
+        positions_P = part * P + jnp.arange(P)
         mask_BxPxL = jnp.broadcast_to(positions_P[:, None] >= jnp.arange(L)[None, :], (B, P, L))
         if ids_BxP is not None:
-            mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == _whole(ids_BxP)[:, None, :])
+            mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == ids_whole_BxL[:, None, :])
         return _xla(q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_BxPxL, query_chunks, xla_attention, skip_unseen=False)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec_v, ids_spec), out_specs=q_spec,
@@ -220,19 +233,22 @@ def _per_shard(kernel, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, 
                          check_vma=False)(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
 
 
-def _splash(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, ids_BxL: Array | None,
-            interpret: bool) -> Array:
-    """Causal splash attention, heads-major inside; q is scaled by 1/sqrt(Dh) here (splash does not)."""
+def _splash(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, ids_BxL: Array | None, ids_BxS: Array | None,
+            interpret: bool, q_offset: int = 0) -> Array:
+    """Causal splash attention of L queries at positions [q_offset, q_offset + L) over S keys at
+    [0, S), heads-major inside; q is scaled by 1/sqrt(Dh) here (splash does not)."""
     B, L, H, Dh = q_BxLxHxDh.shape
-    block = min(SPLASH_BLOCK, L)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    kernel = splash.make_splash_mha(splash_mask.MultiHeadMask([splash_mask.CausalMask((L, L))] * H),
-                                    block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    S = k_BxSxKxDh.shape[1]
+    block_q, block_kv = min(SPLASH_BLOCK, L), min(SPLASH_BLOCK, S)
+    sizes = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv, block_q_dkv=block_q,
+                              block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv, block_q_dq=block_q,
+                              block_kv_dq=block_kv)
+    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((L, S), offset=q_offset)] * H)
+    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
     q_BxHxLxDh = (q_BxLxHxDh * (1 / math.sqrt(Dh))).transpose(0, 2, 1, 3)
     k_BxKxSxDh, v_BxKxSxDh = k_BxSxKxDh.transpose(0, 2, 1, 3), v_BxSxKxDh.transpose(0, 2, 1, 3)
     if ids_BxL is None:
         out_BxHxLxDh = jax.vmap(kernel)(q_BxHxLxDh, k_BxKxSxDh, v_BxKxSxDh)
     else:
-        out_BxHxLxDh = jax.vmap(kernel)(q_BxHxLxDh, k_BxKxSxDh, v_BxKxSxDh, splash.SegmentIds(q=ids_BxL, kv=ids_BxL))
+        out_BxHxLxDh = jax.vmap(kernel)(q_BxHxLxDh, k_BxKxSxDh, v_BxKxSxDh, splash.SegmentIds(q=ids_BxL, kv=ids_BxS))
     return out_BxHxLxDh.transpose(0, 2, 1, 3)

@@ -11,6 +11,8 @@ TPU, and XLA's memory analysis says whether it fits each chip's HBM.
 choices (vrl/model/resolve.py), then `train.microbatches=0` and `model.remat=auto` by `auto_fit` (before
 training, and in --compile_only): the fewest microbatches, then the cheapest remat policy, whose
 compiled step fits FIT_MARGIN of each device's memory (1 and none where no memory limit is known).
+With `mesh.context=0`, `fit_context` first tries each context size, fewest devices per sequence
+first, and keeps the first at which the step fits.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from vrl.core import backend, sharding
-from vrl.core.config import Config
+from vrl.core.config import Config, ConfigError
 from vrl.core.errors import VrlError
 from vrl.model import accounting
 from vrl.model import resolve as model_resolve
@@ -215,9 +217,41 @@ def resolve(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None
             say: Callable[[str], None] = print) -> tuple[Config, CompileReport | None]:
     """Every auto setting of `config` for these devices (their memory: `hbm_bytes` per device, None
     if unknown), each choice said; and the chosen step's compile report where one was compiled."""
+    if config.mesh.context == 0:
+        return fit_context(config, devices, hbm_bytes, say)
     config = model_resolve.execution(config, devices[0].platform, say)
     if config.train.microbatches and config.model.remat != 'auto':
         return config, None
     fitted, report = auto_fit(config, devices, hbm_bytes, say)
     say(fit_line(fitted, report))
     return fitted, report
+
+
+def fit_context(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None,
+                say: Callable[[str], None] = print) -> tuple[Config, CompileReport | None]:
+    """`resolve` for mesh.context=0 (auto): each context size that divides a host's devices and
+    data.seq_len, fewest devices per sequence first (each split adds the keys' and values' exchange),
+    until the step fits; the mesh axis at -1 gives up the devices. Every other auto setting is
+    resolved at each size (cuDNN attention only serves whole sequences). Without a known
+    memory limit (CPU), every sequence stays whole."""
+    local = sum(d.process_index == devices[0].process_index for d in devices)
+    sizes = [c for c in range(1, local + 1) if local % c == 0 and config.data.seq_len % c == 0]
+    for context in sizes[:1] if hbm_bytes is None else sizes:
+        candidate = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, context=context))
+        try:
+            sharding.check_fits_mesh(candidate, sharding.mesh_shape(candidate.mesh, len(devices)))
+            fitted, report = resolve(candidate, devices, hbm_bytes, say)
+            if hbm_bytes is not None:
+                report = report or compile_train_step(fitted, devices, hbm_bytes)
+                if report.total_bytes > FIT_MARGIN * hbm_bytes:
+                    raise CompileError(f'{report.total_bytes / GiB:.2f} of {hbm_bytes / GiB:.2f} GiB per device')
+        except (CompileError, ConfigError) as e:
+            say(f'auto fit: mesh.context={context} does not fit ({" ".join(str(e).split())})')
+            continue
+        why = ('device memory unknown, so every sequence whole' if hbm_bytes is None else
+               f'the fewest devices per sequence that fit: {report.total_bytes / GiB:.2f} GiB per device')
+        say(f'auto fit: mesh.context={context} ({why})')
+        return fitted, report
+    raise CompileError(f'the train step does not fit {devices[0].device_kind} at any mesh.context in {sizes} '
+                       '(the sizes that divide a host\'s devices and data.seq_len). Lower data.batch_size or '
+                       'data.seq_len, or use more devices.')

@@ -131,8 +131,9 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     in flight are waited for (unless another run took a workdir) and everything is closed."""
     is_writer = jax.process_index() == 0
     say = print if is_writer else (lambda line: None)
-    mesh = sharding.make_mesh(configs[0].mesh)
-    sharding.check_fits_mesh(configs[0], dict(mesh.shape))
+    given = configs[0].mesh  # a bad mesh fails here, before the data and the compiles (context 0, auto: as 1)
+    early = sharding.make_mesh(sharding.without_context(given) if given.context == 0 else given)
+    sharding.check_fits_mesh(configs[0], dict(early.shape))
     config, tokenizer_source, tokenizer_line = start.hf_tokenizer(configs[0], request.init_from, paths[0])
     # the data before anything compiles (auto-fit compiles for minutes): a new run's copy of an hf:
     # tokenizer is made in the workdir further down, so its source stands in for it here
@@ -142,8 +143,8 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     tokenizer = multihost.process_0_first(lambda: pipeline.tokenizer_for_run(data_cfg, config.model.vocab_size))
     dataset = pipeline.train_dataset(data_cfg, tokenizer, jax.process_index(), jax.process_count())
     task_manager = downstream.load(config.train)  # a task that cannot be loaded stops the run before a compile
-    config, _ = aot.resolve(config, list(mesh.devices.flat), aot.local_hbm_bytes(), say)
-    trainer = TrainSteps(config, mesh)
+    config, _ = aot.resolve(config, jax.devices(), aot.local_hbm_bytes(), say)
+    trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
     group = trainer.group(len(configs))
     labels = [f'[{path.name}] ' if group.members > 1 else '' for path in paths]
     member_configs = [dataclasses.replace(config, train=dataclasses.replace(config.train, seed=c.train.seed))
