@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import base, tiny
@@ -87,6 +88,30 @@ def test_splash_on_each_part_of_a_split_sequence_matches_xla(name):
     assert abs(float(got - want)) / abs(float(want)) < 1e-4
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         assert rel_err(a, b) < 1e-4 if np.any(b) else not np.any(a)
+
+
+def test_each_part_of_a_zigzag_split_keeps_the_same_splash_blocks():
+    """Context 4 over 2,048 tokens: each part's computed splash mask (`_ZigzagRows`) is its rows of the
+    causal mask over `balanced_order`, and every part keeps the same number of 128 x 128 blocks
+    with a key seen; the plain split's last part keeps (2c - 1) / c of the average."""
+    L, parts, block = 2048, 4, 128
+    P = L // parts
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, context=parts), jax.devices()[:parts])
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        order = attention.balanced_order(L)
+    assert sorted(order.tolist()) == list(range(L)) and order[0] == 0
+
+    def blocks(mask) -> int:
+        return int(mask[:, :].reshape(P // block, block, L // block, block).any(axis=(1, 3)).sum())
+
+    zigzag, plain = [], []
+    for part in range(parts):
+        rows = attention._ZigzagRows(part, parts, L)
+        np.testing.assert_array_equal(rows[:, :], order[part * P:(part + 1) * P, None] >= order[None, :])
+        zigzag.append(blocks(rows))
+        plain.append(blocks(splash_mask.CausalMask((P, L), offset=part * P)))
+    assert len(set(zigzag)) == 1, zigzag
+    assert max(plain) / np.mean(plain) == pytest.approx((2 * parts - 1) / parts, rel=0.1), plain
 
 
 def test_splash_without_documents_and_multi_query():

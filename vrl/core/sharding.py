@@ -105,9 +105,10 @@ def check_fits_mesh(config: Config, shape: dict[str, int]) -> None:
         raise ConfigError(f'data.batch_size={batch} is invalid: each of its train.microbatches={parts} '
                           f'part(s) is split over mesh data x fsdp = {data * fsdp} devices; use a multiple '
                           f'of {parts * data * fsdp}.')
-    if config.data.seq_len % context:
-        raise ConfigError(f'mesh.context={context} is invalid: it must divide data.seq_len={config.data.seq_len} '
-                          '(each sequence is split over the context axis).')
+    if context > 1 and config.data.seq_len % (2 * context):
+        raise ConfigError(f'mesh.context={context} is invalid: twice it must divide data.seq_len='
+                          f'{config.data.seq_len} (each sequence is cut into 2 x context pieces, and each device '
+                          'holds one from each end).')
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -175,26 +176,6 @@ def context_parts() -> int:
     """How many devices each sequence is split over: the traced-in mesh's `context` axis (1 outside one)."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty else dict(mesh.shape).get('context', 1)
-
-
-def split_tokens(a: jax.Array, axis: int) -> jax.Array:
-    """Pins axis `axis` of `a`, the batch and length axes merged into one token axis (B x L, batch
-    major), to the batch's and the sequence's mesh axes when sequences are split over `context`.
-
-    GSPMD does not carry a split length axis through the reshape that merges it with the batch: it
-    gathers whole sequences onto every device first, around every matmul (47 MB of 52 MB crossing
-    the context axis per step, tiny config at context 4: bench/context_collectives.py). The other
-    axes stay as propagation leaves them. A no-op with every sequence whole, or where the tokens do
-    not divide evenly (a decode step's few rows)."""
-    if context_parts() == 1:
-        return a
-    axes = spec_axes(LOGICAL_RULES[Axis.BATCH]) + spec_axes(LOGICAL_RULES[Axis.LENGTH])
-    mesh = jax.sharding.get_abstract_mesh()
-    if a.shape[axis] % math.prod(mesh.shape[name] for name in axes):
-        return a
-    spec = [PartitionSpec.UNCONSTRAINED] * a.ndim
-    spec[axis] = axes
-    return jax.lax.with_sharding_constraint(a, PartitionSpec(*spec))
 
 
 def traced_in(mesh: Mesh | None, fn: Callable) -> Callable:

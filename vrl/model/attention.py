@@ -29,6 +29,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec
@@ -45,12 +46,17 @@ _LANES = 128  # splash blocks must be multiples of the TPU's 128 lanes
 
 class Causal(NamedTuple):
     """Training's mask, never materialised whole: key j is seen by query i when j <= i and, with
-    segment ids, both are in the same document."""
+    segment ids, both are in the same document. With sequences split over `context`, the tokens
+    come in `balanced_order` (order[i]: where the token at i stands in the sequence)."""
     segment_ids_BxL: Array | None
+    order: np.ndarray | None = None
 
     def dense(self, B: int, L: int) -> Array:
         """The (B, L, L) boolean mask, for the XLA path."""
-        mask_LxL = jnp.tril(jnp.ones((L, L), jnp.bool_))
+        if self.order is None:
+            mask_LxL = jnp.tril(jnp.ones((L, L), jnp.bool_))
+        else:
+            mask_LxL = jnp.asarray(self.order)[:, None] >= jnp.asarray(self.order)[None, :]
         if self.segment_ids_BxL is None:
             return jnp.broadcast_to(mask_LxL, (B, L, L))
         ids = self.segment_ids_BxL
@@ -115,7 +121,8 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
     if impl == 'auto' and isinstance(mask, Causal):
         raise ConfigError("model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
                           'platform (a TrainSteps does it itself).')
-    if isinstance(mask, Causal) and context_parts() > 1:  # the sequence split over devices (choose: xla or splash)
+    if isinstance(mask, Causal) and context_parts() > 1:  # the sequence split over devices: xla or splash
+        assert mask.order is not None, 'a split sequence comes in balanced_order (Decoder.hidden)'
         return _context_parallel(impl, q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, causal_chunks,
                                  xla_attention, v_copies_CxBxSxKxDh)
     # cuDNN through JAX takes no segment ids: packed sequences (vrl.tools.evaluate's) take the XLA path
@@ -148,6 +155,18 @@ def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Ar
     return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
 
 
+def balanced_order(L: int) -> np.ndarray | None:
+    """The order (L,) that the model puts a sequence's tokens in when sequences are split over the
+    traced-in mesh's `context` axis (None: whole sequences). Zig-zag: cut into 2c pieces, device p
+    holds pieces p and 2c - 1 - p, so with causal attention every device has the same work (with
+    the plain split, the last part's queries see every key and the first part's only their own)."""
+    parts = context_parts()
+    if parts == 1:
+        return None
+    pieces = np.arange(L).reshape(2 * parts, L // (2 * parts))
+    return np.concatenate([np.concatenate([pieces[p], pieces[2 * parts - 1 - p]]) for p in range(parts)])
+
+
 def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, ids_BxL: Array | None,
                       query_chunks: int, xla_attention: Callable[..., Array], v_copies_CxBxLxKxDh: Array | None
                       ) -> Array:
@@ -157,12 +176,12 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
     reduce-scattered back), and its queries' positions start at its part's offset. Values given as
     `whole_copies` are not gathered: each device reads its own copy.
 
-    xla: each device computes its P queries' logits over all L keys, in `query_chunks` chunks, the
-    masked ones too (a part's offset is a traced value, so no key range can be skipped): the same
-    work on every device, twice the causal need on average, and (P / query_chunks, L) float32 logits
-    per head at a time. splash: one kernel per part, its causal mask offset by the part's start, and
-    each device runs its own (lax.switch on its index); masked blocks are skipped, so the last
-    part, whose queries see every key, does the most work."""
+    The tokens come in `balanced_order`, which the masks map back to sequence positions. xla: each
+    device computes its P queries' logits over all L keys, in `query_chunks` chunks, the masked ones
+    too (a part's positions depend on a traced index, so no key range can be skipped): twice the
+    causal need, and (P / query_chunks, L) float32 logits per head at a time. splash: one kernel
+    per part, its mask that part's rows of the causal mask, each device running its own (lax.switch
+    on its index); masked blocks are skipped, and every part has the same number left."""
     mesh = jax.sharding.get_abstract_mesh()
     q_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.HEADS, Axis.HEAD_DIM))
     kv_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))
@@ -171,7 +190,7 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
         v_BxLxKxDh, kv_spec_v = v_copies_CxBxLxKxDh, _copies_spec()
     else:
         kv_spec_v = kv_spec
-    parts = context_parts()
+    parts, order = context_parts(), balanced_order(q_BxLxHxDh.shape[1])
 
     def local(q_BxPxHxDh, k_BxPxKxDh, v_local, ids_BxP):
         k_BxLxKxDh = _whole(k_BxPxKxDh)
@@ -181,11 +200,11 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
         L = k_BxLxKxDh.shape[1]
         part = jax.lax.axis_index('context')
         if impl.startswith('splash'):
-            kernels = [functools.partial(_splash, interpret=impl == 'splash_interpret', q_offset=i * P)
+            kernels = [functools.partial(_splash, interpret=impl == 'splash_interpret', causal=_ZigzagRows(i, parts, L))
                        for i in range(parts)]
             return jax.lax.switch(part, kernels, q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxP, ids_whole_BxL)
-        positions_P = part * P + jnp.arange(P)
-        mask_BxPxL = jnp.broadcast_to(positions_P[:, None] >= jnp.arange(L)[None, :], (B, P, L))
+        order_CxP = jnp.asarray(order.reshape(parts, P))
+        mask_BxPxL = jnp.broadcast_to(order_CxP[part][:, None] >= jnp.asarray(order)[None, :], (B, P, L))
         if ids_BxP is not None:
             mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == ids_whole_BxL[:, None, :])
         return _xla(q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_BxPxL, query_chunks, xla_attention, skip_unseen=False)
@@ -233,17 +252,46 @@ def _per_shard(kernel, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, 
                          check_vma=False)(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
 
 
+class _ZigzagRows(splash_mask._ComputableMask):
+    """Part `part`'s rows of the causal mask over L tokens in `balanced_order`: (L / parts, L),
+    computed from indices (numpy when splash plans its blocks, in the kernel when it runs) by the
+    order's piecewise-linear map to sequence positions. A subclass of splash's own base for
+    computed masks, as its CausalMask is."""
+
+    def __init__(self, part: int, parts: int, L: int):
+        self.part, self.parts = part, parts
+        super().__init__((L // parts, L), self._seen)
+
+    def _position(self, index, part):
+        """Sequence position of row `index` of part `part` (a device's P rows: two pieces of P / 2)."""
+        half = self.shape[0] // 2
+        return part * half + index + (index >= half) * ((2 * self.parts - 2 - 2 * part) * half)
+
+    def _seen(self, q_ids, kv_ids):
+        P = self.shape[0]
+        kv_position = sum(((kv_ids >= d * P) & (kv_ids < (d + 1) * P)) * self._position(kv_ids - d * P, d)
+                          for d in range(self.parts))
+        return self._position(q_ids, self.part) >= kv_position
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ZigzagRows) and (self.part, self.parts, self.shape) == (
+            other.part, other.parts, other.shape)
+
+    def __hash__(self) -> int:
+        return hash((_ZigzagRows, self.part, self.parts, self.shape))
+
+
 def _splash(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, ids_BxL: Array | None, ids_BxS: Array | None,
-            interpret: bool, q_offset: int = 0) -> Array:
-    """Causal splash attention of L queries at positions [q_offset, q_offset + L) over S keys at
-    [0, S), heads-major inside; q is scaled by 1/sqrt(Dh) here (splash does not)."""
+            interpret: bool, causal: splash_mask.Mask | None = None) -> Array:
+    """Causal splash attention of L queries over S keys (`causal`, (L, S): default the plain causal
+    mask, L = S), heads-major inside; q is scaled by 1/sqrt(Dh) here (splash does not)."""
     B, L, H, Dh = q_BxLxHxDh.shape
     S = k_BxSxKxDh.shape[1]
     block_q, block_kv = min(SPLASH_BLOCK, L), min(SPLASH_BLOCK, S)
     sizes = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv, block_q_dkv=block_q,
                               block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv, block_q_dq=block_q,
                               block_kv_dq=block_kv)
-    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((L, S), offset=q_offset)] * H)
+    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((L, S)) if causal is None else causal] * H)
     kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
     q_BxHxLxDh = (q_BxLxHxDh * (1 / math.sqrt(Dh))).transpose(0, 2, 1, 3)
     k_BxKxSxDh, v_BxKxSxDh = k_BxSxKxDh.transpose(0, 2, 1, 3), v_BxSxKxDh.transpose(0, 2, 1, 3)

@@ -255,6 +255,16 @@ def _per_query_head(x_BxLxKxDh: Array, shape_BxLxHxDh: tuple[int, ...]) -> Array
     return jnp.broadcast_to(x_BxLxKxDh[:, :, :, None], (B, L, K, G, Dh)).reshape(shape_BxLxHxDh)
 
 
+def _in_order(order: np.ndarray | None, tokens_BxL: Array, positions_BxL: Array, segment_ids_BxL: Array | None
+              ) -> tuple[Array, Array, Causal]:
+    """Tokens, positions and the causal mask with the tokens in `order` (attention.balanced_order:
+    a split sequence, each device holding a piece of each end; None: as they come)."""
+    if order is None:
+        return tokens_BxL, positions_BxL, Causal(segment_ids_BxL)
+    ids_BxL = None if segment_ids_BxL is None else segment_ids_BxL[:, order]
+    return tokens_BxL[:, order], positions_BxL[:, order], Causal(ids_BxL, order)
+
+
 _ACTIVATION = (Axis.BATCH, Axis.LENGTH, Axis.ACT_EMBED)  # the hidden state between blocks
 
 _REMAT_POLICIES = {
@@ -296,15 +306,17 @@ class Decoder(nnx.Module):
         B, L = tokens_BxL.shape
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
-        h_BxLxD, _, _ = self._forward(tokens_BxL, positions_BxL, Causal(segment_ids_BxL), None, False)
-        return h_BxLxD
+        order = attention.balanced_order(L)
+        h_BxLxD, _, _ = self._forward(*_in_order(order, tokens_BxL, positions_BxL, segment_ids_BxL), None, False)
+        return h_BxLxD if order is None else h_BxLxD[:, np.argsort(order)]
 
     def layer_stats(self, tokens_BxL: Array) -> layer_stats.LayerStats:
         """Per-layer attention, value and hidden-state statistics of causal sequences (vrl/model/layer_stats.py),
         each (L, B), computed one layer at a time; `similarity` (L + 1, B) starts at the embedding."""
         B, L = tokens_BxL.shape
         positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
-        _, _, stats = self._forward(tokens_BxL, positions_BxL, Causal(None), None, True)
+        order = attention.balanced_order(L)  # no statistic depends on it: each is over all positions or the first's
+        _, _, stats = self._forward(*_in_order(order, tokens_BxL, positions_BxL, None), None, True)
         return stats
 
     def split_layers(self) -> list[nnx.State]:

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vrl.core.config import HAND_VJP_OPS, ConfigError
-from vrl.core.sharding import Axis, constrain, context_parts, split_tokens
+from vrl.core.sharding import Axis, constrain, context_parts
 
 Array = jax.Array
 
@@ -88,9 +88,19 @@ def plain_project(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | No
 project = jax.custom_vjp(plain_project, nondiff_argnums=(2, 3))
 
 
+def _token_axes(a: Array, n_trailing: int) -> tuple[int, ...]:
+    """The sizes of a's token axes (all but the last n_trailing) as the matmuls hold them: merged into
+    one, or kept apart where sequences are split over `context`. A merged axis cannot be split
+    as the batch and length axes are (each device holds some rows' part of the sequence), so XLA's
+    partitioner would move hidden states between devices around every matmul."""
+    tokens = a.shape[:a.ndim - n_trailing]
+    return tokens if context_parts() > 1 else (math.prod(tokens),)
+
+
 def _as_matrices(x: Array, w: Array, n_contract: int) -> tuple[Array, Array]:
+    """x as (*tokens, I) (`_token_axes`) and w as (I, O)."""
     contracted = math.prod(w.shape[:n_contract])
-    return split_tokens(x.reshape(-1, contracted), 0), w.reshape(contracted, -1)
+    return x.reshape(*_token_axes(x, n_contract), contracted), w.reshape(contracted, -1)
 
 
 def _project_fwd(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | None):
@@ -101,11 +111,12 @@ def _project_fwd(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | Non
 
 
 def _tokens_last(a: Array, n_trailing: int) -> Array:
-    """a (*tokens, *trailing) as a (prod trailing, prod tokens) matrix, transposed in memory (the
-    reshape that merges the token axes keeps XLA from turning the transpose into a layout change)."""
+    """a (*tokens, *trailing) as (prod trailing, *token axes) (`_token_axes`), transposed in memory
+    (the reshape that merges the token axes keeps XLA from turning the transpose into a layout
+    change)."""
     lead = a.ndim - n_trailing
     transposed = a.transpose(*range(lead, a.ndim), *range(lead))
-    return _pinned(split_tokens(transposed.reshape(-1, math.prod(a.shape[:lead])), 1))
+    return _pinned(transposed.reshape(-1, *_token_axes(a, n_trailing)))
 
 
 def _project_bwd(n_contract: int, out_dtype: jnp.dtype | None, residuals, dy: Array):
@@ -124,12 +135,12 @@ def _project_grads(x: Array, w: Array, n_contract: int, dy: Array) -> tuple[Arra
     x_TxI, w_IxO = _as_matrices(x, w, n_contract)
     I, O = w_IxO.shape
     dy = dy.astype(x.dtype).reshape(*x.shape[:x.ndim - n_contract], O)
-    dy_TxO = split_tokens(dy.reshape(-1, O), 0)
-    dx_TxI = jnp.einsum('to,io->ti', dy_TxO, w_IxO, preferred_element_type=jnp.float32)
+    dy_TxO = dy.reshape(*_token_axes(dy, 1), O)
+    dx_TxI = jnp.einsum('...o,io->...i', dy_TxO, w_IxO, preferred_element_type=jnp.float32)
     if I <= O:
-        dw_IxO = jnp.einsum('it,to->io', _tokens_last(x, n_contract), dy_TxO, preferred_element_type=jnp.float32)
+        dw_IxO = jnp.einsum('i...,...o->io', _tokens_last(x, n_contract), dy_TxO, preferred_element_type=jnp.float32)
     else:  # transposed back after a barrier: folded into the dot, the transpose sends it to a slow path
-        dw_OxI = jnp.einsum('ot,ti->oi', _tokens_last(dy, 1), x_TxI, preferred_element_type=jnp.float32)
+        dw_OxI = jnp.einsum('o...,...i->oi', _tokens_last(dy, 1), x_TxI, preferred_element_type=jnp.float32)
         dw_IxO = _pinned(dw_OxI).T
     return dx_TxI.astype(x.dtype).reshape(x.shape), dw_IxO.reshape(w.shape)
 
