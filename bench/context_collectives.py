@@ -142,7 +142,9 @@ def main() -> None:
     args = parser.parse_args()
     start = from_configdict(tiny.get_config() if args.size == 'tiny' else base.get_config(f'vanilla,{args.size}'))
     start = dataclasses.replace(start, data=dataclasses.replace(start.data, seq_len=args.seq_len,
-                                                                batch_size=jax.device_count()))
+                                                                batch_size=jax.device_count()),
+                                train=dataclasses.replace(start.train, microbatches=1),  # base.py's are auto
+                                model=dataclasses.replace(start.model, remat='none'))
     print(f'{args.size}, seq_len {args.seq_len}, {jax.device_count()} {jax.devices()[0].platform} devices; '
           'MB per device per step')
     print('| variant | context | K/V all-gather | K/V reduce-scatter | vs vanilla | attention needs '

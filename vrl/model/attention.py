@@ -40,6 +40,8 @@ from vrl.model import ops
 
 Array = jax.Array
 
+_Q_SPEC = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.HEADS, Axis.HEAD_DIM))  # queries', as the mesh splits them
+_KV_SPEC = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))  # keys' and values'
 SPLASH_BLOCK = 512  # tokens per splash block (queries and keys), or L when shorter
 _LANES = 128  # splash blocks must be multiples of the TPU's 128 lanes
 
@@ -183,24 +185,21 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
     per part, its mask that part's rows of the causal mask, each device running its own (lax.switch
     on its index); masked blocks are skipped, and every part has the same number left."""
     mesh = jax.sharding.get_abstract_mesh()
-    q_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.HEADS, Axis.HEAD_DIM))
-    kv_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))
     ids_spec = None if ids_BxL is None else logical_spec((Axis.BATCH, Axis.LENGTH))
-    if v_copies_CxBxLxKxDh is not None:
-        v_BxLxKxDh, kv_spec_v = v_copies_CxBxLxKxDh, _copies_spec()
-    else:
-        kv_spec_v = kv_spec
+    copied = v_copies_CxBxLxKxDh is not None
+    v_given, v_spec = (v_copies_CxBxLxKxDh, _copies_spec()) if copied else (v_BxLxKxDh, _KV_SPEC)
     parts, order = context_parts(), balanced_order(q_BxLxHxDh.shape[1])
 
     def local(q_BxPxHxDh, k_BxPxKxDh, v_local, ids_BxP):
         k_BxLxKxDh = _whole(k_BxPxKxDh)
-        v_BxLxKxDh = _whole(v_local) if v_copies_CxBxLxKxDh is None else v_local[0]
+        v_BxLxKxDh = v_local[0] if copied else _whole(v_local)
         ids_whole_BxL = None if ids_BxP is None else _whole(ids_BxP)
         B, P = q_BxPxHxDh.shape[:2]
         L = k_BxLxKxDh.shape[1]
         part = jax.lax.axis_index('context')
         if impl.startswith('splash'):
-            kernels = [functools.partial(_splash, interpret=impl == 'splash_interpret', causal=_ZigzagRows(i, parts, L))
+            interpret = impl == 'splash_interpret'
+            kernels = [functools.partial(_splash, interpret=interpret, causal=_ZigzagRows(i, parts, L))
                        for i in range(parts)]
             return jax.lax.switch(part, kernels, q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxP, ids_whole_BxL)
         order_CxP = jnp.asarray(order.reshape(parts, P))
@@ -209,8 +208,8 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
             mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == ids_whole_BxL[:, None, :])
         return _xla(q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_BxPxL, query_chunks, xla_attention, skip_unseen=False)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec_v, ids_spec), out_specs=q_spec,
-                         check_vma=False)(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxL)
+    return jax.shard_map(local, mesh=mesh, in_specs=(_Q_SPEC, _KV_SPEC, v_spec, ids_spec), out_specs=_Q_SPEC,
+                         check_vma=False)(q_BxLxHxDh, k_BxLxKxDh, v_given, ids_BxL)
 
 
 def whole_copies(v_BxLxKxDh: Array) -> Array:
@@ -218,13 +217,12 @@ def whole_copies(v_BxLxKxDh: Array) -> Array:
     over `context`, for `attention` to read in place of gathering V in every layer. SVFormer's layers
     >= 2 all attend over V_1, so V_1 crosses the context axis once per step: this gather forward, and
     one reduce-scatter of the gradients that every layer added to the copies backward."""
-    kv_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))
-    return jax.shard_map(lambda v: _whole(v)[None], mesh=jax.sharding.get_abstract_mesh(), in_specs=kv_spec,
+    return jax.shard_map(lambda v: _whole(v)[None], mesh=jax.sharding.get_abstract_mesh(), in_specs=_KV_SPEC,
                          out_specs=_copies_spec(), check_vma=False)(v_BxLxKxDh)
 
 
 def _copies_spec() -> PartitionSpec:
-    batch, _, heads, head_dim = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))
+    batch, _, heads, head_dim = _KV_SPEC
     return PartitionSpec('context', batch, None, heads, head_dim)
 
 
@@ -245,10 +243,8 @@ def _per_shard(kernel, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return kernel(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
-    q_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.HEADS, Axis.HEAD_DIM))
-    kv_spec = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))
     ids_spec = None if ids_BxL is None else logical_spec((Axis.BATCH, Axis.LENGTH))
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, ids_spec), out_specs=q_spec,
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(_Q_SPEC, _KV_SPEC, _KV_SPEC, ids_spec), out_specs=_Q_SPEC,
                          check_vma=False)(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
 
 
