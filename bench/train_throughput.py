@@ -1,7 +1,7 @@
 """Train-step throughput and MFU on this machine, per variant, for the tiny and the 82M configs.
 
     python bench/train_throughput.py [--configs tiny,82m] [--variants all|vanilla,svformer,...]
-                                     [--seq_len 512] [--batch 4] [--steps 5] [--dtype bfloat16]
+                                     [--seq_len 512] [--batch 4] [--steps 5] [--dtype bfloat16] [--context 1]
 
 Variants are vrl/model/presets.py's names (`--variants all`, the default, runs every preset). On a
 shared host step times drift by several percent over minutes, so each variant's steps alternate
@@ -13,7 +13,9 @@ plus the causal attention matmuls (vrl.model.accounting.training_flops_per_token
 host's matmul FLOP/s in the compute dtype (`--dtype`: float32 by default on CPU, bfloat16 on
 accelerators), measured with a jitted 1024^3 matmul (vrl.train.metrics); on an accelerator, the device's
 bf16 peak.
-Step time is the median of the timed steps. Like `python -m vrl.main`, the script restarts itself
+Step time is the median of the timed steps. `--context N` splits each sequence over N devices
+(mesh.context; docs/scaling-out.md): run it with N and with 1 on the same devices to see what
+context parallelism costs or saves. Like `python -m vrl.main`, the script restarts itself
 with glibc's huge-page malloc (vrl/core/host_memory.py); VRL_HUGE_PAGES=0 measures without it.
 """
 
@@ -43,15 +45,16 @@ NAMED = {'tiny': tiny.get_config, 'reproduce_cpu': reproduce_cpu.get_config}
 
 
 def bench_config(name: str, variant: str, seq_len: int | None, batch: int | None, remat: str,
-                 dtype: str) -> Config:
+                 dtype: str, context: int = 1) -> Config:
     """The `name` config ('tiny', 'reproduce_cpu' or a configs/base.py size) as `variant` (a
-    vrl/model/presets.py name), at this batch x seq_len (None: the config's own), remat and compute dtype,
-    its microbatches fitted to the devices."""
+    vrl/model/presets.py name), at this batch x seq_len (None: the config's own), remat, compute dtype
+    and mesh.context, its microbatches fitted to the devices."""
     config = from_configdict(NAMED[name]() if name in NAMED else base.get_config(f'vanilla,{name}'))
     model = presets.apply(variant, dataclasses.replace(config.model, compute_dtype=dtype, remat=remat))
     data = dataclasses.replace(config.data, seq_len=seq_len or config.data.seq_len,
                                batch_size=batch or config.data.batch_size)
-    config = dataclasses.replace(config, model=model, data=data)
+    mesh = dataclasses.replace(config.mesh, context=context)
+    config = dataclasses.replace(config, model=model, data=data, mesh=mesh)
     return aot.auto_fit(config, jax.devices(), aot.local_hbm_bytes())[0]  # the named configs' microbatches=0
 
 
@@ -97,6 +100,7 @@ def main() -> None:
     parser.add_argument('--batch', type=int, default=4)
     parser.add_argument('--steps', type=int, default=5)
     parser.add_argument('--remat', default='none')
+    parser.add_argument('--context', type=int, default=1, help='devices each sequence is split over (mesh.context)')
     parser.add_argument('--dtype', choices=('float32', 'bfloat16'),
                         help='compute dtype (default: float32 on CPU, bfloat16 on accelerators)')
     args = parser.parse_args()
@@ -112,12 +116,13 @@ def main() -> None:
     print(f'{"config":>6} | {"variant":>{args.width}} | {"batch x seq":>11} | {"params":>8} | {"step s":>7} | '
           f'{"vs vanilla":>11} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6}')
     for name in args.configs.split(','):
-        vanilla = Stepper(bench_config(name, 'vanilla', args.seq_len, args.batch, args.remat, args.dtype))
+        sizes = (args.seq_len, args.batch, args.remat, args.dtype, args.context)
+        vanilla = Stepper(bench_config(name, 'vanilla', *sizes))
         vanilla_all = []
         for variant in variants:
             if variant == 'vanilla':
                 continue
-            config = bench_config(name, variant, args.seq_len, args.batch, args.remat, args.dtype)
+            config = bench_config(name, variant, *sizes)
             seconds, vanilla_seconds = measure_against(vanilla, config, args.steps)
             vanilla_all.append(vanilla_seconds)
             _print_row(name, variant, config, seconds, f'{seconds / vanilla_seconds - 1:+.1%}', args, peak)
