@@ -302,7 +302,9 @@ class Decoder(nnx.Module):
 
     def hidden(self, tokens_BxL: Array, positions_BxL: Array | None = None,
                segment_ids_BxL: Array | None = None) -> Array:
-        """The final-normalised hidden states (B, L, D) that `head_DxV` turns into logits."""
+        """The final-normalised hidden states (B, L, D) that `head_DxV` turns into logits, in the
+        tokens' order (a sequence split over `context` runs through the layers in
+        attention.balanced_order)."""
         B, L = tokens_BxL.shape
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
