@@ -125,8 +125,8 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
                           'platform (a TrainSteps does it itself).')
     if isinstance(mask, Causal) and context_parts() > 1:  # the sequence split over devices: xla or splash
         assert mask.order is not None, 'a split sequence comes in balanced_order (Decoder.hidden)'
-        return _context_parallel(impl, q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, causal_chunks,
-                                 xla_attention, v_copies_CxBxSxKxDh)
+        return _context_parallel(impl, q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, mask.order,
+                                 causal_chunks, xla_attention, v_copies_CxBxSxKxDh)
     # cuDNN through JAX takes no segment ids: packed sequences (vrl.tools.evaluate's) take the XLA path
     if impl == 'xla' or not isinstance(mask, Causal) or (impl == 'cudnn' and mask.segment_ids_BxL is not None):
         B, L = q_BxLxHxDh.shape[:2]
@@ -170,15 +170,15 @@ def balanced_order(L: int) -> np.ndarray | None:
 
 
 def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, ids_BxL: Array | None,
-                      query_chunks: int, xla_attention: Callable[..., Array], v_copies_CxBxLxKxDh: Array | None
-                      ) -> Array:
+                      order: np.ndarray, query_chunks: int, xla_attention: Callable[..., Array],
+                      v_copies_CxBxLxKxDh: Array | None) -> Array:
     """Causal attention with each sequence split over the mesh's `context` axis (L is the whole
     sequence here; a device holds P = L / context of it): each device keeps its queries and gathers the
     keys, values and segment ids of the whole sequence (in the backward pass, their gradients are
-    reduce-scattered back), and its queries' positions start at its part's offset. Values given as
-    `whole_copies` are not gathered: each device reads its own copy.
+    reduce-scattered back). Values given as `whole_copies` are not gathered: each device reads its
+    own copy.
 
-    The tokens come in `balanced_order`, which the masks map back to sequence positions. xla: each
+    The tokens come in `order` (`balanced_order`), which the masks map back to sequence positions. xla: each
     device computes its P queries' logits over all L keys, in `query_chunks` chunks, the masked ones
     too (a part's positions depend on a traced index, so no key range can be skipped): twice the
     causal need, and (P / query_chunks, L) float32 logits per head at a time. splash: one kernel
@@ -188,7 +188,7 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
     ids_spec = None if ids_BxL is None else logical_spec((Axis.BATCH, Axis.LENGTH))
     copied = v_copies_CxBxLxKxDh is not None
     v_given, v_spec = (v_copies_CxBxLxKxDh, _copies_spec()) if copied else (v_BxLxKxDh, _KV_SPEC)
-    parts, order = context_parts(), balanced_order(q_BxLxHxDh.shape[1])
+    parts = context_parts()
 
     def local(q_BxPxHxDh, k_BxPxKxDh, v_local, ids_BxP):
         k_BxLxKxDh = _whole(k_BxPxKxDh)
