@@ -375,7 +375,8 @@ def test_pretokenized_shards_are_read_in_place_through_a_slow_store(gcs, small_c
             opened = len(slow.request_lines)
             again = list(sets.batches(2))
             assert all((a[k] == b[k]).all() for a, b in zip(first, again) for k in a)
-            assert len(slow.request_lines) == opened
+            # the training iterators' read-ahead threads may still fetch; evaluation itself asks nothing
+            assert [line for line in slow.request_lines[opened:] if 'train-' not in line] == []
         finally:
             gcsfs.GCSFileSystem.clear_instance_cache()
         # two processes' iterators, each with up to 64 blocks read ahead (how many, the threads' timing
