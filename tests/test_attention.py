@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import base, tiny
 from tests.helpers import NAMED_VARIANTS, cases, randomize, rel_err, small_model_config
@@ -235,9 +235,24 @@ def test_auto_context_splits_sequences_only_when_whole_ones_do_not_fit():
     assert (fitted.mesh.context, fitted.train.microbatches, fitted.model.attention_impl) == (2, 2, 'xla')
     assert report.mesh == {'data': 1, 'fsdp': 2, 'context': 2, 'tensor': 1}
     assert report.total_bytes <= aot.FIT_MARGIN * hbm
-    pod, _ = aot.tpu_devices('v5p:2x2x2')  # two hosts of 4 chips: a host reads whole sequences
-    with pytest.raises(ConfigError, match=r'mesh.context=8 is invalid: it must divide the 4 devices of a process'):
-        sharding.make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, context=8), pod)
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
+                    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
+def test_hosts_whose_chips_split_the_same_sequences_read_the_same_rows():
+    """On a v5p:2x2x2 (two hosts of 4 chips), mesh.context=4 keeps each host's own share of every
+    batch's rows; context 8 splits each sequence over both hosts, which then read the same rows.
+    A mesh that gives hosts overlapping, unequal rows is refused."""
+    pod, _ = aot.tpu_devices('v5p:2x2x2')
+    shares = {context: [sharding.row_share(sharding.make_mesh(MeshConfig(context=context), pod), host)
+                        for host in (0, 1)] for context in (4, 8)}
+    assert shares == {4: [(0, 2), (1, 2)], 8: [(0, 1), (0, 1)]}
+    by_process = sorted(pod, key=lambda d: d.process_index)  # 4 rows of 2: rows 1 and 3 on both hosts
+    tangled = np.asarray([by_process[i] for i in (0, 1, 2, 4, 5, 6, 3, 7)]).reshape(1, 4, 2, 1)
+    with pytest.raises(ConfigError, match=r'cannot feed its hosts: processes must hold the same or disjoint equal '
+                                          r'shares of the batch rows \(process 0: rows \[0, 1, 3\], process 1: '
+                                          r'rows \[1, 2, 3\]\)'):
+        sharding.row_share(Mesh(tangled, sharding.MESH_AXES))
 
 
 def test_the_cudnn_call_means_what_the_xla_path_computes():

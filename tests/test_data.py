@@ -129,6 +129,19 @@ def test_resume_yields_the_uninterrupted_batches(small_corpus, workers, document
         getattr(it, 'close', lambda: None)()
 
 
+def test_a_saved_position_resumes_only_into_the_share_of_rows_it_read(small_corpus):
+    """A data position names the share of every batch's rows it read (TrainSteps.row_share): a mesh
+    that has the process read another share (a sequence split across hosts) is refused by name."""
+    cfg, tokenizer = small_corpus
+    first = iter(pipeline.train_dataset(cfg, tokenizer, 1, 2))
+    next(first)
+    state = json.loads(json.dumps(first.get_state()))
+    iter(pipeline.train_dataset(cfg, tokenizer, 1, 2)).set_state(state)  # the same share takes it
+    with pytest.raises(corpus.DataError, match=r'the saved data position is of share 1 of 2 of every batch\'s rows, '
+                                               r'and this mesh has this process read share 0 of 1'):
+        iter(pipeline.train_dataset(cfg, tokenizer, 0, 1)).set_state(state)
+
+
 def test_worker_count_does_not_change_batches(small_corpus):
     cfg, tokenizer = small_corpus
     cfg = dataclasses.replace(cfg, num_epochs=0)

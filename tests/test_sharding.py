@@ -240,6 +240,26 @@ def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp
     assert one_process['results']['toy_choice']['acc,none'] == scored[6]
 
 
+def test_a_sequence_split_across_two_hosts_trains_as_one_process_does(small_corpus, tmp_path):
+    """mesh.context=8 over two processes of 4 devices: both hosts read the same whole sequences (one
+    share of the rows, the same data position saved by each) and SVFormer trains as on one device."""
+    config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1, context=8))
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention='svformer'),
+                                 train=dataclasses.replace(config.train, log_every=1, checkpoint_every=2, steps=2))
+    workdir = tmp_path / 'split_across_hosts'
+    _run_two_processes(config, workdir)
+    saved = [json.loads((workdir / 'checkpoints' / '2' / 'data' / f'process_{i}-of-2.json').read_text())
+             for i in range(2)]
+    assert saved[0] == saved[1] and saved[0]['share'] == [0, 1], saved
+    losses = [json.loads(line)['loss'] for line in (workdir / 'metrics.jsonl').read_text().splitlines()
+              if 'loss' in json.loads(line)]
+    iterator = iter(pipeline.train_dataset(config.data, small_corpus[1]))
+    reference, _ = train_losses(dataclasses.replace(config, mesh=MeshConfig(1, 1, 1)), jax.devices()[:1],
+                                [next(iterator) for _ in range(2)])
+    assert len(losses) == 2 and all(abs(got - want) / want < 1e-5 for got, want in zip(losses, reference)), \
+        (losses, reference)
+
+
 FAIL_ON_PROCESS_0 = '''
 import sys, time
 import jax

@@ -464,7 +464,7 @@ class MeshConfig:
     fsdp: int = -1
     tensor: int = 1
     slices: int = 1  # TPU slices joined over the data-center network: the outer part of `data`
-    context: int = 1  # devices each sequence is split over (context parallelism), within a host; 0 = auto
+    context: int = 1  # devices each sequence is split over (context parallelism), within a slice; 0 = auto
 
     def __post_init__(self):
         sizes = (self.data, self.fsdp, self.tensor)

@@ -113,13 +113,9 @@ def check_fits_mesh(config: Config, shape: dict[str, int]) -> None:
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The mesh over `devices`. With several slices, `data`'s outer part runs across them (the
-    data-center network carries only data parallelism); fsdp and tensor stay within a slice."""
+    data-center network carries only data parallelism); fsdp, context and tensor stay within a slice."""
     devices = list(jax.devices() if devices is None else devices)
     shape = tuple(mesh_shape(cfg, len(devices)).values())
-    local = sum(d.process_index == devices[0].process_index for d in devices)
-    if local % cfg.context:
-        raise ConfigError(f'mesh.context={cfg.context} is invalid: it must divide the {local} devices of a '
-                          'process (a sequence is split within one host, which reads it whole).')
     spanned = len({getattr(d, 'slice_index', 0) for d in devices})
     if spanned != cfg.slices and spanned > 1:
         raise ConfigError(f'mesh.slices={cfg.slices} is invalid: the devices span {spanned} slices; '
@@ -132,6 +128,26 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     except Exception:  # fake CPU devices and odd shapes have no physical topology to follow
         device_array = np.asarray(devices).reshape(shape)
     return Mesh(device_array, MESH_AXES)
+
+
+def row_share(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:
+    """(which share, how many shares) of every batch's rows a process supplies (`jax.process_index()`'s
+    by default). Processes whose devices hold the same rows (a sequence split over `context` across
+    hosts) form one share: each supplies the same whole sequences. With a share per process, share i
+    is process i's."""
+    index = jax.process_index() if process_index is None else process_index
+    assert mesh.axis_names == MESH_AXES, mesh.axis_names  # the batch axes lead
+    rows_of: dict[int, set[int]] = {}
+    for row, devices in enumerate(mesh.devices.reshape(math.prod(mesh.shape[a] for a in BATCH_AXES), -1)):
+        for device in devices:
+            rows_of.setdefault(device.process_index, set()).add(row)
+    shares = sorted({frozenset(rows) for rows in rows_of.values()}, key=lambda rows: min(
+        p for p, r in rows_of.items() if r == rows))  # ordered by their first process
+    if len({len(rows) for rows in shares}) > 1 or len(set().union(*shares)) != sum(map(len, shares)):
+        held = ', '.join(f'process {p}: rows {sorted(r)}' for p, r in sorted(rows_of.items()))
+        raise ConfigError(f'mesh={dict(mesh.shape)} cannot feed its hosts: processes must hold the same or '
+                          f'disjoint equal shares of the batch rows ({held}).')
+    return shares.index(frozenset(rows_of[index])), len(shares)
 
 
 def spec_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:

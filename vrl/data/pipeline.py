@@ -210,12 +210,13 @@ class _MixIterator(grain.DatasetIterator):
     to the dataset furthest behind its share (the first on a tie), so every process makes the same
     choices and a step's tokens follow the weights to within a window. Each example gains
     'tokens_read': (datasets,) int64, the target tokens this process has read from each dataset so
-    far, kept in the state, so that a resume continues the count."""
+    far, kept in the state, so that a resume continues the count. The state names the share of the
+    batch rows it reads (`share`: index, count), and a resume reading another share is refused."""
 
     def __init__(self, members: list[grain.DatasetIterator], phases: list[tuple[int, tuple[float, ...]]],
-                 windows_per_step: int):
+                 windows_per_step: int, share: tuple[int, int]):
         super().__init__(members)
-        self._members, self._phases, self._per_step = members, phases, windows_per_step
+        self._members, self._phases, self._per_step, self._share = members, phases, windows_per_step, share
         self._windows = 0
         self._phase = 0
         self._taken = [0] * len(members)  # windows of each dataset in this phase
@@ -243,7 +244,7 @@ class _MixIterator(grain.DatasetIterator):
 
     def get_state(self) -> dict[str, Any]:
         return {'members': [m.get_state() for m in self._members], 'windows': self._windows, 'phase': self._phase,
-                'taken': list(self._taken), 'tokens_read': list(self._tokens_read)}
+                'taken': list(self._taken), 'tokens_read': list(self._tokens_read), 'share': list(self._share)}
 
     def set_state(self, state: dict[str, Any]) -> None:
         if 'members' not in state:  # saved before datasets were packed apart: one dataset's packer
@@ -253,6 +254,14 @@ class _MixIterator(grain.DatasetIterator):
                     'vrl): it cannot be restored into this order, which packs each dataset apart. Start a new '
                     '--workdir from these weights with --init_from=CHECKPOINT.')
             state = {'members': [state], 'windows': 0, 'phase': 0, 'taken': [0], 'tokens_read': [0]}
+        saved_share = state.get('share', list(self._share))  # states without one: a share per process
+        if saved_share != list(self._share):
+            raise corpus.DataError(
+                f'the saved data position is of share {saved_share[0]} of {saved_share[1]} of every batch\'s rows, '
+                f'and this mesh has this process read share {self._share[0]} of {self._share[1]} (a sequence split '
+                'over mesh.context across hosts makes those hosts read the same rows): the data would not go on '
+                'where it stopped. Resume with the mesh it was saved with, or start a new --workdir from these '
+                'weights with --init_from=CHECKPOINT.')
         for member, saved in zip(self._members, state['members'], strict=True):
             member.set_state(saved)
         self._windows, self._phase = state['windows'], state['phase']
@@ -261,12 +270,12 @@ class _MixIterator(grain.DatasetIterator):
 
 class _MixIterDataset(grain.IterDataset):
     def __init__(self, members: list[grain.IterDataset], phases: list[tuple[int, tuple[float, ...]]],
-                 windows_per_step: int):
+                 windows_per_step: int, share: tuple[int, int]):
         super().__init__(members)
-        self._members, self._phases, self._per_step = members, phases, windows_per_step
+        self._members, self._phases, self._per_step, self._share = members, phases, windows_per_step, share
 
     def __iter__(self) -> _MixIterator:
-        return _MixIterator([m.__iter__() for m in self._members], self._phases, self._per_step)
+        return _MixIterator([m.__iter__() for m in self._members], self._phases, self._per_step, self._share)
 
 
 def _separator(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
@@ -396,8 +405,9 @@ def per_process_batch_size(cfg: DataConfig, process_count: int) -> int:
 
 def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0,
                   process_count: int = 1) -> grain.IterDataset:
-    """Endless (or data.num_epochs) shuffled, packed batches of this process's share of the global
-    batch, from data.name or the data.mixture (each dataset shuffled with its own seed and packed
+    """Endless (or data.num_epochs) shuffled, packed batches of share `process_index` of
+    `process_count` of the global batch (TrainSteps.row_share: a share per process unless a sequence
+    is split across hosts), from data.name or the data.mixture (each dataset shuffled with its own seed and packed
     apart, their windows interleaved by `_MixIterator`); each batch also holds 'tokens_read':
     (rows, datasets) int64, this process's target tokens read from each dataset up to each row."""
     sources = cfg.sources()
@@ -405,7 +415,8 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0,
                         num_epochs=cfg.num_epochs or None, process_index=process_index, process_count=process_count,
                         share=1 / len(sources))
                for i, (name, _) in enumerate(sources)]
-    mixed = _MixIterDataset(members, cfg.phases(), per_process_batch_size(cfg, process_count))
+    mixed = _MixIterDataset(members, cfg.phases(), per_process_batch_size(cfg, process_count),
+                            (process_index, process_count))
     return _batches(mixed, cfg, process_count)
 
 

@@ -67,15 +67,15 @@ class Scorer:
     seq_len) that holds four of the longest sequences, so its attention costs little more than the
     sequences' own, and a batch holds batch_size x seq_len tokens. A set of requests is one program
     (a program per row length: a handful at most). On several processes each supplies its share of
-    every batch's rows (sharded as the train step's batch) and every process receives all the scores."""
+    every batch's rows (sharded as the train step's batch: TrainSteps.row_share) and every process
+    receives all the scores."""
 
     def __init__(self, run: TrainedRun, batch_size: int, chunk: int = 64):
         """batch_size: seq_len-token rows' worth per batch, rounded up to a multiple of the devices the
         batch is split over; chunk: positions whose logits exist at once ((B, L, V) float32 would be GiBs)."""
         mesh, self.max_len = run.trainer.mesh, run.config.data.seq_len
         self.run, self.chunk = run, chunk
-        self._rows_sharding = run.trainer.batch_sharding
-        splits = math.prod(mesh.shape[a] for a in sharding.spec_axes(self._rows_sharding.spec[0]))
+        splits = math.prod(mesh.shape[a] for a in sharding.spec_axes(run.trainer.batch_sharding.spec[0]))
         self.batch_size = -(-batch_size // splits) * splits
         self._scores = jax.jit(sharding.traced_in(mesh, self._token_scores), out_shardings=sharding.replicated(mesh))
 
@@ -116,12 +116,12 @@ class Scorer:
         L = self.row_length(max(lengths, default=1))
         rows, per_batch = _pack(lengths, L), self.batch_size * max(1, self.max_len // L)
         results: list[tuple[float, bool]] = [(0.0, False)] * len(sequences)
-        share = per_batch // jax.process_count()
-        first = share * jax.process_index()
+        index, shares = self.run.trainer.row_share
+        share = per_batch // shares
         for start in range(0, len(rows), per_batch):
             batch = rows[start:start + per_batch]
-            local = _row_arrays(batch[first:first + share], sequences, share, L)
-            placed = {k: jax.make_array_from_process_local_data(self._rows_sharding, v) for k, v in local.items()}
+            placed = self.run.trainer.device_batch(_row_arrays(batch[share * index:share * (index + 1)], sequences,
+                                                               share, L))
             log_probs_BxL, greedy_BxL = jax.device_get(self._scores(self.run.params, placed))
             for b, row in enumerate(batch):
                 for i, offset in row:

@@ -78,7 +78,7 @@ def _validations(stepper: TrainSteps | RunGroup, params: Any, config: Config, se
     domains: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for name, split in config.data.evaluated():
         loss_sum = tokens = n_bytes = np.zeros(1)
-        for batch in sets.batches(config.train.eval_batches, jax.process_index(), jax.process_count(), name, split):
+        for batch in sets.batches(config.train.eval_batches, *stepper.row_share, name, split):
             out = jax.device_get(stepper.eval_step(params, stepper.device_batch(batch)))
             loss_sum, tokens, n_bytes = (loss_sum + out['loss_sum'], tokens + out['tokens'], n_bytes + out['bytes'])
         domains[name if split == config.data.eval_split else f'{name}:{split}'] = (loss_sum / np.maximum(tokens, 1.0), loss_sum / math.log(2) / np.maximum(n_bytes, 1.0))
@@ -141,10 +141,12 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
         request.fresh or not workdir_lib.kept_tokenizer(paths[0], tokenizer_source))
     data_cfg = dataclasses.replace(config.data, tokenizer=str(tokenizer_source)) if copied_later else config.data
     tokenizer = multihost.process_0_first(lambda: pipeline.tokenizer_for_run(data_cfg, config.model.vocab_size))
-    dataset = pipeline.train_dataset(data_cfg, tokenizer, jax.process_index(), jax.process_count())
+    dataset = pipeline.train_dataset(data_cfg, tokenizer, *sharding.row_share(early))
     task_manager = downstream.load(config.train)  # a task that cannot be loaded stops the run before a compile
     config, _ = aot.resolve(config, jax.devices(), aot.local_hbm_bytes(), say)
     trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
+    if trainer.row_share != sharding.row_share(early):  # auto context split sequences across hosts
+        dataset = pipeline.train_dataset(data_cfg, tokenizer, *trainer.row_share)
     group = trainer.group(len(configs))
     labels = [f'[{path.name}] ' if group.members > 1 else '' for path in paths]
     member_configs = [dataclasses.replace(config, train=dataclasses.replace(config.train, seed=c.train.seed))

@@ -8,6 +8,7 @@ into that layout, and donated to the step.
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -177,9 +178,17 @@ class TrainSteps:
         return {'loss_sum': cross_entropy, 'tokens': jnp.sum(mask),
                 'bytes': jnp.sum(batch['target_bytes'].astype(jnp.float32) * mask)}
 
+    @functools.cached_property
+    def row_share(self) -> tuple[int, int]:
+        """(which share, how many) of every batch's rows this process supplies: sharding.row_share."""
+        return sharding.row_share(self.mesh)
+
     def device_batch(self, local_batch: dict[str, np.ndarray]) -> Batch:
-        """This process's rows -> one global array per field, sharded over ('data', 'fsdp')."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local_batch.items()}
+        """This process's share of the rows, whole sequences (B / shares, L) -> one global array per
+        field, rows over ('data', 'fsdp') and each sequence over `context`."""
+        shares = self.row_share[1]
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, (len(v) * shares, *v.shape[1:]))
+                for k, v in local_batch.items()}
 
 
 class RunGroup:
@@ -192,7 +201,7 @@ class RunGroup:
         self.trainer, self.members = trainer, members
         self._jitted = _programs(trainer, members)
         self.train_step, self.eval_step = self._jitted.train_step, self._jitted.eval_step
-        self.device_batch = trainer.device_batch
+        self.device_batch, self.row_share = trainer.device_batch, trainer.row_share
 
     def init_state(self, seeds: list[int]) -> TrainState:
         """Fresh states for the members' seeds (each the state its TrainSteps's `init_state` gives)."""
