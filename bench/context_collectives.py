@@ -1,15 +1,18 @@
 """Bytes that cross the `context` axis in one train step, per variant, read from the compiled program.
 
     python bench/context_collectives.py [--size tiny|82m|180m|468m] [--contexts 2,4] [--seq_len 256]
+                                        [--variants vanilla,resformer,svformer,cla2]
 
 On fake CPU devices (no accelerator needed): the real train step for each variant on a mesh of
 `context` devices (the rest fsdp) is compiled, and every collective in its HLO is counted: those
 in the scanned layers' loops (forward and backward) times the loop's trip count, the rest once.
 The `context` groups are told from fsdp's by their replica groups. Columns, in MB per device per
-step (a collective counts the whole array it assembles or reduces): the attention's all-gathers
+step, float32 (XLA:CPU may carry bfloat16 collectives in float32; a collective counts the whole
+array it assembles or reduces): the attention's all-gathers
 and reduce-scatters over the context axis (K and V, forward and backward), their sum as a share
 of vanilla's, the least that the attention needs (each layer's K and V gathered forward and their
-gradients reduce-scattered backward; SVFormer's V_1 once, not once a layer), the rest of the
+gradients reduce-scattered backward; SVFormer's V_1 once, not once a layer; a CLA group's K and
+V once a group), the rest of the
 sequence moved over the context axis (hidden states, token ids: any all-gather, reduce-scatter,
 all-to-all or collective-permute outside the attention), the all-reduces over it (the weight
 gradients: a context group's devices hold the same parameters, as data parallelism's do), and the
@@ -37,7 +40,7 @@ import numpy as np  # noqa: E402
 from configs import base, tiny  # noqa: E402
 from vrl.core import sharding  # noqa: E402
 from vrl.core.config import MeshConfig, from_configdict  # noqa: E402
-from vrl.model import resolve  # noqa: E402
+from vrl.model import presets, resolve  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 
 BYTES = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'pred': 1, 's8': 1, 'u8': 1, 'f64': 8, 's64': 8}
@@ -108,14 +111,16 @@ def count(hlo: str, context_groups: set[tuple[int, ...]]) -> dict[str, int]:
 
 def least_bytes(config, mesh_shape: dict[str, int]) -> int:
     """The attention's own exchange per device per step: whole-sequence K and V (in the compute
-    dtype) of this device's rows, gathered forward and reduce-scattered backward, in every layer;
-    SVFormer's layers >= 2 share V_1, which would cross once."""
+    dtype) of this device's rows, gathered forward and reduce-scattered backward, once for each
+    layer that projects them: SVFormer's V_1 once, a CLA group's K (and V, without value
+    embeddings) once a group."""
     m = config.model
     rows = config.data.batch_size // (mesh_shape['data'] * mesh_shape['fsdp'])
     kv = rows * config.data.seq_len * (m.n_kv_heads // mesh_shape['tensor']) * m.head_dim
     kv *= jnp.dtype(m.compute_dtype).itemsize
-    tensors = m.n_layers + 1 if m.attention == 'svformer' else 2 * m.n_layers
-    return 2 * tensors * kv
+    groups = -(-m.n_layers // m.kv_share)
+    values = 1 if m.attention == 'svformer' else m.n_layers if m.value_embed_layers else groups
+    return 2 * (groups + values) * kv
 
 
 def measure(config) -> tuple[dict[str, int], int]:
@@ -139,12 +144,14 @@ def main() -> None:
     parser.add_argument('--size', default='tiny', help='tiny (configs/tiny.py) or a configs/base.py size: 82m, 180m, 468m')
     parser.add_argument('--contexts', default='2,4')
     parser.add_argument('--seq_len', type=int, default=256)
+    parser.add_argument('--variants', default='vanilla,resformer,svformer,cla2',
+                        help='vrl/model/presets.py names; the first is the one the others are compared with')
     args = parser.parse_args()
     start = from_configdict(tiny.get_config() if args.size == 'tiny' else base.get_config(f'vanilla,{args.size}'))
     start = dataclasses.replace(start, data=dataclasses.replace(start.data, seq_len=args.seq_len,
                                                                 batch_size=jax.device_count()),
                                 train=dataclasses.replace(start.train, microbatches=1),  # base.py's are auto
-                                model=dataclasses.replace(start.model, remat='none'))
+                                model=dataclasses.replace(start.model, remat='none', compute_dtype='float32'))
     print(f'{args.size}, seq_len {args.seq_len}, {jax.device_count()} {jax.devices()[0].platform} devices; '
           'MB per device per step')
     print('| variant | context | K/V all-gather | K/V reduce-scatter | vs vanilla | attention needs '
@@ -152,10 +159,10 @@ def main() -> None:
     print('|---|---|---|---|---|---|---|---|---|')
     for context in [int(c) for c in args.contexts.split(',')]:
         vanilla = None
-        for variant in ('vanilla', 'resformer', 'svformer'):
-            config = dataclasses.replace(
-                start, model=dataclasses.replace(start.model, attention=variant, attention_impl='xla'),
-                mesh=MeshConfig(data=1, fsdp=-1, tensor=1, context=context))
+        for variant in args.variants.split(','):
+            model = dataclasses.replace(presets.apply(variant, start.model), attention_impl='xla')
+            mesh = MeshConfig(data=1, fsdp=-1, tensor=1, context=context)
+            config = dataclasses.replace(start, model=model, mesh=mesh)
             totals, least = measure(config)
             exchanged = totals.get('all-gather attention', 0) + totals.get('reduce-scatter attention', 0)
             vanilla = vanilla or exchanged

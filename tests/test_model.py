@@ -75,6 +75,24 @@ def test_scan_equals_loop(variant, remat):
         assert rel_err(b, a) < 1e-4, path
 
 
+def test_cla_groups_scan_whole_with_the_borrowers_of_layer_1_before_and_a_short_group_after():
+    """CLA3 over 7 layers: layers 2-3 borrow layer 1's K/V, one scanned group of 3 (layers 4-6), then a
+    group of one (layer 7). Logits match the float64 reference, and the scan's gradients (remat full)
+    match the loop's."""
+    cfg = small_model_config(n_layers=7, kv_share=3, remat='full')
+    scanned = Decoder(cfg, rngs=nnx.Rngs(0))
+    randomize(scanned, 13)
+    params = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(scanned, nnx.Param)))
+    tokens = np.asarray(random_tokens(14, B=1, L=9))
+    logits = np.asarray(scanned(jnp.asarray(tokens)))[0, :, :cfg.vocab_size]
+    assert rel_err(logits, numpy_reference.forward(cfg, params, tokens[0])) < 1e-4
+    looped = Decoder(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(5))
+    nnx.update(looped, nnx.state(scanned, nnx.Param))
+    grads = [np.concatenate([np.ravel(x) for x in jax.tree.leaves(nnx.grad(_loss)(m, jnp.asarray(tokens)))])
+             for m in (scanned, looped)]
+    assert rel_err(grads[1], grads[0]) < 1e-5
+
+
 def test_resformer_limits_are_vanilla_and_svformer():
     vanilla = Decoder(small_model_config(attention='vanilla'), rngs=nnx.Rngs(0))
     randomize(vanilla, 7)

@@ -46,6 +46,14 @@ SPLASH_BLOCK = 512  # tokens per splash block (queries and keys), or L when shor
 _LANES = 128  # splash blocks must be multiples of the TPU's 128 lanes
 
 
+class Copies(NamedTuple):
+    """With sequences split over `context`: the whole sequence of keys and of values that several
+    layers attend with, each (C, B, L, K, Dh) (`whole_copies`), made once by the layer that projects
+    them; None: that layer gathers its own."""
+    k: Array | None
+    v: Array | None
+
+
 class Causal(NamedTuple):
     """Training's mask, never materialised whole: key j is seen by query i when j <= i and, with
     segment ids, both are in the same document. With sequences split over `context`, the tokens
@@ -114,19 +122,19 @@ def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool
 
 def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask: Causal | Array,
               causal_chunks: int, xla_attention: Callable[..., Array] = ops.attention,
-              v_copies_CxBxSxKxDh: Array | None = None) -> Array:
+              copies: Copies | None = None) -> Array:
     """Softmax attention (B, L, H, Dh) of training (a `Causal` mask) or of an explicit (B, L, S) one,
     by `impl` (a resolved one: xla, splash, splash_interpret or cudnn); an explicit mask always takes
     the XLA path, which computes each query chunk with `xla_attention` (vrl.model.ops' attention,
-    hand-written backward or autodiff). With sequences split over `context`, `v_copies_CxBxSxKxDh`
-    (`whole_copies` of the values, made once for all layers) stands in for gathering V."""
+    hand-written backward or autodiff). With sequences split over `context`, `copies` of the keys or
+    values (made once for the layers that share them) stand in for gathering them."""
     if impl == 'auto' and isinstance(mask, Causal):
         raise ConfigError("model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
                           'platform (a TrainSteps does it itself).')
     if isinstance(mask, Causal) and context_parts() > 1:  # the sequence split over devices: xla or splash
         assert mask.order is not None, 'a split sequence comes in balanced_order (Decoder.hidden)'
         return _context_parallel(impl, q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, mask.order,
-                                 causal_chunks, xla_attention, v_copies_CxBxSxKxDh)
+                                 causal_chunks, xla_attention, copies or Copies(None, None))
     # cuDNN through JAX takes no segment ids: packed sequences (vrl.tools.evaluate's) take the XLA path
     if impl == 'xla' or not isinstance(mask, Causal) or (impl == 'cudnn' and mask.segment_ids_BxL is not None):
         B, L = q_BxLxHxDh.shape[:2]
@@ -171,12 +179,12 @@ def balanced_order(L: int) -> np.ndarray | None:
 
 def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, ids_BxL: Array | None,
                       order: np.ndarray, query_chunks: int, xla_attention: Callable[..., Array],
-                      v_copies_CxBxLxKxDh: Array | None) -> Array:
+                      copies: Copies) -> Array:
     """Causal attention with each sequence split over the mesh's `context` axis (L is the whole
     sequence here; a device holds P = L / context of it): each device keeps its queries and gathers the
     keys, values and segment ids of the whole sequence (in the backward pass, their gradients are
-    reduce-scattered back). Values given as `whole_copies` are not gathered: each device reads its
-    own copy.
+    reduce-scattered back). Keys or values given as `copies` are not gathered: each device reads
+    its own copy.
 
     The tokens come in `order` (`balanced_order`), which the masks map back to sequence positions. xla: each
     device computes its P queries' logits over all L keys, in `query_chunks` chunks, the masked ones
@@ -186,13 +194,13 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
     on its index); masked blocks are skipped, and every part has the same number left."""
     mesh = jax.sharding.get_abstract_mesh()
     ids_spec = None if ids_BxL is None else logical_spec((Axis.BATCH, Axis.LENGTH))
-    copied = v_copies_CxBxLxKxDh is not None
-    v_given, v_spec = (v_copies_CxBxLxKxDh, _copies_spec()) if copied else (v_BxLxKxDh, _KV_SPEC)
+    k_given, k_spec = (k_BxLxKxDh, _KV_SPEC) if copies.k is None else (copies.k, _copies_spec())
+    v_given, v_spec = (v_BxLxKxDh, _KV_SPEC) if copies.v is None else (copies.v, _copies_spec())
     parts = context_parts()
 
-    def local(q_BxPxHxDh, k_BxPxKxDh, v_local, ids_BxP):
-        k_BxLxKxDh = _whole(k_BxPxKxDh)
-        v_BxLxKxDh = v_local[0] if copied else _whole(v_local)
+    def local(q_BxPxHxDh, k_local, v_local, ids_BxP):
+        k_BxLxKxDh = _whole(k_local) if copies.k is None else k_local[0]
+        v_BxLxKxDh = _whole(v_local) if copies.v is None else v_local[0]
         ids_whole_BxL = None if ids_BxP is None else _whole(ids_BxP)
         B, P = q_BxPxHxDh.shape[:2]
         L = k_BxLxKxDh.shape[1]
@@ -208,17 +216,17 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
             mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == ids_whole_BxL[:, None, :])
         return _xla(q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_BxPxL, query_chunks, xla_attention, skip_unseen=False)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(_Q_SPEC, _KV_SPEC, v_spec, ids_spec), out_specs=_Q_SPEC,
-                         check_vma=False)(q_BxLxHxDh, k_BxLxKxDh, v_given, ids_BxL)
+    return jax.shard_map(local, mesh=mesh, in_specs=(_Q_SPEC, k_spec, v_spec, ids_spec), out_specs=_Q_SPEC,
+                         check_vma=False)(q_BxLxHxDh, k_given, v_given, ids_BxL)
 
 
-def whole_copies(v_BxLxKxDh: Array) -> Array:
-    """(C, B, L, K, Dh): the whole sequence of `v` on each of the C = context devices, axis 0 split
-    over `context`, for `attention` to read in place of gathering V in every layer. SVFormer's layers
-    >= 2 all attend over V_1, so V_1 crosses the context axis once per step: this gather forward, and
-    one reduce-scatter of the gradients that every layer added to the copies backward."""
-    return jax.shard_map(lambda v: _whole(v)[None], mesh=jax.sharding.get_abstract_mesh(), in_specs=_KV_SPEC,
-                         out_specs=_copies_spec(), check_vma=False)(v_BxLxKxDh)
+def whole_copies(x_BxLxKxDh: Array) -> Array:
+    """(C, B, L, K, Dh): the whole sequence of keys or values `x` on each of the C = context devices,
+    axis 0 split over `context`, for `attention` to read in place of gathering them in every layer
+    that attends with them (SVFormer's V_1, a CLA group's K and V): they cross the context axis once,
+    this gather forward and one reduce-scatter of the gradients every such layer added backward."""
+    return jax.shard_map(lambda x: _whole(x)[None], mesh=jax.sharding.get_abstract_mesh(), in_specs=_KV_SPEC,
+                         out_specs=_copies_spec(), check_vma=False)(x_BxLxKxDh)
 
 
 def _copies_spec() -> PartitionSpec:

@@ -126,7 +126,7 @@ class Attention(nnx.Module):
         """Keys (with RoPE) and the layer's own values V_n: x W_V, or V_1 where the layer has no W_V.
 
         CLA (kv given): only the first layer of a group projects; the others borrow its keys and
-        the values it attended over.
+        the values it attended over (`kv.owns` is known when tracing: Decoder._stacked_layers).
         """
         def project(wk_DxKxDh: Array, wv_DxKxDh: Array | None) -> tuple[Array, Array]:
             dtype = x_BxLxD.dtype
@@ -135,10 +135,7 @@ class Attention(nnx.Module):
 
         if kv is None:
             return project(self.wk[...], None if self.wv is None else self.wv[...])
-        # a select, not lax.cond: XLA:CPU does not reliably compile a cond inside the sharded layer
-        # scan (tests/test_sharding.py, svformer-cla2); the borrowing layers' projection (zero weights) is wasted
-        own = project(kv.wk, kv.wv)
-        return tuple(jnp.where(kv.owns, mine, theirs) for mine, theirs in zip(own, borrowed))
+        return project(kv.wk, kv.wv) if kv.owns else borrowed
 
     def values(self, x_BxLxD: Array, v_n: Array, v1: Array | None, lambdas: Lambdas | None) -> Array:
         """The values (B, L, K, Dh) this layer attends over: where the variants differ in V.
@@ -197,7 +194,7 @@ class Stream(NamedTuple):
     """What each layer hands the next: the layer scan's carry."""
     h: Array  # (B, L, D) the next block's input
     v1: Array | None  # (B, L, K, Dh) V_1, once layer 1 has run
-    v1_copies: Array | None  # SVFormer with sequences split over `context`: attention.whole_copies(V_1)
+    copies: attention.Copies | None  # sequences split over `context`: shared keys and values made whole (Block.copies)
     kv: tuple[Array, Array] | None  # CLA: the current group's keys and attended values (B, L, K, Dh)
     blocks: Array | None  # DenseFormer: (L + 1, B, L, D) the embedding output and the block outputs so far
     cache: KVCache | None  # decoding: every layer's keys and values
@@ -215,9 +212,10 @@ class Block(nnx.Module):
         self.neutreno_lambda = cfg.neutreno_lambda if cfg.neutreno else None
 
     def __call__(self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array, record: bool
-                 ) -> tuple[Array, tuple[Array, Array], KVCache | None, layer_stats.AttentionStats | None]:
-        """The block's output (B, L, D), its keys and attended values for the L tokens, the cache with
-        them written and, when recording, its attention statistics."""
+                 ) -> tuple[Array, tuple[Array, Array], attention.Copies | None, KVCache | None,
+                            layer_stats.AttentionStats | None]:
+        """The block's output (B, L, D), its keys and attended values for the L tokens, the copies it
+        attended with (`copies`), the cache with them written and, when recording, its attention statistics."""
         x_BxLxD = self.attn_norm(s.h)
         q_BxLxHxDh = self.attn.queries(x_BxLxD, positions_BxL)
         k_BxLxKxDh, v_n = self.attn.keys_values(x_BxLxD, positions_BxL, s.v1, p.kv, s.kv)  # CLA
@@ -227,13 +225,14 @@ class Block(nnx.Module):
             scale_BxLxKx1 = variants.VALUE_EMBED_GATE_SCALE * gate_BxLxKx1
             v_n = v_n + (scale_BxLxKx1 * p.value_embed.e).astype(v_n.dtype)
         v_BxLxKxDh = self.attn.values(x_BxLxD, v_n, s.v1, p.lambdas)  # ResFormer, SVFormer, per-token mix
+        copies = self.copies(s, p, k_BxLxKxDh, v_BxLxKxDh, mask)
         keys, values, cache = k_BxLxKxDh, v_BxLxKxDh, s.cache
         if cache is not None:
             keys, values, cache = cache.update(self.cfg, p.layer, k_BxLxKxDh, v_BxLxKxDh)
         keys, values = keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype)
         if cache is None:  # training's causal mask, or an explicit one: vrl/model/attention.py decides how
             o_BxLxHxDh = attention.attention(self.cfg.attention_impl, q_BxLxHxDh, keys, values, mask,
-                                             self.cfg.attention_chunks, self.attn.ops.attention, s.v1_copies)
+                                             self.cfg.attention_chunks, self.attn.ops.attention, copies)
         else:  # the cache's (B * K, S, Dh) slots as they lie
             o_BxLxHxDh = ops.attend_cache(q_BxLxHxDh, keys, values, mask)
         if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V)
@@ -245,7 +244,22 @@ class Block(nnx.Module):
             B, L = q_BxLxHxDh.shape[:2]
             dense_BxLxS = mask.dense(B, L) if isinstance(mask, Causal) else mask
             stats = layer_stats.attention_stats(q_BxLxHxDh, keys, values, dense_BxLxS, scale_BxLxKx1)
-        return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), cache, stats
+        return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), copies, cache, stats
+
+    def copies(self, s: Stream, p: LayerInputs, k_BxLxKxDh: Array, v_BxLxKxDh: Array, mask: Causal | Array
+               ) -> attention.Copies | None:
+        """With sequences split over `context` (training): the whole keys and values this layer attends
+        with that later layers share, so they cross the axis once. A layer makes copies of what it projects
+        for others (layer 1: SVFormer's V_1; the first layer of a CLA group: its K, and its V unless value
+        embeddings make each layer's V its own) and reads those it was handed for what it borrows."""
+        if not (isinstance(mask, Causal) and context_parts() > 1):
+            return None
+        cfg, first, kept = self.cfg, s.v1 is None, s.copies or attention.Copies(None, None)
+        projects_shared = cfg.kv_share > 1 and (first or p.kv.owns)
+        makes_v = (first and cfg.attention == 'svformer') or (
+            projects_shared and cfg.attention != 'svformer' and not cfg.value_embed_layers)
+        return attention.Copies(attention.whole_copies(k_BxLxKxDh) if projects_shared else kept.k,
+                                attention.whole_copies(v_BxLxKxDh) if makes_v else kept.v)
 
 
 def _per_query_head(x_BxLxKxDh: Array, shape_BxLxHxDh: tuple[int, ...]) -> Array:
@@ -263,6 +277,16 @@ def _in_order(order: np.ndarray | None, tokens_BxL: Array, positions_BxL: Array,
         return tokens_BxL, positions_BxL, Causal(segment_ids_BxL)
     ids_BxL = None if segment_ids_BxL is None else segment_ids_BxL[:, order]
     return tokens_BxL[:, order], positions_BxL[:, order], Causal(ids_BxL, order)
+
+
+def _unstacked(tree, start: int, size: int) -> list:
+    """Entries start .. start + size - 1 of a tree whose leaves have a leading stacked axis."""
+    return [jax.tree.map(lambda x: x[start + i], tree) for i in range(size)]
+
+
+def _stacked(trees: list):
+    """Trees of arrays -> one tree with a leading axis over them."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
 _ACTIVATION = (Axis.BATCH, Axis.LENGTH, Axis.ACT_EMBED)  # the hidden state between blocks
@@ -382,55 +406,81 @@ class Decoder(nnx.Module):
     def _layer(self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array,
                record: bool) -> tuple[Stream, layer_stats.LayerStats | None]:
         """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average."""
-        h_BxLxD, kv, cache, attention_stats = block(s, p, positions_BxL, mask, record)
+        h_BxLxD, kv, copies, cache, attention_stats = block(s, p, positions_BxL, mask, record)
         blocks = s.blocks
         if blocks is not None:  # DenseFormer: the next input is a learned average of B_0..B_layer+1
             blocks = jax.lax.dynamic_update_index_in_dim(blocks, h_BxLxD, p.layer + 1, 0)
             h_BxLxD = jnp.einsum('j,jbld->bld', p.dense_row.astype(blocks.dtype), blocks)
         h_BxLxD = constrain(h_BxLxD, _ACTIVATION)
         v1 = kv[1] if s.v1 is None else s.v1
-        s = Stream(h_BxLxD, v1, None, kv if self.cfg.kv_share > 1 else None, blocks, cache)
+        s = Stream(h_BxLxD, v1, copies, kv if self.cfg.kv_share > 1 else None, blocks, cache)
         return s, layer_stats.layer_stats(attention_stats, h_BxLxD) if record else None
 
     def _stacked_layers(self, s: Stream, inputs: LayerInputs, positions_BxL: Array, mask: Causal | Array,
                         record: bool, layers: list[nnx.State] | None
                         ) -> tuple[Stream, layer_stats.LayerStats | None]:
-        """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`.
+        """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`,
+        a CLA group of model.kv_share layers at a time (without CLA, one layer), so that which layer
+        projects the group's keys and values is known when tracing: the kv_share - 1 layers that borrow
+        layer 1's run first, then the scanned groups, then a shorter last group if any.
 
-        V_1 is the same for every layer, so it is a constant of the scan rather than part of its
-        carry: the backward pass keeps a scan's carry once per layer (N copies of V_1), and a constant
-        once (docs/performance.md, "Train-step memory"). Decoding always loops, so
+        V_1, and the copies layer 1 made (Block.copies), are the same for every layer, so they are
+        constants of the scan rather than part of its carry: the backward pass keeps a scan's carry
+        once per scanned step (N copies of V_1), and a constant once (docs/performance.md, "Train-step
+        memory"). A CLA group's copies live within its step. Decoding always loops, so
         that each layer's cache slots are known when tracing (KVCache: one buffer per slot), and
         takes each layer's parameters from `layers` where given (`decode`).
         """
         graphdef, stacked_state = nnx.split(self.layers)
-        v1, decoding = s.v1, s.cache is not None
-        v1_copies = None
-        if self.cfg.attention == 'svformer' and isinstance(mask, Causal) and context_parts() > 1:
-            v1_copies = attention.whole_copies(v1)  # the values of every layer here: sent once, not once a layer
+        v1, shared, decoding = s.v1, s.copies, s.cache is not None
+        G, N = self.cfg.kv_share, self.cfg.n_stacked
+        lead = G - 1  # the stacked layers that borrow layer 1's keys and values
+        groups, rest = divmod(N - lead, G)
 
-        def body(s: Stream, per_layer):
-            layer_state, p = per_layer
-            s, stats = self._layer(nnx.merge(graphdef, layer_state), s._replace(v1=v1, v1_copies=v1_copies), p,
-                                   positions_BxL, mask, record)
-            return s._replace(v1=None, v1_copies=None), stats
+        def group(s: Stream, per_layer: tuple[list[nnx.State], list[LayerInputs]], start: int):
+            """Stacked layers start, start + 1, ... one after another (a scanned group's stands for each)."""
+            s, outputs = s._replace(v1=v1, copies=shared), []
+            for i, (layer_state, p) in enumerate(zip(*per_layer)):
+                if p.kv is not None:
+                    p = p._replace(kv=p.kv._replace(owns=self.cfg.owns_kv(1 + start + i)))
+                s, stats = self._layer(nnx.merge(graphdef, layer_state), s, p, positions_BxL, mask, record)
+                outputs.append(stats)
+            return s._replace(v1=None, copies=None), None if not record else _stacked(outputs)
 
         if self.cfg.remat == 'auto' and not decoding:
             raise ConfigError("model.remat='auto' is unresolved here: vrl.train.aot.resolve resolves it by compiling "
                               'for the devices (vrl.main and train.run do it).')
         if self.cfg.remat != 'none' and not decoding:
-            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        s = s._replace(v1=None)
-        if self.cfg.scan_layers and not decoding:
-            s, stats = jax.lax.scan(body, s, (stacked_state, inputs))
-            return s._replace(v1=v1), stats
-        layers = self.split_layers() if layers is None else layers
-        outputs = []
-        for i in range(self.cfg.n_stacked):
-            p = jax.tree.map(lambda x: x[i], inputs)
-            s, stats = body(s, (layers[i], p._replace(layer=i + 1) if decoding else p))
-            outputs.append(stats)
-        return s._replace(v1=v1), None if not record else jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+            group = jax.checkpoint(group, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False,
+                                   static_argnums=(2,))
+        s = s._replace(v1=None, copies=None)
+        scan = self.cfg.scan_layers and not decoding
+        layers = None if scan else self.split_layers() if layers is None else layers
+
+        def unrolled(s: Stream, start: int, size: int) -> tuple[Stream, layer_stats.LayerStats | None]:
+            if size == 0:
+                return s, None
+            states = _unstacked(stacked_state, start, size) if scan else layers[start:start + size]
+            per_layer = [p._replace(layer=start + i + 1) if decoding else p
+                         for i, p in enumerate(_unstacked(inputs, start, size))]
+            return group(s, (states, per_layer), start)
+
+        s, first = unrolled(s, 0, lead)
+        middle = []
+        if scan and groups:  # without CLA the stack as it is: a group axis of 1 cost the 468M 8% more memory
+            grouped = (stacked_state, inputs) if G == 1 else jax.tree.map(
+                lambda x: x[lead:lead + groups * G].reshape(groups, G, *x.shape[1:]), (stacked_state, inputs))
+            per_layer = (lambda x: [x]) if G == 1 else (lambda x: _unstacked(x, 0, G))
+            s, stats = jax.lax.scan(lambda s, xs: group(s, tuple(map(per_layer, xs)), lead), s, grouped)
+            middle.append(None if stats is None else jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stats))
+        elif not scan:
+            for g in range(groups):
+                s, stats = unrolled(s, lead + g * G, G)
+                middle.append(stats)
+        s, last = unrolled(s, lead + groups * G, rest)
+        outputs = [stats for stats in (first, *middle, last) if stats is not None]
+        stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *outputs) if record else None
+        return s._replace(v1=v1, copies=shared), stats
 
     def head_DxV(self) -> Array:
         """The output head in the compute dtype: the embedding transposed when tied."""

@@ -137,7 +137,7 @@ class LayerKV(NamedTuple):
     """CLA: a layer's W_K and W_V (zeros where it borrows) and whether it projects its own, or N stacked."""
     wk: Array  # (D, K, Dh)
     wv: Array | None  # (D, K, Dh); None for SVFormer, whose layers >= 2 have no W_V
-    owns: Array  # bool
+    owns: bool | None  # known when tracing: set where the layer runs (Decoder._stacked_layers); None when stacked
 
 
 class SharedKeyValues(nnx.Module):
@@ -155,7 +155,7 @@ class SharedKeyValues(nnx.Module):
     def for_stack(self) -> LayerKV:
         index_N = _owner_index(self.owned)
         return LayerKV(spread(self.wk[...], index_N), None if self.wv is None else spread(self.wv[...], index_N),
-                       jnp.asarray(self.owned))
+                       None)
 
 
 class DepthWeights(nnx.Module):
