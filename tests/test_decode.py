@@ -178,6 +178,32 @@ def test_decoding_on_a_mesh_equals_one_device(variant):
     assert all(x.sharding.spec[0] == ('data', 'fsdp', 'tensor') for x in (*cache.k, *cache.v))
 
 
+def test_a_cache_split_over_context_decodes_as_one_device_and_stays_split():
+    """mesh.context=4: every cache slot's positions split 4 ways (SVFormer with CLA2: its few slots),
+    a chunked prefill and the decode loop give one device's greedy tokens, and neither program
+    gathers a slot's positions onto one device."""
+    model = _model(seed=7, n_heads=4, n_kv_heads=2, **NAMED_VARIANTS['svformer-cla2'])
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, context=4))
+    on_mesh = jax.device_put(params, sharding.replicated(mesh))
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [6, 7]]
+    generators = [decode.Generator(model.cfg, graphdef, p, max_len=32, eos_id=-1, mesh=m, prefill_chunk=4)
+                  for p, m in ((params, None), (on_mesh, mesh))]
+    tokens = [g.generate(prompts, decode.Sampling(max_new_tokens=8)).tokens for g in generators]
+    assert tokens[0] == tokens[1]
+    cache = generators[1].new_cache(2)
+    for slot in (*cache.k, *cache.v):  # rows over fsdp, positions over context
+        assert tuple(slot.sharding.spec[1:]) == ('context', None)
+        assert {shard.data.shape for shard in slot.addressable_shards} == {(2, 8, model.cfg.head_dim)}
+    tokens_BxP, pad_B = jnp.zeros((2, 11), jnp.int32), jnp.zeros((2,), jnp.int32)
+    prefill, loop = generators[1]._compile(cache, tokens_BxP, pad_B, jax.random.key(0),
+                                           decode.Sampling(max_new_tokens=8))
+    gathered = [line for program in (prefill, loop) for line in program.as_text().splitlines()
+                if re.search(r'= \S+\[[0-9,]*32,[0-9,]*\]\S* (all-gather|all-to-all|collective-permute)', line)]
+    assert not gathered, gathered
+
+
 @pytest.mark.parametrize('field, value, allowed', [
     ('temperature', -1.0, '>= 0'), ('top_p', 0.0, 'in (0, 1]'), ('top_p', 1.5, 'in (0, 1]'), ('top_k', -2, '>= 0'),
     ('max_new_tokens', 0, '>= 1'),

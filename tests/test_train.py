@@ -90,6 +90,11 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path, cap
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count('--- ') == 2 and 'decode' in out.stdout and 'KV cache' in out.stdout
     assert 'warning' not in out.stderr
+    # the caches' positions split over 4 of the 8 devices: the same greedy completions
+    split = generate(tmp_path, 'HAMLET.', 'To be', flags=('--max_new_tokens=5', '--context=4'))
+    assert split.returncode == 0, split.stderr[-2000:]
+    assert [line for line in split.stdout.splitlines() if line.startswith('--- ')] == \
+        [line for line in out.stdout.splitlines() if line.startswith('--- ')]
     # a --max_len far past what the prompts need allocates only what they need; past the trained length, a warning
     out = generate(tmp_path, 'HAMLET.', flags=('--max_new_tokens=70', '--max_len=1000000'))
     assert out.returncode == 0, out.stderr[-2000:]

@@ -71,12 +71,15 @@ def cache_bytes(cache: KVCache) -> int:
 def cache_shardings(cache: KVCache, batch: int, mesh: Mesh) -> KVCache:
     """A slot's rows (B * K, sequence-major) split as training splits batch and kv heads: over
     ('data', 'fsdp') then 'tensor' (vrl/core/sharding.py's rules); a part the mesh does not divide
-    stays whole (a batch of 1 keeps only the kv-head split, an undivided larger batch neither)."""
+    stays whole (a batch of 1 keeps only the kv-head split, an undivided larger batch neither). Its
+    positions are split over 'context' (a long prompt's cache over several devices: each attends
+    over its positions and the softmax's sums are reduced across them), where the mesh divides them."""
     def mesh_axes(logical: str, size: int) -> tuple[str, ...]:
         return sharding.spec_axes(sharding.fitted_sharding(mesh, (logical,), (size,)).spec[0])
     batch_axes = mesh_axes(Axis.BATCH, batch)
     rows = batch_axes + mesh_axes(Axis.KV_HEADS, cache.k[0].shape[0] // batch) if batch_axes or batch == 1 else ()
-    spec = NamedSharding(mesh, PartitionSpec(rows or None, None, None))
+    positions = tuple(a for a in mesh_axes(Axis.LENGTH, cache.k[0].shape[1]) if mesh.shape[a] > 1)
+    spec = NamedSharding(mesh, PartitionSpec(rows or None, positions or None, None))
     return KVCache(k=(spec,) * len(cache.k), v=(spec,) * len(cache.v), index=sharding.replicated(mesh))
 
 

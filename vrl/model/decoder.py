@@ -82,8 +82,14 @@ class KVCache(NamedTuple):
         def write(slots: tuple[Array, ...], slot: int, new_BxTxKxDh: Array) -> tuple[Array, ...]:
             B, T, K, Dh = new_BxTxKxDh.shape
             new_NxTxDh = new_BxTxKxDh.transpose(0, 2, 1, 3).reshape(B * K, T, Dh).astype(slots[slot].dtype)
-            zero = jnp.zeros((), jnp.int32)
-            written = jax.lax.dynamic_update_slice(slots[slot], new_NxTxDh, (zero, self.index, zero))
+            if T > 1 and context_parts() > 1:  # positions split over devices: each writes its own (a window
+                # written as a slice could straddle two devices' positions, and XLA gathered the slot)
+                offset_S = jnp.arange(slots[slot].shape[1]) - self.index
+                new_NxSxDh = jnp.take(new_NxTxDh, jnp.clip(offset_S, 0, T - 1), axis=1)
+                written = jnp.where(((offset_S >= 0) & (offset_S < T))[None, :, None], new_NxSxDh, slots[slot])
+            else:
+                zero = jnp.zeros((), jnp.int32)
+                written = jax.lax.dynamic_update_slice(slots[slot], new_NxTxDh, (zero, self.index, zero))
             return (*slots[:slot], written, *slots[slot + 1:])
 
         def owns(slot_of) -> bool:  # the first layer of a slot writes it; the rest hold the same rows
@@ -290,6 +296,8 @@ def _stacked(trees: list):
 
 
 _ACTIVATION = (Axis.BATCH, Axis.LENGTH, Axis.ACT_EMBED)  # the hidden state between blocks
+# decoding: the new tokens whole on each device of a sequence, whose cache positions `context` splits
+_DECODING = (Axis.BATCH, None, Axis.ACT_EMBED)
 
 _REMAT_POLICIES = {
     'full': None,
@@ -376,7 +384,7 @@ class Decoder(nnx.Module):
         """The final-normalised hidden states (B, L, D), the updated cache when decoding, and the
         per-layer statistics when recording."""
         dtype, L = self.compute_dtype, self.cfg.n_layers
-        h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION)
+        h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION if cache is None else _DECODING)
         blocks = None
         if self.depth_weights is not None:
             blocks = jnp.zeros((L + 1, *h_BxLxD.shape), dtype).at[0].set(h_BxLxD)
@@ -411,7 +419,7 @@ class Decoder(nnx.Module):
         if blocks is not None:  # DenseFormer: the next input is a learned average of B_0..B_layer+1
             blocks = jax.lax.dynamic_update_index_in_dim(blocks, h_BxLxD, p.layer + 1, 0)
             h_BxLxD = jnp.einsum('j,jbld->bld', p.dense_row.astype(blocks.dtype), blocks)
-        h_BxLxD = constrain(h_BxLxD, _ACTIVATION)
+        h_BxLxD = constrain(h_BxLxD, _ACTIVATION if cache is None else _DECODING)
         v1 = kv[1] if s.v1 is None else s.v1
         s = Stream(h_BxLxD, v1, copies, kv if self.cfg.kv_share > 1 else None, blocks, cache)
         return s, layer_stats.layer_stats(attention_stats, h_BxLxD) if record else None

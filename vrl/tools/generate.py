@@ -36,6 +36,9 @@ def _define_flags() -> dict:
         'seed': flags.DEFINE_integer('seed', 0, 'Sampling seed.'),
         'max_len': flags.DEFINE_integer('max_len', 0, 'The most positions (prompt + new tokens) a sequence may '
                                         'take; the cache holds what the prompts need, up to this; 0 = the trained seq_len.'),
+        'context': flags.DEFINE_integer('context', 1, 'Devices each KV cache\'s positions are split over (a long '
+                                        'prompt\'s cache larger than one device\'s memory); the mesh axis at -1 gives '
+                                        'them up.'),
     }
 
 
@@ -53,12 +56,16 @@ def main(args: cli.Args) -> None:
     if args['max_len'].value < 0:
         raise decode.DecodeError(f'max_len={args["max_len"].value} is invalid: allowed >= 1 (0 = the trained '
                                  'seq_len).')
-    run = load_trained(args['workdir'].value)
+    if args['context'].value < 1:
+        raise decode.DecodeError(f'context={args["context"].value} is invalid: allowed >= 1 (devices a cache\'s '
+                                 'positions are split over).')
+    run = load_trained(args['workdir'].value, args['context'].value)
     config, tokenizer = run.config, run.tokenizer
     sampling.check_vocab(config.model.vocab_size)
     encoded = [pipeline.prompt_tokens(config.data, tokenizer, p) for p in prompts]
     # the cache holds what the prompts and new tokens need, at most --max_len (or the trained length)
     max_len = min(args['max_len'].value or config.data.seq_len, max(map(len, encoded)) + sampling.max_new_tokens)
+    max_len = -(-max_len // args['context'].value) * args['context'].value  # whole positions on each device
     if max_len > config.data.seq_len:
         cache = accounting.kv_cache_bytes_per_token(config.model) * max_len * len(encoded)
         print(f'warning: {max_len} positions (prompt + --max_new_tokens) are beyond the trained seq_len '

@@ -42,15 +42,16 @@ class TrainedRun(NamedTuple):
     step: int | None
 
 
-def load_trained(workdir: str) -> TrainedRun:
+def load_trained(workdir: str, context: int = 1) -> TrainedRun:
     """The run's config, tokenizer and latest parameters (checked against the saved model config).
     The attention kernel and hand-written backwards are chosen for this machine (`auto`), not the
-    one the run trained on: they change how the model runs, not what it computes; and no sequence is
-    split (mesh.context): the tools' sequences have lengths of their own."""
+    one the run trained on: they change how the model runs, not what it computes. No training
+    sequence is split: mesh.context is `context`, what decoding splits a KV cache's positions over
+    (vrl/model/decode.py), its devices taken from the mesh axis at -1."""
     config, tokenizer = load_run(workdir)
     _, step = checkpoint.step_folder(workdir)
     here = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_impl='auto', hand_vjp='auto'),
-                               mesh=sharding.without_context(config.mesh))
+                               mesh=dataclasses.replace(sharding.without_context(config.mesh), context=context))
     trainer = TrainSteps(here, sharding.make_mesh(here.mesh))
     params = checkpoint.restore_params(workdir, trainer.abstract_state.params, config.model)
     return TrainedRun(trainer.config, tokenizer, trainer, params, step)
