@@ -2,11 +2,13 @@
 
     python bench/long_context_memory.py [--sizes 82m] [--seqs 64k] [--impls splash] [--contexts 1]
                                         [--topology v5p:2x2x2] [--variant svformer]
+                                        [--microbatches 0] [--remat auto]
 
 Each (size, seq, attention_impl, context) is `configs/base.py:VARIANT,SIZE,SEQ` with one sequence
 per chip, each split over `context` chips (mesh.context; the XLA path), auto-fitted (microbatches,
-remat) and compiled for the slice as `vrl.main --compile_only --topology` would (minutes per row:
-the 82M 64K splash step takes about 2 on 2 CPU cores). With context c, c microbatches put a c-th
+remat; `--microbatches` and `--remat` fix them, so that one compile answers) and compiled for the
+slice as `vrl.main --compile_only --topology` would (minutes per candidate: the 82M 64K splash step
+takes about 2 on 2 CPU cores). With context c, c microbatches put a c-th
 of a sequence on each chip. The target: the paper's 64K sequences fit a v5p chip
 (docs/execution.md). Needs libtpu (requirements-tpu.txt).
 """
@@ -36,6 +38,8 @@ def main() -> None:
     parser.add_argument('--attention_chunks', type=int, default=None, help="the XLA path's query chunks "
                         "(model.attention_chunks; default the config's)")
     parser.add_argument('--topology', default='v5p:2x2x2')
+    parser.add_argument('--microbatches', type=int, default=0, help='train.microbatches; 0 = auto-fitted')
+    parser.add_argument('--remat', default='auto', help='model.remat: none, save_dots, full; auto = auto-fitted')
     args = parser.parse_args()
     import jax
     jax.config.update('jax_platforms', 'cpu')  # compile for the described slice only, as --compile_only does
@@ -49,7 +53,8 @@ def main() -> None:
                 config = from_configdict(base.get_config(f'{args.variant},{size},{seq}'))
                 config = dataclasses.replace(
                     config, data=dataclasses.replace(config.data, batch_size=len(devices)),
-                    model=dataclasses.replace(config.model, attention_impl=impl,
+                    train=dataclasses.replace(config.train, microbatches=args.microbatches),
+                    model=dataclasses.replace(config.model, attention_impl=impl, remat=args.remat,
                                               attention_chunks=args.attention_chunks or config.model.attention_chunks),
                     mesh=dataclasses.replace(config.mesh, context=context))
                 row = f'| {size} | {seq} | {impl} | {context} |'
