@@ -141,8 +141,10 @@ def row_share(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:
     for row, devices in enumerate(mesh.devices.reshape(math.prod(mesh.shape[a] for a in BATCH_AXES), -1)):
         for device in devices:
             rows_of.setdefault(device.process_index, set()).add(row)
-    shares = sorted({frozenset(rows) for rows in rows_of.values()}, key=lambda rows: min(
-        p for p, r in rows_of.items() if r == rows))  # ordered by their first process
+    shares: list[frozenset[int]] = []  # in the order of their first process
+    for process in sorted(rows_of):
+        if frozenset(rows_of[process]) not in shares:
+            shares.append(frozenset(rows_of[process]))
     if len({len(rows) for rows in shares}) > 1 or len(set().union(*shares)) != sum(map(len, shares)):
         held = ', '.join(f'process {p}: rows {sorted(r)}' for p, r in sorted(rows_of.items()))
         raise ConfigError(f'mesh={dict(mesh.shape)} cannot feed its hosts: processes must hold the same or '

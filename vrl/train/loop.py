@@ -141,11 +141,12 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
         request.fresh or not workdir_lib.kept_tokenizer(paths[0], tokenizer_source))
     data_cfg = dataclasses.replace(config.data, tokenizer=str(tokenizer_source)) if copied_later else config.data
     tokenizer = multihost.process_0_first(lambda: pipeline.tokenizer_for_run(data_cfg, config.model.vocab_size))
-    dataset = pipeline.train_dataset(data_cfg, tokenizer, *sharding.row_share(early))
+    share = sharding.row_share(early)
+    dataset = pipeline.train_dataset(data_cfg, tokenizer, *share)
     task_manager = downstream.load(config.train)  # a task that cannot be loaded stops the run before a compile
     config, _ = aot.resolve(config, jax.devices(), aot.local_hbm_bytes(), say)
     trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
-    if trainer.row_share != sharding.row_share(early):  # auto context split sequences across hosts
+    if trainer.row_share != share:  # auto context split sequences across hosts
         dataset = pipeline.train_dataset(data_cfg, tokenizer, *trainer.row_share)
     group = trainer.group(len(configs))
     labels = [f'[{path.name}] ' if group.members > 1 else '' for path in paths]
