@@ -63,9 +63,9 @@ def test_splash_matches_xla_in_the_model(name):
 
 @pytest.mark.parametrize('name', ['vanilla', 'svformer'])
 def test_splash_on_each_part_of_a_split_sequence_matches_xla(name):
-    """mesh.context=2: each device runs splash on its part of the sequence, the causal mask offset by
-    the part's start, over the gathered keys and values (SVFormer's layers >= 2: V_1's whole copies).
-    The model's loss and gradients equal the XLA path's on one device, with packed documents."""
+    """mesh.context=2: each device runs splash on its part of the sequence (every other token), its
+    rows of the causal mask, over the gathered keys and values (SVFormer's layers >= 2: V_1's whole
+    copies). The model's loss and gradients equal the XLA path's on one device, with packed documents."""
     cfg = small_model_config(**NAMED_VARIANTS[name])
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, seed=1)
@@ -90,8 +90,8 @@ def test_splash_on_each_part_of_a_split_sequence_matches_xla(name):
         assert rel_err(a, b) < 1e-4 if np.any(b) else not np.any(a)
 
 
-def test_each_part_of_a_zigzag_split_keeps_the_same_splash_blocks():
-    """Context 4 over 2,048 tokens: each part's computed splash mask (`_ZigzagRows`) is its rows of the
+def test_each_part_of_a_striped_split_keeps_the_same_splash_blocks():
+    """Context 4 over 2,048 tokens: each part's computed splash mask (`_StripedRows`) is its rows of the
     causal mask over `balanced_order`, and every part keeps the same number of 128 x 128 blocks
     with a key seen; the plain split's last part keeps (2c - 1) / c of the average."""
     L, parts, block = 2048, 4, 128
@@ -99,19 +99,57 @@ def test_each_part_of_a_zigzag_split_keeps_the_same_splash_blocks():
     mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, context=parts), jax.devices()[:parts])
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         order = attention.balanced_order(L)
-    assert sorted(order.tolist()) == list(range(L)) and order[0] == 0
+    assert sorted(order.tolist()) == list(range(L)) and order[:5].tolist() == [0, 4, 8, 12, 16]
 
     def blocks(mask) -> int:
         return int(mask[:, :].reshape(P // block, block, L // block, block).any(axis=(1, 3)).sum())
 
-    zigzag, plain = [], []
+    striped, plain = [], []
     for part in range(parts):
-        rows = attention._ZigzagRows(part, parts, L)
+        rows = attention._StripedRows(part, parts, L)
         np.testing.assert_array_equal(rows[:, :], order[part * P:(part + 1) * P, None] >= order[None, :])
-        zigzag.append(blocks(rows))
+        striped.append(blocks(rows))
         plain.append(blocks(splash_mask.CausalMask((P, L), offset=part * P)))
-    assert len(set(zigzag)) == 1, zigzag
+    assert len(set(striped)) == 1, striped
     assert max(plain) / np.mean(plain) == pytest.approx((2 * parts - 1) / parts, rel=0.1), plain
+
+
+@pytest.mark.parametrize('name', ['svformer-cla2', 'resformer-per_token'])
+def test_cudnn_on_each_part_of_a_split_sequence_matches_xla(name, monkeypatch):
+    """mesh.context=4 with attention_impl='cudnn': each device's queries attend in chunks over the
+    keys up to each chunk's end, their mask given to jax.nn.dot_product_attention as cuDNN takes it
+    (a (1, 1, rows, keys) bias). No GPU here, so the calls run on JAX's reference for them
+    (implementation='xla'): the model's loss and gradients equal the XLA path's on one device."""
+    monkeypatch.setattr(attention, 'DOT_PRODUCT_ATTENTION', 'xla')
+    masks = []  # the (1, 1, rows, keys) masks the calls were given, as each call is traced
+
+    def recorded(*args, mask=None, **kwargs):
+        masks.append(mask.shape)
+        return dot_product_attention(*args, mask=mask, **kwargs)
+    dot_product_attention = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, 'dot_product_attention', recorded)
+    cfg = small_model_config(**NAMED_VARIANTS[name])
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    randomize(model, seed=1)
+    params = nnx.state(model, nnx.Param)
+    tokens = jax.random.randint(jax.random.key(2), (2, 2 * L), 0, cfg.vocab_size)
+    weights = jax.random.normal(jax.random.key(4), (2, 2 * L, cfg.d_model))
+
+    def loss(params, impl):
+        impl_model = nnx.merge(nnx.graphdef(Decoder(dataclasses.replace(cfg, attention_impl=impl),
+                                                    rngs=nnx.Rngs(0))), params)
+        return jnp.sum(impl_model.hidden(tokens) * weights)
+
+    want, want_grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, 'xla')
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, context=4), jax.devices()[:4])
+    split = jax.jit(sharding.traced_in(mesh, jax.value_and_grad(loss)), static_argnums=1)
+    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    got, got_grads = split(params, 'cudnn')
+    P = 2 * L // 4  # each device's queries, in 4 chunks, each over the keys up to its last query's
+    assert sorted(set(masks)) == [(1, 1, P // 4, 4 * P // 4 * chunk) for chunk in (1, 2, 3, 4)]
+    assert abs(float(got - want)) / abs(float(want)) < 1e-4
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        assert rel_err(a, b) < 1e-4 if np.any(b) else not np.any(a)
 
 
 def test_splash_without_documents_and_multi_query():
@@ -255,12 +293,13 @@ def test_hosts_whose_chips_split_the_same_sequences_read_the_same_rows():
         sharding.row_share(Mesh(tangled, sharding.MESH_AXES))
 
 
-def test_the_cudnn_call_means_what_the_xla_path_computes():
+def test_the_cudnn_call_means_what_the_xla_path_computes(monkeypatch):
     """The cudnn branch's call, with jax's XLA implementation underneath (cuDNN needs a GPU): the
     layouts, GQA and the causal mask agree with vrl's path, so on a GPU only the kernel changes."""
+    monkeypatch.setattr(attention, 'DOT_PRODUCT_ATTENTION', 'xla')
     keys = jax.random.split(jax.random.key(6), 3)
     q = jax.random.normal(keys[0], (2, 64, 4, 16))
     k, v = (jax.random.normal(key, (2, 64, 2, 16)) for key in keys[1:])
     want = attention.attention('xla', q, k, v, attention.Causal(None), causal_chunks=2)
-    got = attention._dot_product_attention(q, k, v, implementation='xla')
+    got = attention.attention('cudnn', q, k, v, attention.Causal(None), causal_chunks=2)
     assert rel_err(got, want) < 1e-5

@@ -142,7 +142,7 @@ def test_bad_mesh_sizes(mesh, message):
     (MeshConfig(1, 8, 1), 6, 32, 64,
      'data.batch_size=6 is invalid: .* split over mesh data x fsdp = 8 devices; use a multiple of 8'),
     (MeshConfig(1, 8, 1), 8, 36, 64, 'mesh.fsdp=8 is invalid: it must divide model.d_model=36'),
-    (MeshConfig(1, 2, 1, context=4), 8, 32, 68, 'mesh.context=4 is invalid: twice it must divide data.seq_len=68'),
+    (MeshConfig(1, 2, 1, context=4), 8, 32, 66, 'mesh.context=4 is invalid: it must divide data.seq_len=66'),
 ])
 def test_what_does_not_split_over_the_mesh_is_named(small_corpus, mesh, batch, d_model, seq_len, message):
     config = _sharding_config(small_corpus, mesh)
@@ -152,19 +152,25 @@ def test_what_does_not_split_over_the_mesh_is_named(small_corpus, mesh, batch, d
         sharding.check_fits_mesh(config, sharding.mesh_shape(mesh, jax.device_count()))
 
 
-def test_context_parallelism_takes_splash_or_xla_and_the_tools_split_no_sequence():
-    """mesh.context > 1: auto attention resolves to splash on TPU where each part is whole splash
-    blocks, else xla, with the reason; cuDNN, which takes no part of a sequence, is refused naming
-    it; and the tools that read a trained run (decoding, scoring) split no sequence."""
+def test_context_parallelism_takes_each_platforms_kernel_and_the_tools_split_no_sequence():
+    """mesh.context > 1: auto attention resolves to splash on TPU where each device's part is whole
+    splash blocks, to cuDNN on GPU where each part is whole even query chunks (cuDNN trains with a
+    mask on even lengths), else xla, with the reason; an explicit cuDNN that cannot serve is
+    refused naming it; and the tools that read a trained run (decoding, scoring) split no sequence."""
     from vrl.model import attention
     cfg = ModelConfig(**{**TINY_MODEL, 'compute_dtype': 'bfloat16', 'head_dim': 64})
     assert attention.choose(cfg, 'tpu', 2048, False, context=4) == ('splash', 'the tpu kernel serves this config')
     assert attention.choose(cfg, 'tpu', 512, False, context=8) == (
         'xla', 'splash needs data.seq_len / mesh.context=8 a multiple of 128 (and of 512 above it); it is 64')
-    assert attention.choose(cfg, 'gpu', 2048, False, context=2) == (
-        'xla', 'context parallelism (mesh.context=2) runs splash or the XLA path; cuDNN does not split a sequence')
-    with pytest.raises(ConfigError, match=r"model.attention_impl='cudnn' cannot run here: context parallelism"):
-        attention.choose(dataclasses.replace(cfg, attention_impl='cudnn'), 'gpu', 2048, False, context=2)
+    assert attention.choose(cfg, 'gpu', 2048, False, context=2) == ('cudnn', 'the gpu kernel serves this config')
+    assert attention.choose(cfg, 'gpu', 2048, True, context=2)[0] == 'xla'  # document masking: no segment ids
+    assert attention.choose(cfg, 'gpu', 1000, False, context=4) == (
+        'xla', 'cuDNN attention on a split sequence needs data.seq_len / mesh.context=4 a multiple of 2 x '
+               'model.attention_chunks=4; it is 250')
+    with pytest.raises(ConfigError, match=r"model.attention_impl='cudnn' cannot run here: cuDNN attention on a split "
+                                          r'sequence needs data.seq_len / mesh.context=4 a multiple of 2 x '
+                                          r'model.attention_chunks=4; it is 250'):
+        attention.choose(dataclasses.replace(cfg, attention_impl='cudnn'), 'gpu', 1000, False, context=4)
     assert sharding.without_context(MeshConfig(data=2, fsdp=2, tensor=1, context=2)) == MeshConfig(2, 4, 1)
     assert sharding.without_context(MeshConfig(data=2, fsdp=-1, tensor=1, context=2)) == MeshConfig(2, -1, 1)
     assert sharding.mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=1, context=2), 8) == {

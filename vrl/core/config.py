@@ -88,7 +88,8 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
-    attention_chunks: int = 4  # training attention in this many query chunks, skipping unseen keys
+    attention_chunks: int = 4  # the XLA path's training attention (and cuDNN's on a split sequence) in this many
+    # query chunks, each skipping the keys after its last query
     head_chunks: int = 4  # the output head and loss in this many slices of the sequence (vrl.model.ops.cross_entropy_sums)
     attention_impl: str = 'auto'  # auto | xla | splash | cudnn: vrl/model/attention.py (auto: the platform's kernel)
     hand_vjp: str = 'auto'  # auto | all | none | some of HAND_VJP_OPS, comma-separated: vrl/model/ops.py's

@@ -105,10 +105,9 @@ def check_fits_mesh(config: Config, shape: dict[str, int]) -> None:
         raise ConfigError(f'data.batch_size={batch} is invalid: each of its train.microbatches={parts} '
                           f'part(s) is split over mesh data x fsdp = {data * fsdp} devices; use a multiple '
                           f'of {parts * data * fsdp}.')
-    if context > 1 and config.data.seq_len % (2 * context):
-        raise ConfigError(f'mesh.context={context} is invalid: twice it must divide data.seq_len='
-                          f'{config.data.seq_len} (each sequence is cut into 2 x context pieces, and each device '
-                          'holds one from each end).')
+    if config.data.seq_len % context:
+        raise ConfigError(f'mesh.context={context} is invalid: it must divide data.seq_len={config.data.seq_len} '
+                          '(each device holds every context-th token of each sequence).')
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -9,13 +9,14 @@
   (it becomes `splash_interpret`): slow, for checking numerics on CPU.
 - cudnn: jax.nn.dot_product_attention(implementation='cudnn') on NVIDIA GPUs: causal, GQA,
   bfloat16. cuDNN through JAX takes no segment ids, so document masking falls back to xla.
+  Tests on CPU run the same calls with JAX's reference for them (DOT_PRODUCT_ATTENTION = 'xla').
 - auto (the default): splash on TPU, cudnn on GPU where it can serve the config, else xla;
   resolved by vrl/model/resolve.py, which logs the choice and its reason. The code here takes only
   a resolved value.
 
-With the mesh's `context` axis above 1 (context parallelism, docs/scaling-out.md), training attention
-runs splash or the XLA path on each device's part of the sequence, over the whole sequence's keys
-and values (cuDNN does not take a part).
+With the mesh's `context` axis above 1 (context parallelism, docs/scaling-out.md), each device
+gathers the whole sequence's keys and values and every implementation attends with the device's
+share of the queries over them (`_context_parallel`).
 
 Value residual only changes V, so every variant runs on every implementation. Decoding (a KV
 cache) and vrl.experiments.analyze's attention statistics always take the XLA path, which works everywhere.
@@ -43,6 +44,7 @@ Array = jax.Array
 _Q_SPEC = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.HEADS, Axis.HEAD_DIM))  # queries', as the mesh splits them
 _KV_SPEC = logical_spec((Axis.BATCH, Axis.LENGTH, Axis.KV_HEADS, Axis.HEAD_DIM))  # keys' and values'
 SPLASH_BLOCK = 512  # tokens per splash block (queries and keys), or L when shorter
+DOT_PRODUCT_ATTENTION = 'cudnn'  # jax.nn.dot_product_attention's implementation behind impl 'cudnn'
 _LANES = 128  # splash blocks must be multiples of the TPU's 128 lanes
 
 
@@ -77,9 +79,6 @@ def why_not(impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_m
             context: int = 1) -> str | None:
     """Why `impl` cannot compute this model's training attention on `platform` with each sequence
     split over `context` devices, or None if it can."""
-    if context > 1 and impl == 'cudnn':
-        return (f'context parallelism (mesh.context={context}) runs splash or the XLA path; cuDNN does not split '
-                'a sequence')
     if impl in ('splash', 'splash_interpret'):
         part, name = seq_len // context, 'data.seq_len' if context == 1 else f'data.seq_len / mesh.context={context}'
         block = min(SPLASH_BLOCK, part)
@@ -94,6 +93,10 @@ def why_not(impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_m
             return f'cuDNN attention needs head_dim a multiple of 8 and at most 128 (it is {cfg.head_dim})'
         if document_masking:
             return 'cuDNN attention through JAX takes no segment ids (data.document_masking=True)'
+        if context > 1 and seq_len // context % (2 * cfg.attention_chunks):  # even chunks: cuDNN trains with a
+            # mask (a bias) on even lengths only
+            return (f'cuDNN attention on a split sequence needs data.seq_len / mesh.context={context} a multiple of '
+                    f'2 x model.attention_chunks={cfg.attention_chunks}; it is {seq_len // context}')
     return None
 
 
@@ -131,10 +134,10 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
     if impl == 'auto' and isinstance(mask, Causal):
         raise ConfigError("model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
                           'platform (a TrainSteps does it itself).')
-    if isinstance(mask, Causal) and context_parts() > 1:  # the sequence split over devices: xla or splash
+    if isinstance(mask, Causal) and context_parts() > 1:  # the sequence split over devices
         assert mask.order is not None, 'a split sequence comes in balanced_order (Decoder.hidden)'
-        return _context_parallel(impl, q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, mask.order,
-                                 causal_chunks, xla_attention, copies or Copies(None, None))
+        return _context_parallel(impl, q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, causal_chunks,
+                                 xla_attention, copies or Copies(None, None))
     # cuDNN through JAX takes no segment ids: packed sequences (vrl.tools.evaluate's) take the XLA path
     if impl == 'xla' or not isinstance(mask, Causal) or (impl == 'cudnn' and mask.segment_ids_BxL is not None):
         B, L = q_BxLxHxDh.shape[:2]
@@ -142,61 +145,76 @@ def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array
         return _xla(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1,
                     xla_attention)
     if impl == 'cudnn':
-        return _dot_product_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, 'cudnn')
+        return jax.nn.dot_product_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, is_causal=True,
+                                            implementation=DOT_PRODUCT_ATTENTION)
     interpret = impl == 'splash_interpret'
     return _per_shard(lambda q, k, v, ids: _splash(q, k, v, ids, ids, interpret),
                       q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL)
 
 
 def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array, causal_chunks: int,
-         xla_attention: Callable[..., Array], skip_unseen: bool = True) -> Array:
-    """`xla_attention` (vrl.model.ops') in `causal_chunks` query chunks, one after another (only a
-    chunk's logits exist at a time). With skip_unseen, causal_chunks > 1 promises a causal mask over
-    queries at the last L of the S key positions: each chunk skips the keys after its last query."""
+         xla_attention: Callable[..., Array]) -> Array:
+    """`xla_attention` (vrl.model.ops' attention, or `_cudnn_attention`) in `causal_chunks` query
+    chunks, one after another (only a chunk's logits exist at a time). causal_chunks > 1 promises a
+    causal mask with the L queries spread evenly over the S key positions, the last at the end
+    (S / L apart: 1 on one device, mesh.context on a split sequence): no query sees a key after
+    S - (S / L)(L - 1 - i) - 1, so each chunk skips the keys after its last query's."""
     B, L, H, Dh = q_BxLxHxDh.shape
     S, K = k_BxSxKxDh.shape[1:3]
     q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, H // K, Dh)
     bounds = sorted({L * i // causal_chunks for i in range(causal_chunks + 1)})
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        seen = S - L + end if skip_unseen else S  # keys [0, seen) are all the chunk's queries can see
+        seen = S - S // L * (L - end)  # keys [0, seen) are all the chunk's queries can see
         outs.append(xla_attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :seen], v_BxSxKxDh[:, :seen],
                                   mask_BxLxS[:, start:end, :seen]))
     return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
 
 
+def _cudnn_attention(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array) -> Array:
+    """vrl.model.ops.attention's signature by jax.nn.dot_product_attention (DOT_PRODUCT_ATTENTION), for
+    a mask that is the same for every row of the batch (no segment ids): cuDNN reads it as a
+    (1, 1, L, S) bias, computing the masked logits too."""
+    B, L, K, G, Dh = q_BxLxKxGxDh.shape
+    out_BxLxHxDh = jax.nn.dot_product_attention(q_BxLxKxGxDh.reshape(B, L, K * G, Dh), k_BxSxKxDh, v_BxSxKxDh,
+                                                mask=mask_BxLxS[:1, None], implementation=DOT_PRODUCT_ATTENTION)
+    return out_BxLxHxDh.reshape(B, L, K, G, Dh)
+
+
 def balanced_order(L: int) -> np.ndarray | None:
     """The order (L,) that the model puts a sequence's tokens in when sequences are split over the
-    traced-in mesh's `context` axis (None: whole sequences). Zig-zag: cut into 2c pieces, device p
-    holds pieces p and 2c - 1 - p, so with causal attention every device has the same work (with
-    the plain split, the last part's queries see every key and the first part's only their own)."""
+    traced-in mesh's `context` axis (None: whole sequences): striped, device p of c holding positions
+    p, p + c, p + 2c, ... (order[i]: where the token at i stands in the sequence). With causal
+    attention every device then has the same work, and its i-th query sees the keys before
+    (i + 1) c, whatever p is; with the plain split, the last device's queries see every key and
+    the first's only their own."""
     parts = context_parts()
     if parts == 1:
         return None
-    pieces = np.arange(L).reshape(2 * parts, L // (2 * parts))
-    return np.concatenate([np.concatenate([pieces[p], pieces[2 * parts - 1 - p]]) for p in range(parts)])
+    return np.arange(L).reshape(L // parts, parts).T.reshape(L)
 
 
 def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, ids_BxL: Array | None,
-                      order: np.ndarray, query_chunks: int, xla_attention: Callable[..., Array],
-                      copies: Copies) -> Array:
+                      query_chunks: int, xla_attention: Callable[..., Array], copies: Copies) -> Array:
     """Causal attention with each sequence split over the mesh's `context` axis (L is the whole
-    sequence here; a device holds P = L / context of it): each device keeps its queries and gathers the
-    keys, values and segment ids of the whole sequence (in the backward pass, their gradients are
-    reduce-scattered back). Keys or values given as `copies` are not gathered: each device reads
-    its own copy.
+    sequence here, in `balanced_order`; a device holds P = L / c of it): each device keeps its queries
+    and gathers the keys, values and segment ids of the whole sequence (in the backward pass, their
+    gradients are reduce-scattered back). Keys or values given as `copies` are not gathered: each
+    device reads its own copy.
 
-    The tokens come in `order` (`balanced_order`), which the masks map back to sequence positions. xla: each
-    device computes its P queries' logits over all L keys, in `query_chunks` chunks, the masked ones
-    too (a part's positions depend on a traced index, so no key range can be skipped): twice the
-    causal need, and (P / query_chunks, L) float32 logits per head at a time. splash: one kernel
-    per part, its mask that part's rows of the causal mask, each device running its own (lax.switch
-    on its index); masked blocks are skipped, and every part has the same number left."""
+    xla and cudnn: the keys are put in sequence order and each device attends in `query_chunks`
+    chunks, a chunk over the keys up to its last query's (`_xla`): every device computes the
+    same (chunks + 1) / chunks of the causal need, and its part index only enters the mask.
+    cuDNN is given the mask as a bias (cuDNN through JAX knows only the causal mask of queries and
+    keys that stand together). splash: one kernel per device (lax.switch on its index), its mask
+    that device's rows of the causal mask over the keys as gathered (`_StripedRows`); masked
+    blocks are skipped, and every device keeps the same number."""
     mesh = jax.sharding.get_abstract_mesh()
     ids_spec = None if ids_BxL is None else logical_spec((Axis.BATCH, Axis.LENGTH))
     k_given, k_spec = (k_BxLxKxDh, _KV_SPEC) if copies.k is None else (copies.k, _copies_spec())
     v_given, v_spec = (v_BxLxKxDh, _KV_SPEC) if copies.v is None else (copies.v, _copies_spec())
     parts = context_parts()
+    attend = _cudnn_attention if impl == 'cudnn' and ids_BxL is None else xla_attention  # cuDNN takes no ids
 
     def local(q_BxPxHxDh, k_local, v_local, ids_BxP):
         k_BxLxKxDh = _whole(k_local) if copies.k is None else k_local[0]
@@ -207,17 +225,24 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
         part = jax.lax.axis_index('context')
         if impl.startswith('splash'):
             interpret = impl == 'splash_interpret'
-            kernels = [functools.partial(_splash, interpret=interpret, causal=_ZigzagRows(i, parts, L))
+            kernels = [functools.partial(_splash, interpret=interpret, causal=_StripedRows(i, parts, L))
                        for i in range(parts)]
             return jax.lax.switch(part, kernels, q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxP, ids_whole_BxL)
-        order_CxP = jnp.asarray(order.reshape(parts, P))
-        mask_BxPxL = jnp.broadcast_to(order_CxP[part][:, None] >= jnp.asarray(order)[None, :], (B, P, L))
+        k_seq, v_seq = _in_sequence(k_BxLxKxDh, parts), _in_sequence(v_BxLxKxDh, parts)
+        mask_BxPxL = jnp.broadcast_to(parts * jnp.arange(P)[:, None] + part >= jnp.arange(L)[None, :], (B, P, L))
         if ids_BxP is not None:
-            mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == ids_whole_BxL[:, None, :])
-        return _xla(q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_BxPxL, query_chunks, xla_attention, skip_unseen=False)
+            mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == _in_sequence(ids_whole_BxL, parts)[:, None, :])
+        return _xla(q_BxPxHxDh, k_seq, v_seq, mask_BxPxL, query_chunks, attend)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(_Q_SPEC, k_spec, v_spec, ids_spec), out_specs=_Q_SPEC,
                          check_vma=False)(q_BxLxHxDh, k_given, v_given, ids_BxL)
+
+
+def _in_sequence(x_BxLx_: Array, parts: int) -> Array:
+    """A whole sequence gathered device after device (balanced_order) -> in sequence order."""
+    B, L = x_BxLx_.shape[:2]
+    x_BxCxPx_ = x_BxLx_.reshape(B, parts, L // parts, *x_BxLx_.shape[2:])
+    return jnp.swapaxes(x_BxCxPx_, 1, 2).reshape(x_BxLx_.shape)
 
 
 def whole_copies(x_BxLxKxDh: Array) -> Array:
@@ -239,12 +264,6 @@ def _whole(part_BxPx_: Array) -> Array:
     return jax.lax.all_gather(part_BxPx_, 'context', axis=1, tiled=True)
 
 
-def _dot_product_attention(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, implementation: str) -> Array:
-    """jax.nn.dot_product_attention on vrl's layouts (its BTNH), causal, GQA kv heads as they are."""
-    return jax.nn.dot_product_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, is_causal=True,
-                                        implementation=implementation)
-
-
 def _per_shard(kernel, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, ids_BxL: Array | None) -> Array:
     """Runs a Pallas kernel on each device's shard (batch over data x fsdp, heads over tensor):
     a custom call cannot be partitioned by XLA, only placed whole per device."""
@@ -256,33 +275,29 @@ def _per_shard(kernel, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, 
                          check_vma=False)(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
 
 
-class _ZigzagRows(splash_mask._ComputableMask):
-    """Part `part`'s rows of the causal mask over L tokens in `balanced_order`: (L / parts, L),
-    computed from indices (numpy when splash plans its blocks, in the kernel when it runs) by the
-    order's piecewise-linear map to sequence positions. A subclass of splash's own base for
-    computed masks, as its CausalMask is."""
+class _StripedRows(splash_mask._ComputableMask):
+    """Device `part`'s rows of the causal mask over L tokens in `balanced_order`: (L / parts, L),
+    its rows (queries) at positions parts * i + part and the keys as gathered, device after device,
+    key j of device d at position parts * j + d. Computed from indices (numpy when splash plans its
+    blocks, in the kernel when it runs), with comparisons and products only. A subclass of
+    splash's own base for computed masks, as its CausalMask is."""
 
     def __init__(self, part: int, parts: int, L: int):
         self.part, self.parts = part, parts
         super().__init__((L // parts, L), self._seen)
 
-    def _position(self, index, part):
-        """Sequence position of row `index` of part `part` (a device's P rows: two pieces of P / 2)."""
-        half = self.shape[0] // 2
-        return part * half + index + (index >= half) * ((2 * self.parts - 2 - 2 * part) * half)
-
     def _seen(self, q_ids, kv_ids):
         P = self.shape[0]
-        kv_position = sum(((kv_ids >= d * P) & (kv_ids < (d + 1) * P)) * self._position(kv_ids - d * P, d)
+        kv_position = sum(((kv_ids >= d * P) & (kv_ids < (d + 1) * P)) * (self.parts * (kv_ids - d * P) + d)
                           for d in range(self.parts))
-        return self._position(q_ids, self.part) >= kv_position
+        return self.parts * q_ids + self.part >= kv_position
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ZigzagRows) and (self.part, self.parts, self.shape) == (
+        return isinstance(other, _StripedRows) and (self.part, self.parts, self.shape) == (
             other.part, other.parts, other.shape)
 
     def __hash__(self) -> int:
-        return hash((_ZigzagRows, self.part, self.parts, self.shape))
+        return hash((_StripedRows, self.part, self.parts, self.shape))
 
 
 def _splash(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, ids_BxL: Array | None, ids_BxS: Array | None,

@@ -229,14 +229,14 @@ def resolve(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None
 
 def fit_context(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None,
                 say: Callable[[str], None] = print) -> tuple[Config, CompileReport | None]:
-    """`resolve` for mesh.context=0 (auto): each context size c that divides a slice's devices (and
-    2c data.seq_len), fewest devices per sequence first (each split adds the keys' and values' exchange),
+    """`resolve` for mesh.context=0 (auto): each context size c that divides a slice's devices and
+    data.seq_len, fewest devices per sequence first (each split adds the keys' and values' exchange),
     until the step fits; the mesh axis at -1 gives up the devices. Every other auto setting is
-    resolved at each size (cuDNN attention only serves whole sequences). Without a known
-    memory limit (CPU), every sequence stays whole."""
+    resolved at each size (the attention kernel among them). Without a known memory limit (CPU),
+    every sequence stays whole."""
     per_slice = len(devices) // config.mesh.slices
     sizes = [c for c in range(1, per_slice + 1)
-             if per_slice % c == 0 and (c == 1 or config.data.seq_len % (2 * c) == 0)]
+             if per_slice % c == 0 and config.data.seq_len % c == 0]
     for context in sizes[:1] if hbm_bytes is None else sizes:
         candidate = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, context=context))
         try:
@@ -254,5 +254,5 @@ def fit_context(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | 
         say(f'auto fit: mesh.context={context} ({why})')
         return fitted, report
     raise CompileError(f'the train step does not fit {devices[0].device_kind} at any mesh.context in {sizes} '
-                       '(the sizes c that divide a slice\'s devices, with 2c dividing data.seq_len). Lower '
+                       '(the sizes that divide both a slice\'s devices and data.seq_len). Lower '
                        'data.batch_size or data.seq_len, or use more devices.')
