@@ -303,3 +303,30 @@ def test_the_cudnn_call_means_what_the_xla_path_computes(monkeypatch):
     want = attention.attention('xla', q, k, v, attention.Causal(None), causal_chunks=2)
     got = attention.attention('cudnn', q, k, v, attention.Causal(None), causal_chunks=2)
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.skipif(jax.default_backend() != 'gpu',
+                    reason='cuDNN needs an NVIDIA GPU: JAX_PLATFORMS=cuda python -m pytest tests/test_attention.py -k gpu')
+def test_cudnn_on_a_gpu_attends_with_a_parts_chunks_as_the_xla_path_does():
+    """On a GPU, the cuDNN calls the context-parallel path makes for one device's part: part 1 of 4
+    of a striped sequence, 4 query chunks each over the keys up to its last query, the mask as a
+    (1, 1, rows, keys) bias. Outputs and q, k, v gradients (bfloat16, GQA) match vrl's XLA path
+    on the same inputs. (Splitting over several GPUs changes nothing in these calls.)"""
+    parts, part, chunks = 4, 1, 4
+    B, L, H, K, Dh = 2, 2048, 8, 2, 64
+    P = L // parts
+    keys = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(keys[0], (B, P, H, Dh), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (B, L, K, Dh), jnp.bfloat16) for key in keys[1:3])
+    weights = jax.random.normal(keys[3], (B, P, H, Dh))
+    mask = jnp.broadcast_to(parts * jnp.arange(P)[:, None] + part >= jnp.arange(L)[None, :], (B, P, L))
+
+    def loss(q, k, v, attend):
+        return jnp.sum(attention._xla(q, k, v, mask, chunks, attend).astype(jnp.float32) * weights)
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    (want, want_grads), (got, got_grads) = run(q, k, v, ops.attention), run(q, k, v, attention._cudnn_attention)
+    assert 'cudnn' in run.lower(q, k, v, attention._cudnn_attention).compile().as_text().lower()
+    assert abs(float(got - want)) / abs(float(want)) < 2e-2
+    for a, b in zip(got_grads, want_grads):
+        assert rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) < 3e-2
