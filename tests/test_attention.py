@@ -308,7 +308,7 @@ def test_cudnn_on_a_gpu_attends_with_a_parts_chunks_as_the_xla_path_does():
     q = jax.random.normal(keys[0], (B, P, H, Dh), jnp.bfloat16)
     k, v = (jax.random.normal(key, (B, L, K, Dh), jnp.bfloat16) for key in keys[1:3])
     weights = jax.random.normal(keys[3], (B, P, H, Dh))
-    mask = jnp.broadcast_to(parts * jnp.arange(P)[:, None] + part >= jnp.arange(L)[None, :], (B, P, L))
+    mask = jnp.broadcast_to(attention._striped_rows(part, parts, L), (B, P, L))
 
     def loss(q, k, v, attend):
         return jnp.sum(attention._xla(q, k, v, mask, chunks, attend).astype(jnp.float32) * weights)

@@ -229,13 +229,19 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
                        for i in range(parts)]
             return jax.lax.switch(part, kernels, q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxP, ids_whole_BxL)
         k_seq, v_seq = _in_sequence(k_BxLxKxDh, parts), _in_sequence(v_BxLxKxDh, parts)
-        mask_BxPxL = jnp.broadcast_to(parts * jnp.arange(P)[:, None] + part >= jnp.arange(L)[None, :], (B, P, L))
+        mask_BxPxL = jnp.broadcast_to(_striped_rows(part, parts, L), (B, P, L))
         if ids_BxP is not None:
             mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == _in_sequence(ids_whole_BxL, parts)[:, None, :])
         return _xla(q_BxPxHxDh, k_seq, v_seq, mask_BxPxL, query_chunks, attend)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(_Q_SPEC, k_spec, v_spec, ids_spec), out_specs=_Q_SPEC,
                          check_vma=False)(q_BxLxHxDh, k_given, v_given, ids_BxL)
+
+
+def _striped_rows(part: Array | int, parts: int, L: int) -> Array:
+    """(L / parts, L): device `part`'s rows of the causal mask, its queries at positions
+    parts * i + part (balanced_order) and the keys in sequence order."""
+    return parts * jnp.arange(L // parts)[:, None] + part >= jnp.arange(L)[None, :]
 
 
 def _in_sequence(x_BxLx_: Array, parts: int) -> Array:
