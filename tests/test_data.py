@@ -94,7 +94,7 @@ def test_process_shards_partition_the_epoch(small_corpus, process_count, min_blo
     monkeypatch.setattr(pipeline, 'BYTES_PER_TOKEN', bytes_per_token)
     cfg, tokenizer = small_corpus
     cfg = dataclasses.replace(cfg, batch_size=8 * process_count, seq_len=256)
-    per_block = pipeline._Blocks(None, corpus.split_info(cfg.name, cfg.data_dir, 'train'), cfg.seq_len).per_block
+    per_block = pipeline._Blocks(None, corpus.split_info(cfg.name, cfg.data_dir, 'train'), cfg.seq_len, 'train').per_block
     assert (per_block == 1) == (min_blocks > 1000) and per_block < 100
     union = collections.Counter()
     total = 0

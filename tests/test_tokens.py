@@ -192,7 +192,7 @@ def test_pretokenized_batches_equal_tokenizing_on_the_fly(pretokenized, hf_token
     in blocks of consecutive documents (a corpus of short documents; here ~50)."""
     _blocks(monkeypatch, min_blocks, bytes_per_token)
     cfg, folder = pretokenized
-    per_block = pipeline._Blocks(None, corpus.split_info('plays', cfg.data_dir, 'train'), cfg.seq_len).per_block
+    per_block = pipeline._Blocks(None, corpus.split_info('plays', cfg.data_dir, 'train'), cfg.seq_len, 'train').per_block
     assert (per_block == 1) == (min_blocks > 1000) and per_block < 100
     cfg = dataclasses.replace(cfg, document_masking=document_masking, num_epochs=2)
     with caplog.at_level(logging.INFO):

@@ -223,6 +223,9 @@ def _eval_set(entry: str, default_split: str) -> tuple[str, str]:
     return name, split
 
 
+SHUFFLES = ('auto', 'documents', 'windows')  # data.shuffle
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Input pipeline: a TFDS array_record dataset, a tokenizer, packing, grain."""
@@ -246,7 +249,15 @@ class DataConfig:
     # threads reading blocks of documents ahead in each process (on an object store, the ranged reads
     # in flight); 0 = read when needed; -1 = auto: 0 on local disk, 64 for a data_dir on a store
     read_threads: int = -1
-    prefetch: int = 2  # batches read ahead per worker
+    prefetch: int = 2  # batches packed ahead, on a thread beside the step
+    # how training's documents are shuffled (docs/data.md): 'documents' = globally, in small blocks of
+    # about a sequence of text each; 'windows' = whole I/O blocks of data.block_tokens tokens (one
+    # read each), permuted every epoch, documents shuffled within windows of data.window_blocks
+    # blocks, each process taking whole windows; 'auto' = windows for a pre-tokenized copy on an
+    # object store, documents otherwise
+    shuffle: str = 'auto'
+    block_tokens: int = 0  # tokens of an I/O block in windows (never across a shard); 0 = auto: 256K or a shard
+    window_blocks: int = 64  # blocks whose documents are shuffled together
     add_bos: bool = False  # put BOS at every document start (EOS always ends one)
     document_masking: bool = False  # segment ids + per-document positions: no attention across docs
     # several datasets instead of `name`: 'NAME=WEIGHT,NAME=WEIGHT' (each dataset's share of the tokens;
@@ -267,6 +278,9 @@ class DataConfig:
             _require(getattr(self, name) >= 1, f'data.{name}', getattr(self, name), 'an integer >= 1')
         for name in ('num_epochs', 'num_workers', 'prefetch'):
             _require(getattr(self, name) >= 0, f'data.{name}', getattr(self, name), 'an integer >= 0')
+        _require(self.shuffle in SHUFFLES, 'data.shuffle', self.shuffle, f'one of {SHUFFLES}')
+        _require(self.block_tokens >= 0, 'data.block_tokens', self.block_tokens, 'an integer >= 1, or 0 (auto)')
+        _require(self.window_blocks >= 1, 'data.window_blocks', self.window_blocks, 'an integer >= 1')
         _require(self.read_threads >= -1, 'data.read_threads', self.read_threads, 'an integer >= 0, or -1 (auto)')
         _require(bool(self.name), 'data.name', self.name, 'a non-empty TFDS dataset name')
         self.evaluated()  # parses data.eval, or names what is wrong

@@ -6,8 +6,10 @@ directly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Callable, TypeVar
+import threading
+from typing import Callable, Iterator, TypeVar
 
 import jax
 import numpy as np
@@ -21,6 +23,32 @@ _MESSAGE_BYTES = 2048  # process 0's error line, as every process receives it
 
 class PeerError(VrlError, RuntimeError):
     """Another process stopped on bad input; this one reports its line."""
+
+
+class AloneError(RuntimeError):
+    """A collective operation called from code that only process 0 runs (`on_process_0`): the other
+    processes never call it, so it would wait for them forever, or pair with an unrelated one."""
+
+
+_alone = threading.local()  # depth of on_process_0 calls this thread is inside
+
+
+@contextlib.contextmanager
+def _only_this_process() -> Iterator[None]:
+    _alone.depth = getattr(_alone, 'depth', 0) + 1
+    try:
+        yield
+    finally:
+        _alone.depth -= 1
+
+
+def together(operation: str) -> None:
+    """Raises AloneError when `operation`, a collective, is called inside `on_process_0` (on any number
+    of processes, so that a one-process test finds the mistake a pod would hang on)."""
+    if getattr(_alone, 'depth', 0):
+        raise AloneError(f'{operation} is a collective operation, called from code that only process 0 runs '
+                         '(multihost.on_process_0): the other processes would never join it. Run that code on '
+                         'every process (multihost.everywhere) instead.')
 
 
 def define_flags() -> dict[str, flags.FlagHolder]:
@@ -54,6 +82,7 @@ def preemption_service() -> bool:
 
 def sync(name: str) -> None:
     """Every process waits here until all have arrived."""
+    together(f'sync({name!r})')
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
@@ -61,6 +90,7 @@ def sync(name: str) -> None:
 
 def every_process(flag: bool) -> bool:
     """Whether `flag` holds on every process: one small all-gather (none on one process)."""
+    together('every_process')
     if jax.process_count() == 1:
         return flag
     from jax.experimental import multihost_utils
@@ -69,6 +99,7 @@ def every_process(flag: bool) -> bool:
 
 def summed(values: np.ndarray) -> np.ndarray:
     """`values` summed over every process: one small all-gather (none on one process)."""
+    together('summed')
     if jax.process_count() == 1:
         return values
     from jax.experimental import multihost_utils
@@ -95,6 +126,7 @@ def everywhere(fn: Callable[[], T]) -> T:
     """fn() on every process. Whatever one raises stops every process: that one raises it, each
     other a PeerError with its line (a VrlError's message; another error's type and message), so
     none waits for a peer that left."""
+    together('everywhere')
     if jax.process_count() == 1:
         return fn()
     result, error = None, None
@@ -112,8 +144,15 @@ def everywhere(fn: Callable[[], T]) -> T:
 
 
 def on_process_0(fn: Callable[[], T]) -> T | None:
-    """fn() on process 0 (None elsewhere); what it raises stops every process (`everywhere`)."""
-    return everywhere(lambda: fn() if jax.process_index() == 0 else None)
+    """fn() on process 0 (None elsewhere); what it raises stops every process (`everywhere`). fn may
+    call no collective operation (AloneError): the other processes are not running it."""
+
+    def alone() -> T | None:
+        if jax.process_index() != 0:
+            return None
+        with _only_this_process():
+            return fn()
+    return everywhere(alone)
 
 
 def process_0_first(fn: Callable[[], T]) -> T:

@@ -99,10 +99,19 @@ def open_split(name: str, data_dir: str, split: str):
 
 
 def _build_if_built_in(name: str, data_dir: str) -> None:
+    """Builds built-in corpus `name` in data_dir unless it is there. The build is a collective: on a
+    job of several processes each builds its share of the files, so every process must get here
+    (inside `multihost.on_process_0` it stops with AloneError rather than build a part)."""
     if name in _BUILT_IN and not (storage.path(data_dir) / name / build.VERSION / build.INPUTS).exists():
         logging.info('building the built-in %r corpus in %s (once)', name, data_dir)
         with _BUILT_IN[name]() as spec:
             build.prepare(spec, name, data_dir)
+
+
+def build_built_in(name: str, data_dir: str) -> None:
+    """Built-in corpus `name` made in data_dir if it is one and not made yet (nothing otherwise): run
+    by every process of a job, before anything that only process 0 runs reads it."""
+    _build_if_built_in(name, build.checked_data_dir(data_dir))
 
 
 def _missing(name: str, data_dir: str, why: str) -> DataError:

@@ -31,7 +31,7 @@ from absl import flags
 
 from vrl.core import multihost, storage
 from vrl.core.config import ConfigError, DataConfig
-from vrl.data import build, corpus, tokens
+from vrl.data import build, corpus, tokens, windows
 from vrl.data.tokenizer import Tokenizer, TokenizerError
 from vrl.data.tokenizer import train as train_tokenizer
 
@@ -77,8 +77,8 @@ class _Blocks:
     pre-tokenized copy (tokens.TokenSource) or the text tokenized on the fly (`_OnTheFly`); both
     cut the same blocks. Picklable: grain workers read their own."""
 
-    def __init__(self, source: tokens.TokenSource | _OnTheFly, split: corpus.SplitInfo, seq_len: int):
-        self._source = source
+    def __init__(self, source: tokens.TokenSource | _OnTheFly, split: corpus.SplitInfo, seq_len: int, where: str):
+        self.source, self.where = source, where
         self.count_bytes = isinstance(source, _OnTheFly) and source.count_bytes  # documents come as (ids, bytes)
         self.documents = split.documents
         window_bytes = BYTES_PER_TOKEN * seq_len
@@ -89,7 +89,7 @@ class _Blocks:
         return -(-self.documents // self.per_block)
 
     def __getitem__(self, block: int) -> list[np.ndarray]:
-        return self._source.documents(range(block * self.per_block, min((block + 1) * self.per_block, self.documents)))
+        return self.source.documents(range(block * self.per_block, min((block + 1) * self.per_block, self.documents)))
 
 
 class _PackIterator(grain.DatasetIterator):
@@ -99,10 +99,11 @@ class _PackIterator(grain.DatasetIterator):
     `count_bytes`, a document arrives as (ids, bytes of text per id) and each example gains
     'target_bytes' (the separators stand for no text)."""
 
-    def __init__(self, parent: grain.DatasetIterator, documents_per_block: int, seq_len: int, separator: np.ndarray,
-                 eos_id: int, pad_id: int, document_masking: bool, count_bytes: bool):
+    def __init__(self, parent: grain.DatasetIterator, documents_per_block: int, reading: dict, seq_len: int,
+                 separator: np.ndarray, eos_id: int, pad_id: int, document_masking: bool, count_bytes: bool):
         super().__init__(parent)
         self._per_block = documents_per_block  # what the parent's position counts
+        self._reading = reading  # how the parent shuffles: a position saved another way is refused
         self._L, self._separator, self._eos, self._pad = seq_len, separator, eos_id, pad_id
         self._document_masking, self._count_bytes = document_masking, count_bytes
         # the stream not yet emitted (the next window's start): its tokens, each token's document
@@ -160,9 +161,16 @@ class _PackIterator(grain.DatasetIterator):
     def get_state(self) -> dict[str, Any]:  # between windows every piece is joined
         return {'parent': self._parent.get_state(), 'tokens': self._tokens.tolist(),
                 'groups': self._groups.tolist(), 'n_groups': self._n_groups, 'exhausted': self._exhausted,
-                'documents_per_element': [self._per_block]}
+                'documents_per_element': [self._per_block], 'reading': self._reading}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        reading = state.get('reading', {'shuffle': 'documents'})  # a position saved without it: documents
+        if reading['shuffle'] != self._reading['shuffle']:
+            raise corpus.DataError(
+                f"the saved data position was read with data.shuffle={reading['shuffle']!r}, and this run reads "
+                f"with {self._reading['shuffle']!r} (data.shuffle, or 'auto' on another store): set "
+                f"--config.data.shuffle={reading['shuffle']} to resume, or start a new --workdir from these weights "
+                'with --init_from=CHECKPOINT.')
         saved = state.get('documents_per_element', [1])  # a position saved without it counts documents
         if saved != [self._per_block]:
             raise corpus.DataError(
@@ -312,15 +320,38 @@ def _blocks(cfg: DataConfig, tokenizer: Tokenizer, name: str, split: str, count_
     pre-tokenized copy for this tokenizer when it has one (`_source`); the blocks, and so
     everything after, are the same either way."""
     return _Blocks(_source(cfg, tokenizer, name, split, count_bytes), corpus.split_info(name, cfg.data_dir, split),
-                   cfg.seq_len)
+                   cfg.seq_len, f'{name} {split}')
 
 
 def _windows(blocks: _Blocks, cfg: DataConfig, tokenizer: Tokenizer, *, seed: int | None, num_epochs: int | None,
              process_index: int, process_count: int, share: float = 1.0) -> grain.IterDataset:
-    """One dataset's packed windows of L + 1 tokens, from this process's share of its blocks (every
-    `process_count`-th), shuffled with `seed` (None: in order) and repeated `num_epochs` times (None:
-    forever); read by `share` of the reading threads and worker processes (a mixture's dataset
-    reads beside the others)."""
+    """One dataset's packed windows of L + 1 tokens, from this process's share of its documents,
+    shuffled with `seed` (None: in order, every `process_count`-th block) and repeated `num_epochs`
+    times (None: forever), as data.shuffle says (`_shuffled`); read by `share` of the reading
+    threads and worker processes (a mixture's dataset reads beside the others)."""
+    windowed = seed is not None and _window_shuffled(cfg, blocks)
+    if windowed:
+        ds, per_element, reading = _window_read(blocks, cfg, seed, num_epochs, process_index, process_count, share)
+    else:
+        ds, per_element, reading = _document_read(blocks, cfg, seed, num_epochs, process_index, process_count, share)
+    return _PackIterDataset(ds, per_element, reading, cfg.seq_len, _separator(cfg, tokenizer), tokenizer.eos_id,
+                            tokenizer.pad_id, cfg.document_masking, blocks.count_bytes)
+
+
+def _window_shuffled(cfg: DataConfig, blocks: _Blocks) -> bool:
+    """Whether training reads `blocks`' dataset in windows (data.shuffle): 'auto' does for a
+    pre-tokenized copy on an object store, where a request costs tens of milliseconds."""
+    pretokenized = isinstance(blocks.source, tokens.TokenSource)
+    if cfg.shuffle == 'windows' and not pretokenized:
+        raise corpus.DataError(f"data.shuffle='windows' reads a pre-tokenized copy, and {blocks.where} is tokenized on "
+                               "the fly: pre-tokenize it (`python -m vrl.data tokenize`) or use data.shuffle='documents'.")
+    return cfg.shuffle == 'windows' or (cfg.shuffle == 'auto' and pretokenized and storage.is_remote(cfg.data_dir))
+
+
+def _document_read(blocks: _Blocks, cfg: DataConfig, seed: int | None, num_epochs: int | None, process_index: int,
+                   process_count: int, share: float) -> tuple[grain.IterDataset, int, dict]:
+    """Small blocks (about a sequence of text each) shuffled globally, every `process_count`-th to
+    this process, read ahead by grain's threads and worker processes."""
     ds = grain.MapDataset.source(blocks)
     ds = (ds if seed is None else ds.shuffle(seed=seed)).repeat(num_epochs)
     ds = ds[process_index::process_count].to_iter_dataset(_read_options(cfg, share))
@@ -329,8 +360,24 @@ def _windows(blocks: _Blocks, cfg: DataConfig, tokenizer: Tokenizer, *, seed: in
             flags.FLAGS.mark_as_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers,
                                                          per_worker_buffer_size=max(cfg.prefetch, 1) * 16))
-    return _PackIterDataset(ds, blocks.per_block, cfg.seq_len, _separator(cfg, tokenizer), tokenizer.eos_id,
-                            tokenizer.pad_id, cfg.document_masking, blocks.count_bytes)
+    return ds, blocks.per_block, {'shuffle': 'documents'}
+
+
+REMOTE_WINDOW_READS = 8  # data.read_threads=-1 in windows on an object store: block reads in flight per process
+
+
+def _window_read(blocks: _Blocks, cfg: DataConfig, seed: int, num_epochs: int | None, process_index: int,
+                 process_count: int, share: float) -> tuple[grain.IterDataset, int, dict]:
+    """I/O blocks of data.block_tokens read whole, shuffled in windows of data.window_blocks
+    (vrl/data/windows.py), handed out about a sequence of text at a time."""
+    source = blocks.source
+    io = windows.plan(source.shard_documents, source.token_count(), cfg.block_tokens, blocks.where)
+    reads = cfg.read_threads if cfg.read_threads >= 0 else REMOTE_WINDOW_READS if storage.is_remote(cfg.data_dir) else 0
+    reading = {'shuffle': 'windows', 'block_documents': io.per_block, 'window_blocks': cfg.window_blocks}
+    ds = windows.WindowDataset(source, io, window_blocks=cfg.window_blocks, per_element=blocks.per_block, seed=seed,
+                               num_epochs=num_epochs, process_index=process_index, process_count=process_count,
+                               reads=math.ceil(reads * share), settings=reading)
+    return ds, blocks.per_block, reading
 
 
 def _batches(windows: grain.IterDataset, cfg: DataConfig, process_count: int) -> grain.IterDataset:
@@ -345,14 +392,14 @@ REMOTE_READ_THREADS = 64  # data.read_threads=-1 on an object store: ranged read
 def _read_options(cfg: DataConfig, share: float) -> grain.ReadOptions:
     """Reading in this process's threads, `share` of them for one dataset. On local disk none by
     default: grain's threads busy-wait on their futures and cost more than a mapped read. On an
-    object store, where a block is two ranged reads of tens of milliseconds, REMOTE_READ_THREADS
-    reads in flight (data.read_threads sets it); the blocks read ahead, at most 32 a thread, bound
-    the reader's memory."""
+    object store, where a block is a ranged read of tens of milliseconds, REMOTE_READ_THREADS
+    reads in flight (data.read_threads sets it). The buffer is twice the threads: grain 0.2's
+    prefetch statistics scan the whole buffer on every element (~3 ms an element at 2,048)."""
     threads = cfg.read_threads
     if threads < 0:
         threads = REMOTE_READ_THREADS if storage.is_remote(cfg.data_dir) else 0
     threads = math.ceil(threads * share)
-    return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(threads, 1) * 32)
+    return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(threads, 1) * 2)
 
 
 def provenance(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -417,7 +464,10 @@ def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0,
                for i, (name, _) in enumerate(sources)]
     mixed = _MixIterDataset(members, cfg.phases(), per_process_batch_size(cfg, process_count),
                             (process_index, process_count))
-    return _batches(mixed, cfg, process_count)
+    # packed and batched on a thread ahead of the step, which only takes a ready batch; its position
+    # (get_state) is the last batch taken's
+    return grain.experimental.ThreadPrefetchIterDataset(_batches(mixed, cfg, process_count),
+                                                        prefetch_buffer_size=cfg.prefetch)
 
 
 EVAL_KEPT_BYTES = 1 << 30  # a pass of an evaluation set up to this size is kept in memory for the next
@@ -505,13 +555,20 @@ def _pad_batch(batch: Batch, batch_size: int) -> Batch:
             for k, v in batch.items()}
 
 
+def build_built_ins(cfg: DataConfig) -> None:
+    """Every built-in corpus the config reads, built on first use: run by every process of a job,
+    each building its share of the files, so that the dataset is whole."""
+    for name in dict.fromkeys([name for name, _ in cfg.sources()] + [name for name, _ in cfg.evaluated()]):
+        corpus.build_built_in(name, cfg.data_dir)
+
+
 def tokenizer_for_run(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
-    """The tokenizer, with every dataset the config reads opened first: a built-in corpus is built and
-    a tokenizer trained if none is named, in data_dir. A multi-host job runs this on process 0 first
-    (vrl/core/multihost.py), so that those are made once, in the one place every host reads."""
-    for name, _ in cfg.sources():
-        corpus.open_split(name, cfg.data_dir, cfg.train_split)
-    for name, split in cfg.evaluated():
+    """The tokenizer, once every split the config reads is known to exist (from its metadata: no text
+    is copied): data.tokenizer, or one trained on the train split and cached beside the dataset (in
+    data_dir) if none is named. A multi-host job runs this on process 0 first
+    (vrl/core/multihost.py), so that a tokenizer is trained once, in the one place every host reads;
+    built-in corpora are built before, by every process (`build_built_ins`)."""
+    for name, split in [(name, cfg.train_split) for name, _ in cfg.sources()] + list(cfg.evaluated()):
         corpus.split_info(name, cfg.data_dir, split)  # a missing one is a DataError before anything compiles
     return load_tokenizer(cfg, model_vocab_size)
 

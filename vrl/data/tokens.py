@@ -53,6 +53,11 @@ class TokenSource:
     def __len__(self) -> int:
         return int(self._first[-1])
 
+    @property
+    def shard_documents(self) -> list[int]:
+        """Each shard's documents, in order."""
+        return list(self._state['shard_documents'])
+
     def token_count(self) -> float:
         """The split's tokens, as tokens.json records them."""
         return float(self._state['tokens'])

@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
-from vrl.core import storage
+from vrl.core import multihost, storage
 from vrl.core.config import EXECUTION_FIELDS, Config, ModelConfig
 from vrl.core.errors import CheckpointError, VrlError
 from vrl.train import orbax_noise
@@ -329,10 +329,8 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any, data_ite
             state = _restore_step(manager, step, abstract_state, data_iterator, config)
         except CorruptCheckpointError as e:
             reason = str(e)
-        if jax.process_count() > 1:  # every host restored its own shards: all must have succeeded
-            from jax.experimental import multihost_utils
-            if not np.all(multihost_utils.process_allgather(np.array(not reason))):
-                reason = reason or 'another host could not read its shards'
+        if not multihost.every_process(not reason):  # every host restored its own shards: all must have succeeded
+            reason = reason or 'another host could not read its shards'
         if not reason:
             for bad_step, why in damaged:
                 moved = _reject(manager, bad_step, why)
@@ -358,9 +356,7 @@ def _reject(manager: ocp.CheckpointManager, step: int, reason: str) -> epath.Pat
         target.parent.mkdir(parents=True, exist_ok=True)
         storage.move(source, target)
         (target / 'REJECTED.txt').write_text(reason + '\n')
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(f'vrl rejected checkpoint {step}')
+    multihost.sync(f'vrl rejected checkpoint {step}')
     return target
 
 

@@ -117,7 +117,7 @@ class Preemption:
                   flush=True)
         if step % every:
             return noticed, dict.fromkeys(local, False)
-        agreed = np.any(multihost_utils.process_allgather(np.array([self.requested, *local.values()])), axis=0)
+        agreed = multihost.summed(np.array([self.requested, *local.values()], np.int32)) > 0
         return noticed or bool(agreed[0]), {name: bool(flag) for name, flag in zip(local, agreed[1:])}
 
     def restore(self) -> None:

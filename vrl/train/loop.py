@@ -140,6 +140,7 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     copied_later = tokenizer_source is not None and (
         request.fresh or not workdir_lib.kept_tokenizer(paths[0], tokenizer_source))
     data_cfg = dataclasses.replace(config.data, tokenizer=str(tokenizer_source)) if copied_later else config.data
+    pipeline.build_built_ins(data_cfg)
     tokenizer = multihost.process_0_first(lambda: pipeline.tokenizer_for_run(data_cfg, config.model.vocab_size))
     share = sharding.row_share(early)
     dataset = pipeline.train_dataset(data_cfg, tokenizer, *share)
