@@ -1,25 +1,29 @@
 """Can a host be fed from a bucket? The pre-tokenized reader (vrl/data/tokens.py) reading token
 shards in place from a GCS emulator behind a slow-store proxy (tests/slow_store.py, its own
 process: by default 50 ms a request, 50 MB/s a connection), at the 82M config's per-host batch
-(8 x 2,048), against the same files on local disk.
+(8 x 2,048), against the same files on local disk, in each shuffle (data.shuffle: `documents`,
+grain's threads reading small blocks; `windows`, whole I/O blocks of data.block_tokens).
 
 The dataset is synthetic web pages (lognormal lengths, median ~700 tokens, random ids in a
-32,768-piece vocabulary) written in vrl's pre-tokenized layout, --tokens in all: several times
-what the reader holds ahead (read_threads x 32 blocks of about a window each). Prints a table:
+32,768-piece vocabulary) written in vrl's pre-tokenized layout, --tokens in all. Prints a table:
 time to the first batch, tokens/s after --warmup batches, the median and largest wait for a batch
-after warm-up, the reader's CPU seconds per million tokens, and the bytes fetched per token.
+after warm-up, the share of batches that waited over 1 ms, ranged reads (GETs) per million
+tokens, and the reader's CPU seconds per million tokens; and the load average it ran under.
+--faults adds a row through a store that answers one 503 and resets one connection on the
+token reads.
 
 With --step_ms the consumer stands for a training step: it holds each batch that long (the host idle
 while the accelerator computes, as on a TPU host) before asking for the next, and the table says how
 long it then waited for data: once warm, a reader that keeps up makes no step wait.
 
-    python bench/data_in_place.py [--tokens=50000000] [--latency_ms=50] [--mbps=50] [--threads=16,64,128]
-                                  [--step_ms=0]
+    python bench/data_in_place.py [--tokens=50000000] [--latency_ms=50] [--mbps=50]
+                                  [--modes=documents:8,documents:64,windows:8] [--step_ms=0] [--faults]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -70,8 +74,22 @@ def write_dataset(data_dir: Path, tokenizer: Tokenizer, total_tokens: int, seed:
         {'name': 'train', 'numBytes': str(4 * int(lengths.sum())), 'shardLengths': [str(len(lengths))]}]}))
 
 
+READS = [0]  # ranged reads (GETs on a store) so far
+
+
+def _counting(read_range):
+    def counted(url: str, start: int, end: int) -> bytes:
+        READS[0] += 1
+        return read_range(url, start, end)
+    return counted
+
+
+storage.read_range = _counting(storage.read_range)
+
+
 def measure(cfg: DataConfig, tokenizer: Tokenizer, batches: int, warmup: int, step_s: float = 0.0) -> dict[str, float]:
-    start = time.perf_counter()
+    shards._HELD = shards._HeldOffsets(shards.OFFSETS_HELD_BYTES)  # each row reads the offsets it needs itself
+    start, reads = time.perf_counter(), READS[0]
     iterator = iter(pipeline.train_dataset(cfg, tokenizer))
     next(iterator)
     first = time.perf_counter() - start
@@ -85,8 +103,19 @@ def measure(cfg: DataConfig, tokenizer: Tokenizer, batches: int, warmup: int, st
         waits.append(time.perf_counter() - before)
     seconds, cpu = time.perf_counter() - wall, time.process_time() - cpu
     n = batches * cfg.batch_size * cfg.seq_len
-    return {'first': first, 'tokens/s': n / seconds, 'median wait': statistics.median(waits), 'max wait': max(waits),
-            'waited': sum(w > 1e-3 for w in waits) / len(waits), 'cpu per M': cpu / n * 1e6}
+    taken = (batches + warmup + 1) * cfg.batch_size * cfg.seq_len
+    row = {'first': first, 'tokens/s': n / seconds, 'median wait': statistics.median(waits), 'max wait': max(waits),
+           'waited': sum(w > 1e-3 for w in waits) / len(waits), 'cpu per M': cpu / n * 1e6,
+           'reads per M': (READS[0] - reads) / taken * 1e6}
+    getattr(iterator, 'close', lambda: None)()
+    return row
+
+
+def _proxy(url: str, args: argparse.Namespace, faults: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    proxy = subprocess.Popen([sys.executable, '-m', 'tests.slow_store', f'--upstream={url}',
+                              f'--latency_ms={args.latency_ms}', f'--mbps={args.mbps}',
+                              *[f'--fault={fault}' for fault in faults]], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    return proxy, proxy.stdout.readline().split("'")[1]
 
 
 def main() -> None:
@@ -94,11 +123,17 @@ def main() -> None:
     parser.add_argument('--tokens', type=int, default=50_000_000)
     parser.add_argument('--latency_ms', type=float, default=50)
     parser.add_argument('--mbps', type=float, default=50)
-    parser.add_argument('--threads', default='16,64,128')
+    parser.add_argument('--modes', default='documents:8,documents:64,windows:8',
+                        help='SHUFFLE:READ_THREADS rows through the store, comma-separated')
+    parser.add_argument('--block_tokens', type=int, default=0, help='data.block_tokens of the windows rows')
+    parser.add_argument('--window_blocks', type=int, default=64)
     parser.add_argument('--batches', type=int, default=150)
     parser.add_argument('--warmup', type=int, default=30)
     parser.add_argument('--step_ms', type=float, default=0, help='the time a training step holds each batch')
+    parser.add_argument('--faults', action='store_true', help='a windows row through a store that answers a 503 '
+                        'and resets a connection on token reads')
     args = parser.parse_args()
+    import gcsfs
     with tempfile.TemporaryDirectory() as scratch, serving(f'{scratch}/objects') as url:
         texts = [f'document {i}: ' + 'the quick brown fox jumps over the lazy dog ' * (i % 7 + 1) for i in range(2000)]
         tokenizer = train(texts, 300, f'{scratch}/tokenizer.json')
@@ -106,29 +141,32 @@ def main() -> None:
         write_dataset(local, tokenizer, args.tokens)
         storage.copy_tree(storage.path(str(local)), storage.path('gs://vrl/tfds'))
         size = sum(f.stat().st_size for f in local.rglob('*.tokens'))
-        proxy = subprocess.Popen([sys.executable, '-m', 'tests.slow_store', f'--upstream={url}',
-                                  f'--latency_ms={args.latency_ms}', f'--mbps={args.mbps}'], cwd=ROOT,
-                                 stdout=subprocess.PIPE, text=True)
-        slow_url = proxy.stdout.readline().split("'")[1]
-        os.environ['STORAGE_EMULATOR_HOST'] = slow_url
-        import gcsfs
-        gcsfs.GCSFileSystem.clear_instance_cache()
-        base = DataConfig(name='pages', data_dir=str(local), tokenizer=tokenizer.path, seq_len=2048, batch_size=8)
+        base = DataConfig(name='pages', data_dir=str(local), tokenizer=tokenizer.path, seq_len=2048, batch_size=8,
+                          block_tokens=args.block_tokens, window_blocks=args.window_blocks)
         step_s = args.step_ms / 1e3
-        rows = [('local disk', 0, measure(base, tokenizer, args.batches, args.warmup, step_s))]
-        for threads in map(int, args.threads.split(',')):
-            cfg = DataConfig(**{**base.__dict__, 'data_dir': 'gs://vrl/tfds', 'read_threads': threads})
-            rows.append((f'gs:// via {args.latency_ms:g} ms, {args.mbps:g} MB/s', threads,
-                         measure(cfg, tokenizer, args.batches, args.warmup, step_s)))
-        proxy.terminate()
+        rows = [('local disk', 'documents', 0, measure(base, tokenizer, args.batches, args.warmup, step_s))]
+        runs = [(mode, int(threads), ()) for mode, threads in (m.split(':') for m in args.modes.split(','))]
+        if args.faults:
+            runs.append(('windows', 8, ('503:1:tokens', 'reset:1:tokens')))
+        for mode, threads, faults in runs:
+            proxy, slow_url = _proxy(url, args, faults)
+            os.environ['STORAGE_EMULATOR_HOST'] = slow_url
+            gcsfs.GCSFileSystem.clear_instance_cache()
+            cfg = dataclasses.replace(base, data_dir='gs://vrl/tfds', read_threads=threads, shuffle=mode)
+            store = f'gs:// via {args.latency_ms:g} ms, {args.mbps:g} MB/s' + (', a 503 and a reset' if faults else '')
+            rows.append((store, mode, threads, measure(cfg, tokenizer, args.batches, args.warmup, step_s)))
+            proxy.terminate()
     print(f'dataset: {args.tokens / 1e6:.0f}M tokens ({size / 1e6:.0f} MB uint16) in {SHARDS} shards; batch 8 x 2048; '
-          f'a step holds each batch {args.step_ms:g} ms\n')
-    print('| store | read_threads | first batch (s) | tokens/s | median wait (ms) | max wait (ms) | batches waited '
-          '> 1 ms | reader CPU s / M tokens |')
-    print('|---|---|---|---|---|---|---|---|')
-    for store, threads, r in rows:
-        print(f'| {store} | {threads} | {r["first"]:.2f} | {r["tokens/s"] / 1e6:.2f}M | {1e3 * r["median wait"]:.1f} | '
-              f'{1e3 * r["max wait"]:.0f} | {100 * r["waited"]:.0f}% | {r["cpu per M"]:.2f} |')
+          f'a step holds each batch {args.step_ms:g} ms; windows of {args.window_blocks} blocks '
+          f'(block_tokens {args.block_tokens or "auto"}); load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} '
+          'cores\n')
+    print('| store | shuffle | read threads | first batch (s) | tokens/s | median wait (ms) | max wait (ms) | '
+          'batches waited > 1 ms | GETs / M tokens | reader CPU s / M tokens |')
+    print('|---|---|---|---|---|---|---|---|---|---|')
+    for store, mode, threads, r in rows:
+        print(f'| {store} | {mode} | {threads} | {r["first"]:.2f} | {r["tokens/s"] / 1e6:.2f}M | '
+              f'{1e3 * r["median wait"]:.1f} | {1e3 * r["max wait"]:.0f} | {100 * r["waited"]:.0f}% | '
+              f'{r["reads per M"]:,.0f} | {r["cpu per M"]:.2f} |')
 
 
 if __name__ == '__main__':

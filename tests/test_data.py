@@ -382,3 +382,21 @@ def test_identical_documents_never_straddle_train_and_validation(tmp_path):
     assert set(splits['train']) | set(splits['validation']) == set(texts)
     assert not set(splits['train']) & set(splits['validation']) and splits['validation']
     assert set(splits['train'].values()) == set(splits['validation'].values()) == {3}  # every copy, in one split
+
+
+def test_a_collective_called_from_what_process_0_runs_alone_is_refused(tmp_path):
+    """A collective inside multihost.on_process_0 would wait for processes that never call it (or
+    build part of a dataset alone): refused on any number of processes, before anything is written;
+    the built-in corpus builds on every process instead (pipeline.build_built_ins)."""
+    from vrl.core import multihost
+    from vrl.core.config import DataConfig
+    with pytest.raises(multihost.AloneError, match=r"^sync\('x'\) is a collective operation, called from code that "
+                                                   r'only process 0 runs'):
+        multihost.on_process_0(lambda: multihost.sync('x'))
+    with pytest.raises(multihost.AloneError, match='^everywhere is a collective'):
+        multihost.on_process_0(lambda: corpus.dataset_path('shakespeare', str(tmp_path / 'alone')))
+    assert not list(tmp_path.rglob('*.array_record*')) and not list(tmp_path.rglob('dataset_info.json'))
+    assert multihost.on_process_0(lambda: 7) == 7 and multihost.every_process(True)  # outside: as before
+    cfg = DataConfig(name='shakespeare', data_dir=str(tmp_path / 'every'), eval='shakespeare:validation')
+    pipeline.build_built_ins(cfg)
+    assert corpus.split_info('shakespeare', cfg.data_dir, 'train').documents > 30_000

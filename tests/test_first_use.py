@@ -47,7 +47,7 @@ def test_the_demo_says_what_it_reads_and_where_it_writes(user, tmp_path):
     data_dir = tmp_path / 'home/.cache/vrl/tensorflow_datasets'
     assert 'training a 1024-piece tokenizer on shakespeare' in said and 'trained the tokenizer in ' in said
     assert re.search(r'^data shakespeare: [\d,]+ train tokens \(estimated from [\d,]+ documents, '
-                     r'tokenized on the fly\)', said, re.M), said
+                     r'tokenized on the fly, shuffled by document\)', said, re.M), said
     assert (f'tokenizer {data_dir}/vrl_tokenizers/shakespeare_1024.model (1,024 pieces); writing to '
             f'{tmp_path}/runs/tiny') in said
     assert 'optimizer.decay_steps=400' in said  # the schedule outlasting the run is said
@@ -71,7 +71,7 @@ def test_ones_own_corpus_from_a_jsonl_zst_to_a_trained_smoke_run(user, tmp_path,
                 '--config.train.sample_tokens=4', '--config.data.name=my_corpus',
                 f'--config.data.data_dir={tmp_path}/tfds', '--config.data.tokenizer=tok.json',
                 '--config.model.vocab_size=512')
-    assert re.search(r'^data my_corpus: [\d,]+ train tokens \(counted, pre-tokenized\)', said, re.M), said
+    assert re.search(r'^data my_corpus: [\d,]+ train tokens \(counted, pre-tokenized, shuffled by document\)', said, re.M), said
     assert f'tokenizer tok.json (512 pieces); writing to {tmp_path}/runs/smoke' in said
     run = DataConfig(name='my_corpus', data_dir=f'{tmp_path}/tfds', tokenizer=str(tmp_path / 'tok.json'))
     prompt = pipeline.opening_words(run, Tokenizer.load(run.tokenizer))  # the validation split's first words

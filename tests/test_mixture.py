@@ -259,7 +259,7 @@ def test_the_run_says_how_far_into_an_epoch_of_each_dataset_it_is(domains, tmp_p
         assert read[name]['train_tokens_are'] == 'estimated from 1,000 documents'
         every = read[name]['train_tokens'] / (step_tokens * share)
         assert f'data {name}: {read[name]["train_tokens"]:,} train tokens (estimated from 1,000 documents, ' \
-               f'tokenized on the fly): an epoch every {every:,.0f} steps' in said
+               f'tokenized on the fly, shuffled by document): an epoch every {every:,.0f} steps' in said
         for r in (r for r in records if 'loss' in r):  # counted: whole windows in the weights' shares
             assert r[f'tokens/{name}'] == r['step'] * step_tokens * share
             assert r[f'epoch/{name}'] == pytest.approx(r['step'] / every, rel=1e-9)

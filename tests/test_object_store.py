@@ -332,7 +332,8 @@ def test_compressed_records_in_the_bucket_are_prepared_and_pretokenized_there(gc
 
 def test_pretokenized_shards_are_read_in_place_through_a_slow_store(gcs, small_corpus, tmp_path, monkeypatch):
     """A dataset pre-tokenized in the bucket, read through a proxy adding 20 ms a request and a
-    bandwidth cap, with its offsets held in memory and read by range: every process's batches (in blocks, with document masking) equal those read from
+    bandwidth cap, with its offsets held in memory and read by range: every process's batches (in
+    windows of whole blocks, with document masking) equal those read from
     the same files on local disk, the iterator's position carries over between the two, nothing the
     training reads is copied into local scratch, and the bytes fetched are those of the batches read;
     a second evaluation reads nothing (its batches are kept)."""
@@ -352,9 +353,8 @@ def test_pretokenized_shards_are_read_in_place_through_a_slow_store(gcs, small_c
     storage.copy_tree(storage.path(str(local_dir)), storage.path('gs://vrl/inplace'))
     token_bytes = sum(f.stat().st_size for f in Path(made).glob('*.tokens'))
     local = dataclasses.replace(cfg, data_dir=str(local_dir), document_masking=True, num_epochs=0, seq_len=128,
-                                batch_size=4, read_threads=2)
+                                batch_size=4, read_threads=2, shuffle='windows', block_tokens=1000, window_blocks=4)
     remote = dataclasses.replace(local, data_dir='gs://vrl/inplace')
-    monkeypatch.setattr(pipeline, 'BYTES_PER_TOKEN', 16)  # blocks of several speeches
     with SlowStore(gcs, latency_s=0.02, bandwidth=20e6) as slow:
         monkeypatch.setenv('STORAGE_EMULATOR_HOST', slow.url)
         gcsfs.GCSFileSystem.clear_instance_cache()
@@ -379,14 +379,46 @@ def test_pretokenized_shards_are_read_in_place_through_a_slow_store(gcs, small_c
             assert [line for line in slow.request_lines[opened:] if 'train-' not in line] == []
         finally:
             gcsfs.GCSFileSystem.clear_instance_cache()
-        # two processes' iterators, each with up to 64 blocks read ahead (how many, the threads' timing
-        # decides): a copy would be twice the tokens, four times this bound
+        # two processes' iterators, each with its next window read ahead: a copy would be twice the
+        # tokens, four times this bound
         assert slow.requests > 20 and served < token_bytes / 2
     # training copied nothing down; evaluation, which counts each token's bytes in the text, its split's text
     scratch = Path(tempfile.gettempdir()) / 'vrl-scratch' / 'gs' / 'vrl' / 'inplace'
     copied = [p.name for p in scratch.rglob('*') if p.is_file()]
     assert any('validation' in name for name in copied)
     assert not [name for name in copied if 'train' in name or name.endswith('.tokens')], copied
+
+
+def test_a_run_on_a_pretokenized_bucket_copies_no_text_to_its_host(gcs, bucket_config, small_corpus, tmp_path):
+    """A run on a dataset pre-tokenized in the bucket, on a fresh machine (its own HOME and TMPDIR):
+    after its steps, nothing of the train split's text or tokens is on the host, and what was copied
+    besides the validation split's text (which exact bits per byte counts) is under 2% of the token
+    bytes it trained on. It reads in windows ('auto' on a store), and says so."""
+    import shutil
+
+    from vrl.core import storage
+    from vrl.data import tokens
+    cfg, tokenizer = small_corpus
+    local_dir = tmp_path / 'tfds'
+    shutil.copytree(Path(cfg.data_dir) / 'plays', local_dir / 'plays')
+    made = Path(tokens.tokenize('plays', str(local_dir), tokenizer, workers=1))
+    storage.copy_tree(storage.path(str(local_dir)), storage.path('gs://vrl/pretokenized'))
+    token_bytes = sum(f.stat().st_size for f in made.glob('*.tokens'))
+    text_bytes = sum(f.stat().st_size for f in (local_dir / 'plays').rglob('*train.array_record*'))
+    config = dataclasses.replace(bucket_config, data=dataclasses.replace(bucket_config.data,
+                                                                          data_dir='gs://vrl/pretokenized'),
+                                 train=dataclasses.replace(bucket_config.train, steps=6, checkpoint_every=6))
+    home = tmp_path / 'host'
+    out = _run(config, 'gs://vrl/pretokenized_run', gcs, home, ('--config.data.block_tokens=2000',))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r'data plays: [\d,]+ train tokens \(counted, pre-tokenized, shuffled in windows of 64 blocks of '
+                     r'~[\d,]+ tokens\)', out.stdout), out.stdout
+    on_host = {p: p.stat().st_size for p in home.rglob('*') if p.is_file()}
+    assert not [p for p in on_host if 'train' in p.name and ('array_record' in p.name or p.suffix == '.tokens')], on_host
+    assert not [p for p in on_host if p.suffix == '.tokens']
+    # the validation split's text, which evaluation reads by design, aside: metadata alone
+    metadata = sum(size for p, size in on_host.items() if '-validation.array_record' not in p.name)
+    assert text_bytes > 0.5 * token_bytes and metadata < 0.02 * token_bytes, sorted(on_host.items())
 
 
 def test_two_hosts_tokenize_into_the_bucket_what_one_machine_makes(gcs, bucket_config, small_corpus, tmp_path):

@@ -88,7 +88,13 @@ def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs
             assert not [line for line in out.splitlines() if re.search(r'Traceback|\[Gloo\]|google_auth', line)], out
     fs = bucket_fs()
     assert fs.exists('vrl/pod_data/vrl_tokenizers/shakespeare_512.model')
-    assert fs.glob('vrl/pod_data/shakespeare/*/dataset_info.json')
+    # the built-in corpus, built by the pod's two hosts on first use, is the one a machine alone builds
+    from vrl.data import corpus
+    alone = json.loads((corpus.dataset_path('shakespeare', str(tmp_path / 'alone')) / 'dataset_info.json').read_text())
+    pod = json.loads(fs.cat(fs.glob('vrl/pod_data/shakespeare/*/dataset_info.json')[0]))
+    assert [(s['name'], s['shardLengths'], s['numBytes']) for s in pod['splits']] == \
+        [(s['name'], s['shardLengths'], s['numBytes']) for s in alone['splits']]
+    assert sum(map(int, alone['splits'][0]['shardLengths'])) > 30_000
     want = _losses('gs://vrl/pod_whole')
     assert sorted(want) == list(range(1, 9))
 

@@ -178,8 +178,8 @@ def test_auto_shuffles_in_windows_only_a_pretokenized_copy_on_a_store(windowed, 
     _, tokenizer = small_corpus
     auto = dataclasses.replace(cfg, shuffle='auto')
     blocks = pipeline._blocks(auto, tokenizer, 'plays', 'train')
-    assert not pipeline._window_shuffled(auto, blocks)  # local disk: the global document shuffle
-    assert pipeline._window_shuffled(dataclasses.replace(auto, data_dir='gs://bucket/tfds'), blocks)
+    assert not pipeline._window_shuffled(auto, blocks.source, 'plays train')  # local disk: the global document shuffle
+    assert pipeline._window_shuffled(dataclasses.replace(auto, data_dir='gs://bucket/tfds'), blocks.source, 'plays train')
     on_the_fly = pipeline._blocks(dataclasses.replace(auto, pretokenized=False), tokenizer, 'plays', 'train')
-    assert not pipeline._window_shuffled(dataclasses.replace(auto, data_dir='gs://bucket/tfds'), on_the_fly)
+    assert not pipeline._window_shuffled(dataclasses.replace(auto, data_dir='gs://bucket/tfds'), on_the_fly.source, 'plays train')
     assert corpus.split_info('plays', cfg.data_dir, 'train').documents == blocks.documents

@@ -329,7 +329,7 @@ def _windows(blocks: _Blocks, cfg: DataConfig, tokenizer: Tokenizer, *, seed: in
     shuffled with `seed` (None: in order, every `process_count`-th block) and repeated `num_epochs`
     times (None: forever), as data.shuffle says (`_shuffled`); read by `share` of the reading
     threads and worker processes (a mixture's dataset reads beside the others)."""
-    windowed = seed is not None and _window_shuffled(cfg, blocks)
+    windowed = seed is not None and _window_shuffled(cfg, blocks.source, blocks.where)
     if windowed:
         ds, per_element, reading = _window_read(blocks, cfg, seed, num_epochs, process_index, process_count, share)
     else:
@@ -338,12 +338,12 @@ def _windows(blocks: _Blocks, cfg: DataConfig, tokenizer: Tokenizer, *, seed: in
                             tokenizer.pad_id, cfg.document_masking, blocks.count_bytes)
 
 
-def _window_shuffled(cfg: DataConfig, blocks: _Blocks) -> bool:
-    """Whether training reads `blocks`' dataset in windows (data.shuffle): 'auto' does for a
+def _window_shuffled(cfg: DataConfig, source: tokens.TokenSource | _OnTheFly, where: str) -> bool:
+    """Whether training reads split `where` from `source` in windows (data.shuffle): 'auto' does for a
     pre-tokenized copy on an object store, where a request costs tens of milliseconds."""
-    pretokenized = isinstance(blocks.source, tokens.TokenSource)
+    pretokenized = isinstance(source, tokens.TokenSource)
     if cfg.shuffle == 'windows' and not pretokenized:
-        raise corpus.DataError(f"data.shuffle='windows' reads a pre-tokenized copy, and {blocks.where} is tokenized on "
+        raise corpus.DataError(f"data.shuffle='windows' reads a pre-tokenized copy, and {where} is tokenized on "
                                "the fly: pre-tokenize it (`python -m vrl.data tokenize`) or use data.shuffle='documents'.")
     return cfg.shuffle == 'windows' or (cfg.shuffle == 'auto' and pretokenized and storage.is_remote(cfg.data_dir))
 
@@ -363,6 +363,10 @@ def _document_read(blocks: _Blocks, cfg: DataConfig, seed: int | None, num_epoch
     return ds, blocks.per_block, {'shuffle': 'documents'}
 
 
+def _io_blocks(cfg: DataConfig, source: tokens.TokenSource, where: str) -> windows.Blocks:
+    return windows.plan(source.shard_documents, source.token_count(), cfg.block_tokens, where)
+
+
 REMOTE_WINDOW_READS = 8  # data.read_threads=-1 in windows on an object store: block reads in flight per process
 
 
@@ -371,7 +375,7 @@ def _window_read(blocks: _Blocks, cfg: DataConfig, seed: int, num_epochs: int | 
     """I/O blocks of data.block_tokens read whole, shuffled in windows of data.window_blocks
     (vrl/data/windows.py), handed out about a sequence of text at a time."""
     source = blocks.source
-    io = windows.plan(source.shard_documents, source.token_count(), cfg.block_tokens, blocks.where)
+    io = _io_blocks(cfg, source, blocks.where)
     reads = cfg.read_threads if cfg.read_threads >= 0 else REMOTE_WINDOW_READS if storage.is_remote(cfg.data_dir) else 0
     reading = {'shuffle': 'windows', 'block_documents': io.per_block, 'window_blocks': cfg.window_blocks}
     ds = windows.WindowDataset(source, io, window_blocks=cfg.window_blocks, per_element=blocks.per_block, seed=seed,
@@ -405,16 +409,23 @@ def _read_options(cfg: DataConfig, share: float) -> grain.ReadOptions:
 def provenance(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     """What a run reads, for its record (config.json, W&B): the tokenizer (its file's fingerprint and
     special ids) and each dataset (version, fingerprint, weight, whether its ids come pre-tokenized,
-    and the tokens of its train split: counted when pre-tokenized, else estimated)."""
+    the tokens of its train split: counted when pre-tokenized, else estimated, and how they are
+    shuffled)."""
     datasets = {}
     for name, weight in cfg.sources():
         source = _source(cfg, tokenizer, name, cfg.train_split)
         pretokenized = isinstance(source, tokens.TokenSource)
         count = source.token_count()
+        where = f'{name} {cfg.train_split}'
+        shuffle = 'by document'
+        if _window_shuffled(cfg, source, where):
+            per_block = _io_blocks(cfg, source, where).per_block
+            shuffle = (f'in windows of {cfg.window_blocks} blocks of ~{round(per_block * count / len(source)):,} tokens')
         datasets[name] = {'version': corpus.dataset_path(name, cfg.data_dir).name,
                           'fingerprint': corpus.fingerprint(name, cfg.data_dir), 'weight': weight,
                           'pretokenized': pretokenized, 'train_tokens': round(count),
-                          'train_tokens_are': 'counted' if pretokenized else 'estimated from 1,000 documents'}
+                          'train_tokens_are': 'counted' if pretokenized else 'estimated from 1,000 documents',
+                          'shuffle': shuffle}
     return {'tokenizer': {'path': tokenizer.path, 'fingerprint': tokenizer.fingerprint,
                           'vocab_size': tokenizer.vocab_size, 'eos_id': tokenizer.eos_id, 'bos_id': tokenizer.bos_id,
                           'pad_id': tokenizer.pad_id},

@@ -301,8 +301,8 @@ def _announce(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member],
                        f'{opt.name} + {opt.schedule} (peak LR {opt.peak_lr:g}), {begun.describe()}{together}')
         for name, d in reads['data']['datasets'].items():
             m.writer.print(f'data {name}: {d["train_tokens"]:,} train tokens ({d["train_tokens_are"]}'
-                           f'{", pre-tokenized" if d["pretokenized"] else ", tokenized on the fly"}): an epoch '
-                           f'every {1 / epoch_rates[name]:,.0f} steps')
+                           f'{", pre-tokenized" if d["pretokenized"] else ", tokenized on the fly"}, shuffled '
+                           f'{d["shuffle"]}): an epoch every {1 / epoch_rates[name]:,.0f} steps')
         m.writer.print(f'tokenizer {tokenizer.path} ({tokenizer.vocab_size:,} pieces); writing to {m.path}')
         if not is_writer:
             tell_every_host([m], lambda m: f'{config.model.variant_name}, {begun.describe()}, to step '
