@@ -38,7 +38,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.gcs_emulator import serving  # noqa: E402
+from tests.gcs_emulator import PINNED, serving  # noqa: E402
+
+os.environ.update(PINNED)  # before gcsfs is imported: it reads some (no bucket-type probe over gRPC) then
 from vrl.core import storage  # noqa: E402
 from vrl.core.config import DataConfig  # noqa: E402
 from vrl.data import pipeline, shards, tokens  # noqa: E402

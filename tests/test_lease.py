@@ -31,6 +31,8 @@ def _dead_holder(name: str, written: str = '2026-11-25 10:00:00') -> None:
 def _race(name: str, takers: int, **kwargs) -> tuple[list[workdir_lib.Lease], list[str]]:
     """`takers` leases acquired at once: (the winners, the losers' errors)."""
     leases = [_lease(name, **kwargs) for _ in range(takers)]
+    for i, lease in enumerate(leases):  # as from several hosts: each names itself apart
+        lease.holder = f'{lease.holder}, taker {i}'
     start = threading.Barrier(takers)
 
     def take(lease: workdir_lib.Lease) -> str:
@@ -144,3 +146,34 @@ def test_a_takeover_waits_for_the_stale_time_and_says_so(gcs):
 def test_a_store_without_generations_is_refused_in_one_line():
     with pytest.raises(storage.StorageError, match='a lease needs GCS object generations'):
         storage.read_versioned(storage.path('s3://bucket/run/.lock'))
+
+
+def test_the_loser_of_a_race_for_a_stale_lease_is_told_who_holds_it(gcs):
+    """Two runs wait out a dead holder; the one whose write comes second is told the winner's host
+    and pid (not the dead holder's), whichever way it finds out."""
+    for trial in range(4):
+        _dead_holder(f'told{trial}')
+        winners, errors = _race(f'told{trial}', 2)
+        assert len(winners) == 1 and len(errors) == 1, errors
+        assert winners[0].holder in errors[0], (winners[0].holder, errors[0])
+        assert 'host dead-vm, pid 1' not in errors[0] or 'took the lease over from host dead-vm' in errors[0], errors
+        winners[0].release()
+
+
+def test_a_holder_suspended_past_its_lease_finds_it_lost_before_writing(gcs):
+    """A VM suspended longer than the lease's staleness: its clock (CLOCK_BOOTTIME in a run) counts
+    the suspension, so its first write after waking asks the store first and finds the lease taken
+    over. On a clock that stopped while suspended (as CLOCK_MONOTONIC does) it would have written."""
+    now = [100.0]
+    holder = _lease('suspended', clock=lambda: now[0])
+    holder.acquire()
+    holder._stop.set()  # its renewer is suspended with it
+    taker = _lease('suspended', take_over=True)
+    taker.acquire()  # another run, on a live machine, took the workdir over meanwhile
+    holder.confirm()  # to the holder no time has passed: nothing is asked, and it could write
+    now[0] += 3 * STALE  # it wakes: its clock counted the suspension
+    with pytest.raises(workdir_lib.LeaseLostError, match=f'was taken over by {taker.holder}'):
+        holder.confirm()
+    assert json.loads(bucket_fs().cat('vrl/leases/suspended/.lock'))['token'] == taker.token
+    taker.release()
+    assert workdir_lib.elapsed_seconds() >= time.monotonic() - 1  # the boot-time clock runs at least as far

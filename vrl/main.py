@@ -15,7 +15,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from vrl.core import cli, multihost
+from vrl.core import cli, multihost, peers
 from vrl.core.config import Config, ConfigError, from_configdict
 from vrl.model import accounting, resolve
 
@@ -160,7 +160,9 @@ def main(args: cli.Args) -> None:
     except (checkpoint.SaveError, workdir_lib.LeaseLostError) as e:
         # a failed save's writer threads can still print asyncio noise while Python shuts down, and a
         # save in flight when the lease was lost must write no more: end the process here
-        print(f'error: {e}', file=sys.stderr, flush=True)
+        say = lambda: print(f'error: {e}', file=sys.stderr, flush=True)  # noqa: E731
+        peers.stop(multihost.line_of(e), say)  # several processes: the others stop too
+        say()
         os._exit(1)
     except OSError as e:
         if e.errno != errno.ENOSPC:

@@ -18,12 +18,13 @@ import dataclasses
 import os
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Callable
 
 from absl import app, flags, logging
 
-from vrl.core import host_memory, native_lines
+from vrl.core import host_memory, multihost, native_lines, peers
 from vrl.core.config import Config
 from vrl.core.errors import VrlError
 
@@ -50,8 +51,13 @@ def run(main: Callable[..., None], define_flags: Callable[[], Args], commands: t
             native_lines.quiet()
         try:
             main(args, *positional)
-        except VrlError as e:
-            sys.exit(f'error: {e}')
+        except Exception as e:
+            if peers.watching() and not multihost.agreed(e):  # this process alone: the others stop too
+                peers.stop(multihost.line_of(e), say=lambda: print(f'error: {e}', file=sys.stderr) if isinstance(
+                    e, VrlError) else traceback.print_exc())  # ends the process
+            if isinstance(e, VrlError):
+                sys.exit(f'error: {e}')
+            raise
 
     app.run(entry, flags_parser=_parse_flags)
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from absl import flags
 
+from vrl.core import peers
 from vrl.core.errors import VrlError
 
 T = TypeVar('T')
@@ -23,6 +24,13 @@ _MESSAGE_BYTES = 2048  # process 0's error line, as every process receives it
 
 class PeerError(VrlError, RuntimeError):
     """Another process stopped on bad input; this one reports its line."""
+
+    agreed = True  # every process stops on it together
+
+
+def agreed(error: BaseException) -> bool:
+    """Whether every process of the job stops on `error` together (`everywhere` raised it)."""
+    return getattr(error, 'agreed', False)
 
 
 class AloneError(RuntimeError):
@@ -59,17 +67,31 @@ def define_flags() -> dict[str, flags.FlagHolder]:
                                                    'are auto-detected.'),
         'num_processes': flags.DEFINE_integer('num_processes', None, 'Multi-process: how many processes.'),
         'process_id': flags.DEFINE_integer('process_id', None, 'Multi-process: this process\'s index.'),
+        'peer_timeout_s': flags.DEFINE_integer('peer_timeout_s', PEER_TIMEOUT_S, 'Multi-process: a process that '
+                                               'has not answered for this many seconds (its host died or froze) '
+                                               'stops every process.'),
     }
 
 
+PEER_TIMEOUT_S = 60  # --peer_timeout_s
+JAX_HEARTBEAT_MARGIN_S = 60  # jax.distributed's own dead-process check: later than vrl's, which says it in one line
+
+
 def initialize(args: dict[str, flags.FlagHolder]) -> None:
-    """jax.distributed for several processes: explicit flags, or a detected Cloud TPU pod / SLURM job."""
+    """jax.distributed for several processes: explicit flags, or a detected Cloud TPU pod / SLURM job;
+    then every process watches the others (vrl/core/peers.py)."""
+    timeout = args['peer_timeout_s'].value
+    heartbeat = {'heartbeat_timeout_seconds': timeout + JAX_HEARTBEAT_MARGIN_S}
     if args['coordinator_address'].value:
         jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU processes talk over gloo
         jax.distributed.initialize(args['coordinator_address'].value, args['num_processes'].value,
-                                   args['process_id'].value)
+                                   args['process_id'].value, **heartbeat)
     elif ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '') or int(os.environ.get('SLURM_NTASKS', '1')) > 1:
-        jax.distributed.initialize()
+        jax.distributed.initialize(**heartbeat)
+    else:
+        return
+    from jax._src import distributed  # the client has no public accessor
+    peers.watch(distributed.global_state.client, timeout)
 
 
 def preemption_service() -> bool:
@@ -116,7 +138,7 @@ def _gather_text(text: str) -> list[str]:
     return [bytes(row).rstrip(b'\0').decode(errors='replace') for row in received]
 
 
-def _line(error: Exception) -> str:
+def line_of(error: BaseException) -> str:
     """`error` in one line: a VrlError's message (written for the user), another's type and message."""
     text = ' '.join(str(error).split())
     return text if isinstance(error, VrlError) and text else f'{type(error).__name__}: {text}'
@@ -134,8 +156,9 @@ def everywhere(fn: Callable[[], T]) -> T:
         result = fn()
     except Exception as e:  # noqa: BLE001 - every kind must reach the other processes
         error = e
-    lines = _gather_text('' if error is None else _line(error))
+    lines = _gather_text('' if error is None else line_of(error))
     if error is not None:
+        error.agreed = True  # every process stops on it together (cli.run: through the shutdown barrier)
         raise error
     for index, line in enumerate(lines):
         if line:

@@ -137,8 +137,9 @@ class WindowIterator(grain.DatasetIterator):
         self._window, self._taken, self._documents = state['window'], state['taken'], None
 
     def close(self) -> None:
-        if self._pool:
+        if self._pool:  # reads not started are dropped; one under way ends on its own
             self._pool.shutdown(wait=False, cancel_futures=True)
+        super().close()
 
 
 class WindowDataset(grain.IterDataset):

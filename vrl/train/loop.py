@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from vrl.core import multihost, sharding, storage
+from vrl.core import multihost, peers, sharding, storage
 from vrl.core.config import Config
 from vrl.data import pipeline
 from vrl.model import accounting
@@ -116,10 +116,13 @@ def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, i
     locks = [workdir_lib.make_guard(path, 'run', c.train.lease_stale_seconds, take_over_lease)
              for path, c in zip(paths, configs)]
     preemption = hooks.Preemption()  # from here on, a signal during setup or the first compile saves too
+    # another process's failure ends this one from a watcher thread: the lease goes with it
+    forget = peers.on_stop(lambda: [workdir_lib.let_go(lock) for lock in locks])
     try:  # process 0 writes the runs' shared files; every process stops if it cannot
         multihost.on_process_0(lambda: [workdir_lib.take(lock) for lock in locks])
         return _run(configs, paths, locks, request, preemption)
     finally:
+        forget()
         preemption.restore()
         for lock in locks:
             workdir_lib.let_go(lock)

@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from etils import epath
 
@@ -110,15 +110,16 @@ class Lease:
     """
 
     def __init__(self, workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0,
-                 take_over: bool = False, say=print):
+                 take_over: bool = False, say=print, clock: Callable[[], float] | None = None):
         self.path, self.holder_kind, self.stale_after = workdir / '.lock', holder_kind, stale_after
         self.take_over, self.say = take_over, say
+        self._clock = clock or elapsed_seconds  # every staleness is measured on it
         self.token = uuid.uuid4().hex
         self.holder = _holder()
         self.lost = ''  # why this run no longer holds the lease, once it does not
         self.created = False  # whether `take` made the workdir
         self._generation = 0  # of the lease object as this run last wrote it
-        self._renewed_at = 0.0  # monotonic time at which the last successful renewal was sent
+        self._renewed_at = 0.0  # when (self._clock) the last successful renewal was sent
         self._lock = threading.Lock()  # one conditional write at a time
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -138,7 +139,7 @@ class Lease:
 
     def _write(self, generation: int) -> bool:
         """Writes this run's record over `generation`; whether it did."""
-        sent = time.monotonic()
+        sent = self._clock()
         written = storage.write_if(self.path, self._record(), generation)
         if written is None:
             return False
@@ -162,8 +163,8 @@ class Lease:
             if not self.take_over:
                 self._wait_out(held, generation)
             if not self._write(generation):
-                raise WorkdirError(f'workdir {self.path.parent}: another {self.holder_kind} took the lease over '
-                                   'first; stop it or choose another --workdir.')
+                raise WorkdirError(f'workdir {self.path.parent}: another {self.holder_kind} ({self._holder_now()}) '
+                                   'took the lease over first; stop it or choose another --workdir.')
             line = (f'took over the lease of workdir {self.path.parent} from {held.get("holder")}: '
                     + ('--take_over_lease' if self.take_over else
                        f'not renewed for {self.stale_after:.0f} s (train.lease_stale_seconds)'))
@@ -176,21 +177,28 @@ class Lease:
     def _wait_out(self, held: dict[str, Any], generation: int) -> None:
         """Returns once `generation` has stayed the live one for stale_after seconds; WorkdirError as
         soon as it changes (its holder renewed it, or another run took it)."""
-        deadline = time.monotonic() + self.stale_after
+        deadline = self._clock() + self.stale_after
         self.say(f'workdir {self.path.parent} is leased by {held.get("holder")}: taking it over in '
                  f'{self.stale_after:.0f} s unless its holder renews it (train.lease_stale_seconds; '
                  '--take_over_lease if that run is surely gone)')
-        said = time.monotonic()
-        while (left := deadline - time.monotonic()) > 0:
+        said = self._clock()
+        while (left := deadline - self._clock()) > 0:
             time.sleep(min(left, max(1.0, self.stale_after / 16)))
             found = self._read()
             if found is None or found[1] != generation:
-                raise WorkdirError(
-                    f'workdir {self.path.parent} is in use by another {self.holder_kind} ({held.get("holder")}; '
-                    'it renewed its lease while this one waited); stop it or choose another --workdir.')
-            if time.monotonic() - said >= 30 and left > 5:
+                renewed = found is not None and found[0].get('token') == held.get('token')
+                how = ('it renewed its lease while this one waited' if renewed else
+                       f'it took the lease over from {held.get("holder")} while this one waited')
+                raise WorkdirError(f'workdir {self.path.parent} is in use by another {self.holder_kind} '
+                                   f'({self._holder_now(found)}; {how}); stop it or choose another --workdir.')
+            if self._clock() - said >= 30 and left > 5:
                 self.say(f'  ... {left:.0f} s until the lease of {self.path.parent} is taken over')
-                said = time.monotonic()
+                said = self._clock()
+
+    def _holder_now(self, found: tuple[dict[str, Any], int] | None | bool = False) -> str:
+        """Who holds the lease as the store says now (`found`: a read already made)."""
+        found = self._read() if found is False else found
+        return 'nobody: it was deleted' if found is None else found[0].get('holder', '?')
 
     def _start_renewing(self) -> None:
         self._renewer = threading.Thread(target=self._renew_every, name='vrl-lease', daemon=True)
@@ -219,12 +227,12 @@ class Lease:
 
     def confirm(self) -> None:
         """Returns if this run surely still holds the lease: a write may follow. LeaseLostError if not."""
-        if not self.lost and time.monotonic() - self._renewed_at > self.stale_after / 2:
+        if not self.lost and self._clock() - self._renewed_at > self.stale_after / 2:
             try:
                 self.renew()
             except Exception as e:  # noqa: BLE001 - unrenewable: another run may take the lease over soon
                 self.lost = (f'the lease of workdir {self.path.parent} could not be renewed for '
-                             f'{time.monotonic() - self._renewed_at:.0f} s ({e})')
+                             f'{self._clock() - self._renewed_at:.0f} s ({e})')
         if self.lost:
             raise LeaseLostError(f'{self.lost}: another {self.holder_kind} may be writing there, so this one '
                                  'stopped without writing more; its last checkpoint is intact.')
@@ -242,6 +250,13 @@ class Lease:
                 storage.write_if(self.path, self._record(released=True), self._generation)
             except Exception as e:  # noqa: BLE001 - unreleased, the lease is taken over once stale
                 logging.warning('releasing the lease of workdir %s failed (%s)', self.path.parent, e)
+
+
+def elapsed_seconds() -> float:
+    """Seconds on a clock that also counts while the machine is suspended (CLOCK_BOOTTIME, on Linux;
+    elsewhere the monotonic clock): a VM suspended past a lease's staleness finds it stale on
+    waking, rather than writing as its holder."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, 'CLOCK_BOOTTIME') else time.monotonic()
 
 
 def take(guard: Lock | Lease) -> None:

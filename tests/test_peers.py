@@ -1,0 +1,139 @@
+"""One process's failure stops every process of a job within seconds, in one line that names it
+(vrl/core/peers.py): an error raised on process 1 alone, a process killed outright, a process frozen.
+Real jax.distributed processes on 127.0.0.1; the faults are real (an exception, SIGKILL, SIGSTOP)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.gcs_emulator import bucket_fs, free_port, machine_env
+from tests.runs import ROOT, cli_args, host_xla_flags, tiny_config
+
+pytestmark = pytest.mark.slow  # real processes: outside the edit loop's tier
+
+# A command of two processes (vrl.core.cli, as every vrl command runs) whose process 0 waits in
+# all-gathers while process 1, after it has joined three, raises or just sleeps (to be killed or
+# frozen by the test); it prints when process 1 is past its last collective.
+TWO_PROCESSES = '''
+import os, sys, time
+import numpy as np
+from vrl.core import cli, multihost
+
+def main(args):
+    multihost.initialize(args)
+    import jax
+    from jax.experimental import multihost_utils
+    for i in range(1_000):
+        if jax.process_index() == 0 or i < 3:
+            multihost_utils.process_allgather(np.array([i]))
+        elif i == 3:
+            print(f'past the collectives at {time.time()}', flush=True)
+            if os.environ['FAULT'] == 'raise':
+                raise RuntimeError('the data of process 1 broke')
+        time.sleep(0.2)
+
+cli.run(main, multihost.define_flags)
+'''
+
+
+def _two_processes(fault: str, peer_timeout_s: int = 10) -> list[subprocess.Popen]:
+    port = free_port()
+    env = dict(os.environ, FAULT=fault, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', XLA_FLAGS=host_xla_flags(1))
+    return [subprocess.Popen([sys.executable, '-c', TWO_PROCESSES, f'--coordinator_address=127.0.0.1:{port}',
+                              '--num_processes=2', f'--process_id={i}', f'--peer_timeout_s={peer_timeout_s}'],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(2)]
+
+
+def _past_the_collectives(process: subprocess.Popen) -> float:
+    for line in process.stdout:
+        if line.startswith('past the collectives at '):
+            return float(line.split()[-1])
+    raise AssertionError(f'process 1 ended first: {process.wait()}')
+
+
+def _said(output: str) -> list[str]:
+    """The lines a user reads: vrl's, not gloo's connection lines (filtered by vrl/core/native_lines.py)."""
+    return [line for line in output.splitlines() if line and not line.startswith('[Gloo]')]
+
+
+def test_an_error_on_process_1_stops_process_0_at_once_in_one_line():
+    zero, one = _two_processes('raise')
+    raised = _past_the_collectives(one)
+    said_zero = zero.communicate(timeout=120)[0]
+    ended = time.time()
+    said_one = one.communicate(timeout=60)[0]
+    assert (zero.returncode, one.returncode) == (1, 1), (said_zero, said_one)
+    assert _said(said_zero) == ['error: process 1 stopped: RuntimeError: the data of process 1 broke'], said_zero
+    assert ended - raised < 30
+    assert 'RuntimeError: the data of process 1 broke' in said_one and 'Check failure' not in said_one
+
+
+@pytest.mark.parametrize('fault, why', [(signal.SIGKILL, 'it stopped answering'),
+                                        (signal.SIGSTOP, 'it has not answered for')])
+def test_a_process_killed_or_frozen_stops_the_others_within_the_peer_timeout(fault, why):
+    """Killed, its connections close and process 0's collective fails: the silent peer, not that
+    failure, is named. Frozen, its connections stay open and process 0 waits in a collective that
+    never completes: its watcher names the peer whose count stopped, after --peer_timeout_s."""
+    zero, one = _two_processes('sleep', peer_timeout_s=10)
+    _past_the_collectives(one)
+    os.kill(one.pid, fault)
+    signalled = time.time()
+    try:
+        said = zero.communicate(timeout=120)[0]
+        ended = time.time()
+    finally:
+        one.kill()
+        one.wait()
+    assert zero.returncode == 1 and len(_said(said)) == 1, said
+    assert _said(said)[0].startswith(f'error: process 1 stopped: {why}') and '(its host died or froze)' in said, said
+    assert ended - signalled < 10 + 15
+
+
+def test_a_run_whose_process_1_fails_stops_in_seconds_and_releases_its_lease(gcs, small_corpus, tmp_path):
+    """`python -m vrl.main` on two processes with a workdir on the bucket: process 1's data path
+    raises after some steps while process 0 trains on (waiting in the step's collectives); process 0
+    prints the cause in one line and exits within seconds, and the lease is released."""
+    config = tiny_config(small_corpus, attention='svformer', steps=200, checkpoint_every=100, log_every=1,
+                         lease_stale_seconds=60)
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=1_000))
+    launcher = tmp_path / 'failing_data.py'
+    launcher.write_text(
+        'import runpy, sys, time\n'
+        'from vrl.data import pipeline\n'
+        'taken = [0]\n'
+        'real = pipeline.next_batch\n'
+        'def next_batch(iterator, finite):\n'
+        '    taken[0] += 1\n'
+        '    if taken[0] == 6 and "--process_id=1" in sys.argv:\n'
+        '        print(f"raising at {time.time()}", flush=True)\n'
+        '        raise RuntimeError("a shard of process 1 is unreadable")\n'
+        '    return real(iterator, finite)\n'
+        'pipeline.next_batch = next_batch\n'
+        'runpy.run_module("vrl.main", run_name="__main__", alter_sys=True)\n')
+    port = free_port()
+    args = cli_args(config, 'gs://vrl/peers_run')
+    pod = [subprocess.Popen([sys.executable, str(launcher), *args[3:], f'--coordinator_address=127.0.0.1:{port}',
+                             '--num_processes=2', f'--process_id={i}'], cwd=tmp_path,
+                            env={**machine_env(gcs, tmp_path / f'host{i}'), 'XLA_FLAGS': host_xla_flags(2),
+                                 'JAX_PLATFORMS': 'cpu'},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    said_zero = pod[0].communicate(timeout=600)[0]
+    ended = time.time()
+    said_one = pod[1].communicate(timeout=60)[0]
+    assert (pod[0].returncode, pod[1].returncode) == (1, 1), (said_zero[-3000:], said_one[-3000:])
+    raised = float(next(line for line in said_one.splitlines() if line.startswith('raising at ')).split()[-1])
+    assert ended - raised < 30, (ended - raised, said_zero[-2000:])
+    errors = [line for line in said_zero.splitlines() if line.startswith('error')]
+    assert errors == ['error: process 1 stopped: RuntimeError: a shard of process 1 is unreadable'], said_zero[-3000:]
+    assert 'Traceback' not in said_zero and 'Check failure' not in said_zero + said_one
+    lease = json.loads(bucket_fs().cat('vrl/peers_run/.lock'))
+    assert lease.get('released') is True, lease
