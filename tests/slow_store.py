@@ -8,7 +8,8 @@ in flight on other connections overlap as they would) and paces what the store s
 `bandwidth` bytes/s per connection. It counts the requests and the bytes it received and served, so
 a test can say how much a writer sent and a reader fetched.
 
-It also injects the faults a real store has, on the requests a `Fault`'s pattern matches (a regex
+`hold()` and `release()` stop and restart every byte both ways (a store that stops answering, a
+client whose traffic is frozen). It also injects the faults a real store has, on the requests a `Fault`'s pattern matches (a regex
 over the start of the request: its line, headers and the first bytes of its body, where a GCS
 upload names its object): an answer of 503, a connection reset, or a stall (the request is never
 answered; the client must time out).
@@ -69,6 +70,20 @@ class SlowStore:
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()  # cleared while `hold` holds every byte, both ways
+        self._flowing.set()
+
+    def hold(self) -> None:
+        """From now on no byte passes either way (a store that stopped answering) until `release`;
+        the connections stay open."""
+        asyncio.run_coroutine_threadsafe(self._set_flowing(False), self._loop).result(10)
+
+    def release(self) -> None:
+        """What `hold` held goes on, in order."""
+        asyncio.run_coroutine_threadsafe(self._set_flowing(True), self._loop).result(10)
+
+    async def _set_flowing(self, flowing: bool) -> None:
+        self._flowing.set() if flowing else self._flowing.clear()
 
     def start(self) -> SlowStore:
         ready = threading.Event()
@@ -134,6 +149,7 @@ class SlowStore:
             if fault is not None:
                 await self._inject(fault.kind, reader, client)
                 return
+            await self._flowing.wait()
             if not await _write(writer, chunk):
                 return
 
@@ -155,6 +171,7 @@ class SlowStore:
             self.bytes_served += len(chunk)
             free_at = max(free_at, time.monotonic()) + len(chunk) / self.bandwidth
             await asyncio.sleep(max(0.0, free_at - time.monotonic()))
+            await self._flowing.wait()
             if not await _write(writer, chunk):
                 return
 

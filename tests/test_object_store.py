@@ -421,6 +421,47 @@ def test_a_run_on_a_pretokenized_bucket_copies_no_text_to_its_host(gcs, bucket_c
     assert text_bytes > 0.5 * token_bytes and metadata < 0.02 * token_bytes, sorted(on_host.items())
 
 
+def test_a_store_that_stops_answering_ends_the_run_within_three_timeouts_in_one_line(gcs, bucket_config, tmp_path):
+    """Every byte to and from the bucket held, mid-run: the run ends within ~3 VRL_STORE_TIMEOUT_S
+    (the lease's renewals, each given up after one timeout, fail for two), with one line naming
+    the operation, the object and the cause, and no traceback."""
+    import threading
+
+    from tests.slow_store import SlowStore
+    config = dataclasses.replace(bucket_config, train=dataclasses.replace(
+        bucket_config.train, steps=100_000, checkpoint_every=100_000, log_every=1, eval_every=100_000))
+    timeout_s = 3
+    with SlowStore(gcs, latency_s=0.001) as store:
+        env = {**machine_env(store.url, tmp_path / 'host'), 'VRL_STORE_TIMEOUT_S': str(timeout_s)}
+        run = subprocess.Popen(cli_args(config, 'gs://vrl/held_store'), cwd=tmp_path, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        lines, stepping = [], threading.Event()
+
+        def read() -> None:
+            for line in run.stdout:
+                lines.append(line.rstrip('\n'))
+                if line.startswith('step 3/'):
+                    stepping.set()
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert stepping.wait(300), lines
+        store.hold()
+        held = time.monotonic()
+        run.wait(timeout=120)
+        ended = time.monotonic() - held
+        reader.join(10)
+        store.release()
+    after = lines[next(i for i, line in enumerate(lines) if line.startswith('step 3/')) + 1:]
+    errors = [line for line in after if line.startswith('error')]
+    assert run.returncode == 1 and len(errors) == 1, lines[-30:]
+    assert re.fullmatch(r'error: the object store stopped answering: renewing the lease gs://vrl/held_store/\.lock '
+                        r'failed for \d+ s \(TimeoutError: no answer in 3 s; VRL_STORE_TIMEOUT_S=3\)\. This run stops '
+                        r'here, its last checkpoint intact: run the same command once the store answers\.',
+                        errors[0]), errors
+    assert not [line for line in after if 'Traceback' in line], after
+    assert ended < 3 * timeout_s + 5, ended
+
+
 def test_two_hosts_tokenize_into_the_bucket_what_one_machine_makes(gcs, bucket_config, small_corpus, tmp_path):
     """`python -m vrl.data tokenize` on two hosts joined by jax.distributed, sharing nothing but the
     bucket: each writes its share of the shards straight into it, and the folder equals what one

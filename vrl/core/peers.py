@@ -80,6 +80,16 @@ def stop(line: str, say: Callable[[], None]) -> None:
         _watcher.fail(f'process {jax.process_index()}: {line}', own=True, say=say)
 
 
+def abort(line: str) -> None:
+    """Ends this process (exit 1) for a failure found off its main thread, which may be waiting on
+    what failed: prints `error: <line>`; on a job of several, tells the others first (`stop`)."""
+    say = lambda: print(f'error: {line}', file=sys.stderr, flush=True)  # noqa: E731
+    stop(line, say)
+    say()
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def finish() -> None:
     """This process ends normally: its watcher stops, and its silence is not a death."""
     global _watcher

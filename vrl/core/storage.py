@@ -25,6 +25,7 @@ file, lock one, rename a folder cheaply) is asked of this module:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import logging
@@ -33,16 +34,18 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import urllib.parse
 import uuid
-from typing import Callable
+from typing import Callable, TypeVar
 
 import tqdm
 from etils import epath
 
 from vrl.core.errors import VrlError
 
+T = TypeVar('T')
 REMOTE_SCHEMES = ('gs://', 's3://', 'gcs://', 'az://', 'abfs://')
 COPY_CHUNK = 8 << 20  # bytes a copy holds in memory at once
 # seconds a request to an object store may wait for a connection or for the next bytes of its
@@ -387,6 +390,24 @@ class _SayRetries(logging.Filter):
         record.msg, record.args = 'a request to the object store failed (%s); retrying', (cause,)
         record.levelno, record.levelname = logging.WARNING, 'WARNING'
         return True
+
+
+def within(seconds: float, fn: Callable[[], T]) -> T:
+    """fn(), given up after `seconds` (TimeoutError): for what must notice a store that stopped
+    answering sooner than its client's retries would (6 tries, each up to request_timeout_s()). An
+    abandoned call finishes or fails on its own thread."""
+    outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+    def call() -> None:
+        try:
+            outcome.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            outcome.set_exception(e)
+    threading.Thread(target=call, name='vrl-store-call', daemon=True).start()
+    try:
+        return outcome.result(timeout=seconds)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f'no answer in {seconds:g} s') from None
 
 
 def request_timeout_s() -> float:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from etils import epath
 
-from vrl.core import storage
+from vrl.core import peers, storage
 from vrl.core.config import Config
 from vrl.core.errors import VrlError
 
@@ -114,6 +114,7 @@ class Lease:
         self.path, self.holder_kind, self.stale_after = workdir / '.lock', holder_kind, stale_after
         self.take_over, self.say = take_over, say
         self._clock = clock or elapsed_seconds  # every staleness is measured on it
+        self.store_gone: Callable[[str], None] = peers.abort  # ends the process: the store does not answer
         self.token = uuid.uuid4().hex
         self.holder = _holder()
         self.lost = ''  # why this run no longer holds the lease, once it does not
@@ -205,11 +206,26 @@ class Lease:
         self._renewer.start()
 
     def _renew_every(self) -> None:
-        while not self._stop.wait(self.stale_after / 4) and not self.lost:
+        """Renews every stale_after / 4 s, or every request timeout T of the store if shorter (the
+        renewals are what notices a store that stopped answering): each renewal is given up after T,
+        and renewals that have failed for 2 T end the process (`store_gone`), whatever its main
+        thread is waiting on. A shorter outage is retried (`confirm` decides whether a write may go)."""
+        timeout = storage.request_timeout_s()
+        failing_since = None
+        while not self._stop.wait(min(self.stale_after / 4, timeout)) and not self.lost:
+            started = self._clock()
             try:
-                self.renew()
-            except Exception as e:  # noqa: BLE001 - a passing outage: `confirm` decides when it is too long
-                logging.warning('renewing the lease of workdir %s failed (%s); retrying', self.path.parent, e)
+                storage.within(timeout, self.renew)
+                failing_since = None
+            except Exception as e:  # noqa: BLE001 - a passing outage, until it lasts
+                failing_since = started if failing_since is None else failing_since
+                cause = ' '.join(f'{type(e).__name__}: {e}'.split()).rstrip(': ')
+                if self._clock() - failing_since >= 2 * timeout and not self._stop.is_set():
+                    self.store_gone(f'the object store stopped answering: renewing the lease {self.path} failed '
+                                    f'for {self._clock() - failing_since:.0f} s ({cause}; VRL_STORE_TIMEOUT_S='
+                                    f'{timeout:g}). This {self.holder_kind} stops here, its last checkpoint intact: '
+                                    'run the same command once the store answers.')
+                logging.warning('renewing the lease of workdir %s failed (%s); retrying', self.path.parent, cause)
 
     def renew(self) -> None:
         """One conditional rewrite; a lease found changed is lost (`lost` says why)."""
