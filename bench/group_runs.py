@@ -2,7 +2,7 @@
 another and against one run, at the CPU reproduction config: step time and total time.
 
     python bench/group_runs.py [--variant vanilla] [--seeds 4] [--steps 400] [--workdir runs/bench_group_runs]
-                               [--time_only]
+                               [--time_only] [--rounds 20]
 
 Step time: the single-run step and the group's step in alternating rounds in one process on one
 batch (a shared host drifts over minutes), each round two steps of each with the second timed (the
@@ -82,10 +82,11 @@ def main() -> None:
     parser.add_argument('--steps', type=int, default=400, help='Steps per run for the total times.')
     parser.add_argument('--workdir', default='runs/bench_group_runs')
     parser.add_argument('--time_only', action='store_true', help='Step times only.')
+    parser.add_argument('--rounds', type=int, default=20, help='Timed rounds of the step times.')
     args = parser.parse_args()
     cli.enable_compilation_cache()
     config = config_for(args.variant, args.steps)
-    one_ms, group_ms = step_ms(config, args.seeds)
+    one_ms, group_ms = step_ms(config, args.seeds, args.rounds)
     gflop = accounting.account(config.model, config.data.seq_len).flops_per_token * config.data.batch_size \
         * config.data.seq_len / 1e9  # one run's model FLOPs per step
     peak = metrics.peak_flops_per_device(0.0, config.model.compute_dtype) * jax.device_count() / 1e9

@@ -13,7 +13,9 @@ plus the causal attention matmuls (vrl.model.accounting.training_flops_per_token
 host's matmul FLOP/s in the compute dtype (`--dtype`: float32 by default on CPU, bfloat16 on
 accelerators), measured with a jitted 1024^3 matmul (vrl.train.metrics); on an accelerator, the device's
 bf16 peak.
-Step time is the median of the timed steps. `--context N` splits each sequence over N devices
+Step time is the median of the timed steps; `GiB` is the compiled step's memory per device as
+XLA plans it (arguments, outputs and temporaries, less what they alias), read from the same
+program through the compilation cache. `--context N` splits each sequence over N devices
 (mesh.context; docs/scaling-out.md): run it with N and with 1 on the same devices to see what
 context parallelism costs or saves. Like `python -m vrl.main`, the script restarts itself
 with glibc's huge-page malloc (vrl/core/host_memory.py); VRL_HUGE_PAGES=0 measures without it.
@@ -35,7 +37,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import base, reproduce_cpu, tiny  # noqa: E402
-from vrl.core import backend, host_memory, sharding  # noqa: E402
+from vrl.core import backend, cli, host_memory, sharding  # noqa: E402
 from vrl.core.config import Config, from_configdict  # noqa: E402
 from vrl.model import accounting, presets  # noqa: E402
 from vrl.train import aot, metrics  # noqa: E402
@@ -74,6 +76,17 @@ class Stepper:
             'loss_mask': np.ones(shape, np.int32)})
         self.step()  # compile and warm up
 
+    def memory_gib(self) -> float | None:
+        """The compiled step's memory per device (arguments, outputs and temporaries, less what
+        aliases), as XLA plans it; None where the backend does not say."""
+        try:
+            stats = self.group.train_step.lower(self.state, self.batch).compile().memory_analysis()
+            used = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+                    - stats.alias_size_in_bytes)
+        except (AttributeError, NotImplementedError, TypeError):
+            return None
+        return used / 2**30
+
     def step(self) -> float:
         """Seconds for one train step."""
         start = time.perf_counter()
@@ -82,14 +95,14 @@ class Stepper:
         return time.perf_counter() - start
 
 
-def measure_against(vanilla: Stepper, config: Config, steps: int) -> tuple[float, float]:
-    """(median step seconds of `config`, median of vanilla's steps taken in between)."""
+def measure_against(vanilla: Stepper, config: Config, steps: int) -> tuple[float, float, float | None]:
+    """(median step seconds of `config`, median of vanilla's steps taken in between, its memory GiB)."""
     variant = Stepper(config)
     times, vanilla_times = [], []
     for _ in range(steps):
         vanilla_times.append(vanilla.step())
         times.append(variant.step())
-    return statistics.median(times), statistics.median(vanilla_times)
+    return statistics.median(times), statistics.median(vanilla_times), variant.memory_gib()
 
 
 def main() -> None:
@@ -104,6 +117,7 @@ def main() -> None:
     parser.add_argument('--dtype', choices=('float32', 'bfloat16'),
                         help='compute dtype (default: float32 on CPU, bfloat16 on accelerators)')
     args = parser.parse_args()
+    cli.enable_compilation_cache()  # the memory column's second compile is a cache hit
     args.dtype = args.dtype or ('float32' if jax.default_backend() == 'cpu' else 'bfloat16')
     peak = metrics.peak_flops_per_device(compute_dtype=args.dtype) * jax.device_count()
     huge_pages = 'glibc.malloc.hugetlb' in os.environ.get('GLIBC_TUNABLES', '')
@@ -114,7 +128,7 @@ def main() -> None:
     variants = list(presets.PRESETS) if args.variants == 'all' else args.variants.split(',')
     args.width = max(map(len, variants))
     print(f'{"config":>6} | {"variant":>{args.width}} | {"batch x seq":>11} | {"params":>8} | {"step s":>7} | '
-          f'{"vs vanilla":>11} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6}')
+          f'{"vs vanilla":>11} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6} | {"GiB":>6}')
     for name in args.configs.split(','):
         sizes = (args.seq_len, args.batch, args.remat, args.dtype, args.context)
         vanilla = Stepper(bench_config(name, 'vanilla', *sizes))
@@ -123,21 +137,22 @@ def main() -> None:
             if variant == 'vanilla':
                 continue
             config = bench_config(name, variant, *sizes)
-            seconds, vanilla_seconds = measure_against(vanilla, config, args.steps)
+            seconds, vanilla_seconds, memory = measure_against(vanilla, config, args.steps)
             vanilla_all.append(vanilla_seconds)
-            _print_row(name, variant, config, seconds, f'{seconds / vanilla_seconds - 1:+.1%}', args, peak)
+            _print_row(name, variant, config, seconds, f'{seconds / vanilla_seconds - 1:+.1%}', args, peak, memory)
         if 'vanilla' in variants:
             seconds = statistics.median(vanilla_all or [vanilla.step() for _ in range(args.steps)])
-            _print_row(name, 'vanilla', vanilla.config, seconds, '(reference)', args, peak)
+            _print_row(name, 'vanilla', vanilla.config, seconds, '(reference)', args, peak, vanilla.memory_gib())
 
 
-def _print_row(name: str, variant: str, config: Config, seconds: float, relative: str, args, peak: float) -> None:
+def _print_row(name: str, variant: str, config: Config, seconds: float, relative: str, args, peak: float,
+               memory: float | None) -> None:
     tokens_per_sec = config.data.batch_size * config.data.seq_len / seconds
     flops = accounting.training_flops_per_token(config.model, config.data.seq_len) * tokens_per_sec
     params = accounting.account(config.model, config.data.seq_len).params
     print(f'{name:>6} | {variant:>{args.width}} | {args.batch:>4} x {args.seq_len:<4} | {params / 1e6:>7.2f}M | '
           f'{seconds:>7.3f} | {relative:>11} | {tokens_per_sec:>9,.0f} | {flops / 1e9:>8,.1f} | '
-          f'{flops / peak:>6.1%}', flush=True)
+          f'{flops / peak:>6.1%} | {"-" if memory is None else f"{memory:.2f}":>6}', flush=True)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,169 @@
+"""The first minutes on a lent GPU: what only an accelerator can measure, each part time-boxed, the
+whole resumable part by part, written to one folder as a markdown table and a JSON file.
+
+    bash bench/device_check.sh OUT          # on the GPU machine: the wheels installed, then this
+    python bench/device_check.py --out OUT [--parts a,b] [--again] [--dry]
+
+Parts (PARTS; each a command of its own, killed at its time box so that one slow part cannot eat
+the rest): the GPU-only tests (cuDNN on whole sequences and on one device's part of a split
+sequence, against the XLA path); what `auto` chooses for the 468M and its memory
+(`vrl.main --compile_only`); the bf16 train step of vanilla, ResFormer and SVFormer at 2,048 tokens
+for the 82M and the 468M (tokens/s, step time, peak memory, MFU against the chip's bf16 peak;
+bench/train_throughput.py); decoding at 8K and 32K of context, vanilla against SVFormer
+(bench/decode.py); the in-training downstream scoring's cost (bench/downstream_cost.py); and a
+4-seed group's step against one run's (bench/group_runs.py).
+
+The parts' time boxes add up to under 8 minutes (BUDGET_S; a part that could end past it is left for
+the next command). A part whose `<part>.json` in OUT says it passed is not run again (`--again`
+runs it anyway), so a second command after a timeout goes on where the first stopped. Every result names the device,
+jax's version and the commit (DEVICE_COMMIT, written by bench/device_wheels.py beside the wheels;
+the machine has no git history). `--dry` runs every part with tiny shapes on this CPU, as the suite
+does (tests/test_device_check.py), so that a renamed flag fails here, not in the GPU window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+BUDGET_S = 480  # the whole check: a lent machine's command runs 10 minutes at most, the install included
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """A command, its time box (s) on the GPU, its arguments in --dry mode instead of `args`, and
+    the environment it adds on the GPU."""
+    name: str
+    what: str
+    args: tuple[str, ...]
+    seconds: int
+    dry: tuple[str, ...]
+    gpu_env: tuple[tuple[str, str], ...] = ()
+
+
+PARTS = (
+    Part('gpu_tests', 'cuDNN attention against the XLA path (whole sequences; one part of a split one)',
+         ('-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'gpu'), 75,
+         ('-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'split_sequence_matches'),
+         (('JAX_PLATFORMS', 'cuda'),)),  # the suite's conftest picks the CPU unless told
+    Part('auto_468m', 'what auto chooses for the 468M (attention, remat, microbatches) and its memory',
+         ('-m', 'vrl.main', '--config=configs/svformer_468m.py', '--compile_only'), 45,
+         ('-m', 'vrl.main', '--config=configs/tiny.py:svformer', '--compile_only', '--config.data.batch_size=8')),
+    Part('train_82m', 'bf16 train step, 82M at 2,048 tokens, 32 sequences',
+         ('bench/train_throughput.py', '--configs', '82m', '--variants', 'vanilla,resformer,svformer', '--seq_len',
+          '2048', '--batch', '32', '--steps', '5', '--dtype', 'bfloat16'), 80,
+         ('bench/train_throughput.py', '--configs', 'tiny', '--variants', 'vanilla,svformer', '--seq_len', '64',
+          '--batch', '2', '--steps', '2')),
+    Part('train_468m', 'bf16 train step, 468M at 2,048 tokens, 16 sequences (auto-fit picks remat)',
+         ('bench/train_throughput.py', '--configs', '468m', '--variants', 'vanilla,resformer,svformer', '--seq_len',
+          '2048', '--batch', '16', '--steps', '5', '--dtype', 'bfloat16'), 110,
+         ('bench/train_throughput.py', '--configs', 'tiny', '--variants', 'resformer', '--seq_len', '64', '--batch',
+          '2', '--steps', '2')),
+    Part('decode', 'decoding at 8K and 32K of context: tokens/s, cache bytes, share of the bandwidth bound',
+         ('bench/decode.py', '--size', '82m', '--contexts', '8192,32768', '--batches', '1,8', '--variants',
+          'vanilla,svformer'), 50,
+         ('bench/decode.py', '--size', '82m', '--contexts', '64', '--batches', '1', '--new_tokens', '2', '--variants',
+          'vanilla,svformer')),
+    Part('downstream', 'in-training downstream scoring: its share of training time (goal <= 5%)',
+         ('bench/downstream_cost.py', '--size', '82m'), 50,
+         ('bench/downstream_cost.py', '--size', '82m', '--limit', '2', '--rows', '2', '--train_rows', '1')),
+    Part('group', "a 4-seed group's step against one run's (goal <= 2x)",
+         ('bench/group_runs.py', '--seeds', '4', '--time_only'), 50,
+         ('bench/group_runs.py', '--seeds', '2', '--time_only', '--rounds', '1')),
+)
+
+
+def _device() -> dict[str, str]:
+    """The device, jax's version and the commit, from a child process (this one imports no jax)."""
+    probe = subprocess.run([PY, '-c', 'import jax; d = jax.devices(); print(jax.__version__); '
+                            'print(f"{len(d)} x {d[0].device_kind} ({jax.default_backend()})")'],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    version, device = (probe.stdout.split('\n') + ['?', '?'])[:2] if probe.returncode == 0 else ('?', probe.stderr[-300:])
+    commit_file = ROOT / 'device_wheels' / 'DEVICE_COMMIT'
+    commit = os.environ.get('VRL_COMMIT') or (commit_file.read_text().strip() if commit_file.exists() else '')
+    if not commit:
+        git = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, cwd=ROOT)
+        commit = git.stdout.strip() or 'unknown'
+    return {'device': device.strip(), 'jax': version.strip(), 'commit': commit}
+
+
+def run_part(part: Part, out: Path, dry: bool, env: dict[str, str]) -> dict:
+    """Runs `part` within its time box; its output to OUT/<part>.log, its record to OUT/<part>.json."""
+    args = part.dry if dry else part.args
+    env = env if dry else {**env, **dict(part.gpu_env)}
+    started = time.monotonic()
+    with open(out / f'{part.name}.log', 'w') as log:
+        try:
+            code = subprocess.run([PY, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=part.seconds).returncode
+            status = 'passed' if code == 0 else f'failed (exit {code})'
+        except subprocess.TimeoutExpired:
+            status = f'timed out at {part.seconds} s'
+    record = {'part': part.name, 'what': part.what, 'status': status, 'seconds': round(time.monotonic() - started, 1),
+              'command': ' '.join(['python', *args]), 'output': (out / f'{part.name}.log').read_text()[-6000:]}
+    (out / f'{part.name}.json').write_text(json.dumps(record, indent=1))
+    return record
+
+
+def report(out: Path, header: dict[str, str], records: list[dict]) -> str:
+    """The markdown report: a line per part, then each part's output."""
+    lines = [f'# Device check: {header["device"]}, jax {header["jax"]}, commit {header["commit"]}', '',
+             '| part | what | status | seconds |', '|---|---|---|---|']
+    lines += [f'| {r["part"]} | {r["what"]} | {r["status"]} | {r["seconds"]:.0f} |' for r in records]
+    for r in records:
+        lines += ['', f'## {r["part"]}: {r["status"]}', '', f'`{r["command"]}`', '', '```', r['output'].rstrip(), '```']
+    text = '\n'.join(lines) + '\n'
+    (out / 'device_check.md').write_text(text)
+    (out / 'device_check.json').write_text(json.dumps({**header, 'parts': records}, indent=1))
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--out', required=True, help='where the report and each part\'s output go')
+    parser.add_argument('--parts', default=','.join(p.name for p in PARTS))
+    parser.add_argument('--again', action='store_true', help='run parts that passed before too')
+    parser.add_argument('--dry', action='store_true', help='tiny shapes on this CPU (what the suite runs)')
+    parser.add_argument('--budget_s', type=int, default=BUDGET_S, help='no part starts that could end past this')
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.parts.split(',')
+    unknown = sorted(set(names) - {p.name for p in PARTS})
+    if unknown:
+        sys.exit(f'error: --parts names {unknown}; allowed: {", ".join(p.name for p in PARTS)}')
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if args.dry:
+        env['JAX_PLATFORMS'] = 'cpu'
+    header = _device()
+    records, started = [], time.monotonic()
+    for part in (p for p in PARTS if p.name in names):
+        done = out / f'{part.name}.json'
+        if done.exists() and not args.again and json.loads(done.read_text())['status'] == 'passed':
+            records.append(json.loads(done.read_text()))
+            print(f'{part.name}: passed before, kept ({done})', flush=True)
+            continue
+        if not args.dry and time.monotonic() - started + part.seconds > args.budget_s:
+            print(f'{part.name}: left for the next command (--budget_s {args.budget_s})', flush=True)
+            records.append({'part': part.name, 'what': part.what, 'status': 'not run: left for the next command',
+                            'seconds': 0.0, 'command': '', 'output': ''})
+            continue
+        print(f'{part.name}: {part.what} (at most {part.seconds} s) ...', flush=True)
+        records.append(run_part(part, out, args.dry, env))
+        print(f'{part.name}: {records[-1]["status"]} in {records[-1]["seconds"]:.0f} s', flush=True)
+    report(out, header, records)
+    print(f'wrote {out / "device_check.md"} and {out / "device_check.json"}')
+    if any(r['status'] != 'passed' for r in records):
+        sys.exit(1)
+
+
+if __name__ == '__main__':
+    main()
