@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+import json
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -178,3 +179,18 @@ def wandb_records(path) -> list:
             record.ParseFromString(pending)
             records.append(record)
     return records
+
+
+def assert_resumes_exactly(make: Callable[[], Iterator[dict]], uninterrupted: list[dict], taken: int) -> None:
+    """An iterator from `make()`, restored to the position another one saved after `taken` batches
+    (through JSON, as a checkpoint stores it), yields `uninterrupted[taken:]` bit for bit."""
+    first = iter(make())
+    for _ in range(taken):
+        next(first)
+    resumed = iter(make())
+    resumed.set_state(json.loads(json.dumps(first.get_state())))
+    for want in uninterrupted[taken:]:
+        got = next(resumed)
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import assert_resumes_exactly
 from tests.runs import tiny_config
 from vrl.core.config import ConfigError, DataConfig
 from vrl.data import build, corpus, pipeline
@@ -173,15 +174,7 @@ def test_resume_and_process_shards(domains):
     cfg, tokenizer = domains
     k, m = 6, 4
     reference = _first_batches(cfg, tokenizer, k + m)
-    first = iter(pipeline.train_dataset(cfg, tokenizer))
-    for _ in range(k):
-        next(first)
-    resumed = iter(pipeline.train_dataset(cfg, tokenizer))
-    resumed.set_state(json.loads(json.dumps(first.get_state())))  # what the checkpoint stores
-    for expected in reference[k:]:
-        got = next(resumed)
-        for key in expected:
-            np.testing.assert_array_equal(got[key], expected[key])
+    assert_resumes_exactly(lambda: pipeline.train_dataset(cfg, tokenizer), reference, k)
     two = dataclasses.replace(cfg, batch_size=16)
     shards = [set(_documents(_first_batches(two, tokenizer, 12, process_index=i, process_count=2))) for i in range(2)]
     assert shards[0] and shards[1] and not shards[0] & shards[1]
@@ -289,16 +282,7 @@ def test_a_weight_schedule_changes_the_shares_at_its_step_and_resumes_exactly(do
     two = dataclasses.replace(cfg, batch_size=16)
     for index in range(2):
         assert _windows_per_batch(_first_batches(two, tokenizer, 12, process_index=index, process_count=2)) == want
-    first = iter(pipeline.train_dataset(cfg, tokenizer))
-    for _ in range(7):
-        next(first)
-    resumed = iter(pipeline.train_dataset(cfg, tokenizer))
-    resumed.set_state(json.loads(json.dumps(first.get_state())))  # what the checkpoint stores
-    for expected in reference[7:]:
-        got = next(resumed)
-        assert got.keys() == expected.keys()
-        for key in expected:
-            np.testing.assert_array_equal(got[key], expected[key])
+    assert_resumes_exactly(lambda: pipeline.train_dataset(cfg, tokenizer), reference, 7)
 
 
 def test_bad_mixtures_are_named(domains):

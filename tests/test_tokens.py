@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import assert_resumes_exactly
 from vrl.data import build, corpus, pipeline, shards, sources, tokens
 from vrl.data.tokenizer import EOS_ID, HuggingFaceTokenizer, Tokenizer, TokenizerError
 from vrl.data.tokenizer import train as train_tokenizer
@@ -244,15 +245,7 @@ def test_a_pretokenized_iterator_resumes_exactly(pretokenized, hf_tokenizer, min
     cfg = dataclasses.replace(cfg, num_epochs=0, document_masking=True)
     whole = iter(pipeline.train_dataset(cfg, hf_tokenizer))
     expected = [next(whole) for _ in range(12)]
-    first = iter(pipeline.train_dataset(cfg, hf_tokenizer))
-    for _ in range(5):
-        next(first)
-    state = json.loads(json.dumps(first.get_state()))
-    resumed = iter(pipeline.train_dataset(cfg, hf_tokenizer))
-    resumed.set_state(state)
-    for want in expected[5:]:
-        got = next(resumed)
-        assert all((got[k] == want[k]).all() for k in want)
+    assert_resumes_exactly(lambda: pipeline.train_dataset(cfg, hf_tokenizer), expected, 5)
 
 
 def test_tokenize_resumes_from_the_shards_it_finished_and_checks_the_dataset(pretokenized, hf_tokenizer, caplog,

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import assert_resumes_exactly
 from vrl.core.config import ConfigError, DataConfig
 from vrl.data import corpus, pipeline, tokens, windows
 from vrl.data.sources import DataError
@@ -121,15 +122,8 @@ def test_batches_are_the_same_for_0_8_and_64_read_threads_and_resume_bit_for_bit
         got = list(itertools.islice(pipeline.train_dataset(dataclasses.replace(cfg, read_threads=threads), tokenizer), 40))
         for a, b in zip(got, expected, strict=True):
             assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    first = iter(pipeline.train_dataset(cfg, tokenizer))
-    for _ in range(13):  # past the first window
-        next(first)
-    state = json.loads(json.dumps(first.get_state()))
-    resumed = iter(pipeline.train_dataset(dataclasses.replace(cfg, read_threads=8), tokenizer))
-    resumed.set_state(state)
-    for want in expected[13:]:
-        got = next(resumed)
-        assert all((got[k] == want[k]).all() for k in want)
+    assert_resumes_exactly(lambda: pipeline.train_dataset(dataclasses.replace(cfg, read_threads=8), tokenizer),
+                           expected, 13)  # past the first window
 
 
 def test_a_mixture_with_a_weight_schedule_resumes_bit_for_bit_in_windows(windowed, small_corpus, tmp_path):
@@ -140,15 +134,7 @@ def test_a_mixture_with_a_weight_schedule_resumes_bit_for_bit_in_windows(windowe
     cfg = dataclasses.replace(cfg, data_dir=str(tmp_path), mixture='left=3,right=1', mixture_schedule='4:left=1,right=1',
                               name='left')
     whole = list(itertools.islice(pipeline.train_dataset(cfg, tokenizer), 16))
-    first = iter(pipeline.train_dataset(cfg, tokenizer))
-    for _ in range(6):
-        next(first)
-    state = json.loads(json.dumps(first.get_state()))
-    resumed = iter(pipeline.train_dataset(cfg, tokenizer))
-    resumed.set_state(state)
-    for want in whole[6:]:
-        got = next(resumed)
-        assert all((got[k] == want[k]).all() for k in want)
+    assert_resumes_exactly(lambda: pipeline.train_dataset(cfg, tokenizer), whole, 6)
     read = whole[-1]['tokens_read'][-1]
     assert read[0] > read[1] > 0
 

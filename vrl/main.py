@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import json
 import os
 import sys
@@ -160,7 +161,7 @@ def main(args: cli.Args) -> None:
     except (checkpoint.SaveError, workdir_lib.LeaseLostError) as e:
         # a failed save's writer threads can still print asyncio noise while Python shuts down, and a
         # save in flight when the lease was lost must write no more: end the process here
-        say = lambda: print(f'error: {e}', file=sys.stderr, flush=True)  # noqa: E731
+        say = functools.partial(print, f'error: {e}', file=sys.stderr, flush=True)
         peers.stop(multihost.line_of(e), say)  # several processes: the others stop too
         say()
         os._exit(1)

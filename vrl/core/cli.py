@@ -15,6 +15,7 @@ TFDS) and the native libraries' lines that say nothing (vrl/core/native_lines.py
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -53,8 +54,8 @@ def run(main: Callable[..., None], define_flags: Callable[[], Args], commands: t
             main(args, *positional)
         except Exception as e:
             if peers.watching() and not multihost.agreed(e):  # this process alone: the others stop too
-                peers.stop(multihost.line_of(e), say=lambda: print(f'error: {e}', file=sys.stderr) if isinstance(
-                    e, VrlError) else traceback.print_exc())  # ends the process
+                said = f'error: {e}' if isinstance(e, VrlError) else traceback.format_exc().rstrip()
+                peers.stop(multihost.line_of(e), say=functools.partial(print, said, file=sys.stderr))  # ends it
             if isinstance(e, VrlError):
                 sys.exit(f'error: {e}')
             raise
