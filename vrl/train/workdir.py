@@ -101,7 +101,7 @@ class Lease:
       exactly one wins;
     - a holder renews it (a conditional rewrite) from its own thread every stale_after / 4 s;
     - a holder is gone when the generation stays the same for stale_after seconds of the waiting
-      run's own monotonic clock (no clocks are compared); `take_over=True` takes it at once;
+      run's own clock, `elapsed_seconds` (no clocks are compared); `take_over=True` takes it at once;
     - the holder writes only while its lease is surely its own: `confirm()`, before each checkpoint
       and upload, raises LeaseLostError once a renewal found the lease taken, or when no renewal
       has succeeded for stale_after / 2 s and one more attempt fails. A taker waits stale_after
