@@ -86,7 +86,8 @@ def _device() -> dict[str, str]:
     probe = subprocess.run([PY, '-c', 'import jax; d = jax.devices(); print(jax.__version__); '
                             'print(f"{len(d)} x {d[0].device_kind} ({jax.default_backend()})")'],
                            capture_output=True, text=True, cwd=ROOT, timeout=120)
-    version, device = (probe.stdout.split('\n') + ['?', '?'])[:2] if probe.returncode == 0 else ('?', probe.stderr[-300:])
+    lines = probe.stdout.split('\n') + ['?', '?']
+    version, device = lines[:2] if probe.returncode == 0 else ('?', probe.stderr[-300:])
     commit_file = ROOT / 'device_wheels' / 'DEVICE_COMMIT'
     commit = os.environ.get('VRL_COMMIT') or (commit_file.read_text().strip() if commit_file.exists() else '')
     if not commit:

@@ -354,7 +354,8 @@ def test_a_build_stopped_by_a_bad_line_publishes_nothing_and_resumes_from_its_fi
     good = (raw / 'part3.jsonl').read_text()
     (raw / 'part3.jsonl').write_text(good.replace('}\n', ']\n', 1))  # line 1 is no JSON object; same size
     data_dir = str(tmp_path / 'tfds')
-    with pytest.raises(corpus.DataError, match=r'part3.jsonl:1 is not valid JSON'):
+    with pytest.raises(corpus.DataError, match=r"part3.jsonl:1 is not valid JSON at column 28 \(expecting ',' "
+                                               r'delimiter\): fix that line, or leave the file out.$'):
         build.prepare_from_glob(str(raw), 'web', data_dir, tokenizer=tokenizer, workers=1)
     with pytest.raises(corpus.DataError, match="TFDS dataset 'web'.*vrl.data prepare"):
         corpus.open_split('web', data_dir, 'train')

@@ -317,7 +317,6 @@ def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, mo
      "--config.train.stepz: 'stepz' is not a field of train; allowed: steps, microbatches,"),
     (['--config=configs/tiny.py', '--summary', '--config.model.bogus=1'],
      "--config.model.bogus: 'bogus' is not a field of model; allowed: attention, lambda_mode,"),
-    (['--config=configs/no_such.py', '--summary'], "No such file or directory: 'configs/no_such.py'"),
     (['--config=configs/tiny.py', '--summary', '--config.model.attention=mamba'],
      "model.attention='mamba' is invalid: allowed one of 'vanilla', 'resformer', 'svformer'"),
     (['--config=configs/tiny.py', '--workdir=/proc/vrl_cannot_write'], 'cannot write to --workdir /proc/vrl_cannot_write ('),
@@ -326,6 +325,9 @@ def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, mo
      "--config.trian.steps: 'trian' is not a config section; allowed: model, data, optimizer, train, mesh"),
     (['--config=configs/tiny.py', '--summary', '--config.optimizer.final_lr=-1e-4'],
      'optimizer.final_lr=-0.0001 is invalid: allowed a float >= 0'),
+    (['--config=configs/tinny.py', '--summary'],
+     f'error: the config file configs/tinny.py does not exist (looked from {ROOT}): name one of configs/*.py, '
+     'e.g. --config=configs/tiny.py\n'),
 ])
 def test_command_line_errors_are_clear(args, message):
     out = subprocess.run([sys.executable, '-m', 'vrl.main', *args], cwd=ROOT, capture_output=True, text=True)

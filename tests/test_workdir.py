@@ -41,7 +41,7 @@ def test_one_writer_a_killed_holder_does_not_block_and_ctrl_c_saves(small_corpus
     first.send_signal(signal.SIGINT)  # Ctrl-C: the step finishes, is saved, the run exits normally
     output, _ = first.communicate(timeout=120)
     assert first.returncode == 0, output
-    assert 'Ctrl-C: finishing this step' in output and 'Traceback' not in output
+    assert 'Ctrl-C: the run saves a checkpoint at the next step' in output and 'Traceback' not in output
     (interrupted_at,) = saved_steps(workdir)
     assert interrupted_at >= 2
 

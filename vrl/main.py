@@ -11,6 +11,7 @@ import errno
 import functools
 import json
 import os
+import re
 import sys
 
 from absl import app, flags
@@ -142,6 +143,10 @@ def main(args: cli.Args) -> None:
     try:
         config = from_configdict(args['config'].value)
     except OSError as e:  # config_flags defers a missing or broken config file to here
+        missing = re.search(r"No such file or directory: '([^']+)'", str(e))
+        if missing:
+            sys.exit(f'error: the config file {missing.group(1)} does not exist (looked from {os.getcwd()}): name one '
+                     'of configs/*.py, e.g. --config=configs/tiny.py')
         sys.exit(f'error: {" ".join(str(e).split())}')
     except ConfigError as e:
         sys.exit(f'error: invalid config: {e}')

@@ -295,7 +295,8 @@ def _jsonl_records(file: str, lines: Iterable[str]) -> Iterator[tuple[str, dict]
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f'{file}:{line_no} is not valid JSON ({e.msg}).') from e
+                raise DataError(f'{file}:{line_no} is not valid JSON at column {e.colno} '
+                                f'({e.msg.removesuffix(" at").lower()}): fix that line, or leave the file out.') from e
             if not isinstance(record, dict):
                 raise DataError(f'{file}:{line_no} is a JSON {type(record).__name__}, not an object.')
             yield f'{file}:{line_no}', record

@@ -101,8 +101,9 @@ class Preemption:
         if signum == signal.SIGINT and self.requested:
             raise KeyboardInterrupt  # the second Ctrl-C aborts
         name = 'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'
-        print(f'{name}: finishing this step, then saving and exiting'
-              + (' (Ctrl-C again to abort without saving)' if signum == signal.SIGINT else ''), flush=True)
+        print(f'{name}: the run saves a checkpoint at the next step that checks for it (within train.log_every '
+              'steps; the steps already sent to the device finish first), then exits'
+              + ('; Ctrl-C again aborts without saving' if signum == signal.SIGINT else ''), flush=True)
         self.requested = True
 
     def agree(self, step: int, every: int, **local: bool) -> tuple[bool, dict[str, bool]]:
