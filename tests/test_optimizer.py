@@ -42,8 +42,8 @@ def _first_update(cfg: OptimizerConfig, params: dict, axes: dict, grads: dict) -
 
 
 def _muon(**fields) -> OptimizerConfig:
-    return OptimizerConfig(**{**dict(name='muon', peak_lr=0.02, warmup_steps=0, weight_decay=0.0, grad_clip=0.0),
-                              **fields})
+    return OptimizerConfig(**{**dict(name='muon', peak_lr=0.02, warmup_steps=0, decay_steps=10_000, weight_decay=0.0,
+                                     grad_clip=0.0), **fields})
 
 
 def test_muon_update_is_the_newton_schulz_of_the_gradient():
@@ -286,3 +286,27 @@ def test_cosine_schedule_against_a_hand_computed_table():
     table = {0: 0.1, 5: 0.55, 10: 1.0, 35: 0.2 + 0.8 * (1 + np.cos(np.pi / 4)) / 2, 60: 0.6, 110: 0.2, 200: 0.2}
     for step, want in table.items():
         assert float(lr(step)) == pytest.approx(want, rel=1e-6), step
+
+
+def test_the_schedule_follows_train_steps_unless_its_length_is_set():
+    """decay_steps=0 (the default, and the presets') ends the schedule with the run: a 20-step smoke
+    run of the tiny config ends at final_lr, and says nothing; one set explicitly stays, with its note."""
+    from configs import tiny
+    from vrl.core.config import from_configdict
+    from vrl.model import resolve
+    short = from_configdict(tiny.get_config())
+    short = dataclasses.replace(short, train=dataclasses.replace(short.train, steps=40))
+    assert short.optimizer.decay_steps == 0
+    opt = resolve.execution(short, 'cpu', say=lambda line: None).optimizer
+    assert opt.decay_steps == 40 and optimizer.schedule_note(opt, 40) == ''
+    assert float(optimizer.learning_rate(opt)(40)) == pytest.approx(short.optimizer.final_lr, rel=1e-6)
+    smoke = dataclasses.replace(short, train=dataclasses.replace(short.train, steps=20))  # inside the warmup of 30
+    opt = resolve.execution(smoke, 'cpu', say=lambda line: None).optimizer
+    assert opt.decay_steps == 31 and optimizer.schedule_note(opt, 20).endswith(
+        'it stops inside the warmup (optimizer.warmup_steps=30): set --config.optimizer.warmup_steps=5 to decay '
+        'within the run')
+    fixed = dataclasses.replace(short, optimizer=dataclasses.replace(short.optimizer, decay_steps=400))
+    opt = resolve.execution(fixed, 'cpu', say=lambda line: None).optimizer
+    assert opt.decay_steps == 400 and 'set --config.optimizer.decay_steps=40' in optimizer.schedule_note(opt, 40)
+    with pytest.raises(ValueError, match='decay_steps=0 stands for train.steps'):
+        optimizer.learning_rate(short.optimizer)

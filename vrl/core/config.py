@@ -360,7 +360,7 @@ class OptimizerConfig:
     init_lr: float = 1e-7
     final_lr: float = 6e-5
     warmup_steps: int = 120
-    decay_steps: int = 10_000  # step at which the schedule reaches final_lr
+    decay_steps: int = 0  # step at which the schedule reaches final_lr; 0 = train.steps (ends with the run)
     schedule: str = 'cosine'  # cosine | wsd
     decay_fraction: float = 0.2  # wsd: decays over the last this fraction of decay_steps
     decay_shape: str = 'linear'  # wsd: linear | sqrt (1 - sqrt of the decay's progress)
@@ -383,10 +383,10 @@ class OptimizerConfig:
         _choice('optimizer.decay_shape', self.decay_shape, DECAY_SHAPES)
         _require(self.peak_lr > 0, 'optimizer.peak_lr', self.peak_lr, 'a float > 0')
         _require(self.warmup_steps >= 0, 'optimizer.warmup_steps', self.warmup_steps, 'an integer >= 0')
-        _require(self.decay_steps > self.warmup_steps, 'optimizer.decay_steps', self.decay_steps,
-                 f'an integer > optimizer.warmup_steps={self.warmup_steps}')
+        _require(self.decay_steps == 0 or self.decay_steps > self.warmup_steps, 'optimizer.decay_steps',
+                 self.decay_steps, f'0 (train.steps) or an integer > optimizer.warmup_steps={self.warmup_steps}')
         _require(0 < self.decay_fraction <= 1, 'optimizer.decay_fraction', self.decay_fraction, 'a float in (0, 1]')
-        if self.schedule == 'wsd':
+        if self.schedule == 'wsd' and self.decay_steps:
             _require(self.decay_start >= self.warmup_steps, 'optimizer.decay_fraction', self.decay_fraction,
                      f'a fraction whose decay starts after warmup (decay_steps={self.decay_steps} x (1 - '
                      f'{self.decay_fraction}) = {self.decay_start} < warmup_steps={self.warmup_steps})')

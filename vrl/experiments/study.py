@@ -128,10 +128,11 @@ def plan(base: Config, axes: Axes) -> list[Run]:
     for size, seq_len, lr in itertools.product(axes.sizes, axes.seq_lens, axes.lrs):
         shape = sized(size, base.model)
         steps = _steps(base, shape, axes.budget)
+        decay_steps = base.optimizer.decay_steps and max(  # 0 follows each run's train.steps
+            base.optimizer.warmup_steps + 1, round(base.optimizer.decay_steps * steps / base.train.steps))
         schedule = dataclasses.replace(
             base.optimizer, peak_lr=lr, final_lr=base.optimizer.final_lr * lr / base.optimizer.peak_lr,
-            decay_steps=max(base.optimizer.warmup_steps + 1,
-                            round(base.optimizer.decay_steps * steps / base.train.steps)))
+            decay_steps=decay_steps)
         data = dataclasses.replace(base.data, seq_len=seq_len, batch_size=tokens // seq_len)
         coordinates = (('size', size), ('lr', f'lr{lr:g}'), ('seq', f'L{seq_len}'))
         for variant in axes.variants:

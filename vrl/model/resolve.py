@@ -48,8 +48,9 @@ def local_compute_dtype(model: ModelConfig) -> str:
 
 
 def execution(config: Config, platform: str, say: Say = logging.info) -> Config:
-    """model.compute_dtype, model.attention_impl and model.hand_vjp for `platform` ('cpu', 'gpu', 'tpu');
-    an explicit value that cannot run there is a ConfigError with the reason."""
+    """model.compute_dtype, model.attention_impl and model.hand_vjp for `platform` ('cpu', 'gpu', 'tpu'),
+    and optimizer.decay_steps=0 as train.steps; an explicit value that cannot run there is a
+    ConfigError with the reason."""
     dtype, why_dtype = compute_dtype(config.model, platform)
     model = dataclasses.replace(config.model, compute_dtype=dtype)  # cuDNN attention needs bfloat16
     impl, why_impl = attention.choose(model, platform, config.data.seq_len, config.data.document_masking,
@@ -60,4 +61,8 @@ def execution(config: Config, platform: str, say: Say = logging.info) -> Config:
         old = getattr(config.model, field)
         if new != old or why != 'as configured':  # a change, or an explicit value with a note
             say(f'model.{field}={new} ({old} on {platform}: {why})')
-    return dataclasses.replace(config, model=dataclasses.replace(model, attention_impl=impl, hand_vjp=hand_vjp))
+    optimizer = config.optimizer
+    if not optimizer.decay_steps:  # the schedule ends with the run (after its warmup, at least)
+        optimizer = dataclasses.replace(optimizer, decay_steps=max(config.train.steps, optimizer.warmup_steps + 1))
+    return dataclasses.replace(config, model=dataclasses.replace(model, attention_impl=impl, hand_vjp=hand_vjp),
+                               optimizer=optimizer)

@@ -101,6 +101,9 @@ def learning_rate(cfg: OptimizerConfig, peak: float | None = None) -> optax.Sche
     cosine: init -> peak linearly over warmup_steps, then a cosine to final at decay_steps.
     wsd: the same warmup, peak until decay_start, then linear (or 1 - sqrt) to final at decay_steps.
     """
+    if not cfg.decay_steps:
+        raise ValueError('optimizer.decay_steps=0 stands for train.steps: take the OptimizerConfig of a Config, '
+                         'which resolves it')
     peak = cfg.peak_lr if peak is None else peak
     init, final = cfg.init_lr * peak / cfg.peak_lr, cfg.final_lr * peak / cfg.peak_lr
     if cfg.schedule == 'cosine':
@@ -123,9 +126,13 @@ def schedule_note(cfg: OptimizerConfig, steps: int) -> str:
     does not): where its LR will be, and how to make the schedule end with the run."""
     if not 0 < steps < cfg.decay_steps:
         return ''
-    return (f'train.steps={steps} ends before the {cfg.schedule} schedule does (optimizer.decay_steps='
+    ends = (f'train.steps={steps} ends before the {cfg.schedule} schedule does (optimizer.decay_steps='
             f'{cfg.decay_steps}): the last step trains at lr {float(learning_rate(cfg)(steps)):.2e}, not final_lr '
-            f'{cfg.final_lr:g}; set --config.optimizer.decay_steps={steps} to end the schedule with the run')
+            f'{cfg.final_lr:g}; ')
+    if steps <= cfg.warmup_steps:
+        return ends + (f'it stops inside the warmup (optimizer.warmup_steps={cfg.warmup_steps}): set '
+                       f'--config.optimizer.warmup_steps={steps // 4} to decay within the run')
+    return ends + f'set --config.optimizer.decay_steps={steps} to end the schedule with the run'
 
 
 def _scale_each(factor: Callable[[tuple[str, ...], jax.Array], float]) -> optax.GradientTransformation:
