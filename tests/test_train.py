@@ -43,7 +43,9 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path, cap
                          log_every=50)
     result = loop.run(config, str(tmp_path))
     assert result.step == 200 and not result.preempted
-    assert '\nsample (greedy): HAMLET.' in capsys.readouterr().out
+    said = capsys.readouterr().out  # the prompt in brackets; no blank line between the sample and what follows
+    sample = said[said.index('\nsample (greedy): '):said.index('\ndone at step 200')]
+    assert sample.startswith('\nsample (greedy): [HAMLET.]') and '\n\n' not in sample and sample == sample.rstrip()
     # it learns from context: well below the corpus's unigram entropy (5.1 nats; ln V = 6.2), which
     # a model that ignores context cannot pass
     entropy = _unigram_entropy(small_corpus)
@@ -71,7 +73,7 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path, cap
     assert 'train.steps=40 ends before the cosine schedule does (optimizer.decay_steps=60)' in said
     _, tokenizer = small_corpus  # no prompt given: the opening words of the run's own validation data
     opening = pipeline.opening_words(config.data, tokenizer)
-    assert opening and f'\nsample (greedy): {opening}' in said
+    assert opening and f'\nsample (greedy): [{opening}]' in said
     records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
     train_records = [r for r in records if 'loss' in r]
     assert [r['step'] for r in train_records] == [50, 100, 150, 200]

@@ -328,7 +328,8 @@ class Diagnostics(Hook):
 
 class Sample(Hook):
     """A greedy sample of each run at the end of a run that trained, prompted with train.sample_prompt
-    or the opening words of the run's own validation data."""
+    or the opening words of the run's own validation data: the prompt in brackets, then what the
+    model wrote, its trailing blank lines left out."""
 
     def __init__(self, config: Config, group: RunGroup, members: list[Member], graphdef: Any, mesh: Any,
                  tokenizer: Any, start_step: int):
@@ -346,7 +347,8 @@ class Sample(Hook):
             generator = decode.Generator(config.model, self.graphdef, self.group.member(state.params, i),
                                          config.data.seq_len, self.tokenizer.eos_id, self.mesh)
             completion = generator.generate([prompt], sampling).tokens[0]
-            m.writer.print(f'sample (greedy): {text}{self.tokenizer.decode(completion)}')
+            continuation = self.tokenizer.decode(completion).rstrip()  # not the blank lines a tiny model ends on
+            m.writer.print(f'sample (greedy): [{text}]{continuation}')
 
 
 def collect_flags(hooks: list[Hook]) -> dict[str, bool]:
