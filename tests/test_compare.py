@@ -109,7 +109,7 @@ def test_a_second_invocation_trains_only_the_new_variant_and_evaluates_all(compa
     after = {p.parent.name: p for p in (workdir / 'runs').glob('*/result.json')}
     assert set(after) - set(before) == {'svformer-s0', 'svformer-s1'}
     assert all(saved_steps(workdir / 'runs' / name) == before_steps[name] for name in before)  # not retrained
-    assert again.stderr.count('finished before, reused') == 4
+    assert again.stdout.count('finished before, reused') == 4
     results = json.loads((workdir / 'results.json').read_text())
     table = results['table']
     assert [r['variant'] for r in table] == ['vanilla', 'resformer:learnable_plus', 'svformer']

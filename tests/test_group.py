@@ -4,7 +4,6 @@ only runs of one shape, data and step are grouped, and a killed grouped comparis
 
 import dataclasses
 import json
-import logging
 import signal
 import subprocess
 
@@ -114,26 +113,23 @@ def test_the_grid_groups_unfinished_runs_of_one_shape_data_and_step(small_corpus
         ['resformer-0.003-s0', 'resformer-0.003-s1', 'resformer-0.003-s3'], ['resformer-0.003-s2'],
         ['svformer-0.003-s0', 'svformer-0.003-s1'], ['resformer-0.001-s4']]
 
-    with caplog.at_level(logging.WARNING):
-        results = grid.train_all(first, tmp_path, 0)
+    capsys.readouterr()
+    results = grid.train_all(first, tmp_path, 0)
+    said = capsys.readouterr().out  # information on the terminal, not a warning in the log
     assert [r['step'] for r in results] == [STEPS] * 4
-    assert 'resformer-0.003-s0, resformer-0.003-s1, resformer-0.003-s3: trained together' in caplog.text
-    assert 'resformer-0.003-s2: trained alone' in caplog.text
+    assert '\nresformer-0.003-s0, resformer-0.003-s1, resformer-0.003-s3: trained together' in '\n' + said
+    assert '\nresformer-0.003-s2: trained alone' in '\n' + said and 'trained' not in caplog.text
     events = [r['event'] for r in map(json.loads, (tmp_path / 'runs' / partial.name / 'metrics.jsonl')
                                       .read_text().splitlines()) if 'event' in r]
     assert events == ['started', 'resumed']
     # a group whose members are partly finished trains only the unfinished ones
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        grid.train_all([*first, run('resformer', 5)], tmp_path, 0)
-    assert caplog.text.count('finished before, reused') == 4 and 'resformer-0.003-s5: trained alone' in caplog.text
+    grid.train_all([*first, run('resformer', 5)], tmp_path, 0)
+    said = capsys.readouterr().out
+    assert said.count('finished before, reused') == 4 and 'resformer-0.003-s5: trained alone' in said
     # group_runs=False (compare's --group_runs=false): one run after another, each printing as a run alone
-    caplog.clear()
-    capsys.readouterr()
-    with caplog.at_level(logging.WARNING):
-        alone = grid.train_all([run('resformer', 6), run('resformer', 7)], tmp_path, 0, group_runs=False)
+    alone = grid.train_all([run('resformer', 6), run('resformer', 7)], tmp_path, 0, group_runs=False)
     printed = capsys.readouterr().out
-    assert [r['step'] for r in alone] == [STEPS] * 2 and 'trained together' not in caplog.text
+    assert [r['step'] for r in alone] == [STEPS] * 2 and 'trained together' not in printed
     assert printed.count('resformer (learnable)') == 2 and '[resformer-0.003-s6]' not in printed, printed
 
 

@@ -305,7 +305,7 @@ def test_one_more_lr_trains_only_the_new_runs(studied):
     assert after - set(studied.first_runs) == {f'{v}-{s}-lr0.003-L64-s0' for v in ('vanilla', 'svformer')
                                                  for s in ('d32', 'd48')}
     assert all(saved_steps(studied.workdir / 'runs' / name) == steps for name, steps in studied.first_runs.items())
-    assert studied.again.stderr.count('finished before, reused') == 4
+    assert studied.again.stdout.count('finished before, reused') == 4
 
 
 def test_another_base_config_is_refused_and_nothing_is_overwritten(studied, small_corpus):

@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from absl import logging
 from etils import epath
 
 from vrl.core import multihost, storage
@@ -124,11 +123,17 @@ def train_all(runs: list[Run], workdir: epath.Path, analysis_sequences: int, dow
     for members in (_groups(runs, workdir) if group_runs else []):
         names = ', '.join(run.name for run in members)
         if len(members) == 1:
-            logging.warning('%s: trained alone (no unfinished run of its shape, data and step to group with)', names)
+            _say(f'{names}: trained alone (no unfinished run of its shape, data and step to group with)')
             continue
-        logging.warning('%s: trained together (same shape, data and step; seeds differ)', names)
+        _say(f'{names}: trained together (same shape, data and step; seeds differ)')
         trained |= _train(members, workdir, analysis_sequences)
     return [train_or_reuse(run, workdir, analysis_sequences, downstream, trained.get(run.name)) for run in runs]
+
+
+def _say(line: str) -> None:
+    """What the grid does with a run, on process 0's terminal: information, not a warning."""
+    if jax.process_index() == 0:
+        print(line, flush=True)
 
 
 def _groups(runs: list[Run], workdir: epath.Path) -> list[list[Run]]:
@@ -151,7 +156,7 @@ def train_or_reuse(run: Run, workdir: epath.Path, analysis_sequences: int, downs
     result_file = run_dir / 'result.json'
     reused = trained is None and result_file.exists()
     if reused:
-        logging.warning('%s: finished before, reused', run.name)
+        _say(f'{run.name}: finished before, reused')
         result = json.loads(result_file.read_text())
     else:
         result = trained or _train([run], workdir, analysis_sequences)[run.name]
