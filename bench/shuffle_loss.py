@@ -64,9 +64,9 @@ def main() -> None:
                                 *overrides], cwd=ROOT, check=True, capture_output=True)
                 results.setdefault((label, window), []).append(final_eval_loss(workdir))
                 print(f'{label} {window} seed {seed}: {results[(label, window)][-1]:.4f}', file=sys.stderr, flush=True)
-        train_tokens = corpus.split_info('shakespeare', data.data_dir, 'train').documents
+        train_documents = corpus.split_info('shakespeare', data.data_dir, 'train').documents
     base = statistics.mean(results[('documents', '-')])
-    print(f'tiny config, {args.steps} steps of 32 x 128 tokens, Shakespeare ({train_tokens:,} train documents), '
+    print(f'tiny config, {args.steps} steps of 32 x 128 tokens, Shakespeare ({train_documents:,} train documents), '
           f'seeds {args.seeds}; blocks of {args.block_tokens} tokens; {time.time() - started:.0f} s; load average '
           f'{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores\n')
     print('| shuffle | window (blocks) | eval loss per seed | mean | spread (max - min) | mean - per-document mean |')
