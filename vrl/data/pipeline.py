@@ -327,7 +327,7 @@ def _windows(blocks: _Blocks, cfg: DataConfig, tokenizer: Tokenizer, *, seed: in
              process_index: int, process_count: int, share: float = 1.0) -> grain.IterDataset:
     """One dataset's packed windows of L + 1 tokens, from this process's share of its documents,
     shuffled with `seed` (None: in order, every `process_count`-th block) and repeated `num_epochs`
-    times (None: forever), as data.shuffle says (`_shuffled`); read by `share` of the reading
+    times (None: forever), as data.shuffle says (`_window_shuffled`); read by `share` of the reading
     threads and worker processes (a mixture's dataset reads beside the others)."""
     windowed = seed is not None and _window_shuffled(cfg, blocks.source, blocks.where)
     if windowed:
