@@ -5,13 +5,14 @@ needs is either on the lent machine or among the wheels sent to it (bench/device
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.runs import ROOT
+from tests.runs import ROOT, host_xla_flags
 
 sys.path.insert(0, str(ROOT / 'bench'))
 
@@ -36,8 +37,9 @@ def test_every_runtime_requirement_is_on_the_device_or_among_its_wheels():
 @pytest.mark.slow  # every part's command, tiny: about three minutes on 2 cores
 def test_the_device_check_runs_every_part_dry_and_resumes(tmp_path):
     out = tmp_path / 'check'
+    env = dict(os.environ, XLA_FLAGS=host_xla_flags(1))  # one device, as the lent machine has one GPU
     first = subprocess.run([sys.executable, 'bench/device_check.py', '--out', str(out), '--dry'], cwd=ROOT,
-                           capture_output=True, text=True, timeout=900)
+                           capture_output=True, text=True, timeout=1800, env=env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     record = json.loads((out / 'device_check.json').read_text())
     assert [p['part'] for p in record['parts']] == [p.name for p in device_check.PARTS]
@@ -49,7 +51,7 @@ def test_the_device_check_runs_every_part_dry_and_resumes(tmp_path):
     assert re.search(r'tiny \| +svformer \|.*\| +[\d.]+%', parts['train_82m'])  # a row with its MFU
     assert 'passed' in parts['gpu_tests'] and 'model.attention_impl=' in parts['auto_468m']
     again = subprocess.run([sys.executable, 'bench/device_check.py', '--out', str(out), '--dry', '--parts',
-                            'decode,group'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                            'decode,group'], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert again.returncode == 0 and again.stdout.count('passed before, kept') == 2, again.stdout
 
 

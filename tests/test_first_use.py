@@ -50,7 +50,8 @@ def test_the_demo_says_what_it_reads_and_where_it_writes(user, tmp_path):
                      r'tokenized on the fly, shuffled by document\)', said, re.M), said
     assert (f'tokenizer {data_dir}/vrl_tokenizers/shakespeare_1024.model (1,024 pieces); writing to '
             f'{tmp_path}/runs/tiny') in said
-    assert 'optimizer.decay_steps=400' in said  # the schedule outlasting the run is said
+    # the schedule follows train.steps, but 2 steps stop inside the warmup: said, with the warmup that fits
+    assert 'it stops inside the warmup (optimizer.warmup_steps=30): set --config.optimizer.warmup_steps=0' in said
     loss = re.findall(r'^step 2/2 +loss (\S+)', said, re.M)[-1]
     assert said.rstrip().endswith(f'done at step 2: loss {loss}; checkpoint in {tmp_path}/runs/tiny/checkpoints/2')
 
@@ -76,5 +77,5 @@ def test_ones_own_corpus_from_a_jsonl_zst_to_a_trained_smoke_run(user, tmp_path,
     run = DataConfig(name='my_corpus', data_dir=f'{tmp_path}/tfds', tokenizer=str(tmp_path / 'tok.json'))
     prompt = pipeline.opening_words(run, Tokenizer.load(run.tokenizer))  # the validation split's first words
     assert any(text.startswith(prompt) for text in texts) and not prompt.startswith('ROMEO')
-    assert re.search(r'^sample \(greedy\): (.*)$', said, re.M)[1].startswith(prompt)
+    assert re.search(r'^sample \(greedy\): \[(.*?)\]', said, re.M)[1].startswith(prompt)
     assert said.rstrip().endswith(f'checkpoint in {tmp_path}/runs/smoke/checkpoints/2')
