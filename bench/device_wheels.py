@@ -33,7 +33,7 @@ ON_THE_DEVICE = ('jax', 'jaxlib', 'jax-cuda13-plugin', 'jax-cuda13-pjrt', 'flax'
                  'chex', 'etils', 'tensorstore', 'tokenizers', 'sentencepiece', 'transformers', 'torch', 'pyarrow',
                  'fsspec', 'tqdm', 'matplotlib', 'pytest', 'numpy', 'scipy', 'ml-dtypes', 'opt-einsum', 'absl-py',
                  'typing-extensions', 'msgpack', 'rich', 'pyyaml', 'packaging', 'huggingface-hub', 'filelock',
-                 'requests', 'urllib3', 'idna', 'certifi', 'charset-normalizer', 'protobuf', 'toolz', 'nest-asyncio',
+                 'protobuf', 'toolz', 'nest-asyncio',
                  'humanize', 'simplejson', 'zipp', 'importlib-resources', 'setuptools', 'pillow', 'jinja2', 'sympy',
                  'networkx')
 LIMIT_MIB = 48  # the folder's most: the working tree and the check's files share the 64 MiB

@@ -119,8 +119,8 @@ class _Watcher:
                     self.fail(failed, own=False)
                 now = time.monotonic()
                 counts = self._counts()
-                for process, count in counts.items():
-                    if beats.get(process) != count:
+                for process, count in counts.items():  # a count not there yet (None) is not a death either
+                    if process not in last_moved or beats[process] != count:
                         beats[process], last_moved[process] = count, now
                     elif now - last_moved[process] > self._timeout_s:
                         self.fail(f'process {process}: it has not answered for {now - last_moved[process]:.0f} s '
