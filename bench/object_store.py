@@ -13,7 +13,6 @@ TensorBoard files).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -26,6 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from tests.gcs_emulator import bucket_fs, environment, serving  # noqa: E402
 from tests.slow_store import SlowStore  # noqa: E402
+from vrl.core import storage  # noqa: E402
+from vrl.train.trackers import stored  # noqa: E402
 
 
 def step_times(workdir: str, steps: int, env: dict[str, str], cwd: str) -> list[float]:
@@ -34,11 +35,7 @@ def step_times(workdir: str, steps: int, env: dict[str, str], cwd: str) -> list[
                     '--config.train.eval_batches=1', f'--config.train.checkpoint_every={steps // 8}',
                     f'--config.train.keep_checkpoints={steps}', '--config.train.diagnostics_every=10',
                     '--config.train.sample_tokens=0'], env=env, cwd=cwd, check=True, capture_output=True)
-    if workdir.startswith('gs://'):
-        text = bucket_fs().cat(workdir[5:] + '/metrics.jsonl').decode()
-    else:
-        text = (Path(workdir) / 'metrics.jsonl').read_text()
-    return [r['step_time'] for r in map(json.loads, text.splitlines()) if 'step_time' in r]
+    return [r['step_time'] for r in stored.read_metrics(storage.path(workdir)) if 'step_time' in r]
 
 
 def bytes_under(prefix: str) -> int:
@@ -66,7 +63,7 @@ def main() -> None:
                                                      scratch)[args.skip:]
             run = f'vrl/run{round_}'
             sent += store.bytes_received - before - bytes_under(f'{run}/checkpoints')
-            logged += bytes_under(f'{run}/metrics.jsonl') + bytes_under(f'{run}/tensorboard')
+            logged += bytes_under(f'{run}/metrics.e1.jsonl') + bytes_under(f'{run}/tensorboard')
     local = statistics.median(times['local'])
     print(f'{args.steps} steps, latency {args.latency_ms:g} ms, {args.mbps:g} MB/s per connection\n')
     print('| workdir | median step (ms) | steps | vs local |\n|---|---|---|---|')
@@ -75,7 +72,7 @@ def main() -> None:
         print(f'| {kind} | {1e3 * median:.1f} | {len(values)} | {median / local - 1:+.1%} |')
     steps = args.rounds * args.steps
     print(f'\nsent to the store, less checkpoints: {sent / steps / 1e3:.1f} KB per logged step; '
-          f'logged (metrics.jsonl + TensorBoard): {logged / steps / 1e3:.1f} KB per step')
+          f'logged (metrics + TensorBoard): {logged / steps / 1e3:.1f} KB per step')
 
 
 if __name__ == '__main__':

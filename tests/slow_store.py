@@ -11,8 +11,10 @@ a test can say how much a writer sent and a reader fetched.
 `hold()` and `release()` stop and restart every byte both ways (a store that stops answering, a
 client whose traffic is frozen). It also injects the faults a real store has, on the requests a `Fault`'s pattern matches (a regex
 over the start of the request: its line, headers and the first bytes of its body, where a GCS
-upload names its object): an answer of 503, a connection reset, or a stall (the request is never
-answered; the client must time out).
+upload names its object): an answer of 503, a connection reset, a stall (the request is never
+answered; the client must time out), or a hold: from that request on, every byte both ways is held as
+by `hold()` (`held` is set), until `release()` lets it all go on in order (a client frozen mid-write
+whose writes land later).
 
     python -m tests.slow_store --upstream=http://127.0.0.1:4443 --latency_ms=50 --mbps=50
 """
@@ -37,14 +39,14 @@ UNAVAILABLE = (b'HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/j
 
 @dataclasses.dataclass
 class Fault:
-    """`kind` ('503', 'reset' or 'stall') for the first `times` requests whose start matches `pattern`."""
+    """`kind` ('503', 'reset', 'stall' or 'hold') for the first `times` requests whose start matches `pattern`."""
     pattern: str
     kind: str
     times: int = 1
     injected: int = 0  # how many so far
 
     def __post_init__(self):
-        assert self.kind in ('503', 'reset', 'stall'), self.kind
+        assert self.kind in ('503', 'reset', 'stall', 'hold'), self.kind
 
     def takes(self, start: bytes) -> bool:
         if self.injected < self.times and re.search(self.pattern.encode(), start):
@@ -72,6 +74,7 @@ class SlowStore:
         self._writers: set[asyncio.StreamWriter] = set()
         self._flowing = asyncio.Event()  # cleared while `hold` holds every byte, both ways
         self._flowing.set()
+        self.held = threading.Event()  # set once a 'hold' fault has held the traffic
 
     def hold(self) -> None:
         """From now on no byte passes either way (a store that stopped answering) until `release`;
@@ -146,7 +149,10 @@ class SlowStore:
                 self.request_lines.append(chunk.split(b'\r\n', 1)[0].decode(errors='replace'))
             fault = next((f for f in self.faults if REQUEST_START.match(chunk) and f.takes(chunk)), None)
             await asyncio.sleep(max(0.0, due - time.monotonic()))
-            if fault is not None:
+            if fault is not None and fault.kind == 'hold':
+                self._flowing.clear()
+                self.held.set()
+            elif fault is not None:
                 await self._inject(fault.kind, reader, client)
                 return
             await self._flowing.wait()

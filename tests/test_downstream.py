@@ -31,7 +31,7 @@ def test_scores_while_training_equal_the_command_on_each_checkpoint_and_resume_c
     workdir, names = tmp_path / 'run', ['toy_choice', 'toy_text']
     loop.run(_config(small_corpus, tasks, 4, ','.join(names)), str(workdir))
     loop.run(_config(small_corpus, tasks, 8, ','.join(names)), str(workdir))  # resumed from step 4, to 8
-    records = read_metrics(workdir / 'metrics.jsonl')
+    records = read_metrics(workdir)
     scored = {step: {k[len('downstream/'):]: v for k, v in r.items() if k.startswith('downstream/')}
               for step, r in records.items() if 'downstream_seconds' in r}
     assert sorted(scored) == [4, 8]

@@ -77,7 +77,7 @@ def test_a_member_is_the_run_trained_alone_and_goes_on_alone(small_corpus, tmp_p
         assert saved_steps(workdir) == [2, 4]
         restored = checkpoint.restore_params(str(workdir / 'checkpoints' / str(STEPS)), single.state.params)
         assert all(np.array_equal(r, g) for r, g in zip(jax.tree.leaves(restored), leaves))
-        logged = grid.read_metrics(workdir / 'metrics.jsonl')
+        logged = grid.read_metrics(workdir)
         assert logged[STEPS]['eval_loss'] == pytest.approx(result.eval_loss)
         assert json.loads((workdir / 'config.json').read_text())['config']['train']['seed'] == seed
     extended = loop.run(_config(small_corpus, 'resformer', 1, steps=STEPS + 2), str(workdirs[1]))

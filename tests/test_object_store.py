@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -125,39 +124,49 @@ def _objects(prefix: str) -> dict[str, int]:
     return {name: int(info['generation']) for name, info in bucket_fs().find(prefix, detail=True).items()}
 
 
-def test_a_writer_frozen_past_its_lease_stops_without_writing_over_its_successor(gcs, bucket_config, tmp_path):
-    """A run paused (SIGSTOP, as a VM is) longer than train.lease_stale_seconds is taken over by a
-    second run, which resumes and finishes; thawed, the first stops in one line at its next check,
-    having rewritten nothing: every object of the second run keeps its generation, and what the first
-    adds at most is the rest of a save that was in flight when it froze (a step never committed)."""
+@pytest.mark.parametrize('held_at', [r'checkpoints(%2F|/)8\.e1', r'metrics\.e1\.jsonl/compose'],
+                         ids=['mid-save', 'mid-flush'])
+def test_a_holder_held_mid_write_never_changes_what_its_successor_committed(gcs, bucket_config, tmp_path, held_at):
+    """A run whose traffic is held (by a proxy, from its first request to `held_at`: saving step 8, or
+    appending to its metrics) is taken over by a second run, which resumes and finishes; then the held
+    writes land. The first run stops in one line; every object of the second run keeps its generation;
+    what the first adds lies in its own epoch's names (and its TensorBoard file); and what readers see
+    (the committed steps and the metrics) is what they saw before the release."""
+    from tests.slow_store import Fault, SlowStore
+    from vrl.core import storage
+    from vrl.train import checkpoint
+    from vrl.train.trackers import stored
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(
-        bucket_config.train, steps=40, checkpoint_every=4, eval_every=0, diagnostics_every=0))
-    first = subprocess.Popen(cli_args(config, 'gs://vrl/frozen'), cwd=tmp_path, text=True,
-                             env=machine_env(gcs, tmp_path / 'first'), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while not bucket_fs().exists('vrl/frozen/checkpoints/4/commit_success.txt'):
-        assert first.poll() is None and time.time() < deadline, first.communicate()
-        time.sleep(0.05)
-    os.kill(first.pid, signal.SIGSTOP)
-    try:
-        second = _run(config, 'gs://vrl/frozen', gcs, tmp_path / 'second')
+        bucket_config.train, steps=12, checkpoint_every=4, eval_every=0, diagnostics_every=0))
+    workdir = f'gs://vrl/held_{held_at[:7]}'
+    with SlowStore(gcs, latency_s=0.001, faults=(Fault(held_at, 'hold'),)) as store:
+        env = {**machine_env(store.url, tmp_path / 'first'), 'VRL_STORE_TIMEOUT_S': '600'}  # held, not timed out
+        first = subprocess.Popen(cli_args(config, workdir), cwd=tmp_path, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.time() + 300
+        while not store.held.wait(0.2):
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+        at_hold = _objects(workdir[5:])
+        second = _run(config, workdir, gcs, tmp_path / 'second', ('--take_over_lease',))
         assert second.returncode == 0, second.stderr[-3000:]
-        assert 'took over the lease of workdir gs://vrl/frozen' in second.stdout
-        assert 'resumed at step' in second.stdout
-        after_second = _objects('vrl/frozen')
-    finally:
-        os.kill(first.pid, signal.SIGCONT)
-    out, err = first.communicate(timeout=300)
+        assert 'took over the lease of workdir' in second.stdout  # (held mid-save: resumed at step 4)
+        assert ('resumed at step 4' in second.stdout) == (held_at.startswith('checkpoints')), second.stdout
+        assert f'checkpoint in {workdir}/checkpoints/12.e2' in second.stdout
+        after_second = _objects(workdir[5:])
+        path = storage.path(workdir)
+        seen = (checkpoint.readable_steps(path / 'checkpoints'), stored.read_metrics(path))
+        assert max(seen[0]) == 12 and [r['step'] for r in seen[1] if 'loss' in r][-1] == 12
+        store.release()
+        out, err = first.communicate(timeout=300)
     assert first.returncode != 0 and 'Traceback' not in err, err[-3000:]
-    assert re.search(r'error: the lease of workdir gs://vrl/frozen was taken over by host .*: another run may be '
-                     'writing there, so this one stopped without writing more', err), err[-3000:]
-    after_first = _objects('vrl/frozen')
-    assert {name: after_first.get(name) for name in after_second} == after_second
-    committed = {name.rsplit('/', 1)[0] for name in after_first if name.endswith('/commit_success.txt')}
-    added = set(after_first) - set(after_second)
-    assert all('/checkpoints/' in name and name.split('/checkpoints/')[0] + '/checkpoints/' + name.split(
-        '/checkpoints/')[1].split('/')[0] not in committed for name in added), added
+    assert re.search(r'error: the lease of workdir gs://vrl/held_\S+ was taken over by host ', err), err[-3000:]
+    after_first = _objects(workdir[5:])
+    seconds = {name: generation for name, generation in after_second.items() if at_hold.get(name) != generation}
+    assert {name: after_first.get(name) for name in seconds} == seconds
+    changed = {name for name, generation in after_first.items() if after_second.get(name) != generation}
+    assert all('.e1' in name or name in at_hold and '/tensorboard/' in name for name in changed), changed
+    assert not [name for name in after_first if name.endswith('.part') and not name.rsplit('/', 1)[1].startswith('.')]
+    assert (checkpoint.readable_steps(path / 'checkpoints'), stored.read_metrics(path)) == seen
 
 
 def test_checkpoints_without_their_commit_marker_are_refused_and_partial_steps_cleaned(gcs, bucket_config, tmp_path):
@@ -165,6 +174,7 @@ def test_checkpoints_without_their_commit_marker_are_refused_and_partial_steps_c
     line, not trained over from step 0 (its flock file, copied too, is no lease and holds nothing up); with the markers added it resumes, and the folder of a save that
     never finished (no marker, no commit in its metadata) is ignored and then removed."""
     from vrl.core import storage
+    from vrl.train import checkpoint
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=4))
     local = _run(config, str(tmp_path / 'local_run'), gcs, tmp_path / 'host')
     assert local.returncode == 0, local.stderr[-3000:]
@@ -186,7 +196,8 @@ def test_checkpoints_without_their_commit_marker_are_refused_and_partial_steps_c
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert 'resumed at step 4' in resumed.stdout
     after = bucket_fs()
-    assert not after.exists('vrl/copied/checkpoints/6') and after.exists('vrl/copied/checkpoints/8/commit_success.txt')
+    assert not after.exists('vrl/copied/checkpoints/6') and checkpoint.latest_step('gs://vrl/copied') == 8
+    assert re.fullmatch(r'8\.e\d+', checkpoint.readable_steps(storage.path('gs://vrl/copied/checkpoints'))[8].path.name)
 
 
 def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, tmp_path):

@@ -19,15 +19,15 @@ from tests.slow_store import Fault, SlowStore
 from vrl.core import storage
 from vrl.core.config import Config
 from vrl.train import workdir as workdir_lib
+from vrl.train.trackers import stored
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 STORE_TIMEOUT_S = 3  # a request unanswered for this long is abandoned and tried again
 
 
 def _losses(workdir: str) -> dict[int, float]:
-    """Per step, the last loss metrics.jsonl holds (a resumed run's record supersedes)."""
-    lines = bucket_fs().cat(workdir.removeprefix('gs://') + '/metrics.jsonl').decode().splitlines()
-    return {r['step']: r['loss'] for r in map(json.loads, lines) if 'loss' in r}
+    """Per step, the last loss of the run's metrics (a resumed run's record supersedes)."""
+    return {r['step']: r['loss'] for r in stored.read_metrics(storage.path(workdir)) if 'loss' in r}
 
 
 def _pod_config(small_corpus) -> Config:
@@ -61,7 +61,7 @@ def _finish(pod: list[subprocess.Popen]) -> list[tuple[int, str]]:
 def _faults() -> tuple[Fault, ...]:
     """What a bucket does now and then, to each kind of object the pod reads and writes: 503s, resets,
     requests never answered (their client times out after STORE_TIMEOUT_S and tries again)."""
-    named = {'lease': r'pod_whole(%2F|/)\.lock', 'metrics': r'pod_whole(%2F|/)metrics\.jsonl',
+    named = {'lease': r'pod_whole(%2F|/)\.lock', 'metrics': r'pod_whole(%2F|/)metrics\.e\d+\.jsonl',
              'config': r'pod_whole(%2F|/)config\.json', 'checkpoints': r'pod_whole(%2F|/)checkpoints',
              'data': r'pod_data(%2F|/)'}
     return (Fault(named['lease'], '503', 2), Fault(named['lease'], 'reset', 1),
@@ -100,7 +100,7 @@ def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs
 
     killed = _pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'b0', tmp_path / 'b1'])
     deadline = time.time() + 300
-    while not bucket_fs().exists('vrl/pod_killed/checkpoints/4/commit_success.txt'):  # GCS: Orbax's last object
+    while not bucket_fs().exists('vrl/pod_killed/checkpoints/4.e1/commit_success.txt'):  # Orbax's last object
         assert all(p.poll() is None for p in killed) and time.time() < deadline, [p.stdout.read()[-3000:] for p in killed]
         time.sleep(0.2)
     for p in killed:
@@ -133,6 +133,6 @@ def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs
     history = json.loads(bucket_fs().cat('vrl/pod_killed/config.json'))['history']
     assert len(history) == 2 and 4 <= history[1]['step'] < 8, history  # resumed from the checkpoint of step 4
     assert {'process_0-of-2.json', 'process_1-of-2.json'} <= {
-        p.rsplit('/', 1)[1] for p in bucket_fs().find('vrl/pod_killed/checkpoints/8')}
+        p.rsplit('/', 1)[1] for p in bucket_fs().find('vrl/pod_killed/checkpoints/8.e3')}  # epochs: killed, test, resumed
     for folder in (tmp_path, ROOT):
         assert not list(folder.rglob('gs:')), f'a local gs: folder under {folder}'

@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import os
+import posixpath
 import re
 import shutil
 import socket
@@ -134,7 +135,8 @@ def append(p: epath.Path, data: bytes, new: bool) -> None:
         p.write_bytes(p.read_bytes() + data)
     else:
         fs, bucket, key = _gcs_object(p)
-        part = f'{key}.{uuid.uuid4().hex[:8]}.part'
+        # a hidden name, which no reader of p's folder (TensorBoard) takes for one of its files
+        part = posixpath.join(posixpath.dirname(key), f'.{uuid.uuid4().hex[:8]}.part')
         fs.pipe_file(f'{bucket}/{part}', data)
         try:  # (a compose retried after it landed would append twice: readers keep a step's last record)
             fs.call('POST', 'b/{}/o/{}/compose', bucket, key, json_out=True, json={

@@ -28,6 +28,7 @@ from vrl.experiments import analyze
 from vrl.model import accounting
 from vrl.train import checkpoint, loop
 from vrl.train import workdir as workdir_lib
+from vrl.train.trackers import stored
 
 BASELINE = 'vanilla'  # what every statistic of a comparison or study is measured against
 
@@ -187,8 +188,8 @@ def _train(runs: list[Run], workdir: epath.Path, analysis_sequences: int) -> dic
 
 
 def _result(run: Run, run_dir: epath.Path, final_step: int, seconds: float, analysis: dict | None) -> dict[str, Any]:
-    """A trained run's numbers, from its metrics.jsonl."""
-    records = read_metrics(run_dir / 'metrics.jsonl')
+    """A trained run's numbers, from its metrics."""
+    records = read_metrics(run_dir)
     speeds = [r['tokens_per_sec'] for step, r in sorted(records.items()) if 'tokens_per_sec' in r][1:]
     eval_curve = {step: r['eval_loss'] for step, r in sorted(records.items()) if 'eval_loss' in r}
     if final_step not in eval_curve:  # stopped between its last save and its final eval
@@ -237,10 +238,9 @@ def scores_at(curves_of: dict[str, dict[int, float]], step: int) -> dict[str, di
     return scores
 
 
-def read_metrics(path: epath.Path) -> dict[int, dict]:
-    """metrics.jsonl by step; a step logged twice (re-run after a resume) keeps its last record."""
+def read_metrics(run_dir: epath.Path) -> dict[int, dict]:
+    """A run's metrics by step; a step logged twice (re-run after a resume) keeps its last record."""
     by_step: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for record in stored.read_metrics(run_dir):
         by_step.setdefault(record['step'], {}).update(record)
     return by_step

@@ -5,6 +5,13 @@ complete, so a process killed mid-save leaves the previous step restorable. The 
 iterator state is one JSON file per process (grain's handler). `meta` (JSON) holds the
 model config the step was trained with and a fingerprint of every array of the state.
 
+On an object store, where a run's lease fences it (vrl/train/workdir.py's Lease), each step is
+written to `checkpoints/STEP.eEPOCH` (the lease's epoch) and is readable only once the lease record
+commits it (`_FencedSteps`), which Orbax asks for after the step's files and before its own commit
+marker; a step must have both. A run that lost its lease can still finish writing its own folders,
+never commit them, and never delete a newer epoch's. Locally, the flock fences and step folders keep
+Orbax's names (`checkpoints/STEP`, made whole by a rename).
+
 Restoring checks the saved model config against the config (a different model is refused,
 naming the field), then the parameter shapes, then restores and recomputes the fingerprint.
 A step that cannot be read or whose fingerprint differs is moved to
@@ -27,12 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint import step as step_lib
 from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
 from vrl.core import multihost, storage
 from vrl.core.config import EXECUTION_FIELDS, Config, ModelConfig
 from vrl.core.errors import CheckpointError, VrlError
 from vrl.train import orbax_noise
+from vrl.train import workdir as workdir_lib
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
@@ -51,15 +60,78 @@ class NoCheckpointError(CheckpointError, FileNotFoundError):
     """There is no checkpoint where one was asked for; the message says where vrl looked."""
 
 
-def make_manager(workdir: str, config: Config) -> ocp.CheckpointManager:
+def make_manager(workdir: str, config: Config, guard: workdir_lib.Lock | workdir_lib.Lease) -> ocp.CheckpointManager:
     """The run's checkpoints, of which Orbax keeps the newest (whatever made it), the newest
-    train.keep_checkpoints of the permanent steps (`permanent`), and every train.keep_period-th."""
+    train.keep_checkpoints of the permanent steps (`permanent`), and every train.keep_period-th;
+    process 0 commits each step with `guard` once its files are written."""
     policies = [_NewestPermanent(config.train.keep_checkpoints, functools.partial(permanent, config)),
                 preservation.LatestN(1)]
     if config.train.keep_period:
         policies.append(preservation.EveryNSteps(config.train.keep_period))
-    return _manager(epath.Path(workdir) / 'checkpoints', ocp.CheckpointManagerOptions(
-        preservation_policy=preservation.AnyPreservationPolicy(policies), enable_async_checkpointing=True, create=True))
+    made: list[ocp.CheckpointManager] = []
+
+    def commit() -> None:  # Orbax's finalizing thread, before its own marker: the step saved is the latest
+        if jax.process_index() == 0:
+            guard.commit(step=made[0].latest_step())
+
+    folder = epath.Path(workdir) / 'checkpoints'
+    made.append(_manager(folder, ocp.CheckpointManagerOptions(
+        preservation_policy=preservation.AnyPreservationPolicy(policies), enable_async_checkpointing=True,
+        create=True, step_name_format=_step_names(folder, guard.epoch),
+        async_options=ocp.AsyncOptions(post_finalization_callback=commit))))
+    return made[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _FencedSteps(step_lib.NameFormat):
+    """A remote checkpoint folder's steps: written as STEP.eEPOCH; readable when the lease record
+    commits STEP to EPOCH and Orbax's marker is there, or (a run from before fencing) named STEP
+    with the marker."""
+    epoch: int
+
+    def build_name(self, step: int) -> str:
+        return f'{step}.e{self.epoch}'
+
+    def find_all(self, base_path: epath.PathLike) -> Iterator[step_lib.Metadata]:
+        return iter(readable_steps(epath.Path(base_path)).values())
+
+    def find_step(self, base_path: epath.PathLike, step: int) -> step_lib.Metadata:
+        found = readable_steps(epath.Path(base_path)).get(step)
+        if found is None:
+            raise ValueError(f'no committed step {step} in {base_path}')
+        return found
+
+
+def _step_names(folder: epath.Path, epoch: int) -> step_lib.NameFormat | None:
+    """How a run of `epoch` names its steps in `folder`: fenced on an object store, Orbax's own locally."""
+    return _FencedSteps(epoch) if storage.is_remote(folder) else None
+
+
+def step_path(workdir: epath.Path, step: int, epoch: int) -> epath.Path:
+    """Where a run of lease `epoch` saves `step` in `workdir`."""
+    folder = workdir / 'checkpoints'
+    names = _step_names(folder, epoch)
+    return folder / (names.build_name(step) if names else str(step))
+
+
+def step_of(name: str) -> tuple[int, int] | None:
+    """(step, epoch) of a step folder's name: STEP (epoch 0) or STEP.eEPOCH; None for another name."""
+    step, _, epoch = name.partition('.e')
+    return (int(step), int(epoch or 0)) if step.isdigit() and (not epoch or epoch.isdigit()) else None
+
+
+def readable_steps(folder: epath.Path) -> dict[int, step_lib.Metadata]:
+    """The steps of checkpoint folder `folder` that a reader may restore, by step. On an object store:
+    those the lease record commits (or, from before fencing, named STEP) that carry Orbax's marker."""
+    if not storage.is_remote(folder):
+        steps = ocp.utils.checkpoint_steps(folder) if folder.is_dir() else []
+        return {s: step_lib.Metadata(step=s, path=folder / str(s)) for s in steps}
+    names = workdir_lib.steps_in(folder)
+    wanted = {s[0]: str(s[0]) for s in map(step_of, names) if s is not None and s[1] == 0}
+    wanted |= {s: f'{s}.e{e}' for s, e in workdir_lib.read_fence(folder.parent).committed.items()
+               if f'{s}.e{e}' in names}
+    return {s: step_lib.Metadata(step=s, path=folder / name) for s, name in sorted(wanted.items())
+            if (folder / name / COMMITTED).exists()}
 
 
 def permanent(config: Config, step: int) -> bool:
@@ -144,27 +216,29 @@ def _save_errors(manager: ocp.CheckpointManager) -> Iterator[None]:
                         'command to resume.') from None
 
 
-def close(manager: ocp.CheckpointManager) -> None:
+def close(manager: ocp.CheckpointManager, epoch: int) -> None:
     """Closes the manager (which waits for a save in flight: SaveError if it failed); then, either
     way, process 0 removes what failed saves left: locally `*.orbax-checkpoint-tmp` folders, on an
-    object store step folders without COMMITTED (Orbax writes a step in place there)."""
+    object store step folders without COMMITTED (Orbax writes a step in place there) of lease epochs
+    up to `epoch`, the run's own (a newer epoch's are another run's)."""
     try:
         with _save_errors(manager):
             manager.close()
     finally:
         if jax.process_index() == 0:
-            _remove_partials(epath.Path(manager.directory))
+            _remove_partials(epath.Path(manager.directory), epoch)
 
 
 PARTIAL_QUIET_SECONDS = 1.0  # a failed save's folder must stay gone this long to count as removed
 
 
-def _remove_partials(folder: epath.Path, tries: int = 10) -> None:
+def _remove_partials(folder: epath.Path, epoch: int, tries: int = 10) -> None:
     """Removes the folders failed saves left. Orbax reports a failed save at its first failed write,
     while the save's other writes may still be in flight and recreate the folder (a full disk, a
     loaded host): it is removed again until it stays gone for PARTIAL_QUIET_SECONDS."""
     for _ in range(tries):
-        partials = _unfinished(folder) if storage.is_remote(folder) else list(folder.glob('*.orbax-checkpoint-tmp*'))
+        partials = (_unfinished(folder, epoch) if storage.is_remote(folder)
+                    else list(folder.glob('*.orbax-checkpoint-tmp*')))
         if not partials:
             return
         for partial in partials:
@@ -175,9 +249,10 @@ def _remove_partials(folder: epath.Path, tries: int = 10) -> None:
 COMMITTED = 'commit_success.txt'  # the object Orbax writes last into a step saved on an object store
 
 
-def _unfinished(folder: epath.Path) -> list[epath.Path]:
-    """The step folders under remote `folder` that a save began and never finished."""
-    steps = [p for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
+def _unfinished(folder: epath.Path, epoch: int) -> list[epath.Path]:
+    """The step folders of lease epochs up to `epoch` under remote `folder` that a save began and never
+    finished."""
+    steps = [folder / name for name in workdir_lib.steps_in(folder) if (step_of(name) or (0, epoch + 1))[1] <= epoch]
     return [p for p in steps if not (p / COMMITTED).exists() and not _finished_elsewhere(p)]
 
 
@@ -198,7 +273,7 @@ def check_committed(workdir: epath.Path) -> None:
     if not storage.is_remote(folder) or not folder.exists():
         return
     copied = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and not (p / COMMITTED).exists()
-                    and _finished_elsewhere(p))
+                    and _finished_elsewhere(p))  # (fenced steps, STEP.eEPOCH, are never copied from local disk)
     if copied:
         raise CheckpointError(
             f'{folder} holds steps {copied} that Orbax finished but that lack {COMMITTED}, the marker a step on an '
@@ -287,8 +362,9 @@ def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any
                   config: Config) -> Any:
     """Step `step`'s verified state; CheckpointMismatchError for another model, CorruptCheckpointError
     for a step that cannot be read or whose arrays differ from the ones saved."""
-    where = f'checkpoint {manager.directory}/{step}'
-    meta = _read_meta(epath.Path(manager.directory) / str(step))
+    folder = _step_dir(manager, step)
+    where = f'checkpoint {folder}'
+    meta = _read_meta(folder)
     check_model(meta, config.model, where)
     try:
         metadata = manager.item_metadata(step)['state']
@@ -350,7 +426,7 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any, data_ite
 
 def _reject(manager: ocp.CheckpointManager, step: int, reason: str) -> epath.Path:
     """Moves a damaged step out of the manager's sight, with a note of why (process 0 only)."""
-    source = epath.Path(manager.directory) / str(step)
+    source = _step_dir(manager, step)
     target = epath.Path(manager.directory).parent / 'rejected_checkpoints' / f'{step}-{time.strftime("%Y%m%dT%H%M%S")}'
     if jax.process_index() == 0:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -360,11 +436,14 @@ def _reject(manager: ocp.CheckpointManager, step: int, reason: str) -> epath.Pat
     return target
 
 
+def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
+    """The folder of readable step `step` of the manager's checkpoints."""
+    return readable_steps(epath.Path(manager.directory))[step].path
+
+
 def latest_step(workdir: str | epath.Path) -> int | None:
-    """The newest complete step saved in `workdir` (None if none), without a manager."""
-    folder = epath.Path(workdir) / 'checkpoints'
-    steps = ocp.utils.checkpoint_steps(folder) if folder.is_dir() else []
-    return max(steps) if steps else None
+    """The newest readable step saved in `workdir` (None if none), without a manager."""
+    return max(readable_steps(epath.Path(workdir) / 'checkpoints'), default=None)
 
 
 def step_folder(path: str) -> tuple[epath.Path, int | None]:
@@ -374,12 +453,23 @@ def step_folder(path: str) -> tuple[epath.Path, int | None]:
     if storage.exists(root / 'checkpoints', 'the checkpoint'):
         root = root / 'checkpoints'
     if (root / 'state').exists():
-        return root, int(root.name) if root.name.isdigit() else None
-    steps = ocp.utils.checkpoint_steps(root) if root.is_dir() else []
+        step = (step_of(root.name) or (None,))[0]
+        if storage.is_remote(root) and step is not None and _committed_at(root) != root:
+            raise NoCheckpointError(f'{root} is not a committed checkpoint step (its run lost its lease before '
+                                    f'committing it, or it is still being written); the committed ones: '
+                                    f'{sorted(readable_steps(root.parent))}.')
+        return root, step
+    steps = readable_steps(root)
     if not steps:
         raise NoCheckpointError(f'no checkpoint in {path}: expected a workdir with checkpoints/ or a step '
                                 'folder holding state/ (train one with `python -m vrl.main --workdir=...`).')
-    return root / str(max(steps)), max(steps)
+    return steps[max(steps)].path, max(steps)
+
+
+def _committed_at(step_dir: epath.Path) -> epath.Path | None:
+    """The committed folder of the step that remote folder `step_dir` names (None if that step has none)."""
+    found = readable_steps(step_dir.parent).get(step_of(step_dir.name)[0])
+    return found and found.path
 
 
 def restore_branch(path: str, abstract_state: Any, data_iterator: Any, config: Config) -> tuple[Any, int]:
@@ -389,7 +479,8 @@ def restore_branch(path: str, abstract_state: Any, data_iterator: Any, config: C
     if step is None:
         raise NoCheckpointError(f'{path} is not a checkpoint step folder (DIR/checkpoints/STEP): --branch_from '
                                 'needs one.')
-    manager = _manager(root.parent, ocp.CheckpointManagerOptions(read_only=True))
+    manager = _manager(root.parent, ocp.CheckpointManagerOptions(read_only=True,
+                                                                 step_name_format=_step_names(root.parent, 0)))
     try:
         return _restore_step(manager, step, abstract_state, data_iterator, config), step
     finally:

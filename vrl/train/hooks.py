@@ -10,11 +10,12 @@ in one step) is the `Member`s a hook serves: each hook splits a record per run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import signal
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -40,7 +41,7 @@ class Member:
     def __init__(self, config: Config, path: epath.Path, guard: workdir_lib.Lock | workdir_lib.Lease, label: str,
                  is_writer: bool):
         self.config, self.path, self.guard, self.label = config, path, guard, label
-        self.manager = checkpoint.make_manager(str(path), config)
+        self.manager = checkpoint.make_manager(str(path), config, guard)
         self.writer: Trackers | None = None
         self.say = (lambda line: print(label + line, flush=True)) if is_writer else (lambda line: None)
         self.losses: dict[int, float] = {}
@@ -204,6 +205,23 @@ def confirm(guards: list[workdir_lib.Lock | workdir_lib.Lease]) -> None:
     multihost.on_process_0(lambda: [guard.confirm() for guard in guards])
 
 
+@contextlib.contextmanager
+def lease_first(m: Member) -> Iterator[None]:
+    """A failed save of a run that lost its lease stops it on that (LeaseLostError), not on what its
+    late writes met."""
+    try:
+        yield
+    except checkpoint.SaveError:
+        m.guard.confirm()
+        raise
+
+
+def check_saves(m: Member, wait: bool = False) -> None:
+    """checkpoint.check_saves for a member (`lease_first`)."""
+    with lease_first(m):
+        checkpoint.check_saves(m.manager, wait)
+
+
 class Leases(Hook):
     """A workdir's lease lost on any process (another run took the bucket workdir) stops every
     process, in one line, at the next agreement."""
@@ -243,7 +261,7 @@ class Checkpoints(Hook):
 
     def poll(self) -> None:
         for m in self.members:
-            checkpoint.check_saves(m.manager)
+            check_saves(m)
 
     def due(self, record: StepRecord) -> bool:
         train, opt = self.config.train, self.config.optimizer
@@ -259,7 +277,8 @@ class Checkpoints(Hook):
         self._saved_at, self.last_saved = time.monotonic(), step
         for i, m in enumerate(self.members):
             m.writer.flush(wait=True)  # on an object store, every step's metrics are there before its checkpoint
-            checkpoint.save(m.manager, step, self.group.member(state, i), self._data_iterator, m.config, force=force)
+            with lease_first(m):
+                checkpoint.save(m.manager, step, self.group.member(state, i), self._data_iterator, m.config, force=force)
 
     def wait(self) -> None:
         """Until the saves in flight are written (said, with how long it took, when it takes a while)."""
@@ -270,7 +289,7 @@ class Checkpoints(Hook):
             slow = m.manager.is_saving_in_progress()
             if slow:
                 m.say(f'writing the checkpoint of step {self.last_saved} to {m.path} ...')
-            checkpoint.check_saves(m.manager, wait=True)
+            check_saves(m, wait=True)
             if slow:
                 m.say(f'checkpoint of step {self.last_saved} written in {time.monotonic() - started:.0f} s')
 

@@ -163,6 +163,8 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     if tokenizer_source and is_writer:
         say(workdir_lib.keep_tokenizer(paths[0], tokenizer_source, tokenizer_line))
     multihost.sync('vrl workdir ready')
+    for guard, epoch in zip(guards, multihost.summed(np.array([g.epoch if is_writer else 0 for g in guards]))):
+        guard.epoch = int(epoch)  # process 0 took the guards: every process names its saves by their epochs
     members = [hooks.Member(*member, is_writer) for member in zip(member_configs, paths, guards, labels)]
     data_iterator = iter(dataset)
     try:
@@ -171,11 +173,11 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
         if not any(m.guard.lost for m in members):  # else another run holds a workdir: add nothing there
             try:
                 for m in members:
-                    checkpoint.check_saves(m.manager, wait=True)
+                    hooks.check_saves(m, wait=True)
             finally:
                 for m in members:
                     try:
-                        checkpoint.close(m.manager)
+                        checkpoint.close(m.manager, m.guard.epoch)
                     finally:
                         if m.writer is not None:
                             m.writer.close()
@@ -220,7 +222,7 @@ def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], to
             hooks.Sample(config, group, members, trainer.graphdef, trainer.mesh, tokenizer, start_step).end(step, state)
         if step > start_step:
             tell_every_host(members, lambda m: f'done at step {step}: loss {m.losses[step]:.4f}; checkpoint in '
-                            f'{m.path}/checkpoints/{checkpoints.last_saved}')
+                            f'{checkpoint.step_path(m.path, checkpoints.last_saved, m.guard.epoch)}')
     return [RunResult(step, m.losses, m.eval_loss, group.member(state, i), preempted) for i, m in enumerate(members)]
 
 

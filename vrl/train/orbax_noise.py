@@ -32,6 +32,17 @@ class _OrbaxFailureLogs(logging.Filter):
 _FAILURE_LOGS = _OrbaxFailureLogs()
 
 
+class _Reraised(logging.Filter):
+    """Drops a traceback logged for an error that is raised on to its caller (fsspec's prefetcher does so
+    for each failed read under Orbax), which reports it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.exc_info)
+
+
+_RERAISED = _Reraised()
+
+
 def _is_async_leftover(value: BaseException | None, obj: Any = None) -> bool:
     """What a failed Orbax read or write leaves behind: tensorstore callbacks into a closed event loop,
     and Orbax coroutines garbage-collected unfinished. Neither says more than the one-line error."""
@@ -62,4 +73,5 @@ def quiet() -> None:
     """Installs the log filter on absl's and asyncio's loggers and the quiet hooks (idempotent)."""
     for logger in ('absl', 'asyncio'):
         logging.getLogger(logger).addFilter(_FAILURE_LOGS)  # a filter is added only if absent
+    logging.getLogger('fsspec.prefetcher').addFilter(_RERAISED)
     _quiet_async_leftovers()

@@ -60,6 +60,7 @@ class Lock:
         self.holder_kind = holder_kind  # what holds it, for the refusal: 'run', 'comparison', 'study'
         self.lost = ''  # a flock is never lost while its holder lives
         self.created = False  # whether `take` made the workdir
+        self.epoch = 0  # a flock is its own fence: step folders keep Orbax's plain names
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -78,6 +79,9 @@ class Lock:
 
     def confirm(self) -> None:
         """The kernel holds a flock for its holder's life: nothing to check before a write."""
+
+    def commit(self, step: int | None = None, logged_bytes: int | None = None) -> None:
+        """Nothing to record: only a live holder writes, and Orbax's rename commits a step."""
 
     def release(self) -> None:
         if self._fd is not None:
@@ -107,6 +111,12 @@ class Lease:
       has succeeded for stale_after / 2 s and one more attempt fails. A taker waits stale_after
       after the holder's last renewal, so the holder stops writing first.
     - releasing it writes a released record (conditional too); the next run takes that at once.
+
+    The record is also the run's fence. Each taking starts an `epoch` (the previous record's plus
+    one), in whose names the holder writes (checkpoint steps STEP.eEPOCH, metrics.eEPOCH.jsonl), and
+    `commit` adds what became readable (`committed`: step -> epoch; `logged`: epoch -> bytes of its
+    metrics) by the same conditional rewrite: a holder that lost the lease can still write bytes in its
+    own names, but never commit them, so no reader (vrl/train/checkpoint.py, `read_metrics`) sees them.
     """
 
     def __init__(self, workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0,
@@ -117,6 +127,9 @@ class Lease:
         self.store_gone: Callable[[str], None] = peers.abort  # ends the process: the store does not answer
         self.token = uuid.uuid4().hex
         self.holder = _holder()
+        self.epoch = 0  # of this run's taking (process 0's until `Member` shares it)
+        self.committed: dict[int, int] = {}  # readable checkpoint step -> the epoch that wrote it
+        self.logged: dict[int, int] = {}  # epoch -> bytes of its metrics file that are readable
         self.lost = ''  # why this run no longer holds the lease, once it does not
         self.created = False  # whether `take` made the workdir
         self._generation = 0  # of the lease object as this run last wrote it
@@ -127,7 +140,8 @@ class Lease:
 
     def _record(self, released: bool = False) -> bytes:
         return json.dumps({'holder': self.holder, 'token': self.token, 'released': released,
-                           'written': time.strftime('%Y-%m-%d %H:%M:%S')}).encode()
+                           'written': time.strftime('%Y-%m-%d %H:%M:%S'), 'epoch': self.epoch,
+                           'committed': self.committed, 'logged': self.logged}).encode()
 
     def _read(self) -> tuple[dict[str, Any], int] | None:
         found = storage.read_versioned(self.path)
@@ -137,6 +151,11 @@ class Lease:
             return json.loads(found[0]), found[1]
         except ValueError:  # not a lease (a local workdir's flock file, copied up with it): free
             return {'holder': 'a .lock that is not a lease', 'token': '', 'released': True}, found[1]
+
+    def _succeed(self, held: dict[str, Any] | None) -> None:
+        """This run's epoch and readable objects, taking over from record `held` (None: the first)."""
+        fence = read_fence_record(held or {})
+        self.epoch, self.committed, self.logged = fence.epoch + 1, fence.committed, fence.logged
 
     def _write(self, generation: int) -> bool:
         """Writes this run's record over `generation`; whether it did."""
@@ -152,6 +171,7 @@ class Lease:
         it took one over. WorkdirError if a live holder has it."""
         while True:
             found = self._read()
+            self._succeed(found and found[0])
             if found is None:
                 if self._write(0):
                     break
@@ -230,16 +250,37 @@ class Lease:
     def renew(self) -> None:
         """One conditional rewrite; a lease found changed is lost (`lost` says why)."""
         with self._lock:
-            if self.lost or self._write(self._generation):
-                return
-            found = self._read()  # changed: by a retried write of ours that had landed, or by a taker
-            if found is not None and found[0].get('token') == self.token and not found[0].get('released'):
-                self._generation = found[1]
-                self._write(self._generation)
-                return
-            self.lost = (f'the lease of workdir {self.path.parent} was taken over by '
-                         f'{(found or ({"holder": "nobody (deleted)"}, 0))[0].get("holder")}')
-            logging.error('%s; this run writes nothing more there', self.lost)
+            self._rewrite()
+
+    def commit(self, step: int | None = None, logged_bytes: int | None = None) -> None:
+        """Makes checkpoint `step` of this epoch, or the first `logged_bytes` of its metrics file,
+        readable, with the renewal's conditional rewrite; LeaseLostError if this run no longer holds
+        the lease (what it wrote stays unread). Committed steps whose folders are gone are dropped."""
+        with self._lock:
+            if step is not None:
+                kept = steps_in(self.path.parent / 'checkpoints')
+                self.committed = {s: e for s, e in self.committed.items() if f'{s}.e{e}' in kept} | {step: self.epoch}
+            if logged_bytes is not None:
+                self.logged = {**self.logged, self.epoch: logged_bytes}
+            if not self._rewrite():
+                raise LeaseLostError(f'{self.lost}: this {self.holder_kind} stopped without making more of what it '
+                                     'wrote readable; its last committed checkpoint is intact.')
+
+    def _rewrite(self) -> bool:
+        """Writes the record over the generation this run last wrote; whether it still holds the lease
+        (if not, `lost` says why)."""
+        if self.lost or self._write(self._generation):
+            return not self.lost
+        found = self._read()  # changed: by a retried write of ours that had landed, or by a taker
+        if found is not None and found[0].get('token') == self.token and not found[0].get('released'):
+            self._generation = found[1]
+            if self._write(self._generation):
+                return True
+            found = self._read()
+        self.lost = (f'the lease of workdir {self.path.parent} was taken over by '
+                     f'{(found or ({"holder": "nobody (deleted)"}, 0))[0].get("holder")}')
+        logging.error('%s; this run writes nothing more there', self.lost)
+        return False
 
     def confirm(self) -> None:
         """Returns if this run surely still holds the lease: a write may follow. LeaseLostError if not."""
@@ -266,6 +307,37 @@ class Lease:
                 storage.write_if(self.path, self._record(released=True), self._generation)
             except Exception as e:  # noqa: BLE001 - unreleased, the lease is taken over once stale
                 logging.warning('releasing the lease of workdir %s failed (%s)', self.path.parent, e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fence:
+    """What a workdir's lease record makes readable: the latest `epoch`, its committed checkpoint
+    steps (step -> epoch) and each epoch's readable metrics bytes."""
+    epoch: int = 0
+    committed: dict[int, int] = dataclasses.field(default_factory=dict)
+    logged: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+def read_fence_record(record: dict[str, Any]) -> Fence:
+    """The fence of a lease record (JSON keys are strings); a record from before fencing has none."""
+    return Fence(int(record.get('epoch', 0)), {int(k): int(v) for k, v in record.get('committed', {}).items()},
+                 {int(k): int(v) for k, v in record.get('logged', {}).items()})
+
+
+def read_fence(workdir: epath.Path) -> Fence:
+    """The fence of the lease at `workdir` (a remote workdir's; none elsewhere or before a run)."""
+    if not storage.is_remote(workdir):
+        return Fence()
+    found = storage.read_versioned(workdir / '.lock') if str(workdir).startswith(('gs://', 'gcs://')) else None
+    try:
+        return read_fence_record(json.loads(found[0])) if found else Fence()
+    except (ValueError, AttributeError):  # a local flock file copied up: no lease
+        return Fence()
+
+
+def steps_in(folder: epath.Path) -> set[str]:
+    """The names of the entries of checkpoint folder `folder` (none if it is not there yet)."""
+    return {p.name for p in folder.iterdir()} if folder.exists() else set()
 
 
 def elapsed_seconds() -> float:
@@ -316,8 +388,9 @@ def _read_record(workdir: epath.Path) -> dict[str, Any] | None:
         return None
 
 
-def _has_run(workdir: epath.Path) -> bool:
-    return any((workdir / name).exists() for name in RUN_FILES)
+def _run_files(workdir: epath.Path) -> list[str]:
+    """The names in `workdir` that hold its run (on an object store: each lease epoch's metrics too)."""
+    return [name for name in RUN_FILES if (workdir / name).exists()] + [p.name for p in workdir.glob('metrics.e*.jsonl')]
 
 
 def start_over(workdir: epath.Path, config: Config, latest_step: int | None) -> str:
@@ -328,13 +401,13 @@ def start_over(workdir: epath.Path, config: Config, latest_step: int | None) -> 
             and latest_step is not None and latest_step < config.train.steps):
         return (f'--fresh: resuming the run that --fresh started at {record.get("started", "?")} with this '
                 f'config (step {latest_step}); to start over again, change the command or workdir')
-    if not _has_run(workdir):
+    names = _run_files(workdir)
+    if not names:
         return '--fresh: the workdir holds no run'
     target = workdir / 'previous_runs' / time.strftime('%Y%m%dT%H%M%S')
     target.mkdir(parents=True)
-    for name in RUN_FILES:
-        if (workdir / name).exists():
-            storage.move(workdir / name, target / name)
+    for name in names:
+        storage.move(workdir / name, target / name)
     return f'--fresh: moved the previous run to {target}'
 
 

@@ -3,11 +3,17 @@ scratch, and `flush` sends each file's growth since the last flush (storage.appe
 uploaded over a run are what it logged), in one background upload at a time, so that the step does
 not wait on the store, and only while the run still holds the workdir (vrl/train/workdir.py). A
 hard kill loses at most the records since the last flush, all of them after the last checkpoint,
-which the resumed run logs again."""
+which the resumed run logs again.
+
+The lease fences the records: this run's metrics go to `metrics.eEPOCH.jsonl` (its lease epoch), and
+after each upload the lease record commits how many of its bytes are readable (`read_metrics` reads
+no further), so the records a run sends after losing its lease are never read. TensorBoard's event
+files are this run's own objects; TensorBoard reads them whole."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 from etils import epath
@@ -23,7 +29,6 @@ class StoredLog:
         (self.local / 'metrics.jsonl').unlink(missing_ok=True)  # an earlier run's are on the store already
         (self.local / 'tensorboard').rmtree(missing_ok=True)
         self._sent = {'metrics.jsonl': 0}  # bytes of each local file on the store, by path under the workdir
-        self._extends = {'metrics.jsonl'} if (workdir / 'metrics.jsonl').exists() else set()  # a resumed run's
         self._uploads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='vrl-metrics')
         self._pending: concurrent.futures.Future | None = None
         self.last_flush = time.monotonic()
@@ -50,9 +55,37 @@ class StoredLog:
                 with open(self.local / relative, 'rb') as f:
                     f.seek(sent)
                     grown = f.read(size - sent)
-                storage.append(self.workdir / relative, grown, new=not sent and relative not in self._extends)
+                target = metrics_file(self._guard.epoch) if relative == 'metrics.jsonl' else relative
+                storage.append(self.workdir / target, grown, new=not sent)
                 self._sent[relative] = sent + len(grown)
+                if relative == 'metrics.jsonl':
+                    try:
+                        self._guard.commit(logged_bytes=self._sent[relative])
+                    except VrlError:  # lost meanwhile: the loop stops every host at its next check
+                        return
 
     def close(self) -> None:
         self.flush(wait=True)
         self._uploads.shutdown()
+
+
+def metrics_file(epoch: int) -> str:
+    """The metrics file of a run of lease `epoch` in an object-store workdir."""
+    return f'metrics.e{epoch}.jsonl'
+
+
+def read_metrics(workdir: epath.Path) -> list[dict]:
+    """The records of a run's metrics, in the order they were logged: a local workdir's metrics.jsonl;
+    an object store's, each lease epoch's committed bytes in turn (after metrics.jsonl, a run's from
+    before fencing); in a folder without a lease (a run moved aside by --fresh), each file whole."""
+    files: list[tuple[str, int | None]] = [('metrics.jsonl', None)]
+    if storage.is_remote(workdir):
+        found = {int(p.name.split('.')[1][1:]): None for p in workdir.glob('metrics.e*.jsonl')}
+        logged = workdir_lib.read_fence(workdir).logged if (workdir / '.lock').exists() else found
+        files += [(metrics_file(epoch), size) for epoch, size in sorted(logged.items())]
+    records = []
+    for name, size in files:
+        if (workdir / name).exists():
+            text = (workdir / name).read_bytes()[:size].decode()
+            records += [json.loads(line) for line in text.splitlines()]
+    return records
