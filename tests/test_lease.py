@@ -86,10 +86,10 @@ def test_of_runs_racing_for_a_free_workdir_exactly_one_wins(gcs):
     assert all('is in use by another run' in e or 'took the lease over first' in e for e in errors), errors
     winners[0].release()
     assert json.loads(bucket_fs().cat('vrl/leases/free/.lock'))['released']
-    again = _lease('free')
-    started = time.monotonic()
-    assert again.acquire() == ''  # a released lease is taken at once
-    assert time.monotonic() - started < STALE
+    said = []
+    again = workdir_lib.Lease(storage.path('gs://vrl/leases/free'), stale_after=STALE, say=said.append,
+                              clock=lambda: 0.0)  # a clock that never moves: any wait would never end
+    assert again.acquire() == '' and said == []  # a released lease is taken at once, without a wait
     again.release()
 
 
@@ -112,17 +112,33 @@ def test_a_live_holder_keeps_its_lease_whatever_its_clock_says(gcs):
     holder.release()
 
 
+def test_a_dead_holder_is_taken_over_whatever_its_clock_said(gcs):
+    """The converse: a holder that died with its clock 3 hours ahead left a record that looks fresh for
+    hours; by generations it is stale after the stale time, and taken over."""
+    _dead_holder('ahead', written=time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(time.time() + 3 * 3600)))
+    taker = _lease('ahead')
+    assert taker.acquire().startswith('took over the lease of workdir gs://vrl/leases/ahead from host dead-vm')
+    taker.release()
+
+
 def test_a_holder_that_froze_past_the_stale_time_stops_before_its_next_write(gcs):
-    holder = _lease('frozen')
+    """On the holder's own (injected) clock: a confirm after half the stale time renews first, and
+    succeeds while nobody took over; once another run has, the next confirm finds it out and stops
+    the holder, which then writes nothing, not even its release."""
+    now = [0.0]
+    holder = _lease('frozen', clock=lambda: now[0])
     holder.acquire()
     holder._stop.set()  # its renewals stop, as in a VM paused longer than the stale time
     holder._renewer.join()
     holder._renewer = None
-    time.sleep(STALE / 2)
-    holder.confirm()  # late, but nobody took over: its renewal in confirm() succeeds
-    taker = _lease('frozen')
-    line = taker.acquire()  # waits STALE without a change, then takes over
-    assert line.startswith('took over the lease of workdir gs://vrl/leases/frozen from host ')
+    generation = bucket_fs().info('vrl/leases/frozen/.lock')['generation']
+    now[0] += 0.6 * STALE
+    holder.confirm()  # late, but nobody took over: the renewal it makes first succeeds
+    assert bucket_fs().info('vrl/leases/frozen/.lock')['generation'] != generation
+    taker = _lease('frozen', take_over=True)
+    assert taker.acquire().startswith('took over the lease of workdir gs://vrl/leases/frozen from host ')
+    holder.confirm()  # its last renewal is recent on its clock: it asks nothing yet
+    now[0] += 0.6 * STALE
     with pytest.raises(workdir_lib.LeaseLostError, match='was taken over by host .*another run may be writing'):
         holder.confirm()
     assert json.loads(bucket_fs().cat('vrl/leases/frozen/.lock'))['token'] == taker.token  # untouched by holder
@@ -177,3 +193,34 @@ def test_a_holder_suspended_past_its_lease_finds_it_lost_before_writing(gcs):
     assert json.loads(bucket_fs().cat('vrl/leases/suspended/.lock'))['token'] == taker.token
     taker.release()
     assert workdir_lib.elapsed_seconds() >= time.monotonic() - 1  # the boot-time clock runs at least as far
+
+
+def test_each_taking_is_a_new_epoch_and_a_lost_holder_commits_nothing(gcs):
+    """The lease record is the fence: a takeover starts the next epoch and carries the committed steps
+    and metrics over; the lost holder's commits raise and leave the record as its successor wrote it."""
+    from vrl.train.trackers import stored
+    fs = bucket_fs()
+    holder = _lease('fenced')
+    holder.acquire()
+    assert holder.epoch == 1
+    fs.pipe_file('vrl/leases/fenced/checkpoints/4.e1/commit_success.txt', b'')
+    holder.commit(step=4)
+    fs.pipe_file('vrl/leases/fenced/metrics.e1.jsonl', b'{"step": 1}\n{"step": 2}\n')
+    holder.commit(logged_bytes=len(b'{"step": 1}\n'))
+    taker = _lease('fenced', take_over=True)
+    taker.acquire()
+    assert (taker.epoch, taker.committed, taker.logged) == (2, {4: 1}, {1: 12})
+    record = fs.cat('vrl/leases/fenced/.lock')
+    with pytest.raises(workdir_lib.LeaseLostError, match=f'was taken over by {taker.holder}'):
+        holder.commit(step=8)
+    with pytest.raises(workdir_lib.LeaseLostError):
+        holder.commit(logged_bytes=24)
+    assert fs.cat('vrl/leases/fenced/.lock') == record
+    fence = workdir_lib.read_fence(storage.path('gs://vrl/leases/fenced'))
+    assert (fence.epoch, fence.committed, fence.logged) == (2, {4: 1}, {1: 12})
+    assert stored.read_metrics(storage.path('gs://vrl/leases/fenced')) == [{'step': 1}]  # not the uncommitted line
+    taker.release()
+    again = _lease('fenced')
+    again.acquire()
+    assert again.epoch == 3
+    again.release()

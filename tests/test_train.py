@@ -143,9 +143,15 @@ def test_kill_during_async_save_leaves_last_complete_checkpoint(small_corpus, tm
     workdir = tmp_path / 'killed'
     proc = start_run(config, workdir)
     in_flight = lambda: list((workdir / 'checkpoints').glob('*.orbax-checkpoint-tmp*'))  # noqa: E731
-    wait_for(lambda: len(saved_steps(workdir)) >= 2 and logged_steps(workdir) >= 8 and in_flight(), 120, proc)
-    proc.kill()  # SIGKILL while a save's temporary folder is there
+    while True:  # stopped (SIGSTOP) with a save's temporary folder there, then killed: surely mid-save
+        wait_for(lambda: len(saved_steps(workdir)) >= 2 and logged_steps(workdir) >= 8 and in_flight(), 120, proc)
+        proc.send_signal(signal.SIGSTOP)
+        if in_flight():
+            break
+        proc.send_signal(signal.SIGCONT)
+    proc.kill()
     proc.wait()
+    assert in_flight()
     complete = saved_steps(workdir)
     ending = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=complete[-1] + 2))
     resumed = loop.run(ending, str(workdir))
