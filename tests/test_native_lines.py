@@ -41,3 +41,22 @@ def test_native_noise_is_dropped_and_everything_else_arrives_even_after_a_crash(
         [b'vrl line False\n', b'native stdout\n', GLOO_SHORT, *INTERLEAVED_SHORT.splitlines(keepends=True), b'7\n'])
     assert sorted(out.stderr.splitlines(keepends=True)) == sorted(
         [NO_CREDENTIALS, b'vrl error line\n', b'last native bytes, no newline'])
+
+
+def test_the_abort_of_a_process_whose_leader_died_is_one_line_and_other_lines_pass():
+    from vrl.core import native_lines
+    notice = [b'W1127 11:07:49.861388   18101 preemption_sync_manager.cc:147] Failed to retrieve preemption notice',
+              b':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}.']
+    abort = [b'F1127 11:07:49.862350   18101 client.h:80] Terminating process because the JAX distributed service '
+             b'detected fatal errors. This most likely indicates that another task died; absl::Status: UNAVAILABLE: '
+             b'Failed to send RPC to coordination service. Either the leader task was preempted/died',
+             b'*** Check failure stack trace: ***', b'    @     0x7f0f3ea40634  absl::LogMessage::SendToLog()',
+             b'Fatal Python error: Aborted', b'Thread 0x00007f97e7dfe6c0 (most recent call first):']
+    other = b'E1127 11:07:50.000000   18101 other.cc:1] something else'
+    lost = native_lines.NOISE['stderr']()
+    assert [kept for line in [*notice, other] for kept in lost.feed(line)] + lost.end() == [*notice, other]
+    lost = native_lines.NOISE['stderr']()
+    assert [kept for line in [*notice, *abort, other] for kept in lost.feed(line)] + lost.end() == [
+        native_lines.LeaderLost.LINE]
+    lost = native_lines.NOISE['stderr']()
+    assert [kept for line in notice for kept in lost.feed(line)] + lost.end() == notice  # held lines reach the end

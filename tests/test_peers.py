@@ -98,6 +98,20 @@ def test_a_process_killed_or_frozen_stops_the_others_within_the_peer_timeout(fau
     assert ended - signalled < 10 + 15
 
 
+def test_process_0_killed_stops_the_others_at_once_in_one_line():
+    """Process 0 hosts the coordination service: killed, JAX's client on process 1 aborts at once; what
+    it prints is one line naming process 0, not gRPC errors, a C++ stack and a thread dump."""
+    zero, one = _two_processes('sleep')
+    _past_the_collectives(one)
+    zero.kill()
+    zero.wait()
+    killed = time.time()
+    said = one.communicate(timeout=60)[0]
+    assert one.returncode != 0 and time.time() - killed < 10, said
+    assert _said(said) == ['error: process 0 stopped answering: the coordination service it hosts is gone (its '
+                           'host died or froze)'], said
+
+
 def test_a_run_whose_process_1_fails_stops_in_seconds_and_releases_its_lease(gcs, small_corpus, tmp_path):
     """`python -m vrl.main` on two processes with a workdir on the bucket: process 1's data path
     raises after some steps while process 0 trains on (waiting in the step's collectives); process 0

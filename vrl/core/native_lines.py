@@ -5,7 +5,11 @@ nothing, with no setting of their own to quiet them:
   `[Gloo] Rank R is connected to N peer ranks. Expected number of connected peer ranks is : N`
   on its standard output at every connection, two ranks' lines at times interleaved;
 - TensorStore (Orbax's array writer) logs, at error level, that no gcloud credentials file exists,
-  on its way to the credentials it then finds (a TPU VM's metadata server).
+  on its way to the credentials it then finds (a TPU VM's metadata server);
+- when process 0 of a job dies, the coordination service it hosts goes with it, and JAX's client on
+  every other process aborts at once (its error callback cannot be given from Python) with a few
+  lines of gRPC errors, a C++ stack and Python's thread dump. `LeaderLost` puts one line in their
+  place, naming process 0; the process still ends by the abort (exit status 134).
 
 `quiet()` gives Python's `sys.stdout` and `sys.stderr` copies of descriptors 1 and 2, so that
 vrl's lines and progress bars go to the terminal as before, and points 1 and 2, where C and C++
@@ -72,13 +76,58 @@ class GlooLines:
         return held
 
 
+class LeaderLost:
+    """Replaces the abort of a process whose coordination service (process 0) is gone with one line.
+    The lines of the two sources that log on the way to it (the preemption notice, the polled error)
+    are held until the next line from elsewhere, then passed on; the abort's own line drops them and
+    everything after it."""
+
+    LINE = b'error: process 0 stopped answering: the coordination service it hosts is gone (its host died or froze)'
+    PREFIX = re.compile(rb'[IWEF]\d{4} [\d:.]+ +\d+ ')
+    ON_THE_WAY = re.compile(rb'[IWEF]\d{4} [\d:.]+ +\d+ (preemption_sync_manager|coordination_service_agent)\.cc:')
+    ABORT = re.compile(rb'F\d{4} [\d:.]+ +\d+ client\.h:\d+\] Terminating process because the JAX distributed '
+                       rb'service detected fatal errors\..*Failed to send RPC to coordination service.*')
+
+    def __init__(self):
+        self.held: list[bytes] = []
+        self.aborting = False
+
+    def feed(self, line: bytes) -> list[bytes]:
+        if self.aborting:
+            return []
+        if self.ABORT.fullmatch(line):
+            self.aborting, self.held = True, []
+            return [self.LINE]
+        if self.ON_THE_WAY.match(line) or (self.held and not self.PREFIX.match(line)):
+            self.held.append(line)
+            return []
+        return self.end() + [line]
+
+    def end(self) -> list[bytes]:
+        held, self.held = self.held, []
+        return held
+
+
+class Both:
+    """Lines through two filters in turn."""
+
+    def __init__(self, first: Drop | GlooLines | LeaderLost, second: Drop | GlooLines | LeaderLost):
+        self.first, self.second = first, second
+
+    def feed(self, line: bytes) -> list[bytes]:
+        return [kept for passed in self.first.feed(line) for kept in self.second.feed(passed)]
+
+    def end(self) -> list[bytes]:
+        return [kept for passed in self.first.end() for kept in self.second.feed(passed)] + self.second.end()
+
+
 NOISE = {  # per stream, what drops its lines
     'stdout': GlooLines,
-    'stderr': lambda: Drop(rb'[IWE]\d{4} [\d:.]+ +\d+ google_auth_provider\.cc:\d+\] '
+    'stderr': lambda: Both(LeaderLost(), Drop(rb'[IWE]\d{4} [\d:.]+ +\d+ google_auth_provider\.cc:\d+\] '
                            rb'(Could not find the credentials file in the standard gcloud location \[.*\]\. You may '
                            rb'specify a credentials file using \$GOOGLE_APPLICATION_CREDENTIALS, or to use Google '
                            rb'application default credentials, run: gcloud auth application-default login'
-                           rb'|Using GOOGLE_AUTH_TOKEN_FOR_TESTING)'),
+                           rb'|Using GOOGLE_AUTH_TOKEN_FOR_TESTING)')),
 }
 
 
@@ -103,7 +152,7 @@ def quiet() -> None:
         os.close(fd)
 
 
-def pass_on(source: int, target: int, noise: Drop | GlooLines) -> None:
+def pass_on(source: int, target: int, noise: Drop | GlooLines | Both) -> None:
     """Copies `source` to `target` line by line until end of file, leaving out the lines `noise`
     drops, and a last line without newline as it is; once `target` is gone (its reader closed it),
     reads on, so that no writer ever blocks."""
