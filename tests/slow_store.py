@@ -171,15 +171,27 @@ class SlowStore:
 
     async def _responses(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Store -> client, paced at `bandwidth` bytes/s on this connection (an idle connection
-        earns no credit)."""
+        earns no credit). The store's bytes are read as it sends them, held or not, as a real store
+        sends into its network: a client that is held never blocks the store (the emulator would
+        block every other client on the write)."""
+        arrived: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def take() -> None:
+            while chunk := await _read(reader):
+                self.bytes_served += len(chunk)
+                arrived.put_nowait(chunk)
+            arrived.put_nowait(b'')
+        taking = asyncio.ensure_future(take())
         free_at = time.monotonic()
-        while chunk := await _read(reader):
-            self.bytes_served += len(chunk)
-            free_at = max(free_at, time.monotonic()) + len(chunk) / self.bandwidth
-            await asyncio.sleep(max(0.0, free_at - time.monotonic()))
-            await self._flowing.wait()
-            if not await _write(writer, chunk):
-                return
+        try:
+            while chunk := await arrived.get():
+                free_at = max(free_at, time.monotonic()) + len(chunk) / self.bandwidth
+                await asyncio.sleep(max(0.0, free_at - time.monotonic()))
+                await self._flowing.wait()
+                if not await _write(writer, chunk):
+                    return
+        finally:
+            taking.cancel()
 
 async def _read(reader: asyncio.StreamReader) -> bytes:
     """The next chunk, or b'' when the connection ended (closed or reset)."""

@@ -7,13 +7,15 @@ which the resumed run logs again.
 
 The lease fences the records: this run's metrics go to `metrics.eEPOCH.jsonl` (its lease epoch), and
 after each upload the lease record commits how many of its bytes are readable (`read_metrics` reads
-no further), so the records a run sends after losing its lease are never read. TensorBoard's event
-files are this run's own objects; TensorBoard reads them whole."""
+no further), so the records a run sends after losing its lease are never read. The TensorBoard
+events' growth is sent only after such a commit succeeds, and holds no point whose record it did not
+commit."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import time
 
 from etils import epath
@@ -45,24 +47,38 @@ class StoredLog:
             self._pending = self._uploads.submit(self._upload)
 
     def _upload(self) -> None:
+        """The metrics' growth, committed in the lease, then the events' growth. The events' sizes are
+        taken before the metrics' (a record is written to the metrics first), so every point sent has
+        its record committed: what TensorBoard reads is what the lease made readable."""
         try:
             self._guard.confirm()
         except VrlError:  # the lease is lost: the loop stops every host at its next check
             return
-        for relative, size in storage.files(self.local).items():
-            sent = self._sent.get(relative, 0)
-            if size > sent:
-                with open(self.local / relative, 'rb') as f:
-                    f.seek(sent)
-                    grown = f.read(size - sent)
-                target = metrics_file(self._guard.epoch) if relative == 'metrics.jsonl' else relative
-                storage.append(self.workdir / target, grown, new=not sent)
-                self._sent[relative] = sent + len(grown)
-                if relative == 'metrics.jsonl':
-                    try:
-                        self._guard.commit(logged_bytes=self._sent[relative])
-                    except VrlError:  # lost meanwhile: the loop stops every host at its next check
-                        return
+        sizes = storage.files(self.local)
+        sizes['metrics.jsonl'] = os.path.getsize(self.local / 'metrics.jsonl')
+        if not self._send('metrics.jsonl', sizes['metrics.jsonl'], metrics_file(self._guard.epoch)):
+            return
+        for relative, size in sizes.items():
+            if relative != 'metrics.jsonl':
+                self._send(relative, size, relative)
+
+    def _send(self, relative: str, size: int, target: str) -> bool:
+        """Appends local file `relative`'s bytes up to `size` not yet sent to `target` in the workdir (the
+        metrics' then committed); whether this run may go on sending."""
+        sent = self._sent.get(relative, 0)
+        if size <= sent:
+            return True
+        with open(self.local / relative, 'rb') as f:
+            f.seek(sent)
+            grown = f.read(size - sent)
+        storage.append(self.workdir / target, grown, new=not sent)
+        self._sent[relative] = sent + len(grown)
+        if relative == 'metrics.jsonl':
+            try:
+                self._guard.commit(logged_bytes=self._sent[relative])
+            except VrlError:  # lost meanwhile: the loop stops every host at its next check
+                return False
+        return True
 
     def close(self) -> None:
         self.flush(wait=True)
