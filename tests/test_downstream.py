@@ -18,7 +18,7 @@ from vrl.tools import evaluate
 from vrl.train import harness, loop
 from vrl.train.start import TrainingError
 
-pytestmark = pytest.mark.slow  # trains runs and runs lm-eval: outside the edit loop's tier
+pytest.importorskip('lm_eval', reason='lm-eval is in requirements-extra.txt: pip install -r requirements-extra.txt')
 
 
 def _config(small_corpus, tasks, steps: int, names: str = 'toy_choice', **train):
@@ -26,6 +26,21 @@ def _config(small_corpus, tasks, steps: int, names: str = 'toy_choice', **train)
                 downstream_include_path=str(tasks), checkpoint_every=4, keep_checkpoints=10, **train)
 
 
+def test_scores_while_training_come_from_the_weights_of_their_step(small_corpus, tmp_path):
+    """The edit loop's tier of the test below: scored at steps 2 and 4 of one short run, the two
+    differ (scores of the initial weights, or of one step's, would not); resumed to step 7 with
+    train.downstream_every=0, scored at its last step only."""
+    tasks = write_text_task(tmp_path / 'tasks')
+    for steps, every in ((4, 2), (7, 0)):
+        config = _config(small_corpus, tasks, steps, 'toy_text')
+        loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, downstream_every=every)),
+                 str(tmp_path / 'run'))
+    scored = {step: r['downstream/toy_text/bits_per_byte'] for step, r in read_metrics(tmp_path / 'run').items()
+              if 'downstream_seconds' in r}
+    assert sorted(scored) == [2, 4, 7] and len(set(scored.values())) == 3, scored
+
+
+@pytest.mark.slow  # trains two runs and runs lm-eval on each checkpoint
 def test_scores_while_training_equal_the_command_on_each_checkpoint_and_resume_continues(small_corpus, tmp_path):
     tasks = write_text_task(write_choice_task(tmp_path / 'tasks'))
     workdir, names = tmp_path / 'run', ['toy_choice', 'toy_text']
@@ -54,6 +69,7 @@ def test_scores_while_training_equal_the_command_on_each_checkpoint_and_resume_c
                                                   (8, pytest.approx(scored[8]['toy_choice/acc']))]
 
 
+@pytest.mark.slow  # starts runs
 def test_a_task_that_cannot_be_loaded_stops_the_run_at_start_up(small_corpus, tmp_path):
     tasks = write_choice_task(tmp_path / 'tasks', docs=None)  # the YAML names a data file that is missing
     with pytest.raises(TrainingError, match=r"task 'toy_choice': its data could not be loaded"):

@@ -159,9 +159,40 @@ def test_a_takeover_waits_for_the_stale_time_and_says_so(gcs):
     taker.release()
 
 
-def test_a_store_without_generations_is_refused_in_one_line():
+def test_a_store_without_generations_is_refused_in_one_line(small_corpus):
+    """A run (or a grid) on an s3:// or az:// workdir is refused before anything is read or written."""
+    from tests.runs import tiny_config
+    from vrl.train import loop
     with pytest.raises(storage.StorageError, match='a lease needs GCS object generations'):
         storage.read_versioned(storage.path('s3://bucket/run/.lock'))
+    for url in ('s3://bucket/run', 'az://container/run'):
+        with pytest.raises(workdir_lib.WorkdirError, match=rf'^{url}: a workdir on an object store is kept by a lease '
+                                                            'on GCS object generations, which this store does not have'):
+            loop.run(tiny_config(small_corpus, steps=1), url)
+
+
+def test_the_lease_is_renewed_every_quarter_of_its_stale_time_or_every_store_timeout(monkeypatch):
+    """The renewer's wait: stale/4, or VRL_STORE_TIMEOUT_S when shorter (a dead store is noticed by
+    the renewals); 2 s at the smallest stale time a config takes (8 s), 60 s by default."""
+    from vrl.core.config import MIN_LEASE_STALE_SECONDS
+
+    class Waits:
+        def __init__(self):
+            self.asked = []
+
+        def wait(self, seconds):
+            self.asked.append(seconds)
+            return True  # stopped: one round is enough to see the interval
+
+    monkeypatch.delenv('VRL_STORE_TIMEOUT_S', raising=False)
+    assert storage.request_timeout_s() == storage.REQUEST_TIMEOUT_S == 60
+    for stale, timeout, want in ((MIN_LEASE_STALE_SECONDS, None, 2), (300, None, 60), (300, '5', 5)):
+        if timeout:
+            monkeypatch.setenv('VRL_STORE_TIMEOUT_S', timeout)
+        lease = workdir_lib.Lease(storage.path('gs://vrl/leases/interval'), stale_after=stale)
+        lease._stop = Waits()
+        lease._renew_every()
+        assert lease._stop.asked == [want], (stale, timeout)
 
 
 def test_the_loser_of_a_race_for_a_stale_lease_is_told_who_holds_it(gcs):

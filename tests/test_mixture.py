@@ -20,7 +20,6 @@ from vrl.data import tokenizer as tokenizer_lib
 from vrl.data.tokenizer import EOS_ID
 from vrl.train import loop
 
-pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
 
 ALPHA = 'x x x x x x x x x x x x x x x x x x x x x x x x'  # one domain's documents: x runs, then a number
@@ -180,6 +179,7 @@ def test_resume_and_process_shards(domains):
     assert shards[0] and shards[1] and not shards[0] & shards[1]
 
 
+@pytest.mark.slow  # trains a run
 def test_eval_reports_each_domain_and_their_unweighted_mean(domains, tmp_path):
     cfg, tokenizer = domains
     config = tiny_config((dataclasses.replace(cfg, tokenizer=tokenizer.path), tokenizer), steps=4,

@@ -5,18 +5,20 @@ says so, saved and evaluated. Real processes on 127.0.0.1 (gloo)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from tests.gcs_emulator import free_port
 from tests.runs import ROOT, host_xla_flags, tiny_config
+from vrl.core import multihost
 from vrl.data import pipeline
 
-pytestmark = pytest.mark.slow  # real processes: outside the edit loop's tier
 
 COUNT = '''
 import json, sys
@@ -25,6 +27,7 @@ jax.config.update('jax_cpu_collectives_implementation', 'gloo')
 address, count, index, config = sys.argv[1:]
 jax.distributed.initialize(address, int(count), int(index))
 from vrl.core.config import DataConfig
+from vrl.core import multihost
 from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer
 cfg = DataConfig(**json.loads(config))
@@ -46,15 +49,60 @@ def _batches(cfg, tokenizer, process_count: int) -> tuple[list[int], list[int], 
     return [len(e) for e in evaluated], [int(sum(b['loss_mask'].sum() for b in e)) for e in evaluated], trained
 
 
+def _uneven(small_corpus, process_count: int):
+    """A config at which the processes' shares hold different numbers of batches (which the tests are
+    about), and each share as it stands alone (`_batches`)."""
+    cfg, tokenizer = small_corpus
+    for seq_len in (64, 48, 80, 96, 56):
+        cfg = dataclasses.replace(cfg, batch_size=process_count, seq_len=seq_len, num_epochs=1, read_threads=0)
+        alone = _batches(cfg, tokenizer, process_count)
+        if len(set(alone[0])) > 1 and len(set(alone[2])) > 1:
+            return cfg, alone
+    raise AssertionError(f'every window length gives even shares: {alone}')
+
+
+class _ThreadsAsProcesses:
+    """`multihost.every_process` for `count` threads standing for the processes of a job: each thread's
+    flag is and-ed with the others' at a barrier, as the all-gather does across processes."""
+
+    def __init__(self, count: int):
+        self.barrier, self.flags, self.index = threading.Barrier(count, timeout=60), [True] * count, threading.local()
+
+    def every_process(self, flag: bool) -> bool:
+        self.flags[self.index.value] = flag
+        self.barrier.wait()
+        agreed = all(self.flags)
+        self.barrier.wait()
+        return agreed
+
+
+@pytest.mark.parametrize('process_count', [2, 3])
+def test_the_processes_of_a_finite_pass_agree_on_its_batches(small_corpus, process_count, monkeypatch):
+    """The edit loop's tier of the test below: the processes as threads, their agreement at a barrier."""
+    cfg, (eval_alone, tokens_alone, train_alone) = _uneven(small_corpus, process_count)
+    tokenizer = small_corpus[1]
+    job = _ThreadsAsProcesses(process_count)
+    monkeypatch.setattr(multihost, 'every_process', job.every_process)
+
+    def process(index: int) -> tuple[int, int, int]:
+        job.index.value = index
+        evaluated = list(pipeline.eval_batches(cfg, tokenizer, 0, index, process_count))
+        train, trained = iter(pipeline.train_dataset(cfg, tokenizer, index, process_count)), 0
+        while pipeline.next_batch(train, finite=True) is not None:
+            trained += 1
+        return len(evaluated), int(sum(b['loss_mask'].sum() for b in evaluated)), trained
+
+    with concurrent.futures.ThreadPoolExecutor(process_count) as pool:
+        results = list(pool.map(process, range(process_count)))
+    assert [r[0] for r in results] == [max(eval_alone)] * process_count  # padded up to the longest share
+    assert [r[1] for r in results] == tokens_alone  # every real token, once
+    assert [r[2] for r in results] == [min(train_alone)] * process_count  # stopped with the shortest
+
+
+@pytest.mark.slow  # real processes
 @pytest.mark.parametrize('process_count', [2, 4])
 def test_every_process_runs_the_same_number_of_batches_in_a_finite_pass(small_corpus, process_count):
-    cfg, tokenizer = small_corpus
-    for seq_len in (64, 48, 80, 96, 56):  # a window at which the shares are uneven, which the test is about
-        cfg = dataclasses.replace(cfg, batch_size=process_count, seq_len=seq_len, num_epochs=1, read_threads=0)
-        eval_alone, tokens_alone, train_alone = _batches(cfg, tokenizer, process_count)
-        if len(set(eval_alone)) > 1 and len(set(train_alone)) > 1:
-            break
-    assert len(set(eval_alone)) > 1 and len(set(train_alone)) > 1, (eval_alone, train_alone)
+    cfg, (eval_alone, tokens_alone, train_alone) = _uneven(small_corpus, process_count)
     address = f'127.0.0.1:{free_port()}'
     processes = [subprocess.Popen([sys.executable, '-c', COUNT, address, str(process_count), str(i),
                                    json.dumps(dataclasses.asdict(cfg))], cwd=ROOT, stdout=subprocess.PIPE,
@@ -72,6 +120,7 @@ def test_every_process_runs_the_same_number_of_batches_in_a_finite_pass(small_co
     assert [r['train'] for r in results] == [min(train_alone)] * process_count  # stopped with the shortest
 
 
+@pytest.mark.slow  # trains a run
 def test_a_run_whose_data_ends_first_says_so_saved_and_evaluated(small_corpus, tmp_path, capsys):
     from vrl.train import checkpoint, loop
     config = tiny_config(small_corpus, steps=10_000, checkpoint_every=1000, log_every=1000)

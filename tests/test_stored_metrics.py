@@ -81,3 +81,23 @@ def test_each_logged_byte_goes_up_once_and_a_resume_continues_the_series(gcs, tm
     written = {r['step']: r['loss'] for r in records if 'loss' in r}  # a step's last record
     assert all(math.isclose(value, written[step], rel_tol=1e-6) for step, value in losses)
     lease.release()
+
+
+def test_records_reach_the_store_at_most_flush_seconds_after_they_are_written(gcs):
+    """Between checkpoints, a record goes up with the first record written FLUSH_SECONDS after the last
+    upload (in the background), not with every record."""
+    from vrl.train.trackers import composite
+    workdir = storage.path('gs://vrl/flushed/run')
+    lease = workdir_lib.Lease(workdir, stale_after=60.0, say=lambda line: None)
+    lease.acquire()
+    writer = Trackers.open(workdir, 10, 0, True, '', lease)
+    record = {'lr': 1e-3, 'grad_norm': 1.0, 'tokens_per_sec': 1e4, 'step_time': 0.1, 'mfu': 0.3}
+    writer.write(1, {'loss': 3.0, **record})
+    writer.write(2, {'loss': 2.9, **record})
+    assert stored.read_metrics(workdir) == []  # within FLUSH_SECONDS of the writer's start
+    writer._stored.last_flush -= composite.FLUSH_SECONDS  # the time passes
+    writer.write(3, {'loss': 2.8, **record})
+    writer._stored._pending.result()
+    assert [r['step'] for r in stored.read_metrics(workdir)] == [1, 2, 3]
+    writer.close()
+    lease.release()

@@ -209,6 +209,25 @@ def test_pretokenized_batches_equal_tokenizing_on_the_fly(pretokenized, hf_token
     assert all((a['inputs'] == b['inputs']).all() for a, b in zip(evaluated, on_the_fly, strict=True))
 
 
+def test_each_split_is_tokenized_into_at_least_16_shards_or_one_a_document(pretokenized):
+    """The shard plan depends on no worker count: max(16, documents / DOCUMENTS_PER_SHARD) shards, no
+    more than the split has documents, each a contiguous run of them."""
+    cfg, folder = pretokenized
+    info = json.loads((Path(folder) / tokens.MARKER).read_text())
+    assert info['splits']['train']['documents'] > 16  # a split whose plan is the minimum, not one a document
+    for split, planned in info['splits'].items():
+        documents = corpus.split_info('plays', cfg.data_dir, split).documents
+        assert len(planned['shards']) == min(documents, 16), (split, documents)
+        assert sum(planned['shard_documents']) == documents and min(planned['shard_documents']) >= 1
+
+
+def test_a_vocabulary_of_up_to_65536_pieces_is_stored_in_uint16():
+    """Ids 0..65535 fit two bytes: exactly 2^16 pieces is the largest vocabulary stored in uint16."""
+    assert shards.dtype_for(1 << 16) == np.dtype('<u2') and shards.dtype_for((1 << 16) + 1) == np.dtype('<u4')
+    assert shards.dtype_for(32_000) == np.dtype('<u2')
+    assert np.array([(1 << 16) - 1], np.int64).astype(shards.dtype_for(1 << 16))[0] == (1 << 16) - 1
+
+
 def test_a_vocabulary_above_65536_pieces_is_stored_in_uint32(small_corpus, hf_tokenizer, tmp_path):
     """The tokenizer.json with 2^16 filler pieces before its own (specials keep their ids), so every
     ordinary id is above what uint16 holds: the shards are uint32 and read back as tokenizing does."""

@@ -376,6 +376,9 @@ def make_guard(workdir: epath.Path, holder_kind: str = 'run', stale_after: float
          take_over: bool = False) -> Lock | Lease:
     """The guard that keeps a second writer out of `workdir`: a flock locally, a lease on an object
     store (`take_over`: at once, from a holder known to be gone)."""
+    if storage.is_remote(workdir) and not str(workdir).startswith(('gs://', 'gcs://')):
+        raise WorkdirError(f'{workdir}: a workdir on an object store is kept by a lease on GCS object generations, '
+                           'which this store does not have; use a gs:// or a local path.')
     if storage.is_remote(workdir):
         return Lease(workdir, holder_kind, stale_after, take_over)
     return Lock(workdir, holder_kind)
