@@ -1,4 +1,4 @@
-"""The train loop's signal handling outside a run: what a first and a second Ctrl-C do."""
+"""The train loop's hooks outside a run: what a first and a second Ctrl-C do; how tokens/s and MFU count time."""
 
 import os
 import signal
@@ -23,3 +23,38 @@ def test_a_first_ctrl_c_asks_for_a_save_and_a_second_aborts(capsys):
     finally:
         preemption.restore()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hooks(monkeypatch, small_corpus):
+    """On a clock the test moves: 4 steps of 2 s, then a 100 s evaluation, then 4 more steps of 2 s.
+    Each logged interval reports 4 x batch x seq_len tokens over 8 s (the evaluation left out), and
+    MFU is FLOPs per token x tokens/s over the peak."""
+    import types
+
+    import numpy as np
+
+    from tests.runs import tiny_config
+    config = tiny_config(small_corpus, steps=8, log_every=4)
+    now = [0.0]
+    monkeypatch.setattr(hooks.time, 'perf_counter', lambda: now[0])
+    logged = {}
+    member = types.SimpleNamespace(config=config, label='', losses={}, skipped_in_a_row=0, skipped=0,
+                                   writer=types.SimpleNamespace(write=lambda step, record: logged.update({step: record})))
+    group = types.SimpleNamespace(member=lambda tree, i: tree)
+    host = hooks.HostMetrics(config, group, [member], flops_per_token=1e6, peak_flops=1e9, train_tokens={'plays': 1},
+                             start_step=0)
+    for step in range(1, 9):
+        now[0] += 2.0
+        metrics = {'loss': np.float32(3.0), 'lr': np.float32(1e-3), 'grad_norm': np.float32(1.0),
+                   'finite': np.bool_(True)}
+        host.take(hooks.StepRecord(step, metrics, None, np.array([step]), step == 8, False, {}))
+        if step == 4:
+            host.settle()
+            now[0] += 100.0  # the hooks due at step 4: an evaluation
+            host.pause(100.0)
+    host.settle()
+    tokens = 4 * config.data.batch_size * config.data.seq_len
+    assert sorted(logged) == [4, 8]
+    for step in (4, 8):
+        assert logged[step]['tokens_per_sec'] == pytest.approx(tokens / 8.0) and logged[step]['step_time'] == 2.0
+        assert logged[step]['mfu'] == pytest.approx(1e6 * tokens / 8.0 / 1e9)

@@ -125,7 +125,9 @@ def report(rows: list[dict], figures: list[epath.Path], base: Config, seeds: lis
         f'`{base.data.mixture or base.data.name}`, seeds {", ".join(map(str, seeds))}; {base.model.n_layers} layers, d_model '
         f'{base.model.d_model}; optimizer {base.optimizer.name} (peak LR {base.optimizer.peak_lr:g}, '
         f'{base.optimizer.schedule} schedule). Eval loss: mean ± standard deviation over seeds; the delta pairs each seed with '
-        'vanilla\'s run of the same seed.', '',
+        'vanilla\'s run of the same seed. Train tokens/s: the median of the logged rates on this machine as it was '
+        'while the run trained (shared with whatever else ran), not a measure of the variant\'s speed; '
+        '`python bench/train_throughput.py` measures that.', '',
         '| variant | model | final eval loss | Δ vs vanilla | params | KV cache B/token | train tokens/s |',
         '|---|---|---|---|---|---|---|',
     ]

@@ -130,7 +130,8 @@ class Preemption:
 class HostMetrics:
     """The host side of each step, one step late: train.nan_policy, the loss record, and every
     train.log_every steps the log line (with the tokens read from each dataset, summed over the
-    processes); at the end, a run that skipped most of its steps is an error."""
+    processes); at the end, a run that skipped most of its steps is an error. tokens/s and MFU are
+    the interval's tokens over its wall time less the hooks' (`pause`)."""
 
     def __init__(self, config: Config, group: RunGroup, members: list[Member], flops_per_token: float,
                  peak_flops: float, train_tokens: dict[str, int], start_step: int):
@@ -138,7 +139,12 @@ class HostMetrics:
         self._flops_per_token, self._peak, self._train_tokens = flops_per_token, peak_flops, train_tokens
         self._start_step = start_step
         self._pending: StepRecord | None = None
-        self._interval_start, self._interval_steps = time.perf_counter(), 0
+        self._interval_start, self._interval_steps, self._paused = time.perf_counter(), 0, 0.0
+
+    def pause(self, seconds: float) -> None:
+        """`seconds` of the current interval went to the hooks (an evaluation, downstream scores, a
+        save), not to training: tokens/s and MFU leave them out."""
+        self._paused += seconds
 
     def take(self, record: StepRecord) -> None:
         """Reads the step before `record`'s, and holds `record`'s for the next step."""
@@ -157,7 +163,7 @@ class HostMetrics:
         self._interval_steps += 1
         logging_now = step % config.train.log_every == 0 or step == config.train.steps
         if logging_now:
-            elapsed = time.perf_counter() - self._interval_start
+            elapsed = time.perf_counter() - self._interval_start - self._paused
             tokens_per_sec = self._interval_steps * config.data.batch_size * config.data.seq_len / elapsed
             read = dict(zip(self._train_tokens, multihost.summed(record.tokens_read).tolist()))
             shared = {'tokens_per_sec': tokens_per_sec, 'step_time': elapsed / self._interval_steps,
@@ -171,7 +177,7 @@ class HostMetrics:
             if logging_now:
                 m.writer.write(step, {'loss': mine['loss'], 'lr': mine['lr'], 'grad_norm': mine['grad_norm'], **shared})
         if logging_now:
-            self._interval_start, self._interval_steps = time.perf_counter(), 0
+            self._interval_start, self._interval_steps, self._paused = time.perf_counter(), 0, 0.0
 
     def check_skipped(self, step: int) -> None:
         for m in self.members:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Any, Callable
 
 import jax
@@ -245,10 +246,12 @@ def _loop(config: Config, group: RunGroup, data_iterator: Any, state: TrainState
         record = hooks.StepRecord(step, step_metrics, state, tokens_read, step == config.train.steps, preempted, agreed)
         host.take(record)
         due = [hook for hook in step_hooks if hook.due(record)]
-        if any(hook.checks_step for hook in due):
-            host.settle()  # the NaN policy sees a step before it is saved or evaluated
+        if due:
+            host.settle()  # the NaN policy sees a step before it is saved or evaluated; its time is training's
+        hooks_began = time.perf_counter()
         for hook in due:
             hook(record)
+        host.pause(time.perf_counter() - hooks_began)
         if preempted and not record.at_end:
             for hook in step_hooks:
                 hook.end(step, state)  # the saves in flight are durable
