@@ -43,7 +43,7 @@ def test_native_noise_is_dropped_and_everything_else_arrives_even_after_a_crash(
         [NO_CREDENTIALS, b'vrl error line\n', b'last native bytes, no newline'])
 
 
-def test_the_abort_of_a_process_whose_leader_died_is_one_line_and_other_lines_pass():
+def test_the_abort_of_a_process_whose_job_failed_is_one_line_naming_why_and_other_lines_pass():
     from vrl.core import native_lines
     notice = [b'W1127 11:07:49.861388   18101 preemption_sync_manager.cc:147] Failed to retrieve preemption notice',
               b':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}.']
@@ -57,6 +57,12 @@ def test_the_abort_of_a_process_whose_leader_died_is_one_line_and_other_lines_pa
     assert [kept for line in [*notice, other] for kept in lost.feed(line)] + lost.end() == [*notice, other]
     lost = native_lines.NOISE['stderr']()
     assert [kept for line in [*notice, *abort, other] for kept in lost.feed(line)] + lost.end() == [
-        native_lines.LeaderLost.LINE]
+        native_lines.JaxAbort.LEADER_LOST]
     lost = native_lines.NOISE['stderr']()
     assert [kept for line in notice for kept in lost.feed(line)] + lost.end() == notice  # held lines reach the end
+    never_joined = [b'F1127 11:51:04.251399   22189 client.h:80] Terminating process because the JAX distributed '
+                    b'service detected fatal errors. This most likely ... absl::Status: DEADLINE_EXCEEDED: Deadline '
+                    b'Exceeded', b'', b'RPC: /xla.coordination.CoordinationService/RegisterTask', *abort[1:]]
+    alone = native_lines.NOISE['stderr']()
+    assert [kept for line in never_joined for kept in alone.feed(line)] + alone.end() == [
+        native_lines.JaxAbort.NOT_JOINED]

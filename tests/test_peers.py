@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,8 +62,10 @@ def _past_the_collectives(process: subprocess.Popen) -> float:
 
 
 def _said(output: str) -> list[str]:
-    """The lines a user reads: vrl's, not gloo's connection lines (filtered by vrl/core/native_lines.py)."""
-    return [line for line in output.splitlines() if line and not line.startswith('[Gloo]')]
+    """The lines a user reads after the process joined its job: vrl's, not gloo's connection lines
+    (filtered by vrl/core/native_lines.py)."""
+    return [line for line in output.splitlines()
+            if line and not line.startswith('[Gloo]') and not re.match(r'process \d of \d: joining the job at ', line)]
 
 
 def test_an_error_on_process_1_stops_process_0_at_once_in_one_line():
@@ -110,6 +113,21 @@ def test_process_0_killed_stops_the_others_at_once_in_one_line():
     assert one.returncode != 0 and time.time() - killed < 10, said
     assert _said(said) == ['error: process 0 stopped answering: the coordination service it hosts is gone (its '
                            'host died or froze)'], said
+
+
+def test_a_process_whose_job_never_forms_says_so_in_one_line_after_the_join_timeout():
+    """Process 0 started alone: it says it is joining and for how long it waits, then stops in one line."""
+    env = dict(os.environ, FAULT='sleep', PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', XLA_FLAGS=host_xla_flags(1))
+    started = time.time()
+    alone = subprocess.run([sys.executable, '-c', TWO_PROCESSES, f'--coordinator_address=127.0.0.1:{free_port()}',
+                            '--num_processes=2', '--process_id=0', '--join_timeout_s=5'], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode != 0 and time.time() - started < 60
+    assert re.fullmatch(r'process 0 of 2: joining the job at 127\.0\.0\.1:\d+ \(waiting up to 5 s for every process: '
+                        r'--join_timeout_s\)\n', alone.stdout), alone.stdout
+    assert _said(alone.stderr) == ['error: not every process joined the job within --join_timeout_s: start each of '
+                                   'them with the same --coordinator_address and --num_processes, and its own '
+                                   '--process_id'], alone.stderr
 
 
 def test_a_run_whose_process_1_fails_stops_in_seconds_and_releases_its_lease(gcs, small_corpus, tmp_path):

@@ -70,10 +70,13 @@ def define_flags() -> dict[str, flags.FlagHolder]:
         'peer_timeout_s': flags.DEFINE_integer('peer_timeout_s', PEER_TIMEOUT_S, 'Multi-process: a process that '
                                                'has not answered for this many seconds (its host died or froze) '
                                                'stops every process.'),
+        'join_timeout_s': flags.DEFINE_integer('join_timeout_s', JOIN_TIMEOUT_S, 'Multi-process: how long each '
+                                               'process waits for all of them to join the job before it stops.'),
     }
 
 
 PEER_TIMEOUT_S = 60  # --peer_timeout_s
+JOIN_TIMEOUT_S = 300  # --join_timeout_s: jax.distributed's initialization timeout
 JAX_HEARTBEAT_MARGIN_S = 60  # jax.distributed's own dead-process check: later than vrl's, which says it in one line
 
 
@@ -81,13 +84,19 @@ def initialize(args: dict[str, flags.FlagHolder]) -> None:
     """jax.distributed for several processes: explicit flags, or a detected Cloud TPU pod / SLURM job;
     then every process watches the others (vrl/core/peers.py)."""
     timeout = args['peer_timeout_s'].value
-    heartbeat = {'heartbeat_timeout_seconds': timeout + JAX_HEARTBEAT_MARGIN_S}
+    waits = {'heartbeat_timeout_seconds': timeout + JAX_HEARTBEAT_MARGIN_S,
+             'initialization_timeout': args['join_timeout_s'].value}
     if args['coordinator_address'].value:
         jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU processes talk over gloo
+        print(f'process {args["process_id"].value} of {args["num_processes"].value}: joining the job at '
+              f'{args["coordinator_address"].value} (waiting up to {args["join_timeout_s"].value} s for every '
+              'process: --join_timeout_s)', flush=True)
         jax.distributed.initialize(args['coordinator_address'].value, args['num_processes'].value,
-                                   args['process_id'].value, **heartbeat)
+                                   args['process_id'].value, **waits)
     elif ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '') or int(os.environ.get('SLURM_NTASKS', '1')) > 1:
-        jax.distributed.initialize(**heartbeat)
+        print(f'joining the job (waiting up to {args["join_timeout_s"].value} s for every process: '
+              '--join_timeout_s)', flush=True)
+        jax.distributed.initialize(**waits)
     else:
         return
     from jax._src import distributed  # the client has no public accessor

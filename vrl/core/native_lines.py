@@ -8,8 +8,9 @@ nothing, with no setting of their own to quiet them:
   on its way to the credentials it then finds (a TPU VM's metadata server);
 - when process 0 of a job dies, the coordination service it hosts goes with it, and JAX's client on
   every other process aborts at once (its error callback cannot be given from Python) with a few
-  lines of gRPC errors, a C++ stack and Python's thread dump. `LeaderLost` puts one line in their
-  place, naming process 0; the process still ends by the abort (exit status 134).
+  lines of gRPC errors, a C++ stack and Python's thread dump; when a process of the job never
+  joins, every other aborts the same way after the join timeout. `JaxAbort` puts one line in their
+  place, naming the cause; the process still ends by the abort (exit status 134).
 
 `quiet()` gives Python's `sys.stdout` and `sys.stderr` copies of descriptors 1 and 2, so that
 vrl's lines and progress bars go to the terminal as before, and points 1 and 2, where C and C++
@@ -76,34 +77,53 @@ class GlooLines:
         return held
 
 
-class LeaderLost:
-    """Replaces the abort of a process whose coordination service (process 0) is gone with one line.
-    The lines of the two sources that log on the way to it (the preemption notice, the polled error)
-    are held until the next line from elsewhere, then passed on; the abort's own line drops them and
-    everything after it."""
+class JaxAbort:
+    """Replaces the abort of a process that JAX's coordination service client stops (process 0 gone,
+    or the job not joined in time) with one line saying which. The lines of the two sources that log on
+    the way to it (the preemption notice, the polled error) are held until the next line from
+    elsewhere, then passed on; the abort's own lines, read up to its stack trace, say its cause, and
+    everything after them is dropped."""
 
-    LINE = b'error: process 0 stopped answering: the coordination service it hosts is gone (its host died or froze)'
+    LEADER_LOST = (b'error: process 0 stopped answering: the coordination service it hosts is gone (its host died '
+                   b'or froze)')
+    NOT_JOINED = (b'error: not every process joined the job within --join_timeout_s: start each of them with the '
+                  b'same --coordinator_address and --num_processes, and its own --process_id')
     PREFIX = re.compile(rb'[IWEF]\d{4} [\d:.]+ +\d+ ')
     ON_THE_WAY = re.compile(rb'[IWEF]\d{4} [\d:.]+ +\d+ (preemption_sync_manager|coordination_service_agent)\.cc:')
     ABORT = re.compile(rb'F\d{4} [\d:.]+ +\d+ client\.h:\d+\] Terminating process because the JAX distributed '
-                       rb'service detected fatal errors\..*Failed to send RPC to coordination service.*')
+                       rb'service detected fatal errors\..*absl::Status: (.*)')
 
     def __init__(self):
         self.held: list[bytes] = []
-        self.aborting = False
+        self.cause: list[bytes] | None = None  # the abort's lines, once it began
+        self.said = False
 
     def feed(self, line: bytes) -> list[bytes]:
-        if self.aborting:
+        if self.cause is not None:
+            if self.said or not line.startswith(b'*** Check failure'):
+                self.cause.append(line)
+                return []
+            self.said = True
+            return [self._line()]
+        if found := self.ABORT.fullmatch(line):
+            self.held, self.cause = [], [found.group(1)]
             return []
-        if self.ABORT.fullmatch(line):
-            self.aborting, self.held = True, []
-            return [self.LINE]
         if self.ON_THE_WAY.match(line) or (self.held and not self.PREFIX.match(line)):
             self.held.append(line)
             return []
         return self.end() + [line]
 
+    def _line(self) -> bytes:
+        cause = b' '.join(self.cause or [])
+        if b'Failed to send RPC to coordination service' in cause:
+            return self.LEADER_LOST
+        if b'RegisterTask' in cause:
+            return self.NOT_JOINED
+        return b'error: the JAX distributed service stopped this process: ' + b' '.join(cause.split())[:300]
+
     def end(self) -> list[bytes]:
+        if self.cause is not None:
+            return [] if self.said else [self._line()]
         held, self.held = self.held, []
         return held
 
@@ -111,7 +131,7 @@ class LeaderLost:
 class Both:
     """Lines through two filters in turn."""
 
-    def __init__(self, first: Drop | GlooLines | LeaderLost, second: Drop | GlooLines | LeaderLost):
+    def __init__(self, first: Drop | GlooLines | JaxAbort, second: Drop | GlooLines | JaxAbort):
         self.first, self.second = first, second
 
     def feed(self, line: bytes) -> list[bytes]:
@@ -123,7 +143,7 @@ class Both:
 
 NOISE = {  # per stream, what drops its lines
     'stdout': GlooLines,
-    'stderr': lambda: Both(LeaderLost(), Drop(rb'[IWE]\d{4} [\d:.]+ +\d+ google_auth_provider\.cc:\d+\] '
+    'stderr': lambda: Both(JaxAbort(), Drop(rb'[IWE]\d{4} [\d:.]+ +\d+ google_auth_provider\.cc:\d+\] '
                            rb'(Could not find the credentials file in the standard gcloud location \[.*\]\. You may '
                            rb'specify a credentials file using \$GOOGLE_APPLICATION_CREDENTIALS, or to use Google '
                            rb'application default credentials, run: gcloud auth application-default login'
