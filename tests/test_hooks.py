@@ -37,9 +37,10 @@ def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hook
     config = tiny_config(small_corpus, steps=8, log_every=4)
     now = [0.0]
     monkeypatch.setattr(hooks.time, 'perf_counter', lambda: now[0])
-    logged = {}
+    logged, said = {}, []
     member = types.SimpleNamespace(config=config, label='', losses={}, skipped_in_a_row=0, skipped=0,
-                                   writer=types.SimpleNamespace(write=lambda step, record: logged.update({step: record})))
+                                   writer=types.SimpleNamespace(write=lambda step, record: logged.update({step: record}),
+                                                                print=said.append))
     group = types.SimpleNamespace(member=lambda tree, i: tree)
     host = hooks.HostMetrics(config, group, [member], flops_per_token=1e6, peak_flops=1e9, train_tokens={'plays': 1},
                              start_step=0)
@@ -55,6 +56,19 @@ def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hook
     host.settle()
     tokens = 4 * config.data.batch_size * config.data.seq_len
     assert sorted(logged) == [4, 8]
+    assert said == ['step 1: compiled and trained in 4 s (loss 3.0000); the log follows every 4 steps']  # read a step late
     for step in (4, 8):
         assert logged[step]['tokens_per_sec'] == pytest.approx(tokens / 8.0) and logged[step]['step_time'] == 2.0
         assert logged[step]['mfu'] == pytest.approx(1e6 * tokens / 8.0 / 1e9)
+
+
+def test_the_terminal_prints_training_lines_at_print_every_and_at_the_last_step(capsys):
+    """compare and study record every step (their curves need each loss) and print at the config's
+    log_every: TerminalTracker's print_every."""
+    from vrl.train.trackers.terminal import TerminalTracker
+    terminal = TerminalTracker(total_steps=7, start_step=0, label='[vanilla-s0] ', print_every=3)
+    for step in range(1, 8):
+        terminal.log(step, {'loss': 3.0, 'lr': 1e-3, 'tokens_per_sec': 1e4, 'mfu': 0.1, 'step_time': 0.1})
+    terminal.log(7, {'eval_loss': 2.5, 'eval_perplexity': 12.18, 'eval_bpb': 1.1})
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in lines] == ['3/7', '6/7', '7/7', '7:'] and lines[0].startswith('[vanilla-s0] step')

@@ -135,10 +135,10 @@ def test_wsd_schedule_against_a_hand_computed_table():
 def test_a_run_shorter_than_its_schedule_is_told_where_its_lr_ends():
     cfg = OptimizerConfig(peak_lr=1.0, init_lr=0.1, final_lr=0.2, warmup_steps=10, decay_steps=100,
                           schedule='wsd', decay_fraction=0.2)
-    note = optimizer.schedule_note(cfg, 85)  # 0.8 by the table above
-    assert note == ('train.steps=85 ends before the wsd schedule does (optimizer.decay_steps=100): the last step '
-                    'trains at lr 8.00e-01, not final_lr 0.2; set --config.optimizer.decay_steps=85 to end the '
-                    'schedule with the run')
+    note = optimizer.schedule_note(cfg, 86)  # step 86 trains at the schedule's count 85: 0.8 by the table above
+    assert note == ('train.steps=86 ends before the wsd schedule does (optimizer.decay_steps=100): its last step '
+                    'trains at lr 8.00e-01 (the schedule peaks at 1 and ends at final_lr 0.2); set '
+                    '--config.optimizer.decay_steps=86 to end the schedule with the run')
     assert optimizer.schedule_note(cfg, 100) == optimizer.schedule_note(cfg, 150) == ''
     assert optimizer.schedule_note(cfg, 0) == ''  # a conversion trains no step
 

@@ -413,6 +413,9 @@ class TrainConfig:
     microbatches: int = 1  # gradient accumulation: data.batch_size is split into this many; 0 = auto (vrl/train/aot.py)
     seed: int = 0  # parameter init
     log_every: int = 10
+    # the terminal's training line every this many steps (0: at every log_every record; compare and study
+    # record every step for their curves and print at the config's log_every)
+    print_every: int = 0
     eval_every: int = 500  # 0 = only at the end
     eval_batches: int = 16  # 0 = the whole validation split
     checkpoint_every: int = 1000
@@ -456,7 +459,7 @@ class TrainConfig:
                  self.lease_stale_seconds, f'an integer >= {MIN_LEASE_STALE_SECONDS}')
         for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'diagnostics_sequences'):
             _require(getattr(self, name) >= 1, f'train.{name}', getattr(self, name), 'an integer >= 1')
-        for name in ('steps', 'microbatches', 'eval_every', 'eval_batches', 'keep_period', 'sample_tokens',
+        for name in ('steps', 'microbatches', 'print_every', 'eval_every', 'eval_batches', 'keep_period', 'sample_tokens',
                      'max_skipped_steps', 'diagnostics_every', 'checkpoint_minutes', 'downstream_every',
                      'downstream_limit'):
             _require(getattr(self, name) >= 0, f'train.{name}', getattr(self, name), 'an integer >= 0')

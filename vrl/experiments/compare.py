@@ -43,7 +43,8 @@ from vrl.model import presets
 
 def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:
     """Every (variant, seed): the base config with the variant's model fields and the seed's init.
-    Runs log every step (the relative-loss curves need each step's loss) and print no sample."""
+    Runs record every step (the relative-loss curves need each step's loss), print at the config's
+    log_every, and print no sample."""
     if not variants:
         raise grid.GridError(f'--variants is empty: name at least one of {", ".join(presets.PRESETS)}.')
     if len(set(variants)) < len(variants) or len(set(seeds)) < len(seeds):
@@ -54,7 +55,8 @@ def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:
         model = presets.apply(variant, base.model)
         for seed in seeds:
             runs.append(Run(variant, seed, dataclasses.replace(
-                base, model=model, train=dataclasses.replace(base.train, seed=seed, log_every=1, sample_tokens=0))))
+                base, model=model, train=dataclasses.replace(base.train, seed=seed, log_every=1, sample_tokens=0,
+                                                           print_every=base.train.log_every))))
     return runs
 
 

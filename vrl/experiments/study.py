@@ -138,7 +138,8 @@ def plan(base: Config, axes: Axes) -> list[Run]:
         for variant in axes.variants:
             model = presets.apply(variant, shape)
             for seed in axes.seeds:
-                train_cfg = dataclasses.replace(base.train, steps=steps, seed=seed, log_every=1, sample_tokens=0)
+                train_cfg = dataclasses.replace(base.train, steps=steps, seed=seed, log_every=1, sample_tokens=0,
+                                                print_every=base.train.log_every)
                 config = dataclasses.replace(base, model=model, data=data, optimizer=schedule, train=train_cfg)
                 runs.append(Run(variant, seed, config, coordinates))
     return runs

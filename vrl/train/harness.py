@@ -45,6 +45,10 @@ try:
 except ImportError as e:
     raise ImportError(f'scoring lm-eval tasks (vrl.tools.evaluate, train.downstream_tasks) needs '
                       f'lm-evaluation-harness ({e}): pip install -r requirements-extra.txt') from e
+import datasets  # lm-eval's own dependency
+
+# a task's data is loaded by Hugging Face datasets, whose progress bars would land on vrl's lines
+datasets.disable_progress_bars()
 
 from vrl.core import sharding
 from vrl.core.errors import VrlError

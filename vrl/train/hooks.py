@@ -170,12 +170,16 @@ class HostMetrics:
                       'mfu': self._flops_per_token * tokens_per_sec / self._peak,
                       **{f'tokens/{name}': n for name, n in read.items()},
                       **{f'epoch/{name}': n / max(self._train_tokens[name], 1) for name, n in read.items()}}
+        first = step == self._start_step + 1 and not logging_now  # what the silent minutes before it were
         for i, m in enumerate(self.members):
             mine = self.group.member(host, i)
             _check_finite(m, step, bool(mine['finite']))
             m.losses[step] = float(mine['loss'])
             if logging_now:
                 m.writer.write(step, {'loss': mine['loss'], 'lr': mine['lr'], 'grad_norm': mine['grad_norm'], **shared})
+            elif first:
+                m.writer.print(f'step {step}: compiled and trained in {time.perf_counter() - self._interval_start:.0f} s '
+                               f'(loss {float(mine["loss"]):.4f}); the log follows every {config.train.log_every} steps')
         if logging_now:
             self._interval_start, self._interval_steps, self._paused = time.perf_counter(), 0, 0.0
 

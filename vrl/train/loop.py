@@ -303,7 +303,7 @@ def _announce(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member],
             for name, (old, new) in changed.items():
                 m.say(f'{name} changed since the last start: {old!r} -> {new!r}')
         m.writer = Trackers.open(m.path, config.train.steps, start_step, is_writer, m.label, m.guard,
-                                 (m.config, reads) if config.train.wandb_project else None)
+                                 (m.config, reads) if config.train.wandb_project else None, config.train.print_every)
         m.writer.mark_start(start_step, begun.origin.value, init_from=request.init_from)
         m.writer.print(f'{config.model.variant_name}: {account.params:,} params, mesh {dict(trainer.mesh.shape)}, '
                        f'{opt.name} + {opt.schedule} (peak LR {opt.peak_lr:g}), {begun.describe()}{together}')
@@ -319,6 +319,8 @@ def _announce(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member],
             m.writer.print(note)
         if start_step >= config.train.steps and (config.train.steps or begun.origin == start.Origin.RESUMED):
             m.writer.print(f'nothing to train: the checkpoint is at step {start_step} = train.steps')
+        elif m is members[0]:
+            m.writer.print('compiling the train step ...')
     return reads['data']
 
 

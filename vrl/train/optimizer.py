@@ -127,8 +127,8 @@ def schedule_note(cfg: OptimizerConfig, steps: int) -> str:
     if not 0 < steps < cfg.decay_steps:
         return ''
     ends = (f'train.steps={steps} ends before the {cfg.schedule} schedule does (optimizer.decay_steps='
-            f'{cfg.decay_steps}): the last step trains at lr {float(learning_rate(cfg)(steps)):.2e}, not final_lr '
-            f'{cfg.final_lr:g}; ')
+            f'{cfg.decay_steps}): its last step trains at lr {float(learning_rate(cfg)(steps - 1)):.2e} (the '
+            f'schedule peaks at {cfg.peak_lr:g} and ends at final_lr {cfg.final_lr:g}); ')
     if steps <= cfg.warmup_steps:
         return ends + (f'it stops inside the warmup (optimizer.warmup_steps={cfg.warmup_steps}): set '
                        f'--config.optimizer.warmup_steps={steps // 4} to decay within the run')

@@ -34,17 +34,18 @@ class Trackers:
 
     @classmethod
     def open(cls, workdir: str | epath.Path, total_steps: int, start_step: int, enabled: bool, label: str,
-             guard: workdir_lib.Lock | workdir_lib.Lease, wandb: tuple[Config, dict[str, Any]] | None = None
-             ) -> 'Trackers':
+             guard: workdir_lib.Lock | workdir_lib.Lease, wandb: tuple[Config, dict[str, Any]] | None = None,
+             print_every: int = 0) -> 'Trackers':
         """The run's trackers in `workdir` (none unless `enabled`: process 0); `label` starts every
         terminal line; `guard` (the workdir's Lock or Lease) is confirmed before each upload to an
-        object store; `wandb`: (the config, what the run reads) for a W&B run."""
+        object store; `wandb`: (the config, what the run reads) for a W&B run; `print_every`: the
+        terminal's training lines (TerminalTracker)."""
         if not enabled:
             return cls([], None, None)
         workdir = storage.path(workdir)
         stored = StoredLog(workdir, guard) if storage.is_remote(workdir) else None
         folder = stored.local if stored else workdir
-        terminal = TerminalTracker(total_steps, start_step, label)
+        terminal = TerminalTracker(total_steps, start_step, label, print_every)
         trackers: list[Tracker] = [JsonlTracker(folder), TensorBoardTracker(folder, start_step)]
         if wandb is not None:
             from vrl.train.trackers.wandb import WandbTracker

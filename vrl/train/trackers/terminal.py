@@ -10,9 +10,10 @@ from vrl.train.trackers.tracker import Tracker
 
 
 class TerminalTracker(Tracker):
-    def __init__(self, total_steps: int, start_step: int, label: str):
-        """`label` starts every line (a run trained in a group: its folder's name)."""
-        self.total_steps, self.label = total_steps, label
+    def __init__(self, total_steps: int, start_step: int, label: str, print_every: int = 0):
+        """`label` starts every line (a run trained in a group: its folder's name); a training record is
+        printed at steps that are multiples of `print_every` (0: every one) and at the last."""
+        self.total_steps, self.label, self.print_every = total_steps, label, print_every
         self._bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -46,7 +47,7 @@ class TerminalTracker(Tracker):
         if self._bar is not None:
             self._bar.set_postfix_str(short, refresh=False)
             self._bar.update(step - self._bar.n)
-        else:
+        elif not self.print_every or step % self.print_every == 0 or step == self.total_steps:
             eta = (self.total_steps - step) * record['step_time']
             self.print(f'step {step}/{self.total_steps}  {short}  eta {eta / 60:.1f} min')
 
