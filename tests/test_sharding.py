@@ -217,11 +217,12 @@ def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp
     workdir = tmp_path / 'two_processes'
     outputs = _run_two_processes(config, workdir)
     assert (workdir / 'checkpoints' / '3' / 'data' / 'process_1-of-2.json').exists()
-    # process 1 says when it starts and where it ended, and nothing of the progress
+    # process 1 says when it joins, when it starts and where it ended, and nothing of the progress
     said = [line for line in outputs[1].splitlines() if line.startswith('process 1 of 2: ')]
-    assert len(said) == 2 and 'fresh start, to step 3; process 0 prints the progress' in said[0], outputs[1]
+    assert len(said) == 3 and said[0].startswith('process 1 of 2: joining the job at 127.0.0.1:'), outputs[1]
+    assert 'fresh start, to step 3; process 0 prints the progress' in said[1], outputs[1]
     assert re.fullmatch(rf'process 1 of 2: done at step 3: loss \d+\.\d{{4}}; checkpoint in {workdir}/checkpoints/3',
-                        said[1]), said
+                        said[2]), said
     assert 'step 3/3' not in outputs[1] and 'step 3/3' in outputs[0]
     assert 'done at step 3: loss ' in outputs[0]
     resumed = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6))

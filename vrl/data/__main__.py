@@ -73,13 +73,17 @@ def main(args: cli.Args, command: str) -> None:
     if command == 'tokenize':
         cli.require(args, 'tokenizer')
         multihost.initialize(args)
+        print(f'tokenizing {name} with {tokenizer.path} ({args["workers"].value or "every core"} processes; a bar on a '
+              'terminal) ...', flush=True)
         folder = tokens.tokenize(name, data_dir, tokenizer, args['workers'].value, args['overwrite'].value,
                                  args['text_field'].value)
         print(f'pre-tokenized {name} with {tokenizer.path} into {folder}; training with this dataset and tokenizer '
               'reads it (data.pretokenized=false: tokenize on the fly)')
         return
+    print(f'counting the documents, characters{" and tokens" if tokenizer else ""} of {name}, split by split '
+          '(a full read of each) ...', flush=True)
     for split, row in pipeline.split_stats(name, data_dir, tokenizer).items():
-        print(f'{split:<11}' + '  '.join(f'{k} {v:,}' for k, v in row.items()))
+        print(f'{split:<11}' + '  '.join(f'{k} {v:,}' for k, v in row.items()), flush=True)
 
 
 if __name__ == '__main__':

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import grain
 import numpy as np
+import tqdm
 from absl import flags
 
 from vrl.core import multihost, storage
@@ -614,11 +615,13 @@ def load_tokenizer(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
 
 
 def split_stats(name: str, data_dir: str, tokenizer: Tokenizer | None, text_field: str = 'text') -> dict:
-    """Documents, characters and (with a tokenizer) tokens of each split."""
+    """Documents, characters and (with a tokenizer) tokens of each split; a terminal shows a bar per split."""
     stats = {}
     for split in ('train', 'validation'):
         docs = chars = tokens = 0
-        for text in corpus.texts(corpus.open_split(name, data_dir, split), text_field):
+        documents = corpus.split_info(name, data_dir, split).documents
+        for text in tqdm.tqdm(corpus.texts(corpus.open_split(name, data_dir, split), text_field), total=documents,
+                              desc=f'{name} {split}', unit='doc', disable=None, mininterval=1.0, leave=False):
             docs, chars = docs + 1, chars + len(text)
             tokens += len(tokenizer.encode(text)) if tokenizer else 0
         stats[split] = {'documents': docs, 'characters': chars} | ({'tokens': tokens} if tokenizer else {})

@@ -381,6 +381,9 @@ def main(args: dict, command: str) -> None:
     from vrl.core import cli
     from vrl.data import corpus
     cli.require(args, 'name', 'vocab_size', 'out')
+    print(f'training a {args["vocab_size"].value:,}-piece tokenizer on up to {args["max_docs"].value:,} documents of '
+          f'{args["name"].value} {args["split"].value} (reading them, then fitting: a minute or so per 100,000) ...',
+          flush=True)
     texts = corpus.texts(corpus.open_split(args['name'].value, args['data_dir'].value, args['split'].value),
                          args['text_field'].value, limit=args['max_docs'].value)
     tok = train(texts, args['vocab_size'].value, args['out'].value, args['model_type'].value)
