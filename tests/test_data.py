@@ -344,6 +344,25 @@ def test_a_document_is_stored_as_tfds_serializes_it():
         assert build.serialize(text) == build.FEATURES.serialize_example({'text': text}), length
 
 
+def test_a_compressed_file_is_cut_into_shards_of_a_quarter_of_a_plain_ones_bytes(tmp_path, monkeypatch):
+    """A .zst file's shards each take SHARD_COMPRESSED_BYTES of its compressed bytes (a quarter of a
+    plain file's SHARD_BYTES: text compresses about 4x, so a shard holds about as much text either way)."""
+    import zstandard
+    assert build.SHARD_COMPRESSED_BYTES == build.SHARD_BYTES // 4
+    rng = np.random.default_rng(0)
+    words = np.array(['to', 'be', 'or', 'not', 'that', 'is', 'the', 'question', 'whether', 'nobler'])
+    records = [{'text': ' '.join(rng.choice(words, 40))} for _ in range(3000)]
+    (tmp_path / 'in').mkdir()
+    packed = zstandard.ZstdCompressor().compress(''.join(json.dumps(r) + '\n' for r in records).encode())
+    (tmp_path / 'in' / 'a.jsonl.zst').write_bytes(packed)
+    monkeypatch.setattr(build, 'SHARD_BYTES', 64 << 10)
+    monkeypatch.setattr(build, 'SHARD_COMPRESSED_BYTES', 16 << 10)
+    built = build.prepare_from_glob(str(tmp_path / 'in'), 'packed', str(tmp_path / 'd'))
+    info = json.loads((Path(built) / 'dataset_info.json').read_text())
+    lengths = next(s['shardLengths'] for s in info['splits'] if s['name'] == 'train')
+    assert len(packed) > 3 * (16 << 10) and len(lengths) == -(-len(packed) // (16 << 10)), (len(packed), len(lengths))
+
+
 def test_a_large_file_is_written_as_several_shards_with_the_same_documents(tmp_path, monkeypatch):
     """A shard holds at most SHARD_BYTES of its file (array_record's writer keeps an index entry a
     record in memory until it closes): a file past it is several shards, whose documents, in order and
