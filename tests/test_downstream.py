@@ -10,15 +10,15 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.helpers import tensorboard_scalars
-from tests.runs import tiny_config as tiny
-from tests.runs import write_choice_task, write_text_task
-from vrl.experiments.grid import read_metrics
-from vrl.tools import evaluate
-from vrl.train import harness, loop
-from vrl.train.start import TrainingError
-
 pytest.importorskip('lm_eval', reason='lm-eval is in requirements-extra.txt: pip install -r requirements-extra.txt')
+
+from tests.helpers import tensorboard_scalars  # noqa: E402
+from tests.runs import tiny_config as tiny  # noqa: E402
+from tests.runs import write_choice_task, write_text_task  # noqa: E402
+from vrl.experiments.grid import read_metrics  # noqa: E402
+from vrl.tools import evaluate  # noqa: E402
+from vrl.train import harness, loop  # noqa: E402
+from vrl.train.start import TrainingError  # noqa: E402
 
 
 def _config(small_corpus, tasks, steps: int, names: str = 'toy_choice', **train):

@@ -13,8 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from lm_eval.api.instance import Instance
+
+pytest.importorskip('lm_eval', reason='lm-eval is in requirements-extra.txt: pip install -r requirements-extra.txt')
+
+from flax import nnx  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
 
 from tests.helpers import piece_bytes
 from tests.runs import CHOICE_DOCS, SHARED_RUN_STEPS, write_choice_task

@@ -17,7 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+
+pytest.importorskip('torch', reason='torch and transformers are in requirements-extra.txt: pip install -r requirements-extra.txt')
+
+import torch  # noqa: E402
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer

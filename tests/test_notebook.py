@@ -2,9 +2,12 @@
 
 import os
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+pytest.importorskip('nbclient', reason='nbclient is in requirements-extra.txt: pip install -r requirements-extra.txt')
+
+import nbformat  # noqa: E402
+from nbclient import NotebookClient  # noqa: E402
 
 from tests.conftest import ROOT
 from tests.runs import host_xla_flags
