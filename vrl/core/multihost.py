@@ -86,16 +86,15 @@ def initialize(args: dict[str, flags.FlagHolder]) -> None:
     timeout = args['peer_timeout_s'].value
     waits = {'heartbeat_timeout_seconds': timeout + JAX_HEARTBEAT_MARGIN_S,
              'initialization_timeout': args['join_timeout_s'].value}
+    joining = f'(waiting up to {args["join_timeout_s"].value} s for every process: --join_timeout_s)'
     if args['coordinator_address'].value:
         jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU processes talk over gloo
         print(f'process {args["process_id"].value} of {args["num_processes"].value}: joining the job at '
-              f'{args["coordinator_address"].value} (waiting up to {args["join_timeout_s"].value} s for every '
-              'process: --join_timeout_s)', flush=True)
+              f'{args["coordinator_address"].value} {joining}', flush=True)
         jax.distributed.initialize(args['coordinator_address'].value, args['num_processes'].value,
                                    args['process_id'].value, **waits)
     elif ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '') or int(os.environ.get('SLURM_NTASKS', '1')) > 1:
-        print(f'joining the job (waiting up to {args["join_timeout_s"].value} s for every process: '
-              '--join_timeout_s)', flush=True)
+        print(f'joining the job {joining}', flush=True)
         jax.distributed.initialize(**waits)
     else:
         return

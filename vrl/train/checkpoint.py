@@ -90,7 +90,7 @@ class _FencedSteps(step_lib.NameFormat):
     epoch: int
 
     def build_name(self, step: int) -> str:
-        return f'{step}.e{self.epoch}'
+        return workdir_lib.step_name(step, self.epoch)
 
     def find_all(self, base_path: epath.PathLike) -> Iterator[step_lib.Metadata]:
         return iter(readable_steps(epath.Path(base_path)).values())
@@ -128,8 +128,8 @@ def readable_steps(folder: epath.Path) -> dict[int, step_lib.Metadata]:
         return {s: step_lib.Metadata(step=s, path=folder / str(s)) for s in steps}
     names = workdir_lib.steps_in(folder)
     wanted = {s[0]: str(s[0]) for s in map(step_of, names) if s is not None and s[1] == 0}
-    wanted |= {s: f'{s}.e{e}' for s, e in workdir_lib.read_fence(folder.parent).committed.items()
-               if f'{s}.e{e}' in names}
+    wanted |= {s: workdir_lib.step_name(s, e) for s, e in workdir_lib.read_fence(folder.parent).committed.items()
+               if workdir_lib.step_name(s, e) in names}
     return {s: step_lib.Metadata(step=s, path=folder / name) for s, name in sorted(wanted.items())
             if (folder / name / COMMITTED).exists()}
 
@@ -252,7 +252,7 @@ COMMITTED = 'commit_success.txt'  # the object Orbax writes last into a step sav
 def _unfinished(folder: epath.Path, epoch: int) -> list[epath.Path]:
     """The step folders of lease epochs up to `epoch` under remote `folder` that a save began and never
     finished."""
-    steps = [folder / name for name in workdir_lib.steps_in(folder) if (step_of(name) or (0, epoch + 1))[1] <= epoch]
+    steps = [folder / name for name in workdir_lib.steps_in(folder) if (parsed := step_of(name)) and parsed[1] <= epoch]
     return [p for p in steps if not (p / COMMITTED).exists() and not _finished_elsewhere(p)]
 
 

@@ -259,7 +259,7 @@ class Lease:
         with self._lock:
             if step is not None:
                 kept = steps_in(self.path.parent / 'checkpoints')
-                self.committed = {s: e for s, e in self.committed.items() if f'{s}.e{e}' in kept} | {step: self.epoch}
+                self.committed = {s: e for s, e in self.committed.items() if step_name(s, e) in kept} | {step: self.epoch}
             if logged_bytes is not None:
                 self.logged = {**self.logged, self.epoch: logged_bytes}
             if not self._rewrite():
@@ -335,6 +335,16 @@ def read_fence(workdir: epath.Path) -> Fence:
         return Fence()
 
 
+def step_name(step: int | str, epoch: int | str) -> str:
+    """The folder name of checkpoint `step` saved in lease `epoch` on an object store."""
+    return f'{step}.e{epoch}'
+
+
+def metrics_file(epoch: int | str) -> str:
+    """The metrics file of a run of lease `epoch` in an object-store workdir ('*': a glob of them all)."""
+    return f'metrics.e{epoch}.jsonl'
+
+
 def steps_in(folder: epath.Path) -> set[str]:
     """The names of the entries of checkpoint folder `folder` (none if it is not there yet)."""
     return {p.name for p in folder.iterdir()} if folder.exists() else set()
@@ -393,7 +403,7 @@ def _read_record(workdir: epath.Path) -> dict[str, Any] | None:
 
 def _run_files(workdir: epath.Path) -> list[str]:
     """The names in `workdir` that hold its run (on an object store: each lease epoch's metrics too)."""
-    return [name for name in RUN_FILES if (workdir / name).exists()] + [p.name for p in workdir.glob('metrics.e*.jsonl')]
+    return [name for name in RUN_FILES if (workdir / name).exists()] + [p.name for p in workdir.glob(metrics_file('*'))]
 
 
 def start_over(workdir: epath.Path, config: Config, latest_step: int | None) -> str:

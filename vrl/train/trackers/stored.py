@@ -23,6 +23,7 @@ from etils import epath
 from vrl.core import storage
 from vrl.core.errors import VrlError
 from vrl.train import workdir as workdir_lib
+from vrl.train.workdir import metrics_file
 
 
 class StoredLog:
@@ -85,20 +86,17 @@ class StoredLog:
         self._uploads.shutdown()
 
 
-def metrics_file(epoch: int) -> str:
-    """The metrics file of a run of lease `epoch` in an object-store workdir."""
-    return f'metrics.e{epoch}.jsonl'
-
-
 def read_metrics(workdir: epath.Path) -> list[dict]:
     """The records of a run's metrics, in the order they were logged: a local workdir's metrics.jsonl;
     an object store's, each lease epoch's committed bytes in turn (after metrics.jsonl, a run's from
     before fencing); in a folder without a lease (a run moved aside by --fresh), each file whole."""
     files: list[tuple[str, int | None]] = [('metrics.jsonl', None)]
-    if storage.is_remote(workdir):
-        found = {int(p.name.split('.')[1][1:]): None for p in workdir.glob('metrics.e*.jsonl')}
-        logged = workdir_lib.read_fence(workdir).logged if (workdir / '.lock').exists() else found
-        files += [(metrics_file(epoch), size) for epoch, size in sorted(logged.items())]
+    if storage.is_remote(workdir) and (workdir / '.lock').exists():
+        files += [(metrics_file(epoch), size) for epoch, size in sorted(workdir_lib.read_fence(workdir).logged.items())]
+    elif storage.is_remote(workdir):
+        before, after = metrics_file('*').split('*')
+        epochs = sorted(int(p.name[len(before):-len(after)]) for p in workdir.glob(metrics_file('*')))
+        files += [(metrics_file(epoch), None) for epoch in epochs]
     records = []
     for name, size in files:
         if (workdir / name).exists():
