@@ -17,8 +17,9 @@ The parts' time boxes add up to under 8 minutes (BUDGET_S; a part that could end
 the next command). A part whose `<part>.json` in OUT says it passed is not run again (`--again`
 runs it anyway), so a second command after a timeout goes on where the first stopped. Every result names the device,
 jax's version and the commit (DEVICE_COMMIT, written by bench/device_wheels.py beside the wheels;
-the machine has no git history). `--dry` runs every part with tiny shapes on this CPU, as the suite
-does (tests/test_device_check.py), so that a renamed flag fails here, not in the GPU window.
+the machine has no git history). `--dry` runs every part with tiny shapes on this CPU (the GPU tests
+collected, not run: they skip on a CPU), as the suite does (tests/test_device_check.py), so that a
+renamed flag or test fails here, not in the GPU window.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Part:
 PARTS = (
     Part('gpu_tests', 'cuDNN attention against the XLA path (whole sequences; one part of a split one)',
          ('-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'gpu'), 75,
-         ('-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'split_sequence_matches'),
+         ('-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'gpu', '--collect-only'),
          (('JAX_PLATFORMS', 'cuda'),)),  # the suite's conftest picks the CPU unless told
     Part('auto_468m', 'what auto chooses for the 468M (attention, remat, microbatches) and its memory',
          ('-m', 'vrl.main', '--config=configs/svformer_468m.py', '--compile_only'), 45,

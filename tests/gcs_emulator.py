@@ -79,6 +79,20 @@ def serving(root: str) -> Iterator[str]:
                 os.environ[key] = value
 
 
+@contextlib.contextmanager
+def clients_through(url: str) -> Iterator[None]:
+    """This process's gcsfs clients made anew against `url` (a proxy), and back to the emulator after."""
+    import gcsfs
+    emulator = os.environ['STORAGE_EMULATOR_HOST']
+    try:
+        os.environ['STORAGE_EMULATOR_HOST'] = url
+        gcsfs.GCSFileSystem.clear_instance_cache()
+        yield
+    finally:
+        os.environ['STORAGE_EMULATOR_HOST'] = emulator
+        gcsfs.GCSFileSystem.clear_instance_cache()
+
+
 def bucket_fs():
     """A gcsfs client on the emulator, its listing cache cleared."""
     import gcsfs

@@ -34,7 +34,7 @@ def test_every_runtime_requirement_is_on_the_device_or_among_its_wheels():
     assert len(required) > 15
 
 
-@pytest.mark.slow  # every part's command, tiny: about three minutes on 2 cores
+@pytest.mark.slow  # every part's command, tiny (the GPU tests collected, not run): 70 s on 2 quiet cores
 def test_the_device_check_runs_every_part_dry_and_resumes(tmp_path):
     out = tmp_path / 'check'
     env = dict(os.environ, XLA_FLAGS=host_xla_flags(1))  # one device, as the lent machine has one GPU
@@ -49,7 +49,7 @@ def test_the_device_check_runs_every_part_dry_and_resumes(tmp_path):
     assert report.startswith(f'# Device check: {record["device"]}, jax {record["jax"]}, commit {record["commit"]}')
     parts = {p['part']: p['output'] for p in record['parts']}
     assert re.search(r'tiny \| +svformer \|.*\| +[\d.]+%', parts['train_82m'])  # a row with its MFU
-    assert 'passed' in parts['gpu_tests'] and 'model.attention_impl=' in parts['auto_468m']
+    assert re.search(r'\b[1-9]\d*/\d+ tests collected', parts['gpu_tests']) and 'model.attention_impl=' in parts['auto_468m']
     again = subprocess.run([sys.executable, 'bench/device_check.py', '--out', str(out), '--dry', '--parts',
                             'decode,group'], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert again.returncode == 0 and again.stdout.count('passed before, kept') == 2, again.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gcs_emulator import RefusingStore, bucket_fs, machine_env
+from tests.gcs_emulator import RefusingStore, bucket_fs, clients_through, machine_env
 from tests.runs import ROOT, cli_args, host_xla_flags, tiny_config, write_choice_task
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
@@ -169,6 +170,45 @@ def test_a_holder_held_mid_write_never_changes_what_its_successor_committed(gcs,
     assert (checkpoint.readable_steps(path / 'checkpoints'), stored.read_metrics(path)) == seen
 
 
+def test_a_checkpoint_held_at_the_store_is_waited_for_out_loud_with_its_time(gcs, small_corpus, tmp_path):
+    """The last save's traffic held at the proxy (from its first request) until the run has said what
+    it waits on (starting the save, or writing it, whichever part the hold caught): once released, it
+    says how long that took and ends as usual (docs/training.md: a wait of over 2 s on a checkpoint is
+    said, with its time)."""
+    import threading
+
+    from tests.slow_store import Fault, SlowStore
+    config = tiny_config(small_corpus, attention='svformer', steps=4, checkpoint_every=4, lease_stale_seconds=600)
+    waits = {'starting the save of step 4 in gs://vrl/waited ...': 'the save of step 4 started in',
+             'writing the checkpoint of step 4 to gs://vrl/waited ...': 'checkpoint of step 4 written in'}
+    with SlowStore(gcs, latency_s=0.001, faults=(Fault(r'checkpoints(%2F|/)4\.e1', 'hold'),)) as store:
+        env = {**machine_env(store.url, tmp_path / 'host'), 'VRL_STORE_TIMEOUT_S': '600'}
+        run = subprocess.Popen(cli_args(config, 'gs://vrl/waited'), cwd=tmp_path, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=(tmp_path / 'stderr').open('w'))
+        lines: list[str] = []
+        waiting = threading.Event()
+
+        def read() -> None:
+            for line in run.stdout:
+                lines.append(line.rstrip('\n'))
+                waiting.set() if lines[-1] in waits else None
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        said = waiting.wait(120)
+        held_s = 3
+        time.sleep(held_s if said else 0)
+        store.release()
+        run.wait(timeout=300)
+        reader.join(10)
+    err = (tmp_path / 'stderr').read_text()
+    assert said and store.held.is_set(), '\n'.join(lines) + err[-3000:]
+    assert run.returncode == 0, err[-3000:]
+    doing = next(i for i, line in enumerate(lines) if line in waits)
+    done = next(i for i, line in enumerate(lines) if line.startswith(waits[lines[doing]]))
+    assert doing < done < next(i for i, line in enumerate(lines) if line.startswith('done at step 4')), lines
+    assert int(re.fullmatch(r'.* in (\d+) s', lines[done]).group(1)) >= held_s, lines
+
+
 def test_checkpoints_without_their_commit_marker_are_refused_and_partial_steps_cleaned(gcs, bucket_config, tmp_path):
     """A local run copied up to the bucket without its steps' commit_success.txt is refused in one
     line, not trained over from step 0 (its flock file, copied too, is no lease and holds nothing up); with the markers added it resumes, and the folder of a save that
@@ -316,6 +356,39 @@ def test_storage_on_the_bucket_creates_once_moves_folders_and_lists(gcs):
     assert (storage.local_copy(root / 'model') / 'weights').read_bytes() == b'a' * 100
     storage.write_bytes(root / 'model/weights', b'b' * 100)
     assert (storage.local_copy(root / 'model') / 'weights').read_bytes() == b'b' * 100
+
+
+def test_a_failing_request_is_tried_six_times_1_to_32_s_apart_each_retry_said(gcs, monkeypatch, caplog):
+    """docs/scaling-out.md's promise, on gcsfs's own clock (its backoff waits recorded, not slept):
+    a download (one request) answered 503 five times succeeds on its sixth try, one answered 503 six times fails after
+    the sixth; the waits between tries double from 1 s, and each retry is one warning line."""
+    import types
+
+    import gcsfs.retry
+
+    from tests.slow_store import Fault, SlowStore
+    from vrl.core import storage
+    storage.path('gs://vrl/tried')  # vrl's client settings, as a run makes them before its first request
+    waits: list[float] = []
+
+    async def wait(seconds: float) -> None:
+        waits.append(seconds)
+    monkeypatch.setattr(gcsfs.retry, 'asyncio', types.SimpleNamespace(sleep=wait))
+    fs = bucket_fs()
+    fs.pipe_file('vrl/tried/five', b'answered')
+    fs.pipe_file('vrl/tried/six', b'never read')
+    five, six = Fault(r'tried(%2F|/)five', '503', 5), Fault(r'tried(%2F|/)six', '503', 6)
+    with SlowStore(gcs, latency_s=0.0, faults=(five, six)) as store, clients_through(store.url):
+        through = bucket_fs()
+        assert through.cat_file('vrl/tried/five') == b'answered'
+        assert (five.injected, len(waits)) == (5, 5)
+        with pytest.raises(Exception, match='503|injected'):
+            through.cat_file('vrl/tried/six')
+        assert six.injected == 6
+    assert len(waits) == 10 and [int(w) for w in waits] == [1, 2, 4, 8, 16] * 2, waits  # 1-32 s: 2**k + [0, 1)
+    said = [r.getMessage() for r in caplog.records if r.name == 'gcsfs' and r.levelno == logging.WARNING]
+    assert len(said) == 10 and all(line.startswith('a request to the object store failed (') and
+                                   line.endswith('; retrying') for line in said), said
 
 
 def test_compressed_records_in_the_bucket_are_prepared_and_pretokenized_there(gcs):

@@ -75,13 +75,20 @@ def test_every_baseline_trains_sharded_as_on_one_device(small_corpus, variant):
         assert abs(got - want) / want < 1e-5, (losses, reference)
 
 
-@pytest.mark.parametrize('variant', ['vanilla', 'resformer-learnable_plus', 'svformer', 'all-baselines', 'cla2',
-                                     'svformer-cla2'])
-def test_a_sequence_split_over_the_context_axis_trains_as_on_one_device(small_corpus, variant):
-    """mesh.context = 2, 4 and 8, beside the other axes: every variant (the all-baselines one: the
-    per-token mix, value tables, CLA's shared K/V, DenseFormer, NeuTRENO) with document masking
-    (segment ids and per-document RoPE positions across the parts) trains exactly as one device does;
-    so do the whole-sequence copies of what layers share (SVFormer's V_1, a CLA group's K and V)."""
+CONTEXT_MESHES = {'two': MeshConfig(data=1, fsdp=2, tensor=2, context=2),
+                  'four': MeshConfig(data=2, fsdp=1, tensor=1, context=4),
+                  'eight': MeshConfig(data=1, fsdp=1, tensor=1, context=8)}
+
+
+@pytest.mark.parametrize('variant, mesh', [('vanilla', 'eight'), ('resformer-learnable_plus', 'two'),
+                                           ('svformer', 'four'), ('all-baselines', 'two'), ('cla2', 'eight'),
+                                           ('svformer-cla2', 'four')])
+def test_a_sequence_split_over_the_context_axis_trains_as_on_one_device(small_corpus, variant, mesh):
+    """mesh.context = 2, 4 and 8, beside the other axes, each for two variants (between them every
+    variant kind: the all-baselines one has the per-token mix, value tables, CLA's shared K/V,
+    DenseFormer and NeuTRENO): with document masking (segment ids and per-document RoPE positions
+    across the parts) a split sequence trains exactly as on one device; so do the whole-sequence
+    copies of what layers share (SVFormer's V_1, a CLA group's K and V)."""
     _, tokenizer = small_corpus
     config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1))
     model = dataclasses.replace(config.model, n_layers=4, attention_impl='xla',
@@ -92,12 +99,10 @@ def test_a_sequence_split_over_the_context_axis_trains_as_on_one_device(small_co
     batches = [next(iterator) for _ in range(3)]
     assert sum(len(set(row.tolist()) - {0}) > 1 for row in batches[0]['segment_ids']) >= 2  # rows of 2+ documents
     reference, _ = train_losses(config, jax.devices()[:1], batches)
-    for mesh in (MeshConfig(data=1, fsdp=2, tensor=2, context=2), MeshConfig(data=2, fsdp=1, tensor=1, context=4),
-                 MeshConfig(data=1, fsdp=1, tensor=1, context=8)):
-        losses, state = train_losses(dataclasses.replace(config, mesh=mesh), jax.devices(), batches)
-        assert dict(state.params['embed'].sharding.mesh.shape)['context'] == mesh.context
-        for got, want in zip(losses, reference):
-            assert abs(got - want) / want < 1e-5, (mesh, losses, reference)
+    losses, state = train_losses(dataclasses.replace(config, mesh=CONTEXT_MESHES[mesh]), jax.devices(), batches)
+    assert dict(state.params['embed'].sharding.mesh.shape)['context'] == CONTEXT_MESHES[mesh].context
+    for got, want in zip(losses, reference):
+        assert abs(got - want) / want < 1e-5, (mesh, losses, reference)
 
 
 def test_only_keys_and_values_cross_the_context_axis_once_for_the_layers_that_share_them(small_corpus):

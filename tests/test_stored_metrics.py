@@ -3,14 +3,11 @@ logged byte goes up once, however many flushes, and a resumed run continues one 
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-from typing import Iterator
 
 import numpy as np
 
-from tests.gcs_emulator import bucket_fs
+from tests.gcs_emulator import bucket_fs, clients_through
 from tests.helpers import tensorboard_scalars
 from vrl.core import storage
 from vrl.train import workdir as workdir_lib
@@ -32,20 +29,6 @@ def _log(workdir, lease, steps: range, start_step: int, rng: np.random.Generator
     writer.close()
 
 
-@contextlib.contextmanager
-def _through(url: str) -> Iterator[None]:
-    """This process's gcsfs clients made anew against `url`, and back to the emulator after."""
-    import gcsfs
-    emulator = os.environ['STORAGE_EMULATOR_HOST']
-    try:
-        os.environ['STORAGE_EMULATOR_HOST'] = url
-        gcsfs.GCSFileSystem.clear_instance_cache()
-        yield
-    finally:
-        os.environ['STORAGE_EMULATOR_HOST'] = emulator
-        gcsfs.GCSFileSystem.clear_instance_cache()
-
-
 REQUEST_OVERHEAD = 1024  # bytes a request may send besides what it uploads (measured: ~420): line, headers, metadata
 
 
@@ -56,7 +39,7 @@ def test_each_logged_byte_goes_up_once_and_a_resume_continues_the_series(gcs, tm
     from tests.slow_store import SlowStore
     workdir = storage.path('gs://vrl/logged/run')
     rng = np.random.default_rng(0)
-    with SlowStore(gcs, latency_s=0.0) as store, _through(store.url):
+    with SlowStore(gcs, latency_s=0.0) as store, clients_through(store.url):
         lease = workdir_lib.Lease(workdir, stale_after=60.0, say=lambda line: None)
         lease.acquire()
         _log(workdir, lease, range(1, 41), 0, rng)

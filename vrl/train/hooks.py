@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -232,6 +233,27 @@ def check_saves(m: Member, wait: bool = False) -> None:
         checkpoint.check_saves(m.manager, wait)
 
 
+@contextlib.contextmanager
+def said_when_slow(say: Callable[[str], None], doing: str, done: str) -> Iterator[None]:
+    """A block that may wait on the store: once it has taken SILENT_WAIT_SECONDS, `doing ...` is said
+    (from a timer thread), and when it ends, `done in N s`; a quick block says nothing."""
+    started, fired = time.monotonic(), threading.Event()
+
+    def tell() -> None:
+        fired.set()
+        say(f'{doing} ...')
+    timer = threading.Timer(SILENT_WAIT_SECONDS, tell)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if fired.is_set():
+            timer.join()
+            say(f'{done} in {time.monotonic() - started:.0f} s')
+
+
 class Leases(Hook):
     """A workdir's lease lost on any process (another run took the bucket workdir) stops every
     process, in one line, at the next agreement."""
@@ -287,21 +309,16 @@ class Checkpoints(Hook):
         self._saved_at, self.last_saved = time.monotonic(), step
         for i, m in enumerate(self.members):
             m.writer.flush(wait=True)  # on an object store, every step's metrics are there before its checkpoint
-            with lease_first(m):
+            with lease_first(m), said_when_slow(m.say, f'starting the save of step {step} in {m.path}',
+                                                f'the save of step {step} started'):
                 checkpoint.save(m.manager, step, self.group.member(state, i), self._data_iterator, m.config, force=force)
 
     def wait(self) -> None:
-        """Until the saves in flight are written (said, with how long it took, when it takes a while)."""
+        """Until the saves in flight are written."""
         for m in self.members:
-            started = time.monotonic()
-            while m.manager.is_saving_in_progress() and time.monotonic() - started < SILENT_WAIT_SECONDS:
-                time.sleep(0.05)
-            slow = m.manager.is_saving_in_progress()
-            if slow:
-                m.say(f'writing the checkpoint of step {self.last_saved} to {m.path} ...')
-            check_saves(m, wait=True)
-            if slow:
-                m.say(f'checkpoint of step {self.last_saved} written in {time.monotonic() - started:.0f} s')
+            with said_when_slow(m.say, f'writing the checkpoint of step {self.last_saved} to {m.path}',
+                                f'checkpoint of step {self.last_saved} written'):
+                check_saves(m, wait=True)
 
     def end(self, step: int, state: TrainState) -> None:
         self.wait()
