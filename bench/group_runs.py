@@ -89,10 +89,11 @@ def main() -> None:
     one_ms, group_ms = step_ms(config, args.seeds, args.rounds)
     gflop = accounting.account(config.model, config.data.seq_len).flops_per_token * config.data.batch_size \
         * config.data.seq_len / 1e9  # one run's model FLOPs per step
-    peak = metrics.peak_flops_per_device(0.0, config.model.compute_dtype) * jax.device_count() / 1e9
+    measured = metrics.peak_flops(0.0, config.model.compute_dtype)
+    peak = measured.flops / 1e9
     print(f'{args.variant} at the reproduction config ({config.data.batch_size} x {config.data.seq_len} tokens '
           f'per step, {gflop:.1f} model GFLOP per run-step), {jax.device_count()} {jax.devices()[0].platform} '
-          f'device(s), matmul peak {peak:.0f} GFLOP/s\n')
+          f'device(s), peak {measured}\n')
     print('| what | runs | ms per step | per run | vs one run | GFLOP/s | of peak | floor at peak |')
     print('|---|---|---|---|---|---|---|---|')
     for name, runs, ms in (('one run', 1, one_ms), ('group', args.seeds, group_ms)):

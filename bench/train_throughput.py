@@ -11,8 +11,8 @@ and vanilla's own row is the median over all its steps.
 MFU counts model FLOPs only: 6 x (weight-matmul parameters, the output head included) per token
 plus the causal attention matmuls (vrl.model.accounting.training_flops_per_token). The peak is this
 host's matmul FLOP/s in the compute dtype (`--dtype`: float32 by default on CPU, bfloat16 on
-accelerators), measured with a jitted 1024^3 matmul (vrl.train.metrics); on an accelerator, the device's
-bf16 peak.
+accelerators): the best a jitted 1024^3 matmul has run at on this CPU (vrl.train.metrics.peak_flops,
+named in the table's first line); on an accelerator, the device's bf16 peak.
 Step time is the median of the timed steps; `GiB` is the compiled step's memory per device as
 XLA plans it (arguments, outputs and temporaries, less what they alias), read from the same
 program through the compilation cache. `--context N` splits each sequence over N devices
@@ -119,11 +119,11 @@ def main() -> None:
     args = parser.parse_args()
     cli.enable_compilation_cache()  # the memory column's second compile is a cache hit
     args.dtype = args.dtype or ('float32' if jax.default_backend() == 'cpu' else 'bfloat16')
-    peak = metrics.peak_flops_per_device(compute_dtype=args.dtype) * jax.device_count()
+    measured = metrics.peak_flops(compute_dtype=args.dtype)
+    peak = measured.flops
     huge_pages = 'glibc.malloc.hugetlb' in os.environ.get('GLIBC_TUNABLES', '')
     isa = f' ({backend.describe_cpu_isa()})' if jax.default_backend() == 'cpu' else ''
-    print(f'{jax.device_count()} x {jax.devices()[0].device_kind}{isa}, {args.dtype}; peak {peak / 1e9:,.0f} GFLOP/s '
-          f'({f"measured {args.dtype} matmul" if jax.default_backend() == "cpu" else "bf16 table"}); '
+    print(f'{jax.device_count()} x {jax.devices()[0].device_kind}{isa}, {args.dtype}; peak {measured}; '
           f'huge-page malloc {"on" if huge_pages else "off"} (vrl/core/host_memory.py)')
     variants = list(presets.PRESETS) if args.variants == 'all' else args.variants.split(',')
     args.width = max(map(len, variants))

@@ -50,6 +50,8 @@ def test_the_demo_says_what_it_reads_and_where_it_writes(user, tmp_path):
                      r'tokenized on the fly, shuffled by document\)', said, re.M), said
     assert (f'tokenizer {data_dir}/vrl_tokenizers/shakespeare_1024.model (1,024 pieces); writing to '
             f'{tmp_path}/runs/tiny') in said
+    assert re.search(r"^MFU against [\d,.]+ GFLOP/s \(this host's best measured float32 matmul rate, kept in "
+                     f'{tmp_path}/home/.cache/vrl/cpu_peak.json\\)$', said, re.M), said
     # the schedule follows train.steps, but 2 steps stop inside the warmup: said, with the warmup that fits
     assert 'it stops inside the warmup (optimizer.warmup_steps=30): set --config.optimizer.warmup_steps=0' in said
     loss = re.findall(r'^step 2/2 +loss (\S+)', said, re.M)[-1]

@@ -72,3 +72,40 @@ def test_the_terminal_prints_training_lines_at_print_every_and_at_the_last_step(
     terminal.log(7, {'eval_loss': 2.5, 'eval_perplexity': 12.18, 'eval_bpb': 1.1})
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[2] for line in lines] == ['3/7', '6/7', '7/7', '7:'] and lines[0].startswith('[vanilla-s0] step')
+
+
+def test_the_cpu_peak_is_the_best_this_host_has_shown_and_shared_by_its_devices(monkeypatch, tmp_path):
+    """MFU on a CPU is over this host's matmul rate: a probe taken beside other work reads low, so the
+    best rate this CPU has shown is kept (~/.cache/vrl/cpu_peak.json) and used; a lower kept figure
+    is replaced by the probe's. The 8 CPU devices of the suite share the host's cores: the job's peak
+    is one host's, not eight."""
+    import json
+
+    import jax
+
+    from vrl.train import metrics
+    monkeypatch.setenv('HOME', str(tmp_path))
+    monkeypatch.setattr(metrics, 'PROBE_SECONDS', 0.0)
+
+    def probe() -> float:
+        metrics.host_matmul_peak.cache_clear()
+        return metrics.host_matmul_peak('float32', n=256)
+
+    def keep(flops: float) -> None:
+        metrics.cpu_peak_file().write_text(json.dumps({key: flops}))
+    try:
+        first = probe()
+        (key, kept), = json.loads((tmp_path / '.cache/vrl/cpu_peak.json').read_text()).items()
+        assert kept == first > 1e8 and key.endswith('cores | float32'), (key, kept)
+        keep(first * 100)  # a quieter moment's figure
+        assert probe() == first * 100
+        keep(1e3)  # a figure from a probe beside heavy work
+        again = probe()
+        assert 1e8 < again < first * 100 and json.loads(metrics.cpu_peak_file().read_text()) == {key: again}
+        peak = metrics.peak_flops(0.0, 'float32')  # its own probe (n = 1024), kept under the same key
+        assert len(jax.devices()) == 8 and peak.flops == metrics.host_matmul_peak('float32') >= again
+        assert str(peak) == (f'{peak.flops / 1e9:,.3g} GFLOP/s (this host\'s best measured float32 matmul rate, kept in '
+                             f'{tmp_path}/.cache/vrl/cpu_peak.json)')
+        assert metrics.peak_flops(2e9, 'float32').flops == 16e9  # train.peak_flops: per device
+    finally:
+        metrics.host_matmul_peak.cache_clear()

@@ -94,11 +94,11 @@ def step_time_row(config: Config) -> tuple[str, str]:
 
     from vrl.train import metrics
     devices = jax.devices()
-    peak = metrics.peak_flops_per_device(config.train.peak_flops, resolve.local_compute_dtype(config.model)) * len(devices)
+    peak = metrics.peak_flops(config.train.peak_flops, resolve.local_compute_dtype(config.model), devices)
     flops = accounting.account(config.model, config.data.seq_len).flops_per_token
-    seconds = flops * config.data.batch_size * config.data.seq_len / (ASSUMED_MFU * peak)
+    seconds = flops * config.data.batch_size * config.data.seq_len / (ASSUMED_MFU * peak.flops)
     return (f'step time, estimated ({len(devices)} {jax.default_backend()} device(s))',
-            f'{seconds:.3g} s at {ASSUMED_MFU:.0%} MFU of {_human(peak)}FLOP/s')
+            f'{seconds:.3g} s at {ASSUMED_MFU:.0%} MFU of {peak}')
 
 
 def print_summary(config: Config, as_json: bool) -> None:

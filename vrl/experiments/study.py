@@ -154,10 +154,9 @@ def _seconds_per_flop(workdir: epath.Path, model: ModelConfig) -> tuple[float, f
     if timed:
         return (sum(r['seconds'] for r in timed) / sum(r['flops'] for r in timed), 0.0,
                 f'from the {len(timed)} finished runs of this study')
-    peak = metrics.peak_flops_per_device(0.0, resolve.local_compute_dtype(model)) * jax.device_count()
-    return (1 / (_GUESS_PEAK_FRACTION * peak), _GUESS_SECONDS_PER_RUN,
-            f'a guess: {_GUESS_PEAK_FRACTION:.0%} of the measured peak of {peak / 1e9:,.0f} GFLOP/s + '
-            f'{_GUESS_SECONDS_PER_RUN:.0f} s a run')
+    peak = metrics.peak_flops(0.0, resolve.local_compute_dtype(model))
+    return (1 / (_GUESS_PEAK_FRACTION * peak.flops), _GUESS_SECONDS_PER_RUN,
+            f'a guess: {_GUESS_PEAK_FRACTION:.0%} of the peak, {peak}, + {_GUESS_SECONDS_PER_RUN:.0f} s a run')
 
 
 def listing(runs: list[Run], workdir: epath.Path) -> str:

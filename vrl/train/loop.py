@@ -26,7 +26,7 @@ from etils import epath
 from vrl.core import multihost, peers, sharding, storage
 from vrl.core.config import Config
 from vrl.data import pipeline
-from vrl.model import accounting
+from vrl.model import accounting, resolve
 from vrl.train import aot, checkpoint, diagnostics, downstream, hooks, metrics, optimizer, start
 from vrl.train import workdir as workdir_lib
 from vrl.train.start import TrainingError
@@ -167,9 +167,11 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     for guard, epoch in zip(guards, multihost.summed(np.array([g.epoch if is_writer else 0 for g in guards]))):
         guard.epoch = int(epoch)  # process 0 took the guards: every process names its saves by their epochs
     members = [hooks.Member(*member, is_writer) for member in zip(member_configs, paths, guards, labels)]
+    # before the data's workers start: a CPU's matmul probe must not share the cores with them
+    peak = metrics.peak_flops(config.train.peak_flops, resolve.local_compute_dtype(config.model))
     data_iterator = iter(dataset)
     try:
-        return _train(trainer, group, members, tokenizer, data_iterator, request, preemption, task_manager)
+        return _train(trainer, group, members, tokenizer, data_iterator, request, preemption, task_manager, peak)
     finally:
         if not any(m.guard.lost for m in members):  # else another run holds a workdir: add nothing there
             try:
@@ -186,7 +188,8 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
 
 
 def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], tokenizer, data_iterator: Any,
-           request: start.Request, preemption: hooks.Preemption, task_manager: Any) -> list[RunResult]:
+           request: start.Request, preemption: hooks.Preemption, task_manager: Any, peak: metrics.Peak
+           ) -> list[RunResult]:
     """Each member's start, its start lines, the hooks, then the loop and the end of the run."""
     config = trainer.config
     starts = [start.decide(trainer, m.config, m.path, m.manager, data_iterator, request, m.say) for m in members]
@@ -194,10 +197,9 @@ def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], to
     leases = hooks.Leases(members)
     leases.confirm()
     account = accounting.account(config.model, config.data.seq_len)
-    reads = _announce(trainer, group, members, starts, tokenizer, request, account)
-    peak = metrics.peak_flops_per_device(config.train.peak_flops, config.model.compute_dtype) * jax.device_count()
+    reads = _announce(trainer, group, members, starts, tokenizer, request, account, peak)
     train_tokens = {name: d['train_tokens'] for name, d in reads['datasets'].items()}
-    host = hooks.HostMetrics(config, group, members, account.flops_per_token, peak, train_tokens, start_step)
+    host = hooks.HostMetrics(config, group, members, account.flops_per_token, peak.flops, train_tokens, start_step)
     checkpoints = hooks.Checkpoints(config, group, members, leases, data_iterator, start_step)
     eval_sets = pipeline.EvalSets(config.data, tokenizer)  # opened at the first evaluation, then kept
     evaluation = hooks.Evaluation(config, members, lambda params: _validations(group, params, config, eval_sets))
@@ -286,7 +288,7 @@ def _initial_state(trainer: TrainSteps, group: RunGroup, members: list[hooks.Mem
 
 
 def _announce(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], starts: list[start.Start], tokenizer,
-              request: start.Request, account: accounting.ModelAccount) -> dict[str, Any]:
+              request: start.Request, account: accounting.ModelAccount, peak: metrics.Peak) -> dict[str, Any]:
     """What the run reads (pipeline.provenance; a resume must read the same), recorded in config.json
     and W&B; each member's metrics writer; and the start lines. Returns what the run reads."""
     config, is_writer = trainer.config, jax.process_index() == 0
@@ -312,6 +314,7 @@ def _announce(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member],
                            f'{", pre-tokenized" if d["pretokenized"] else ", tokenized on the fly"}, shuffled '
                            f'{d["shuffle"]}): an epoch every {1 / epoch_rates[name]:,.0f} steps')
         m.writer.print(f'tokenizer {tokenizer.path} ({tokenizer.vocab_size:,} pieces); writing to {m.path}')
+        m.writer.print(f'MFU against {peak}')
         if not is_writer:
             tell_every_host([m], lambda m: f'{config.model.variant_name}, {begun.describe()}, to step '
                             f'{config.train.steps}; process 0 prints the progress')
