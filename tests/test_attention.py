@@ -247,7 +247,7 @@ def test_auto_context_splits_sequences_only_when_whole_ones_do_not_fit():
     (half a sequence per chip at a time) fits, and the mesh's fsdp axis gives up the devices."""
     config = from_configdict(tiny.get_config())
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=4, seq_len=2048),
-                                 model=dataclasses.replace(config.model, remat='none', attention_impl='xla'))
+                                 model=dataclasses.replace(config.model, remat='none', attention_impl='xla', n_layers=2))
     devices, _ = aot.tpu_devices('v5e:2x2')  # one host of 4 chips: context 1, 2 or 4
     whole = aot.compile_train_step(config, devices, None).total_bytes  # a whole sequence per chip
     hbm = int(0.9 * whole / aot.FIT_MARGIN)  # fits 90% of a whole sequence's need
