@@ -112,6 +112,7 @@ def test_each_wing_says_in_three_lines_what_it_owns_and_may_import(wing):
     assert doc and len(doc.splitlines()) <= 3 and 'import' in doc.lower(), doc
 
 
+WHAT_CHANGED_SINCE = '0f4f1e6'  # the first commit since subjects name no review round
 SUBJECTS_KEPT_SINCE = '3dbc217'  # the commit after which every subject keeps docs/contributing.md's rule
 
 
@@ -124,3 +125,25 @@ def test_commit_subjects_fit_in_72_characters():
     subjects = subprocess.run(['git', 'log', '--format=%s', *since], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.splitlines()
     assert subjects and not [s for s in subjects if len(s) > 72], [s for s in subjects if len(s) > 72]
+
+
+def test_commit_subjects_say_what_changed_not_how_it_came_about():
+    """Since the rule began, no subject opens with how the change was made ("Review mend:")."""
+    import subprocess
+    known = subprocess.run(['git', 'cat-file', '-e', f'{WHAT_CHANGED_SINCE}^{{commit}}'], cwd=ROOT,
+                           capture_output=True).returncode == 0
+    since = [f'{WHAT_CHANGED_SINCE}~1..HEAD'] if known else ['-1', 'HEAD']
+    subjects = subprocess.run(['git', 'log', '--format=%s', *since], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    assert subjects and not [s for s in subjects if s.lower().startswith(('review mend', 'mend:', 'fixup'))], subjects
+
+
+def test_the_code_passes_the_lint_in_pyproject():
+    """ruff's checks as pyproject.toml sets them (pyflakes, import order, whitespace, syntax), on
+    every Python file of the checkout."""
+    import subprocess
+    import sys
+    pytest.importorskip('ruff', reason='ruff is in requirements-test.txt: pip install -r requirements-test.txt')
+    checked = subprocess.run([sys.executable, '-m', 'ruff', 'check', '--no-cache', '--output-format', 'concise', '.'],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]

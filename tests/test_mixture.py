@@ -20,8 +20,6 @@ from vrl.data import tokenizer as tokenizer_lib
 from vrl.data.tokenizer import EOS_ID
 from vrl.train import loop
 
-
-
 ALPHA = 'x x x x x x x x x x x x x x x x x x x x x x x x'  # one domain's documents: x runs, then a number
 BETA = 'z z z z z z z z z z z z z z z z z z z z z z z ž'  # the other's: z runs (and a 2-byte character)
 

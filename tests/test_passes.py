@@ -19,7 +19,6 @@ from tests.runs import ROOT, host_xla_flags, tiny_config
 from vrl.core import multihost
 from vrl.data import pipeline
 
-
 COUNT = '''
 import json, sys
 import jax

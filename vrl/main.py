@@ -177,5 +177,10 @@ def main(args: cli.Args) -> None:
                  'run the same command to resume.')
 
 
-if __name__ == '__main__':
+def cli_main() -> None:
+    """`vrl-train` (pyproject.toml's scripts): `python -m vrl.main` by another name."""
     cli.run(main, _define_flags, huge_pages=True)
+
+
+if __name__ == '__main__':
+    cli_main()

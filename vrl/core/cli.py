@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import re
 import sys
@@ -44,7 +45,7 @@ def run(main: Callable[..., None], define_flags: Callable[[], Args], commands: t
     def entry(argv: list[str]) -> None:
         positional = argv[1:]
         if commands and (len(positional) != 1 or positional[0] not in commands):
-            raise app.UsageError(f'usage: python -m {_module()} {"|".join(commands)} [--flags]; --helpfull lists them')
+            raise app.UsageError(f'usage: {_command()} {"|".join(commands)} [--flags]; --helpfull lists them')
         if not commands and positional:
             raise app.UsageError(f'unexpected arguments: {positional}')
         if not flags.FLAGS['verbosity'].present:
@@ -86,7 +87,7 @@ def require(args: Args, *names: str) -> None:
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parser, with config errors (unknown key, missing or broken file) as one clear line."""
     try:
-        return flags.FLAGS(argv)
+        return flags.FLAGS([_preset(arg) for arg in argv])
     except flags.Error as e:
         text = str(e)
         if 'Traceback' in text:  # a config file raised: its exception's last line says why
@@ -110,6 +111,19 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f'error: bad --config or override: {message.strip(chr(39))}'.replace("' Did you", ': Did you'))
 
 
+def _preset(arg: str) -> str:
+    """`--config=configs/X.py[:arg]` naming no file here: the preset installed with vrl (pyproject.toml
+    installs configs/ as the `configs` package), so the presets work outside a checkout too."""
+    if not arg.startswith('--config=configs/'):
+        return arg
+    given, _, argument = arg.removeprefix('--config=').partition(':')
+    spec = None if os.path.exists(given) else importlib.util.find_spec('configs')
+    installed = Path(spec.origin).parent / given.removeprefix('configs/') if spec and spec.origin else None
+    if installed is None or not installed.exists():
+        return arg
+    return f'--config={installed}' + (f':{argument}' if argument else '')
+
+
 def _unknown_field(e: AttributeError, argv: list[str]) -> str | None:
     """`--config.SECTION.FIELD=...` naming no field of SECTION: which override, and the section's fields."""
     inner = e.args[0] if e.args else ''
@@ -126,7 +140,7 @@ def _unknown_field(e: AttributeError, argv: list[str]) -> str | None:
     return None
 
 
-def _module() -> str:
-    main = sys.modules['__main__']
-    spec = getattr(main, '__spec__', None)
-    return spec.name.removesuffix('.__main__') if spec else sys.argv[0]
+def _command() -> str:
+    """How this command was called: `python -m vrl.data`, or `vrl-data` (pyproject.toml's scripts)."""
+    spec = getattr(sys.modules['__main__'], '__spec__', None)
+    return f'python -m {spec.name.removesuffix(".__main__")}' if spec else os.path.basename(sys.argv[0])

@@ -86,5 +86,10 @@ def main(args: cli.Args, command: str) -> None:
         print(f'{split:<11}' + '  '.join(f'{k} {v:,}' for k, v in row.items()), flush=True)
 
 
-if __name__ == '__main__':
+def cli_main() -> None:
+    """`vrl-data` (pyproject.toml's scripts): `python -m vrl.data` by another name."""
     cli.run(main, _define_flags, ('prepare', 'tokenize', 'stats'))
+
+
+if __name__ == '__main__':
+    cli_main()

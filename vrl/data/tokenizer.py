@@ -390,6 +390,11 @@ def main(args: dict, command: str) -> None:
     print(f'wrote {args["out"].value}: {tok.vocab_size} pieces, pad={tok.pad_id} eos={tok.eos_id} bos={tok.bos_id}')
 
 
-if __name__ == '__main__':
+def cli_main() -> None:
+    """`vrl-tokenizer` (pyproject.toml's scripts): `python -m vrl.data.tokenizer` by another name."""
     from vrl.core import cli
     cli.run(main, _define_flags, ('train',))
+
+
+if __name__ == '__main__':
+    cli_main()

@@ -110,5 +110,10 @@ def main(args: cli.Args) -> None:
     print(f"wrote {len(results)} analysis.json and {len(figures)} plots to {out}")
 
 
-if __name__ == '__main__':
+def cli_main() -> None:
+    """`vrl-analyze` (pyproject.toml's scripts): `python -m vrl.experiments.analyze` by another name."""
     cli.run(main, _define_flags)
+
+
+if __name__ == '__main__':
+    cli_main()

@@ -132,5 +132,10 @@ def main(args: cli.Args) -> None:
     print(f'report: {workdir / "report.md"}')
 
 
-if __name__ == '__main__':
+def cli_main() -> None:
+    """`vrl-compare` (pyproject.toml's scripts): `python -m vrl.experiments.compare` by another name."""
     cli.run(main, _define_flags, huge_pages=True)
+
+
+if __name__ == '__main__':
+    cli_main()

@@ -264,5 +264,10 @@ def main(args: cli.Args) -> None:
     print(f'report: {workdir / "study.md"}')
 
 
-if __name__ == '__main__':
+def cli_main() -> None:
+    """`vrl-study` (pyproject.toml's scripts): `python -m vrl.experiments.study` by another name."""
     cli.run(main, _define_flags, huge_pages=True)
+
+
+if __name__ == '__main__':
+    cli_main()

@@ -90,5 +90,10 @@ def main(args: cli.Args) -> None:
     print('wrote ' + ', '.join(str(f) for f in outputs.files))
 
 
-if __name__ == '__main__':
+def cli_main() -> None:
+    """`vrl-evaluate` (pyproject.toml's scripts): `python -m vrl.tools.evaluate` by another name."""
     cli.run(main, _define_flags)
+
+
+if __name__ == '__main__':
+    cli_main()

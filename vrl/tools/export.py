@@ -105,5 +105,10 @@ def main(args: cli.Args) -> None:
           + ', '.join(files))
 
 
-if __name__ == '__main__':
+def cli_main() -> None:
+    """`vrl-export` (pyproject.toml's scripts): `python -m vrl.tools.export` by another name."""
     cli.run(main, _define_flags)
+
+
+if __name__ == '__main__':
+    cli_main()

@@ -83,5 +83,10 @@ def main(args: cli.Args) -> None:
           f'({result.cache_bytes / len(prompts) / max_len:,.0f} per token per sequence)')
 
 
-if __name__ == '__main__':
+def cli_main() -> None:
+    """`vrl-generate` (pyproject.toml's scripts): `python -m vrl.tools.generate` by another name."""
     cli.run(main, _define_flags, huge_pages=True)
+
+
+if __name__ == '__main__':
+    cli_main()

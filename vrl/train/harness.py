@@ -47,14 +47,14 @@ except ImportError as e:
                       f'lm-evaluation-harness ({e}): pip install -r requirements-extra.txt') from e
 import datasets  # lm-eval's own dependency
 
-# a task's data is loaded by Hugging Face datasets, whose progress bars would land on vrl's lines
-datasets.disable_progress_bars()
-
 from vrl.core import sharding
 from vrl.core.errors import VrlError
 from vrl.data import pipeline
 from vrl.model import decode
 from vrl.train.trained import TrainedRun, load_trained
+
+# a task's data is loaded by Hugging Face datasets, whose progress bars would land on vrl's lines
+datasets.disable_progress_bars()
 
 
 class EvaluateError(VrlError, ValueError):
