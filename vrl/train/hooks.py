@@ -82,8 +82,14 @@ class Hook:
     def __call__(self, record: StepRecord) -> None:
         """Runs at a step `due` chose."""
 
+    def data_ended(self, step: int, state: TrainState) -> None:
+        """data.num_epochs passes ended after `step`, before train.steps: the run ends there."""
+
     def end(self, step: int, state: TrainState) -> None:
-        """After the last step."""
+        """After the last step, also a preemption's: what is in flight is finished."""
+
+    def finish(self, step: int, state: TrainState) -> None:
+        """After `end`, when the run trained to its last step or to the end of its data (not preempted)."""
 
 
 class Preemption:
@@ -320,6 +326,10 @@ class Checkpoints(Hook):
                                 f'checkpoint of step {self.last_saved} written'):
                 check_saves(m, wait=True)
 
+    def data_ended(self, step: int, state: TrainState) -> None:
+        if self.last_saved != step:
+            self.save(step, state, force=True)
+
     def end(self, step: int, state: TrainState) -> None:
         self.wait()
 
@@ -332,6 +342,9 @@ class Scoring(Hook):
 
     def __call__(self, record: StepRecord) -> None:
         self.evaluate(record.step, record.state)
+
+    def data_ended(self, step: int, state: TrainState) -> None:
+        self.evaluate(step, state)
 
     def evaluate(self, step: int, state: TrainState) -> None:
         if step != self.scored_at:
@@ -382,7 +395,7 @@ class Sample(Hook):
         self.config, self.group, self.members, self.graphdef, self.mesh = config, group, members, graphdef, mesh
         self.tokenizer, self.start_step = tokenizer, start_step
 
-    def end(self, step: int, state: TrainState) -> None:
+    def finish(self, step: int, state: TrainState) -> None:
         if step <= self.start_step:
             return
         config = self.config

@@ -14,7 +14,6 @@ RunGroup), each in its own workdir with its own checkpoints, metrics and evals, 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from typing import Any, Callable
@@ -210,19 +209,18 @@ def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], to
         step_hooks.append(hooks.Diagnostics(config, group, members, diagnose))
     if task_manager is not None:
         step_hooks.append(downstream.Downstream(config, trainer, group, members, tokenizer, task_manager))
-    scorings = [hook for hook in step_hooks if isinstance(hook, hooks.Scoring)]  # also at data that ends early
+    if config.train.sample_tokens:
+        step_hooks.append(hooks.Sample(config, group, members, trainer.graphdef, trainer.mesh, tokenizer, start_step))
     if config.train.steps == 0 and starts[0].origin != start.Origin.RESUMED:  # a conversion: the initial weights
         _save_initial(config, state, members, checkpoints, evaluation)
-    data_ended = functools.partial(_data_ended, config, host=host, checkpoints=checkpoints, scorings=scorings)
-    state, step, preempted = _loop(config, group, data_iterator, state, start_step, host, step_hooks, preemption,
-                                   data_ended)
+    state, step, preempted = _loop(config, group, data_iterator, state, start_step, host, step_hooks, preemption)
     if not preempted:
         host.settle()
         for hook in step_hooks:
             hook.end(step, state)
         host.check_skipped(step)
-        if config.train.sample_tokens:
-            hooks.Sample(config, group, members, trainer.graphdef, trainer.mesh, tokenizer, start_step).end(step, state)
+        for hook in step_hooks:
+            hook.finish(step, state)
         if step > start_step:
             tell_every_host(members, lambda m: f'done at step {step}: loss {m.losses[step]:.4f}; checkpoint in '
                             f'{checkpoint.step_path(m.path, checkpoints.last_saved, m.guard.epoch)}')
@@ -230,14 +228,12 @@ def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], to
 
 
 def _loop(config: Config, group: RunGroup, data_iterator: Any, state: TrainState, step: int, host: hooks.HostMetrics,
-          step_hooks: list[hooks.Hook], preemption: hooks.Preemption, data_ended: Callable[[int, TrainState], None]
-          ) -> tuple[TrainState, int, bool]:
-    """Steps until train.steps, the end of finite data (`data_ended`) or a preemption: (the state, its
-    step, preempted)."""
+          step_hooks: list[hooks.Hook], preemption: hooks.Preemption) -> tuple[TrainState, int, bool]:
+    """Steps until train.steps, the end of finite data or a preemption: (the state, its step, preempted)."""
     while step < config.train.steps:
         batch = pipeline.next_batch(data_iterator, finite=config.data.num_epochs > 0)
         if batch is None:
-            data_ended(step, state)
+            _data_ended(config, step, state, host, step_hooks)
             break
         tokens_read = batch.pop('tokens_read').max(axis=0)  # rows count up; padding rows are 0
         state, step_metrics = group.train_step(state, group.device_batch(batch))
@@ -350,15 +346,13 @@ def _save_initial(config: Config, state: TrainState, members: list[hooks.Member]
         m.writer.print(f'train.steps=0: saved the initial parameters as step 0 in {m.path}')
 
 
-def _data_ended(config: Config, step: int, state: TrainState, *, host: hooks.HostMetrics,
-                checkpoints: hooks.Checkpoints, scorings: list[hooks.Scoring]) -> None:
-    """data.num_epochs passes ended before train.steps: the last step saved and evaluated (`scorings`:
-    validation, and the downstream tasks, each unless it scored that step already), said."""
+def _data_ended(config: Config, step: int, state: TrainState, host: hooks.HostMetrics, step_hooks: list[hooks.Hook]
+                ) -> None:
+    """data.num_epochs passes ended before train.steps: each hook's `data_ended` (the last step saved,
+    then scored by validation and the downstream tasks unless they scored it already), said."""
     host.settle()
-    if checkpoints.last_saved != step:
-        checkpoints.save(step, state, force=True)
-    for scoring in scorings:
-        scoring.evaluate(step, state)
+    for hook in step_hooks:
+        hook.data_ended(step, state)
     for m in host.members:
         m.writer.print(f'the data ended after step {step}: data.num_epochs={config.data.num_epochs} passes over '
                        f'it are done, before train.steps={config.train.steps}; step {step} is saved and '
