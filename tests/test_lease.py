@@ -1,4 +1,4 @@
-"""The workdir's lease on a bucket (vrl/train/workdir.py's Lease) against the GCS emulator on
+"""The workdir's lease on a bucket (vrl/train/lease.py) against the GCS emulator on
 127.0.0.1: one writer at a time, proven by object generations, whatever the clocks say."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import pytest
 
 from tests.gcs_emulator import bucket_fs
 from vrl.core import storage
+from vrl.train import lease as lease_lib
 from vrl.train import workdir as workdir_lib
 
 STALE = 1.0  # seconds: the tests' lease goes stale fast (a run's is at least MIN_LEASE_STALE_SECONDS)
 
 
-def _lease(name: str, **kwargs) -> workdir_lib.Lease:
-    return workdir_lib.Lease(storage.path(f'gs://vrl/leases/{name}'), stale_after=STALE, say=lambda line: None,
+def _lease(name: str, **kwargs) -> lease_lib.Lease:
+    return lease_lib.Lease(storage.path(f'gs://vrl/leases/{name}'), stale_after=STALE, say=lambda line: None,
                              **kwargs)
 
 
@@ -28,14 +29,14 @@ def _dead_holder(name: str, written: str = '2026-11-25 10:00:00') -> None:
     bucket_fs().pipe_file(f'vrl/leases/{name}/.lock', json.dumps(record).encode())
 
 
-def _race(name: str, takers: int, **kwargs) -> tuple[list[workdir_lib.Lease], list[str]]:
+def _race(name: str, takers: int, **kwargs) -> tuple[list[lease_lib.Lease], list[str]]:
     """`takers` leases acquired at once: (the winners, the losers' errors)."""
     leases = [_lease(name, **kwargs) for _ in range(takers)]
     for i, lease in enumerate(leases):  # as from several hosts: each names itself apart
         lease.holder = f'{lease.holder}, taker {i}'
     start = threading.Barrier(takers)
 
-    def take(lease: workdir_lib.Lease) -> str:
+    def take(lease: lease_lib.Lease) -> str:
         start.wait()
         try:
             lease.acquire()
@@ -87,7 +88,7 @@ def test_of_runs_racing_for_a_free_workdir_exactly_one_wins(gcs):
     winners[0].release()
     assert json.loads(bucket_fs().cat('vrl/leases/free/.lock'))['released']
     said = []
-    again = workdir_lib.Lease(storage.path('gs://vrl/leases/free'), stale_after=STALE, say=said.append,
+    again = lease_lib.Lease(storage.path('gs://vrl/leases/free'), stale_after=STALE, say=said.append,
                               clock=lambda: 0.0)  # a clock that never moves: any wait would never end
     assert again.acquire() == '' and said == []  # a released lease is taken at once, without a wait
     again.release()
@@ -139,7 +140,7 @@ def test_a_holder_that_froze_past_the_stale_time_stops_before_its_next_write(gcs
     assert taker.acquire().startswith('took over the lease of workdir gs://vrl/leases/frozen from host ')
     holder.confirm()  # its last renewal is recent on its clock: it asks nothing yet
     now[0] += 0.6 * STALE
-    with pytest.raises(workdir_lib.LeaseLostError, match='was taken over by host .*another run may be writing'):
+    with pytest.raises(lease_lib.LeaseLostError, match='was taken over by host .*another run may be writing'):
         holder.confirm()
     assert json.loads(bucket_fs().cat('vrl/leases/frozen/.lock'))['token'] == taker.token  # untouched by holder
     holder.release()  # writes nothing: it is not the holder
@@ -151,7 +152,7 @@ def test_a_holder_that_froze_past_the_stale_time_stops_before_its_next_write(gcs
 def test_a_takeover_waits_for_the_stale_time_and_says_so(gcs):
     _dead_holder('said')
     said = []
-    taker = workdir_lib.Lease(storage.path('gs://vrl/leases/said'), stale_after=2.0, say=said.append)
+    taker = lease_lib.Lease(storage.path('gs://vrl/leases/said'), stale_after=2.0, say=said.append)
     started = time.monotonic()
     taker.acquire()
     assert time.monotonic() - started >= 2.0
@@ -189,7 +190,7 @@ def test_the_lease_is_renewed_every_quarter_of_its_stale_time_or_every_store_tim
     for stale, timeout, want in ((MIN_LEASE_STALE_SECONDS, None, 2), (300, None, 60), (300, '5', 5)):
         if timeout:
             monkeypatch.setenv('VRL_STORE_TIMEOUT_S', timeout)
-        lease = workdir_lib.Lease(storage.path('gs://vrl/leases/interval'), stale_after=stale)
+        lease = lease_lib.Lease(storage.path('gs://vrl/leases/interval'), stale_after=stale)
         lease._stop = Waits()
         lease._renew_every()
         assert lease._stop.asked == [want], (stale, timeout)
@@ -219,11 +220,11 @@ def test_a_holder_suspended_past_its_lease_finds_it_lost_before_writing(gcs):
     taker.acquire()  # another run, on a live machine, took the workdir over meanwhile
     holder.confirm()  # to the holder no time has passed: nothing is asked, and it could write
     now[0] += 3 * STALE  # it wakes: its clock counted the suspension
-    with pytest.raises(workdir_lib.LeaseLostError, match=f'was taken over by {taker.holder}'):
+    with pytest.raises(lease_lib.LeaseLostError, match=f'was taken over by {taker.holder}'):
         holder.confirm()
     assert json.loads(bucket_fs().cat('vrl/leases/suspended/.lock'))['token'] == taker.token
     taker.release()
-    assert workdir_lib.elapsed_seconds() >= time.monotonic() - 1  # the boot-time clock runs at least as far
+    assert lease_lib.elapsed_seconds() >= time.monotonic() - 1  # the boot-time clock runs at least as far
 
 
 def test_each_taking_is_a_new_epoch_and_a_lost_holder_commits_nothing(gcs):
@@ -242,12 +243,12 @@ def test_each_taking_is_a_new_epoch_and_a_lost_holder_commits_nothing(gcs):
     taker.acquire()
     assert (taker.epoch, taker.committed, taker.logged) == (2, {4: 1}, {1: 12})
     record = fs.cat('vrl/leases/fenced/.lock')
-    with pytest.raises(workdir_lib.LeaseLostError, match=f'was taken over by {taker.holder}'):
+    with pytest.raises(lease_lib.LeaseLostError, match=f'was taken over by {taker.holder}'):
         holder.commit(step=8)
-    with pytest.raises(workdir_lib.LeaseLostError):
+    with pytest.raises(lease_lib.LeaseLostError):
         holder.commit(logged_bytes=24)
     assert fs.cat('vrl/leases/fenced/.lock') == record
-    fence = workdir_lib.read_fence(storage.path('gs://vrl/leases/fenced'))
+    fence = lease_lib.read_fence(storage.path('gs://vrl/leases/fenced'))
     assert (fence.epoch, fence.committed, fence.logged) == (2, {4: 1}, {1: 12})
     assert stored.read_metrics(storage.path('gs://vrl/leases/fenced')) == [{'step': 1}]  # not the uncommitted line
     taker.release()

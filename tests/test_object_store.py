@@ -91,10 +91,10 @@ def test_a_second_writer_is_refused_and_a_stale_lease_taken_over(gcs, bucket_con
     over once unchanged for train.lease_stale_seconds (said while waiting), or at once with
     --take_over_lease; a finished run leaves its lease released."""
     from vrl.core import storage
-    from vrl.train import workdir as workdir_lib
+    from vrl.train import lease as lease_lib
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=0,
                                                                         eval_batches=1))
-    live = workdir_lib.Lease(storage.path('gs://vrl/held'), stale_after=config.train.lease_stale_seconds)
+    live = lease_lib.Lease(storage.path('gs://vrl/held'), stale_after=config.train.lease_stale_seconds)
     live.holder = 'host pod-w-0, pid 77, since 2026-11-25 10:00:00'
     live.acquire()
     refused = _run(config, 'gs://vrl/held', gcs, tmp_path / 'host')

@@ -18,7 +18,7 @@ from tests.runs import ROOT, cli_args, host_xla_flags, not_for_users, tiny_confi
 from tests.slow_store import Fault, SlowStore
 from vrl.core import storage
 from vrl.core.config import Config
-from vrl.train import workdir as workdir_lib
+from vrl.train import lease as lease_lib
 from vrl.train.trackers import stored
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
@@ -110,7 +110,7 @@ def test_a_two_host_pod_lives_in_the_bucket_and_resumes_after_both_hosts_die(gcs
     # a live holder's lease (the test's own, taken from the dead pod at once): another pod is refused
     # by both hosts, before writing; released, the next pod takes it at once and resumes
     objects = set(bucket_fs().find('vrl/pod_killed'))
-    live = workdir_lib.Lease(storage.path('gs://vrl/pod_killed'), stale_after=config.train.lease_stale_seconds,
+    live = lease_lib.Lease(storage.path('gs://vrl/pod_killed'), stale_after=config.train.lease_stale_seconds,
                              take_over=True)
     assert live.acquire().startswith('took over the lease of workdir gs://vrl/pod_killed from host ')
     refused = _finish(_pod(config, 'gs://vrl/pod_killed', gcs, [tmp_path / 'c0', tmp_path / 'c1']))

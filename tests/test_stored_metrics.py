@@ -10,7 +10,7 @@ import numpy as np
 from tests.gcs_emulator import bucket_fs, clients_through
 from tests.helpers import tensorboard_scalars
 from vrl.core import storage
-from vrl.train import workdir as workdir_lib
+from vrl.train import lease as lease_lib
 from vrl.train.trackers import stored
 from vrl.train.trackers.composite import Trackers
 
@@ -40,7 +40,7 @@ def test_each_logged_byte_goes_up_once_and_a_resume_continues_the_series(gcs, tm
     workdir = storage.path('gs://vrl/logged/run')
     rng = np.random.default_rng(0)
     with SlowStore(gcs, latency_s=0.0) as store, clients_through(store.url):
-        lease = workdir_lib.Lease(workdir, stale_after=60.0, say=lambda line: None)
+        lease = lease_lib.Lease(workdir, stale_after=60.0, say=lambda line: None)
         lease.acquire()
         _log(workdir, lease, range(1, 41), 0, rng)
         lease.release()
@@ -49,7 +49,7 @@ def test_each_logged_byte_goes_up_once_and_a_resume_continues_the_series(gcs, tm
     assert logged > 100_000 and len(store.request_lines) >= 3 * 40  # each flush: metrics, events, lease
     assert store.bytes_received < logged + REQUEST_OVERHEAD * len(store.request_lines)  # O(n): no byte twice
 
-    lease = workdir_lib.Lease(workdir, stale_after=8.0, say=lambda line: None)  # the resumed run's: epoch 2
+    lease = lease_lib.Lease(workdir, stale_after=8.0, say=lambda line: None)  # the resumed run's: epoch 2
     lease.acquire()
     _log(workdir, lease, range(21, 31), 20, rng)  # resumed from a checkpoint of step 20
     assert bucket_fs().cat('vrl/logged/run/metrics.e1.jsonl') == first
@@ -71,7 +71,7 @@ def test_records_reach_the_store_at_most_flush_seconds_after_they_are_written(gc
     upload (in the background), not with every record."""
     from vrl.train.trackers import composite
     workdir = storage.path('gs://vrl/flushed/run')
-    lease = workdir_lib.Lease(workdir, stale_after=60.0, say=lambda line: None)
+    lease = lease_lib.Lease(workdir, stale_after=60.0, say=lambda line: None)
     lease.acquire()
     writer = Trackers.open(workdir, 10, 0, True, '', lease)
     record = {'lr': 1e-3, 'grad_norm': 1.0, 'tokens_per_sec': 1e4, 'step_time': 0.1, 'mfu': 0.3}

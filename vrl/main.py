@@ -159,11 +159,11 @@ def main(args: cli.Args) -> None:
     multihost.initialize(args)
     cli.require(args, 'workdir')
     from vrl.train import checkpoint, loop  # here, so that --summary needs no data stack
-    from vrl.train import workdir as workdir_lib
+    from vrl.train.lease import LeaseLostError
     try:
         loop.run(config, args['workdir'].value, fresh=args['fresh'].value, init_from=args['init_from'].value,
                   branch_from=args['branch_from'].value, take_over_lease=args['take_over_lease'].value)
-    except (checkpoint.SaveError, workdir_lib.LeaseLostError) as e:
+    except (checkpoint.SaveError, LeaseLostError) as e:
         # a failed save's writer threads can still print asyncio noise while Python shuts down, and a
         # save in flight when the lease was lost must write no more: end the process here
         say = functools.partial(print, f'error: {e}', file=sys.stderr, flush=True)

@@ -25,7 +25,7 @@ ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/
 HAND_VJP_OPS = ('project', 'attention', 'swiglu', 'cross_entropy')  # vrl/model/ops.py's hand-written backwards
 COMPUTE_DTYPES = ('auto', 'float32', 'bfloat16')  # auto: vrl/model/resolve.py
 NAN_POLICIES = ('error', 'skip')
-MIN_LEASE_STALE_SECONDS = 8  # vrl/train/workdir.py's Lease renews every quarter of it
+MIN_LEASE_STALE_SECONDS = 8  # vrl/train/lease.py's Lease renews every quarter of it
 OPTIMIZERS = ('adamw', 'muon')  # vrl/train/optimizer.py
 SCHEDULES = ('cosine', 'wsd')
 DECAY_SHAPES = ('linear', 'sqrt')  # wsd's decay: linear, or 1 - sqrt
@@ -433,7 +433,7 @@ class TrainConfig:
     sample_prompt: str = ''
     sample_tokens: int = 48
     peak_flops: float = 0.0  # per device, for MFU; 0 = device table, or a matmul probe on CPU
-    # a workdir on an object store: a writer's lease not renewed for this long is taken over (vrl/train/workdir.py);
+    # a workdir on an object store: a writer's lease not renewed for this long is taken over (vrl/train/lease.py);
     # at least MIN_LEASE_STALE_SECONDS, as it is renewed every quarter of it and GCS takes one write a second per object
     lease_stale_seconds: int = 300
     # per-layer attention diagnostics (vrl/train/diagnostics.py) on the first diagnostics_sequences full validation

@@ -27,6 +27,7 @@ from vrl.core.errors import VrlError
 from vrl.experiments import analyze
 from vrl.model import accounting
 from vrl.train import checkpoint, loop
+from vrl.train import guard as guard_lib
 from vrl.train import workdir as workdir_lib
 from vrl.train.trackers import stored
 
@@ -83,21 +84,21 @@ class GridDirectory:
 
     def __init__(self, path: epath.Path, record: str, kind: str):
         self.path, self.record, self.kind = path, path / record, kind
-        self._lock: workdir_lib.Lock | workdir_lib.Lease | None = None
+        self._guard: guard_lib.Guard | None = None
 
     def open(self, base: Config) -> None:
         self.check_same_base(base)
-        self._lock = workdir_lib.make_guard(self.path, self.kind, base.train.lease_stale_seconds)
+        self._guard = guard_lib.make(self.path, self.kind, base.train.lease_stale_seconds)
 
-        def take() -> None:
-            workdir_lib.take(self._lock)
+        def hold() -> None:
+            guard_lib.hold(self._guard)
             self.check_same_base(base)  # a writer that finished just before us may have written it
             self.write_text(self.record.name, json.dumps({'base_config': dataclasses.asdict(base)}, indent=2))
-        multihost.on_process_0(take)
+        multihost.on_process_0(hold)
 
     def close(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
+        if self._guard is not None:
+            self._guard.release()
 
     def check_same_base(self, base: Config) -> None:
         if not self.record.exists():

@@ -5,7 +5,7 @@ complete, so a process killed mid-save leaves the previous step restorable. The 
 iterator state is one JSON file per process (grain's handler). `meta` (JSON) holds the
 model config the step was trained with and a fingerprint of every array of the state.
 
-On an object store, where a run's lease fences it (vrl/train/workdir.py's Lease), each step is
+On an object store, where a run's lease fences it (vrl/train/lease.py), each step is
 written to `checkpoints/STEP.eEPOCH` (the lease's epoch) and is readable only once the lease record
 commits it (`_FencedSteps`), which Orbax asks for after the step's files and before its own commit
 marker; a step must have both. A run that lost its lease can still finish writing its own folders,
@@ -40,7 +40,8 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as preserva
 from vrl.core import multihost, storage
 from vrl.core.config import EXECUTION_FIELDS, Config, ModelConfig
 from vrl.core.errors import CheckpointError, VrlError
-from vrl.train import orbax_noise
+from vrl.train import guard as guard_lib
+from vrl.train import lease, orbax_noise
 from vrl.train import workdir as workdir_lib
 
 
@@ -60,7 +61,7 @@ class NoCheckpointError(CheckpointError, FileNotFoundError):
     """There is no checkpoint where one was asked for; the message says where vrl looked."""
 
 
-def make_manager(workdir: str, config: Config, guard: workdir_lib.Lock | workdir_lib.Lease) -> ocp.CheckpointManager:
+def make_manager(workdir: str, config: Config, guard: guard_lib.Guard) -> ocp.CheckpointManager:
     """The run's checkpoints, of which Orbax keeps the newest (whatever made it), the newest
     train.keep_checkpoints of the permanent steps (`permanent`), and every train.keep_period-th;
     process 0 commits each step with `guard` once its files are written."""
@@ -128,7 +129,7 @@ def readable_steps(folder: epath.Path) -> dict[int, step_lib.Metadata]:
         return {s: step_lib.Metadata(step=s, path=folder / str(s)) for s in steps}
     names = workdir_lib.steps_in(folder)
     wanted = {s[0]: str(s[0]) for s in map(step_of, names) if s is not None and s[1] == 0}
-    wanted |= {s: workdir_lib.step_name(s, e) for s, e in workdir_lib.read_fence(folder.parent).committed.items()
+    wanted |= {s: workdir_lib.step_name(s, e) for s, e in lease.read_fence(folder.parent).committed.items()
                if workdir_lib.step_name(s, e) in names}
     return {s: step_lib.Metadata(step=s, path=folder / name) for s, name in sorted(wanted.items())
             if (folder / name / COMMITTED).exists()}

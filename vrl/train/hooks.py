@@ -27,7 +27,7 @@ from vrl.core.config import Config
 from vrl.data import pipeline
 from vrl.model import decode
 from vrl.train import checkpoint
-from vrl.train import workdir as workdir_lib
+from vrl.train import guard as guard_lib
 from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState
 from vrl.train.trackers.composite import Trackers
@@ -39,7 +39,7 @@ class Member:
     """One run of a group, host side: its workdir and the guard that keeps it (process 0's),
     checkpoints, metrics writer, NaN count and losses."""
 
-    def __init__(self, config: Config, path: epath.Path, guard: workdir_lib.Lock | workdir_lib.Lease, label: str,
+    def __init__(self, config: Config, path: epath.Path, guard: guard_lib.Guard, label: str,
                  is_writer: bool):
         self.config, self.path, self.guard, self.label = config, path, guard, label
         self.manager = checkpoint.make_manager(str(path), config, guard)
@@ -217,7 +217,7 @@ def _check_finite(m: Member, step: int, finite: bool) -> None:
     logging.warning('%sstep %d: non-finite loss, gradients or weights; update skipped', m.label, step)
 
 
-def confirm(guards: list[workdir_lib.Lock | workdir_lib.Lease]) -> None:
+def confirm(guards: list[guard_lib.Guard]) -> None:
     """Every process stops (LeaseLostError, one line) unless process 0 surely still holds each workdir."""
     multihost.on_process_0(lambda: [guard.confirm() for guard in guards])
 

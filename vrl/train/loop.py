@@ -4,7 +4,7 @@ lease; a sample at the end).
 
 SIGTERM (what Cloud TPU sends before preemption, seen at every step on every host) and a first
 Ctrl-C finish the current step, save, wait for the save to be durable and return normally (a
-second Ctrl-C aborts). Process 0 holds the workdir's lock for the whole run (vrl/train/workdir.py);
+second Ctrl-C aborts). Process 0 holds the workdir's guard for the whole run (vrl/train/guard.py);
 where a run starts from is vrl/train/start.py's decision.
 
 `run_group` trains runs that differ only in seed with one step over a run axis (vrl/train/step.py's
@@ -27,6 +27,7 @@ from vrl.core.config import Config
 from vrl.data import pipeline
 from vrl.model import accounting, resolve
 from vrl.train import aot, checkpoint, diagnostics, downstream, hooks, metrics, optimizer, start
+from vrl.train import guard as guard_lib
 from vrl.train import workdir as workdir_lib
 from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState, TrainSteps
@@ -113,22 +114,22 @@ def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, i
     if len({group_key(c) for c in configs}) > 1:
         raise TrainingError('runs trained together must differ only in train.seed; train the others apart.')
     paths = [storage.path(w) for w in workdirs]  # local ones absolute, as Orbax needs
-    locks = [workdir_lib.make_guard(path, 'run', c.train.lease_stale_seconds, take_over_lease)
+    guards = [guard_lib.make(path, 'run', c.train.lease_stale_seconds, take_over_lease)
              for path, c in zip(paths, configs)]
     preemption = hooks.Preemption()  # from here on, a signal during setup or the first compile saves too
     # another process's failure ends this one from a watcher thread: the lease goes with it
-    forget = peers.on_stop(lambda: [workdir_lib.let_go(lock) for lock in locks])
+    forget = peers.on_stop(lambda: [guard_lib.release(guard) for guard in guards])
     try:  # process 0 writes the runs' shared files; every process stops if it cannot
-        multihost.on_process_0(lambda: [workdir_lib.take(lock) for lock in locks])
-        return _run(configs, paths, locks, request, preemption)
+        multihost.on_process_0(lambda: [guard_lib.hold(guard) for guard in guards])
+        return _run(configs, paths, guards, request, preemption)
     finally:
         forget()
         preemption.restore()
-        for lock in locks:
-            workdir_lib.let_go(lock)
+        for guard in guards:
+            guard_lib.release(guard)
 
 
-def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_lib.Lock | workdir_lib.Lease],
+def _run(configs: list[Config], paths: list[epath.Path], guards: list[guard_lib.Guard],
          request: start.Request, preemption: hooks.Preemption) -> list[RunResult]:
     """The runs' data, compiled step, workdirs and members, then `_train`; whatever ends it, the saves
     in flight are waited for (unless another run took a workdir) and everything is closed."""
@@ -141,7 +142,7 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
     # the data before anything compiles (auto-fit compiles for minutes): a new run's copy of an hf:
     # tokenizer is made in the workdir further down, so its source stands in for it here
     copied_later = tokenizer_source is not None and (
-        request.fresh or not workdir_lib.kept_tokenizer(paths[0], tokenizer_source))
+        request.fresh or not workdir_lib.trained_tokenizer(paths[0], tokenizer_source))
     data_cfg = dataclasses.replace(config.data, tokenizer=str(tokenizer_source)) if copied_later else config.data
     pipeline.build_built_ins(data_cfg)
     tokenizer = multihost.process_0_first(lambda: pipeline.tokenizer_for_run(data_cfg, config.model.vocab_size))
@@ -161,7 +162,7 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[workdir_li
         for path, label, member_config in zip(paths, labels, member_configs):
             say(label + workdir_lib.start_over(path, member_config, checkpoint.latest_step(path)))
     if tokenizer_source and is_writer:
-        say(workdir_lib.keep_tokenizer(paths[0], tokenizer_source, tokenizer_line))
+        say(workdir_lib.copy_tokenizer(paths[0], tokenizer_source, tokenizer_line))
     multihost.sync('vrl workdir ready')
     for guard, epoch in zip(guards, multihost.summed(np.array([g.epoch if is_writer else 0 for g in guards]))):
         guard.epoch = int(epoch)  # process 0 took the guards: every process names its saves by their epochs

@@ -16,7 +16,7 @@ from etils import epath
 
 from vrl.core import storage
 from vrl.core.config import Config
-from vrl.train import workdir as workdir_lib
+from vrl.train import guard as guard_lib
 from vrl.train.trackers.jsonl import JsonlTracker
 from vrl.train.trackers.stored import StoredLog
 from vrl.train.trackers.tensorboard import TensorBoardTracker
@@ -34,7 +34,7 @@ class Trackers:
 
     @classmethod
     def open(cls, workdir: str | epath.Path, total_steps: int, start_step: int, enabled: bool, label: str,
-             guard: workdir_lib.Lock | workdir_lib.Lease, wandb: tuple[Config, dict[str, Any]] | None = None,
+             guard: guard_lib.Guard, wandb: tuple[Config, dict[str, Any]] | None = None,
              print_every: int = 0) -> 'Trackers':
         """The run's trackers in `workdir` (none unless `enabled`: process 0); `label` starts every
         terminal line; `guard` (the workdir's Lock or Lease) is confirmed before each upload to an

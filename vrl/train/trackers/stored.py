@@ -22,12 +22,13 @@ from etils import epath
 
 from vrl.core import storage
 from vrl.core.errors import VrlError
-from vrl.train import workdir as workdir_lib
+from vrl.train import guard as guard_lib
+from vrl.train import lease
 from vrl.train.workdir import metrics_file
 
 
 class StoredLog:
-    def __init__(self, workdir: epath.Path, guard: workdir_lib.Lock | workdir_lib.Lease):
+    def __init__(self, workdir: epath.Path, guard: guard_lib.Guard):
         self.workdir, self.local, self._guard = workdir, storage.scratch(workdir), guard
         (self.local / 'metrics.jsonl').unlink(missing_ok=True)  # an earlier run's are on the store already
         (self.local / 'tensorboard').rmtree(missing_ok=True)
@@ -92,7 +93,7 @@ def read_metrics(workdir: epath.Path) -> list[dict]:
     before fencing); in a folder without a lease (a run moved aside by --fresh), each file whole."""
     files: list[tuple[str, int | None]] = [('metrics.jsonl', None)]
     if storage.is_remote(workdir) and (workdir / '.lock').exists():
-        files += [(metrics_file(epoch), size) for epoch, size in sorted(workdir_lib.read_fence(workdir).logged.items())]
+        files += [(metrics_file(epoch), size) for epoch, size in sorted(lease.read_fence(workdir).logged.items())]
     elif storage.is_remote(workdir):
         before, after = metrics_file('*').split('*')
         epochs = sorted(int(p.name[len(before):-len(after)]) for p in workdir.glob(metrics_file('*')))

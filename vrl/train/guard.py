@@ -1,0 +1,100 @@
+"""One writer per workdir: its guard, taken by process 0 of a run (all processes of one run share
+the workdir). A local workdir: `Lock`, an exclusive `flock` on `WORKDIR/.lock`, which the kernel
+drops when the holder dies (kill -9, a lost VM), so a stale lock never blocks. A workdir on an
+object store, where nothing can be locked: a `Lease` (vrl/train/lease.py). Either names the holder
+in the refusal; `confirm()` before each write stops a holder that lost it.
+
+- `make(workdir)`: the guard for a workdir;
+- `hold(guard)` and `release(guard)`: taken (the workdir created and proven writable first) and
+  given back (a workdir it created that holds nothing else removed).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+from etils import epath
+
+from vrl.core import storage
+from vrl.train.lease import Lease, holder_line
+from vrl.train.workdir import WorkdirError
+
+
+class Lock:
+    """A local workdir's: held from `acquire` until `release` or the process's death."""
+
+    def __init__(self, workdir: epath.Path, holder_kind: str = 'run'):
+        self.path = workdir / '.lock'
+        self.holder_kind = holder_kind  # what holds it, for the refusal: 'run', 'comparison', 'study'
+        self.lost = ''  # a flock is never lost while its holder lives
+        self.created = False  # whether `hold` made the workdir
+        self.epoch = 0  # a flock is its own fence: step folders keep Orbax's plain names
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 4096).decode(errors='replace').strip() or 'a process that is starting'
+            os.close(fd)
+            raise WorkdirError(f'workdir {self.path.parent} is in use by another {self.holder_kind} ({holder}); '
+                               'stop it or choose another --workdir.') from None
+        os.ftruncate(fd, 0)
+        os.write(fd, holder_line().encode())
+        os.fsync(fd)
+        self._fd = fd
+
+    def confirm(self) -> None:
+        """The kernel holds a flock for its holder's life: nothing to check before a write."""
+
+    def commit(self, step: int | None = None, logged_bytes: int | None = None) -> None:
+        """Nothing to record: only a live holder writes, and Orbax's rename commits a step."""
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+Guard = Lock | Lease
+
+
+def hold(guard: Guard) -> None:
+    """Creates the guard's workdir and proves it writable (StorageError in one line naming the path
+    and what to do, before anything is compiled or written), then takes the guard; a stale lease taken
+    over is said on stdout."""
+    workdir = guard.path.parent
+    existed = storage.is_remote(workdir) or workdir.exists()  # a bucket has no folders: empty is new
+    storage.check_writable(workdir, '--workdir')
+    created = not existed or (storage.is_remote(workdir) and not storage.files(workdir))
+    if taken_over := guard.acquire():
+        print(taken_over, flush=True)
+    guard.created = created
+
+
+def release(guard: Guard) -> None:
+    """Releases the guard; a workdir that `hold` created and that holds nothing else is removed (a
+    run refused before it wrote anything leaves no trace)."""
+    guard.release()
+    workdir = guard.path.parent
+    if guard.created and set(storage.files(workdir)) <= {guard.path.name}:
+        storage.delete(guard.path)
+        if not storage.is_remote(workdir):
+            workdir.rmdir()
+        guard.created = False
+
+
+def make(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0, take_over: bool = False
+         ) -> Guard:
+    """The guard that keeps a second writer out of `workdir`: a flock locally, a lease on an object
+    store (`take_over`: at once, from a holder known to be gone)."""
+    if storage.is_remote(workdir) and not str(workdir).startswith(('gs://', 'gcs://')):
+        raise WorkdirError(f'{workdir}: a workdir on an object store is kept by a lease on GCS object generations, '
+                           'which this store does not have; use a gs:// or a local path.')
+    if storage.is_remote(workdir):
+        return Lease(workdir, holder_kind, stale_after, take_over)
+    return Lock(workdir, holder_kind)
