@@ -33,18 +33,15 @@ import dataclasses
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import re
 import tempfile
 import time
-from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Iterable, TypeVar
 
 import jax
 import numpy as np
 import tensorflow_datasets as tfds
-import tqdm
 from array_record.python import array_record_module
 from etils import epath
 from tensorflow_datasets.core import dataset_info, naming
@@ -52,16 +49,25 @@ from tensorflow_datasets.core import splits as tfds_splits
 
 from vrl.core import multihost, storage
 from vrl.data import shards, sources
+from vrl.data.layout import (
+    BUILD,
+    DOMAINS,
+    INPUTS,
+    PLAN,
+    TEMPLATE,
+    UNITS,
+    VERSION,
+    checked_data_dir,
+    default_data_dir,
+    fingerprint_of,
+)
+from vrl.data.pool import in_pool
 from vrl.data.shards import Encoder
 from vrl.data.sources import CorpusSpec, DataError, SkipCounter
 
 tfds.disable_progress_bar()
 
 FEATURES = tfds.features.FeaturesDict({'text': tfds.features.Text()})
-VERSION = '1.0.0'
-TEMPLATE = '{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}'
-BUILD, PLAN, UNITS = 'vrl_build', 'plan.json', 'units'  # NAME/vrl_build/: a build's state until it is done
-INPUTS, DOMAINS = 'vrl_inputs.json', 'vrl_domains.json'  # what a dataset / a build by domain was made from
 PARALLEL_BYTES = 64 << 20  # inputs smaller than this are built in one process unless `workers` says otherwise
 # A file's documents go to one shard per this much of it: array_record's writer holds 64 bytes a record
 # until it closes, so a shard's size bounds a build's memory (a 10M-document file is several shards).
@@ -70,27 +76,6 @@ SHARD_COMPRESSED_BYTES = 16 << 20  # of a .zst or .gz file (text compresses abou
 SHARD_ROWS = 1 << 20  # of a parquet file
 _NAME = re.compile(r'^[a-z][a-z0-9_]*$')
 T = TypeVar('T')
-
-
-def default_data_dir() -> str:
-    return os.environ.get('VRL_DATA_DIR', str(Path.home() / '.cache' / 'vrl' / 'tensorflow_datasets'))
-
-
-def checked_data_dir(data_dir: str) -> str:
-    """`data_dir`, or the default for ''; DataError for a local file or a missing bucket."""
-    data_dir = data_dir or default_data_dir()
-    if storage.is_remote(data_dir):
-        storage.exists(storage.path(data_dir), 'data_dir')  # a missing bucket or store: one line
-        return data_dir
-    if Path(data_dir).exists() and not Path(data_dir).is_dir():
-        raise DataError(f'data_dir {data_dir!r} is a file, not a folder: point data.data_dir (or --data_dir) '
-                        'at the folder that holds the prepared datasets.')
-    return data_dir
-
-
-def fingerprint_of(inputs_record: bytes) -> str:
-    """What a prepared dataset holds, in 16 hex digits: the SHA-256 of its vrl_inputs.json."""
-    return hashlib.sha256(inputs_record).hexdigest()[:16]
 
 
 def _hash(unit: str) -> int:
@@ -282,35 +267,6 @@ def _build_dir(data_dir: str, name: str) -> epath.Path:
     """Where a build keeps its plan and its units' records until it is done (beside the versions of
     dataset `name`, which it does not list: not a version's name)."""
     return storage.path(data_dir) / name / BUILD
-
-
-def in_pool(fn: Callable[[tuple], T], tasks: list[tuple], workers: int, desc: str,
-            sizes: list[int] | None = None) -> Iterator[T]:
-    """fn(task) for each task, as each is done, on `workers` spawned processes (each on one core: the
-    processes are the parallelism), or in this process for one; a terminal shows a bar (of `sizes`,
-    bytes, when given). What a task raises stops the rest and is raised here."""
-    workers = max(1, min(workers, len(tasks)))
-    total = sum(sizes) if sizes else len(tasks)
-    with tqdm.tqdm(total=total, unit='B' if sizes else 'task', unit_scale=bool(sizes), desc=desc,
-                   disable=None, mininterval=1.0) as bar:
-        if workers == 1:
-            for k, task in enumerate(tasks):
-                yield fn(task)
-                bar.update(sizes[k] if sizes else 1)
-            return
-        with multiprocessing.get_context('spawn').Pool(workers, initializer=_one_thread) as pool:
-            for k, result in pool.imap_unordered(_indexed, [(fn, k, task) for k, task in enumerate(tasks)]):
-                yield result
-                bar.update(sizes[k] if sizes else 1)
-
-
-def _indexed(job: tuple) -> tuple:
-    fn, k, task = job
-    return k, fn(task)
-
-
-def _one_thread() -> None:
-    os.environ['TOKENIZERS_PARALLELISM'] = 'false'
 
 
 def _plan(spec: CorpusSpec, sizes: list[int], units: list[_Unit], tokenizer: Encoder | None) -> dict:

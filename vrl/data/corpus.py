@@ -22,7 +22,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 from vrl.core import storage
-from vrl.data import build
+from vrl.data import build, layout
 from vrl.data.sources import CorpusSpec, DataError
 
 SHAKESPEARE = 'shakespeare'
@@ -86,7 +86,7 @@ _BUILT_IN = {SHAKESPEARE: lambda: contextlib.nullcontext(shakespeare_spec()), KJ
 
 def open_split(name: str, data_dir: str, split: str):
     """A random-access source over one split (`tfds.data_source`); builds a built-in corpus on first use."""
-    data_dir = build.checked_data_dir(data_dir)
+    data_dir = layout.checked_data_dir(data_dir)
     _build_if_built_in(name, data_dir)
     try:
         local = _mirror(data_dir, name, split) if storage.is_remote(data_dir) else data_dir
@@ -102,7 +102,7 @@ def _build_if_built_in(name: str, data_dir: str) -> None:
     """Builds built-in corpus `name` in data_dir unless it is there. The build is a collective: on a
     job of several processes each builds its share of the files, so every process must get here
     (inside `multihost.on_process_0` it stops with AloneError rather than build a part)."""
-    if name in _BUILT_IN and not (storage.path(data_dir) / name / build.VERSION / build.INPUTS).exists():
+    if name in _BUILT_IN and not (storage.path(data_dir) / name / layout.VERSION / layout.INPUTS).exists():
         logging.info('building the built-in %r corpus in %s (once)', name, data_dir)
         with _BUILT_IN[name]() as spec:
             build.prepare(spec, name, data_dir)
@@ -111,7 +111,7 @@ def _build_if_built_in(name: str, data_dir: str) -> None:
 def build_built_in(name: str, data_dir: str) -> None:
     """Built-in corpus `name` made in data_dir if it is one and not made yet (nothing otherwise): run
     by every process of a job, before anything that only process 0 runs reads it."""
-    _build_if_built_in(name, build.checked_data_dir(data_dir))
+    _build_if_built_in(name, layout.checked_data_dir(data_dir))
 
 
 def _missing(name: str, data_dir: str, why: str) -> DataError:
@@ -124,7 +124,7 @@ def _missing(name: str, data_dir: str, why: str) -> DataError:
 def dataset_path(name: str, data_dir: str) -> epath.Path:
     """The folder of dataset `name`'s newest version in data_dir (local or remote), built first
     if it is a built-in corpus not made yet; DataError when there is none. A listing, no copy."""
-    data_dir = build.checked_data_dir(data_dir)
+    data_dir = layout.checked_data_dir(data_dir)
     _build_if_built_in(name, data_dir)
     root = storage.path(data_dir) / name
     try:
@@ -153,9 +153,9 @@ def fingerprint(name: str, data_dir: str) -> str:
     files' contents and split settings) when `prepare` made it, else of its dataset_info.json (a
     TFDS catalog dataset: its version, splits and sizes). One small read."""
     version = dataset_path(name, data_dir)
-    record = version / build.INPUTS
+    record = version / layout.INPUTS
     data = record.read_bytes() if record.exists() else (version / 'dataset_info.json').read_bytes()
-    return build.fingerprint_of(data)
+    return layout.fingerprint_of(data)
 
 
 def split_info(name: str, data_dir: str, split: str) -> SplitInfo:

@@ -32,7 +32,7 @@ from absl import flags
 
 from vrl.core import multihost, storage
 from vrl.core.config import ConfigError, DataConfig
-from vrl.data import build, corpus, tokens, windows
+from vrl.data import corpus, layout, tokens, windows
 from vrl.data.tokenizer import Tokenizer, TokenizerError
 from vrl.data.tokenizer import train as train_tokenizer
 
@@ -590,7 +590,7 @@ def load_tokenizer(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
     if cfg.tokenizer:
         tokenizer = Tokenizer.load(cfg.tokenizer)
     else:
-        data_dir = cfg.data_dir or build.default_data_dir()
+        data_dir = cfg.data_dir or layout.default_data_dir()
         names = [name for name, _ in cfg.sources()]
         path = storage.path(data_dir) / 'vrl_tokenizers' / f'{"+".join(names).replace("/", "_")}_{model_vocab_size}.model'
         if path.exists():

@@ -30,7 +30,7 @@ import numpy as np
 from etils import epath
 
 from vrl.core import multihost, storage
-from vrl.data import build, corpus, shards
+from vrl.data import corpus, pool, shards
 from vrl.data.shards import MARKER, Shard, folder
 from vrl.data.tokenizer import Tokenizer
 
@@ -174,7 +174,7 @@ def tokenize(name: str, data_dir: str, tokenizer: Tokenizer, workers: int | None
     start = time.perf_counter()
     if mine:
         target.mkdir(parents=True, exist_ok=True)
-        for _ in build.in_pool(_write_shard, mine, workers, 'tokenizing'):
+        for _ in pool.in_pool(_write_shard, mine, workers, 'tokenizing'):
             pass
     multihost.sync('vrl.data tokenize: every shard written')
     record = {'dataset_fingerprint': corpus.fingerprint(name, data_dir), 'text_field': text_field}
