@@ -34,7 +34,7 @@ from configs import base, tiny  # noqa: E402
 from vrl.core import sharding  # noqa: E402
 from vrl.core.config import from_configdict  # noqa: E402
 from vrl.data import corpus, pipeline  # noqa: E402
-from vrl.train import harness  # noqa: E402
+from vrl.train import lm_eval_model, lm_eval_tasks  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 from vrl.train.trained import TrainedRun  # noqa: E402
 
@@ -106,13 +106,13 @@ def main() -> None:
     trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
     tokenizer = pipeline.load_tokenizer(tokenizer_config.data, model.vocab_size)
     run = TrainedRun(config, tokenizer, trainer, trainer.init_state(0).params, 0)
-    lm = harness.VrlLM(run, batch_size=args.rows)
+    lm = lm_eval_model.VrlLM(run, batch_size=args.rows)
     with tempfile.TemporaryDirectory() as folder:
         tasks = write_tasks(Path(folder), args.limit)
-        task_manager = harness.load_tasks(tasks, folder)
-        harness.run_tasks(lm, tasks, task_manager, limit=args.limit, quiet=True)  # compiles
+        task_manager = lm_eval_tasks.load_tasks(tasks, folder)
+        lm_eval_model.run_tasks(lm, tasks, task_manager, limit=args.limit, quiet=True)  # compiles
         start = time.perf_counter()
-        results = harness.run_tasks(lm, tasks, task_manager, limit=args.limit, quiet=True)
+        results = lm_eval_model.run_tasks(lm, tasks, task_manager, limit=args.limit, quiet=True)
         seconds = time.perf_counter() - start
     requests = sum(results['n-samples'][t]['effective'] * max(1, SHAPES[t][0]) for t in tasks)
     rate = train_tokens_per_sec(config, trainer, args.train_rows)

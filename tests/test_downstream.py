@@ -17,7 +17,7 @@ from tests.runs import tiny_config as tiny  # noqa: E402
 from tests.runs import write_choice_task, write_text_task  # noqa: E402
 from vrl.experiments.grid import read_metrics  # noqa: E402
 from vrl.tools import evaluate  # noqa: E402
-from vrl.train import harness, loop  # noqa: E402
+from vrl.train import lm_eval_tasks, loop, scorer  # noqa: E402
 from vrl.train.start import TrainingError  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def test_scores_while_training_equal_the_command_on_each_checkpoint_and_resume_c
         rows = small_corpus[0].batch_size
         results = evaluate.evaluate(str(copy), names, batch_size=rows, include_path=str(tasks)).results
         assert results['vrl']['step'] == step
-        assert {f'{task}/{metric}': value for task, metrics in harness.task_metrics(results, names).items()
+        assert {f'{task}/{metric}': value for task, metrics in lm_eval_tasks.task_metrics(results, names).items()
                 for metric, value in metrics.items()} == scored[step]
     board = {key[1]: points for key, points in tensorboard_scalars(workdir).items()}
     assert board['downstream/toy_choice/acc'] == [(4, pytest.approx(scored[4]['toy_choice/acc'])),
@@ -84,7 +84,7 @@ def test_a_task_that_cannot_be_loaded_stops_the_run_at_start_up(small_corpus, tm
 def test_packing_places_every_sequence_once_in_few_rows():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 65, size=300).tolist()
-    rows = harness._pack(lengths, 64)
+    rows = scorer._pack(lengths, 64)
     placed = sorted(i for row in rows for i, _ in row)
     assert placed == list(range(len(lengths)))
     for row in rows:  # in order, not overlapping, within the row

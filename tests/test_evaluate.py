@@ -22,7 +22,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from tests.helpers import piece_bytes
 from tests.runs import CHOICE_DOCS, SHARED_RUN_STEPS, write_choice_task
 from vrl.tools import evaluate
-from vrl.train import harness
+from vrl.train import lm_eval_model, scorer
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -37,11 +37,11 @@ def workdir(shared_runs, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope='module')
-def lm(workdir) -> harness.VrlLM:
-    return harness.VrlLM(str(workdir), batch_size=3)
+def lm(workdir) -> lm_eval_model.VrlLM:
+    return lm_eval_model.VrlLM(str(workdir), batch_size=3)
 
 
-def forward_log_probs(lm: harness.VrlLM, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def forward_log_probs(lm: lm_eval_model.VrlLM, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """float64 log p(ids[t] | ids[:t]) for t = 1.., and whether ids[t] is the argmax: one forward pass."""
     model = nnx.merge(lm.run.trainer.graphdef, jax.device_get(lm.run.params))
     logits = np.asarray(model(jnp.asarray([ids[:-1]])), np.float64)[0]
@@ -51,7 +51,7 @@ def forward_log_probs(lm: harness.VrlLM, ids: list[int]) -> tuple[np.ndarray, np
     return log_probs[np.arange(len(targets)), targets], logits.argmax(-1) == targets
 
 
-def expected_loglikelihood(lm: harness.VrlLM, context: str, continuation: str) -> tuple[float, bool]:
+def expected_loglikelihood(lm: lm_eval_model.VrlLM, context: str, continuation: str) -> tuple[float, bool]:
     """The continuation's tokens are those of the whole text past the last token that ends within
     the context's bytes (counted from the pieces' text, tests/helpers.py's piece_bytes, not from
     the tokenizer's offsets)."""
@@ -84,7 +84,7 @@ def test_loglikelihood_equals_the_forward_pass(lm):
         assert abs(log_prob - expected) <= 1e-5 * abs(expected), pair
         assert greedy == expected_greedy
     # logits 16 positions at a time (4 chunks of a 64-token row): the same sums
-    in_chunks = harness.Scorer(lm.run, batch_size=2, chunk=16).score([lm._request_sequence(*p) for p in pairs])
+    in_chunks = scorer.Scorer(lm.run, batch_size=2, chunk=16).score([lm._request_sequence(*p) for p in pairs])
     np.testing.assert_allclose([r[0] for r in in_chunks], [r[0] for r in results], rtol=1e-5)
 
 
@@ -146,17 +146,17 @@ def test_the_command_runs_a_local_task_and_its_scores_are_the_models(lm, workdir
 
 
 def test_bad_input_is_named(workdir, small_corpus, tmp_path):
-    with pytest.raises(harness.EvaluateError, match=r"unknown task\(s\) 'hellaswagg'.*did you mean hellaswag"):
+    with pytest.raises(scorer.EvaluateError, match=r"unknown task\(s\) 'hellaswagg'.*did you mean hellaswag"):
         evaluate.evaluate(str(workdir), ['hellaswagg'])
     tasks = write_choice_task(tmp_path / 'tasks', docs=None)
-    with pytest.raises(harness.EvaluateError, match=r"task 'toy_choice': its data could not be loaded"):
+    with pytest.raises(scorer.EvaluateError, match=r"task 'toy_choice': its data could not be loaded"):
         evaluate.evaluate(str(workdir), ['toy_choice'], include_path=str(tasks))
     empty = tmp_path / 'untrained'
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match='no checkpoint in'):
         evaluate.evaluate(str(empty), ['toy_choice'], include_path=str(tasks))
-    with pytest.raises(harness.EvaluateError, match='batch_size=0 is invalid'):
-        harness.VrlLM(str(workdir), batch_size=0)
+    with pytest.raises(scorer.EvaluateError, match='batch_size=0 is invalid'):
+        lm_eval_model.VrlLM(str(workdir), batch_size=0)
 
 
 def _evaluate(workdir: Path, tasks: Path, task: str) -> subprocess.CompletedProcess:

@@ -62,17 +62,17 @@ class Downstream:
 
     def index(self) -> Any:
         """lm-eval's TaskManager for the tasks, built once; EvaluateError names an unknown task."""
-        from vrl.train import harness  # lm-eval: requirements-extra.txt
+        from vrl.train import lm_eval_tasks  # lm-eval: requirements-extra.txt
         if self._task_manager is None:
-            self._task_manager = harness.task_manager_for(self.tasks, self.include_path)
+            self._task_manager = lm_eval_tasks.task_manager_for(self.tasks, self.include_path)
         return self._task_manager
 
     def metrics(self, run_dir: epath.Path, tasks: list[str]) -> dict[str, dict[str, float]]:
-        """{requested task: {metric: value}} on the run's latest checkpoint (harness.task_metrics)."""
+        """{requested task: {metric: value}} on the run's latest checkpoint (lm_eval_tasks.task_metrics)."""
         from vrl.tools import evaluate  # lm-eval: requirements-extra.txt
-        from vrl.train import harness
+        from vrl.train import lm_eval_tasks
         results = evaluate.evaluate(str(run_dir), tasks, limit=self.limit, task_manager=self.index()).results
-        return harness.task_metrics(results, tasks)
+        return lm_eval_tasks.task_metrics(results, tasks)
 
 
 class GridDirectory:

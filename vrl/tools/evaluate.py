@@ -4,7 +4,7 @@
         [--batch_size=B] [--include_path=DIR] [--log_samples]
 
 The workdir's latest checkpoint is scored in this process, sharded by the run's mesh over this
-machine's devices, by vrl/train/harness.py's `VrlLM` (lm-eval's model `vrl`, which importing this
+machine's devices, by vrl/train/lm_eval_model.py's `VrlLM` (lm-eval's model `vrl`, which importing this
 module registers too). Writes lm-eval's results JSON and its table to
 WORKDIR/lm_eval/results_<time>.{json,md} (with --log_samples, also samples_<task>_<time>.jsonl,
 one scored request per line).
@@ -29,7 +29,8 @@ except ImportError as e:
 
 from vrl.core import cli, storage
 from vrl.train import checkpoint
-from vrl.train.harness import VrlLM, run_tasks, task_manager_for
+from vrl.train.lm_eval_model import VrlLM, run_tasks
+from vrl.train.lm_eval_tasks import task_manager_for
 
 
 @dataclasses.dataclass

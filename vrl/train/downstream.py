@@ -2,7 +2,7 @@
 parameters every train.downstream_every steps and at the end, with no checkpoint written or read.
 
 The tasks are indexed and their data loaded at start-up, before anything compiles, so a task that
-cannot be loaded stops the run in one line then. Scoring is vrl/train/harness.py's (`VrlLM`: the
+cannot be loaded stops the run in one line then. Scoring is vrl/train/lm_eval_model.py's (`VrlLM`: the
 requests packed into rows, data.batch_size / train.microbatches sequences' worth of tokens at a
 time, the same tasks one compiled program for the whole run) and gives the numbers
 vrl.tools.evaluate gives for a checkpoint of the same step. On a pod every process runs lm-eval on the same requests; each
@@ -36,13 +36,13 @@ def load(train: TrainConfig) -> Any:
 
     def index() -> Any:
         try:
-            from vrl.train import harness
+            from vrl.train import lm_eval_tasks, scorer
         except ImportError as e:
             raise TrainingError(f'train.downstream_tasks={train.downstream_tasks!r}: {e}') from None
         try:
-            return harness.load_tasks(train.task_names, train.downstream_include_path or None,
-                                      quiet=jax.process_index() != 0)  # the others print two lines only
-        except harness.EvaluateError as e:  # its advice names the command's flag; here that is a config field
+            return lm_eval_tasks.load_tasks(train.task_names, train.downstream_include_path or None,
+                                            quiet=jax.process_index() != 0)  # the others print two lines only
+        except scorer.EvaluateError as e:  # its advice names the command's flag; here that is a config field
             message = str(e).replace('--include_path', 'train.downstream_include_path')
             raise TrainingError(f'train.downstream_tasks: {message}') from None
     return multihost.everywhere(index)
@@ -53,10 +53,10 @@ class Downstream(Scoring):
 
     def __init__(self, config: Config, trainer: TrainSteps, group: RunGroup, members: list[Member],
                  tokenizer: Tokenizer, task_manager: Any):
-        from vrl.train import harness  # lm-eval: requirements-extra.txt, present since `load` found the tasks
+        from vrl.train import lm_eval_model  # lm-eval: requirements-extra.txt, present since `load` found the tasks
         self.config, self.group, self.members, self.task_manager = config, group, members, task_manager
         rows = config.data.batch_size // config.train.microbatches
-        self.model = harness.VrlLM(TrainedRun(config, tokenizer, trainer, None, None), batch_size=rows)
+        self.model = lm_eval_model.VrlLM(TrainedRun(config, tokenizer, trainer, None, None), batch_size=rows)
 
     def due(self, record: StepRecord) -> bool:
         """Every train.downstream_every steps and at train.steps; not at a preemption, whose notice
@@ -65,15 +65,15 @@ class Downstream(Scoring):
         return (bool(every and record.step % every == 0) and not record.preempted) or record.at_end
 
     def score(self, step: int, state: TrainState) -> None:
-        from vrl.train import harness
+        from vrl.train import lm_eval_model, lm_eval_tasks
         train = self.config.train
         for i, m in enumerate(self.members):
             started = time.perf_counter()
             self.model.use(self.group.member(state.params, i), step)
-            results = harness.run_tasks(self.model, train.task_names, self.task_manager,
-                                        None if train.downstream_fewshot < 0 else train.downstream_fewshot,
-                                        train.downstream_limit or None, quiet=True)
-            scores = harness.task_metrics(results, train.task_names)
+            results = lm_eval_model.run_tasks(self.model, train.task_names, self.task_manager,
+                                              None if train.downstream_fewshot < 0 else train.downstream_fewshot,
+                                              train.downstream_limit or None, quiet=True)
+            scores = lm_eval_tasks.task_metrics(results, train.task_names)
             m.writer.write(step, {f'downstream/{task}/{metric}': value for task, metrics in scores.items()
                                   for metric, value in metrics.items()}
                            | {'downstream_seconds': time.perf_counter() - started})
