@@ -243,8 +243,9 @@ def test_vocab_too_small_for_tokenizer(small_corpus):
 
 
 def test_bad_inputs_give_clear_errors(tmp_path, capsys):
-    with pytest.raises(corpus.DataError, match="dataset 'no_such_data'.*vrl.data prepare"):
+    with pytest.raises(corpus.DataError, match="dataset 'no_such_data'.*vrl.data prepare") as missing:
         corpus.open_split('no_such_data', str(tmp_path), 'train')
+    assert '..' not in str(missing.value) and 'Dataset no_such_data not found. Prepare it with' in str(missing.value)
     empty = tmp_path / 'empty'
     empty.mkdir()
     with pytest.raises(corpus.DataError, match='no input files match'):

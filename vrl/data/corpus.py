@@ -115,8 +115,9 @@ def build_built_in(name: str, data_dir: str) -> None:
 
 
 def _missing(name: str, data_dir: str, why: str) -> DataError:
+    """`why` may be a library's sentence, with its own full stop."""
     return DataError(
-        f'TFDS dataset {name!r} in data_dir {data_dir!r}: {why}. Prepare it with `python -m vrl.data prepare '
+        f'TFDS dataset {name!r} in data_dir {data_dir!r}: {why.rstrip(". ")}. Prepare it with `python -m vrl.data prepare '
         f'--input=GLOB --name={name} --data_dir={data_dir}` for local text, or `tfds build {name} '
         f'--data_dir={data_dir} --file_format=array_record` for a TFDS catalog dataset.')
 
