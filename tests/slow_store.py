@@ -8,8 +8,9 @@ in flight on other connections overlap as they would) and paces what the store s
 `bandwidth` bytes/s per connection. It counts the requests and the bytes it received and served, so
 a test can say how much a writer sent and a reader fetched.
 
-`hold()` and `release()` stop and restart every byte both ways (a store that stops answering, a
-client whose traffic is frozen). It also injects the faults a real store has, on the requests a `Fault`'s pattern matches (a regex
+`hold()` and `release()` stop and restart the traffic both ways (a store that stops answering, a
+client whose traffic is frozen): every answer, and every request from its start (a request the store
+has begun to read is read to its end, as a real store does). It also injects the faults a real store has, on the requests a `Fault`'s pattern matches (a regex
 over the start of the request: its line, headers and the first bytes of its body, where a GCS
 upload names its object): an answer of 503, a connection reset, a stall (the request is never
 answered; the client must time out), or a hold: from that request on, every byte both ways is held as
@@ -140,14 +141,18 @@ class SlowStore:
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                         client: asyncio.StreamWriter) -> None:
         """Client -> store: each chunk forwarded `latency_s` after it arrived, in order; a request that
-        a fault takes is answered with it instead (and the connection ends)."""
+        a fault takes is answered with it instead (and the connection ends). A hold stops requests at
+        their start: the rest of a request the store has begun to read goes on, as a real store
+        reads what it was sent (the emulator would otherwise wait on the body, blocking other
+        clients of the bucket); its answer is held."""
         while chunk := await _read(reader):
             self.requests += 1
             self.bytes_received += len(chunk)
             due = time.monotonic() + self.latency_s
-            if REQUEST_START.match(chunk):
+            starts = bool(REQUEST_START.match(chunk))
+            if starts:
                 self.request_lines.append(chunk.split(b'\r\n', 1)[0].decode(errors='replace'))
-            fault = next((f for f in self.faults if REQUEST_START.match(chunk) and f.takes(chunk)), None)
+            fault = next((f for f in self.faults if starts and f.takes(chunk)), None)
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             if fault is not None and fault.kind == 'hold':
                 self._flowing.clear()
@@ -155,7 +160,8 @@ class SlowStore:
             elif fault is not None:
                 await self._inject(fault.kind, reader, client)
                 return
-            await self._flowing.wait()
+            if starts:
+                await self._flowing.wait()
             if not await _write(writer, chunk):
                 return
 
