@@ -116,12 +116,11 @@ def _preset(arg: str) -> str:
     installs configs/ as the `configs` package), so the presets work outside a checkout too."""
     if not arg.startswith('--config=configs/'):
         return arg
-    given, _, argument = arg.removeprefix('--config=').partition(':')
-    spec = None if os.path.exists(given) else importlib.util.find_spec('configs')
-    installed = Path(spec.origin).parent / given.removeprefix('configs/') if spec and spec.origin else None
-    if installed is None or not installed.exists():
+    given, colon, argument = arg.removeprefix('--config=').partition(':')
+    if os.path.exists(given) or not (spec := importlib.util.find_spec('configs')) or not spec.origin:
         return arg
-    return f'--config={installed}' + (f':{argument}' if argument else '')
+    installed = Path(spec.origin).parent / given.removeprefix('configs/')
+    return f'--config={installed}{colon}{argument}' if installed.exists() else arg
 
 
 def _unknown_field(e: AttributeError, argv: list[str]) -> str | None:

@@ -255,8 +255,8 @@ def said_when_slow(say: Callable[[str], None], doing: str, done: str) -> Iterato
         yield
     finally:
         timer.cancel()
+        timer.join()  # a `tell` under way has finished: `fired` is final
         if fired.is_set():
-            timer.join()
             say(f'{done} in {time.monotonic() - started:.0f} s')
 
 
