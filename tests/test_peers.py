@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -115,19 +116,62 @@ def test_process_0_killed_stops_the_others_at_once_in_one_line():
                            'host died or froze)'], said
 
 
-def test_a_process_whose_job_never_forms_says_so_in_one_line_after_the_join_timeout():
-    """Process 0 started alone: it says it is joining and for how long it waits, then stops in one line."""
+def _forming(num_processes: int, started: list[int], how: str) -> list[subprocess.CompletedProcess]:
+    """The processes `started` of a job of `num_processes` (the others never come), each waiting 5 s to join;
+    the job given by flags (`how='flags'`) or, as SLURM's srun gives it, by environment variables."""
+    port = free_port()
     env = dict(os.environ, FAULT='sleep', PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', XLA_FLAGS=host_xla_flags(1))
+    if how == 'slurm':  # jax's SLURM detection: the first node's port 61440 + job id % 4096
+        job_id = next(job for job in range(4096) if _free(61440 + job) and _free(61441 + job))
+        env.update(SLURM_JOB_ID=str(job_id), SLURM_STEP_NODELIST='localhost', SLURM_NTASKS=str(num_processes))
+    processes = []
+    for i in started:
+        if how == 'slurm':
+            args, env = [], dict(env, SLURM_PROCID=str(i), SLURM_LOCALID='0')
+        else:
+            args = [f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={num_processes}', f'--process_id={i}']
+        processes.append(subprocess.Popen([sys.executable, '-c', TWO_PROCESSES, *args, '--join_timeout_s=5'], cwd=ROOT,
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return [subprocess.CompletedProcess(p.args, p.returncode, *p.communicate(timeout=120)) for p in processes]
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(('127.0.0.1', port)) != 0
+
+
+NOT_JOINED = ('error: not every process joined the job within --join_timeout_s: start each of them with the same '
+              '--coordinator_address and --num_processes, and its own --process_id')
+
+
+@pytest.mark.parametrize('how', ['flags', 'slurm'])
+def test_a_job_that_never_forms_says_who_is_missing_then_stops_in_one_line(how):
+    """Processes 0 and 2 of 3 started: each says it is joining and for how long it waits; while they
+    wait, process 0 names process 1 as missing (every quarter of the join timeout), then both stop
+    in one line."""
     started = time.time()
-    alone = subprocess.run([sys.executable, '-c', TWO_PROCESSES, f'--coordinator_address=127.0.0.1:{free_port()}',
-                            '--num_processes=2', '--process_id=0', '--join_timeout_s=5'], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120)
-    assert alone.returncode != 0 and time.time() - started < 60
-    assert re.fullmatch(r'process 0 of 2: joining the job at 127\.0\.0\.1:\d+ \(waiting up to 5 s for every process: '
-                        r'--join_timeout_s\)\n', alone.stdout), alone.stdout
-    assert _said(alone.stderr) == ['error: not every process joined the job within --join_timeout_s: start each of '
-                                   'them with the same --coordinator_address and --num_processes, and its own '
-                                   '--process_id'], alone.stderr
+    zero, two = _forming(3, [0, 2], how)
+    assert zero.returncode != 0 and two.returncode != 0 and time.time() - started < 60
+    joining = r'process {} of 3: joining the job at (?:127\.0\.0\.1|localhost):\d+ \(waiting up to 5 s for every process: ' \
+              r'--join_timeout_s\)\n'
+    waiting = r'process 0 of 3: still waiting for process 1 to join \(here: 0, 2\)\n'
+    assert re.fullmatch(joining.format(0) + f'(?:{waiting}){{2,}}', zero.stdout), zero.stdout
+    assert re.fullmatch(joining.format(2), two.stdout), two.stdout
+    assert _said(zero.stderr) == [NOT_JOINED] and _said(two.stderr) == [NOT_JOINED], (zero.stderr, two.stderr)
+
+
+def test_a_process_whose_process_0_never_comes_says_so_while_it_waits():
+    """Process 1 of 2 started alone: it says, every quarter of the join timeout, that process 0 has not
+    answered at the roll call's address, then stops in one line."""
+    one, = _forming(2, [1], 'flags')
+    assert one.returncode != 0
+    port = int(one.args[3].rsplit(':', 1)[1]) + 1
+    lines = one.stdout.splitlines()
+    assert len(lines) >= 3 and re.fullmatch(r'process 1 of 2: joining the job at .*', lines[0]), one.stdout
+    for line in lines[1:]:
+        assert re.fullmatch(rf'process 1 of 2: process 0 has not answered at 127\.0\.0\.1:{port} for \d+ s: is it '
+                            r'started, at that address\?', line), one.stdout
+    assert _said(one.stderr) == [NOT_JOINED], one.stderr
 
 
 def test_a_run_whose_process_1_fails_stops_in_seconds_and_releases_its_lease(gcs, small_corpus, tmp_path):

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from vrl.core import peers
+from vrl.core import peers, roll_call
 from vrl.core.errors import VrlError
 
 T = TypeVar('T')
@@ -82,22 +82,27 @@ JAX_HEARTBEAT_MARGIN_S = 60  # jax.distributed's own dead-process check: later t
 
 def initialize(args: dict[str, flags.FlagHolder]) -> None:
     """jax.distributed for several processes: explicit flags, or a detected Cloud TPU pod / SLURM job;
-    then every process watches the others (vrl/core/peers.py)."""
-    timeout = args['peer_timeout_s'].value
-    waits = {'heartbeat_timeout_seconds': timeout + JAX_HEARTBEAT_MARGIN_S,
-             'initialization_timeout': args['join_timeout_s'].value}
-    joining = f'(waiting up to {args["join_timeout_s"].value} s for every process: --join_timeout_s)'
+    a roll call says who is missing while the job forms (vrl/core/roll_call.py); then every process
+    watches the others (vrl/core/peers.py)."""
+    timeout, join_timeout = args['peer_timeout_s'].value, args['join_timeout_s'].value
+    joining = f'(waiting up to {join_timeout} s for every process: --join_timeout_s)'
     if args['coordinator_address'].value:
-        jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU processes talk over gloo
-        print(f'process {args["process_id"].value} of {args["num_processes"].value}: joining the job at '
-              f'{args["coordinator_address"].value} {joining}', flush=True)
-        jax.distributed.initialize(args['coordinator_address'].value, args['num_processes'].value,
-                                   args['process_id'].value, **waits)
+        job = (args['coordinator_address'].value, args['num_processes'].value, args['process_id'].value)
     elif ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '') or int(os.environ.get('SLURM_NTASKS', '1')) > 1:
-        print(f'joining the job {joining}', flush=True)
-        jax.distributed.initialize(**waits)
+        from jax._src import clusters  # the detection jax.distributed.initialize runs, done here to know the job
+        job = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, join_timeout)[:3]
     else:
         return
+    coordinator, num_processes, process_id = job
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU processes talk over gloo
+    print(f'process {process_id} of {num_processes}: joining the job at {coordinator} {joining}', flush=True)
+    end_roll_call = roll_call.start(coordinator, num_processes, process_id, roll_call.report_every(join_timeout),
+                                    lambda line: print(line, flush=True))
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=join_timeout,
+                                   heartbeat_timeout_seconds=timeout + JAX_HEARTBEAT_MARGIN_S)
+    finally:
+        end_roll_call()
     from jax._src import distributed  # the client has no public accessor
     peers.watch(distributed.global_state.client, timeout)
 
