@@ -45,7 +45,7 @@ import pytest  # noqa: E402
 # The modules that take longest, longest first (`--durations`, docs/performance.md): with `-n 2 --dist
 # loadfile` a worker takes the next module as it frees up, so starting the long ones first leaves the
 # short ones for the end, and neither worker idles while the other runs a long module alone.
-LONGEST_FIRST = ('test_object_store.py', 'test_sharding.py', 'test_train.py', 'test_hf.py', 'test_pod.py',
+LONGEST_FIRST = ('test_object_store.py', 'test_sharding.py', 'test_train.py', 'test_model.py', 'test_hf.py', 'test_pod.py',
                  'test_device_check.py', 'test_group.py', 'test_study.py', 'test_evaluate.py', 'test_peers.py',
                  'test_compare.py', 'test_workdir.py', 'test_attention.py', 'test_notebook.py', 'test_first_use.py')
 
