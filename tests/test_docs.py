@@ -99,3 +99,35 @@ def test_a_mistyped_flag_in_a_command_is_caught():
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     failures = json.loads(out.stdout.strip().splitlines()[-1])
     assert failures[0].startswith('x.md: python -m vrl.tools.export --wrkdir=a: UnrecognizedFlagError')
+
+
+def _anchor(heading: str) -> str:
+    """The fragment a Markdown renderer (GitHub's) gives a heading: lower case, punctuation but
+    hyphens dropped, spaces as hyphens."""
+    return re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-')
+
+
+def broken_links(pages: list[Path]) -> list[str]:
+    """Each `[text](target)` of `pages` whose target file (relative to its page) or #heading is not there."""
+    broken = []
+    for page in pages:
+        text = re.sub(r'```.*?```', '', page.read_text(), flags=re.S)
+        for target in re.findall(r'\]\(([^)\s]+)\)', text):
+            if re.match(r'[a-z]+:', target):
+                continue  # a web address: not checked here (tests reach nothing but 127.0.0.1)
+            file, _, fragment = target.partition('#')
+            linked = (page.parent / file).resolve() if file else page
+            if not linked.exists():
+                broken.append(f'{page.name}: {target} (no such file)')
+            elif fragment and linked.suffix == '.md' and fragment not in {
+                    _anchor(h) for h in re.findall(r'^#+ (.+)$', re.sub(r'```.*?```', '', linked.read_text(),
+                                                                         flags=re.S), re.M)}:
+                broken.append(f'{page.name}: {target} (no such heading)')
+    return broken
+
+
+def test_every_link_in_the_manual_leads_somewhere(tmp_path):
+    assert not broken_links(PAGES)
+    page = tmp_path / 'page.md'  # the check can fail: a missing file and a missing heading are named
+    page.write_text('# One heading\n\n[a](#one-heading) [b](#two) [c](gone.md) [d](page.md#one-heading)\n')
+    assert broken_links([page]) == ['page.md: #two (no such heading)', 'page.md: gone.md (no such file)']
