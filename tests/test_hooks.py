@@ -38,9 +38,8 @@ def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hook
     now = [0.0]
     monkeypatch.setattr(hooks.time, 'perf_counter', lambda: now[0])
     logged, said = {}, []
-    member = types.SimpleNamespace(config=config, label='', losses={}, skipped_in_a_row=0, skipped=0,
-                                   writer=types.SimpleNamespace(write=lambda step, record: logged.update({step: record}),
-                                                                print=said.append))
+    writer = types.SimpleNamespace(write=lambda step, record: logged.update({step: record}), print=said.append)
+    member = types.SimpleNamespace(config=config, label='', writer=writer)
     group = types.SimpleNamespace(member=lambda tree, i: tree)
     host = hooks.HostMetrics(config, group, [member], flops_per_token=1e6, peak_flops=1e9, train_tokens={'plays': 1},
                              start_step=0)

@@ -19,6 +19,7 @@ a document.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -256,7 +257,7 @@ class _MixIterator(grain.DatasetIterator):
                 'taken': list(self._taken), 'tokens_read': list(self._tokens_read), 'share': list(self._share)}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        if 'members' not in state:  # saved before datasets were packed apart: one dataset's packer
+        if 'members' not in state:  # the older format: one packer's position for all datasets
             if len(self._members) > 1:
                 raise corpus.DataError(
                     'the saved data position is of a mixture whose datasets were mixed before packing (an older '
@@ -462,24 +463,44 @@ def per_process_batch_size(cfg: DataConfig, process_count: int) -> int:
     return cfg.batch_size // process_count
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainData:
+    """The training split of data.name or of each dataset of data.mixture, opened for `tokenizer`
+    (`open`: a missing split, a pre-tokenized copy for another tokenizer or a data.shuffle a dataset
+    cannot serve is a DataError there), and the batches of any process's share of them (`dataset`)."""
+    cfg: DataConfig
+    tokenizer: Tokenizer
+    blocks: tuple[_Blocks, ...]  # per dataset of cfg.sources()
+
+    @classmethod
+    def open(cls, cfg: DataConfig, tokenizer: Tokenizer) -> TrainData:
+        blocks = tuple(_blocks(cfg, tokenizer, name, cfg.train_split) for name, _ in cfg.sources())
+        for opened in blocks:
+            _window_shuffled(cfg, opened.source, opened.where)
+        return cls(cfg, tokenizer, blocks)
+
+    def dataset(self, process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
+        """Endless (or data.num_epochs) shuffled, packed batches of share `process_index` of
+        `process_count` of the global batch (TrainSteps.row_share: a share per process unless a
+        sequence is split across hosts), each dataset shuffled with its own seed and packed apart,
+        their windows interleaved by `_MixIterator`; each batch also holds 'tokens_read': (rows,
+        datasets) int64, this process's target tokens read from each dataset up to each row."""
+        cfg = self.cfg
+        members = [_windows(blocks, cfg, self.tokenizer, seed=cfg.seed + i, num_epochs=cfg.num_epochs or None,
+                            process_index=process_index, process_count=process_count, share=1 / len(self.blocks))
+                   for i, blocks in enumerate(self.blocks)]
+        mixed = _MixIterDataset(members, cfg.phases(), per_process_batch_size(cfg, process_count),
+                                (process_index, process_count))
+        # packed and batched on a thread ahead of the step, which only takes a ready batch; its position
+        # (get_state) is the last batch taken's
+        return grain.experimental.ThreadPrefetchIterDataset(_batches(mixed, cfg, process_count),
+                                                            prefetch_buffer_size=cfg.prefetch)
+
+
 def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0,
                   process_count: int = 1) -> grain.IterDataset:
-    """Endless (or data.num_epochs) shuffled, packed batches of share `process_index` of
-    `process_count` of the global batch (TrainSteps.row_share: a share per process unless a sequence
-    is split across hosts), from data.name or the data.mixture (each dataset shuffled with its own seed and packed
-    apart, their windows interleaved by `_MixIterator`); each batch also holds 'tokens_read':
-    (rows, datasets) int64, this process's target tokens read from each dataset up to each row."""
-    sources = cfg.sources()
-    members = [_windows(_blocks(cfg, tokenizer, name, cfg.train_split), cfg, tokenizer, seed=cfg.seed + i,
-                        num_epochs=cfg.num_epochs or None, process_index=process_index, process_count=process_count,
-                        share=1 / len(sources))
-               for i, (name, _) in enumerate(sources)]
-    mixed = _MixIterDataset(members, cfg.phases(), per_process_batch_size(cfg, process_count),
-                            (process_index, process_count))
-    # packed and batched on a thread ahead of the step, which only takes a ready batch; its position
-    # (get_state) is the last batch taken's
-    return grain.experimental.ThreadPrefetchIterDataset(_batches(mixed, cfg, process_count),
-                                                        prefetch_buffer_size=cfg.prefetch)
+    """`TrainData.dataset` of the data `cfg` names, opened here."""
+    return TrainData.open(cfg, tokenizer).dataset(process_index, process_count)
 
 
 EVAL_KEPT_BYTES = 1 << 30  # a pass of an evaluation set up to this size is kept in memory for the next

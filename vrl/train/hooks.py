@@ -18,8 +18,10 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+import grain
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from etils import epath
 
 from vrl.core import multihost
@@ -35,19 +37,17 @@ from vrl.train.trackers.composite import Trackers
 SILENT_WAIT_SECONDS = 2.0  # a wait longer than this is said on the terminal
 
 
+@dataclasses.dataclass(frozen=True)
 class Member:
-    """One run of a group, host side: its workdir and the guard that keeps it (process 0's),
-    checkpoints, metrics writer, NaN count and losses."""
-
-    def __init__(self, config: Config, path: epath.Path, guard: guard_lib.Guard, label: str,
-                 is_writer: bool):
-        self.config, self.path, self.guard, self.label = config, path, guard, label
-        self.manager = checkpoint.make_manager(str(path), config, guard)
-        self.writer: Trackers | None = None
-        self.say = (lambda line: print(label + line, flush=True)) if is_writer else (lambda line: None)
-        self.losses: dict[int, float] = {}
-        self.eval_loss: float | None = None
-        self.skipped_in_a_row = self.skipped = 0
+    """One run of a group, host side: its config, workdir, the guard that keeps it (process 0's), the
+    label before its lines, its checkpoint manager and its metrics writer (whose `print` is how the
+    run's lines reach the terminal)."""
+    config: Config
+    path: epath.Path
+    guard: guard_lib.Guard
+    label: str
+    manager: ocp.CheckpointManager
+    writer: Trackers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +145,9 @@ class HostMetrics:
         self.config, self.group, self.members = config, group, members
         self._flops_per_token, self._peak, self._train_tokens = flops_per_token, peak_flops, train_tokens
         self._start_step = start_step
+        self.losses: list[dict[int, float]] = [{} for _ in members]  # per member: every step's loss
+        self._skipped = [0] * len(members)
+        self._skipped_in_a_row = [0] * len(members)
         self._pending: StepRecord | None = None
         self._interval_start, self._interval_steps, self._paused = time.perf_counter(), 0, 0.0
 
@@ -180,8 +183,8 @@ class HostMetrics:
         first = step == self._start_step + 1 and not logging_now  # what the silent minutes before it were
         for i, m in enumerate(self.members):
             mine = self.group.member(host, i)
-            _check_finite(m, step, bool(mine['finite']))
-            m.losses[step] = float(mine['loss'])
+            self._check_finite(i, step, bool(mine['finite']))
+            self.losses[i][step] = float(mine['loss'])
             if logging_now:
                 m.writer.write(step, {'loss': mine['loss'], 'lr': mine['lr'], 'grad_norm': mine['grad_norm'], **shared})
             elif first:
@@ -191,30 +194,29 @@ class HostMetrics:
             self._interval_start, self._interval_steps, self._paused = time.perf_counter(), 0, 0.0
 
     def check_skipped(self, step: int) -> None:
-        for m in self.members:
-            if 2 * m.skipped > step - self._start_step:
-                raise TrainingError(f'{m.label}{m.skipped} of the {step - self._start_step} steps this run took were '
+        for m, skipped in zip(self.members, self._skipped):
+            if 2 * skipped > step - self._start_step:
+                raise TrainingError(f'{m.label}{skipped} of the {step - self._start_step} steps this run took were '
                                     'non-finite and skipped (train.nan_policy=skip): the run is not learning; lower '
                                     f'the LR. The checkpoint of step {step} holds the weights of the last finite step.')
 
-
-def _check_finite(m: Member, step: int, finite: bool) -> None:
-    """train.nan_policy for one step of one run: stop ('error', or too many skipped) or count the skip."""
-    train_cfg = m.config.train
-    if finite:
-        m.skipped_in_a_row = 0
-        return
-    if train_cfg.nan_policy == 'error':
-        raise TrainingError(f'{m.label}non-finite loss, gradients or weights at step {step}; no checkpoint '
-                            f'of it was written (latest saved: {m.manager.latest_step()}). Lower the LR or set '
-                            'train.nan_policy=skip.')
-    m.skipped_in_a_row += 1
-    m.skipped += 1
-    if m.skipped_in_a_row > train_cfg.max_skipped_steps:
-        raise TrainingError(f'{m.label}{m.skipped_in_a_row} steps in a row up to step {step} were '
-                            f'non-finite and skipped (train.max_skipped_steps={train_cfg.max_skipped_steps}): '
-                            'the run is not learning; lower the LR.')
-    logging.warning('%sstep %d: non-finite loss, gradients or weights; update skipped', m.label, step)
+    def _check_finite(self, i: int, step: int, finite: bool) -> None:
+        """train.nan_policy for one step of member i: stop ('error', or too many skipped) or count the skip."""
+        m, train_cfg = self.members[i], self.config.train
+        if finite:
+            self._skipped_in_a_row[i] = 0
+            return
+        if train_cfg.nan_policy == 'error':
+            raise TrainingError(f'{m.label}non-finite loss, gradients or weights at step {step}; no checkpoint '
+                                f'of it was written (latest saved: {m.manager.latest_step()}). Lower the LR or set '
+                                'train.nan_policy=skip.')
+        self._skipped_in_a_row[i] += 1
+        self._skipped[i] += 1
+        if self._skipped_in_a_row[i] > train_cfg.max_skipped_steps:
+            raise TrainingError(f'{m.label}{self._skipped_in_a_row[i]} steps in a row up to step {step} were '
+                                f'non-finite and skipped (train.max_skipped_steps={train_cfg.max_skipped_steps}): '
+                                'the run is not learning; lower the LR.')
+        logging.warning('%sstep %d: non-finite loss, gradients or weights; update skipped', m.label, step)
 
 
 def confirm(guards: list[guard_lib.Guard]) -> None:
@@ -223,20 +225,20 @@ def confirm(guards: list[guard_lib.Guard]) -> None:
 
 
 @contextlib.contextmanager
-def lease_first(m: Member) -> Iterator[None]:
+def lease_first(guard: guard_lib.Guard) -> Iterator[None]:
     """A failed save of a run that lost its lease stops it on that (LeaseLostError), not on what its
     late writes met."""
     try:
         yield
     except checkpoint.SaveError:
-        m.guard.confirm()
+        guard.confirm()
         raise
 
 
-def check_saves(m: Member, wait: bool = False) -> None:
-    """checkpoint.check_saves for a member (`lease_first`)."""
-    with lease_first(m):
-        checkpoint.check_saves(m.manager, wait)
+def check_saves(manager: ocp.CheckpointManager, guard: guard_lib.Guard, wait: bool = False) -> None:
+    """checkpoint.check_saves for a run's manager (`lease_first`)."""
+    with lease_first(guard):
+        checkpoint.check_saves(manager, wait)
 
 
 @contextlib.contextmanager
@@ -286,7 +288,7 @@ class Checkpoints(Hook):
     save stops the run at the next step."""
     checks_step = True
 
-    def __init__(self, config: Config, group: RunGroup, members: list[Member], leases: Leases, data_iterator: Any,
+    def __init__(self, config: Config, group: RunGroup, members: list[Member], leases: Leases, data_iterator: grain.DatasetIterator,
                  start_step: int):
         self.config, self.group, self.members, self.leases = config, group, members, leases
         self._data_iterator = data_iterator
@@ -299,7 +301,7 @@ class Checkpoints(Hook):
 
     def poll(self) -> None:
         for m in self.members:
-            check_saves(m)
+            check_saves(m.manager, m.guard)
 
     def due(self, record: StepRecord) -> bool:
         train, opt = self.config.train, self.config.optimizer
@@ -315,16 +317,16 @@ class Checkpoints(Hook):
         self._saved_at, self.last_saved = time.monotonic(), step
         for i, m in enumerate(self.members):
             m.writer.flush(wait=True)  # on an object store, every step's metrics are there before its checkpoint
-            with lease_first(m), said_when_slow(m.say, f'starting the save of step {step} in {m.path}',
+            with lease_first(m.guard), said_when_slow(m.writer.print, f'starting the save of step {step} in {m.path}',
                                                 f'the save of step {step} started'):
                 checkpoint.save(m.manager, step, self.group.member(state, i), self._data_iterator, m.config, force=force)
 
     def wait(self) -> None:
         """Until the saves in flight are written."""
         for m in self.members:
-            with said_when_slow(m.say, f'writing the checkpoint of step {self.last_saved} to {m.path}',
+            with said_when_slow(m.writer.print, f'writing the checkpoint of step {self.last_saved} to {m.path}',
                                 f'checkpoint of step {self.last_saved} written'):
-                check_saves(m, wait=True)
+                check_saves(m.manager, m.guard, wait=True)
 
     def data_ended(self, step: int, state: TrainState) -> None:
         if self.last_saved != step:
@@ -360,13 +362,14 @@ class Evaluation(Scoring):
 
     def __init__(self, config: Config, members: list[Member], validate: Callable[[Any], list[Any]]):
         self.config, self.members, self._validate = config, members, validate
+        self.eval_losses: list[float | None] = [None] * len(members)  # per member: its last validation loss
 
     def due(self, record: StepRecord) -> bool:
         return bool(self.config.train.eval_every and record.step % self.config.train.eval_every == 0) or record.at_end
 
     def score(self, step: int, state: TrainState) -> None:
-        for m, evaluation in zip(self.members, self._validate(state.params)):
-            m.eval_loss = evaluation.loss
+        for i, (m, evaluation) in enumerate(zip(self.members, self._validate(state.params))):
+            self.eval_losses[i] = evaluation.loss
             m.writer.write(step, evaluation.record())
             m.writer.flush()
 

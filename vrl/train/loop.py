@@ -1,6 +1,6 @@
 """The training loop: data -> jitted step -> hooks (vrl/train/hooks.py: the step's metrics, read
 one step late so the device never waits on logging; checkpoints; evaluation; diagnostics; the
-lease; a sample at the end).
+lease; a sample at the end). What a run depends on is settled before it, once (vrl/train/plan.py).
 
 SIGTERM (what Cloud TPU sends before preemption, seen at every step on every host) and a first
 Ctrl-C finish the current step, save, wait for the save to be durable and return normally (a
@@ -14,19 +14,21 @@ RunGroup), each in its own workdir with its own checkpoints, metrics and evals, 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
-from typing import Any, Callable
+from typing import Any
 
+import grain
 import jax
 import numpy as np
 from etils import epath
 
-from vrl.core import multihost, peers, sharding, storage
+from vrl.core import multihost, peers, storage
 from vrl.core.config import Config
 from vrl.data import pipeline
-from vrl.model import accounting, resolve
-from vrl.train import aot, checkpoint, diagnostics, downstream, hooks, metrics, optimizer, start
+from vrl.model import accounting
+from vrl.train import checkpoint, diagnostics, downstream, hooks, optimizer, plan, start
 from vrl.train import guard as guard_lib
 from vrl.train import workdir as workdir_lib
 from vrl.train.start import TrainingError
@@ -131,87 +133,82 @@ def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, i
 
 def _run(configs: list[Config], paths: list[epath.Path], guards: list[guard_lib.Guard],
          request: start.Request, preemption: hooks.Preemption) -> list[RunResult]:
-    """The runs' data, compiled step, workdirs and members, then `_train`; whatever ends it, the saves
-    in flight are waited for (unless another run took a workdir) and everything is closed."""
+    """The runs' plan (vrl/train/plan.py), then their compiled step, data and workdirs; each member's
+    start, then `_train`; whatever ends it, the saves in flight are waited for (unless another run
+    took a workdir) and everything is closed."""
     is_writer = jax.process_index() == 0
     say = print if is_writer else (lambda line: None)
-    given = configs[0].mesh  # a bad mesh fails here, before the data and the compiles (context 0, auto: as 1)
-    early = sharding.make_mesh(sharding.without_context(given) if given.context == 0 else given)
-    sharding.check_fits_mesh(configs[0], dict(early.shape))
-    config, tokenizer_source, tokenizer_line = start.hf_tokenizer(configs[0], request.init_from, paths[0])
-    # the data before anything compiles (auto-fit compiles for minutes): a new run's copy of an hf:
-    # tokenizer is made in the workdir further down, so its source stands in for it here
-    copied_later = tokenizer_source is not None and (
-        request.fresh or not workdir_lib.trained_tokenizer(paths[0], tokenizer_source))
-    data_cfg = dataclasses.replace(config.data, tokenizer=str(tokenizer_source)) if copied_later else config.data
-    pipeline.build_built_ins(data_cfg)
-    tokenizer = multihost.process_0_first(lambda: pipeline.tokenizer_for_run(data_cfg, config.model.vocab_size))
-    share = sharding.row_share(early)
-    dataset = pipeline.train_dataset(data_cfg, tokenizer, *share)
-    task_manager = downstream.load(config.train)  # a task that cannot be loaded stops the run before a compile
-    config, _ = aot.resolve(config, jax.devices(), aot.local_hbm_bytes(), say)
-    trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
-    if trainer.row_share != share:  # auto context split sequences across hosts
-        dataset = pipeline.train_dataset(data_cfg, tokenizer, *trainer.row_share)
+    settled = plan.settle(configs, paths, request, say)
+    trainer = TrainSteps(settled.config, settled.mesh)
     group = trainer.group(len(configs))
-    labels = [f'[{path.name}] ' if group.members > 1 else '' for path in paths]
-    member_configs = [dataclasses.replace(config, train=dataclasses.replace(config.train, seed=c.train.seed))
-                      for c in configs]
+    dataset = settled.train_data.dataset(*settled.row_share)
     hooks.confirm(guards)  # the compile may have taken long
-    if request.fresh and is_writer:
-        for path, label, member_config in zip(paths, labels, member_configs):
-            say(label + workdir_lib.start_over(path, member_config, checkpoint.latest_step(path)))
-    if tokenizer_source and is_writer:
-        say(workdir_lib.copy_tokenizer(paths[0], tokenizer_source, tokenizer_line))
+    if is_writer:
+        for path, label, member_config in zip(settled.paths, settled.labels, settled.member_configs):
+            if request.fresh:
+                say(label + workdir_lib.start_over(path, member_config, checkpoint.latest_step(path)))
+        if settled.tokenizer_copy:
+            say(workdir_lib.copy_tokenizer(settled.paths[0], *settled.tokenizer_copy))
     multihost.sync('vrl workdir ready')
     for guard, epoch in zip(guards, multihost.summed(np.array([g.epoch if is_writer else 0 for g in guards]))):
         guard.epoch = int(epoch)  # process 0 took the guards: every process names its saves by their epochs
-    members = [hooks.Member(*member, is_writer) for member in zip(member_configs, paths, guards, labels)]
-    # before the data's workers start: a CPU's matmul probe must not share the cores with them
-    peak = metrics.peak_flops(config.train.peak_flops, resolve.local_compute_dtype(config.model))
+    managers = [checkpoint.make_manager(str(path), c, guard)
+                for path, c, guard in zip(settled.paths, settled.member_configs, guards)]
+    writers: list[Trackers] = []
     data_iterator = iter(dataset)
     try:
-        return _train(trainer, group, members, tokenizer, data_iterator, request, preemption, task_manager, peak)
+        starts = [start.decide(trainer, c, path, manager, data_iterator, request,
+                               lambda line, label=label: say(label + line))
+                  for c, path, manager, label in zip(settled.member_configs, settled.paths, managers, settled.labels)]
+        reads = {'data': pipeline.provenance(settled.config.data, settled.tokenizer)}
+        for path, c, label, guard in zip(settled.paths, settled.member_configs, settled.labels, guards):
+            writers.append(Trackers.open(path, c.train.steps, starts[0].step(), is_writer, label, guard,
+                                         (c, reads) if c.train.wandb_project else None, c.train.print_every))
+        members = [hooks.Member(*member) for member in zip(settled.member_configs, settled.paths, guards,
+                                                             settled.labels, managers, writers)]
+        return _train(settled, trainer, group, members, starts, reads['data'], data_iterator, request, preemption)
     finally:
-        if not any(m.guard.lost for m in members):  # else another run holds a workdir: add nothing there
+        if not any(guard.lost for guard in guards):  # else another run holds a workdir: add nothing there
             try:
-                for m in members:
-                    hooks.check_saves(m, wait=True)
+                for manager, guard in zip(managers, guards):
+                    hooks.check_saves(manager, guard, wait=True)
             finally:
-                for m in members:
+                for manager, guard, writer in itertools.zip_longest(managers, guards, writers):
                     try:
-                        checkpoint.close(m.manager, m.guard.epoch)
+                        checkpoint.close(manager, guard.epoch)
                     finally:
-                        if m.writer is not None:
-                            m.writer.close()
+                        if writer is not None:
+                            writer.close()
         getattr(data_iterator, 'close', lambda: None)()
 
 
-def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], tokenizer, data_iterator: Any,
-           request: start.Request, preemption: hooks.Preemption, task_manager: Any, peak: metrics.Peak
-           ) -> list[RunResult]:
-    """Each member's start, its start lines, the hooks, then the loop and the end of the run."""
-    config = trainer.config
-    starts = [start.decide(trainer, m.config, m.path, m.manager, data_iterator, request, m.say) for m in members]
+def _train(settled: plan.RunPlan, trainer: TrainSteps, group: RunGroup, members: list[hooks.Member],
+           starts: list[start.Start], reads: dict[str, Any], data_iterator: grain.DatasetIterator, request: start.Request,
+           preemption: hooks.Preemption) -> list[RunResult]:
+    """The start lines, the hooks, then the loop and the end of the run."""
+    config = settled.config
     state, start_step = _initial_state(trainer, group, members, starts)
     leases = hooks.Leases(members)
     leases.confirm()
     account = accounting.account(config.model, config.data.seq_len)
-    reads = _announce(trainer, group, members, starts, tokenizer, request, account, peak)
+    _announce(settled, trainer, group, members, starts, reads, request, account)
     train_tokens = {name: d['train_tokens'] for name, d in reads['datasets'].items()}
-    host = hooks.HostMetrics(config, group, members, account.flops_per_token, peak.flops, train_tokens, start_step)
+    host = hooks.HostMetrics(config, group, members, account.flops_per_token, settled.peak.flops, train_tokens,
+                             start_step)
     checkpoints = hooks.Checkpoints(config, group, members, leases, data_iterator, start_step)
-    eval_sets = pipeline.EvalSets(config.data, tokenizer)  # opened at the first evaluation, then kept
+    eval_sets = pipeline.EvalSets(config.data, settled.tokenizer)  # opened at the first evaluation, then kept
     evaluation = hooks.Evaluation(config, members, lambda params: _validations(group, params, config, eval_sets))
     step_hooks: list[hooks.Hook] = [leases, checkpoints, evaluation]
     every = config.train.diagnostics_every
     if every and every <= config.train.steps:
-        diagnose = diagnostics.TrainingDiagnostics(trainer, tokenizer)
+        diagnose = diagnostics.TrainingDiagnostics(trainer, settled.tokenizer)
         step_hooks.append(hooks.Diagnostics(config, group, members, diagnose))
-    if task_manager is not None:
-        step_hooks.append(downstream.Downstream(config, trainer, group, members, tokenizer, task_manager))
+    if settled.task_manager is not None:
+        step_hooks.append(downstream.Downstream(config, trainer, group, members, settled.tokenizer,
+                                                settled.task_manager))
     if config.train.sample_tokens:
-        step_hooks.append(hooks.Sample(config, group, members, trainer.graphdef, trainer.mesh, tokenizer, start_step))
+        step_hooks.append(hooks.Sample(config, group, members, trainer.graphdef, trainer.mesh, settled.tokenizer,
+                                       start_step))
     if config.train.steps == 0 and starts[0].origin != start.Origin.RESUMED:  # a conversion: the initial weights
         _save_initial(config, state, members, checkpoints, evaluation)
     state, step, preempted = _loop(config, group, data_iterator, state, start_step, host, step_hooks, preemption)
@@ -223,12 +220,14 @@ def _train(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], to
         for hook in step_hooks:
             hook.finish(step, state)
         if step > start_step:
-            tell_every_host(members, lambda m: f'done at step {step}: loss {m.losses[step]:.4f}; checkpoint in '
-                            f'{checkpoint.step_path(m.path, checkpoints.last_saved, m.guard.epoch)}')
-    return [RunResult(step, m.losses, m.eval_loss, group.member(state, i), preempted) for i, m in enumerate(members)]
+            tell_every_host(members, [f'done at step {step}: loss {losses[step]:.4f}; checkpoint in '
+                                      f'{checkpoint.step_path(m.path, checkpoints.last_saved, m.guard.epoch)}'
+                                      for m, losses in zip(members, host.losses)])
+    return [RunResult(step, host.losses[i], evaluation.eval_losses[i], group.member(state, i), preempted)
+            for i in range(len(members))]
 
 
-def _loop(config: Config, group: RunGroup, data_iterator: Any, state: TrainState, step: int, host: hooks.HostMetrics,
+def _loop(config: Config, group: RunGroup, data_iterator: grain.DatasetIterator, state: TrainState, step: int, host: hooks.HostMetrics,
           step_hooks: list[hooks.Hook], preemption: hooks.Preemption) -> tuple[TrainState, int, bool]:
     """Steps until train.steps, the end of finite data or a preemption: (the state, its step, preempted)."""
     while step < config.train.steps:
@@ -254,20 +253,21 @@ def _loop(config: Config, group: RunGroup, data_iterator: Any, state: TrainState
         if preempted and not record.at_end:
             for hook in step_hooks:
                 hook.end(step, state)  # the saves in flight are durable
-            tell_every_host(host.members, lambda m: f'preempted: saved step {step} in {m.path}; run the same command '
-                            'to resume')
+            tell_every_host(host.members, [f'preempted: saved step {step} in {m.path}; run the same command to resume'
+                                           for m in host.members])
             return state, step, True
     return state, step, False
 
 
-def tell_every_host(members: list[hooks.Member], line_of: Callable[[hooks.Member], str]) -> None:
-    """A line per run on process 0's terminal and, headed by the process, on every other host's
-    (whose log says nothing else, so that a host that is still working does not look hung)."""
-    for m in members:
+def tell_every_host(members: list[hooks.Member], lines: list[str]) -> None:
+    """A line per run (`lines`, in the order of `members`) on process 0's terminal and, headed by the
+    process, on every other host's (whose log says nothing else, so that a host that is still working
+    does not look hung)."""
+    for m, line in zip(members, lines):
         if jax.process_index() == 0:
-            m.writer.print(line_of(m))
+            m.writer.print(line)
         else:
-            print(f'process {jax.process_index()} of {jax.process_count()}: {m.label}{line_of(m)}', flush=True)
+            print(f'process {jax.process_index()} of {jax.process_count()}: {m.label}{line}', flush=True)
 
 
 def _initial_state(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], starts: list[start.Start]
@@ -284,44 +284,42 @@ def _initial_state(trainer: TrainSteps, group: RunGroup, members: list[hooks.Mem
                         for m, s in zip(members, starts)]), steps[0]
 
 
-def _announce(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], starts: list[start.Start], tokenizer,
-              request: start.Request, account: accounting.ModelAccount, peak: metrics.Peak) -> dict[str, Any]:
-    """What the run reads (pipeline.provenance; a resume must read the same), recorded in config.json
-    and W&B; each member's metrics writer; and the start lines. Returns what the run reads."""
-    config, is_writer = trainer.config, jax.process_index() == 0
-    reads = {'data': pipeline.provenance(config.data, tokenizer)}
-    epoch_rates = pipeline.epochs_per_step(reads['data'], config.data.batch_size * config.data.seq_len)
+def _announce(settled: plan.RunPlan, trainer: TrainSteps, group: RunGroup, members: list[hooks.Member],
+              starts: list[start.Start], reads: dict[str, Any], request: start.Request,
+              account: accounting.ModelAccount) -> None:
+    """What the run reads (pipeline.provenance; a resume must read the same) recorded in config.json,
+    and the start lines."""
+    config, is_writer = settled.config, jax.process_index() == 0
+    epoch_rates = pipeline.epochs_per_step(reads, config.data.batch_size * config.data.seq_len)
     opt, start_step = config.optimizer, starts[0].step()
     together = f', trained with {group.members - 1} other seed(s) in one step' if group.members > 1 else ''
     for m, begun in zip(members, starts):
         if begun.origin == start.Origin.RESUMED:
-            multihost.on_process_0(lambda: _check_reads(m, reads['data'], config.data.allow_data_change))
+            multihost.on_process_0(lambda: _check_reads(m, reads, config.data.allow_data_change))
         if is_writer:
             changed = workdir_lib.record_start(m.path, m.config, start_step, request.fresh, {
-                'params': account.params, 'non_embedding_params': account.non_embedding_params, **reads})
+                'params': account.params, 'non_embedding_params': account.non_embedding_params, 'data': reads})
             for name, (old, new) in changed.items():
-                m.say(f'{name} changed since the last start: {old!r} -> {new!r}')
-        m.writer = Trackers.open(m.path, config.train.steps, start_step, is_writer, m.label, m.guard,
-                                 (m.config, reads) if config.train.wandb_project else None, config.train.print_every)
+                m.writer.print(f'{name} changed since the last start: {old!r} -> {new!r}')
         m.writer.mark_start(start_step, begun.origin.value, init_from=request.init_from)
         m.writer.print(f'{config.model.variant_name}: {account.params:,} params, mesh {dict(trainer.mesh.shape)}, '
                        f'{opt.name} + {opt.schedule} (peak LR {opt.peak_lr:g}), {begun.describe()}{together}')
-        for name, d in reads['data']['datasets'].items():
+        for name, d in reads['datasets'].items():
             m.writer.print(f'data {name}: {d["train_tokens"]:,} train tokens ({d["train_tokens_are"]}'
                            f'{", pre-tokenized" if d["pretokenized"] else ", tokenized on the fly"}, shuffled '
                            f'{d["shuffle"]}): an epoch every {1 / epoch_rates[name]:,.0f} steps')
-        m.writer.print(f'tokenizer {tokenizer.path} ({tokenizer.vocab_size:,} pieces); writing to {m.path}')
-        m.writer.print(f'MFU against {peak}')
+        m.writer.print(f'tokenizer {settled.tokenizer.path} ({settled.tokenizer.vocab_size:,} pieces); writing to '
+                       f'{m.path}')
+        m.writer.print(f'MFU against {settled.peak}')
         if not is_writer:
-            tell_every_host([m], lambda m: f'{config.model.variant_name}, {begun.describe()}, to step '
-                            f'{config.train.steps}; process 0 prints the progress')
+            tell_every_host([m], [f'{config.model.variant_name}, {begun.describe()}, to step {config.train.steps}; '
+                                  'process 0 prints the progress'])
         if note := optimizer.schedule_note(opt, config.train.steps):
             m.writer.print(note)
         if start_step >= config.train.steps and (config.train.steps or begun.origin == start.Origin.RESUMED):
             m.writer.print(f'nothing to train: the checkpoint is at step {start_step} = train.steps')
         elif m is members[0]:
             m.writer.print('compiling the train step ...')
-    return reads['data']
 
 
 def _check_reads(m: hooks.Member, reads: dict[str, Any], allowed: bool) -> None:
@@ -334,7 +332,7 @@ def _check_reads(m: hooks.Member, reads: dict[str, Any], allowed: bool) -> None:
                             'Resume with what it read, train a new --workdir from its weights (--init_from), or set '
                             'data.allow_data_change=true to go on (config.json records what each start read).')
     for line in changed:
-        m.say(f'resuming on changed data (data.allow_data_change=true): {line}')
+        m.writer.print(f'resuming on changed data (data.allow_data_change=true): {line}')
 
 
 def _save_initial(config: Config, state: TrainState, members: list[hooks.Member], checkpoints: hooks.Checkpoints,
