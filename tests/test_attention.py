@@ -182,7 +182,7 @@ def test_code_that_uses_a_setting_refuses_auto_by_name():
     with pytest.raises(ConfigError, match=r"model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution"):
         attention.attention('auto', q, q, q, attention.Causal(None), causal_chunks=1)
     with pytest.raises(ConfigError, match=r"model.hand_vjp='auto' is unresolved here"):
-        ops.hot_ops('auto')
+        ops.hand_vjp_ops('auto')
     model = Decoder(small_model_config(remat='auto'), rngs=nnx.Rngs(0))  # building (for shapes) is fine
     with pytest.raises(ConfigError, match=r"model.remat='auto' is unresolved here: vrl.train.aot.resolve"):
         model(jnp.ones((1, 8), jnp.int32))

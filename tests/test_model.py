@@ -246,11 +246,11 @@ def test_hand_vjp_auto_resolves_per_platform():
     assert ops.choose_hand_vjp('project,swiglu', 'tpu')[0] == 'project,swiglu'  # an explicit choice stands
     for platform, names in ops.HAND_VJP_BY_PLATFORM.items():
         resolved, _ = ops.choose_hand_vjp('auto', platform)
-        hot = ops.hot_ops(resolved)
-        assert (hot.project is ops.project) == ('project' in names)
-        assert (hot.swiglu is ops.swiglu) == ('swiglu' in names)
-        assert (hot.attention is ops.attention) == ('attention' in names)
-        assert (hot.cross_entropy_sums is ops.cross_entropy_sums) == ('cross_entropy' in names)
+        chosen = ops.hand_vjp_ops(resolved)
+        assert (chosen.project is ops.project) == ('project' in names)
+        assert (chosen.swiglu is ops.swiglu) == ('swiglu' in names)
+        assert (chosen.attention is ops.attention) == ('attention' in names)
+        assert (chosen.cross_entropy_sums is ops.cross_entropy_sums) == ('cross_entropy' in names)
 
 
 @pytest.mark.parametrize('variant', cases({name: NAMED_VARIANTS[name] for name in (*FAST_TIER, 'resformer-per_token')},

@@ -182,16 +182,17 @@ def test_bfloat16_residuals_are_stacked_as_they_are_on_cpu():
     weights = tuple(_normal(50 + i, n_layers, *shape).astype(bf16)
                     for i, shape in enumerate([(D, K, G, Dh), (D, K, Dh), (D, K, Dh), (D, F), (D, F), (F, D)]))
 
-    def loss(hot: ops.HotOps, x, weights):
+    def loss(chosen: ops.HandVjpOps, x, weights):
         def layer(x, w):
             wq, wk, wv, w_gate, w_up, w_down = w
-            o = hot.attention(hot.project(x, wq, 1), hot.project(x, wk, 1), hot.project(x, wv, 1), mask)
+            o = chosen.attention(chosen.project(x, wq, 1), chosen.project(x, wk, 1), chosen.project(x, wv, 1), mask)
             x = x + o.reshape(x.shape)
-            return x + hot.project(hot.swiglu(hot.project(x, w_gate, 1), hot.project(x, w_up, 1)), w_down, 1), None
+            hidden = chosen.swiglu(chosen.project(x, w_gate, 1), chosen.project(x, w_up, 1))
+            return x + chosen.project(hidden, w_down, 1), None
         return jnp.sum(jax.lax.scan(layer, x, weights)[0].astype(jnp.float32) ** 2)
 
     def float32_stacks(hand_vjp: str) -> set[str]:
-        grad = jax.jit(jax.grad(functools.partial(loss, ops.hot_ops(hand_vjp)), argnums=(0, 1)))
+        grad = jax.jit(jax.grad(functools.partial(loss, ops.hand_vjp_ops(hand_vjp)), argnums=(0, 1)))
         text = grad.lower(_normal(49, B, L, D).astype(bf16), weights).compile().as_text()
         residuals = {(B, L, F), (B, K, G, L, Dh), (B, K, L, Dh)}
         return {shape for shape in re.findall(rf'f32\[{n_layers},([\d,]+)\]', text)

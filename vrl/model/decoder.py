@@ -120,8 +120,8 @@ class Attention(nnx.Module):
         self.hand_vjp = cfg.hand_vjp
 
     @property
-    def ops(self) -> ops.HotOps:
-        return ops.hot_ops(self.hand_vjp)  # at call time: a model is built (for shapes) before hand_vjp resolves
+    def ops(self) -> ops.HandVjpOps:
+        return ops.hand_vjp_ops(self.hand_vjp)  # at call time: a model is built (for shapes) before hand_vjp resolves
 
     def queries(self, x_BxLxD: Array, positions_BxL: Array) -> Array:
         q_BxLxHxDh = self.ops.project(x_BxLxD, self.wq[...].astype(x_BxLxD.dtype), 1)
@@ -176,8 +176,8 @@ class MLP(nnx.Module):
         self.hand_vjp = cfg.hand_vjp
 
     @property
-    def ops(self) -> ops.HotOps:
-        return ops.hot_ops(self.hand_vjp)
+    def ops(self) -> ops.HandVjpOps:
+        return ops.hand_vjp_ops(self.hand_vjp)
 
     def __call__(self, x_BxLxD: Array) -> Array:
         dtype = x_BxLxD.dtype

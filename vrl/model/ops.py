@@ -5,7 +5,7 @@ Each is a plain function (`plain_*`, differentiated by autodiff) made a `jax.cus
 hand-written backward that computes what autodiff would (tests/test_ops.py checks them against
 float64 autodiff); they exist because of how XLA lays the autodiff graphs out (what each saves:
 docs/performance.md, from `python bench/train_throughput.py` and `python bench/hand_vjp.py`).
-`model.hand_vjp` picks, per op, which one a model uses (`hot_ops`); under `auto`,
+`model.hand_vjp` picks, per op, which one a model uses (`hand_vjp_ops`); under `auto`,
 HAND_VJP_BY_PLATFORM says what each backend runs.
 
 - `project` (x @ W over the trailing dims of x): autodiff's weight gradient contracts over the
@@ -394,9 +394,9 @@ HAND_VJP_BY_PLATFORM = {'cpu': HAND_VJP_OPS, 'tpu': HAND_VJP_OPS,
 
 
 @dataclasses.dataclass(frozen=True)
-class HotOps:
-    """The model's hot operations, each with its hand-written backward or differentiated by autodiff
-    (the same forward either way)."""
+class HandVjpOps:
+    """The model's hot operations as model.hand_vjp chooses: each with its hand-written backward or
+    differentiated by autodiff (the same forward either way)."""
     project: Callable[..., Array]
     attention: Callable[..., Array]
     swiglu: Callable[..., Array]
@@ -413,13 +413,13 @@ def choose_hand_vjp(setting: str, platform: str) -> tuple[str, str]:
 
 
 @functools.cache
-def hot_ops(hand_vjp: str) -> HotOps:
+def hand_vjp_ops(hand_vjp: str) -> HandVjpOps:
     """The ops for a resolved model.hand_vjp value ('all', 'none' or a comma list)."""
     if hand_vjp == 'auto':
         raise ConfigError("model.hand_vjp='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
                           'platform (a TrainSteps does it itself).')
     names = () if hand_vjp == 'none' else HAND_VJP_OPS if hand_vjp == 'all' else hand_vjp.split(',')
-    return HotOps(project=project if 'project' in names else plain_project,
+    return HandVjpOps(project=project if 'project' in names else plain_project,
                   attention=attention if 'attention' in names else plain_attention,
                   swiglu=swiglu if 'swiglu' in names else plain_swiglu,
                   cross_entropy_sums=cross_entropy_sums if 'cross_entropy' in names else plain_cross_entropy_sums)

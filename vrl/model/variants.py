@@ -33,7 +33,7 @@ VALUE_EMBED_GATE_SCALE = 2.0  # gate = 2 * sigmoid(x W): 1 at W = 0 (the init), 
 
 def gate(x_BxLxD: Array, w_DxK: Array, project: Callable[..., Array]) -> Array:
     """sigmoid(x W) per token and kv head, shaped (B, L, K, 1) to scale values (B, L, K, Dh); x W by
-    `project` (one of vrl.model.ops' HotOps)."""
+    `project` (one of vrl.model.ops' HandVjpOps)."""
     return jax.nn.sigmoid(project(x_BxLxD, w_DxK.astype(x_BxLxD.dtype), 1, jnp.float32))[..., None]
 
 

@@ -182,7 +182,7 @@ def fingerprint(tree: Any) -> dict[str, list[int]]:
     return {_path_name(p): [int(v) for v in np.asarray(x)] for p, x in jax.tree_util.tree_leaves_with_path(host)}
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: Any, config: Config,
+def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: grain.DatasetIterator | None, config: Config,
          force: bool = False) -> bool:
     """Starts an async save of `state`, the iterator's position (if any) and the meta record."""
     meta = {'model': dataclasses.asdict(config.model), 'optimizer': config.optimizer.name,
@@ -359,7 +359,7 @@ def _one_line(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + '...'
 
 
-def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iterator: Any,
+def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iterator: grain.DatasetIterator | None,
                   config: Config) -> Any:
     """Step `step`'s verified state; CheckpointMismatchError for another model, CorruptCheckpointError
     for a step that cannot be read or whose arrays differ from the ones saved."""
@@ -390,7 +390,7 @@ def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any
     return state
 
 
-def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any, data_iterator: Any,
+def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any, data_iterator: grain.DatasetIterator | None,
                    config: Config, say: Callable[[str], None] = print) -> tuple[Any, int] | None:
     """The newest step that reads back intact, as (state, step); None if there is no checkpoint.
 
@@ -473,7 +473,7 @@ def _committed_at(step_dir: epath.Path) -> epath.Path | None:
     return found and found.path
 
 
-def restore_branch(path: str, abstract_state: Any, data_iterator: Any, config: Config) -> tuple[Any, int]:
+def restore_branch(path: str, abstract_state: Any, data_iterator: grain.DatasetIterator | None, config: Config) -> tuple[Any, int]:
     """Another run's whole state at one step (parameters, optimizer, data position), as (state, step):
     `--branch_from`, e.g. to extend a wsd run from its last stable step in a new workdir."""
     root, step = step_folder(path)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, Callable
 
+import grain
 import jax
+import orbax.checkpoint as ocp
 from etils import epath
 
 from vrl.core import storage
@@ -60,8 +62,8 @@ class Start:
                 Origin.FRESH: 'fresh start'}[self.origin]
 
 
-def decide(trainer: TrainSteps, config: Config, path: epath.Path, manager: Any, data_iterator: Any, request: Request,
-           say: Any) -> Start:
+def decide(trainer: TrainSteps, config: Config, path: epath.Path, manager: ocp.CheckpointManager,
+           data_iterator: grain.DatasetIterator, request: Request, say: Callable[[str], None]) -> Start:
     """The start of the run in `path` (its `manager`'s checkpoints), with the data position restored
     into `data_iterator`; `say` tells the user what was chosen."""
     checkpoint.check_committed(path)

@@ -45,7 +45,7 @@ def loss_sums(graphdef: nnx.GraphDef, params: dict[str, Any], batch: Batch, z_lo
     the second carries no gradient (vrl.model.ops.cross_entropy_sums)."""
     model = nnx.merge(graphdef, params)
     hidden_BxLxD = model.hidden(batch['inputs'], batch.get('positions'), batch.get('segment_ids'))
-    return ops.hot_ops(model.cfg.hand_vjp).cross_entropy_sums(
+    return ops.hand_vjp_ops(model.cfg.hand_vjp).cross_entropy_sums(
         hidden_BxLxD, model.head_DxV(), batch['targets'], batch['loss_mask'].astype(jnp.float32),
         model.cfg.vocab_size, z_loss, model.cfg.head_chunks)
 
