@@ -44,8 +44,9 @@ try:
     import torch
     import transformers
 except ImportError as e:
-    raise SystemExit(f'bench/against_pytorch.py needs PyTorch and transformers ({e}): '
-                     'pip install -r requirements-extra.txt') from e
+    raise SystemExit(
+        f'bench/against_pytorch.py needs PyTorch and transformers ({e}): pip install -r requirements-extra.txt'
+    ) from e
 
 
 class TorchStep:
@@ -55,11 +56,21 @@ class TorchStep:
         model, data = config.model, config.data
         torch.manual_seed(0)
         llama = transformers.LlamaConfig(
-            vocab_size=model.vocab_size, hidden_size=model.d_model, intermediate_size=model.d_ff,
-            num_hidden_layers=model.n_layers, num_attention_heads=model.n_heads,
-            num_key_value_heads=model.n_kv_heads, head_dim=model.head_dim, max_position_embeddings=data.seq_len,
-            rms_norm_eps=model.norm_eps, rope_theta=model.rope_theta, tie_word_embeddings=False,
-            attention_bias=False, mlp_bias=False, attn_implementation='eager')
+            vocab_size=model.vocab_size,
+            hidden_size=model.d_model,
+            intermediate_size=model.d_ff,
+            num_hidden_layers=model.n_layers,
+            num_attention_heads=model.n_heads,
+            num_key_value_heads=model.n_kv_heads,
+            head_dim=model.head_dim,
+            max_position_embeddings=data.seq_len,
+            rms_norm_eps=model.norm_eps,
+            rope_theta=model.rope_theta,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
+            attn_implementation='eager',
+        )
         self.model = transformers.LlamaForCausalLM(llama).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
         self.autocast = dtype == 'bfloat16'
@@ -95,13 +106,20 @@ def main() -> None:
     parser.add_argument('--batch', type=int, default=4)
     parser.add_argument('--steps', type=int, default=5)
     args = parser.parse_args()
-    limits = ' '.join(f'{k}={os.environ[k]}' for k in ('ONEDNN_MAX_CPU_ISA', 'ATEN_CPU_CAPABILITY',
-                                                       'MKL_ENABLE_INSTRUCTIONS') if k in os.environ)
-    print(f'{backend.describe_cpu_isa()}; PyTorch {torch.__version__} ({torch.get_num_threads()} threads, '
-          f'ATen {torch.backends.cpu.get_cpu_capability()}{"; " + limits if limits else ""}); {args.dtype}, '
-          f'batch {args.batch} x {args.seq_len}; vrl on {jax.device_count()} {jax.devices()[0].platform} device(s)')
-    print(f'{"variant":>12} | {"vrl step s":>10} | {"PyTorch s":>9} | {"vrl tok/s":>9} | {"PyTorch tok/s":>13} | '
-          f'{"vrl / PyTorch":>13}')
+    limits = ' '.join(
+        f'{k}={os.environ[k]}'
+        for k in ('ONEDNN_MAX_CPU_ISA', 'ATEN_CPU_CAPABILITY', 'MKL_ENABLE_INSTRUCTIONS')
+        if k in os.environ
+    )
+    print(
+        f'{backend.describe_cpu_isa()}; PyTorch {torch.__version__} ({torch.get_num_threads()} threads, '
+        f'ATen {torch.backends.cpu.get_cpu_capability()}{"; " + limits if limits else ""}); {args.dtype}, '
+        f'batch {args.batch} x {args.seq_len}; vrl on {jax.device_count()} {jax.devices()[0].platform} device(s)'
+    )
+    print(
+        f'{"variant":>12} | {"vrl step s":>10} | {"PyTorch s":>9} | {"vrl tok/s":>9} | {"PyTorch tok/s":>13} | '
+        f'{"vrl / PyTorch":>13}'
+    )
     torch_step = None
     for variant in args.variants.split(','):
         vrl_step = Stepper(bench_config(args.config, variant, args.seq_len, args.batch, 'none', args.dtype))
@@ -112,8 +130,12 @@ def main() -> None:
             vrl_times.append(_second(vrl_step))
         vrl_s, torch_s = statistics.median(vrl_times), statistics.median(torch_times)
         tokens = args.batch * args.seq_len
-        print(f'{variant:>12} | {vrl_s:>10.3f} | {torch_s:>9.3f} | {tokens / vrl_s:>9,.0f} | {tokens / torch_s:>13,.0f} | '
-              f'{torch_s / vrl_s:>12.2f}x', flush=True)
+        print(
+            f'{variant:>12} | {vrl_s:>10.3f} | {torch_s:>9.3f} | {tokens / vrl_s:>9,.0f} | '
+            f'{tokens / torch_s:>13,.0f} | '
+            f'{torch_s / vrl_s:>12.2f}x',
+            flush=True,
+        )
         del vrl_step
 
 

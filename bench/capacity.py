@@ -36,8 +36,11 @@ def main() -> None:
     variants = args.variants.split(',')
     width = max(map(len, variants))
     contexts = [int(c) for c in args.contexts.split(',')]
-    print(f'{"variant":>{width}} | {"cache B/token":>13} | ' + ' | '.join(f'{f"batch @{c}":>11}' for c in contexts)
-          + f' | {"vs vanilla":>10} | {"expected":>8}')
+    print(
+        f'{"variant":>{width}} | {"cache B/token":>13} | '
+        + ' | '.join(f'{f"batch @{c}":>11}' for c in contexts)
+        + f' | {"vs vanilla":>10} | {"expected":>8}'
+    )
     vanilla = presets.apply('vanilla', base_model)
     for variant in variants:
         cfg = presets.apply(variant, base_model)
@@ -45,8 +48,11 @@ def main() -> None:
         ratio = accounting.kv_cache_bytes_per_token(vanilla) / accounting.kv_cache_bytes_per_token(cfg)
         kv_heads = vanilla.n_kv_heads / cfg.n_kv_heads
         expected = kv_heads * (2 * L / (L + 1) if cfg.attention == 'svformer' else 1.0) * cfg.kv_share
-        print(f'{variant:>{width}} | {accounting.kv_cache_bytes_per_token(cfg):>13,} | '
-              + ' | '.join(f'{b:>11,}' for b in batches) + f' | {ratio:>9.3f}x | {expected:>7.3f}x')
+        print(
+            f'{variant:>{width}} | {accounting.kv_cache_bytes_per_token(cfg):>13,} | '
+            + ' | '.join(f'{b:>11,}' for b in batches)
+            + f' | {ratio:>9.3f}x | {expected:>7.3f}x'
+        )
 
 
 if __name__ == '__main__':

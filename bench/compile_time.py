@@ -2,7 +2,8 @@
 
     python bench/compile_time.py [--layers 4,12,24,48] [--d_model 256]
 
-First the seconds to build a tiny Decoder eagerly (goal: <= 3 s on a 2-core CPU), then a table; with scan, compile time should barely grow with depth (the goal: L=48
+First the seconds to build a tiny Decoder eagerly (goal: <= 3 s on a 2-core CPU), then a table; with scan, compile
+time should barely grow with depth (the goal: L=48
 within 1.3x of L=4), while the unrolled loop grows about linearly.
 """
 
@@ -52,14 +53,23 @@ def main() -> None:
     parser.add_argument('--d_model', type=int, default=256)
     parser.add_argument('--attention', default='resformer')
     args = parser.parse_args()
-    base = ModelConfig(attention=args.attention, vocab_size=1024, d_model=args.d_model, n_heads=4,
-                       n_kv_heads=4, head_dim=args.d_model // 4, d_ff=4 * args.d_model,
-                       compute_dtype='float32')
+    base = ModelConfig(
+        attention=args.attention,
+        vocab_size=1024,
+        d_model=args.d_model,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=args.d_model // 4,
+        d_ff=4 * args.d_model,
+        compute_dtype='float32',
+    )
     base = resolve.execution(Config(model=base), jax.default_backend()).model
     tiny = dataclasses.replace(base, n_layers=2, d_model=32, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64)
     first, other = build_seconds(tiny), build_seconds(dataclasses.replace(tiny, d_model=48, d_ff=96))
-    print(f'eager build of a tiny {args.attention} Decoder: {first:.2f} s first in the process, {other:.2f} s for '
-          'another shape (goal: <= 3 s)')
+    print(
+        f'eager build of a tiny {args.attention} Decoder: {first:.2f} s first in the process, {other:.2f} s for '
+        'another shape (goal: <= 3 s)'
+    )
     compile_seconds(dataclasses.replace(base, n_layers=2))  # warm up jax's own caches
     print(f'{args.attention}, d_model {args.d_model}, fwd+bwd jit compile seconds ({jax.default_backend()})')
     print(f'{"layers":>6} | {"scan":>7} | {"loop":>7}')

@@ -44,13 +44,17 @@ from vrl.model import presets, resolve  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 
 BYTES = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'pred': 1, 's8': 1, 'u8': 1, 'f64': 8, 's64': 8}
-_COLLECTIVE = re.compile(r'= (\(.*?\)|\S+) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?\((.*)$')
+_COLLECTIVE = re.compile(
+    r'= (\(.*?\)|\S+) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?\((.*)$'
+)
 
 
 def _bytes(result_type: str) -> int:
     """Bytes of an HLO result type: one array (f32[2,64]{1,0}) or a tuple of them."""
-    return sum(BYTES[dtype] * math.prod(int(d) for d in dims.split(',') if d)
-               for dtype, dims in re.findall(r'(\w+)\[([\d,]*)\]', result_type))
+    return sum(
+        BYTES[dtype] * math.prod(int(d) for d in dims.split(',') if d)
+        for dtype, dims in re.findall(r'(\w+)\[([\d,]*)\]', result_type)
+    )
 
 
 def _groups(line: str) -> list[list[int]]:
@@ -66,12 +70,16 @@ def _groups(line: str) -> list[list[int]]:
     iota = re.search(r'replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', line)
     if iota:  # [groups,size]<=[dims] with an optional transpose T(perm) of the ids before the reshape
         ids = np.arange(math.prod(int(d) for d in iota.group(3).split(','))).reshape(
-            [int(d) for d in iota.group(3).split(',')])
+            [int(d) for d in iota.group(3).split(',')]
+        )
         if iota.group(4):
             ids = ids.transpose([int(d) for d in iota.group(4).split(',')])
         return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
-    meshed = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
-                       r"\{([^}]*)\}", line)
+    meshed = re.search(
+        r'replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? '
+        r'\{([^}]*)\}',
+        line,
+    )
     if not meshed:
         raise ValueError(f'replica groups not understood: {line[:300]}')
     sizes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", meshed.group(1))}
@@ -129,9 +137,10 @@ def measure(config) -> tuple[dict[str, int], int]:
     mesh = sharding.make_mesh(config.mesh)
     trainer = TrainSteps(config, mesh)
     shape = (config.data.batch_size, config.data.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32 if k != 'loss_mask' else jnp.float32,
-                                     sharding=trainer.batch_sharding)
-             for k in ('inputs', 'targets', 'loss_mask')}
+    batch = {
+        k: jax.ShapeDtypeStruct(shape, jnp.int32 if k != 'loss_mask' else jnp.float32, sharding=trainer.batch_sharding)
+        for k in ('inputs', 'targets', 'loss_mask')
+    }
     hlo = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
     ids = mesh.device_ids  # (data, fsdp, context, tensor)
     context = mesh.shape['context']
@@ -141,21 +150,32 @@ def measure(config) -> tuple[dict[str, int], int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--size', default='tiny', help='tiny (configs/tiny.py) or a configs/base.py size: 82m, 180m, 468m')
+    parser.add_argument(
+        '--size', default='tiny', help='tiny (configs/tiny.py) or a configs/base.py size: 82m, 180m, 468m'
+    )
     parser.add_argument('--contexts', default='2,4')
     parser.add_argument('--seq_len', type=int, default=256)
-    parser.add_argument('--variants', default='vanilla,resformer,svformer,cla2',
-                        help='vrl/model/presets.py names; the first is the one the others are compared with')
+    parser.add_argument(
+        '--variants',
+        default='vanilla,resformer,svformer,cla2',
+        help='vrl/model/presets.py names; the first is the one the others are compared with',
+    )
     args = parser.parse_args()
     start = from_configdict(tiny.get_config() if args.size == 'tiny' else base.get_config(f'vanilla,{args.size}'))
-    start = dataclasses.replace(start, data=dataclasses.replace(start.data, seq_len=args.seq_len,
-                                                                batch_size=jax.device_count()),
-                                train=dataclasses.replace(start.train, microbatches=1),  # base.py's are auto
-                                model=dataclasses.replace(start.model, remat='none', compute_dtype='float32'))
-    print(f'{args.size}, seq_len {args.seq_len}, {jax.device_count()} {jax.devices()[0].platform} devices; '
-          'MB per device per step')
-    print('| variant | context | K/V all-gather | K/V reduce-scatter | vs vanilla | attention needs '
-          '| sequence moved | gradient all-reduce | other axes |')
+    start = dataclasses.replace(
+        start,
+        data=dataclasses.replace(start.data, seq_len=args.seq_len, batch_size=jax.device_count()),
+        train=dataclasses.replace(start.train, microbatches=1),  # base.py's are auto
+        model=dataclasses.replace(start.model, remat='none', compute_dtype='float32'),
+    )
+    print(
+        f'{args.size}, seq_len {args.seq_len}, {jax.device_count()} {jax.devices()[0].platform} devices; '
+        'MB per device per step'
+    )
+    print(
+        '| variant | context | K/V all-gather | K/V reduce-scatter | vs vanilla | attention needs '
+        '| sequence moved | gradient all-reduce | other axes |'
+    )
     print('|---|---|---|---|---|---|---|---|---|')
     for context in [int(c) for c in args.contexts.split(',')]:
         vanilla = None
@@ -168,10 +188,12 @@ def main() -> None:
             vanilla = vanilla or exchanged
             moved = sum(v for k, v in totals.items() if k.endswith(' context') and not k.startswith('all-reduce'))
             other = sum(v for k, v in totals.items() if k.endswith(' other'))
-            print(f'| {variant} | {context} | {totals.get("all-gather attention", 0) / 1e6:.2f} | '
-                  f'{totals.get("reduce-scatter attention", 0) / 1e6:.2f} | {exchanged / vanilla:.2f} | '
-                  f'{least / 1e6:.2f} | {moved / 1e6:.2f} | {totals.get("all-reduce context", 0) / 1e6:.2f} | '
-                  f'{other / 1e6:.2f} |')
+            print(
+                f'| {variant} | {context} | {totals.get("all-gather attention", 0) / 1e6:.2f} | '
+                f'{totals.get("reduce-scatter attention", 0) / 1e6:.2f} | {exchanged / vanilla:.2f} | '
+                f'{least / 1e6:.2f} | {moved / 1e6:.2f} | {totals.get("all-reduce context", 0) / 1e6:.2f} | '
+                f'{other / 1e6:.2f} |'
+            )
 
 
 if __name__ == '__main__':

@@ -56,7 +56,7 @@ def write_dataset(data_dir: Path, tokenizer: Tokenizer, total_tokens: int, seed:
     lengths = []
     while sum(lengths) < total_tokens:
         lengths += np.clip(rng.lognormal(6.5, 0.9, 10_000), 20, 20_000).astype(int).tolist()
-    lengths = np.array(lengths)[:np.searchsorted(np.cumsum(lengths), total_tokens) + 1]
+    lengths = np.array(lengths)[: np.searchsorted(np.cumsum(lengths), total_tokens) + 1]
     version = data_dir / 'pages' / '1.0.0'
     folder = tokens.folder(storage.path(str(version)), tokenizer)
     folder.mkdir(parents=True)
@@ -66,14 +66,36 @@ def write_dataset(data_dir: Path, tokenizer: Tokenizer, total_tokens: int, seed:
         shard_lengths = lengths[lo:hi]
         rng.integers(3, VOCAB, int(shard_lengths.sum()), dtype=np.uint16).tofile(folder / f'{name}.tokens')
         np.save(folder / f'{name}.offsets.npy', np.concatenate([[0], np.cumsum(shard_lengths)]).astype(np.int64))
-    splits = {'train': {'shards': names, 'documents': len(lengths), 'shard_documents': np.diff(bounds).tolist(),
-                        'tokens': int(lengths.sum())}}
-    (folder / tokens.MARKER).write_text(json.dumps({'format': shards.FORMAT, 'dataset': 'pages',
-                                                   'fingerprint': tokenizer.fingerprint, 'dtype': '<u2',
-                                                   'splits': splits}))
+    splits = {
+        'train': {
+            'shards': names,
+            'documents': len(lengths),
+            'shard_documents': np.diff(bounds).tolist(),
+            'tokens': int(lengths.sum()),
+        }
+    }
+    (folder / tokens.MARKER).write_text(
+        json.dumps(
+            {
+                'format': shards.FORMAT,
+                'dataset': 'pages',
+                'fingerprint': tokenizer.fingerprint,
+                'dtype': '<u2',
+                'splits': splits,
+            }
+        )
+    )
     # what TFDS records of the text: ~4 bytes a token
-    (version / 'dataset_info.json').write_text(json.dumps({'name': 'pages', 'splits': [
-        {'name': 'train', 'numBytes': str(4 * int(lengths.sum())), 'shardLengths': [str(len(lengths))]}]}))
+    (version / 'dataset_info.json').write_text(
+        json.dumps(
+            {
+                'name': 'pages',
+                'splits': [
+                    {'name': 'train', 'numBytes': str(4 * int(lengths.sum())), 'shardLengths': [str(len(lengths))]}
+                ],
+            }
+        )
+    )
 
 
 READS = [0]  # ranged reads (GETs on a store) so far
@@ -83,6 +105,7 @@ def _counting(read_range):
     def counted(url: str, start: int, end: int) -> bytes:
         READS[0] += 1
         return read_range(url, start, end)
+
     return counted
 
 
@@ -106,17 +129,34 @@ def measure(cfg: DataConfig, tokenizer: Tokenizer, batches: int, warmup: int, st
     seconds, cpu = time.perf_counter() - wall, time.process_time() - cpu
     n = batches * cfg.batch_size * cfg.seq_len
     taken = (batches + warmup + 1) * cfg.batch_size * cfg.seq_len
-    row = {'first': first, 'tokens/s': n / seconds, 'median wait': statistics.median(waits), 'max wait': max(waits),
-           'waited': sum(w > 1e-3 for w in waits) / len(waits), 'cpu per M': cpu / n * 1e6,
-           'reads per M': (READS[0] - reads) / taken * 1e6}
+    row = {
+        'first': first,
+        'tokens/s': n / seconds,
+        'median wait': statistics.median(waits),
+        'max wait': max(waits),
+        'waited': sum(w > 1e-3 for w in waits) / len(waits),
+        'cpu per M': cpu / n * 1e6,
+        'reads per M': (READS[0] - reads) / taken * 1e6,
+    }
     getattr(iterator, 'close', lambda: None)()
     return row
 
 
 def _proxy(url: str, args: argparse.Namespace, faults: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
-    proxy = subprocess.Popen([sys.executable, '-m', 'tests.slow_store', f'--upstream={url}',
-                              f'--latency_ms={args.latency_ms}', f'--mbps={args.mbps}',
-                              *[f'--fault={fault}' for fault in faults]], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proxy = subprocess.Popen(
+        [
+            sys.executable,
+            '-m',
+            'tests.slow_store',
+            f'--upstream={url}',
+            f'--latency_ms={args.latency_ms}',
+            f'--mbps={args.mbps}',
+            *[f'--fault={fault}' for fault in faults],
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     return proxy, proxy.stdout.readline().split("'")[1]
 
 
@@ -125,17 +165,24 @@ def main() -> None:
     parser.add_argument('--tokens', type=int, default=50_000_000)
     parser.add_argument('--latency_ms', type=float, default=50)
     parser.add_argument('--mbps', type=float, default=50)
-    parser.add_argument('--modes', default='documents:8,documents:64,windows:8',
-                        help='SHUFFLE:READ_THREADS rows through the store, comma-separated')
+    parser.add_argument(
+        '--modes',
+        default='documents:8,documents:64,windows:8',
+        help='SHUFFLE:READ_THREADS rows through the store, comma-separated',
+    )
     parser.add_argument('--block_tokens', type=int, default=0, help='data.block_tokens of the windows rows')
     parser.add_argument('--window_blocks', type=int, default=64)
     parser.add_argument('--batches', type=int, default=150)
     parser.add_argument('--warmup', type=int, default=30)
     parser.add_argument('--step_ms', type=float, default=0, help='the time a training step holds each batch')
-    parser.add_argument('--faults', action='store_true', help='a windows row through a store that answers a 503 '
-                        'and resets a connection on token reads')
+    parser.add_argument(
+        '--faults',
+        action='store_true',
+        help='a windows row through a store that answers a 503 and resets a connection on token reads',
+    )
     args = parser.parse_args()
     import gcsfs
+
     with tempfile.TemporaryDirectory() as scratch, serving(f'{scratch}/objects') as url:
         texts = [f'document {i}: ' + 'the quick brown fox jumps over the lazy dog ' * (i % 7 + 1) for i in range(2000)]
         tokenizer = train(texts, 300, f'{scratch}/tokenizer.json')
@@ -143,8 +190,15 @@ def main() -> None:
         write_dataset(local, tokenizer, args.tokens)
         storage.copy_tree(storage.path(str(local)), storage.path('gs://vrl/tfds'))
         size = sum(f.stat().st_size for f in local.rglob('*.tokens'))
-        base = DataConfig(name='pages', data_dir=str(local), tokenizer=tokenizer.path, seq_len=2048, batch_size=8,
-                          block_tokens=args.block_tokens, window_blocks=args.window_blocks)
+        base = DataConfig(
+            name='pages',
+            data_dir=str(local),
+            tokenizer=tokenizer.path,
+            seq_len=2048,
+            batch_size=8,
+            block_tokens=args.block_tokens,
+            window_blocks=args.window_blocks,
+        )
         step_s = args.step_ms / 1e3
         rows = [('local disk', 'documents', 0, measure(base, tokenizer, args.batches, args.warmup, step_s))]
         runs = [(mode, int(threads), ()) for mode, threads in (m.split(':') for m in args.modes.split(','))]
@@ -158,17 +212,23 @@ def main() -> None:
             store = f'gs:// via {args.latency_ms:g} ms, {args.mbps:g} MB/s' + (', a 503 and a reset' if faults else '')
             rows.append((store, mode, threads, measure(cfg, tokenizer, args.batches, args.warmup, step_s)))
             proxy.terminate()
-    print(f'dataset: {args.tokens / 1e6:.0f}M tokens ({size / 1e6:.0f} MB uint16) in {SHARDS} shards; batch 8 x 2048; '
-          f'a step holds each batch {args.step_ms:g} ms; windows of {args.window_blocks} blocks '
-          f'(block_tokens {args.block_tokens or "auto"}); load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} '
-          'cores\n')
-    print('| store | shuffle | read threads | first batch (s) | tokens/s | median wait (ms) | max wait (ms) | '
-          'batches waited > 1 ms | GETs / M tokens | reader CPU s / M tokens |')
+    print(
+        f'dataset: {args.tokens / 1e6:.0f}M tokens ({size / 1e6:.0f} MB uint16) in {SHARDS} shards; batch 8 x 2048; '
+        f'a step holds each batch {args.step_ms:g} ms; windows of {args.window_blocks} blocks '
+        f'(block_tokens {args.block_tokens or "auto"}); load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} '
+        'cores\n'
+    )
+    print(
+        '| store | shuffle | read threads | first batch (s) | tokens/s | median wait (ms) | max wait (ms) | '
+        'batches waited > 1 ms | GETs / M tokens | reader CPU s / M tokens |'
+    )
     print('|---|---|---|---|---|---|---|---|---|---|')
     for store, mode, threads, r in rows:
-        print(f'| {store} | {mode} | {threads} | {r["first"]:.2f} | {r["tokens/s"] / 1e6:.2f}M | '
-              f'{1e3 * r["median wait"]:.1f} | {1e3 * r["max wait"]:.0f} | {100 * r["waited"]:.0f}% | '
-              f'{r["reads per M"]:,.0f} | {r["cpu per M"]:.2f} |')
+        print(
+            f'| {store} | {mode} | {threads} | {r["first"]:.2f} | {r["tokens/s"] / 1e6:.2f}M | '
+            f'{1e3 * r["median wait"]:.1f} | {1e3 * r["max wait"]:.0f} | {100 * r["waited"]:.0f}% | '
+            f'{r["reads per M"]:,.0f} | {r["cpu per M"]:.2f} |'
+        )
 
 
 if __name__ == '__main__':

@@ -63,8 +63,10 @@ def main() -> None:
         build.prepare(corpus.shakespeare_spec(), 'speeches', folder)
         build.prepare(pages(Path(folder)), 'pages', folder)
         texts = list(corpus.texts(corpus.open_split('pages', folder, 'train')))
-        kinds = {'sentencepiece': train_tokenizer(texts, args.vocab_size, f'{folder}/sp.model'),
-                 'tokenizers': train_tokenizer(texts, args.vocab_size, f'{folder}/tokenizer.json')}
+        kinds = {
+            'sentencepiece': train_tokenizer(texts, args.vocab_size, f'{folder}/sp.model'),
+            'tokenizers': train_tokenizer(texts, args.vocab_size, f'{folder}/tokenizer.json'),
+        }
         print('| corpus | tokenize processes | seconds | tokens/s |\n|---|---|---|---|')
         for name in ('speeches', 'pages'):
             for workers in (1, 2):
@@ -73,18 +75,29 @@ def main() -> None:
                 seconds = time.perf_counter() - start
                 total = sum(s['tokens'] for s in json.loads((target / tokens.MARKER).read_text())['splits'].values())
                 print(f'| {name} | {workers} | {seconds:.1f} | {total / seconds:,.0f} |')
-        print(f'\n| corpus | tokens/document | pipeline | workers | tokens/s (batches of {args.batch_size} x '
-              f'{args.seq_len}) |\n|---|---|---|---|---|')
+        print(
+            f'\n| corpus | tokens/document | pipeline | workers | tokens/s (batches of {args.batch_size} x '
+            f'{args.seq_len}) |\n|---|---|---|---|---|'
+        )
         for name in ('speeches', 'pages'):
-            info = json.loads((tokens.folder(corpus.dataset_path(name, folder), kinds['tokenizers']) /
-                               tokens.MARKER).read_text())['splits']['train']
+            info = json.loads(
+                (tokens.folder(corpus.dataset_path(name, folder), kinds['tokenizers']) / tokens.MARKER).read_text()
+            )['splits']['train']
             per_document = info['tokens'] / info['documents']
-            for pipeline, tokenizer, pretokenized in (('on the fly, sentencepiece', kinds['sentencepiece'], False),
-                                                      ('on the fly, tokenizers', kinds['tokenizers'], False),
-                                                      ('pre-tokenized', kinds['tokenizers'], True)):
+            for pipeline, tokenizer, pretokenized in (
+                ('on the fly, sentencepiece', kinds['sentencepiece'], False),
+                ('on the fly, tokenizers', kinds['tokenizers'], False),
+                ('pre-tokenized', kinds['tokenizers'], True),
+            ):
                 for workers in (0, 1, 2):
-                    cfg = DataConfig(name=name, data_dir=folder, seq_len=args.seq_len, batch_size=args.batch_size,
-                                     num_workers=workers, pretokenized=pretokenized)
+                    cfg = DataConfig(
+                        name=name,
+                        data_dir=folder,
+                        seq_len=args.seq_len,
+                        batch_size=args.batch_size,
+                        num_workers=workers,
+                        pretokenized=pretokenized,
+                    )
                     rate = tokens_per_second(cfg, tokenizer, args.batches)
                     print(f'| {name} | {per_document:,.0f} | {pipeline} | {workers} | {rate:,.0f} |', flush=True)
 

@@ -56,8 +56,10 @@ def bytes_per_step(cfg, params, batch: int, context: int) -> tuple[int, int]:
     counted once (as stored) and as the layers read it (a key and a value slot per layer)."""
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     read_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
-    return (weights + batch * context * accounting.kv_cache_bytes_per_token(cfg),
-            weights + batch * context * read_per_token)
+    return (
+        weights + batch * context * accounting.kv_cache_bytes_per_token(cfg),
+        weights + batch * context * read_per_token,
+    )
 
 
 def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tuple[int, float, tuple[int, int]]:
@@ -94,21 +96,29 @@ def main() -> None:
         for batch in map(int, args.batches.split(',')):
             for variant in args.variants.split(','):
                 cfg = presets.apply(variant, from_configdict(base.get_config(f'vanilla,{args.size}')).model)
-                cfg = dataclasses.replace(cfg, compute_dtype='float32' if jax.default_backend() == 'cpu' else 'bfloat16')
+                cfg = dataclasses.replace(
+                    cfg, compute_dtype='float32' if jax.default_backend() == 'cpu' else 'bfloat16'
+                )
                 rows.append((variant, context, batch, *decode_tokens_per_sec(cfg, batch, context, args.new_tokens)))
     bandwidth_after = memory_bandwidth()
     bandwidth = max(bandwidth_before, bandwidth_after)  # a shared host's best moment in this run
-    print(f'{args.size}, {jax.devices()[0].device_kind}; {args.new_tokens} decode steps after the context; '
-          f'memory bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB copy; {bandwidth_before / 1e9:.1f} before the '
-          f'rows, {bandwidth_after / 1e9:.1f} after)')
+    print(
+        f'{args.size}, {jax.devices()[0].device_kind}; {args.new_tokens} decode steps after the context; '
+        f'memory bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB copy; {bandwidth_before / 1e9:.1f} before the '
+        f'rows, {bandwidth_after / 1e9:.1f} after)'
+    )
     width = max(map(len, args.variants.split(',')))
-    print(f'{"variant":>{width}} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"decode tok/s":>12} | '
-          f'{"of bound":>8} | {"of reads":>8}')
+    print(
+        f'{"variant":>{width}} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"decode tok/s":>12} | '
+        f'{"of bound":>8} | {"of reads":>8}'
+    )
     for variant, context, batch, n_bytes, tokens_per_sec, (stored, read) in rows:
         steps_per_sec = tokens_per_sec / batch
-        print(f'{variant:>{width}} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | '
-              f'{tokens_per_sec:>12,.1f} | {stored * steps_per_sec / bandwidth:>8.1%} | '
-              f'{read * steps_per_sec / bandwidth:>8.1%}')
+        print(
+            f'{variant:>{width}} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | '
+            f'{tokens_per_sec:>12,.1f} | {stored * steps_per_sec / bandwidth:>8.1%} | '
+            f'{read * steps_per_sec / bandwidth:>8.1%}'
+        )
 
 
 if __name__ == '__main__':

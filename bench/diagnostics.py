@@ -37,26 +37,32 @@ def main() -> None:
     args = parser.parse_args()
     every, sequences = TrainConfig.diagnostics_every, TrainConfig.diagnostics_sequences
     dtype = 'float32' if jax.default_backend() == 'cpu' else 'bfloat16'
-    print(f'{jax.device_count()} x {jax.devices()[0].device_kind}, {dtype}; diagnostics of {sequences} sequences '
-          f'every {every} steps (the defaults)')
+    print(
+        f'{jax.device_count()} x {jax.devices()[0].device_kind}, {dtype}; diagnostics of {sequences} sequences '
+        f'every {every} steps (the defaults)'
+    )
     print(f'{"config":>6} | {"batch x seq":>11} | {"step s":>7} | {"diagnostics s":>13} | {"share at default":>16}')
     for name in args.configs.split(','):
         config = bench_config(name, args.variant, args.seq_len, args.batch, 'none', dtype)
         stepper = Stepper(config)
         trainer = stepper.group.trainer
         stats_fn = diagnostics.summed_stats(trainer)
-        tokens = np.random.default_rng(1).integers(0, config.model.vocab_size, (sequences, config.data.seq_len),
-                                                   dtype=np.int32)
+        tokens = np.random.default_rng(1).integers(
+            0, config.model.vocab_size, (sequences, config.data.seq_len), dtype=np.int32
+        )
 
         def diagnose() -> float:
             start = time.perf_counter()
             diagnostics.averaged(stats_fn, trainer, stepper.state.params, tokens, config.data.batch_size)
             return time.perf_counter() - start
+
         diagnose()  # compile
         step_s = statistics.median(stepper.step() for _ in range(args.steps))
         diag_s = statistics.median(diagnose() for _ in range(args.steps))
-        print(f'{name:>6} | {config.data.batch_size:>4} x {config.data.seq_len:<4} | {step_s:7.3f} | {diag_s:13.3f} | '
-              f'{diag_s / (every * step_s + diag_s):16.3%}')
+        print(
+            f'{name:>6} | {config.data.batch_size:>4} x {config.data.seq_len:<4} | {step_s:7.3f} | {diag_s:13.3f} | '
+            f'{diag_s / (every * step_s + diag_s):16.3%}'
+        )
 
 
 if __name__ == '__main__':

@@ -39,8 +39,12 @@ from vrl.train.step import TrainSteps  # noqa: E402
 from vrl.train.trained import TrainedRun  # noqa: E402
 
 # name: (choices, words of context, words per choice); 1 choice = a loglikelihood task (lambada's kind)
-SHAPES = {'hellaswag_like': (4, 40, 20), 'piqa_like': (2, 15, 20), 'arc_easy_like': (4, 25, 4),
-          'lambada_like': (1, 70, 1)}
+SHAPES = {
+    'hellaswag_like': (4, 40, 20),
+    'piqa_like': (2, 15, 20),
+    'arc_easy_like': (4, 25, 4),
+    'lambada_like': (1, 70, 1),
+}
 TASK_YAML = """task: {name}
 dataset_path: json
 dataset_kwargs: {{data_files: {{test: {data}}}}}
@@ -65,8 +69,13 @@ def write_tasks(folder: Path, examples: int) -> list[str]:
         docs = []
         for _ in range(examples):
             starts = rng.integers(0, len(words) - context - length, size=choices + 1)
-            docs.append({'question': ' '.join(words[starts[0]:starts[0] + context]),
-                         'choices': [' ' + ' '.join(words[s:s + length]) for s in starts[1:]], 'answer': 0})
+            docs.append(
+                {
+                    'question': ' '.join(words[starts[0] : starts[0] + context]),
+                    'choices': [' ' + ' '.join(words[s : s + length]) for s in starts[1:]],
+                    'answer': 0,
+                }
+            )
         (folder / f'{name}.jsonl').write_text(''.join(json.dumps(d) + '\n' for d in docs))
         kind = LAST_WORD if choices == 1 else CHOICE
         (folder / f'{name}.yaml').write_text(TASK_YAML.format(name=name, data=folder / f'{name}.jsonl', kind=kind))
@@ -76,8 +85,13 @@ def write_tasks(folder: Path, examples: int) -> list[str]:
 def train_tokens_per_sec(config, trainer: TrainSteps, rows: int) -> float:
     state = trainer.init_state(0)
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (rows, config.data.seq_len + 1))
-    batch = trainer.device_batch({'inputs': tokens[:, :-1].astype(np.int32), 'targets': tokens[:, 1:].astype(np.int32),
-                                  'loss_mask': np.ones((rows, config.data.seq_len), np.int32)})
+    batch = trainer.device_batch(
+        {
+            'inputs': tokens[:, :-1].astype(np.int32),
+            'targets': tokens[:, 1:].astype(np.int32),
+            'loss_mask': np.ones((rows, config.data.seq_len), np.int32),
+        }
+    )
     state, out = trainer.train_step(state, batch)  # compiles
     jax.block_until_ready(out)
     start = time.perf_counter()
@@ -102,7 +116,9 @@ def main() -> None:
         model = dataclasses.replace(model, compute_dtype='float32')
     model = dataclasses.replace(model, remat='none')
     data = dataclasses.replace(config.data, batch_size=args.train_rows)
-    config = dataclasses.replace(config, model=model, data=data, train=dataclasses.replace(config.train, microbatches=1))
+    config = dataclasses.replace(
+        config, model=model, data=data, train=dataclasses.replace(config.train, microbatches=1)
+    )
     trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
     tokenizer = pipeline.load_tokenizer(tokenizer_config.data, model.vocab_size)
     run = TrainedRun(config, tokenizer, trainer, trainer.init_state(0).params, 0)
@@ -117,12 +133,16 @@ def main() -> None:
     requests = sum(results['n-samples'][t]['effective'] * max(1, SHAPES[t][0]) for t in tasks)
     rate = train_tokens_per_sec(config, trainer, args.train_rows)
     train_seconds = args.every * steps_tokens / rate
-    print(f'{jax.devices()[0].device_kind} x {jax.device_count()}; vanilla {args.size}, seq_len {config.data.seq_len}, '
-          f'{args.rows} rows per scoring batch; {", ".join(tasks)}: {args.limit} examples each')
+    print(
+        f'{jax.devices()[0].device_kind} x {jax.device_count()}; vanilla {args.size}, seq_len {config.data.seq_len}, '
+        f'{args.rows} rows per scoring batch; {", ".join(tasks)}: {args.limit} examples each'
+    )
     print('| requests | evaluation s | requests/s | train tokens/s | train s per evaluation | fraction |')
     print('|---|---|---|---|---|---|')
-    print(f'| {requests:,} | {seconds:.1f} | {requests / seconds:,.1f} | {rate:,.0f} | {train_seconds:,.0f} '
-          f'({args.every} steps of {steps_tokens:,} tokens) | {seconds / (seconds + train_seconds):.3%} |')
+    print(
+        f'| {requests:,} | {seconds:.1f} | {requests / seconds:,.1f} | {rate:,.0f} | {train_seconds:,.0f} '
+        f'({args.every} steps of {steps_tokens:,} tokens) | {seconds / (seconds + train_seconds):.3%} |'
+    )
 
 
 if __name__ == '__main__':

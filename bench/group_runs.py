@@ -6,7 +6,8 @@ another and against one run, at the CPU reproduction config: step time and total
 
 Step time: the single-run step and the group's step in alternating rounds in one process on one
 batch (a shared host drifts over minutes), each round two steps of each with the second timed (the
-first after the other's pays for memory the other freed), median of 20 rounds after one to warm up, with the model FLOP/s each
+first after the other's pays for memory the other freed), median of 20 rounds after one to warm up, with the model
+FLOP/s each
 reaches against the host's measured matmul peak; `floor at peak` is the least time (vs one run's
 step) the group could take at that peak. Total time: `vrl.experiments.compare`'s
 runner (grid.train_all) training the variant's seeds in fresh workdirs under --workdir: one seed;
@@ -40,16 +41,23 @@ from vrl.train.step import TrainSteps  # noqa: E402
 def config_for(variant: str, steps: int) -> Config:
     config = from_configdict(reproduce_cpu.get_config())
     optimizer = dataclasses.replace(config.optimizer, decay_steps=steps)
-    return dataclasses.replace(config, model=presets.apply(variant, config.model), optimizer=optimizer,
-                               train=dataclasses.replace(config.train, steps=steps, log_every=1, sample_tokens=0))
+    return dataclasses.replace(
+        config,
+        model=presets.apply(variant, config.model),
+        optimizer=optimizer,
+        train=dataclasses.replace(config.train, steps=steps, log_every=1, sample_tokens=0),
+    )
 
 
 def step_ms(config: Config, members: int, steps: int = 20) -> tuple[float, float]:
     """Median milliseconds per step of one run and of a group of `members`, in alternating rounds."""
     trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
     group = trainer.group(members)
-    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size,
-                                               (config.data.batch_size, config.data.seq_len + 1)).astype(np.int32)
+    tokens = (
+        np.random.default_rng(0)
+        .integers(0, config.model.vocab_size, (config.data.batch_size, config.data.seq_len + 1))
+        .astype(np.int32)
+    )
     batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'loss_mask': np.ones_like(tokens[:, 1:])}
     steppers = (trainer, group)
     states = [trainer.init_state(0), group.init_state(list(range(members)))]
@@ -68,8 +76,10 @@ def step_ms(config: Config, members: int, steps: int = 20) -> tuple[float, float
 def total_seconds(config: Config, variant: str, seeds: list[int], workdir: Path, group_runs: bool) -> float:
     """Wall time of grid.train_all training `seeds` from scratch in `workdir` (compile included)."""
     shutil.rmtree(workdir, ignore_errors=True)
-    runs = [grid.Run(variant, seed, dataclasses.replace(config, train=dataclasses.replace(config.train, seed=seed)))
-            for seed in seeds]
+    runs = [
+        grid.Run(variant, seed, dataclasses.replace(config, train=dataclasses.replace(config.train, seed=seed)))
+        for seed in seeds
+    ]
     start = time.perf_counter()
     grid.train_all(runs, workdir, 0, group_runs=group_runs)
     return time.perf_counter() - start
@@ -87,25 +97,35 @@ def main() -> None:
     cli.enable_compilation_cache()
     config = config_for(args.variant, args.steps)
     one_ms, group_ms = step_ms(config, args.seeds, args.rounds)
-    gflop = accounting.account(config.model, config.data.seq_len).flops_per_token * config.data.batch_size \
-        * config.data.seq_len / 1e9  # one run's model FLOPs per step
+    gflop = (
+        accounting.account(config.model, config.data.seq_len).flops_per_token
+        * config.data.batch_size
+        * config.data.seq_len
+        / 1e9
+    )  # one run's model FLOPs per step
     measured = metrics.peak_flops(0.0, config.model.compute_dtype)
     peak = measured.flops / 1e9
-    print(f'{args.variant} at the reproduction config ({config.data.batch_size} x {config.data.seq_len} tokens '
-          f'per step, {gflop:.1f} model GFLOP per run-step), {jax.device_count()} {jax.devices()[0].platform} '
-          f'device(s), peak {measured}\n')
+    print(
+        f'{args.variant} at the reproduction config ({config.data.batch_size} x {config.data.seq_len} tokens '
+        f'per step, {gflop:.1f} model GFLOP per run-step), {jax.device_count()} {jax.devices()[0].platform} '
+        f'device(s), peak {measured}\n'
+    )
     print('| what | runs | ms per step | per run | vs one run | GFLOP/s | of peak | floor at peak |')
     print('|---|---|---|---|---|---|---|---|')
     for name, runs, ms in (('one run', 1, one_ms), ('group', args.seeds, group_ms)):
-        print(f'| {name} | {runs} | {ms:.0f} | {ms / runs:.0f} | {ms / one_ms:.2f}x | {runs * gflop / ms * 1000:.0f} | '
-              f'{runs * gflop / ms * 1000 / peak:.0%} | {runs * gflop / peak * 1000 / one_ms:.2f}x |')
+        print(
+            f'| {name} | {runs} | {ms:.0f} | {ms / runs:.0f} | {ms / one_ms:.2f}x | {runs * gflop / ms * 1000:.0f} | '
+            f'{runs * gflop / ms * 1000 / peak:.0%} | {runs * gflop / peak * 1000 / one_ms:.2f}x |'
+        )
     if args.time_only:
         return
     root = Path(args.workdir)
     seeds = list(range(args.seeds))
-    totals = {'one run': (1, total_seconds(config, args.variant, [0], root / 'one', False)),
-              'one after another': (args.seeds, total_seconds(config, args.variant, seeds, root / 'apart', False)),
-              'group': (args.seeds, total_seconds(config, args.variant, seeds, root / 'group', True))}
+    totals = {
+        'one run': (1, total_seconds(config, args.variant, [0], root / 'one', False)),
+        'one after another': (args.seeds, total_seconds(config, args.variant, seeds, root / 'apart', False)),
+        'group': (args.seeds, total_seconds(config, args.variant, seeds, root / 'group', True)),
+    }
     one = totals['one run'][1]
     print(f'\n{args.steps} steps per run, from scratch (compile, evals and checkpoints included)\n')
     print('| what | runs | total s | vs one run |')

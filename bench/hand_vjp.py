@@ -52,25 +52,35 @@ def main() -> None:
     parser.add_argument('--remat', default='full')
     parser.add_argument('--attention_impl', default='auto')
     parser.add_argument('--attention_chunks', type=int, default=4)
-    parser.add_argument('--autodiff', default=','.join(HAND_VJP_OPS),
-                        help='the ops to try by autodiff, one row each (all of them: also a row with none hand-written)')
+    parser.add_argument(
+        '--autodiff',
+        default=','.join(HAND_VJP_OPS),
+        help='the ops to try by autodiff, one row each (all of them: also a row with none hand-written)',
+    )
     args = parser.parse_args()
     jax.config.update('jax_platforms', 'cpu')
     devices, hbm = aot.tpu_devices(args.topology)
     config = from_configdict(base.get_config(args.config))
-    model = dataclasses.replace(config.model, remat=args.remat, attention_impl=args.attention_impl,
-                                attention_chunks=args.attention_chunks)
-    config = dataclasses.replace(config, model=model,
-                                 train=dataclasses.replace(config.train, microbatches=args.microbatches))
-    print(f'{args.config} on {args.topology}: microbatches={args.microbatches}, remat={args.remat}, '
-          f'attention_impl={args.attention_impl}, attention_chunks={args.attention_chunks}; per chip')
+    model = dataclasses.replace(
+        config.model, remat=args.remat, attention_impl=args.attention_impl, attention_chunks=args.attention_chunks
+    )
+    config = dataclasses.replace(
+        config, model=model, train=dataclasses.replace(config.train, microbatches=args.microbatches)
+    )
+    print(
+        f'{args.config} on {args.topology}: microbatches={args.microbatches}, remat={args.remat}, '
+        f'attention_impl={args.attention_impl}, attention_chunks={args.attention_chunks}; per chip'
+    )
     print('| setting | total GiB | temporaries GiB | HLO TFLOP (loop bodies once) | HLO GB accessed (same) |')
     print('|---|---|---|---|---|')
     for hand_vjp in settings(args.attention_impl, args.autodiff.split(',')):
         setting = dataclasses.replace(config, model=dataclasses.replace(config.model, hand_vjp=hand_vjp))
         report = aot.compile_train_step(setting, devices, hbm)
-        print(f'| {label(hand_vjp)} | {report.total_bytes / aot.GiB:.2f} | {report.temp_bytes / aot.GiB:.2f} | '
-              f'{report.hlo_flops / 1e12:.2f} | {report.hlo_bytes_accessed / 1e9:.1f} |', flush=True)
+        print(
+            f'| {label(hand_vjp)} | {report.total_bytes / aot.GiB:.2f} | {report.temp_bytes / aot.GiB:.2f} | '
+            f'{report.hlo_flops / 1e12:.2f} | {report.hlo_bytes_accessed / 1e9:.1f} |',
+            flush=True,
+        )
 
 
 if __name__ == '__main__':

@@ -39,7 +39,7 @@ def requests(tokenizer, n: int) -> list[Instance]:
     out = []
     for i in range(n):
         start = (i // 4) * 120
-        context, continuation = ' '.join(words[start:start + 70]), ' ' + ' '.join(words[start + 70 + i % 4:][:14])
+        context, continuation = ' '.join(words[start : start + 70]), ' ' + ' '.join(words[start + 70 + i % 4 :][:14])
         out.append(Instance('loglikelihood', {}, (context, continuation), i))
     return out
 

@@ -30,11 +30,27 @@ from vrl.train.trackers import stored  # noqa: E402
 
 
 def step_times(workdir: str, steps: int, env: dict[str, str], cwd: str) -> list[float]:
-    subprocess.run([sys.executable, '-m', 'vrl.main', f'--config={ROOT / "configs/tiny.py"}', f'--workdir={workdir}',
-                    f'--config.train.steps={steps}', '--config.train.log_every=1', '--config.train.eval_every=0',
-                    '--config.train.eval_batches=1', f'--config.train.checkpoint_every={steps // 8}',
-                    f'--config.train.keep_checkpoints={steps}', '--config.train.diagnostics_every=10',
-                    '--config.train.sample_tokens=0'], env=env, cwd=cwd, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            '-m',
+            'vrl.main',
+            f'--config={ROOT / "configs/tiny.py"}',
+            f'--workdir={workdir}',
+            f'--config.train.steps={steps}',
+            '--config.train.log_every=1',
+            '--config.train.eval_every=0',
+            '--config.train.eval_batches=1',
+            f'--config.train.checkpoint_every={steps // 8}',
+            f'--config.train.keep_checkpoints={steps}',
+            '--config.train.diagnostics_every=10',
+            '--config.train.sample_tokens=0',
+        ],
+        env=env,
+        cwd=cwd,
+        check=True,
+        capture_output=True,
+    )
     return [r['step_time'] for r in stored.read_metrics(storage.path(workdir)) if 'step_time' in r]
 
 
@@ -50,17 +66,21 @@ def main() -> None:
     parser.add_argument('--latency_ms', type=float, default=30)
     parser.add_argument('--mbps', type=float, default=50)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch, serving(f'{scratch}/objects') as url, \
-            SlowStore(url, args.latency_ms / 1e3, args.mbps * 1e6) as store:
+    with (
+        tempfile.TemporaryDirectory() as scratch,
+        serving(f'{scratch}/objects') as url,
+        SlowStore(url, args.latency_ms / 1e3, args.mbps * 1e6) as store,
+    ):
         local_env = {**os.environ, 'PYTHONPATH': str(ROOT)}
         bucket_env = {**local_env, **environment(store.url)}
         times: dict[str, list[float]] = {'local': [], 'gs:// (slow store)': []}
         sent = logged = 0
         for round_ in range(args.rounds):
-            times['local'] += step_times(f'{scratch}/local{round_}', args.steps, local_env, scratch)[args.skip:]
+            times['local'] += step_times(f'{scratch}/local{round_}', args.steps, local_env, scratch)[args.skip :]
             before = store.bytes_received
-            times['gs:// (slow store)'] += step_times(f'gs://vrl/run{round_}', args.steps, bucket_env,
-                                                     scratch)[args.skip:]
+            times['gs:// (slow store)'] += step_times(f'gs://vrl/run{round_}', args.steps, bucket_env, scratch)[
+                args.skip :
+            ]
             run = f'vrl/run{round_}'
             sent += store.bytes_received - before - bytes_under(f'{run}/checkpoints')
             logged += bytes_under(f'{run}/metrics.e1.jsonl') + bytes_under(f'{run}/tensorboard')
@@ -71,8 +91,10 @@ def main() -> None:
         median = statistics.median(values)
         print(f'| {kind} | {1e3 * median:.1f} | {len(values)} | {median / local - 1:+.1%} |')
     steps = args.rounds * args.steps
-    print(f'\nsent to the store, less checkpoints: {sent / steps / 1e3:.1f} KB per logged step; '
-          f'logged (metrics + TensorBoard): {logged / steps / 1e3:.1f} KB per step')
+    print(
+        f'\nsent to the store, less checkpoints: {sent / steps / 1e3:.1f} KB per logged step; '
+        f'logged (metrics + TensorBoard): {logged / steps / 1e3:.1f} KB per step'
+    )
 
 
 if __name__ == '__main__':

@@ -35,8 +35,9 @@ OPTIMIZERS = ('adamw', 'muon')
 
 def config_for(name: str, variant: str, seed: int = 0) -> Config:
     config = from_configdict(reproduce_cpu.get_config(name))
-    return dataclasses.replace(config, model=presets.apply(variant, config.model),
-                               train=dataclasses.replace(config.train, seed=seed))
+    return dataclasses.replace(
+        config, model=presets.apply(variant, config.model), train=dataclasses.replace(config.train, seed=seed)
+    )
 
 
 def step_ms(variant: str, steps: int = 20) -> dict[str, float]:
@@ -70,16 +71,26 @@ def main() -> None:
     print('|---|' + '---|' * (len(OPTIMIZERS) + 1))
     for variant in variants:
         ms = step_ms(variant)
-        print(f'| {variant} | ' + ' | '.join(f'{ms[name]:.0f}' for name in OPTIMIZERS) +
-              f' | {ms["muon"] / ms["adamw"]:.2f} |', flush=True)
+        print(
+            f'| {variant} | '
+            + ' | '.join(f'{ms[name]:.0f}' for name in OPTIMIZERS)
+            + f' | {ms["muon"] / ms["adamw"]:.2f} |',
+            flush=True,
+        )
     if args.time_only:
         return
-    results = {(variant, name): [grid.train_or_reuse(grid.Run(variant, seed, config_for(name, variant, seed),
-                                                              (('optimizer', name),)), Path(args.workdir), 0)
-                                 for seed in seeds]
-               for variant in variants for name in OPTIMIZERS}
+    results = {
+        (variant, name): [
+            grid.train_or_reuse(
+                grid.Run(variant, seed, config_for(name, variant, seed), (('optimizer', name),)), Path(args.workdir), 0
+            )
+            for seed in seeds
+        ]
+        for variant in variants
+        for name in OPTIMIZERS
+    }
     print(f'\n{len(seeds)} seed(s) each; eval loss: mean over seeds\n')
-    print('| variant | optimizer | eval @100 | eval @200 | eval @300 | eval @400 | steps to AdamW\'s final |')
+    print("| variant | optimizer | eval @100 | eval @200 | eval @300 | eval @400 | steps to AdamW's final |")
     print('|---|---|---|---|---|---|---|')
     for variant in variants:
         target = curves.mean_curve([r['eval_curve'] for r in results[(variant, 'adamw')]])
@@ -87,7 +98,9 @@ def main() -> None:
             curve = curves.mean_curve([r['eval_curve'] for r in results[(variant, name)]])
             reach = curves.step_to_reach(curve, target[max(target)])
             cells = [f'{curve[s]:.3f}' if s in curve else '-' for s in (100, 200, 300, 400)]
-            print(f'| {variant} | {name} | {" | ".join(cells)} | {"not reached" if reach is None else f"{reach:.0f}"} |')
+            print(
+                f'| {variant} | {name} | {" | ".join(cells)} | {"not reached" if reach is None else f"{reach:.0f}"} |'
+            )
 
 
 if __name__ == '__main__':

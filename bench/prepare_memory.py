@@ -28,8 +28,10 @@ sys.path.insert(0, str(ROOT))
 from vrl.data import corpus  # noqa: E402
 
 # runs the command given after it and prints the peak RSS (KiB) of it and its children
-PEAK = ('import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); '
-        'print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)')
+PEAK = (
+    'import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); '
+    'print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)'
+)
 
 
 def write_jsonl(path: Path, megabytes: int, compress: str, words_per_document: int, seed: int = 0) -> tuple[int, int]:
@@ -40,10 +42,12 @@ def write_jsonl(path: Path, megabytes: int, compress: str, words_per_document: i
     out = raw
     if compress == 'zst':
         import zstandard
+
         out = zstandard.ZstdCompressor(level=3).stream_writer(raw)
     while written < megabytes << 20:
-        block = ''.join(json.dumps({'text': ' '.join(rng.choice(words, words_per_document))}) + '\n'
-                        for _ in range(500)).encode()
+        block = ''.join(
+            json.dumps({'text': ' '.join(rng.choice(words, words_per_document))}) + '\n' for _ in range(500)
+        ).encode()
         out.write(block)
         written, documents = written + len(block), documents + 500
     out.close()
@@ -58,8 +62,10 @@ def main() -> None:
     parser.add_argument('--files', type=int, default=1, help='files the input is written as')
     parser.add_argument('--workers', default='1', help='prepare --workers values, comma-separated')
     args = parser.parse_args()
-    print('| JSON lines | files | documents | on disk | workers | prepare seconds | MB/s (uncompressed) | peak RSS |\n'
-          '|---|---|---|---|---|---|---|---|')
+    print(
+        '| JSON lines | files | documents | on disk | workers | prepare seconds | MB/s (uncompressed) | peak RSS |\n'
+        '|---|---|---|---|---|---|---|---|'
+    )
     for megabytes in map(int, args.sizes_mb.split(',')):
         with tempfile.TemporaryDirectory() as folder:
             (Path(folder) / 'input').mkdir()
@@ -70,15 +76,34 @@ def main() -> None:
                 size, documents, on_disk = size + written, documents + count, on_disk + path.stat().st_size
             for workers in map(int, args.workers.split(',')):
                 start = time.perf_counter()
-                measured = subprocess.run([sys.executable, '-c', PEAK, sys.executable, '-m', 'vrl.data', 'prepare',
-                                           f'--input={folder}/input', '--name=big', f'--data_dir={folder}/tfds{workers}',
-                                           f'--workers={workers}'],
-                                          check=True, cwd=ROOT, capture_output=True, text=True,
-                                          env={**os.environ, 'PYTHONPATH': str(ROOT)})
+                measured = subprocess.run(
+                    [
+                        sys.executable,
+                        '-c',
+                        PEAK,
+                        sys.executable,
+                        '-m',
+                        'vrl.data',
+                        'prepare',
+                        f'--input={folder}/input',
+                        '--name=big',
+                        f'--data_dir={folder}/tfds{workers}',
+                        f'--workers={workers}',
+                    ],
+                    check=True,
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, 'PYTHONPATH': str(ROOT)},
+                )
                 seconds = time.perf_counter() - start
                 peak = int(measured.stdout.split()[-1]) / 1024
-                print(f'| {size / 2**20:,.0f} MB | {args.files} | {documents:,} | {on_disk / 2**20:,.0f} MB | {workers} | '
-                      f'{seconds:.0f} | {size / 2**20 / seconds:.1f} | {peak:,.0f} MB |', flush=True)
+                print(
+                    f'| {size / 2**20:,.0f} MB | {args.files} | {documents:,} | {on_disk / 2**20:,.0f} MB | '
+                    f'{workers} | '
+                    f'{seconds:.0f} | {size / 2**20 / seconds:.1f} | {peak:,.0f} MB |',
+                    flush=True,
+                )
 
 
 if __name__ == '__main__':

@@ -66,15 +66,23 @@ def main() -> None:
     parser.add_argument('--top', type=int, default=25)
     args = parser.parse_args()
     sized = args.config not in NAMED  # a configs/base.py size: its own batch is a pod's
-    config = bench_config(args.config, args.variant, args.seq_len or (512 if sized else None),
-                          args.batch or (4 if sized else None), 'none', args.dtype)
+    config = bench_config(
+        args.config,
+        args.variant,
+        args.seq_len or (512 if sized else None),
+        args.batch or (4 if sized else None),
+        'none',
+        args.dtype,
+    )
     stepper = Stepper(config, args.members)
     wall = min(stepper.step() for _ in range(2))
     times = op_times(stepper)
     total = sum(times.values())
-    print(f'{backend.describe_cpu_isa()}; {args.config} {args.variant} x {args.members} {args.dtype}, batch '
-          f'{config.data.batch_size} x {config.data.seq_len}: step {wall * 1e3:,.0f} ms wall, '
-          f'{total * 1e3:,.0f} ms of op time over threads')
+    print(
+        f'{backend.describe_cpu_isa()}; {args.config} {args.variant} x {args.members} {args.dtype}, batch '
+        f'{config.data.batch_size} x {config.data.seq_len}: step {wall * 1e3:,.0f} ms wall, '
+        f'{total * 1e3:,.0f} ms of op time over threads'
+    )
     by_kind = collections.Counter()
     for op, seconds in times.items():
         by_kind[kind(op)] += seconds

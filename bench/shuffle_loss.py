@@ -49,32 +49,62 @@ def main() -> None:
         tokenizer = pipeline.load_tokenizer(data, 1024)
         tokens.tokenize('shakespeare', data.data_dir, tokenizer)
         rows = [('documents', '-', ['--config.data.shuffle=documents'])]
-        rows += [('windows', w, ['--config.data.shuffle=windows', f'--config.data.block_tokens={args.block_tokens}',
-                                 f'--config.data.window_blocks={w}']) for w in args.windows.split(',')]
+        rows += [
+            (
+                'windows',
+                w,
+                [
+                    '--config.data.shuffle=windows',
+                    f'--config.data.block_tokens={args.block_tokens}',
+                    f'--config.data.window_blocks={w}',
+                ],
+            )
+            for w in args.windows.split(',')
+        ]
         results, started = {}, time.time()
         for label, window, overrides in rows:
             for seed in seeds:
                 workdir = Path(scratch) / f'{label}-{window}-{seed}'
-                subprocess.run([sys.executable, '-m', 'vrl.main', '--config=configs/tiny.py', f'--workdir={workdir}',
-                                f'--config.data.data_dir={data.data_dir}', f'--config.data.tokenizer={tokenizer.path}',
-                                f'--config.train.seed={seed}', f'--config.data.seed={seed}',
-                                f'--config.train.steps={args.steps}', f'--config.optimizer.decay_steps={args.steps}',
-                                f'--config.train.eval_every={args.steps}', '--config.train.eval_batches=0',
-                                f'--config.train.checkpoint_every={args.steps}', '--config.train.sample_tokens=0',
-                                *overrides], cwd=ROOT, check=True, capture_output=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        '-m',
+                        'vrl.main',
+                        '--config=configs/tiny.py',
+                        f'--workdir={workdir}',
+                        f'--config.data.data_dir={data.data_dir}',
+                        f'--config.data.tokenizer={tokenizer.path}',
+                        f'--config.train.seed={seed}',
+                        f'--config.data.seed={seed}',
+                        f'--config.train.steps={args.steps}',
+                        f'--config.optimizer.decay_steps={args.steps}',
+                        f'--config.train.eval_every={args.steps}',
+                        '--config.train.eval_batches=0',
+                        f'--config.train.checkpoint_every={args.steps}',
+                        '--config.train.sample_tokens=0',
+                        *overrides,
+                    ],
+                    cwd=ROOT,
+                    check=True,
+                    capture_output=True,
+                )
                 results.setdefault((label, window), []).append(final_eval_loss(workdir))
                 print(f'{label} {window} seed {seed}: {results[(label, window)][-1]:.4f}', file=sys.stderr, flush=True)
         train_documents = corpus.split_info('shakespeare', data.data_dir, 'train').documents
     base = statistics.mean(results[('documents', '-')])
-    print(f'tiny config, {args.steps} steps of 32 x 128 tokens, Shakespeare ({train_documents:,} train documents), '
-          f'seeds {args.seeds}; blocks of {args.block_tokens} tokens; {time.time() - started:.0f} s; load average '
-          f'{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores\n')
+    print(
+        f'tiny config, {args.steps} steps of 32 x 128 tokens, Shakespeare ({train_documents:,} train documents), '
+        f'seeds {args.seeds}; blocks of {args.block_tokens} tokens; {time.time() - started:.0f} s; load average '
+        f'{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores\n'
+    )
     print('| shuffle | window (blocks) | eval loss per seed | mean | spread (max - min) | mean - per-document mean |')
     print('|---|---|---|---|---|---|')
     for (label, window), losses in results.items():
         mean = statistics.mean(losses)
-        print(f'| {label} | {window} | {", ".join(f"{x:.4f}" for x in losses)} | {mean:.4f} | '
-              f'{max(losses) - min(losses):.4f} | {mean - base:+.4f} |')
+        print(
+            f'| {label} | {window} | {", ".join(f"{x:.4f}" for x in losses)} | {mean:.4f} | '
+            f'{max(losses) - min(losses):.4f} | {mean - base:+.4f} |'
+        )
 
 
 if __name__ == '__main__':

@@ -46,15 +46,17 @@ from vrl.train.step import TrainSteps  # noqa: E402
 NAMED = {'tiny': tiny.get_config, 'reproduce_cpu': reproduce_cpu.get_config}
 
 
-def bench_config(name: str, variant: str, seq_len: int | None, batch: int | None, remat: str,
-                 dtype: str, context: int = 1) -> Config:
+def bench_config(
+    name: str, variant: str, seq_len: int | None, batch: int | None, remat: str, dtype: str, context: int = 1
+) -> Config:
     """The `name` config ('tiny', 'reproduce_cpu' or a configs/base.py size) as `variant` (a
     vrl/model/presets.py name), at this batch x seq_len (None: the config's own), remat, compute dtype
     and mesh.context, its microbatches fitted to the devices."""
     config = from_configdict(NAMED[name]() if name in NAMED else base.get_config(f'vanilla,{name}'))
     model = presets.apply(variant, dataclasses.replace(config.model, compute_dtype=dtype, remat=remat))
-    data = dataclasses.replace(config.data, seq_len=seq_len or config.data.seq_len,
-                               batch_size=batch or config.data.batch_size)
+    data = dataclasses.replace(
+        config.data, seq_len=seq_len or config.data.seq_len, batch_size=batch or config.data.batch_size
+    )
     mesh = dataclasses.replace(config.mesh, context=context)
     config = dataclasses.replace(config, model=model, data=data, mesh=mesh)
     return aot.auto_fit(config, jax.devices(), aot.local_hbm_bytes())[0]  # the named configs' microbatches=0
@@ -70,10 +72,13 @@ class Stepper:
         self.state = self.group.init_state(list(range(members)))
         rng = np.random.default_rng(0)
         shape = (config.data.batch_size, config.data.seq_len)
-        self.batch = self.group.device_batch({
-            'inputs': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
-            'targets': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
-            'loss_mask': np.ones(shape, np.int32)})
+        self.batch = self.group.device_batch(
+            {
+                'inputs': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
+                'targets': rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),
+                'loss_mask': np.ones(shape, np.int32),
+            }
+        )
         self.step()  # compile and warm up
 
     def memory_gib(self) -> float | None:
@@ -81,8 +86,12 @@ class Stepper:
         aliases), as XLA plans it; None where the backend does not say."""
         try:
             stats = self.group.train_step.lower(self.state, self.batch).compile().memory_analysis()
-            used = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-                    - stats.alias_size_in_bytes)
+            used = (
+                stats.argument_size_in_bytes
+                + stats.output_size_in_bytes
+                + stats.temp_size_in_bytes
+                - stats.alias_size_in_bytes
+            )
         except (AttributeError, NotImplementedError, TypeError):
             return None
         return used / 2**30
@@ -114,8 +123,11 @@ def main() -> None:
     parser.add_argument('--steps', type=int, default=5)
     parser.add_argument('--remat', default='none')
     parser.add_argument('--context', type=int, default=1, help='devices each sequence is split over (mesh.context)')
-    parser.add_argument('--dtype', choices=('float32', 'bfloat16'),
-                        help='compute dtype (default: float32 on CPU, bfloat16 on accelerators)')
+    parser.add_argument(
+        '--dtype',
+        choices=('float32', 'bfloat16'),
+        help='compute dtype (default: float32 on CPU, bfloat16 on accelerators)',
+    )
     args = parser.parse_args()
     cli.enable_compilation_cache()  # the memory column's second compile is a cache hit
     args.dtype = args.dtype or ('float32' if jax.default_backend() == 'cpu' else 'bfloat16')
@@ -123,12 +135,16 @@ def main() -> None:
     peak = measured.flops
     huge_pages = 'glibc.malloc.hugetlb' in os.environ.get('GLIBC_TUNABLES', '')
     isa = f' ({backend.describe_cpu_isa()})' if jax.default_backend() == 'cpu' else ''
-    print(f'{jax.device_count()} x {jax.devices()[0].device_kind}{isa}, {args.dtype}; peak {measured}; '
-          f'huge-page malloc {"on" if huge_pages else "off"} (vrl/core/host_memory.py)')
+    print(
+        f'{jax.device_count()} x {jax.devices()[0].device_kind}{isa}, {args.dtype}; peak {measured}; '
+        f'huge-page malloc {"on" if huge_pages else "off"} (vrl/core/host_memory.py)'
+    )
     variants = list(presets.PRESETS) if args.variants == 'all' else args.variants.split(',')
     args.width = max(map(len, variants))
-    print(f'{"config":>6} | {"variant":>{args.width}} | {"batch x seq":>11} | {"params":>8} | {"step s":>7} | '
-          f'{"vs vanilla":>11} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6} | {"GiB":>6}')
+    print(
+        f'{"config":>6} | {"variant":>{args.width}} | {"batch x seq":>11} | {"params":>8} | {"step s":>7} | '
+        f'{"vs vanilla":>11} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6} | {"GiB":>6}'
+    )
     for name in args.configs.split(','):
         sizes = (args.seq_len, args.batch, args.remat, args.dtype, args.context)
         vanilla = Stepper(bench_config(name, 'vanilla', *sizes))
@@ -145,14 +161,18 @@ def main() -> None:
             _print_row(name, 'vanilla', vanilla.config, seconds, '(reference)', args, peak, vanilla.memory_gib())
 
 
-def _print_row(name: str, variant: str, config: Config, seconds: float, relative: str, args, peak: float,
-               memory: float | None) -> None:
+def _print_row(
+    name: str, variant: str, config: Config, seconds: float, relative: str, args, peak: float, memory: float | None
+) -> None:
     tokens_per_sec = config.data.batch_size * config.data.seq_len / seconds
     flops = accounting.training_flops_per_token(config.model, config.data.seq_len) * tokens_per_sec
     params = accounting.account(config.model, config.data.seq_len).params
-    print(f'{name:>6} | {variant:>{args.width}} | {args.batch:>4} x {args.seq_len:<4} | {params / 1e6:>7.2f}M | '
-          f'{seconds:>7.3f} | {relative:>11} | {tokens_per_sec:>9,.0f} | {flops / 1e9:>8,.1f} | '
-          f'{flops / peak:>6.1%} | {"-" if memory is None else f"{memory:.2f}":>6}', flush=True)
+    print(
+        f'{name:>6} | {variant:>{args.width}} | {args.batch:>4} x {args.seq_len:<4} | {params / 1e6:>7.2f}M | '
+        f'{seconds:>7.3f} | {relative:>11} | {tokens_per_sec:>9,.0f} | {flops / 1e9:>8,.1f} | '
+        f'{flops / peak:>6.1%} | {"-" if memory is None else f"{memory:.2f}":>6}',
+        flush=True,
+    )
 
 
 if __name__ == '__main__':

@@ -27,8 +27,15 @@ SIZES = {
 
 # sequence length -> sequences per step (~2M tokens): the paper's study (512 to 64k) and, for
 # context parallelism (mesh.context), 128k and 256k
-SEQUENCES = {'512': (512, 4096), '2k': (2048, 1024), '8k': (8192, 256), '32k': (32768, 64), '64k': (65536, 32),
-             '128k': (131072, 16), '256k': (262144, 8)}
+SEQUENCES = {
+    '512': (512, 4096),
+    '2k': (2048, 1024),
+    '8k': (8192, 256),
+    '32k': (32768, 64),
+    '64k': (65536, 32),
+    '128k': (131072, 16),
+    '256k': (262144, 8),
+}
 LONG = 65536  # from this length, mesh.context is auto: split each sequence over chips only if it must
 
 
@@ -36,10 +43,12 @@ def get_config(arg: str = 'vanilla,82m') -> ml_collections.ConfigDict:
     """arg: 'VARIANT,SIZE[,SEQ[,OPTIMIZER]]', e.g. 'resformer,180m' or 'svformer,82m,64k,muon'."""
     parts = arg.split(',')
     if len(parts) not in (2, 3, 4):
-        raise vrl_config.ConfigError(f'configs/base.py:{arg} is invalid: allowed VARIANT,SIZE[,SEQ[,OPTIMIZER]] '
-                                     f'such as resformer,180m (sizes: {", ".join(sorted(SIZES))}; sequence lengths: '
-                                     f'{", ".join(SEQUENCES)}; optimizers: {", ".join(optimizer.RECIPES)}).')
-    attention, size, seq, optimizer_name = (*parts, *('2k', 'adamw')[len(parts) - 2:])
+        raise vrl_config.ConfigError(
+            f'configs/base.py:{arg} is invalid: allowed VARIANT,SIZE[,SEQ[,OPTIMIZER]] '
+            f'such as resformer,180m (sizes: {", ".join(sorted(SIZES))}; sequence lengths: '
+            f'{", ".join(SEQUENCES)}; optimizers: {", ".join(optimizer.RECIPES)}).'
+        )
+    attention, size, seq, optimizer_name = (*parts, *('2k', 'adamw')[len(parts) - 2 :])
     if size not in SIZES:
         raise vrl_config.ConfigError(f'size {size!r} is invalid: allowed one of {sorted(SIZES)}.')
     if seq not in SEQUENCES:

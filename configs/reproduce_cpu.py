@@ -21,12 +21,22 @@ from vrl.train import optimizer
 def get_config(optimizer_name: str = 'adamw') -> ml_collections.ConfigDict:
     config = vrl_config.Config(
         model=vrl_config.ModelConfig(
-            vocab_size=1024, vocab_pad_multiple=128, n_layers=8, d_model=128, n_heads=4, n_kv_heads=4,
-            head_dim=32, d_ff=384, compute_dtype='float32'),
+            vocab_size=1024,
+            vocab_pad_multiple=128,
+            n_layers=8,
+            d_model=128,
+            n_heads=4,
+            n_kv_heads=4,
+            head_dim=32,
+            d_ff=384,
+            compute_dtype='float32',
+        ),
         data=vrl_config.DataConfig(name='shakespeare', seq_len=128, batch_size=16),
         optimizer=vrl_config.OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=30),
-        train=vrl_config.TrainConfig(steps=400, log_every=20, eval_every=50, eval_batches=16,
-                                     checkpoint_every=200, sample_tokens=0),
+        train=vrl_config.TrainConfig(
+            steps=400, log_every=20, eval_every=50, eval_batches=16, checkpoint_every=200, sample_tokens=0
+        ),
     )
     return vrl_config.to_configdict(
-        dataclasses.replace(config, optimizer=optimizer.recipe(config.optimizer, optimizer_name)))
+        dataclasses.replace(config, optimizer=optimizer.recipe(config.optimizer, optimizer_name))
+    )

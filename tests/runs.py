@@ -22,8 +22,17 @@ from vrl.core.config import Config, ModelConfig, OptimizerConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY_MODEL = dict(vocab_size=512, vocab_pad_multiple=64, n_layers=2, d_model=32, n_heads=2, n_kv_heads=2,
-                  head_dim=16, d_ff=64, compute_dtype='float32')
+TINY_MODEL = dict(
+    vocab_size=512,
+    vocab_pad_multiple=64,
+    n_layers=2,
+    d_model=32,
+    n_heads=2,
+    n_kv_heads=2,
+    head_dim=16,
+    d_ff=64,
+    compute_dtype='float32',
+)
 
 
 def host_xla_flags(devices: int) -> str:
@@ -37,10 +46,12 @@ def tiny_config(small_corpus, attention='resformer', **train_fields) -> Config:
     data_cfg, _ = small_corpus
     train_cfg = dict(steps=12, log_every=4, eval_every=0, eval_batches=2, checkpoint_every=4, sample_tokens=0)
     train_cfg.update(train_fields)
-    return Config(model=ModelConfig(attention=attention, lambda_mode='learnable', **TINY_MODEL),
-                  data=dataclasses.replace(data_cfg, num_epochs=0),
-                  optimizer=OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=3, decay_steps=60),
-                  train=TrainConfig(**train_cfg))
+    return Config(
+        model=ModelConfig(attention=attention, lambda_mode='learnable', **TINY_MODEL),
+        data=dataclasses.replace(data_cfg, num_epochs=0),
+        optimizer=OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=3, decay_steps=60),
+        train=TrainConfig(**train_cfg),
+    )
 
 
 SHARED_RUN_STEPS = 4
@@ -58,6 +69,7 @@ def shared_run(small_corpus, folder: Path, attention: str) -> Path:
     """The workdir of the shared run of `attention` under `folder`, trained by the first process that
     asks (an exclusive file lock serializes the pytest-xdist workers; the others wait, then read)."""
     from vrl.train import loop
+
     workdir, done = folder / attention, folder / f'{attention}.done'
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f'{attention}.lock', 'w') as lock:
@@ -72,26 +84,37 @@ def train_losses(config: Config, devices, batches: list[dict]) -> tuple[list[flo
     """The loss of each step of a fresh seed-0 state over `batches` on a mesh of `devices`, and the final state."""
     from vrl.core import sharding
     from vrl.train.step import TrainSteps
+
     trainer = TrainSteps(config, sharding.make_mesh(config.mesh, devices))
     state = trainer.init_state(0)
     losses = []
     for batch in batches:  # as the loop does, the tokens read stay on the host
-        state, out = trainer.train_step(state, trainer.device_batch({k: v for k, v in batch.items()
-                                                                     if k != 'tokens_read'}))
+        state, out = trainer.train_step(
+            state, trainer.device_batch({k: v for k, v in batch.items() if k != 'tokens_read'})
+        )
         losses.append(float(out['loss']))
     return losses, state
 
 
 def overrides(config: Config) -> list[str]:
     """Every field of `config` as a command-line override (of configs/tiny.py)."""
-    return [f'--config.{section}.{key}={value}' for section, values in dataclasses.asdict(config).items()
-            for key, value in values.items()]
+    return [
+        f'--config.{section}.{key}={value}'
+        for section, values in dataclasses.asdict(config).items()
+        for key, value in values.items()
+    ]
 
 
 def cli_args(config: Config, workdir: Path | str, module: str = 'vrl.main') -> list[str]:
     """`python -m module` on the same config, as overrides of configs/tiny.py (from any folder)."""
-    return [sys.executable, '-m', module, f'--config={ROOT / "configs/tiny.py"}', f'--workdir={workdir}',
-            *overrides(config)]
+    return [
+        sys.executable,
+        '-m',
+        module,
+        f'--config={ROOT / "configs/tiny.py"}',
+        f'--workdir={workdir}',
+        *overrides(config),
+    ]
 
 
 _NOT_FOR_USERS = re.compile(r'Traceback|ownload|\[Gloo\]|^[IWEF]\d{4} \d\d:\d\d:\d\d')
@@ -105,8 +128,9 @@ def not_for_users(said: str) -> list[str]:
 
 def start_run(config: Config, workdir: Path) -> subprocess.Popen:
     """`python -m vrl.main` on `config` in the background, stdout and stderr together."""
-    return subprocess.Popen(cli_args(config, workdir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(
+        cli_args(config, workdir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def params_equal(a, b) -> bool:
@@ -153,16 +177,19 @@ metric_list:
 """
 
 # questions with two or three continuations, some right by the plays' text and some not
-CHOICE_DOCS = [{'question': q, 'choices': c, 'answer': a} for q, c, a in [
-    ('HAMLET: To be, or not to b', ['e', 'ee', 'lue'], 0),
-    ('KING: My lord, what news from', [' France?', ' the moon?'], 0),
-    ('Who is there?', [' Nay, answer me.', ' café', ' 日本'], 1),
-    ('ROMEO: But, soft! what light through yonder', [' window breaks?', ' door squeaks?'], 0),
-    ('Good my lord, I pray', [' you', ' them', ' thee'], 0),
-    ('The king is', [' dead', ' blue', ' seven'], 0),
-    ('My', [' lord', ' dog'], 0),
-    ('Exeunt', [' all', ' none'], 1),
-]]
+CHOICE_DOCS = [
+    {'question': q, 'choices': c, 'answer': a}
+    for q, c, a in [
+        ('HAMLET: To be, or not to b', ['e', 'ee', 'lue'], 0),
+        ('KING: My lord, what news from', [' France?', ' the moon?'], 0),
+        ('Who is there?', [' Nay, answer me.', ' café', ' 日本'], 1),
+        ('ROMEO: But, soft! what light through yonder', [' window breaks?', ' door squeaks?'], 0),
+        ('Good my lord, I pray', [' you', ' them', ' thee'], 0),
+        ('The king is', [' dead', ' blue', ' seven'], 0),
+        ('My', [' lord', ' dog'], 0),
+        ('Exeunt', [' all', ' none'], 1),
+    ]
+]
 
 
 def write_choice_task(folder: Path, docs: list[dict] | None = CHOICE_DOCS, name: str = 'toy_choice') -> Path:
@@ -194,6 +221,8 @@ def write_text_task(folder: Path) -> Path:
     """An lm-eval perplexity task `toy_text` (loglikelihood_rolling) over CHOICE_DOCS' questions, in folder."""
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / 'toy_text.jsonl'
-    data.write_text(''.join(json.dumps({'text': d['question'] + d['choices'][d['answer']]}) + '\n' for d in CHOICE_DOCS))
+    data.write_text(
+        ''.join(json.dumps({'text': d['question'] + d['choices'][d['answer']]}) + '\n' for d in CHOICE_DOCS)
+    )
     (folder / 'toy_text.yaml').write_text(TEXT_TASK.format(data=data))
     return folder

@@ -10,7 +10,8 @@ a test can say how much a writer sent and a reader fetched.
 
 `hold()` and `release()` stop and restart the traffic both ways (a store that stops answering, a
 client whose traffic is frozen): every answer, and every request from its start (a request the store
-has begun to read is read to its end, as a real store does). It also injects the faults a real store has, on the requests a `Fault`'s pattern matches (a regex
+has begun to read is read to its end, as a real store does). It also injects the faults a real store has, on the
+requests a `Fault`'s pattern matches (a regex
 over the start of the request: its line, headers and the first bytes of its body, where a GCS
 upload names its object): an answer of 503, a connection reset, a stall (the request is never
 answered; the client must time out), or a hold: from that request on, every byte both ways is held as
@@ -34,13 +35,16 @@ import urllib.parse
 
 CHUNK = 64 << 10
 REQUEST_START = re.compile(rb'^(GET|POST|PUT|DELETE|PATCH|HEAD) /')
-UNAVAILABLE = (b'HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n'
-               b'Content-Length: 62\r\n\r\n{"error": {"code": 503, "message": "injected: backend error"}}')
+UNAVAILABLE = (
+    b'HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n'
+    b'Content-Length: 62\r\n\r\n{"error": {"code": 503, "message": "injected: backend error"}}'
+)
 
 
 @dataclasses.dataclass
 class Fault:
     """`kind` ('503', 'reset', 'stall' or 'hold') for the first `times` requests whose start matches `pattern`."""
+
     pattern: str
     kind: str
     times: int = 1
@@ -59,8 +63,7 @@ class Fault:
 class SlowStore:
     """Serves `upstream` (http://127.0.0.1:PORT) at `url`, slowed; `start()` runs it in a thread."""
 
-    def __init__(self, upstream: str, latency_s: float = 0.05, bandwidth: float = 50e6,
-                 faults: tuple[Fault, ...] = ()):
+    def __init__(self, upstream: str, latency_s: float = 0.05, bandwidth: float = 50e6, faults: tuple[Fault, ...] = ()):
         parts = urllib.parse.urlsplit(upstream)
         self._upstream = (parts.hostname, parts.port)
         self.latency_s, self.bandwidth, self.faults = latency_s, bandwidth, list(faults)
@@ -109,6 +112,7 @@ class SlowStore:
             for writer in list(self._writers):
                 writer.close()
             await asyncio.gather(*self._connections, return_exceptions=True)
+
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
@@ -127,8 +131,10 @@ class SlowStore:
             client_writer.close()
             return
         self._writers.add(upstream_writer)
-        pumps = [asyncio.ensure_future(self._requests(client_reader, upstream_writer, client_writer)),
-                 asyncio.ensure_future(self._responses(upstream_reader, client_writer))]
+        pumps = [
+            asyncio.ensure_future(self._requests(client_reader, upstream_writer, client_writer)),
+            asyncio.ensure_future(self._responses(upstream_reader, client_writer)),
+        ]
         await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         for pump in pumps:
             pump.cancel()
@@ -138,8 +144,9 @@ class SlowStore:
             self._writers.discard(writer)
         self._connections.discard(asyncio.current_task())
 
-    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        client: asyncio.StreamWriter) -> None:
+    async def _requests(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, client: asyncio.StreamWriter
+    ) -> None:
         """Client -> store: each chunk forwarded `latency_s` after it arrived, in order; a request that
         a fault takes is answered with it instead (and the connection ends). A hold stops requests at
         their start: the rest of a request the store has begun to read goes on, as a real store
@@ -187,6 +194,7 @@ class SlowStore:
                 self.bytes_served += len(chunk)
                 arrived.put_nowait(chunk)
             arrived.put_nowait(b'')
+
         taking = asyncio.ensure_future(take())
         free_at = time.monotonic()
         try:
@@ -198,6 +206,7 @@ class SlowStore:
                     return
         finally:
             taking.cancel()
+
 
 async def _read(reader: asyncio.StreamReader) -> bytes:
     """The next chunk, or b'' when the connection ended (closed or reset)."""
@@ -222,8 +231,13 @@ def main() -> None:
     parser.add_argument('--upstream', required=True, help='the emulator, e.g. http://127.0.0.1:4443')
     parser.add_argument('--latency_ms', type=float, default=50)
     parser.add_argument('--mbps', type=float, default=50, help='megabytes per second per connection')
-    parser.add_argument('--fault', action='append', default=[], metavar='KIND:TIMES:PATTERN',
-                        help="e.g. 503:3:metrics\\.jsonl, reset:2:checkpoints, stall:1:config\\.json (repeatable)")
+    parser.add_argument(
+        '--fault',
+        action='append',
+        default=[],
+        metavar='KIND:TIMES:PATTERN',
+        help='e.g. 503:3:metrics\\.jsonl, reset:2:checkpoints, stall:1:config\\.json (repeatable)',
+    )
     args = parser.parse_args()
     faults = [Fault(pattern, kind, int(times)) for kind, times, pattern in (f.split(':', 2) for f in args.fault)]
     with SlowStore(args.upstream, args.latency_ms / 1e3, args.mbps * 1e6, faults) as store:

@@ -30,8 +30,9 @@ def _real_param_count(cfg) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
-@pytest.mark.parametrize('variant', VARIANTS + [dict(attention='svformer', tie_embeddings=True)],
-                         ids=VARIANT_IDS + ['svformer-tied'])
+@pytest.mark.parametrize(
+    'variant', VARIANTS + [dict(attention='svformer', tie_embeddings=True)], ids=VARIANT_IDS + ['svformer-tied']
+)
 def test_count_from_config_equals_module(variant):
     cfg = small_model_config(**variant)
     assert accounting.account(cfg, 16).params == _real_param_count(cfg)
@@ -52,21 +53,23 @@ def test_paper_sizes(size, paper_params):
     assert abs(n_vanilla / paper_params - 1) < 0.005
     assert accounting.account(vanilla, 2048).params == _real_param_count(vanilla)
     L, D, K, Dh = vanilla.n_layers, vanilla.d_model, vanilla.n_kv_heads, vanilla.head_dim
-    assert (accounting.account(vanilla, 2048).params - accounting.account(svformer, 2048).params
-            == (L - 1) * D * K * Dh)
+    assert accounting.account(vanilla, 2048).params - accounting.account(svformer, 2048).params == (L - 1) * D * K * Dh
     assert accounting.account(resformer, 2048).params == accounting.account(vanilla, 2048).params
-    ratio = (accounting.kv_cache_bytes_per_token(svformer) / accounting.kv_cache_bytes_per_token(vanilla))
+    ratio = accounting.kv_cache_bytes_per_token(svformer) / accounting.kv_cache_bytes_per_token(vanilla)
     assert ratio == (L + 1) / (2 * L)
 
 
 def test_svformer_82m_saves_1_84m_params():
-    saved = (accounting.account(_paper_config('vanilla', '82m').model, 2048).params
-             - accounting.account(_paper_config('svformer', '82m').model, 2048).params)
+    saved = (
+        accounting.account(_paper_config('vanilla', '82m').model, 2048).params
+        - accounting.account(_paper_config('svformer', '82m').model, 2048).params
+    )
     assert round(saved / 1e6, 2) == 1.84
 
 
-@pytest.mark.parametrize('variant', VARIANTS + [dict(attention='svformer', tie_embeddings=True)],
-                         ids=VARIANT_IDS + ['svformer-tied'])
+@pytest.mark.parametrize(
+    'variant', VARIANTS + [dict(attention='svformer', tie_embeddings=True)], ids=VARIANT_IDS + ['svformer-tied']
+)
 def test_matmul_weights_are_the_modules(variant):
     """The weights FLOPs are counted for are the real module's matmul weights, by parameter path."""
     cfg = small_model_config(**variant)
@@ -80,8 +83,17 @@ def test_forward_flops_agree_with_xla_cost_analysis(variant):
     matmul term, the attention term doubled for the full S x S) plus the elementwise work the
     formula leaves out: between 0 and 3% more. One W_V too many or too few is 2.7% here."""
     S = 128
-    cfg = small_model_config(**NAMED_VARIANTS[variant], scan_layers=False, attention_chunks=1, vocab_size=512,
-                             d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=256)
+    cfg = small_model_config(
+        **NAMED_VARIANTS[variant],
+        scan_layers=False,
+        attention_chunks=1,
+        vocab_size=512,
+        d_model=128,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        d_ff=256,
+    )
     graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
     forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
     cost = forward.lower(params, jnp.ones((1, S), jnp.int32)).compile().cost_analysis()
@@ -93,9 +105,20 @@ def test_forward_flops_agree_with_xla_cost_analysis(variant):
 
 def test_summary_command_prints_table_and_json():
     out = subprocess.run(
-        [sys.executable, '-m', 'vrl.main', '--config=configs/svformer_468m.py', '--summary', '--summary_json',
-         '--config.model.vocab_size=50277'], capture_output=True, text=True, check=True,
-        cwd=str(__import__('tests.conftest').conftest.ROOT)).stdout
+        [
+            sys.executable,
+            '-m',
+            'vrl.main',
+            '--config=configs/svformer_468m.py',
+            '--summary',
+            '--summary_json',
+            '--config.model.vocab_size=50277',
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=str(__import__('tests.conftest').conftest.ROOT),
+    ).stdout
     record = json.loads(out.strip().splitlines()[-1])
     assert {'params', 'non_embedding_params', 'flops_per_token', 'kv_cache_bytes_per_token'} <= set(record)
     expected = accounting.account(_paper_config('svformer', '468m').model, 2048)
@@ -131,12 +154,14 @@ def test_each_variant_changes_the_count_by_its_formula():
 @pytest.mark.parametrize('variant', variant_params())
 def test_max_batch_for_cache_is_the_largest_allocated_cache_that_fits(variant):
     from vrl.model import decode
+
     cfg = small_model_config(**variant)
     context, memory = 40, 3_000_000
 
     def allocated(batch: int) -> int:
         shapes = jax.eval_shape(lambda: decode.init_cache(cfg, batch, context))
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes) if x.ndim > 1)
+
     batch = accounting.max_batch_for_cache(cfg, context, memory)
     assert batch > 0 and allocated(batch) <= memory < allocated(batch + 1)
 
@@ -151,8 +176,16 @@ def test_svformer_fits_about_2l_over_l_plus_1_times_the_batch():
 
 def test_sequence_length_study_configs_keep_2m_tokens_per_step():
     from vrl.core.config import ConfigError
-    for seq, want_len in (('512', 512), ('2k', 2048), ('8k', 8192), ('32k', 32768), ('64k', 65536), ('128k', 2**17),
-                          ('256k', 2**18)):
+
+    for seq, want_len in (
+        ('512', 512),
+        ('2k', 2048),
+        ('8k', 8192),
+        ('32k', 32768),
+        ('64k', 65536),
+        ('128k', 2**17),
+        ('256k', 2**18),
+    ):
         config = from_configdict(base.get_config(f'svformer,82m,{seq}'))
         assert config.data.seq_len == want_len and config.data.seq_len * config.data.batch_size == 2**21
     assert from_configdict(base.get_config('svformer,82m')).data.seq_len == 2048

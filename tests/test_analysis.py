@@ -106,19 +106,35 @@ def two_runs(shared_runs):
 
 
 def _analyze(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, '-m', 'vrl.experiments.analyze', *args], capture_output=True, text=True,
-                          cwd=str(ROOT), timeout=600)
+    return subprocess.run(
+        [sys.executable, '-m', 'vrl.experiments.analyze', *args],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=600,
+    )
 
 
 def test_analyze_command_writes_json_and_plots(two_runs, tmp_path):
     out = tmp_path / 'out'
-    result = _analyze(f'--workdir={two_runs / "vanilla"}', f'--workdir={two_runs / "resformer"}', f'--out={out}',
-                      '--sequences=6', '--seq_len=32', '--batch_size=4')
+    result = _analyze(
+        f'--workdir={two_runs / "vanilla"}',
+        f'--workdir={two_runs / "resformer"}',
+        f'--out={out}',
+        '--sequences=6',
+        '--seq_len=32',
+        '--batch_size=4',
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for run, variant in (('vanilla', 'vanilla + MQA'), ('resformer', 'resformer (learnable) + MQA')):
         record = json.loads((out / run / 'analysis.json').read_text())
         assert set(record) == set(UNGATED) | {'variant', 'step', 'sequences', 'seq_len'}
-        assert (record['variant'], record['step'], record['sequences'], record['seq_len']) == (variant, SHARED_RUN_STEPS, 6, 32)
+        assert (record['variant'], record['step'], record['sequences'], record['seq_len']) == (
+            variant,
+            SHARED_RUN_STEPS,
+            6,
+            32,
+        )
         for name in UNGATED:
             assert len(record[name]) == 3 + (name == 'similarity') and all(np.isfinite(record[name])), name
         assert all(0 <= e <= math.log(32) + 1e-6 for e in record['entropy'])
@@ -128,13 +144,16 @@ def test_analyze_command_writes_json_and_plots(two_runs, tmp_path):
     assert 'entropy per layer' in result.stdout
 
 
-@pytest.mark.parametrize('args, message', [
-    (['--workdir={empty}'], 'config.json not found'),
-    (['--workdir={config_only}'], 'no checkpoint in'),
-    (['--workdir={vanilla}', '--seq_len=65'], '--seq_len=65 is invalid: allowed 2..64'),
-    (['--workdir={vanilla}', '--sequences=0'], '--sequences=0 is invalid'),
-    (['--workdir={vanilla}', '--sequences=100000'], 'fewer than --sequences=100000'),
-])
+@pytest.mark.parametrize(
+    'args, message',
+    [
+        (['--workdir={empty}'], 'config.json not found'),
+        (['--workdir={config_only}'], 'no checkpoint in'),
+        (['--workdir={vanilla}', '--seq_len=65'], '--seq_len=65 is invalid: allowed 2..64'),
+        (['--workdir={vanilla}', '--sequences=0'], '--sequences=0 is invalid'),
+        (['--workdir={vanilla}', '--sequences=100000'], 'fewer than --sequences=100000'),
+    ],
+)
 def test_analyze_bad_input_is_one_clear_line(two_runs, tmp_path, args, message):
     (tmp_path / 'empty').mkdir()
     (tmp_path / 'config_only').mkdir()
@@ -155,8 +174,13 @@ def test_generate_and_analyze_refuse_a_config_json_that_is_not_their_checkpoints
     (workdir / 'config.json').write_text(json.dumps(record))
     message = 'trained with model.rope_theta=10000.0 but the config has model.rope_theta=500000.0'
     analyzed = _analyze(f'--workdir={workdir}', f'--out={tmp_path / "out"}')
-    generated = subprocess.run([sys.executable, '-m', 'vrl.tools.generate', f'--workdir={workdir}', '--prompt=ROMEO:'],
-                               capture_output=True, text=True, cwd=str(ROOT), timeout=600)
+    generated = subprocess.run(
+        [sys.executable, '-m', 'vrl.tools.generate', f'--workdir={workdir}', '--prompt=ROMEO:'],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=600,
+    )
     for result in (analyzed, generated):
         assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
         assert 'Traceback' not in result.stderr
@@ -173,8 +197,16 @@ def test_training_logs_the_diagnostics_that_analyze_computes_on_its_checkpoint(s
     from tests.runs import tiny_config
     from vrl.experiments import analyze
     from vrl.train import checkpoint, loop
-    config = tiny_config(small_corpus, attention='resformer', steps=4, checkpoint_every=4, diagnostics_every=2,
-                         diagnostics_sequences=3, sample_tokens=0)
+
+    config = tiny_config(
+        small_corpus,
+        attention='resformer',
+        steps=4,
+        checkpoint_every=4,
+        diagnostics_every=2,
+        diagnostics_sequences=3,
+        sample_tokens=0,
+    )
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3, value_embed_layers=(1, 3)))
     workdir = tmp_path / 'run'
     result = loop.run(config, str(workdir))

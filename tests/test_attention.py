@@ -50,12 +50,14 @@ def test_splash_matches_xla_in_the_model(name):
     weights = jax.random.normal(jax.random.key(4), (2, L, cfg.d_model))
 
     def loss(params, impl):
-        impl_model = nnx.merge(nnx.graphdef(Decoder(dataclasses.replace(cfg, attention_impl=impl),
-                                                    rngs=nnx.Rngs(0))), params)
+        impl_model = nnx.merge(
+            nnx.graphdef(Decoder(dataclasses.replace(cfg, attention_impl=impl), rngs=nnx.Rngs(0))), params
+        )
         return jnp.sum(impl_model.hidden(tokens, None, segment_ids) * weights)
 
-    (want, want_grads), (got, got_grads) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, impl)
-                                            for impl in ('xla', 'splash_interpret'))
+    (want, want_grads), (got, got_grads) = (
+        jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, impl) for impl in ('xla', 'splash_interpret')
+    )
     assert abs(float(got - want)) / abs(float(want)) < 1e-4
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         assert rel_err(a, b) < 1e-4 if np.any(b) else not np.any(a)  # the head takes no part in hidden()
@@ -74,8 +76,9 @@ def _split_matches_one_device(name: str, impl: str, context: int, documents: boo
     weights = jax.random.normal(jax.random.key(4), (2, 2 * L, cfg.d_model))
 
     def loss(params, impl):
-        impl_model = nnx.merge(nnx.graphdef(Decoder(dataclasses.replace(cfg, attention_impl=impl),
-                                                    rngs=nnx.Rngs(0))), params)
+        impl_model = nnx.merge(
+            nnx.graphdef(Decoder(dataclasses.replace(cfg, attention_impl=impl), rngs=nnx.Rngs(0))), params
+        )
         return jnp.sum(impl_model.hidden(tokens, None, segment_ids) * weights)
 
     want, want_grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, 'xla')
@@ -115,7 +118,7 @@ def test_each_part_of_a_striped_split_keeps_the_same_splash_blocks():
     striped, plain = [], []
     for part in range(parts):
         rows = attention._StripedRows(part, parts, L)
-        np.testing.assert_array_equal(rows[:, :], order[part * P:(part + 1) * P, None] >= order[None, :])
+        np.testing.assert_array_equal(rows[:, :], order[part * P : (part + 1) * P, None] >= order[None, :])
         striped.append(blocks(rows))
         plain.append(blocks(splash_mask.CausalMask((P, L), offset=part * P)))
     assert len(set(striped)) == 1, striped
@@ -134,6 +137,7 @@ def test_cudnn_on_each_part_of_a_split_sequence_matches_xla(name, monkeypatch):
     def recorded(*args, mask=None, **kwargs):
         masks.append(mask.shape)
         return dot_product_attention(*args, mask=mask, **kwargs)
+
     dot_product_attention = jax.nn.dot_product_attention
     monkeypatch.setattr(jax.nn, 'dot_product_attention', recorded)
     _split_matches_one_device(name, 'cudnn', context=4, documents=False)
@@ -160,26 +164,36 @@ def test_auto_picks_each_platforms_kernel_and_says_why_not():
 
     def resolved(platform: str, seq_len: int = 2048, masking: bool = False, **fields) -> tuple[str, list[str]]:
         said = []
-        config = Config(model=dataclasses.replace(model, **fields),
-                        data=DataConfig(seq_len=seq_len, document_masking=masking))
+        config = Config(
+            model=dataclasses.replace(model, **fields), data=DataConfig(seq_len=seq_len, document_masking=masking)
+        )
         out = resolve.execution(config, platform, said.append)
         assert resolve.execution(out, platform, said.append) == out  # idempotent, and silent the second time
         return out.model.attention_impl, said
 
     assert resolved('cpu')[0] == 'xla' and resolved('tpu', masking=True)[0] == 'splash'
     impl, said = resolved('gpu')
-    assert impl == 'cudnn' and said == ['model.attention_impl=cudnn (auto on gpu: the gpu kernel serves this config)',
-                                        'model.hand_vjp=attention,swiglu,cross_entropy (auto on gpu: what pays on gpu)']
-    assert resolved('gpu', masking=True) == ('xla', [
-        'model.attention_impl=xla (auto on gpu: cuDNN attention through JAX takes no segment ids '
-        '(data.document_masking=True))', 'model.hand_vjp=attention,swiglu,cross_entropy (auto on gpu: what pays on gpu)'])
+    assert impl == 'cudnn' and said == [
+        'model.attention_impl=cudnn (auto on gpu: the gpu kernel serves this config)',
+        'model.hand_vjp=attention,swiglu,cross_entropy (auto on gpu: what pays on gpu)',
+    ]
+    assert resolved('gpu', masking=True) == (
+        'xla',
+        [
+            'model.attention_impl=xla (auto on gpu: cuDNN attention through JAX takes no segment ids '
+            '(data.document_masking=True))',
+            'model.hand_vjp=attention,swiglu,cross_entropy (auto on gpu: what pays on gpu)',
+        ],
+    )
     assert 'splash needs data.seq_len a multiple of 128' in resolved('tpu', seq_len=200)[1][0]
     assert 'needs model.compute_dtype=bfloat16 (it is float32)' in resolved('gpu', compute_dtype='float32')[1][0]
 
 
 def test_code_that_uses_a_setting_refuses_auto_by_name():
     q = jnp.ones((1, 8, 2, 4))
-    with pytest.raises(ConfigError, match=r"model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution"):
+    with pytest.raises(
+        ConfigError, match=r"model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution"
+    ):
         attention.attention('auto', q, q, q, attention.Causal(None), causal_chunks=1)
     with pytest.raises(ConfigError, match=r"model.hand_vjp='auto' is unresolved here"):
         ops.hand_vjp_ops('auto')
@@ -190,12 +204,17 @@ def test_code_that_uses_a_setting_refuses_auto_by_name():
 
 def test_an_explicit_choice_that_cannot_run_is_refused():
     cfg = small_model_config(head_dim=64, compute_dtype='bfloat16')
-    with pytest.raises(ConfigError, match=r"model.attention_impl='cudnn' cannot run here: cuDNN attention runs on "
-                                          r'NVIDIA GPUs \(this is cpu\)'):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.attention_impl='cudnn' cannot run here: cuDNN attention runs on "
+        r'NVIDIA GPUs \(this is cpu\)',
+    ):
         attention.choose(dataclasses.replace(cfg, attention_impl='cudnn'), 'cpu', 2048, False)
     with pytest.raises(ConfigError, match=r"attention_impl='splash' cannot run here: splash needs data.seq_len"):
         attention.choose(dataclasses.replace(cfg, attention_impl='splash'), 'tpu', 1000, False)
-    assert attention.choose(dataclasses.replace(cfg, attention_impl='splash'), 'cpu', 1024, False)[0] == 'splash_interpret'
+    assert (
+        attention.choose(dataclasses.replace(cfg, attention_impl='splash'), 'cpu', 1024, False)[0] == 'splash_interpret'
+    )
     with pytest.raises(ConfigError, match=r"model.attention_impl='flash' is invalid"):
         small_model_config(attention_impl='flash')
 
@@ -205,23 +224,32 @@ def test_auto_fit_without_a_memory_limit_takes_the_cheapest_setting():
     assert (config.train.microbatches, config.model.remat) == (0, 'auto')  # the named configs fit themselves
     fitted, report = aot.auto_fit(config, jax.devices(), None)
     assert (fitted.train.microbatches, fitted.model.remat, report) == (1, 'none', None)
-    assert aot.fit_line(fitted, report) == ('auto fit: train.microbatches=1, model.remat=none '
-                                            '(device memory unknown, so the cheapest setting)')
-    explicit = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=4),
-                                   model=dataclasses.replace(config.model, remat='full'))
+    assert aot.fit_line(fitted, report) == (
+        'auto fit: train.microbatches=1, model.remat=none (device memory unknown, so the cheapest setting)'
+    )
+    explicit = dataclasses.replace(
+        config,
+        train=dataclasses.replace(config.train, microbatches=4),
+        model=dataclasses.replace(config.model, remat='full'),
+    )
     assert aot.auto_fit(explicit, jax.devices(), None) == (explicit, None)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
-                    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
+@pytest.mark.skipif(
+    importlib.util.find_spec('libtpu') is None,
+    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described',
+)
 def test_auto_fit_picks_the_fewest_microbatches_that_fit():
     """The tiny model, 8 sequences per v5e chip and no remat, against a memory limit set below what
     one step at once needs: auto takes the smallest count that fits, and the count below it does not.
     (The limit is the test's, so the candidates are small programs; the 82M 64K test uses the chip's.)"""
     config = from_configdict(tiny.get_config())
-    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=32, seq_len=256),
-                                 model=dataclasses.replace(config.model, remat='none'))
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, batch_size=32, seq_len=256),
+        model=dataclasses.replace(config.model, remat='none'),
+    )
     devices, _ = aot.tpu_devices('v5e:2x2')  # 8 sequences per chip: counts 1, 2, 4, 8
     whole = aot.compile_train_step(config, devices, None).total_bytes  # one step at once
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=0))
@@ -230,8 +258,10 @@ def test_auto_fit_picks_the_fewest_microbatches_that_fit():
     fitted, report = aot.auto_fit(config, devices, hbm, said.append)
     count = fitted.train.microbatches
     lines = '\n'.join(said)  # every candidate, as it compiles
-    assert f'auto fit: microbatches={count}, remat=none: {report.total_bytes / aot.GiB:.2f} of ' \
-           f'{hbm / aot.GiB:.2f} GiB per device, fits' in lines
+    assert (
+        f'auto fit: microbatches={count}, remat=none: {report.total_bytes / aot.GiB:.2f} of '
+        f'{hbm / aot.GiB:.2f} GiB per device, fits' in lines
+    )
     assert count > 1 and fitted.model.remat == 'none'
     assert report.total_bytes <= aot.FIT_MARGIN * hbm
     # the bisection ends between the count that fits and the one below it, which it compiled too
@@ -239,46 +269,63 @@ def test_auto_fit_picks_the_fewest_microbatches_that_fit():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
-                    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
+@pytest.mark.skipif(
+    importlib.util.find_spec('libtpu') is None,
+    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described',
+)
 def test_auto_context_splits_sequences_only_when_whole_ones_do_not_fit():
     """mesh.context=0 with one 2,048-token sequence per v5e chip, against a memory limit below what a
     whole sequence per chip needs: context 1 is compiled and refused; context 2 with 2 microbatches
     (half a sequence per chip at a time) fits, and the mesh's fsdp axis gives up the devices."""
     config = from_configdict(tiny.get_config())
-    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=4, seq_len=2048),
-                                 model=dataclasses.replace(config.model, remat='none', attention_impl='xla', n_layers=2))
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, batch_size=4, seq_len=2048),
+        model=dataclasses.replace(config.model, remat='none', attention_impl='xla', n_layers=2),
+    )
     devices, _ = aot.tpu_devices('v5e:2x2')  # one host of 4 chips: context 1, 2 or 4
     whole = aot.compile_train_step(config, devices, None).total_bytes  # a whole sequence per chip
     hbm = int(0.9 * whole / aot.FIT_MARGIN)  # fits 90% of a whole sequence's need
-    auto = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=0),
-                               mesh=dataclasses.replace(config.mesh, context=0))
+    auto = dataclasses.replace(
+        config,
+        train=dataclasses.replace(config.train, microbatches=0),
+        mesh=dataclasses.replace(config.mesh, context=0),
+    )
     said = []
     fitted, report = aot.resolve(auto, devices, hbm, said.append)
     lines = '\n'.join(said)
     assert re.search(r'auto fit: mesh.context=1 does not fit \(the train step does not fit', lines), lines
-    assert f'auto fit: mesh.context=2 (the fewest devices per sequence that fit: {report.total_bytes / aot.GiB:.2f} ' \
-           'GiB per device)' in lines, lines
+    assert (
+        f'auto fit: mesh.context=2 (the fewest devices per sequence that fit: {report.total_bytes / aot.GiB:.2f} '
+        'GiB per device)' in lines
+    ), lines
     assert (fitted.mesh.context, fitted.train.microbatches, fitted.model.attention_impl) == (2, 2, 'xla')
     assert report.mesh == {'data': 1, 'fsdp': 2, 'context': 2, 'tensor': 1}
     assert report.total_bytes <= aot.FIT_MARGIN * hbm
 
 
-@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
-                    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
+@pytest.mark.skipif(
+    importlib.util.find_spec('libtpu') is None,
+    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described',
+)
 def test_hosts_whose_chips_split_the_same_sequences_read_the_same_rows():
     """On a v5p:2x2x2 (two hosts of 4 chips), mesh.context=4 keeps each host's own share of every
     batch's rows; context 8 splits each sequence over both hosts, which then read the same rows.
     A mesh that gives hosts overlapping, unequal rows is refused."""
     pod, _ = aot.tpu_devices('v5p:2x2x2')
-    shares = {context: [sharding.row_share(sharding.make_mesh(MeshConfig(context=context), pod), host)
-                        for host in (0, 1)] for context in (4, 8)}
+    shares = {
+        context: [sharding.row_share(sharding.make_mesh(MeshConfig(context=context), pod), host) for host in (0, 1)]
+        for context in (4, 8)
+    }
     assert shares == {4: [(0, 2), (1, 2)], 8: [(0, 1), (0, 1)]}
     by_process = sorted(pod, key=lambda d: d.process_index)  # 4 rows of 2: rows 1 and 3 on both hosts
     tangled = np.asarray([by_process[i] for i in (0, 1, 2, 4, 5, 6, 3, 7)]).reshape(1, 4, 2, 1)
-    with pytest.raises(ConfigError, match=r'cannot feed its hosts: processes must hold the same or disjoint equal '
-                                          r'shares of the batch rows \(process 0: rows \[0, 1, 3\], process 1: '
-                                          r'rows \[1, 2, 3\]\)'):
+    with pytest.raises(
+        ConfigError,
+        match=r'cannot feed its hosts: processes must hold the same or disjoint equal '
+        r'shares of the batch rows \(process 0: rows \[0, 1, 3\], process 1: '
+        r'rows \[1, 2, 3\]\)',
+    ):
         sharding.row_share(Mesh(tangled, sharding.MESH_AXES))
 
 
@@ -294,8 +341,10 @@ def test_the_cudnn_call_means_what_the_xla_path_computes(monkeypatch):
     assert rel_err(got, want) < 1e-5
 
 
-@pytest.mark.skipif(jax.default_backend() != 'gpu',
-                    reason='cuDNN needs an NVIDIA GPU: JAX_PLATFORMS=cuda python -m pytest tests/test_attention.py -k gpu')
+@pytest.mark.skipif(
+    jax.default_backend() != 'gpu',
+    reason='cuDNN needs an NVIDIA GPU: JAX_PLATFORMS=cuda python -m pytest tests/test_attention.py -k gpu',
+)
 def test_cudnn_on_a_gpu_attends_with_a_parts_chunks_as_the_xla_path_does():
     """On a GPU, the cuDNN calls the context-parallel path makes for one device's part: part 1 of 4
     of a striped sequence, 4 query chunks each over the keys up to its last query, the mask as a

@@ -35,8 +35,11 @@ def test_platforms_without_tpu_chips():
 def test_a_host_without_tpu_chips_is_named_for_a_slice_description(monkeypatch):
     environ = {'TPU_WORKER_ID': '3'}
     backend.name_absent_tpu_host('v5litepod-16', environ)
-    assert environ == {'TPU_ACCELERATOR_TYPE': 'v5litepod-16', 'TPU_WORKER_HOSTNAMES': 'localhost',
-                       'TPU_WORKER_ID': '3'}  # a value already set stands
+    assert environ == {
+        'TPU_ACCELERATOR_TYPE': 'v5litepod-16',
+        'TPU_WORKER_HOSTNAMES': 'localhost',
+        'TPU_WORKER_ID': '3',
+    }  # a value already set stands
     monkeypatch.setattr(backend, 'tpu_chips', lambda: 4)  # a TPU VM: libtpu asks its metadata
     on_tpu_vm = {}
     backend.name_absent_tpu_host('v5litepod-16', on_tpu_vm)
@@ -46,10 +49,20 @@ def test_a_host_without_tpu_chips_is_named_for_a_slice_description(monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 def test_commands_print_no_error_lines_on_cpu(small_corpus, tmp_path):
     environ = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
-    summary = subprocess.run([sys.executable, '-m', 'vrl.main', '--config=configs/tiny.py', '--summary'], cwd=ROOT,
-                             env=environ, capture_output=True, text=True)
-    run = subprocess.run(cli_args(tiny_config(small_corpus, steps=2, checkpoint_every=2), tmp_path / 'run'), cwd=ROOT,
-                         env=environ, capture_output=True, text=True)
+    summary = subprocess.run(
+        [sys.executable, '-m', 'vrl.main', '--config=configs/tiny.py', '--summary'],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+    )
+    run = subprocess.run(
+        cli_args(tiny_config(small_corpus, steps=2, checkpoint_every=2), tmp_path / 'run'),
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+    )
     for out in (summary, run):
         assert out.returncode == 0, out.stderr[-2000:]
         printed = out.stdout + out.stderr

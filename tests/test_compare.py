@@ -37,9 +37,10 @@ def test_relative_loss_over_common_steps():
 
 
 def test_summary_pairs_seeds_with_vanilla():
-    results = [dict(variant=v, seed=s, eval_loss=loss, model=v, params=1, kv_cache_bytes_per_token=2,
-                    tokens_per_sec=3.0)
-               for v, s, loss in [('vanilla', 0, 3.0), ('vanilla', 1, 3.2), ('resformer', 0, 2.9), ('resformer', 1, 3.0)]]
+    results = [
+        dict(variant=v, seed=s, eval_loss=loss, model=v, params=1, kv_cache_bytes_per_token=2, tokens_per_sec=3.0)
+        for v, s, loss in [('vanilla', 0, 3.0), ('vanilla', 1, 3.2), ('resformer', 0, 2.9), ('resformer', 1, 3.0)]
+    ]
     vanilla, resformer = compare_report.summarize(results, ['vanilla', 'resformer'])
     assert vanilla['eval_loss'] == pytest.approx(3.1) and vanilla['delta_vs_vanilla'] == 0
     assert resformer['delta_vs_vanilla'] == pytest.approx(-0.15)
@@ -49,16 +50,30 @@ def test_summary_pairs_seeds_with_vanilla():
 def _compare_args(small_corpus, workdir, *args: str, steps: int = 4) -> list[str]:
     """Every run also scores the task `toy_curve` every 2 steps while it trains."""
     tasks = write_choice_task(Path(small_corpus[0].data_dir) / 'curve_task', name='toy_curve')
-    config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1,
-                         diagnostics_every=2, diagnostics_sequences=2, downstream_tasks='toy_curve',
-                         downstream_every=2, downstream_include_path=str(tasks))
+    config = tiny_config(
+        small_corpus,
+        steps=steps,
+        checkpoint_every=steps,
+        eval_every=2,
+        eval_batches=1,
+        diagnostics_every=2,
+        diagnostics_sequences=2,
+        downstream_tasks='toy_curve',
+        downstream_every=2,
+        downstream_include_path=str(tasks),
+    )
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3))
     return [*cli_args(config, workdir, 'vrl.experiments.compare'), '--analysis_sequences=4', *args]
 
 
 def _compare(small_corpus, workdir, *args: str, steps: int = 4) -> subprocess.CompletedProcess:
-    return subprocess.run(_compare_args(small_corpus, workdir, *args, steps=steps), capture_output=True, text=True,
-                          cwd=str(ROOT), timeout=900)
+    return subprocess.run(
+        _compare_args(small_corpus, workdir, *args, steps=steps),
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=900,
+    )
 
 
 @pytest.fixture(scope='module')
@@ -83,8 +98,16 @@ def test_compare_writes_report_results_and_plots(compared):
     report = (workdir / 'report.md').read_text()
     # a row in the main table and one in the downstream table
     assert report.count('| vanilla |') == 2 and report.count('| resformer:learnable_plus |') == 2
-    for name in ('eval_loss', 'relative_train_loss', 'entropy', 'similarity', 'value_norms',
-                 'diagnostics_first_token_attention', 'diagnostics_entropy', 'downstream_toy_curve_acc'):
+    for name in (
+        'eval_loss',
+        'relative_train_loss',
+        'entropy',
+        'similarity',
+        'value_norms',
+        'diagnostics_first_token_attention',
+        'diagnostics_entropy',
+        'downstream_toy_curve_acc',
+    ):
         assert (workdir / f'{name}.png').read_bytes()[:4] == b'\x89PNG' and f'({name}.png)' in report
     # the curve scored while training, and its last point as the final score, mean ± spread over seeds
     for run in results['runs']:
@@ -92,7 +115,8 @@ def test_compare_writes_report_results_and_plots(compared):
         assert run['downstream']['toy_curve']['acc'] == run['downstream_curves']['toy_curve/acc']['4']
     finals = [r['downstream']['toy_curve']['acc'] for r in results['runs'] if r['variant'] == 'vanilla']
     assert results['table'][0]['downstream']['toy_curve']['acc'] == pytest.approx(
-        [np.mean(finals), np.std(finals, ddof=1)])
+        [np.mean(finals), np.std(finals, ddof=1)]
+    )
     assert f'| vanilla | {curves.plus_minus(np.mean(finals), np.std(finals, ddof=1))} |' in report
     assert 'resformer:learnable_plus: eval loss' in first.stdout
 
@@ -103,8 +127,14 @@ def test_a_second_invocation_trains_only_the_new_variant_and_evaluates_all(compa
     assert len(before) == 4
     before_steps = {name: saved_steps(workdir / 'runs' / name) for name in before}
     tasks = write_choice_task(tmp_path / 'tasks')
-    again = _compare(small_corpus, workdir, '--variants=vanilla,resformer:learnable_plus,svformer', '--seeds=0,1',
-                     '--tasks=toy_choice', f'--include_path={tasks}')
+    again = _compare(
+        small_corpus,
+        workdir,
+        '--variants=vanilla,resformer:learnable_plus,svformer',
+        '--seeds=0,1',
+        '--tasks=toy_choice',
+        f'--include_path={tasks}',
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     after = {p.parent.name: p for p in (workdir / 'runs').glob('*/result.json')}
     assert set(after) - set(before) == {'svformer-s0', 'svformer-s1'}
@@ -124,11 +154,14 @@ def test_a_second_invocation_trains_only_the_new_variant_and_evaluates_all(compa
     assert '| variant | toy_choice acc | toy_curve acc |' in (workdir / 'report.md').read_text()
 
 
-@pytest.mark.parametrize('args, message', [
-    (['--variants=vanilla,resformer:learned'], "unknown variant preset 'resformer:learned'; allowed: vanilla,"),
-    (['--variants='], '--variants is empty'),
-    (['--variants=vanilla', '--seeds=0,x'], '--seeds=0,x is invalid'),
-])
+@pytest.mark.parametrize(
+    'args, message',
+    [
+        (['--variants=vanilla,resformer:learned'], "unknown variant preset 'resformer:learned'; allowed: vanilla,"),
+        (['--variants='], '--variants is empty'),
+        (['--variants=vanilla', '--seeds=0,x'], '--seeds=0,x is invalid'),
+    ],
+)
 def test_bad_variants_are_refused_before_anything_is_written(small_corpus, tmp_path, args, message):
     result = _compare(small_corpus, tmp_path / 'new', *args)
     assert result.returncode != 0 and message in result.stderr and 'Traceback' not in result.stderr
@@ -145,12 +178,24 @@ def test_a_workdir_of_another_config_is_refused_and_left_alone(compared, small_c
 
 
 def test_a_second_comparison_on_the_same_directory_is_refused_naming_the_first(small_corpus, tmp_path):
-    first = subprocess.Popen(_compare_args(small_corpus, tmp_path, '--variants=vanilla', steps=2000), cwd=str(ROOT),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        _compare_args(small_corpus, tmp_path, '--variants=vanilla', steps=2000),
+        cwd=str(ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         # the lock is taken, then the record written: wait for both
-        wait_for(lambda: (tmp_path / '.lock').exists() and (tmp_path / '.lock').read_text()
-                 and (tmp_path / 'compare.json').exists(), 300, first)
+        wait_for(
+            lambda: (
+                (tmp_path / '.lock').exists()
+                and (tmp_path / '.lock').read_text()
+                and (tmp_path / 'compare.json').exists()
+            ),
+            300,
+            first,
+        )
         record = (tmp_path / 'compare.json').read_bytes()
         second = _compare(small_corpus, tmp_path, '--variants=vanilla', steps=2000)
     finally:
@@ -162,14 +207,28 @@ def test_a_second_comparison_on_the_same_directory_is_refused_naming_the_first(s
 
 
 def test_one_seed_is_reported_as_one_seed_not_as_zero_spread():
-    row = dict(variant='resformer', model='resformer (identity)', eval_loss=3.5, eval_loss_spread=float('nan'),
-               delta_vs_vanilla=-0.1, delta_spread=float('nan'), params=10, kv_cache_bytes_per_token=4,
-               tokens_per_sec=1.0, downstream={})
+    row = dict(
+        variant='resformer',
+        model='resformer (identity)',
+        eval_loss=3.5,
+        eval_loss_spread=float('nan'),
+        delta_vs_vanilla=-0.1,
+        delta_spread=float('nan'),
+        params=10,
+        kv_cache_bytes_per_token=4,
+        tokens_per_sec=1.0,
+        downstream={},
+    )
     report = compare_report.report([row], [], Config(), [0])
     assert '| 3.5000 (1 seed) | -0.1000 (1 seed) |' in report and '±' not in report.split('|---|')[-1]
 
 
 def test_list_variants():
-    out = subprocess.run([sys.executable, '-m', 'vrl.experiments.compare', '--list_variants'], capture_output=True, text=True,
-                         cwd=str(ROOT), check=True).stdout
+    out = subprocess.run(
+        [sys.executable, '-m', 'vrl.experiments.compare', '--list_variants'],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        check=True,
+    ).stdout
     assert 'resformer:learnable_plus' in out and 'denseformer' in out and 'cla2' in out

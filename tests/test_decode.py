@@ -24,28 +24,30 @@ def _model(seed=0, **overrides) -> Decoder:
 
 
 # every variant and lambda mode with GQA (2 kv heads for 4 query heads); MHA and MQA on two of them
-_CACHE_CASES = ({f'{name}-gqa2': (v, 2) for name, v in NAMED_VARIANTS.items()}
-                | {f'{a}-{n}': (dict(attention=a), k) for a in ('vanilla', 'svformer') for n, k in (('mha', 4), ('mqa', 1))})
+_CACHE_CASES = {f'{name}-gqa2': (v, 2) for name, v in NAMED_VARIANTS.items()} | {
+    f'{a}-{n}': (dict(attention=a), k) for a in ('vanilla', 'svformer') for n, k in (('mha', 4), ('mqa', 1))
+}
 
 
-@pytest.mark.parametrize('variant, n_kv_heads', cases(_CACHE_CASES, [f'{name}-gqa2' for name in FAST_TIER[1:]]
-                                                      + ['vanilla-mqa']))
+@pytest.mark.parametrize(
+    'variant, n_kv_heads', cases(_CACHE_CASES, [f'{name}-gqa2' for name in FAST_TIER[1:]] + ['vanilla-mqa'])
+)
 def test_cached_decoding_equals_full_forward(variant, n_kv_heads):
     model = _model(n_kv_heads=n_kv_heads, **variant)
     cfg = model.cfg
     B, L, prompt, pad = 2, 10, 4, 3
     tokens = jax.random.randint(jax.random.key(1), (B, L), 0, cfg.vocab_size)
-    full = np.asarray(model(tokens))[..., :cfg.vocab_size]
+    full = np.asarray(model(tokens))[..., : cfg.vocab_size]
     # left-pad by `pad` garbage tokens that must be invisible
     padded = jnp.concatenate([jnp.full((B, pad), 5, jnp.int32), tokens], axis=1)
     pad_B = jnp.full((B,), pad, jnp.int32)
     cache = decode.init_cache(cfg, B, pad + L)
-    logits, cache = model.decode(padded[:, :pad + prompt], pad_B, cache)
+    logits, cache = model.decode(padded[:, : pad + prompt], pad_B, cache)
     cached = [np.asarray(logits[:, pad:])]
     for t in range(prompt, L):
-        step_logits, cache = model.decode(tokens[:, t:t + 1], pad_B, cache)
+        step_logits, cache = model.decode(tokens[:, t : t + 1], pad_B, cache)
         cached.append(np.asarray(step_logits))
-    cached = np.concatenate(cached, axis=1)[..., :cfg.vocab_size]
+    cached = np.concatenate(cached, axis=1)[..., : cfg.vocab_size]
     for t in range(L):
         assert rel_err(cached[:, t], full[:, t]) < 1e-5, t
     assert int(cache.index) == pad + L
@@ -54,10 +56,13 @@ def test_cached_decoding_equals_full_forward(variant, n_kv_heads):
 def test_cache_bytes_realise_the_savings():
     L = 6
     sizes = {}
-    for name, overrides in {'vanilla': dict(attention='vanilla'), 'svformer': dict(attention='svformer'),
-                            'resformer': dict(attention='resformer'),
-                            'vanilla_gqa4': dict(attention='vanilla', n_heads=8, n_kv_heads=2),
-                            'svformer_gqa4': dict(attention='svformer', n_heads=8, n_kv_heads=2)}.items():
+    for name, overrides in {
+        'vanilla': dict(attention='vanilla'),
+        'svformer': dict(attention='svformer'),
+        'resformer': dict(attention='resformer'),
+        'vanilla_gqa4': dict(attention='vanilla', n_heads=8, n_kv_heads=2),
+        'svformer_gqa4': dict(attention='svformer', n_heads=8, n_kv_heads=2),
+    }.items():
         cfg = small_model_config(n_layers=L, **({'n_heads': 8, 'n_kv_heads': 8} | overrides))
         sizes[name] = decode.cache_bytes(decode.init_cache(cfg, batch=3, max_len=32))
     assert sizes['svformer'] / sizes['vanilla'] == (L + 1) / (2 * L)
@@ -92,7 +97,7 @@ def test_greedy_matches_argmax_of_full_forward():
     for _ in range(3):
         logits = model(jnp.asarray([sequence]))[0, -1]
         sequence.append(int(jnp.argmax(logits)))
-    assert new == sequence[len(prompt):][:len(new)] and len(new) >= 1
+    assert new == sequence[len(prompt) :][: len(new)] and len(new) >= 1
 
 
 def test_sampling_modes():
@@ -109,8 +114,10 @@ def test_sampling_modes():
 
 def test_top_p_keeps_the_smallest_nucleus():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    draws = {int(decode.sample(logits, jax.random.key(i), decode.Sampling(temperature=1.0, top_p=0.75))[0])
-             for i in range(200)}
+    draws = {
+        int(decode.sample(logits, jax.random.key(i), decode.Sampling(temperature=1.0, top_p=0.75))[0])
+        for i in range(200)
+    }
     assert draws == {0, 1}
 
 
@@ -133,7 +140,7 @@ def test_stops_at_eos():
     greedy = generator.generate([[3, 4, 5]], decode.Sampling(max_new_tokens=8)).tokens[0]
     eos_generator = _generator(model, eos_id=greedy[2])
     stopped = eos_generator.generate([[3, 4, 5]], decode.Sampling(max_new_tokens=8))
-    assert stopped.tokens[0] == greedy[:greedy.index(greedy[2]) + 1]
+    assert stopped.tokens[0] == greedy[: greedy.index(greedy[2]) + 1]
 
 
 def test_bad_prompts():
@@ -170,8 +177,12 @@ def test_decoding_on_a_mesh_equals_one_device(variant):
     mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     on_mesh = jax.device_put(params, sharding.replicated(mesh))
     for prompts in ([[3, 4, 5], [6, 7], [8], [9, 10, 11, 12]], [[3, 4, 5]]):
-        tokens = [decode.Generator(model.cfg, graphdef, p, max_len=16, eos_id=-1, mesh=m).generate(
-            prompts, decode.Sampling(max_new_tokens=6)).tokens for p, m in ((params, None), (on_mesh, mesh))]
+        tokens = [
+            decode.Generator(model.cfg, graphdef, p, max_len=16, eos_id=-1, mesh=m)
+            .generate(prompts, decode.Sampling(max_new_tokens=6))
+            .tokens
+            for p, m in ((params, None), (on_mesh, mesh))
+        ]
         assert tokens[0] == tokens[1]
     generator = decode.Generator(model.cfg, graphdef, on_mesh, max_len=16, eos_id=-1, mesh=mesh)
     cache = generator.new_cache(4)
@@ -188,8 +199,10 @@ def test_a_cache_split_over_context_decodes_as_one_device_and_stays_split():
     mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, context=4))
     on_mesh = jax.device_put(params, sharding.replicated(mesh))
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [6, 7]]
-    generators = [decode.Generator(model.cfg, graphdef, p, max_len=32, eos_id=-1, mesh=m, prefill_chunk=4)
-                  for p, m in ((params, None), (on_mesh, mesh))]
+    generators = [
+        decode.Generator(model.cfg, graphdef, p, max_len=32, eos_id=-1, mesh=m, prefill_chunk=4)
+        for p, m in ((params, None), (on_mesh, mesh))
+    ]
     tokens = [g.generate(prompts, decode.Sampling(max_new_tokens=8)).tokens for g in generators]
     assert tokens[0] == tokens[1]
     cache = generators[1].new_cache(2)
@@ -197,17 +210,28 @@ def test_a_cache_split_over_context_decodes_as_one_device_and_stays_split():
         assert tuple(slot.sharding.spec[1:]) == ('context', None)
         assert {shard.data.shape for shard in slot.addressable_shards} == {(2, 8, model.cfg.head_dim)}
     tokens_BxP, pad_B = jnp.zeros((2, 11), jnp.int32), jnp.zeros((2,), jnp.int32)
-    prefill, loop = generators[1]._compile(cache, tokens_BxP, pad_B, jax.random.key(0),
-                                           decode.Sampling(max_new_tokens=8))
-    gathered = [line for program in (prefill, loop) for line in program.as_text().splitlines()
-                if re.search(r'= \S+\[[0-9,]*32,[0-9,]*\]\S* (all-gather|all-to-all|collective-permute)', line)]
+    prefill, loop = generators[1]._compile(
+        cache, tokens_BxP, pad_B, jax.random.key(0), decode.Sampling(max_new_tokens=8)
+    )
+    gathered = [
+        line
+        for program in (prefill, loop)
+        for line in program.as_text().splitlines()
+        if re.search(r'= \S+\[[0-9,]*32,[0-9,]*\]\S* (all-gather|all-to-all|collective-permute)', line)
+    ]
     assert not gathered, gathered
 
 
-@pytest.mark.parametrize('field, value, allowed', [
-    ('temperature', -1.0, '>= 0'), ('top_p', 0.0, 'in (0, 1]'), ('top_p', 1.5, 'in (0, 1]'), ('top_k', -2, '>= 0'),
-    ('max_new_tokens', 0, '>= 1'),
-])
+@pytest.mark.parametrize(
+    'field, value, allowed',
+    [
+        ('temperature', -1.0, '>= 0'),
+        ('top_p', 0.0, 'in (0, 1]'),
+        ('top_p', 1.5, 'in (0, 1]'),
+        ('top_k', -2, '>= 0'),
+        ('max_new_tokens', 0, '>= 1'),
+    ],
+)
 def test_sampling_values_out_of_range_are_refused(field, value, allowed):
     with pytest.raises(decode.DecodeError, match=re.escape(f'{field}={value!r} is invalid: allowed {allowed}')):
         decode.Sampling(**{field: value})
@@ -257,8 +281,17 @@ def _materialized(hlo: str) -> list[tuple[tuple[int, ...], str]]:
             computations[name] = []
         elif name and line.startswith('  '):
             computations[name].append(line)
-    in_place = {'parameter', 'get-tuple-element', 'tuple', 'bitcast', 'while', 'conditional', 'call',
-                'dynamic-update-slice', 'constant'}
+    in_place = {
+        'parameter',
+        'get-tuple-element',
+        'tuple',
+        'bitcast',
+        'while',
+        'conditional',
+        'call',
+        'dynamic-update-slice',
+        'constant',
+    }
     found = []
     for comp, lines in computations.items():
         if comp.startswith('fused_computation'):
@@ -268,14 +301,22 @@ def _materialized(hlo: str) -> list[tuple[tuple[int, ...], str]]:
             if not m or m.group(2) in in_place:
                 continue
             called = re.search(r'calls=%(\S+?)[,}\s]', line)
-            if m.group(2) == 'fusion' and called and any(' dynamic-update-slice(' in l for l in computations[called.group(1)]):
+            if (
+                m.group(2) == 'fusion'
+                and called
+                and any(' dynamic-update-slice(' in l for l in computations[called.group(1)])
+            ):
                 continue
             found.append((tuple(int(d) for d in m.group(1).split(',')), line.strip()[:160]))
     return found
 
 
-@pytest.mark.parametrize('variant, batch', cases({f'{n}-{b}': (NAMED_VARIANTS[n], b) for n in _PREFILL_CASES
-                                                   for b in (1, 2)}, [f'{n}-2' for n in _PREFILL_FAST]))
+@pytest.mark.parametrize(
+    'variant, batch',
+    cases(
+        {f'{n}-{b}': (NAMED_VARIANTS[n], b) for n in _PREFILL_CASES for b in (1, 2)}, [f'{n}-2' for n in _PREFILL_FAST]
+    ),
+)
 def test_the_decode_loop_never_copies_the_cache(variant, batch):
     """The compiled loop writes each new position where the cache lies and its matmuls read the
     slots where they lie: nothing a cache slot's size or larger is materialized, inside the loop or
@@ -286,8 +327,11 @@ def test_the_decode_loop_never_copies_the_cache(variant, batch):
     generator = decode.Generator(model.cfg, graphdef, nnx.to_pure_dict(state), max_len=256, eos_id=-1)
     cache = generator.new_cache(batch)
     logits = jnp.zeros((batch, model.cfg.padded_vocab_size))
-    compiled = generator.decode_fn(decode.Sampling(max_new_tokens=4)).lower(
-        generator.params, cache, logits, jnp.zeros((batch,), jnp.int32), jax.random.key(0)).compile()
+    compiled = (
+        generator.decode_fn(decode.Sampling(max_new_tokens=4))
+        .lower(generator.params, cache, logits, jnp.zeros((batch,), jnp.int32), jax.random.key(0))
+        .compile()
+    )
     materialized = _materialized(compiled.as_text())
     assert not [line for dims, line in materialized if np.prod(dims) >= cache.v[0].size]
     loop_bodies = compiled.as_text().split('ENTRY')[0]  # the entry computation splits the layers once

@@ -44,7 +44,7 @@ def commands() -> list[tuple[str, str, list[str]]]:
     return found
 
 
-CHECK = r'''
+CHECK = r"""
 import json, sys
 from absl import flags
 from vrl.core.config import from_configdict
@@ -67,7 +67,7 @@ for page, module, args in json.loads(sys.stdin.read()):
     for name in [*(holder.name for holder in defined.values()), *(n for n in flags.FLAGS if n.startswith('config.'))]:
         delattr(flags.FLAGS, name)
 print(json.dumps(results))
-'''
+"""
 
 
 NEEDS_EXTRA = {'vrl.tools.evaluate': 'lm_eval'}  # module -> the package of requirements-extra.txt it imports
@@ -76,12 +76,27 @@ NEEDS_EXTRA = {'vrl.tools.evaluate': 'lm_eval'}  # module -> the package of requ
 def test_every_vrl_command_in_the_docs_parses_with_the_real_flags():
     found = commands()
     modules = {module for _, module, _ in found}
-    assert {'vrl.main', 'vrl.experiments.compare', 'vrl.experiments.study', 'vrl.experiments.analyze',
-            'vrl.tools.generate', 'vrl.tools.evaluate', 'vrl.tools.export', 'vrl.data', 'vrl.data.tokenizer'} <= modules, modules
+    assert {
+        'vrl.main',
+        'vrl.experiments.compare',
+        'vrl.experiments.study',
+        'vrl.experiments.analyze',
+        'vrl.tools.generate',
+        'vrl.tools.evaluate',
+        'vrl.tools.export',
+        'vrl.data',
+        'vrl.data.tokenizer',
+    } <= modules, modules
     # a command whose module needs requirements-extra.txt is checked where that is installed (.ci/run)
     missing = {module for module, package in NEEDS_EXTRA.items() if importlib.util.find_spec(package) is None}
-    out = subprocess.run([sys.executable, '-c', CHECK], input=json.dumps([c for c in found if c[1] not in missing]),
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, '-c', CHECK],
+        input=json.dumps([c for c in found if c[1] not in missing]),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     failures = [r for r in json.loads(out.stdout.strip().splitlines()[-1]) if r]
     assert not failures, '\n'.join(failures)
@@ -95,8 +110,14 @@ def test_every_script_the_docs_name_exists():
 
 def test_a_mistyped_flag_in_a_command_is_caught():
     """The check can fail: a flag no command defines is reported with its page."""
-    out = subprocess.run([sys.executable, '-c', CHECK], input=json.dumps([['x.md', 'vrl.tools.export', ['--wrkdir=a']]]),
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, '-c', CHECK],
+        input=json.dumps([['x.md', 'vrl.tools.export', ['--wrkdir=a']]]),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     failures = json.loads(out.stdout.strip().splitlines()[-1])
     assert failures[0].startswith('x.md: python -m vrl.tools.export --wrkdir=a: UnrecognizedFlagError')
 
@@ -119,9 +140,15 @@ def broken_links(pages: list[Path]) -> list[str]:
             linked = (page.parent / file).resolve() if file else page
             if not linked.exists():
                 broken.append(f'{page.name}: {target} (no such file)')
-            elif fragment and linked.suffix == '.md' and fragment not in {
-                    _anchor(h) for h in re.findall(r'^#+ (.+)$', re.sub(r'```.*?```', '', linked.read_text(),
-                                                                         flags=re.S), re.M)}:
+            elif (
+                fragment
+                and linked.suffix == '.md'
+                and fragment
+                not in {
+                    _anchor(h)
+                    for h in re.findall(r'^#+ (.+)$', re.sub(r'```.*?```', '', linked.read_text(), flags=re.S), re.M)
+                }
+            ):
                 broken.append(f'{page.name}: {target} (no such heading)')
     return broken
 

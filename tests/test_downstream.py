@@ -22,8 +22,16 @@ from vrl.train.start import TrainingError  # noqa: E402
 
 
 def _config(small_corpus, tasks, steps: int, names: str = 'toy_choice', **train):
-    return tiny(small_corpus, steps=steps, downstream_tasks=names, downstream_every=4,
-                downstream_include_path=str(tasks), checkpoint_every=4, keep_checkpoints=10, **train)
+    return tiny(
+        small_corpus,
+        steps=steps,
+        downstream_tasks=names,
+        downstream_every=4,
+        downstream_include_path=str(tasks),
+        checkpoint_every=4,
+        keep_checkpoints=10,
+        **train,
+    )
 
 
 def test_scores_while_training_come_from_the_weights_of_their_step(small_corpus, tmp_path):
@@ -33,10 +41,15 @@ def test_scores_while_training_come_from_the_weights_of_their_step(small_corpus,
     tasks = write_text_task(tmp_path / 'tasks')
     for steps, every in ((4, 2), (7, 0)):
         config = _config(small_corpus, tasks, steps, 'toy_text')
-        loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, downstream_every=every)),
-                 str(tmp_path / 'run'))
-    scored = {step: r['downstream/toy_text/bits_per_byte'] for step, r in read_metrics(tmp_path / 'run').items()
-              if 'downstream_seconds' in r}
+        loop.run(
+            dataclasses.replace(config, train=dataclasses.replace(config.train, downstream_every=every)),
+            str(tmp_path / 'run'),
+        )
+    scored = {
+        step: r['downstream/toy_text/bits_per_byte']
+        for step, r in read_metrics(tmp_path / 'run').items()
+        if 'downstream_seconds' in r
+    }
     assert sorted(scored) == [2, 4, 7] and len(set(scored.values())) == 3, scored
 
 
@@ -47,8 +60,11 @@ def test_scores_while_training_equal_the_command_on_each_checkpoint_and_resume_c
     loop.run(_config(small_corpus, tasks, 4, ','.join(names)), str(workdir))
     loop.run(_config(small_corpus, tasks, 8, ','.join(names)), str(workdir))  # resumed from step 4, to 8
     records = read_metrics(workdir)
-    scored = {step: {k[len('downstream/'):]: v for k, v in r.items() if k.startswith('downstream/')}
-              for step, r in records.items() if 'downstream_seconds' in r}
+    scored = {
+        step: {k[len('downstream/') :]: v for k, v in r.items() if k.startswith('downstream/')}
+        for step, r in records.items()
+        if 'downstream_seconds' in r
+    }
     assert sorted(scored) == [4, 8]
     assert set(scored[8]) == {'toy_choice/acc', 'toy_text/word_perplexity', 'toy_text/bits_per_byte'}
     assert (workdir / 'metrics.jsonl').read_text().count('downstream_seconds') == 2, 'the resume scored step 4 again'
@@ -62,11 +78,16 @@ def test_scores_while_training_equal_the_command_on_each_checkpoint_and_resume_c
         rows = small_corpus[0].batch_size
         results = evaluate.evaluate(str(copy), names, batch_size=rows, include_path=str(tasks)).results
         assert results['vrl']['step'] == step
-        assert {f'{task}/{metric}': value for task, metrics in lm_eval_tasks.task_metrics(results, names).items()
-                for metric, value in metrics.items()} == scored[step]
+        assert {
+            f'{task}/{metric}': value
+            for task, metrics in lm_eval_tasks.task_metrics(results, names).items()
+            for metric, value in metrics.items()
+        } == scored[step]
     board = {key[1]: points for key, points in tensorboard_scalars(workdir).items()}
-    assert board['downstream/toy_choice/acc'] == [(4, pytest.approx(scored[4]['toy_choice/acc'])),
-                                                  (8, pytest.approx(scored[8]['toy_choice/acc']))]
+    assert board['downstream/toy_choice/acc'] == [
+        (4, pytest.approx(scored[4]['toy_choice/acc'])),
+        (8, pytest.approx(scored[8]['toy_choice/acc'])),
+    ]
 
 
 @pytest.mark.slow  # starts runs

@@ -45,8 +45,11 @@ def forward_log_probs(lm: lm_eval_model.VrlLM, ids: list[int]) -> tuple[np.ndarr
     """float64 log p(ids[t] | ids[:t]) for t = 1.., and whether ids[t] is the argmax: one forward pass."""
     model = nnx.merge(lm.run.trainer.graphdef, jax.device_get(lm.run.params))
     logits = np.asarray(model(jnp.asarray([ids[:-1]])), np.float64)[0]
-    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    log_probs = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
+    )
     targets = np.asarray(ids[1:])
     return log_probs[np.arange(len(targets)), targets], logits.argmax(-1) == targets
 
@@ -59,7 +62,7 @@ def expected_loglikelihood(lm: lm_eval_model.VrlLM, context: str, continuation: 
     whole = tok.encode(context + continuation).tolist()
     ends = np.cumsum(piece_bytes(tok)[whole])
     n_context = int(np.sum(ends <= len(context.encode('utf-8'))))
-    ids = (lm.separator + whole)[-(lm.max_len + 1):]
+    ids = (lm.separator + whole)[-(lm.max_len + 1) :]
     n_scored = len(whole) - n_context
     log_probs, greedy = forward_log_probs(lm, ids)
     return float(log_probs[-n_scored:].sum()), bool(greedy[-n_scored:].all())
@@ -67,13 +70,15 @@ def expected_loglikelihood(lm: lm_eval_model.VrlLM, context: str, continuation: 
 
 def test_loglikelihood_equals_the_forward_pass(lm):
     long_context = 'To be, or not to be, that is the question. ' * 12
-    pairs = [('To be, or not to b', 'e, that is the question'),  # '▁be' spans the boundary
-             ('', 'HAMLET: Who is there?'),
-             ('The queen said: ', 'café naïve 日本'),  # multi-byte characters, byte-fallback pieces
-             ('Good my lord,', ' I pray you'),
-             (long_context, ' Whether tis nobler')]  # longer than seq_len: left-truncated
+    pairs = [
+        ('To be, or not to b', 'e, that is the question'),  # '▁be' spans the boundary
+        ('', 'HAMLET: Who is there?'),
+        ('The queen said: ', 'café naïve 日本'),  # multi-byte characters, byte-fallback pieces
+        ('Good my lord,', ' I pray you'),
+        (long_context, ' Whether tis nobler'),
+    ]  # longer than seq_len: left-truncated
     tok = lm.tokenizer
-    merged = [c for c, x in pairs if c and tok.encode(c).tolist() != tok.encode(c + x).tolist()[:len(tok.encode(c))]]
+    merged = [c for c, x in pairs if c and tok.encode(c).tolist() != tok.encode(c + x).tolist()[: len(tok.encode(c))]]
     assert merged, 'no pair has a token merging context and continuation: the test would not test that'
     assert len(tok.encode(long_context)) > lm.max_len
     requests = [Instance('loglikelihood', {}, pair, i) for i, pair in enumerate(pairs)]
@@ -94,10 +99,14 @@ def test_loglikelihood_rolling_sums_every_token_once(lm):
     long = ' '.join(['Long live the king!', 'Bernardo?', 'He.', 'You come most carefully upon your hour.'] * 12)
     ids = tok.encode(long).tolist()
     assert len(ids) > 2 * lm.max_len
-    results = lm.loglikelihood_rolling([Instance('loglikelihood_rolling', {}, (t,), i) for i, t in enumerate([short, long])])
+    results = lm.loglikelihood_rolling(
+        [Instance('loglikelihood_rolling', {}, (t,), i) for i, t in enumerate([short, long])]
+    )
 
     short_ids = lm.separator + tok.encode(short).tolist()
-    assert abs(results[0] - forward_log_probs(lm, short_ids)[0][len(lm.separator) - 1:].sum()) <= 1e-5 * abs(results[0])
+    assert abs(results[0] - forward_log_probs(lm, short_ids)[0][len(lm.separator) - 1 :].sum()) <= 1e-5 * abs(
+        results[0]
+    )
 
     # lm-eval's windows by hand: predictions stream[s:e], at most L at a time, each window's inputs
     # the L tokens before e - 1 (the first from the stream's start); the separator is not scored
@@ -107,7 +116,7 @@ def test_loglikelihood_rolling_sums_every_token_once(lm):
         e = min(len(stream), s + L)
         first = max(0, e - 1 - L)
         log_probs = forward_log_probs(lm, stream[first:e])[0]
-        total += log_probs[max(s, len(lm.separator)) - first - 1:].sum()
+        total += log_probs[max(s, len(lm.separator)) - first - 1 :].sum()
         s = e
     assert abs(results[1] - total) <= 1e-5 * abs(total)
 
@@ -116,19 +125,34 @@ def test_generate_until_cuts_at_the_first_stop_string(lm):
     context = 'HAMLET:'
     free = lm.generate_until([Instance('generate_until', {}, (context, {'until': [], 'max_gen_toks': 24}), 0)])[0]
     assert len(free) > 8
-    stop = free[len(free) // 2:len(free) // 2 + 2]
-    requests = [Instance('generate_until', {}, (context, {'until': [stop], 'max_gen_toks': 24}), 0),
-                Instance('generate_until', {}, ('OPHELIA:', {'until': ['\n'], 'max_gen_toks': 24}), 1)]
+    stop = free[len(free) // 2 : len(free) // 2 + 2]
+    requests = [
+        Instance('generate_until', {}, (context, {'until': [stop], 'max_gen_toks': 24}), 0),
+        Instance('generate_until', {}, ('OPHELIA:', {'until': ['\n'], 'max_gen_toks': 24}), 1),
+    ]
     cut, other = lm.generate_until(requests)
-    assert cut == free[:free.index(stop)]
+    assert cut == free[: free.index(stop)]
     assert '\n' not in other
 
 
 def test_the_command_runs_a_local_task_and_its_scores_are_the_models(lm, workdir, tmp_path):
     tasks = write_choice_task(tmp_path / 'tasks')
-    out = subprocess.run([sys.executable, '-m', 'vrl.tools.evaluate', f'--workdir={workdir}', '--tasks=toy_choice',
-                          f'--include_path={tasks}', '--log_samples', '--batch_size=4'],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            '-m',
+            'vrl.tools.evaluate',
+            f'--workdir={workdir}',
+            '--tasks=toy_choice',
+            f'--include_path={tasks}',
+            '--log_samples',
+            '--batch_size=4',
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert '|toy_choice|' in out.stdout
     results = json.loads(next((workdir / 'lm_eval').glob('results_*.json')).read_text())
@@ -137,8 +161,11 @@ def test_the_command_runs_a_local_task_and_its_scores_are_the_models(lm, workdir
     assert len(samples) == len(CHOICE_DOCS)
     correct = []
     for sample in samples:
-        scores = [expected_loglikelihood(lm, *request)[0] for request in sample['arguments'].values()] \
-            if isinstance(sample['arguments'], dict) else [expected_loglikelihood(lm, *a)[0] for a in sample['arguments']]
+        scores = (
+            [expected_loglikelihood(lm, *request)[0] for request in sample['arguments'].values()]
+            if isinstance(sample['arguments'], dict)
+            else [expected_loglikelihood(lm, *a)[0] for a in sample['arguments']]
+        )
         returned = [float(r[0][0]) for r in sample['resps']]
         np.testing.assert_allclose(returned, scores, rtol=1e-5)
         correct.append(float(np.argmax(scores) == sample['target']))
@@ -160,8 +187,20 @@ def test_bad_input_is_named(workdir, small_corpus, tmp_path):
 
 
 def _evaluate(workdir: Path, tasks: Path, task: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, '-m', 'vrl.tools.evaluate', f'--workdir={workdir}', f'--tasks={task}',
-                           f'--include_path={tasks}'], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            '-m',
+            'vrl.tools.evaluate',
+            f'--workdir={workdir}',
+            f'--tasks={task}',
+            f'--include_path={tasks}',
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_a_task_file_that_does_not_parse_is_named_with_its_line(workdir, tmp_path):
@@ -170,7 +209,9 @@ def test_a_task_file_that_does_not_parse_is_named_with_its_line(workdir, tmp_pat
     result = _evaluate(workdir, tasks, 'bad_yaml')
     assert result.returncode != 0 and 'Traceback' not in result.stderr
     line = [x for x in result.stderr.splitlines() if x.startswith('error:')]
-    assert len(line) == 1 and f"task files in --include_path that do not parse: {tasks / 'bad_yaml.yaml'}:3: " in line[0]
+    assert (
+        len(line) == 1 and f'task files in --include_path that do not parse: {tasks / "bad_yaml.yaml"}:3: ' in line[0]
+    )
     assert 'mapping values are not allowed here' in line[0]
 
 
@@ -193,22 +234,35 @@ def _contexts(sample: dict) -> list[str]:
 def test_lm_eval_finds_vrl_by_name_and_limit_and_num_fewshot_do_what_they_say(workdir, tmp_path):
     import lm_eval
     from lm_eval.tasks import TaskManager
+
     tasks = write_choice_task(tmp_path / 'tasks')
     manager = TaskManager(include_path=str(tasks), include_defaults=False)
-    results = lm_eval.simple_evaluate(model='vrl', model_args=f'workdir={workdir},batch_size=4', tasks=['toy_choice'],
-                                      task_manager=manager, limit=3, num_fewshot=1, log_samples=True)
+    results = lm_eval.simple_evaluate(
+        model='vrl',
+        model_args=f'workdir={workdir},batch_size=4',
+        tasks=['toy_choice'],
+        task_manager=manager,
+        limit=3,
+        num_fewshot=1,
+        log_samples=True,
+    )
     assert results['n-samples']['toy_choice'] == {'original': len(CHOICE_DOCS), 'effective': 3}
     samples = results['samples']['toy_choice']
     assert sorted(s['doc_id'] for s in samples) == [0, 1, 2]
     for sample in samples:
         own = CHOICE_DOCS[sample['doc_id']]['question']
-        for context in _contexts(sample):  # one solved example (lm-eval draws it from the same split), then the question
-            example = context[:-len(own)]
+        for context in _contexts(
+            sample
+        ):  # one solved example (lm-eval draws it from the same split), then the question
+            example = context[: -len(own)]
             assert context.endswith(own) and example.endswith('\n\n'), context
-            assert any(example == d['question'] + ' ' + d['choices'][d['answer']] + '\n\n' for d in CHOICE_DOCS), context
+            assert any(example == d['question'] + ' ' + d['choices'][d['answer']] + '\n\n' for d in CHOICE_DOCS), (
+                context
+            )
     # the command's function: the same numbers
-    again = evaluate.evaluate(str(workdir), ['toy_choice'], num_fewshot=1, limit=3, batch_size=4,
-                              include_path=str(tasks)).results
+    again = evaluate.evaluate(
+        str(workdir), ['toy_choice'], num_fewshot=1, limit=3, batch_size=4, include_path=str(tasks)
+    ).results
     assert again['results']['toy_choice']['acc,none'] == results['results']['toy_choice']['acc,none']
     zero_shot = evaluate.evaluate(str(workdir), ['toy_choice'], limit=3, include_path=str(tasks), log_samples=True)
     logged = [json.loads(line) for line in zero_shot.files[-1].read_text().splitlines()]

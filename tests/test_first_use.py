@@ -28,30 +28,50 @@ pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop'
 def user(tmp_path):
     """Runs `python -m ARGS` in a new folder as a user whose HOME is new (the compiled programs' cache kept, to save
     time); returns everything it printed, stdout and stderr together, after checking it succeeded."""
-    env = {**os.environ, 'HOME': str(tmp_path / 'home'),
-           'JAX_COMPILATION_CACHE_DIR': cli.compilation_cache_dir(), 'PYTHONPATH': str(ROOT)}
+    env = {
+        **os.environ,
+        'HOME': str(tmp_path / 'home'),
+        'JAX_COMPILATION_CACHE_DIR': cli.compilation_cache_dir(),
+        'PYTHONPATH': str(ROOT),
+    }
 
     def run(*args: str) -> str:
-        out = subprocess.run([sys.executable, '-m', *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=600)
+        out = subprocess.run(
+            [sys.executable, '-m', *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
         said = out.stdout + out.stderr
         assert out.returncode == 0, said[-3000:]
         assert not not_for_users(said), not_for_users(said)
         return said
+
     return run
 
 
 def test_the_demo_says_what_it_reads_and_where_it_writes(user, tmp_path):
-    said = user('vrl.main', f'--config={ROOT / "configs/tiny.py"}', '--workdir=runs/tiny', '--config.train.steps=2',
-                '--config.train.sample_tokens=4')
+    said = user(
+        'vrl.main',
+        f'--config={ROOT / "configs/tiny.py"}',
+        '--workdir=runs/tiny',
+        '--config.train.steps=2',
+        '--config.train.sample_tokens=4',
+    )
     data_dir = tmp_path / 'home/.cache/vrl/tensorflow_datasets'
     assert 'training a 1024-piece tokenizer on shakespeare' in said and 'trained the tokenizer in ' in said
-    assert re.search(r'^data shakespeare: [\d,]+ train tokens \(estimated from [\d,]+ documents, '
-                     r'tokenized on the fly, shuffled by document\)', said, re.M), said
-    assert (f'tokenizer {data_dir}/vrl_tokenizers/shakespeare_1024.model (1,024 pieces); writing to '
-            f'{tmp_path}/runs/tiny') in said
-    assert re.search(r"^MFU against [\d,.]+ GFLOP/s \(this host's best measured float32 matmul rate, kept in "
-                     f'{tmp_path}/home/.cache/vrl/cpu_peak.json\\)$', said, re.M), said
+    assert re.search(
+        r'^data shakespeare: [\d,]+ train tokens \(estimated from [\d,]+ documents, '
+        r'tokenized on the fly, shuffled by document\)',
+        said,
+        re.M,
+    ), said
+    assert (
+        f'tokenizer {data_dir}/vrl_tokenizers/shakespeare_1024.model (1,024 pieces); writing to {tmp_path}/runs/tiny'
+    ) in said
+    assert re.search(
+        r"^MFU against [\d,.]+ GFLOP/s \(this host's best measured float32 matmul rate, kept in "
+        f'{tmp_path}/home/.cache/vrl/cpu_peak.json\\)$',
+        said,
+        re.M,
+    ), said
     # the schedule follows train.steps, but 2 steps stop inside the warmup: said, with the warmup that fits
     assert 'it stops inside the warmup (optimizer.warmup_steps=30): set --config.optimizer.warmup_steps=0' in said
     loss = re.findall(r'^step 2/2 +loss (\S+)', said, re.M)[-1]
@@ -60,21 +80,32 @@ def test_the_demo_says_what_it_reads_and_where_it_writes(user, tmp_path):
 
 def test_ones_own_corpus_from_a_jsonl_zst_to_a_trained_smoke_run(user, tmp_path, plays_dir):
     import zstandard
+
     texts = [block for play in sorted(plays_dir.iterdir()) for block in play.read_text().split('\n\n') if block.strip()]
     (tmp_path / 'corpus').mkdir()
-    (tmp_path / 'corpus/part-0.jsonl.zst').write_bytes(zstandard.ZstdCompressor().compress(
-        ''.join(json.dumps({'text': text}) + '\n' for text in texts).encode()))
+    (tmp_path / 'corpus/part-0.jsonl.zst').write_bytes(
+        zstandard.ZstdCompressor().compress(''.join(json.dumps({'text': text}) + '\n' for text in texts).encode())
+    )
     data = ['--name=my_corpus', f'--data_dir={tmp_path}/tfds']
     prepared = user('vrl.data', 'prepare', '--input=corpus/*.jsonl.zst', *data, '--validation_fraction=0.05')
     assert re.search(r'^prepared dataset my_corpus: [\d,]+ train, [\d,]+ validation documents in ', prepared, re.M)
     user('vrl.data.tokenizer', 'train', *data, '--vocab_size=512', '--out=tok.json')
     tokenized = user('vrl.data', 'tokenize', *data, '--tokenizer=tok.json')
     assert 'tokenized my_corpus' in tokenized, tokenized
-    said = user('vrl.main', f'--config={ROOT / "configs/tiny.py"}', '--workdir=runs/smoke', '--config.train.steps=2',
-                '--config.train.sample_tokens=4', '--config.data.name=my_corpus',
-                f'--config.data.data_dir={tmp_path}/tfds', '--config.data.tokenizer=tok.json',
-                '--config.model.vocab_size=512')
-    assert re.search(r'^data my_corpus: [\d,]+ train tokens \(counted, pre-tokenized, shuffled by document\)', said, re.M), said
+    said = user(
+        'vrl.main',
+        f'--config={ROOT / "configs/tiny.py"}',
+        '--workdir=runs/smoke',
+        '--config.train.steps=2',
+        '--config.train.sample_tokens=4',
+        '--config.data.name=my_corpus',
+        f'--config.data.data_dir={tmp_path}/tfds',
+        '--config.data.tokenizer=tok.json',
+        '--config.model.vocab_size=512',
+    )
+    assert re.search(
+        r'^data my_corpus: [\d,]+ train tokens \(counted, pre-tokenized, shuffled by document\)', said, re.M
+    ), said
     assert f'tokenizer tok.json (512 pieces); writing to {tmp_path}/runs/smoke' in said
     run = DataConfig(name='my_corpus', data_dir=f'{tmp_path}/tfds', tokenizer=str(tmp_path / 'tok.json'))
     prompt = pipeline.opening_words(run, Tokenizer.load(run.tokenizer))  # the validation split's first words

@@ -25,8 +25,9 @@ STEPS = 4
 
 
 def _config(small_corpus, attention: str, seed: int, steps: int = STEPS):
-    config = tiny_config(small_corpus, attention=attention, steps=steps, checkpoint_every=2, eval_every=2,
-                         eval_batches=1)
+    config = tiny_config(
+        small_corpus, attention=attention, steps=steps, checkpoint_every=2, eval_every=2, eval_batches=1
+    )
     return dataclasses.replace(config, train=dataclasses.replace(config.train, seed=seed))
 
 
@@ -56,8 +57,9 @@ def test_a_group_step_is_each_runs_step(small_corpus, attention):
         for i, (expected_losses, expected_params) in enumerate(alone[:members]):
             assert rel_err(expected_losses, [step[i] for step in losses]) < 1e-5, (members, i)
             params = jax.device_get(group.member(state.params, i))
-            assert all(rel_err(e, g) < 1e-5 for e, g in zip(jax.tree.leaves(expected_params),
-                                                               jax.tree.leaves(params))), (members, i)
+            assert all(
+                rel_err(e, g) < 1e-5 for e, g in zip(jax.tree.leaves(expected_params), jax.tree.leaves(params))
+            ), (members, i)
 
 
 def test_a_member_is_the_run_trained_alone_and_goes_on_alone(small_corpus, tmp_path):
@@ -84,7 +86,8 @@ def test_a_member_is_the_run_trained_alone_and_goes_on_alone(small_corpus, tmp_p
     straight = loop.run(_config(small_corpus, 'resformer', 1, steps=STEPS + 2), str(tmp_path / 'alone1'))
     assert sorted(extended.losses) == [STEPS + 1, STEPS + 2]
     assert [extended.losses[s] for s in (STEPS + 1, STEPS + 2)] == pytest.approx(
-        [straight.losses[s] for s in (STEPS + 1, STEPS + 2)], rel=1e-5)
+        [straight.losses[s] for s in (STEPS + 1, STEPS + 2)], rel=1e-5
+    )
 
 
 def test_members_must_share_everything_but_the_seed(small_corpus, tmp_path):
@@ -97,6 +100,7 @@ def test_members_must_share_everything_but_the_seed(small_corpus, tmp_path):
 
 def test_the_grid_groups_unfinished_runs_of_one_shape_data_and_step(small_corpus, tmp_path, caplog, capsys):
     """(ResFormer as above, so its programs are compiled already.)"""
+
     def run(attention: str, seed: int, peak_lr: float = 3e-3) -> grid.Run:
         config = _config(small_corpus, attention, seed)
         config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, peak_lr=peak_lr))
@@ -104,14 +108,19 @@ def test_the_grid_groups_unfinished_runs_of_one_shape_data_and_step(small_corpus
 
     # resformer-s2 stopped at step 2 of 4 (a run of its own, interrupted)
     partial = run('resformer', 2)
-    loop.run(dataclasses.replace(partial.config, train=dataclasses.replace(partial.config.train, steps=2)),
-              str(tmp_path / 'runs' / partial.name))
+    loop.run(
+        dataclasses.replace(partial.config, train=dataclasses.replace(partial.config.train, steps=2)),
+        str(tmp_path / 'runs' / partial.name),
+    )
     first = [run('resformer', 0), run('resformer', 1), partial, run('resformer', 3)]
     others = [run('svformer', 0), run('svformer', 1), run('resformer', 4, 1e-3)]
     names = lambda groups: [[r.name for r in g] for g in groups]  # noqa: E731
     assert names(grid._groups(first + others, tmp_path)) == [
-        ['resformer-0.003-s0', 'resformer-0.003-s1', 'resformer-0.003-s3'], ['resformer-0.003-s2'],
-        ['svformer-0.003-s0', 'svformer-0.003-s1'], ['resformer-0.001-s4']]
+        ['resformer-0.003-s0', 'resformer-0.003-s1', 'resformer-0.003-s3'],
+        ['resformer-0.003-s2'],
+        ['svformer-0.003-s0', 'svformer-0.003-s1'],
+        ['resformer-0.001-s4'],
+    ]
 
     capsys.readouterr()
     results = grid.train_all(first, tmp_path, 0)
@@ -119,8 +128,11 @@ def test_the_grid_groups_unfinished_runs_of_one_shape_data_and_step(small_corpus
     assert [r['step'] for r in results] == [STEPS] * 4
     assert '\nresformer-0.003-s0, resformer-0.003-s1, resformer-0.003-s3: trained together' in '\n' + said
     assert '\nresformer-0.003-s2: trained alone' in '\n' + said and 'trained' not in caplog.text
-    events = [r['event'] for r in map(json.loads, (tmp_path / 'runs' / partial.name / 'metrics.jsonl')
-                                      .read_text().splitlines()) if 'event' in r]
+    events = [
+        r['event']
+        for r in map(json.loads, (tmp_path / 'runs' / partial.name / 'metrics.jsonl').read_text().splitlines())
+        if 'event' in r
+    ]
     assert events == ['started', 'resumed']
     # a group whose members are partly finished trains only the unfinished ones
     grid.train_all([*first, run('resformer', 5)], tmp_path, 0)
@@ -135,8 +147,12 @@ def test_the_grid_groups_unfinished_runs_of_one_shape_data_and_step(small_corpus
 
 def test_a_killed_grouped_comparison_resumes_to_the_uninterrupted_report(small_corpus, tmp_path):
     config = _config(small_corpus, 'vanilla', 0, steps=12)
-    args = [*cli_args(config, tmp_path / 'killed', 'vrl.experiments.compare'), '--variants=resformer', '--seeds=0,1',
-            '--analysis_sequences=0']
+    args = [
+        *cli_args(config, tmp_path / 'killed', 'vrl.experiments.compare'),
+        '--variants=resformer',
+        '--seeds=0,1',
+        '--analysis_sequences=0',
+    ]
     first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     members = [tmp_path / 'killed' / 'runs' / f'resformer-s{seed}' for seed in (0, 1)]
     try:
@@ -154,8 +170,9 @@ def test_a_killed_grouped_comparison_resumes_to_the_uninterrupted_report(small_c
 
     straight = compare.compare(config, ['resformer'], [0, 1], tmp_path / 'straight', 0)
     killed = json.loads((tmp_path / 'killed' / 'results.json').read_text())
-    assert [row['eval_loss'] for row in killed['table']] == pytest.approx([row['eval_loss'] for row in straight],
-                                                                          rel=1e-5)
+    assert [row['eval_loss'] for row in killed['table']] == pytest.approx(
+        [row['eval_loss'] for row in straight], rel=1e-5
+    )
     uninterrupted = json.loads((tmp_path / 'straight' / 'results.json').read_text())
     for resumed, whole in zip(killed['runs'], uninterrupted['runs']):
         assert resumed['eval_curve'] == pytest.approx(whole['eval_curve'], rel=1e-5)

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip('torch', reason='torch and transformers are in requirements-extra.txt: pip install -r requirements-extra.txt')
+pytest.importorskip(
+    'torch', reason='torch and transformers are in requirements-extra.txt: pip install -r requirements-extra.txt'
+)
 
 import torch  # noqa: E402
 from flax import nnx
@@ -45,16 +47,26 @@ ROOT = Path(__file__).resolve().parents[1]
 def exported(shared_runs, tmp_path_factory):
     """The session's trained vanilla MQA run (2 heads, 1 kv head) and its export."""
     run, out_dir = shared_runs('vanilla'), tmp_path_factory.mktemp('hf') / 'hf'
-    out = subprocess.run([sys.executable, '-m', 'vrl.tools.export', f'--workdir={run}', f'--out={out_dir}'],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, '-m', 'vrl.tools.export', f'--workdir={run}', f'--out={out_dir}'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f'vanilla + MQA at step {SHARED_RUN_STEPS}' in out.stdout
     return trained.load_trained(str(run)), out_dir
 
 
 def _export(workdir: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, '-m', 'vrl.tools.export', f'--workdir={workdir}', f'--out={out}', *flags],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, '-m', 'vrl.tools.export', f'--workdir={workdir}', f'--out={out}', *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _hashes(folder: Path) -> dict[str, str]:
@@ -84,6 +96,7 @@ def test_export_overwrites_nothing_it_did_not_write(exported, shared_runs, tmp_p
 
 def test_an_interrupted_export_leaves_the_old_directory_and_no_half_one(tmp_path):
     from vrl.tools import export
+
     out = tmp_path / 'hf'
     export.publish(out, {'workdir': 'a'}, False, lambda folder: (folder / 'model.safetensors').write_text('first'))
     before = _hashes(out)
@@ -108,15 +121,20 @@ def test_transformers_loads_the_export_and_agrees(exported):
     assert AutoTokenizer.from_pretrained(folder)(text)['input_ids'] == ids  # the same ids, EOS in front
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits.numpy()
-    ours = np.asarray(nnx.merge(run.trainer.graphdef, run.params)(jnp.asarray([ids])))[..., :run.config.model.vocab_size]
+    ours = np.asarray(nnx.merge(run.trainer.graphdef, run.params)(jnp.asarray([ids])))[
+        ..., : run.config.model.vocab_size
+    ]
     assert theirs.shape == ours.shape
     assert np.max(np.abs(theirs - ours)) / np.max(np.abs(ours)) < 1e-4
     # greedy decoding: transformers' generate and vrl's KV-cache decoder pick the same tokens
     prompt = pipeline.prompt_tokens(run.config.data, run.tokenizer, 'ROMEO:')
     with torch.no_grad():
-        generated = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    generator = decode.Generator(run.config.model, run.trainer.graphdef, run.params, max_len=64,
-                                 eos_id=run.tokenizer.eos_id)
+        generated = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
+    generator = decode.Generator(
+        run.config.model, run.trainer.graphdef, run.params, max_len=64, eos_id=run.tokenizer.eos_id
+    )
     assert generator.generate([prompt], decode.Sampling(max_new_tokens=16)).tokens[0] == generated
 
 
@@ -151,8 +169,9 @@ def test_bad_directories_are_named(exported, tmp_path):
     with pytest.raises(hf.HFError, match=r'num_key_value_heads=2 but the config has model.n_kv_heads=1'):
         start.initial_params(copy({'num_key_value_heads': 2}), trainer, run.config)
     with pytest.raises(hf.HFError, match=r"no 'model.value_lambdas.v1' \(resformer \(learnable\) \+ MQA needs it\)"):
-        config = dataclasses.replace(run.config, model=dataclasses.replace(
-            run.config.model, attention='resformer', lambda_mode='learnable'))
+        config = dataclasses.replace(
+            run.config, model=dataclasses.replace(run.config.model, attention='resformer', lambda_mode='learnable')
+        )
         start.initial_params(f'hf:{folder}', TrainSteps(config, run.trainer.mesh), config)
     with pytest.raises(hf.HFError, match=r"'model.layers.1.self_attn.v_proj.weight'.*svformer \+ MQA has no place for"):
         config = dataclasses.replace(run.config, model=dataclasses.replace(run.config.model, attention='svformer'))
@@ -199,7 +218,7 @@ def test_a_tied_head_exports_as_llama_and_a_larger_vocabulary_pads_zero_rows(exp
     tokens = np.random.default_rng(11).integers(0, cfg.vocab_size, (2, 13))
     with torch.no_grad():
         their_logits = theirs(torch.tensor(tokens)).logits.numpy()
-    assert rel_err(their_logits, np.asarray(model(jnp.asarray(tokens)))[..., :cfg.vocab_size]) < 1e-4
+    assert rel_err(their_logits, np.asarray(model(jnp.asarray(tokens)))[..., : cfg.vocab_size]) < 1e-4
 
     V, wider = cfg.vocab_size, dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 100)
     wide_model = Decoder(wider, rngs=nnx.Rngs(1))
@@ -211,15 +230,16 @@ def test_a_tied_head_exports_as_llama_and_a_larger_vocabulary_pads_zero_rows(exp
     nnx.update(wide_model, imported)
     wide_logits = np.asarray(wide_model(jnp.asarray(tokens)))
     assert rel_err(wide_logits[..., :V], their_logits) < 1e-4
-    assert not wide_logits[..., V:wider.vocab_size].any()
+    assert not wide_logits[..., V : wider.vocab_size].any()
 
 
 def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
-    return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+    return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
 
 
-@pytest.mark.parametrize('name', ['svformer-cla2', 'resformer-per_token', 'all-baselines',
-                                  'resformer-value_embeds-shared'])
+@pytest.mark.parametrize(
+    'name', ['svformer-cla2', 'resformer-per_token', 'all-baselines', 'resformer-value_embeds-shared']
+)
 def test_transformers_generate_matches_vrl_decoding(name, exported, tmp_path):
     """Greedy tokens of two left-padded prompts, through transformers' cache (every kind of cache
     entry: keys and values, keys only, none) and vrl's."""
@@ -229,8 +249,11 @@ def test_transformers_generate_matches_vrl_decoding(name, exported, tmp_path):
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
     eos = run.tokenizer.eos_id
     prompts = [pipeline.prompt_tokens(run.config.data, run.tokenizer, text) for text in ('ROMEO: What say', 'KING:')]
-    want = decode.Generator(cfg, nnx.graphdef(model), nnx.state(model), max_len=48, eos_id=eos).generate(
-        prompts, decode.Sampling(max_new_tokens=12)).tokens
+    want = (
+        decode.Generator(cfg, nnx.graphdef(model), nnx.state(model), max_len=48, eos_id=eos)
+        .generate(prompts, decode.Sampling(max_new_tokens=12))
+        .tokens
+    )
     P = max(map(len, prompts))
     ids = torch.tensor([[run.tokenizer.pad_id] * (P - len(p)) + p for p in prompts])
     real = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
@@ -248,8 +271,13 @@ def test_the_pytorch_svformer_cache_holds_values_once(exported, tmp_path):
         hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, 64, run.tokenizer, tmp_path / name)
         theirs = AutoModelForCausalLM.from_pretrained(tmp_path / name, trust_remote_code=True).eval()
         with torch.no_grad():
-            out = theirs.generate(torch.tensor([[1, 5, 9, 33]]), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                                  return_dict_in_generate=True)
+            out = theirs.generate(
+                torch.tensor([[1, 5, 9, 33]]),
+                max_new_tokens=6,
+                do_sample=False,
+                eos_token_id=None,
+                return_dict_in_generate=True,
+            )
         cache = _cache_of(out)
         assert cache.get_seq_length() == 9
         nbytes[name] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
@@ -277,7 +305,7 @@ def test_the_cache_arrives_under_its_new_and_its_old_name(argument, exported, tm
         out = theirs(tokens[:, :4], use_cache=True)
         steps = [out.logits.numpy()]
         for t in range(4, tokens.shape[1]):
-            out = theirs(tokens[:, t:t + 1], use_cache=True, **{argument: _cache_of(out)})
+            out = theirs(tokens[:, t : t + 1], use_cache=True, **{argument: _cache_of(out)})
             steps.append(out.logits.numpy())
     assert _cache_of(out).get_seq_length() == tokens.shape[1]
     assert rel_err(np.concatenate(steps, axis=1), whole) < 1e-5
@@ -296,31 +324,61 @@ def test_every_export_says_which_transformers_it_needs(tmp_path):
     assert f'transformers=={oldest}' in (ROOT / 'requirements-oldest.txt').read_text().splitlines()
 
 
-INTEROP_TESTS = ('loads_the_export or every_variant_exports or generate_matches or holds_values_once '
-                 'or under_its_new_and_its_old_name')
+INTEROP_TESTS = (
+    'loads_the_export or every_variant_exports or generate_matches or holds_values_once '
+    'or under_its_new_and_its_old_name'
+)
 OLDEST_TRANSFORMERS = Path(os.environ.get('VRL_OLDEST_TRANSFORMERS', Path(sys.prefix) / 'oldest-transformers'))
 
 
 @pytest.mark.skipif(UNDER_OLDEST_TRANSFORMERS, reason='this is that run')
 def test_the_oldest_supported_transformers_passes_the_interop_tests(tmp_path, shared_runs_folder):
     """This module's interop tests again (every_variant_exports on the fast tier's four variants;
-    the current transformers takes them all), in a subprocess whose path starts with the oldest transformers vrl supports
+    the current transformers takes them all), in a subprocess whose path starts with the oldest transformers vrl
+    supports
     (installed apart: requirements-oldest.txt), reading this session's shared runs."""
     oldest = hf.TRANSFORMERS.split('>=')[1]
     if not (OLDEST_TRANSFORMERS / 'transformers').is_dir():
-        pytest.fail(f'no transformers in {OLDEST_TRANSFORMERS}: install the oldest supported one with '
-                    f'`pip install --no-deps --target {OLDEST_TRANSFORMERS} -r requirements-oldest.txt` '
-                    '(or point VRL_OLDEST_TRANSFORMERS at such a folder)')
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith('PYTEST_XDIST')},  # a session of its own
-           'PYTHONPATH': os.pathsep.join([str(OLDEST_TRANSFORMERS), str(ROOT)]), 'VRL_UNDER_OLDEST_TRANSFORMERS': '1',
-           'VRL_SHARED_RUNS': str(shared_runs_folder)}
-    version = subprocess.run([sys.executable, '-c', 'import transformers; print(transformers.__version__)'],
-                             env=env, capture_output=True, text=True, timeout=120)
+        pytest.fail(
+            f'no transformers in {OLDEST_TRANSFORMERS}: install the oldest supported one with '
+            f'`pip install --no-deps --target {OLDEST_TRANSFORMERS} -r requirements-oldest.txt` '
+            '(or point VRL_OLDEST_TRANSFORMERS at such a folder)'
+        )
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith('PYTEST_XDIST')},  # a session of its own
+        'PYTHONPATH': os.pathsep.join([str(OLDEST_TRANSFORMERS), str(ROOT)]),
+        'VRL_UNDER_OLDEST_TRANSFORMERS': '1',
+        'VRL_SHARED_RUNS': str(shared_runs_folder),
+    }
+    version = subprocess.run(
+        [sys.executable, '-c', 'import transformers; print(transformers.__version__)'],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert version.stdout.strip() == oldest, version.stderr[-2000:]
-    out = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-p', 'no:xdist',
-                          f'--basetemp={tmp_path / "pytest"}', 'tests/test_hf.py', '-k', INTEROP_TESTS], cwd=ROOT,
-                         env=env, capture_output=True,
-                         text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            '-m',
+            'pytest',
+            '-q',
+            '-p',
+            'no:cacheprovider',
+            '-p',
+            'no:xdist',
+            f'--basetemp={tmp_path / "pytest"}',
+            'tests/test_hf.py',
+            '-k',
+            INTEROP_TESTS,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-4000:]
     assert ' passed' in out.stdout.splitlines()[-1] and 'failed' not in out.stdout.splitlines()[-1]
 
@@ -332,7 +390,9 @@ def test_an_export_must_match_the_variant_it_starts(exported, tmp_path):
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     hf.export(params, cfg, 64, run.tokenizer, tmp_path)
     shapes = jax.tree.map(np.shape, params)
-    with pytest.raises(hf.HFError, match=r"lambda_mode='learnable' but the config has model.lambda_mode='learnable_plus'"):
+    with pytest.raises(
+        hf.HFError, match=r"lambda_mode='learnable' but the config has model.lambda_mode='learnable_plus'"
+    ):
         hf.load_params(str(tmp_path), dataclasses.replace(cfg, lambda_mode='learnable_plus'), shapes)
 
 
@@ -342,14 +402,17 @@ def test_a_llama_directory_without_later_v_proj_starts_svformer(exported, tmp_pa
     cfg = dataclasses.replace(run.config.model, attention='svformer')
     tensors = load_file(str(folder / 'model.safetensors'))
     (tmp_path / 'config.json').write_text((folder / 'config.json').read_text())
-    save_file({k: v for k, v in tensors.items() if not (k.endswith('v_proj.weight') and '.0.' not in k)},
-              str(tmp_path / 'model.safetensors'))
+    save_file(
+        {k: v for k, v in tensors.items() if not (k.endswith('v_proj.weight') and '.0.' not in k)},
+        str(tmp_path / 'model.safetensors'),
+    )
     shapes = jax.tree.map(np.shape, nnx.to_pure_dict(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)))
     imported = hf.load_params(str(tmp_path), cfg, shapes)
     params = imported.params
     assert imported.note == ''  # no v_proj in layers >= 2: only SVFormer fits
-    np.testing.assert_array_equal(params['first']['attn']['wv'].reshape(cfg.d_model, -1).T,
-                                  tensors['model.layers.0.self_attn.v_proj.weight'])
+    np.testing.assert_array_equal(
+        params['first']['attn']['wv'].reshape(cfg.d_model, -1).T, tensors['model.layers.0.self_attn.v_proj.weight']
+    )
     assert 'wv' not in params['layers']['attn']
 
 
@@ -365,8 +428,11 @@ def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp
     """The run trains no tokenizer of its own (whatever model.vocab_size says): it uses the export's,
     or a named one with the same pieces; another named one, or none at all, is refused naming both."""
     run, folder = exported
-    config = dataclasses.replace(run.config, model=dataclasses.replace(run.config.model, vocab_size=1024),
-                                 data=dataclasses.replace(run.config.data, tokenizer=''))
+    config = dataclasses.replace(
+        run.config,
+        model=dataclasses.replace(run.config.model, vocab_size=1024),
+        data=dataclasses.replace(run.config.data, tokenizer=''),
+    )
     chosen, source, line = start.hf_tokenizer(config, f'hf:{folder}', tmp_path / 'run')
     assert (source, chosen.data.tokenizer) == (folder / 'tokenizer.model', str(tmp_path / 'run' / 'tokenizer.model'))
     assert line == f'tokenizer {folder / "tokenizer.model"}'
@@ -375,19 +441,26 @@ def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp
 
     from vrl.data import corpus
     from vrl.data import tokenizer as tokenizer_lib
+
     texts = corpus.texts(corpus.open_split(run.config.data.name, run.config.data.data_dir, 'train'))
     other = tokenizer_lib.train(texts, 600, str(tmp_path / 'other.model'))
     named = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=other.path))
-    with pytest.raises(hf.HFError, match=rf'data.tokenizer={other.path} is not the tokenizer the weights in '
-                                         rf'{folder} were trained with .*: 600 vs 512 pieces'):
+    with pytest.raises(
+        hf.HFError,
+        match=rf'data.tokenizer={other.path} is not the tokenizer the weights in '
+        rf'{folder} were trained with .*: 600 vs 512 pieces',
+    ):
         start.hf_tokenizer(named, f'hf:{folder}', tmp_path)
     bare = tmp_path / 'bare'
     bare.mkdir()
     for name in ('config.json', 'model.safetensors'):
         (bare / name).write_bytes((folder / name).read_bytes())
     (bare / 'tokenizer_config.json').write_text('{}')
-    with pytest.raises(hf.HFError, match=r'has no tokenizer.model or tokenizer.json \(only tokenizer_config.json\)'
-                                         r'.*--config.data.tokenizer=PATH'):
+    with pytest.raises(
+        hf.HFError,
+        match=r'has no tokenizer.model or tokenizer.json \(only tokenizer_config.json\)'
+        r'.*--config.data.tokenizer=PATH',
+    ):
         start.hf_tokenizer(config, f'hf:{bare}', tmp_path)
 
 
@@ -396,10 +469,18 @@ def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, 
     the export's tokenizer kept in the workdir; its evaluation and its export equal the original's,
     and it trains on."""
     run, folder = exported
-    config = dataclasses.replace(run.config, train=dataclasses.replace(run.config.train, steps=0),
-                                 data=dataclasses.replace(run.config.data, tokenizer=''))
-    out = subprocess.run([*cli_args(config, tmp_path / 'run'), f'--init_from=hf:{folder}'], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    config = dataclasses.replace(
+        run.config,
+        train=dataclasses.replace(run.config.train, steps=0),
+        data=dataclasses.replace(run.config.data, tokenizer=''),
+    )
+    out = subprocess.run(
+        [*cli_args(config, tmp_path / 'run'), f'--init_from=hf:{folder}'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     log = out.stdout + out.stderr
     assert f'initialised from hf:{folder} (' in log and f'tokenizer {tmp_path / "run" / "tokenizer.model"}' in log
@@ -412,14 +493,22 @@ def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, 
     again = _export(tmp_path / 'run', tmp_path / 'hf')
     assert again.returncode == 0, again.stderr[-3000:]
     assert 'at step 0' in again.stdout
-    original, converted = load_file(str(folder / 'model.safetensors')), load_file(str(tmp_path / 'hf' / 'model.safetensors'))
+    original, converted = (
+        load_file(str(folder / 'model.safetensors')),
+        load_file(str(tmp_path / 'hf' / 'model.safetensors')),
+    )
     assert original.keys() == converted.keys()
     assert all(np.array_equal(original[k], converted[k]) for k in original)
     # the converted workdir trains on: the same command with more steps resumes step 0 (--init_from is then
     # ignored, said), with the tokenizer its weights came with
     longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2, checkpoint_every=2))
-    on = subprocess.run([*cli_args(longer, tmp_path / 'run'), f'--init_from=hf:{folder}'], cwd=ROOT,
-                        capture_output=True, text=True, timeout=600)
+    on = subprocess.run(
+        [*cli_args(longer, tmp_path / 'run'), f'--init_from=hf:{folder}'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert on.returncode == 0, on.stderr[-3000:]
     assert 'resumed at step 0' in on.stdout and 'the workdir keeps the one its run trained with' in on.stdout, on.stdout
     assert f'\ntokenizer {tmp_path / "run" / "tokenizer.model"} (' in on.stdout  # it reads the workdir's copy

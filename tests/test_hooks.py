@@ -15,9 +15,11 @@ def test_a_first_ctrl_c_asks_for_a_save_and_a_second_aborts(capsys):
         assert preemption.agree(1, 1, lease_lost=False) == (False, {'lease_lost': False})
         os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before the next bytecode
         assert preemption.agree(2, 1, lease_lost=False) == (True, {'lease_lost': False})
-        assert capsys.readouterr().out == ('Ctrl-C: the run saves a checkpoint at the next step that checks for it '
-                                           '(within train.log_every steps; the steps already sent to the device '
-                                           'finish first), then exits; Ctrl-C again aborts without saving\n')
+        assert capsys.readouterr().out == (
+            'Ctrl-C: the run saves a checkpoint at the next step that checks for it '
+            '(within train.log_every steps; the steps already sent to the device '
+            'finish first), then exits; Ctrl-C again aborts without saving\n'
+        )
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     finally:
@@ -34,6 +36,7 @@ def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hook
     import numpy as np
 
     from tests.runs import tiny_config
+
     config = tiny_config(small_corpus, steps=8, log_every=4)
     now = [0.0]
     monkeypatch.setattr(hooks.time, 'perf_counter', lambda: now[0])
@@ -41,12 +44,17 @@ def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hook
     writer = types.SimpleNamespace(write=lambda step, record: logged.update({step: record}), print=said.append)
     member = types.SimpleNamespace(config=config, label='', writer=writer)
     group = types.SimpleNamespace(member=lambda tree, i: tree)
-    host = hooks.HostMetrics(config, group, [member], flops_per_token=1e6, peak_flops=1e9, train_tokens={'plays': 1},
-                             start_step=0)
+    host = hooks.HostMetrics(
+        config, group, [member], flops_per_token=1e6, peak_flops=1e9, train_tokens={'plays': 1}, start_step=0
+    )
     for step in range(1, 9):
         now[0] += 2.0
-        metrics = {'loss': np.float32(3.0), 'lr': np.float32(1e-3), 'grad_norm': np.float32(1.0),
-                   'finite': np.bool_(True)}
+        metrics = {
+            'loss': np.float32(3.0),
+            'lr': np.float32(1e-3),
+            'grad_norm': np.float32(1.0),
+            'finite': np.bool_(True),
+        }
         host.take(hooks.StepRecord(step, metrics, None, np.array([step]), step == 8, False, {}))
         if step == 4:
             host.settle()
@@ -55,7 +63,9 @@ def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hook
     host.settle()
     tokens = 4 * config.data.batch_size * config.data.seq_len
     assert sorted(logged) == [4, 8]
-    assert said == ['step 1: compiled and trained in 4 s (loss 3.0000); the log follows every 4 steps']  # read a step late
+    assert said == [
+        'step 1: compiled and trained in 4 s (loss 3.0000); the log follows every 4 steps'
+    ]  # read a step late
     for step in (4, 8):
         assert logged[step]['tokens_per_sec'] == pytest.approx(tokens / 8.0) and logged[step]['step_time'] == 2.0
         assert logged[step]['mfu'] == pytest.approx(1e6 * tokens / 8.0 / 1e9)
@@ -65,12 +75,15 @@ def test_the_terminal_prints_training_lines_at_print_every_and_at_the_last_step(
     """compare and study record every step (their curves need each loss) and print at the config's
     log_every: TerminalTracker's print_every."""
     from vrl.train.trackers.terminal import TerminalTracker
+
     terminal = TerminalTracker(total_steps=7, start_step=0, label='[vanilla-s0] ', print_every=3)
     for step in range(1, 8):
         terminal.log(step, {'loss': 3.0, 'lr': 1e-3, 'tokens_per_sec': 1e4, 'mfu': 0.1, 'step_time': 0.1})
     terminal.log(7, {'eval_loss': 2.5, 'eval_perplexity': 12.18, 'eval_bpb': 1.1})
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[2] for line in lines] == ['3/7', '6/7', '7/7', '7:'] and lines[0].startswith('[vanilla-s0] step')
+    assert [line.split()[2] for line in lines] == ['3/7', '6/7', '7/7', '7:'] and lines[0].startswith(
+        '[vanilla-s0] step'
+    )
 
 
 def test_the_cpu_peak_is_the_best_this_host_has_shown_and_shared_by_its_devices(monkeypatch, tmp_path):
@@ -83,6 +96,7 @@ def test_the_cpu_peak_is_the_best_this_host_has_shown_and_shared_by_its_devices(
     import jax
 
     from vrl.train import metrics
+
     monkeypatch.setenv('HOME', str(tmp_path))
     monkeypatch.setattr(metrics, 'PROBE_SECONDS', 0.0)
 
@@ -92,9 +106,10 @@ def test_the_cpu_peak_is_the_best_this_host_has_shown_and_shared_by_its_devices(
 
     def keep(flops: float) -> None:
         metrics.cpu_peak_file().write_text(json.dumps({key: flops}))
+
     try:
         first = probe()
-        (key, kept), = json.loads((tmp_path / '.cache/vrl/cpu_peak.json').read_text()).items()
+        ((key, kept),) = json.loads((tmp_path / '.cache/vrl/cpu_peak.json').read_text()).items()
         assert kept == first > 1e8 and key.endswith('cores | float32'), (key, kept)
         keep(first * 100)  # a quieter moment's figure
         assert probe() == first * 100
@@ -103,8 +118,10 @@ def test_the_cpu_peak_is_the_best_this_host_has_shown_and_shared_by_its_devices(
         assert 1e8 < again < first * 100 and json.loads(metrics.cpu_peak_file().read_text()) == {key: again}
         peak = metrics.peak_flops(0.0, 'float32')  # its own probe (n = 1024), kept under the same key
         assert len(jax.devices()) == 8 and peak.flops == metrics.host_matmul_peak('float32') >= again
-        assert str(peak) == (f'{peak.flops / 1e9:,.3g} GFLOP/s (this host\'s best measured float32 matmul rate, kept in '
-                             f'{tmp_path}/.cache/vrl/cpu_peak.json)')
+        assert str(peak) == (
+            f"{peak.flops / 1e9:,.3g} GFLOP/s (this host's best measured float32 matmul rate, kept in "
+            f'{tmp_path}/.cache/vrl/cpu_peak.json)'
+        )
         assert metrics.peak_flops(2e9, 'float32').flops == 16e9  # train.peak_flops: per device
     finally:
         metrics.host_matmul_peak.cache_clear()

@@ -16,21 +16,29 @@ GLIBC = ('glibc', '2.36')
 MADVISE = 'always [madvise] never'
 
 
-@pytest.mark.parametrize('environ, libc, thp_modes, expected', [
-    ({}, GLIBC, MADVISE, 'glibc.malloc.hugetlb=1'),
-    ({'GLIBC_TUNABLES': 'glibc.malloc.arena_max=2'}, GLIBC, MADVISE, 'glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1'),
-    ({'GLIBC_TUNABLES': 'glibc.malloc.hugetlb=0'}, GLIBC, MADVISE, None),  # the user's own setting stands
-    ({'VRL_HUGE_PAGES': '0'}, GLIBC, MADVISE, None),
-    ({}, ('glibc', '2.31'), MADVISE, None),  # no hugetlb tunable before 2.35
-    ({}, ('', ''), MADVISE, None),  # not glibc
-    ({}, GLIBC, '[always] madvise never', None),
-    ({}, GLIBC, 'always madvise [never]', None),
-])
+@pytest.mark.parametrize(
+    'environ, libc, thp_modes, expected',
+    [
+        ({}, GLIBC, MADVISE, 'glibc.malloc.hugetlb=1'),
+        (
+            {'GLIBC_TUNABLES': 'glibc.malloc.arena_max=2'},
+            GLIBC,
+            MADVISE,
+            'glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1',
+        ),
+        ({'GLIBC_TUNABLES': 'glibc.malloc.hugetlb=0'}, GLIBC, MADVISE, None),  # the user's own setting stands
+        ({'VRL_HUGE_PAGES': '0'}, GLIBC, MADVISE, None),
+        ({}, ('glibc', '2.31'), MADVISE, None),  # no hugetlb tunable before 2.35
+        ({}, ('', ''), MADVISE, None),  # not glibc
+        ({}, GLIBC, '[always] madvise never', None),
+        ({}, GLIBC, 'always madvise [never]', None),
+    ],
+)
 def test_when_the_restart_applies(environ, libc, thp_modes, expected):
     assert host_memory.tunables_with_huge_pages(environ, libc, thp_modes) == expected
 
 
-_PROBE = '''
+_PROBE = """
 import ctypes, re
 from vrl.core import host_memory
 print('started', flush=True)
@@ -45,7 +53,7 @@ for line in open('/proc/self/smaps'):  # the mapping holding the buffer, and its
     elif line.startswith('VmFlags:') and holds:
         flags = line.split()[1:]
 print('advised' if 'hg' in flags else 'not-advised')
-'''
+"""
 
 
 def _malloc_advice(extra_env: dict[str, str]) -> list[str]:
@@ -53,8 +61,9 @@ def _malloc_advice(extra_env: dict[str, str]) -> list[str]:
     MADV_HUGEPAGE (VmFlags 'hg'). Whether the kernel then backs it with huge pages depends on the
     free memory at the time; bench/train_throughput.py measures a step with and without."""
     env = {k: v for k, v in os.environ.items() if k not in ('GLIBC_TUNABLES', 'VRL_HUGE_PAGES')}
-    return subprocess.run([sys.executable, '-c', _PROBE], cwd=ROOT, env={**env, **extra_env},
-                          capture_output=True, text=True, check=True).stdout.split()
+    return subprocess.run(
+        [sys.executable, '-c', _PROBE], cwd=ROOT, env={**env, **extra_env}, capture_output=True, text=True, check=True
+    ).stdout.split()
 
 
 def test_restart_once_and_malloc_asks_for_huge_pages():
@@ -70,9 +79,15 @@ def test_a_command_asking_for_huge_pages_runs_after_the_restart():
     if host_memory.tunables_with_huge_pages({}, platform.libc_ver(), modes) is None:
         pytest.skip(f'huge-page malloc does not apply here (libc {platform.libc_ver()}, THP "{modes.strip()}")')
     env = {k: v for k, v in os.environ.items() if k not in ('GLIBC_TUNABLES', 'VRL_HUGE_PAGES')}
-    command = ('import os\nfrom vrl.core import cli\nprint("started", flush=True)\n'
-               'cli.run(lambda args: print(os.environ.get("GLIBC_TUNABLES")), dict, huge_pages=%s)')
-    for huge_pages, expected in ((True, ['started', 'started', 'glibc.malloc.hugetlb=1']), (False, ['started', 'None'])):
-        out = subprocess.run([sys.executable, '-c', command % huge_pages], cwd=ROOT, env=env,
-                             capture_output=True, text=True, check=True).stdout.split()
+    command = (
+        'import os\nfrom vrl.core import cli\nprint("started", flush=True)\n'
+        'cli.run(lambda args: print(os.environ.get("GLIBC_TUNABLES")), dict, huge_pages=%s)'
+    )
+    for huge_pages, expected in (
+        (True, ['started', 'started', 'glibc.malloc.hugetlb=1']),
+        (False, ['started', 'None']),
+    ):
+        out = subprocess.run(
+            [sys.executable, '-c', command % huge_pages], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
         assert out == expected, (huge_pages, out)

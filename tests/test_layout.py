@@ -53,8 +53,12 @@ def rank(module: str) -> int:
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    return sorted(f'{module} imports {target}' for module, targets in graph.items() for target in targets
-                  if rank(target) > rank(module))
+    return sorted(
+        f'{module} imports {target}'
+        for module, targets in graph.items()
+        for target in targets
+        if rank(target) > rank(module)
+    )
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -87,21 +91,30 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_every_module_is_in_a_wing_or_is_the_training_command():
-    stray = [name for name in modules() if name.count('.') == 1 and name != 'vrl.main' and name.split('.')[1]
-             not in WINGS]
+    stray = [
+        name for name in modules() if name.count('.') == 1 and name != 'vrl.main' and name.split('.')[1] not in WINGS
+    ]
     assert not stray, f'modules outside the wings of vrl.WINGS: {stray}'
 
 
 def test_imports_run_downward_between_wings_and_never_in_a_circle():
     graph = import_graph(modules())
-    assert 'vrl.train.aot' in graph['vrl.train.loop'] and 'vrl.model.decoder' in graph['vrl.train.step']
+    assert (
+        'vrl.train.aot' in graph['vrl.train.plan']
+        and 'vrl.train.plan' in graph['vrl.train.loop']
+        and 'vrl.model.decoder' in graph['vrl.train.step']
+    )
     assert not upward_imports(graph)
     assert not circles(graph)
 
 
 def test_the_checks_catch_an_upward_import_and_a_circle():
-    graph = {'vrl.model.decoder': {'vrl.train.step'}, 'vrl.train.step': {'vrl.train.aot'},
-             'vrl.train.aot': {'vrl.train.resolve'}, 'vrl.train.resolve': {'vrl.train.aot'}}
+    graph = {
+        'vrl.model.decoder': {'vrl.train.step'},
+        'vrl.train.step': {'vrl.train.aot'},
+        'vrl.train.aot': {'vrl.train.resolve'},
+        'vrl.train.resolve': {'vrl.train.aot'},
+    }
     assert upward_imports(graph) == ['vrl.model.decoder imports vrl.train.step']
     assert circles(graph) == [['vrl.train.aot', 'vrl.train.resolve']]
 
@@ -119,31 +132,54 @@ SUBJECTS_KEPT_SINCE = '3dbc217'  # the commit after which every subject keeps do
 def test_commit_subjects_fit_in_72_characters():
     """`git log --oneline` reads: each commit since the rule began says what changed in one short line."""
     import subprocess
-    known = subprocess.run(['git', 'cat-file', '-e', f'{SUBJECTS_KEPT_SINCE}^{{commit}}'], cwd=ROOT,
-                           capture_output=True).returncode == 0
+
+    known = (
+        subprocess.run(
+            ['git', 'cat-file', '-e', f'{SUBJECTS_KEPT_SINCE}^{{commit}}'], cwd=ROOT, capture_output=True
+        ).returncode
+        == 0
+    )
     since = [f'{SUBJECTS_KEPT_SINCE}..HEAD'] if known else ['-1', 'HEAD']  # a clone without it: the newest
-    subjects = subprocess.run(['git', 'log', '--format=%s', *since], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.splitlines()
+    subjects = subprocess.run(
+        ['git', 'log', '--format=%s', *since], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert subjects and not [s for s in subjects if len(s) > 72], [s for s in subjects if len(s) > 72]
 
 
 def test_commit_subjects_say_what_changed_not_how_it_came_about():
     """Since the rule began, no subject opens with how the change was made ("Review mend:")."""
     import subprocess
-    known = subprocess.run(['git', 'cat-file', '-e', f'{WHAT_CHANGED_SINCE}^{{commit}}'], cwd=ROOT,
-                           capture_output=True).returncode == 0
+
+    known = (
+        subprocess.run(
+            ['git', 'cat-file', '-e', f'{WHAT_CHANGED_SINCE}^{{commit}}'], cwd=ROOT, capture_output=True
+        ).returncode
+        == 0
+    )
     since = [f'{WHAT_CHANGED_SINCE}~1..HEAD'] if known else ['-1', 'HEAD']
-    subjects = subprocess.run(['git', 'log', '--format=%s', *since], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.splitlines()
+    subjects = subprocess.run(
+        ['git', 'log', '--format=%s', *since], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert subjects and not [s for s in subjects if s.lower().startswith(('review mend', 'mend:', 'fixup'))], subjects
 
 
-def test_the_code_passes_the_lint_in_pyproject():
-    """ruff's checks as pyproject.toml sets them (pyflakes, import order, whitespace, syntax), on
-    every Python file of the checkout."""
+@pytest.mark.parametrize(
+    'command',
+    [['check', '--output-format', 'concise'], ['format', '--check']],
+    ids=['lint', 'format'],
+)
+def test_the_code_passes_the_lint_and_format_in_pyproject(command):
+    """ruff's checks (pyflakes, import order, whitespace, syntax) and its formatter, as pyproject.toml
+    sets them, on every Python file of the checkout: `ruff format .` fixes what the second names."""
     import subprocess
     import sys
+
     pytest.importorskip('ruff', reason='ruff is in requirements-test.txt: pip install -r requirements-test.txt')
-    checked = subprocess.run([sys.executable, '-m', 'ruff', 'check', '--no-cache', '--output-format', 'concise', '.'],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    checked = subprocess.run(
+        [sys.executable, '-m', 'ruff', command[0], '--no-cache', *command[1:], '.'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]

@@ -19,8 +19,7 @@ STALE = 1.0  # seconds: the tests' lease goes stale fast (a run's is at least MI
 
 
 def _lease(name: str, **kwargs) -> lease_lib.Lease:
-    return lease_lib.Lease(storage.path(f'gs://vrl/leases/{name}'), stale_after=STALE, say=lambda line: None,
-                             **kwargs)
+    return lease_lib.Lease(storage.path(f'gs://vrl/leases/{name}'), stale_after=STALE, say=lambda line: None, **kwargs)
 
 
 def _dead_holder(name: str, written: str = '2026-11-25 10:00:00') -> None:
@@ -88,8 +87,9 @@ def test_of_runs_racing_for_a_free_workdir_exactly_one_wins(gcs):
     winners[0].release()
     assert json.loads(bucket_fs().cat('vrl/leases/free/.lock'))['released']
     said = []
-    again = lease_lib.Lease(storage.path('gs://vrl/leases/free'), stale_after=STALE, say=said.append,
-                              clock=lambda: 0.0)  # a clock that never moves: any wait would never end
+    again = lease_lib.Lease(
+        storage.path('gs://vrl/leases/free'), stale_after=STALE, say=said.append, clock=lambda: 0.0
+    )  # a clock that never moves: any wait would never end
     assert again.acquire() == '' and said == []  # a released lease is taken at once, without a wait
     again.release()
 
@@ -102,10 +102,12 @@ def test_a_live_holder_keeps_its_lease_whatever_its_clock_says(gcs):
     plain = holder._record
     holder._record = lambda released=False: plain(released).replace(  # its clock, 3 hours behind
         json.dumps(time.strftime('%Y-%m-%d %H:%M:%S')).encode(),
-        json.dumps(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(time.time() - 3 * 3600))).encode())
+        json.dumps(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(time.time() - 3 * 3600))).encode(),
+    )
     holder.acquire()
-    assert json.loads(bucket_fs().cat('vrl/leases/skewed/.lock'))['written'] < time.strftime('%Y-%m-%d %H:%M:%S',
-                                                                                          time.localtime(time.time() - 3600))
+    assert json.loads(bucket_fs().cat('vrl/leases/skewed/.lock'))['written'] < time.strftime(
+        '%Y-%m-%d %H:%M:%S', time.localtime(time.time() - 3600)
+    )
     taker = _lease('skewed')
     with pytest.raises(workdir_lib.WorkdirError, match=r'in use by another run \(host slow-clock'):
         taker.acquire()
@@ -164,11 +166,15 @@ def test_a_store_without_generations_is_refused_in_one_line(small_corpus):
     """A run (or a grid) on an s3:// or az:// workdir is refused before anything is read or written."""
     from tests.runs import tiny_config
     from vrl.train import loop
+
     with pytest.raises(storage.StorageError, match='a lease needs GCS object generations'):
         storage.read_versioned(storage.path('s3://bucket/run/.lock'))
     for url in ('s3://bucket/run', 'az://container/run'):
-        with pytest.raises(workdir_lib.WorkdirError, match=rf'^{url}: a workdir on an object store is kept by a lease '
-                                                            'on GCS object generations, which this store does not have'):
+        with pytest.raises(
+            workdir_lib.WorkdirError,
+            match=rf'^{url}: a workdir on an object store is kept by a lease '
+            'on GCS object generations, which this store does not have',
+        ):
             loop.run(tiny_config(small_corpus, steps=1), url)
 
 
@@ -231,6 +237,7 @@ def test_each_taking_is_a_new_epoch_and_a_lost_holder_commits_nothing(gcs):
     """The lease record is the fence: a takeover starts the next epoch and carries the committed steps
     and metrics over; the lost holder's commits raise and leave the record as its successor wrote it."""
     from vrl.train.trackers import stored
+
     fs = bucket_fs()
     holder = _lease('fenced')
     holder.acquire()

@@ -30,15 +30,16 @@ BETA = 'z z z z z z z z z z z z z z z z z z z z z z z ž'  # the other's: z runs
 def domains(tmp_path_factory, small_corpus):
     """Two datasets split from one JSONL file by meta.set: 300 alpha and 120 beta documents."""
     folder = tmp_path_factory.mktemp('mixture')
-    records = ([{'text': f'{ALPHA} {i}', 'meta': {'set': 'Alpha'}} for i in range(300)]
-               + [{'text': f'{BETA} {i}', 'meta': {'set': 'Beta Set'}} for i in range(120)])
+    records = [{'text': f'{ALPHA} {i}', 'meta': {'set': 'Alpha'}} for i in range(300)] + [
+        {'text': f'{BETA} {i}', 'meta': {'set': 'Beta Set'}} for i in range(120)
+    ]
     (folder / 'slim.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
-    names = build.prepare_domains(str(folder / 'slim.jsonl'), 'slim', str(folder / 'tfds'), 'meta.set',
-                                   validation_fraction=0.1)
+    names = build.prepare_domains(
+        str(folder / 'slim.jsonl'), 'slim', str(folder / 'tfds'), 'meta.set', validation_fraction=0.1
+    )
     assert names == {'Alpha': 'slim_alpha', 'Beta Set': 'slim_beta_set'}
     cfg, tokenizer = small_corpus
-    cfg = dataclasses.replace(cfg, data_dir=str(folder / 'tfds'), num_epochs=0,
-                              mixture='slim_alpha=3,slim_beta_set=1')
+    cfg = dataclasses.replace(cfg, data_dir=str(folder / 'tfds'), num_epochs=0, mixture='slim_alpha=3,slim_beta_set=1')
     return cfg, tokenizer
 
 
@@ -57,8 +58,11 @@ def _streams(batches: list[dict]) -> list[np.ndarray]:
 def _documents(batches: list[dict]) -> list[tuple[int, ...]]:
     """The complete documents among the batches' targets, each dataset's stream split at EOS (the
     unfinished last one dropped, and the first, which may have lost its start to the window)."""
-    return [tuple(p[:-1]) for stream in _streams(batches)
-            for p in np.split(stream, np.flatnonzero(stream == EOS_ID) + 1)[1:-1]]
+    return [
+        tuple(p[:-1])
+        for stream in _streams(batches)
+        for p in np.split(stream, np.flatnonzero(stream == EOS_ID) + 1)[1:-1]
+    ]
 
 
 def _first_batches(cfg, tokenizer, n, **process) -> list[dict]:
@@ -99,9 +103,12 @@ def test_a_mixture_without_a_tokenizer_trains_one_on_an_equal_share(domains, tmp
     assert len(trained.encode('ž')) == 1  # not two byte-fallback pieces: beta's documents were read
 
     import sentencepiece
+
     sentencepiece.set_random_generator_seed(cfg.seed)
-    shares = [corpus.texts(corpus.open_split(name, cfg.data_dir, 'train'), limit=20)
-              for name in ('slim_alpha', 'slim_beta_set')]
+    shares = [
+        corpus.texts(corpus.open_split(name, cfg.data_dir, 'train'), limit=20)
+        for name in ('slim_alpha', 'slim_beta_set')
+    ]
     by_hand = tokenizer_lib.train(itertools.chain(*shares), 276, str(tmp_path / 'by_hand.model'))
     assert Path(trained.path).read_bytes() == Path(by_hand.path).read_bytes()
 
@@ -120,14 +127,22 @@ def test_tokens_follow_the_weights(domains):
 def test_weights_are_token_shares_whatever_the_document_lengths(domains, tmp_path, pretokenized):
     """Short and 10x longer documents at 1:1 give each half of the tokens (not of the documents)."""
     from vrl.data import tokens
+
     cfg, tokenizer = domains
     long_text = ' '.join([BETA] * 10)
-    records = ([{'text': f'{ALPHA} {i}', 'meta': {'set': 'short'}} for i in range(400)]
-               + [{'text': f'{long_text} {i}', 'meta': {'set': 'long'}} for i in range(400)])
+    records = [{'text': f'{ALPHA} {i}', 'meta': {'set': 'short'}} for i in range(400)] + [
+        {'text': f'{long_text} {i}', 'meta': {'set': 'long'}} for i in range(400)
+    ]
     (tmp_path / 'lengths.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
     data_dir = str(tmp_path / 'tfds')
-    build.prepare_domains(str(tmp_path / 'lengths.jsonl'), 'len', data_dir, 'meta.set', validation_fraction=0.05,
-                          tokenizer=tokenizer if pretokenized else None)  # the ids of each domain in the same pass
+    build.prepare_domains(
+        str(tmp_path / 'lengths.jsonl'),
+        'len',
+        data_dir,
+        'meta.set',
+        validation_fraction=0.05,
+        tokenizer=tokenizer if pretokenized else None,
+    )  # the ids of each domain in the same pass
     if pretokenized:
         assert all(tokens.find(name, data_dir, 'train', tokenizer) for name in ('len_short', 'len_long'))
     mixed = dataclasses.replace(cfg, data_dir=data_dir, mixture='len_short=1,len_long=1', pretokenized=pretokenized)
@@ -142,11 +157,17 @@ def test_domains_of_many_files_built_by_a_pool_equal_one_process(tmp_path, capsy
     raw = tmp_path / 'raw'
     raw.mkdir()
     for f in range(5):
-        records = [{'text': f'file {f} doc {i} ' * (1 + i % 4), 'meta': {'set': ('web', 'books', 'code')[i % 3]}}
-                   for i in range(90)]
+        records = [
+            {'text': f'file {f} doc {i} ' * (1 + i % 4), 'meta': {'set': ('web', 'books', 'code')[i % 3]}}
+            for i in range(90)
+        ]
         (raw / f'part{f}.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
-    built = {workers: build.prepare_domains(str(raw), 'mix', str(tmp_path / f'tfds{workers}'), 'meta.set',
-                                            validation_fraction=0.1, workers=workers) for workers in (1, 2)}
+    built = {
+        workers: build.prepare_domains(
+            str(raw), 'mix', str(tmp_path / f'tfds{workers}'), 'meta.set', validation_fraction=0.1, workers=workers
+        )
+        for workers in (1, 2)
+    }
     assert built[1] == built[2] == {'books': 'mix_books', 'code': 'mix_code', 'web': 'mix_web'}
     for dataset in built[1].values():
         one, pool = (tmp_path / f'tfds{w}' / dataset / '1.0.0' for w in (1, 2))
@@ -155,17 +176,26 @@ def test_domains_of_many_files_built_by_a_pool_equal_one_process(tmp_path, capsy
         for name in files:
             if name != 'dataset_info.json':
                 assert (one / name).read_bytes() == (pool / name).read_bytes(), (dataset, name)
-        texts = [t for split in ('train', 'validation') for t in corpus.texts(corpus.open_split(dataset, str(one.parents[1]), split))]
+        texts = [
+            t
+            for split in ('train', 'validation')
+            for t in corpus.texts(corpus.open_split(dataset, str(one.parents[1]), split))
+        ]
         assert len(texts) == 150 and all(t.startswith('file ') for t in texts)
     assert not (tmp_path / 'tfds1' / 'mix' / 'vrl_build').exists()
     capsys.readouterr()
-    assert build.prepare_domains(str(raw), 'mix', str(tmp_path / 'tfds1'), 'meta.set', validation_fraction=0.1) == built[1]
+    assert (
+        build.prepare_domains(str(raw), 'mix', str(tmp_path / 'tfds1'), 'meta.set', validation_fraction=0.1) == built[1]
+    )
     assert 'preparing' not in capsys.readouterr().out  # kept
     (raw / 'part4.jsonl').write_text((raw / 'part4.jsonl').read_text().replace('"code"', '"docs"'))
-    with pytest.raises(corpus.DataError, match=r"'mix' in .* was prepared from other inputs \(the input files' contents"):
+    with pytest.raises(
+        corpus.DataError, match=r"'mix' in .* was prepared from other inputs \(the input files' contents"
+    ):
         build.prepare_domains(str(raw), 'mix', str(tmp_path / 'tfds1'), 'meta.set', validation_fraction=0.1)
-    rebuilt = build.prepare_domains(str(raw), 'mix', str(tmp_path / 'tfds1'), 'meta.set', validation_fraction=0.1,
-                                    overwrite=True)
+    rebuilt = build.prepare_domains(
+        str(raw), 'mix', str(tmp_path / 'tfds1'), 'meta.set', validation_fraction=0.1, overwrite=True
+    )
     assert rebuilt == {**built[1], 'docs': 'mix_docs'}
 
 
@@ -182,8 +212,9 @@ def test_resume_and_process_shards(domains):
 @pytest.mark.slow  # trains a run
 def test_eval_reports_each_domain_and_their_unweighted_mean(domains, tmp_path):
     cfg, tokenizer = domains
-    config = tiny_config((dataclasses.replace(cfg, tokenizer=tokenizer.path), tokenizer), steps=4,
-                         checkpoint_every=4, eval_batches=0)
+    config = tiny_config(
+        (dataclasses.replace(cfg, tokenizer=tokenizer.path), tokenizer), steps=4, checkpoint_every=4, eval_batches=0
+    )
     result = loop.run(config, str(tmp_path / 'run'))
     records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
     final = [r for r in records if 'eval_loss' in r][-1]
@@ -213,8 +244,12 @@ def test_data_eval_evaluates_the_sets_it_names_each_by_name(domains, tmp_path):
     to evaluating that set alone; a set that does not exist is one line before anything compiles."""
     cfg, tokenizer = domains
     base = dataclasses.replace(cfg, tokenizer=tokenizer.path, mixture='', name='slim_alpha')
-    config = tiny_config((dataclasses.replace(base, eval='slim_alpha, slim_beta_set, slim_alpha:train'), tokenizer),
-                         steps=2, checkpoint_every=2, eval_batches=2)
+    config = tiny_config(
+        (dataclasses.replace(base, eval='slim_alpha, slim_beta_set, slim_alpha:train'), tokenizer),
+        steps=2,
+        checkpoint_every=2,
+        eval_batches=2,
+    )
     result = loop.run(config, str(tmp_path / 'run'))
     records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
     final = [r for r in records if 'eval_loss' in r][-1]
@@ -223,7 +258,7 @@ def test_data_eval_evaluates_the_sets_it_names_each_by_name(domains, tmp_path):
     trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
     for name in names:
         alone = dataclasses.replace(config, data=dataclasses.replace(config.data, eval=name))
-        (loss, _), = loop.validate(trainer, result.state.params, alone, tokenizer).domains.values()
+        ((loss, _),) = loop.validate(trainer, result.state.params, alone, tokenizer).domains.values()
         assert final[f'eval_loss/{name}'] == pytest.approx(loss, rel=1e-6)
     assert final['eval_loss'] == pytest.approx(np.mean([final[f'eval_loss/{n}'] for n in names]), rel=1e-6)
     with pytest.raises(ConfigError, match=r"data.eval='a,,b' is invalid: .*NAME or NAME:SPLIT"):
@@ -238,8 +273,9 @@ def test_the_run_says_how_far_into_an_epoch_of_each_dataset_it_is(domains, tmp_p
     count) in config.json and the start's log, and at every logged step the target tokens read from
     each (tokens/NAME) and epoch/NAME, those over its train tokens."""
     cfg, tokenizer = domains
-    config = tiny_config((dataclasses.replace(cfg, tokenizer=tokenizer.path), tokenizer), steps=3,
-                         checkpoint_every=3, log_every=1)
+    config = tiny_config(
+        (dataclasses.replace(cfg, tokenizer=tokenizer.path), tokenizer), steps=3, checkpoint_every=3, log_every=1
+    )
     loop.run(config, str(tmp_path / 'run'))
     read = json.loads((tmp_path / 'run' / 'config.json').read_text())['data']['datasets']
     said = capsys.readouterr().out
@@ -251,12 +287,17 @@ def test_the_run_says_how_far_into_an_epoch_of_each_dataset_it_is(domains, tmp_p
         assert read[name]['train_tokens'] == pytest.approx(counted, rel=0.02)
         assert read[name]['train_tokens_are'] == 'estimated from 1,000 documents'
         every = read[name]['train_tokens'] / (step_tokens * share)
-        assert f'data {name}: {read[name]["train_tokens"]:,} train tokens (estimated from 1,000 documents, ' \
-               f'tokenized on the fly, shuffled by document): an epoch every {every:,.0f} steps' in said
+        assert (
+            f'data {name}: {read[name]["train_tokens"]:,} train tokens (estimated from 1,000 documents, '
+            f'tokenized on the fly, shuffled by document): an epoch every {every:,.0f} steps' in said
+        )
         for r in (r for r in records if 'loss' in r):  # counted: whole windows in the weights' shares
             assert r[f'tokens/{name}'] == r['step'] * step_tokens * share
             assert r[f'epoch/{name}'] == pytest.approx(r['step'] / every, rel=1e-9)
-    assert f'  epoch slim_alpha {3 / (read["slim_alpha"]["train_tokens"] / (step_tokens * 3 / 4)):.2f} slim_beta_set' in said
+    assert (
+        f'  epoch slim_alpha {3 / (read["slim_alpha"]["train_tokens"] / (step_tokens * 3 / 4)):.2f} slim_beta_set'
+        in said
+    )
 
 
 def _windows_per_batch(batches: list[dict]) -> list[tuple[int, ...]]:
@@ -291,9 +332,13 @@ def test_bad_mixtures_are_named(domains):
         DataConfig(mixture='a=0,b=1')
     with pytest.raises(ConfigError, match='data.num_epochs=1 is invalid: allowed 0 with data.mixture'):
         DataConfig(mixture='a=1', num_epochs=1)
-    for schedule, named in (('5:a=1;5:b=1', "'5:b=1' is not"), ('x:a=1', "'x:a=1' is not"),
-                            ('5:c=1', "naming only data.mixture's datasets \\(a, b\\)"), ('5:a=0', "'5:a=0' is not"),
-                            ('5:a=-1', "'a=-1' is not")):
+    for schedule, named in (
+        ('5:a=1;5:b=1', "'5:b=1' is not"),
+        ('x:a=1', "'x:a=1' is not"),
+        ('5:c=1', "naming only data.mixture's datasets \\(a, b\\)"),
+        ('5:a=0', "'5:a=0' is not"),
+        ('5:a=-1', "'a=-1' is not"),
+    ):
         with pytest.raises(ConfigError, match=f'data.mixture_schedule=.* is invalid: .*{named}'):
             DataConfig(mixture='a=1,b=1', mixture_schedule=schedule)
     with pytest.raises(ConfigError, match="data.mixture_schedule='5:a=1' is invalid: allowed '' without data.mixture"):

@@ -28,7 +28,7 @@ from vrl.train import step
 
 
 def _loss(model: Decoder, tokens: jax.Array) -> jax.Array:
-    logits = model(tokens)[..., :model.cfg.vocab_size]
+    logits = model(tokens)[..., : model.cfg.vocab_size]
     return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
 
 
@@ -44,18 +44,24 @@ def test_shapes_dtypes_and_causality(variant):
     chex.assert_shape(a, (2, 11, cfg.padded_vocab_size))
     chex.assert_type(a, jnp.float32)
     chex.assert_tree_all_finite(a)
-    assert np.all(np.asarray(a[..., cfg.vocab_size:]) < -1e29)  # padded vocabulary entries are never predicted
+    assert np.all(np.asarray(a[..., cfg.vocab_size :]) < -1e29)  # padded vocabulary entries are never predicted
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     np.testing.assert_array_equal(np.asarray(a[:, :t]), np.asarray(b[:, :t]))
     assert not np.allclose(np.asarray(a[:, t:, :97]), np.asarray(b[:, t:, :97]))
 
 
-@pytest.mark.parametrize('variant, remat', cases(
-    {**{name: (v, 'none') for name, v in NAMED_VARIANTS.items()},
-     'learnable_plus-full': (dict(attention='resformer', lambda_mode='learnable_plus'), 'full'),
-     'svformer-save_dots': (dict(attention='svformer'), 'save_dots'),
-     'all-baselines-full': (NAMED_VARIANTS['all-baselines'], 'full')},
-    ('resformer-learnable_plus', 'all-baselines', 'svformer-save_dots')))
+@pytest.mark.parametrize(
+    'variant, remat',
+    cases(
+        {
+            **{name: (v, 'none') for name, v in NAMED_VARIANTS.items()},
+            'learnable_plus-full': (dict(attention='resformer', lambda_mode='learnable_plus'), 'full'),
+            'svformer-save_dots': (dict(attention='svformer'), 'save_dots'),
+            'all-baselines-full': (NAMED_VARIANTS['all-baselines'], 'full'),
+        },
+        ('resformer-learnable_plus', 'all-baselines', 'svformer-save_dots'),
+    ),
+)
 def test_scan_equals_loop(variant, remat):
     cfg = small_model_config(n_layers=4, remat=remat, **variant)
     scanned = Decoder(cfg, rngs=nnx.Rngs(0))
@@ -70,8 +76,9 @@ def test_scan_equals_loop(variant, remat):
     flat_loop = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g_loop)])
     assert rel_err(flat_loop, flat_scan) < 1e-5
     # per parameter too; a scalar like learnable_plus's s sums many terms in another order
-    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(g_scan),
-                                 jax.tree_util.tree_leaves_with_path(g_loop)):
+    for (path, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(g_scan), jax.tree_util.tree_leaves_with_path(g_loop)
+    ):
         assert rel_err(b, a) < 1e-4, path
 
 
@@ -84,12 +91,14 @@ def test_cla_groups_scan_whole_with_the_borrowers_of_layer_1_before_and_a_short_
     randomize(scanned, 13)
     params = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(scanned, nnx.Param)))
     tokens = np.asarray(random_tokens(14, B=1, L=9))
-    logits = np.asarray(scanned(jnp.asarray(tokens)))[0, :, :cfg.vocab_size]
+    logits = np.asarray(scanned(jnp.asarray(tokens)))[0, :, : cfg.vocab_size]
     assert rel_err(logits, numpy_reference.forward(cfg, params, tokens[0])) < 1e-4
     looped = Decoder(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(5))
     nnx.update(looped, nnx.state(scanned, nnx.Param))
-    grads = [np.concatenate([np.ravel(x) for x in jax.tree.leaves(nnx.grad(_loss)(m, jnp.asarray(tokens)))])
-             for m in (scanned, looped)]
+    grads = [
+        np.concatenate([np.ravel(x) for x in jax.tree.leaves(nnx.grad(_loss)(m, jnp.asarray(tokens)))])
+        for m in (scanned, looped)
+    ]
     assert rel_err(grads[1], grads[0]) < 1e-5
 
 
@@ -98,13 +107,15 @@ def test_resformer_limits_are_vanilla_and_svformer():
     randomize(vanilla, 7)
     tokens = random_tokens(8)
 
-    as_vanilla = Decoder(small_model_config(attention='resformer', lambda_mode='constant', lambda1=0.0,
-                                            lambda2=1.0), rngs=nnx.Rngs(1))
+    as_vanilla = Decoder(
+        small_model_config(attention='resformer', lambda_mode='constant', lambda1=0.0, lambda2=1.0), rngs=nnx.Rngs(1)
+    )
     copy_params(vanilla, as_vanilla)
     assert rel_err(as_vanilla(tokens)[..., :97], vanilla(tokens)[..., :97]) < 1e-6
 
-    as_svformer = Decoder(small_model_config(attention='resformer', lambda_mode='constant', lambda1=1.0,
-                                             lambda2=0.0), rngs=nnx.Rngs(1))
+    as_svformer = Decoder(
+        small_model_config(attention='resformer', lambda_mode='constant', lambda1=1.0, lambda2=0.0), rngs=nnx.Rngs(1)
+    )
     copy_params(vanilla, as_svformer)
     svformer = Decoder(small_model_config(attention='svformer'), rngs=nnx.Rngs(2))
     copy_params(vanilla, svformer)
@@ -113,8 +124,13 @@ def test_resformer_limits_are_vanilla_and_svformer():
     assert rel_err(svformer(tokens)[..., :97], vanilla(tokens)[..., :97]) > 1e-3
 
 
-@pytest.mark.parametrize('variant', cases({**NAMED_VARIANTS, 'vanilla-tied': dict(attention='vanilla', tie_embeddings=True)},
-                                           FAST_TIER + ('vanilla-tied',)))
+@pytest.mark.parametrize(
+    'variant',
+    cases(
+        {**NAMED_VARIANTS, 'vanilla-tied': dict(attention='vanilla', tie_embeddings=True)},
+        FAST_TIER + ('vanilla-tied',),
+    ),
+)
 def test_matches_float64_numpy_reference(variant):
     cfg = small_model_config(**variant)
     assert cfg.n_layers == 3
@@ -122,7 +138,7 @@ def test_matches_float64_numpy_reference(variant):
     randomize(model, 11)
     params = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     tokens = np.asarray(random_tokens(12, B=2, L=9))
-    logits = np.asarray(model(jnp.asarray(tokens)))[..., :cfg.vocab_size]
+    logits = np.asarray(model(jnp.asarray(tokens)))[..., : cfg.vocab_size]
     for b in range(2):
         assert rel_err(logits[b], numpy_reference.forward(cfg, params, tokens[b])) < 1e-4
 
@@ -165,27 +181,30 @@ def test_v1_is_not_detached():
     assert float(jnp.abs(grads['first']['attn']['wv'][...]).max()) > 0
 
 
-@pytest.mark.parametrize('overrides, field, allowed', [
-    (dict(attention='mamba'), 'model.attention', "'vanilla', 'resformer', 'svformer'"),
-    (dict(n_heads=8, n_kv_heads=3), 'model.n_kv_heads', 'a divisor of model.n_heads=8'),
-    (dict(attention='resformer', lambda_mode='sparse', sparse_layers=(9,)), 'model.sparse_layers', '2..3'),
-    (dict(remat='some'), 'model.remat', "'none', 'full', 'save_dots'"),
-    (dict(lambda_mode='learned'), 'model.lambda_mode', "'identity', 'constant'"),
-    (dict(attention_chunks=0), 'model.attention_chunks', 'an integer >= 1'),
-    (dict(head_chunks=0), 'model.head_chunks', 'an integer >= 1'),
-    (dict(hand_vjp='project,flash'), 'model.hand_vjp', "'auto', 'all', 'none' or a comma-separated list of"),
-    # combinations of variants that mean nothing
-    (dict(attention='resformer', kv_share=2), 'model.kv_share', "1 with model.attention='resformer'"),
-    (dict(kv_share=0), 'model.kv_share', 'an integer >= 1'),
-    (dict(attention='svformer', neutreno=True), 'model.neutreno', "False with model.attention='svformer'"),
-    (dict(value_embed_layers=(0, 2)), 'model.value_embed_layers', 'in 1..3'),
-    (dict(value_embed_layers=(2, 2)), 'model.value_embed_layers', 'distinct'),
-    (dict(attention='svformer', value_embed_layers=(2,)), 'model.value_embed_layers', 'layer 1 only for SVFormer'),
-    (dict(kv_share=2, value_embed_layers=(2,)), 'model.value_embed_layers', 'layers 1, 3, ...'),
-    (dict(value_embed_layers=(1, 2), value_embed_tables=(0,)), 'model.value_embed_tables', 'one table id per'),
-    (dict(value_embed_layers=(1, 2), value_embed_tables=(0, 2)), 'model.value_embed_tables', 'every id 0..T-1'),
-    (dict(lambda_mode='per-token'), 'model.lambda_mode', "'per_token'"),
-])
+@pytest.mark.parametrize(
+    'overrides, field, allowed',
+    [
+        (dict(attention='mamba'), 'model.attention', "'vanilla', 'resformer', 'svformer'"),
+        (dict(n_heads=8, n_kv_heads=3), 'model.n_kv_heads', 'a divisor of model.n_heads=8'),
+        (dict(attention='resformer', lambda_mode='sparse', sparse_layers=(9,)), 'model.sparse_layers', '2..3'),
+        (dict(remat='some'), 'model.remat', "'none', 'full', 'save_dots'"),
+        (dict(lambda_mode='learned'), 'model.lambda_mode', "'identity', 'constant'"),
+        (dict(attention_chunks=0), 'model.attention_chunks', 'an integer >= 1'),
+        (dict(head_chunks=0), 'model.head_chunks', 'an integer >= 1'),
+        (dict(hand_vjp='project,flash'), 'model.hand_vjp', "'auto', 'all', 'none' or a comma-separated list of"),
+        # combinations of variants that mean nothing
+        (dict(attention='resformer', kv_share=2), 'model.kv_share', "1 with model.attention='resformer'"),
+        (dict(kv_share=0), 'model.kv_share', 'an integer >= 1'),
+        (dict(attention='svformer', neutreno=True), 'model.neutreno', "False with model.attention='svformer'"),
+        (dict(value_embed_layers=(0, 2)), 'model.value_embed_layers', 'in 1..3'),
+        (dict(value_embed_layers=(2, 2)), 'model.value_embed_layers', 'distinct'),
+        (dict(attention='svformer', value_embed_layers=(2,)), 'model.value_embed_layers', 'layer 1 only for SVFormer'),
+        (dict(kv_share=2, value_embed_layers=(2,)), 'model.value_embed_layers', 'layers 1, 3, ...'),
+        (dict(value_embed_layers=(1, 2), value_embed_tables=(0,)), 'model.value_embed_tables', 'one table id per'),
+        (dict(value_embed_layers=(1, 2), value_embed_tables=(0, 2)), 'model.value_embed_tables', 'every id 0..T-1'),
+        (dict(lambda_mode='per-token'), 'model.lambda_mode', "'per_token'"),
+    ],
+)
 def test_bad_config_names_field_and_allowed_values(overrides, field, allowed):
     with pytest.raises(ConfigError) as e:
         small_model_config(**overrides)
@@ -216,13 +235,22 @@ def test_hand_written_backwards_equal_autodiff_in_the_train_loss():
     """model.hand_vjp changes how gradients are computed, never their values: every choice equals
     autodiff on the train loss (a model with every op and gate: the per-token mix, value
     embeddings, NeuTRENO), and the choice reaches the traced program."""
-    cfg = small_model_config(attention='resformer', lambda_mode='per_token', value_embed_layers=(1, 3),
-                             neutreno=True, attention_chunks=2, head_chunks=3)
+    cfg = small_model_config(
+        attention='resformer',
+        lambda_mode='per_token',
+        value_embed_layers=(1, 3),
+        neutreno=True,
+        attention_chunks=2,
+        head_chunks=3,
+    )
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, 12)
     tokens = random_tokens(13, L=13)  # 12 positions: 3 head slices
-    batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-             'loss_mask': jax.random.bernoulli(jax.random.key(14), 0.8, tokens[:, 1:].shape)}
+    batch = {
+        'inputs': tokens[:, :-1],
+        'targets': tokens[:, 1:],
+        'loss_mask': jax.random.bernoulli(jax.random.key(14), 0.8, tokens[:, 1:].shape),
+    }
 
     def loss_and_grads(hand_vjp: str):
         graphdef = nnx.graphdef(Decoder(dataclasses.replace(cfg, hand_vjp=hand_vjp), rngs=nnx.Rngs(0)))
@@ -236,8 +264,9 @@ def test_hand_written_backwards_equal_autodiff_in_the_train_loss():
     for hand_vjp in ('all', 'project,swiglu', 'attention,cross_entropy'):
         (loss, grads), calls[hand_vjp] = loss_and_grads(hand_vjp)
         assert abs(float(loss - want_loss)) / abs(float(want_loss)) < 1e-6
-        for (path, got), (_, ref) in zip(jax.tree_util.tree_leaves_with_path(grads),
-                                         jax.tree_util.tree_leaves_with_path(want)):
+        for (path, got), (_, ref) in zip(
+            jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves_with_path(want)
+        ):
             assert rel_err(got, ref) < 1e-4, (hand_vjp, path)
     assert calls['all'] > max(calls['project,swiglu'], calls['attention,cross_entropy']) > 0
 
@@ -253,8 +282,9 @@ def test_hand_vjp_auto_resolves_per_platform():
         assert (chosen.cross_entropy_sums is ops.cross_entropy_sums) == ('cross_entropy' in names)
 
 
-@pytest.mark.parametrize('variant', cases({name: NAMED_VARIANTS[name] for name in (*FAST_TIER, 'resformer-per_token')},
-                                          FAST_TIER))
+@pytest.mark.parametrize(
+    'variant', cases({name: NAMED_VARIANTS[name] for name in (*FAST_TIER, 'resformer-per_token')}, FAST_TIER)
+)
 def test_a_packed_row_with_document_masking_equals_each_document_alone(variant):
     """Three documents packed into one row as the pipeline packs them with data.document_masking
     (segment ids, positions restarting at each document): their logits and their loss equal those of
@@ -272,16 +302,38 @@ def test_a_packed_row_with_document_masking_equals_each_document_alone(variant):
     vocab = model.cfg.vocab_size  # the padded entries' -1e30 would hide any difference
     alone = jnp.concatenate([forward(model, p)[:, :n, :vocab] for p, n in zip(padded, lengths)], axis=1)
     assert rel_err(forward(model, packed, positions, segment_ids)[..., :vocab], alone) < 1e-5
-    assert rel_err(forward(model, packed)[..., :vocab], alone) > 1e-2  # unmasked, the later documents see the earlier ones
+    assert (
+        rel_err(forward(model, packed)[..., :vocab], alone) > 1e-2
+    )  # unmasked, the later documents see the earlier ones
 
     graphdef, params = nnx.split(model, nnx.Param)
     loss_sums = jax.jit(step.loss_sums, static_argnums=(0, 3))
     targets = jnp.concatenate([jnp.roll(d, -1, axis=1) for d in documents], axis=1)  # the next token of its document
     last = jnp.cumsum(jnp.array(lengths)) - 1
     loss_mask = jnp.ones_like(packed).at[0, last].set(0)
-    packed_sum, _ = loss_sums(graphdef, params, {'inputs': packed, 'targets': targets, 'loss_mask': loss_mask,
-                                                 'positions': positions, 'segment_ids': segment_ids}, 0.0)
-    alone_sum = sum(loss_sums(graphdef, params, {'inputs': p, 'targets': jnp.roll(p, -1, axis=1),
-                                                 'loss_mask': (jnp.arange(p.shape[1]) < n - 1)[None].astype(p.dtype)},
-                              0.0)[0] for p, n in zip(padded, lengths))
+    packed_sum, _ = loss_sums(
+        graphdef,
+        params,
+        {
+            'inputs': packed,
+            'targets': targets,
+            'loss_mask': loss_mask,
+            'positions': positions,
+            'segment_ids': segment_ids,
+        },
+        0.0,
+    )
+    alone_sum = sum(
+        loss_sums(
+            graphdef,
+            params,
+            {
+                'inputs': p,
+                'targets': jnp.roll(p, -1, axis=1),
+                'loss_mask': (jnp.arange(p.shape[1]) < n - 1)[None].astype(p.dtype),
+            },
+            0.0,
+        )[0]
+        for p, n in zip(padded, lengths)
+    )
     assert rel_err(packed_sum, alone_sum) < 1e-5

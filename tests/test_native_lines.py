@@ -8,19 +8,27 @@ from tests.conftest import ROOT
 
 GLOO = b'[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n'
 GLOO_SHORT = b'[Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3\n'
-CREDENTIALS = (b'E1126 10:34:38.026219    8633 google_auth_provider.cc:188] Could not find the credentials file in '
-               b'the standard gcloud location [/root/.config/gcloud/application_default_credentials.json]. You may '
-               b'specify a credentials file using $GOOGLE_APPLICATION_CREDENTIALS, or to use Google application '
-               b'default credentials, run: gcloud auth application-default login\n')
-NO_CREDENTIALS = (b'E1126 10:34:39.000001    8633 google_auth_provider.cc:201] Could not locate the credentials '
-                  b'file and not running on GCE.\n')
+CREDENTIALS = (
+    b'E1126 10:34:38.026219    8633 google_auth_provider.cc:188] Could not find the credentials file in '
+    b'the standard gcloud location [/root/.config/gcloud/application_default_credentials.json]. You may '
+    b'specify a credentials file using $GOOGLE_APPLICATION_CREDENTIALS, or to use Google application '
+    b'default credentials, run: gcloud auth application-default login\n'
+)
+NO_CREDENTIALS = (
+    b'E1126 10:34:39.000001    8633 google_auth_provider.cc:201] Could not locate the credentials '
+    b'file and not running on GCE.\n'
+)
 
-INTERLEAVED = (b'[Gloo] Rank [Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks '
-               b'is : 3\n1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n')  # a pod's
-INTERLEAVED_SHORT = (b'[Gloo] Rank 2[Gloo] Rank  is connected to 3 peer ranks. Expected number of connected peer '
-                     b'ranks is : 3\n3 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3\n')
+INTERLEAVED = (
+    b'[Gloo] Rank [Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks '
+    b'is : 3\n1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n'
+)  # a pod's
+INTERLEAVED_SHORT = (
+    b'[Gloo] Rank 2[Gloo] Rank  is connected to 3 peer ranks. Expected number of connected peer '
+    b'ranks is : 3\n3 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3\n'
+)
 
-_PROGRAM = f'''
+_PROGRAM = f"""
 import os, signal, sys
 from vrl.core import native_lines
 native_lines.quiet()
@@ -31,38 +39,54 @@ os.write(2, {CREDENTIALS!r} + {NO_CREDENTIALS!r})
 print('vrl error line', file=sys.stderr, flush=True)
 os.write(2, b'last native bytes, no newline')
 os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing flushed, no atexit
-'''
+"""
 
 
 def test_native_noise_is_dropped_and_everything_else_arrives_even_after_a_crash():
     out = subprocess.run([sys.executable, '-c', _PROGRAM], cwd=ROOT, capture_output=True, timeout=60)
     assert out.returncode == -9  # killed
     assert sorted(out.stdout.splitlines(keepends=True)) == sorted(
-        [b'vrl line False\n', b'native stdout\n', GLOO_SHORT, *INTERLEAVED_SHORT.splitlines(keepends=True), b'7\n'])
+        [b'vrl line False\n', b'native stdout\n', GLOO_SHORT, *INTERLEAVED_SHORT.splitlines(keepends=True), b'7\n']
+    )
     assert sorted(out.stderr.splitlines(keepends=True)) == sorted(
-        [NO_CREDENTIALS, b'vrl error line\n', b'last native bytes, no newline'])
+        [NO_CREDENTIALS, b'vrl error line\n', b'last native bytes, no newline']
+    )
 
 
 def test_the_abort_of_a_process_whose_job_failed_is_one_line_naming_why_and_other_lines_pass():
     from vrl.core import native_lines
-    notice = [b'W1127 11:07:49.861388   18101 preemption_sync_manager.cc:147] Failed to retrieve preemption notice',
-              b':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}.']
-    abort = [b'F1127 11:07:49.862350   18101 client.h:80] Terminating process because the JAX distributed service '
-             b'detected fatal errors. This most likely indicates that another task died; absl::Status: UNAVAILABLE: '
-             b'Failed to send RPC to coordination service. Either the leader task was preempted/died',
-             b'*** Check failure stack trace: ***', b'    @     0x7f0f3ea40634  absl::LogMessage::SendToLog()',
-             b'Fatal Python error: Aborted', b'Thread 0x00007f97e7dfe6c0 (most recent call first):']
+
+    notice = [
+        b'W1127 11:07:49.861388   18101 preemption_sync_manager.cc:147] Failed to retrieve preemption notice',
+        b':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}.',
+    ]
+    abort = [
+        b'F1127 11:07:49.862350   18101 client.h:80] Terminating process because the JAX distributed service '
+        b'detected fatal errors. This most likely indicates that another task died; absl::Status: UNAVAILABLE: '
+        b'Failed to send RPC to coordination service. Either the leader task was preempted/died',
+        b'*** Check failure stack trace: ***',
+        b'    @     0x7f0f3ea40634  absl::LogMessage::SendToLog()',
+        b'Fatal Python error: Aborted',
+        b'Thread 0x00007f97e7dfe6c0 (most recent call first):',
+    ]
     other = b'E1127 11:07:50.000000   18101 other.cc:1] something else'
     lost = native_lines.NOISE['stderr']()
     assert [kept for line in [*notice, other] for kept in lost.feed(line)] + lost.end() == [*notice, other]
     lost = native_lines.NOISE['stderr']()
     assert [kept for line in [*notice, *abort, other] for kept in lost.feed(line)] + lost.end() == [
-        native_lines.JaxAbort.LEADER_LOST]
+        native_lines.JaxAbort.LEADER_LOST
+    ]
     lost = native_lines.NOISE['stderr']()
     assert [kept for line in notice for kept in lost.feed(line)] + lost.end() == notice  # held lines reach the end
-    never_joined = [b'F1127 11:51:04.251399   22189 client.h:80] Terminating process because the JAX distributed '
-                    b'service detected fatal errors. This most likely ... absl::Status: DEADLINE_EXCEEDED: Deadline '
-                    b'Exceeded', b'', b'RPC: /xla.coordination.CoordinationService/RegisterTask', *abort[1:]]
+    never_joined = [
+        b'F1127 11:51:04.251399   22189 client.h:80] Terminating process because the JAX distributed '
+        b'service detected fatal errors. This most likely ... absl::Status: DEADLINE_EXCEEDED: Deadline '
+        b'Exceeded',
+        b'',
+        b'RPC: /xla.coordination.CoordinationService/RegisterTask',
+        *abort[1:],
+    ]
     alone = native_lines.NOISE['stderr']()
     assert [kept for line in never_joined for kept in alone.feed(line)] + alone.end() == [
-        native_lines.JaxAbort.NOT_JOINED]
+        native_lines.JaxAbort.NOT_JOINED
+    ]

@@ -28,21 +28,35 @@ def bucket_config(gcs, plays_dir, small_corpus):
     from etils import epath
 
     from vrl.data import build
+
     _, tokenizer = small_corpus
-    built = build.prepare_from_glob(str(plays_dir), 'plays', 'gs://vrl/tfds', split_mode='blank_line',
-                                     validation_fraction=0.1)
-    assert built.startswith('gs://vrl/tfds/plays/') and bucket_fs().exists(built.removeprefix('gs://') + '/dataset_info.json')
+    built = build.prepare_from_glob(
+        str(plays_dir), 'plays', 'gs://vrl/tfds', split_mode='blank_line', validation_fraction=0.1
+    )
+    assert built.startswith('gs://vrl/tfds/plays/') and bucket_fs().exists(
+        built.removeprefix('gs://') + '/dataset_info.json'
+    )
     epath.Path('gs://vrl/plays.model').write_bytes(Path(tokenizer.path).read_bytes())
-    config = tiny_config(small_corpus, attention='svformer', steps=8, checkpoint_every=4, log_every=1,
-                         lease_stale_seconds=8)
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, data_dir='gs://vrl/tfds',
-                                                                  tokenizer='gs://vrl/plays.model'))
+    config = tiny_config(
+        small_corpus, attention='svformer', steps=8, checkpoint_every=4, log_every=1, lease_stale_seconds=8
+    )
+    return dataclasses.replace(
+        config, data=dataclasses.replace(config.data, data_dir='gs://vrl/tfds', tokenizer='gs://vrl/plays.model')
+    )
 
 
-def _run(config, workdir: str, gcs_url: str, home: Path, extra: tuple[str, ...] = (), **popen
-         ) -> subprocess.CompletedProcess:
-    return subprocess.run(cli_args(config, workdir) + list(extra), cwd=home, env=machine_env(gcs_url, home), capture_output=True,
-                          text=True, timeout=600, **popen)
+def _run(
+    config, workdir: str, gcs_url: str, home: Path, extra: tuple[str, ...] = (), **popen
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cli_args(config, workdir) + list(extra),
+        cwd=home,
+        env=machine_env(gcs_url, home),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        **popen,
+    )
 
 
 INET_ADDRESS = re.compile(r'inet_addr\("([^"]+)"\)|inet_pton\(AF_INET6, "([^"]+)"')  # in strace's connect() lines
@@ -53,16 +67,44 @@ def test_a_bucket_run_connects_to_nothing_but_this_machine(gcs, bucket_config, t
     Python clients (gcsfs, google-auth) and C++ ones (TensorStore under Orbax) alike, recorded by
     strace: each goes to 127.0.0.1 (or ::1) or a local socket, so no client reached for a real cloud
     (a DNS look-up of a cloud name would show as a connect to the resolver)."""
-    config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=2,
-                                                                          checkpoint_every=2))
+    config = dataclasses.replace(
+        bucket_config, train=dataclasses.replace(bucket_config.train, steps=2, checkpoint_every=2)
+    )
     home, trace = tmp_path / 'host', tmp_path / 'connect.trace'
     env = machine_env(gcs, home)
     tasks = write_choice_task(tmp_path / 'tasks')
-    for args in (cli_args(config, 'gs://vrl/traced'),
-                 [sys.executable, '-m', 'vrl.tools.evaluate', '--workdir=gs://vrl/traced', '--tasks=toy_choice',
-                  f'--include_path={tasks}', '--batch_size=4']):
-        out = subprocess.run(['strace', '-f', '-qq', '--seccomp-bpf', '-e', 'trace=connect', '-e', 'signal=none',
-                              '-o', str(trace), *args], cwd=home, env=env, capture_output=True, text=True, timeout=600)
+    for args in (
+        cli_args(config, 'gs://vrl/traced'),
+        [
+            sys.executable,
+            '-m',
+            'vrl.tools.evaluate',
+            '--workdir=gs://vrl/traced',
+            '--tasks=toy_choice',
+            f'--include_path={tasks}',
+            '--batch_size=4',
+        ],
+    ):
+        out = subprocess.run(
+            [
+                'strace',
+                '-f',
+                '-qq',
+                '--seccomp-bpf',
+                '-e',
+                'trace=connect',
+                '-e',
+                'signal=none',
+                '-o',
+                str(trace),
+                *args,
+            ],
+            cwd=home,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         calls = [line for line in trace.read_text().splitlines() if 'connect(' in line]
         inet = [line for line in calls if 'AF_INET' in line]
@@ -75,8 +117,13 @@ def test_a_bucket_run_connects_to_nothing_but_this_machine(gcs, bucket_config, t
 
 def test_the_emulator_stopped_by_its_pid_leaves_no_server_or_folder():
     from tests.gcs_emulator import free_port
-    emulator = subprocess.Popen([sys.executable, '-m', 'tests.gcs_emulator', f'--port={free_port()}'], cwd=ROOT,
-                                stdout=subprocess.PIPE, text=True)
+
+    emulator = subprocess.Popen(
+        [sys.executable, '-m', 'tests.gcs_emulator', f'--port={free_port()}'],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     serving = next(line for line in emulator.stdout if line.startswith('# serving'))  # after the exports
     root = serving.split(', objects in ', 1)[1].split(';', 1)[0]
     server = subprocess.run(['pgrep', '-P', str(emulator.pid)], capture_output=True, text=True).stdout.split()
@@ -92,15 +139,17 @@ def test_a_second_writer_is_refused_and_a_stale_lease_taken_over(gcs, bucket_con
     --take_over_lease; a finished run leaves its lease released."""
     from vrl.core import storage
     from vrl.train import lease as lease_lib
-    config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=0,
-                                                                        eval_batches=1))
+
+    config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=0, eval_batches=1))
     live = lease_lib.Lease(storage.path('gs://vrl/held'), stale_after=config.train.lease_stale_seconds)
     live.holder = 'host pod-w-0, pid 77, since 2026-11-25 10:00:00'
     live.acquire()
     refused = _run(config, 'gs://vrl/held', gcs, tmp_path / 'host')
     assert refused.returncode != 0 and 'Traceback' not in refused.stderr
-    assert ('workdir gs://vrl/held is in use by another run (host pod-w-0, pid 77, since 2026-11-25 10:00:00'
-            in refused.stderr), refused.stderr[-3000:]
+    assert (
+        'workdir gs://vrl/held is in use by another run (host pod-w-0, pid 77, since 2026-11-25 10:00:00'
+        in refused.stderr
+    ), refused.stderr[-3000:]
     assert {p.rsplit('/', 1)[1] for p in bucket_fs().ls('vrl/held')} == {'.lock'}  # nothing written
     live._stop.set()  # the holder dies: its lease stays, unrenewed
     live._renewer.join()
@@ -125,8 +174,9 @@ def _objects(prefix: str) -> dict[str, int]:
     return {name: int(info['generation']) for name, info in bucket_fs().find(prefix, detail=True).items()}
 
 
-@pytest.mark.parametrize('held_at', [r'checkpoints(%2F|/)8\.e1', r'metrics\.e1\.jsonl/compose'],
-                         ids=['mid-save', 'mid-flush'])
+@pytest.mark.parametrize(
+    'held_at', [r'checkpoints(%2F|/)8\.e1', r'metrics\.e1\.jsonl/compose'], ids=['mid-save', 'mid-flush']
+)
 def test_a_holder_held_mid_write_never_changes_what_its_successor_committed(gcs, bucket_config, tmp_path, held_at):
     """A run whose traffic is held (by a proxy, from its first request to `held_at`: saving step 8, or
     appending to its metrics) is taken over by a second run, which resumes and finishes; then the held
@@ -137,13 +187,17 @@ def test_a_holder_held_mid_write_never_changes_what_its_successor_committed(gcs,
     from vrl.core import storage
     from vrl.train import checkpoint
     from vrl.train.trackers import stored
-    config = dataclasses.replace(bucket_config, train=dataclasses.replace(
-        bucket_config.train, steps=12, checkpoint_every=4, eval_every=0, diagnostics_every=0))
+
+    config = dataclasses.replace(
+        bucket_config,
+        train=dataclasses.replace(bucket_config.train, steps=12, checkpoint_every=4, eval_every=0, diagnostics_every=0),
+    )
     workdir = f'gs://vrl/held_{held_at[:7]}'
     with SlowStore(gcs, latency_s=0.001, faults=(Fault(held_at, 'hold'),)) as store:
         env = {**machine_env(store.url, tmp_path / 'first'), 'VRL_STORE_TIMEOUT_S': '600'}  # held, not timed out
-        first = subprocess.Popen(cli_args(config, workdir), cwd=tmp_path, env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        first = subprocess.Popen(
+            cli_args(config, workdir), cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         deadline = time.time() + 300
         while not store.held.wait(0.2):
             assert first.poll() is None and time.time() < deadline, first.communicate()
@@ -178,13 +232,22 @@ def test_a_checkpoint_held_at_the_store_is_waited_for_out_loud_with_its_time(gcs
     import threading
 
     from tests.slow_store import Fault, SlowStore
+
     config = tiny_config(small_corpus, attention='svformer', steps=4, checkpoint_every=4, lease_stale_seconds=600)
-    waits = {'starting the save of step 4 in gs://vrl/waited ...': 'the save of step 4 started in',
-             'writing the checkpoint of step 4 to gs://vrl/waited ...': 'checkpoint of step 4 written in'}
+    waits = {
+        'starting the save of step 4 in gs://vrl/waited ...': 'the save of step 4 started in',
+        'writing the checkpoint of step 4 to gs://vrl/waited ...': 'checkpoint of step 4 written in',
+    }
     with SlowStore(gcs, latency_s=0.001, faults=(Fault(r'checkpoints(%2F|/)4\.e1', 'hold'),)) as store:
         env = {**machine_env(store.url, tmp_path / 'host'), 'VRL_STORE_TIMEOUT_S': '600'}
-        run = subprocess.Popen(cli_args(config, 'gs://vrl/waited'), cwd=tmp_path, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=(tmp_path / 'stderr').open('w'))
+        run = subprocess.Popen(
+            cli_args(config, 'gs://vrl/waited'),
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=(tmp_path / 'stderr').open('w'),
+        )
         lines: list[str] = []
         waiting = threading.Event()
 
@@ -192,6 +255,7 @@ def test_a_checkpoint_held_at_the_store_is_waited_for_out_loud_with_its_time(gcs
             for line in run.stdout:
                 lines.append(line.rstrip('\n'))
                 waiting.set() if lines[-1] in waits else None
+
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         said = waiting.wait(120)
@@ -211,10 +275,12 @@ def test_a_checkpoint_held_at_the_store_is_waited_for_out_loud_with_its_time(gcs
 
 def test_checkpoints_without_their_commit_marker_are_refused_and_partial_steps_cleaned(gcs, bucket_config, tmp_path):
     """A local run copied up to the bucket without its steps' commit_success.txt is refused in one
-    line, not trained over from step 0 (its flock file, copied too, is no lease and holds nothing up); with the markers added it resumes, and the folder of a save that
+    line, not trained over from step 0 (its flock file, copied too, is no lease and holds nothing up); with the
+    markers added it resumes, and the folder of a save that
     never finished (no marker, no commit in its metadata) is ignored and then removed."""
     from vrl.core import storage
     from vrl.train import checkpoint
+
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=4))
     local = _run(config, str(tmp_path / 'local_run'), gcs, tmp_path / 'host')
     assert local.returncode == 0, local.stderr[-3000:]
@@ -224,8 +290,10 @@ def test_checkpoints_without_their_commit_marker_are_refused_and_partial_steps_c
     longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=8))
     refused = _run(longer, 'gs://vrl/copied', gcs, tmp_path / 'host')
     assert refused.returncode != 0 and 'Traceback' not in refused.stderr, refused.stderr[-3000:]
-    assert ('gs://vrl/copied/checkpoints holds steps [4] that Orbax finished but that lack commit_success.txt'
-            in refused.stderr), refused.stderr[-3000:]
+    assert (
+        'gs://vrl/copied/checkpoints holds steps [4] that Orbax finished but that lack commit_success.txt'
+        in refused.stderr
+    ), refused.stderr[-3000:]
     assert {k: v for k, v in _objects('vrl/copied').items() if not k.endswith('/.lock')} == before
 
     fs = bucket_fs()
@@ -252,13 +320,20 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
     from vrl.experiments import grid
     from vrl.tools import evaluate
     from vrl.train import loop
+
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=4))
     source = loop.run(config, 'gs://vrl/tools/run')
     env = machine_env(gcs, tmp_path / 'host')
 
     def command(module: str, *flags: str) -> str:
-        out = subprocess.run([sys.executable, '-m', module, *flags], cwd=tmp_path / 'host', env=env,
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, '-m', module, *flags],
+            cwd=tmp_path / 'host',
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         return out.stdout
 
@@ -266,23 +341,40 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
     exported = {p.rsplit('/', 1)[1] for p in bucket_fs().ls('vrl/tools/hf')}
     assert {'config.json', 'model.safetensors', 'tokenizer.model', 'vrl_export.json', 'README.md'} <= exported
     assert json.loads(bucket_fs().cat('vrl/tools/hf/vrl_export.json'))['workdir'] == 'gs://vrl/tools/run'
-    command('vrl.experiments.analyze', '--workdir=gs://vrl/tools/run', '--out=gs://vrl/tools/analysis', '--sequences=2',
-            '--batch_size=2')
+    command(
+        'vrl.experiments.analyze',
+        '--workdir=gs://vrl/tools/run',
+        '--out=gs://vrl/tools/analysis',
+        '--sequences=2',
+        '--batch_size=2',
+    )
     assert bucket_fs().exists('vrl/tools/analysis/run/analysis.json') and bucket_fs().glob('vrl/tools/analysis/*.png')
     bucket_fs().pipe_file('vrl/tools/prompts.txt', b'KING:\nHAMLET:\n')
-    generated = command('vrl.tools.generate', '--workdir=gs://vrl/tools/run', '--prompts_file=gs://vrl/tools/prompts.txt',
-                        '--max_new_tokens=4')
+    generated = command(
+        'vrl.tools.generate',
+        '--workdir=gs://vrl/tools/run',
+        '--prompts_file=gs://vrl/tools/prompts.txt',
+        '--max_new_tokens=4',
+    )
     assert 'KING:' in generated and 'HAMLET:' in generated
 
-    outputs = evaluate.evaluate('gs://vrl/tools/run', ['toy_choice'], include_path=str(write_choice_task(tmp_path / 'tasks')),
-                                batch_size=4)
+    outputs = evaluate.evaluate(
+        'gs://vrl/tools/run', ['toy_choice'], include_path=str(write_choice_task(tmp_path / 'tasks')), batch_size=4
+    )
     assert all(str(f).startswith('gs://vrl/tools/run/lm_eval/') for f in outputs.files)
     assert json.loads(bucket_fs().cat(str(outputs.files[0]).removeprefix('gs://')))['vrl']['step'] == 4
 
     short = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2, checkpoint_every=2))
-    for start, workdir in (('gs://vrl/tools/run', 'gs://vrl/tools/from_run'), ('hf:gs://vrl/tools/hf', 'gs://vrl/tools/from_hf')):
+    for start, workdir in (
+        ('gs://vrl/tools/run', 'gs://vrl/tools/from_run'),
+        ('hf:gs://vrl/tools/hf', 'gs://vrl/tools/from_hf'),
+    ):
         first = loop.run(short, workdir, init_from=start)
-        assert first.step == 2 and first.losses[1] < source.losses[1], (start, first.losses, source.losses)  # trained weights
+        assert first.step == 2 and first.losses[1] < source.losses[1], (
+            start,
+            first.losses,
+            source.losses,
+        )  # trained weights
 
     directory = grid.GridDirectory(storage.path('gs://vrl/tools/grid'), 'compare.json', 'comparison')
     directory.open(config)
@@ -297,19 +389,28 @@ def test_every_command_reads_and_writes_runs_in_the_bucket(gcs, bucket_config, t
     assert not list(tmp_path.rglob('gs:')) and not list(ROOT.rglob('gs:'))
 
 
-@pytest.mark.parametrize('where, store, message', [
-    ('gs://no-such-bucket/run', 'emulator', 'bucket no-such-bucket does not exist'),
-    ('gs://vrl/run', 'closed', 'the object store cannot be reached'),
-    ('gs://vrl/run', 401, 'no credentials for the object store'),
-    ('gs://vrl/run', 403, 'permission denied on bucket vrl'),
-])
+@pytest.mark.parametrize(
+    'where, store, message',
+    [
+        ('gs://no-such-bucket/run', 'emulator', 'bucket no-such-bucket does not exist'),
+        ('gs://vrl/run', 'closed', 'the object store cannot be reached'),
+        ('gs://vrl/run', 401, 'no credentials for the object store'),
+        ('gs://vrl/run', 403, 'permission denied on bucket vrl'),
+    ],
+)
 def test_a_bad_store_is_one_line_before_anything_runs(gcs, bucket_config, tmp_path, where, store, message):
     refusing = RefusingStore(store) if isinstance(store, int) else None
     url = {'emulator': gcs, 'closed': 'http://127.0.0.1:9'}.get(store) or refusing.url
     config = dataclasses.replace(bucket_config, data=dataclasses.replace(bucket_config.data, data_dir=str(tmp_path)))
     try:
-        out = subprocess.run(cli_args(config, where), cwd=tmp_path, env=machine_env(url, tmp_path), capture_output=True,
-                             text=True, timeout=300)
+        out = subprocess.run(
+            cli_args(config, where),
+            cwd=tmp_path,
+            env=machine_env(url, tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         if refusing:
             refusing.stop()
@@ -318,16 +419,31 @@ def test_a_bad_store_is_one_line_before_anything_runs(gcs, bucket_config, tmp_pa
     assert 'params, mesh' not in out.stdout  # nothing was built or compiled
 
 
-@pytest.mark.parametrize('field, value, message', [
-    ('data_dir', 'gs://no-such-bucket/tfds', 'cannot read data_dir gs://no-such-bucket/tfds (bucket no-such-bucket does not exist'),
-    ('tokenizer', 'gs://no-such-bucket/plays.model', 'cannot read data.tokenizer gs://no-such-bucket/plays.model (bucket '
-                                                      'no-such-bucket does not exist'),
-    ('tokenizer', 'gs://vrl/none.model', "tokenizer 'gs://vrl/none.model' (data.tokenizer) does not exist. Train one with"),
-])
+@pytest.mark.parametrize(
+    'field, value, message',
+    [
+        (
+            'data_dir',
+            'gs://no-such-bucket/tfds',
+            'cannot read data_dir gs://no-such-bucket/tfds (bucket no-such-bucket does not exist',
+        ),
+        (
+            'tokenizer',
+            'gs://no-such-bucket/plays.model',
+            'cannot read data.tokenizer gs://no-such-bucket/plays.model (bucket no-such-bucket does not exist',
+        ),
+        (
+            'tokenizer',
+            'gs://vrl/none.model',
+            "tokenizer 'gs://vrl/none.model' (data.tokenizer) does not exist. Train one with",
+        ),
+    ],
+)
 def test_data_on_a_missing_bucket_is_one_line(gcs, bucket_config, tmp_path, field, value, message):
     """What a run's first data step (process 0's, vrl/core/multihost.py) says; vrl.main prints it as `error: ...`."""
     from vrl.core.errors import VrlError
     from vrl.data import pipeline
+
     config = dataclasses.replace(bucket_config.data, **{field: value})
     with pytest.raises(VrlError) as raised:
         pipeline.tokenizer_for_run(config, bucket_config.model.vocab_size)
@@ -339,6 +455,7 @@ def test_storage_on_the_bucket_creates_once_moves_folders_and_lists(gcs):
     """What the workdir code asks of an object store: create-if-absent, whole-object replace, a
     folder moved (--fresh, rejected checkpoints), every file listed (datasets)."""
     from vrl.core import storage
+
     root = storage.path('gs://vrl/storage_check')
     assert storage.is_remote(root) and str(root) == 'gs://vrl/storage_check'
     assert storage.create_exclusive(root / 'lease', b'first')
@@ -347,7 +464,11 @@ def test_storage_on_the_bucket_creates_once_moves_folders_and_lists(gcs):
     storage.write_bytes(root / 'run/config.json', b'{"a": 1}')
     storage.write_bytes(root / 'run/checkpoints/4/state', b'x' * 1000)
     storage.move(root / 'run', root / 'previous_runs/then')
-    assert list(storage.files(root)) == ['lease', 'previous_runs/then/checkpoints/4/state', 'previous_runs/then/config.json']
+    assert list(storage.files(root)) == [
+        'lease',
+        'previous_runs/then/checkpoints/4/state',
+        'previous_runs/then/config.json',
+    ]
     assert not (root / 'run').exists()
     local = storage.path('relative/folder')
     assert not storage.is_remote(local) and str(local) == os.path.abspath('relative/folder')
@@ -368,11 +489,13 @@ def test_a_failing_request_is_tried_six_times_1_to_32_s_apart_each_retry_said(gc
 
     from tests.slow_store import Fault, SlowStore
     from vrl.core import storage
+
     storage.path('gs://vrl/tried')  # vrl's client settings, as a run makes them before its first request
     waits: list[float] = []
 
     async def wait(seconds: float) -> None:
         waits.append(seconds)
+
     monkeypatch.setattr(gcsfs.retry, 'asyncio', types.SimpleNamespace(sleep=wait))
     fs = bucket_fs()
     fs.pipe_file('vrl/tried/five', b'answered')
@@ -387,8 +510,9 @@ def test_a_failing_request_is_tried_six_times_1_to_32_s_apart_each_retry_said(gc
         assert six.injected == 6
     assert len(waits) == 10 and [int(w) for w in waits] == [1, 2, 4, 8, 16] * 2, waits  # 1-32 s: 2**k + [0, 1)
     said = [r.getMessage() for r in caplog.records if r.name == 'gcsfs' and r.levelno == logging.WARNING]
-    assert len(said) == 10 and all(line.startswith('a request to the object store failed (') and
-                                   line.endswith('; retrying') for line in said), said
+    assert len(said) == 10 and all(
+        line.startswith('a request to the object store failed (') and line.endswith('; retrying') for line in said
+    ), said
 
 
 def test_compressed_records_in_the_bucket_are_prepared_and_pretokenized_there(gcs):
@@ -398,6 +522,7 @@ def test_compressed_records_in_the_bucket_are_prepared_and_pretokenized_there(gc
 
     from vrl.data import build, corpus, tokens
     from vrl.data.tokenizer import train
+
     fs = bucket_fs()
     lines = ''.join(json.dumps({'text': f'record {i} ' * 20}) + '\n' for i in range(50)).encode()
     fs.pipe_file('vrl/raw/a.jsonl.zst', zstandard.ZstdCompressor().compress(lines))
@@ -408,7 +533,9 @@ def test_compressed_records_in_the_bucket_are_prepared_and_pretokenized_there(gc
     assert sum(sizes) == 100 and min(sizes) > 0, sizes  # each record held out with chance 0.1
     tok = train(corpus.texts(corpus.open_split('raw', 'gs://vrl/rawtfds', 'train')), 300, 'gs://vrl/raw.json')
     folder = tokens.tokenize('raw', 'gs://vrl/rawtfds', tok, workers=1)
-    assert str(folder).startswith('gs://vrl/rawtfds/raw/1.0.0/vrl_tokens/') and fs.exists(f'{str(folder)[5:]}/tokens.json')
+    assert str(folder).startswith('gs://vrl/rawtfds/raw/1.0.0/vrl_tokens/') and fs.exists(
+        f'{str(folder)[5:]}/tokens.json'
+    )
     source = tokens.find('raw', 'gs://vrl/rawtfds', 'validation', tok)
     texts = list(corpus.texts(corpus.open_split('raw', 'gs://vrl/rawtfds', 'validation')))
     assert [source[i].tolist() for i in range(len(source))] == [tok.encode(t).tolist() for t in texts]
@@ -430,14 +557,25 @@ def test_pretokenized_shards_are_read_in_place_through_a_slow_store(gcs, small_c
     from tests.slow_store import SlowStore
     from vrl.core import storage
     from vrl.data import pipeline, shards, tokens
+
     cfg, tokenizer = small_corpus
     local_dir = tmp_path / 'tfds'
     shutil.copytree(Path(cfg.data_dir) / 'plays', local_dir / 'plays')
     made = tokens.tokenize('plays', str(local_dir), tokenizer, workers=1)
     storage.copy_tree(storage.path(str(local_dir)), storage.path('gs://vrl/inplace'))
     token_bytes = sum(f.stat().st_size for f in Path(made).glob('*.tokens'))
-    local = dataclasses.replace(cfg, data_dir=str(local_dir), document_masking=True, num_epochs=0, seq_len=128,
-                                batch_size=4, read_threads=2, shuffle='windows', block_tokens=1000, window_blocks=4)
+    local = dataclasses.replace(
+        cfg,
+        data_dir=str(local_dir),
+        document_masking=True,
+        num_epochs=0,
+        seq_len=128,
+        batch_size=4,
+        read_threads=2,
+        shuffle='windows',
+        block_tokens=1000,
+        window_blocks=4,
+    )
     remote = dataclasses.replace(local, data_dir='gs://vrl/inplace')
     with SlowStore(gcs, latency_s=0.02, bandwidth=20e6) as slow:
         monkeypatch.setenv('STORAGE_EMULATOR_HOST', slow.url)
@@ -482,6 +620,7 @@ def test_a_run_on_a_pretokenized_bucket_copies_no_text_to_its_host(gcs, bucket_c
 
     from vrl.core import storage
     from vrl.data import tokens
+
     cfg, tokenizer = small_corpus
     local_dir = tmp_path / 'tfds'
     shutil.copytree(Path(cfg.data_dir) / 'plays', local_dir / 'plays')
@@ -489,16 +628,23 @@ def test_a_run_on_a_pretokenized_bucket_copies_no_text_to_its_host(gcs, bucket_c
     storage.copy_tree(storage.path(str(local_dir)), storage.path('gs://vrl/pretokenized'))
     token_bytes = sum(f.stat().st_size for f in made.glob('*.tokens'))
     text_bytes = sum(f.stat().st_size for f in (local_dir / 'plays').rglob('*train.array_record*'))
-    config = dataclasses.replace(bucket_config, data=dataclasses.replace(bucket_config.data,
-                                                                          data_dir='gs://vrl/pretokenized'),
-                                 train=dataclasses.replace(bucket_config.train, steps=6, checkpoint_every=6))
+    config = dataclasses.replace(
+        bucket_config,
+        data=dataclasses.replace(bucket_config.data, data_dir='gs://vrl/pretokenized'),
+        train=dataclasses.replace(bucket_config.train, steps=6, checkpoint_every=6),
+    )
     home = tmp_path / 'host'
     out = _run(config, 'gs://vrl/pretokenized_run', gcs, home, ('--config.data.block_tokens=2000',))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r'data plays: [\d,]+ train tokens \(counted, pre-tokenized, shuffled in windows of 64 blocks of '
-                     r'~[\d,]+ tokens\)', out.stdout), out.stdout
+    assert re.search(
+        r'data plays: [\d,]+ train tokens \(counted, pre-tokenized, shuffled in windows of 64 blocks of '
+        r'~[\d,]+ tokens\)',
+        out.stdout,
+    ), out.stdout
     on_host = {p: p.stat().st_size for p in home.rglob('*') if p.is_file()}
-    assert not [p for p in on_host if 'train' in p.name and ('array_record' in p.name or p.suffix == '.tokens')], on_host
+    assert not [p for p in on_host if 'train' in p.name and ('array_record' in p.name or p.suffix == '.tokens')], (
+        on_host
+    )
     assert not [p for p in on_host if p.suffix == '.tokens']
     # the validation split's text, which evaluation reads by design, aside: metadata alone
     metadata = sum(size for p, size in on_host.items() if '-validation.array_record' not in p.name)
@@ -512,13 +658,24 @@ def test_a_store_that_stops_answering_ends_the_run_within_three_timeouts_in_one_
     import threading
 
     from tests.slow_store import SlowStore
-    config = dataclasses.replace(bucket_config, train=dataclasses.replace(
-        bucket_config.train, steps=100_000, checkpoint_every=100_000, log_every=1, eval_every=100_000))
+
+    config = dataclasses.replace(
+        bucket_config,
+        train=dataclasses.replace(
+            bucket_config.train, steps=100_000, checkpoint_every=100_000, log_every=1, eval_every=100_000
+        ),
+    )
     timeout_s = 3
     with SlowStore(gcs, latency_s=0.001) as store:
         env = {**machine_env(store.url, tmp_path / 'host'), 'VRL_STORE_TIMEOUT_S': str(timeout_s)}
-        run = subprocess.Popen(cli_args(config, 'gs://vrl/held_store'), cwd=tmp_path, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        run = subprocess.Popen(
+            cli_args(config, 'gs://vrl/held_store'),
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         lines, stepping = [], threading.Event()
 
         def read() -> None:
@@ -526,6 +683,7 @@ def test_a_store_that_stops_answering_ends_the_run_within_three_timeouts_in_one_
                 lines.append(line.rstrip('\n'))
                 if line.startswith('step 3/'):
                     stepping.set()
+
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         assert stepping.wait(300), lines
@@ -535,13 +693,15 @@ def test_a_store_that_stops_answering_ends_the_run_within_three_timeouts_in_one_
         ended = time.monotonic() - held
         reader.join(10)
         store.release()
-    after = lines[next(i for i, line in enumerate(lines) if line.startswith('step 3/')) + 1:]
+    after = lines[next(i for i, line in enumerate(lines) if line.startswith('step 3/')) + 1 :]
     errors = [line for line in after if line.startswith('error')]
     assert run.returncode == 1 and len(errors) == 1, lines[-30:]
-    assert re.fullmatch(r'error: the object store stopped answering: renewing the lease gs://vrl/held_store/\.lock '
-                        r'failed for \d+ s \(TimeoutError: no answer in 3 s; VRL_STORE_TIMEOUT_S=3\)\. This run stops '
-                        r'here, its last checkpoint intact: run the same command once the store answers\.',
-                        errors[0]), errors
+    assert re.fullmatch(
+        r'error: the object store stopped answering: renewing the lease gs://vrl/held_store/\.lock '
+        r'failed for \d+ s \(TimeoutError: no answer in 3 s; VRL_STORE_TIMEOUT_S=3\)\. This run stops '
+        r'here, its last checkpoint intact: run the same command once the store answers\.',
+        errors[0],
+    ), errors
     assert not [line for line in after if 'Traceback' in line], after
     assert ended < 3 * timeout_s + 5, ended
 
@@ -554,22 +714,43 @@ def test_two_hosts_tokenize_into_the_bucket_what_one_machine_makes(gcs, bucket_c
 
     from tests.gcs_emulator import free_port
     from vrl.data import tokens
+
     cfg, tokenizer = small_corpus
     local_dir = tmp_path / 'tfds'
     shutil.copytree(Path(cfg.data_dir) / 'plays', local_dir / 'plays')
     reference = Path(tokens.tokenize('plays', str(local_dir), tokenizer, workers=1))
     port = free_port()
     hosts = [tmp_path / f'host{i}' for i in range(2)]
-    pod = [subprocess.Popen([sys.executable, '-m', 'vrl.data', 'tokenize', '--name=plays', '--data_dir=gs://vrl/tfds',
-                             '--tokenizer=gs://vrl/plays.model', '--workers=1', f'--coordinator_address=127.0.0.1:{port}',
-                             '--num_processes=2', f'--process_id={i}', '--verbosity=0'], cwd=host,
-                            env={**machine_env(gcs, host), 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': host_xla_flags(1)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i, host in enumerate(hosts)]
+    pod = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                '-m',
+                'vrl.data',
+                'tokenize',
+                '--name=plays',
+                '--data_dir=gs://vrl/tfds',
+                '--tokenizer=gs://vrl/plays.model',
+                '--workers=1',
+                f'--coordinator_address=127.0.0.1:{port}',
+                '--num_processes=2',
+                f'--process_id={i}',
+                '--verbosity=0',
+            ],
+            cwd=host,
+            env={**machine_env(gcs, host), 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': host_xla_flags(1)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, host in enumerate(hosts)
+    ]
     outputs = [(p.wait(timeout=300), p.stdout.read()) for p in pod]
     assert all(code == 0 for code, _ in outputs), outputs
     shares = [re.search(r'(\d+) of (\d+) shards to write here', text).groups() for _, text in outputs]
-    assert int(shares[0][0]) + int(shares[1][0]) == int(shares[0][1]) and abs(int(shares[0][0]) - int(shares[1][0])) <= 1
+    assert (
+        int(shares[0][0]) + int(shares[1][0]) == int(shares[0][1]) and abs(int(shares[0][0]) - int(shares[1][0])) <= 1
+    )
     written = f'vrl/tfds/plays/1.0.0/vrl_tokens/{tokenizer.fingerprint}'
     fs = bucket_fs()
     names = sorted(p.name for p in reference.iterdir())
@@ -585,10 +766,13 @@ def test_two_hosts_tokenize_into_the_bucket_what_one_machine_makes(gcs, bucket_c
 def _raw_files(count: int, documents: int) -> dict[str, bytes]:
     """JSON lines files of web-page-like records, one of them compressed, the last with an empty record."""
     import zstandard
+
     files = {}
     for f in range(count):
-        lines = ''.join(json.dumps({'text': f'file {f} record {i}: ' + 'words of a page ' * (1 + i % 7)}) + '\n'
-                        for i in range(documents)) + ('{"text": ""}\n' if f == count - 1 else '')
+        lines = ''.join(
+            json.dumps({'text': f'file {f} record {i}: ' + 'words of a page ' * (1 + i % 7)}) + '\n'
+            for i in range(documents)
+        ) + ('{"text": ""}\n' if f == count - 1 else '')
         files[f'part{f}.jsonl'] = lines.encode()
     files['part0.jsonl.zst'] = zstandard.ZstdCompressor().compress(files.pop('part0.jsonl'))
     return files
@@ -601,6 +785,7 @@ def test_two_hosts_prepare_into_the_bucket_what_one_machine_makes(gcs, bucket_co
     disk, file for file."""
     from tests.gcs_emulator import free_port
     from vrl.data import build, corpus, tokens
+
     _, tokenizer = small_corpus
     raw = tmp_path / 'raw'
     raw.mkdir()
@@ -608,21 +793,45 @@ def test_two_hosts_prepare_into_the_bucket_what_one_machine_makes(gcs, bucket_co
     for name, data in _raw_files(5, 120).items():
         (raw / name).write_bytes(data)
         fs.pipe_file(f'vrl/raw5/{name}', data)
-    reference = Path(build.prepare_from_glob(str(raw), 'web', str(tmp_path / 'tfds'), validation_fraction=0.1,
-                                             tokenizer=tokenizer, workers=2))
+    reference = Path(
+        build.prepare_from_glob(
+            str(raw), 'web', str(tmp_path / 'tfds'), validation_fraction=0.1, tokenizer=tokenizer, workers=2
+        )
+    )
     port = free_port()
-    pod = [subprocess.Popen([sys.executable, '-m', 'vrl.data', 'prepare', '--input=gs://vrl/raw5', '--name=web',
-                             '--data_dir=gs://vrl/tfds5', '--validation_fraction=0.1', '--tokenizer=gs://vrl/plays.model',
-                             '--workers=1', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-                             f'--process_id={i}'], cwd=tmp_path,
-                            env={**machine_env(gcs, tmp_path / f'host{i}'), 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': host_xla_flags(1)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    pod = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                '-m',
+                'vrl.data',
+                'prepare',
+                '--input=gs://vrl/raw5',
+                '--name=web',
+                '--data_dir=gs://vrl/tfds5',
+                '--validation_fraction=0.1',
+                '--tokenizer=gs://vrl/plays.model',
+                '--workers=1',
+                f'--coordinator_address=127.0.0.1:{port}',
+                '--num_processes=2',
+                f'--process_id={i}',
+            ],
+            cwd=tmp_path,
+            env={**machine_env(gcs, tmp_path / f'host{i}'), 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': host_xla_flags(1)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = [(p.wait(timeout=300), p.stdout.read()) for p in pod]
     assert all(code == 0 for code, _ in outputs), outputs
-    assert re.search(r'prepared dataset web: [\d,]+ train, [\d,]+ validation documents \(skipped 1 empty', outputs[0][1])
+    assert re.search(
+        r'prepared dataset web: [\d,]+ train, [\d,]+ validation documents \(skipped 1 empty', outputs[0][1]
+    )
     written = 'vrl/tfds5/web/1.0.0'
     names = sorted(str(p.relative_to(reference)) for p in reference.rglob('*') if p.is_file())
-    assert sorted(f[len(written) + 1:] for f in fs.find(written)) == names
+    assert sorted(f[len(written) + 1 :] for f in fs.find(written)) == names
     assert not any('vrl_units' in n or 'vrl_plan' in n for n in names)  # the build's own files are gone
     for name in names:
         got, want = fs.cat(f'{written}/{name}'), (reference / name).read_bytes()

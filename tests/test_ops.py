@@ -27,8 +27,7 @@ def _check_against_float64(op, reference, args, n_grads: int, tol: float = 2e-6)
     cotangent = jax.random.normal(jax.random.key(99), out.shape, out.dtype)
     out, grads = _value_and_vjp(op, args, cotangent)
     with jax.enable_x64(True):
-        args64 = [jnp.asarray(np.asarray(a), jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
-                  for a in args]
+        args64 = [jnp.asarray(np.asarray(a), jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
         ref_out, ref_grads = _value_and_vjp(reference, args64, jnp.asarray(np.asarray(cotangent), jnp.float64))
     assert out.dtype == jnp.float32
     assert rel_err(out, ref_out) < tol
@@ -41,16 +40,20 @@ def _normal(seed: int, *shape: int) -> jax.Array:
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
-@pytest.mark.parametrize('x_shape,w_shape,n_contract', [
-    ((3, 5, 16), (16, 24), 1),  # x (B, L, D) @ (D, F): the MLP, where d_ff > d_model
-    ((3, 5, 24), (24, 16), 1),  # (B, L, F) @ (F, D): the other orientation
-    ((3, 5, 16), (16, 4, 6), 1),  # (B, L, D) @ (D, H, Dh): q, k, v
-    ((3, 5, 4, 6), (4, 6, 16), 2),  # (B, L, H, Dh) @ (H, Dh, D): the output projection
-])
+@pytest.mark.parametrize(
+    'x_shape,w_shape,n_contract',
+    [
+        ((3, 5, 16), (16, 24), 1),  # x (B, L, D) @ (D, F): the MLP, where d_ff > d_model
+        ((3, 5, 24), (24, 16), 1),  # (B, L, F) @ (F, D): the other orientation
+        ((3, 5, 16), (16, 4, 6), 1),  # (B, L, D) @ (D, H, Dh): q, k, v
+        ((3, 5, 4, 6), (4, 6, 16), 2),  # (B, L, H, Dh) @ (H, Dh, D): the output projection
+    ],
+)
 def test_project_matches_autodiff(x_shape, w_shape, n_contract):
     x, w = _normal(0, *x_shape), _normal(1, *w_shape)
-    _check_against_float64(lambda x, w: ops.project(x, w, n_contract),
-                           lambda x, w: jnp.tensordot(x, w, axes=n_contract), [x, w], n_grads=2)
+    _check_against_float64(
+        lambda x, w: ops.project(x, w, n_contract), lambda x, w: jnp.tensordot(x, w, axes=n_contract), [x, w], n_grads=2
+    )
 
 
 def _plain_attention(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxLxS):
@@ -64,13 +67,24 @@ def _masks(B: int, L: int, S: int) -> dict[str, np.ndarray]:
     causal = np.broadcast_to(np.tril(np.ones((L, S), bool), S - L), (B, L, S))
     documents = np.sort(rng.integers(0, 3, (B, S)), axis=1)  # packed, as with segment ids
     left_padded = causal & (np.arange(S)[None, None, :] >= np.array([0, 2])[:B, None, None])
-    return {'causal': causal, 'documents': causal & (documents[:, S - L:, None] == documents[:, None, :]),
-            'left padded, rows 0-1 of sequence 1 see nothing': left_padded}
+    return {
+        'causal': causal,
+        'documents': causal & (documents[:, S - L :, None] == documents[:, None, :]),
+        'left padded, rows 0-1 of sequence 1 see nothing': left_padded,
+    }
 
 
-@pytest.mark.parametrize('kv_heads,groups,mask_name', cases(
-    {f'{heads}-{mask}': (k, g, mask) for heads, k, g in (('gqa', 2, 3), ('mha', 4, 1), ('mqa', 1, 4))
-     for mask in _masks(2, 7, 7)}, [f'gqa-{mask}' for mask in _masks(2, 7, 7)]))
+@pytest.mark.parametrize(
+    'kv_heads,groups,mask_name',
+    cases(
+        {
+            f'{heads}-{mask}': (k, g, mask)
+            for heads, k, g in (('gqa', 2, 3), ('mha', 4, 1), ('mqa', 1, 4))
+            for mask in _masks(2, 7, 7)
+        },
+        [f'gqa-{mask}' for mask in _masks(2, 7, 7)],
+    ),
+)
 def test_attention_matches_autodiff(kv_heads, groups, mask_name):
     B, L, Dh = 2, 7, 8
     mask = jnp.asarray(_masks(B, L, L)[mask_name])
@@ -86,9 +100,17 @@ def test_attention_over_a_longer_cache():
     _check_against_float64(ops.attention, _plain_attention, [q, k, v, mask], n_grads=3)
 
 
-@pytest.mark.parametrize('B,K,G,T', cases(
-    {f'{T}-{name}': (B, K, G, T) for name, B, K, G in (('mha-batch-1', 1, 4, 1), ('gqa', 2, 2, 3), ('mqa', 2, 1, 4))
-     for T in (1, 3)}, ['1-mha-batch-1', '3-gqa']))
+@pytest.mark.parametrize(
+    'B,K,G,T',
+    cases(
+        {
+            f'{T}-{name}': (B, K, G, T)
+            for name, B, K, G in (('mha-batch-1', 1, 4, 1), ('gqa', 2, 2, 3), ('mqa', 2, 1, 4))
+            for T in (1, 3)
+        },
+        ['1-mha-batch-1', '3-gqa'],
+    ),
+)
 def test_attention_over_cache_slots(B, K, G, T):
     """ops.attend_cache, the decoder's attention over (B * K, S, Dh) slots, against the float64
     reference on the same keys and values laid out (B, S, K, Dh)."""
@@ -122,8 +144,11 @@ def test_bfloat16_keeps_dtypes_and_follows_float32():
     args = [_normal(13, B, L, K, G, Dh), _normal(14, B, L, K, Dh), _normal(15, B, L, K, Dh)]
     cotangent = _normal(16, B, L, K, G, Dh)
     out32, grads32 = _value_and_vjp(lambda q, k, v: ops.attention(q, k, v, mask), args, cotangent)
-    out16, grads16 = _value_and_vjp(lambda q, k, v: ops.attention(q, k, v, mask),
-                                    [a.astype(jnp.bfloat16) for a in args], cotangent.astype(jnp.bfloat16))
+    out16, grads16 = _value_and_vjp(
+        lambda q, k, v: ops.attention(q, k, v, mask),
+        [a.astype(jnp.bfloat16) for a in args],
+        cotangent.astype(jnp.bfloat16),
+    )
     assert out16.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads16)
     assert rel_err(out16, out32) < 2e-2
     for g16, g32 in zip(grads16, grads32):
@@ -133,7 +158,8 @@ def test_bfloat16_keeps_dtypes_and_follows_float32():
     logits = ops.project(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), 1, jnp.float32)
     assert logits.dtype == jnp.float32 and rel_err(logits, x @ w) < 2e-2
     dx, dw = jax.grad(lambda x, w: jnp.sum(ops.project(x, w, 1, jnp.float32) ** 2), argnums=(0, 1))(
-        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    )
     assert dx.dtype == dw.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(dx, np.float32)))
 
 
@@ -141,8 +167,10 @@ def _dot_operand_dtypes(fn, *args) -> list[tuple[str, str]]:
     """The operand dtypes of every dot in fn's program as compiled for this backend."""
     hlo = jax.jit(fn).lower(*args).compile().as_text()
     dtype_of = dict(re.findall(r'%(\S+) = (\w+)\[', hlo))
-    return [tuple(dtype_of[name] for name in re.findall(r'%([^,\s)]+)', operands))
-            for operands in re.findall(r' dot\(([^)]*)\)', hlo)]
+    return [
+        tuple(dtype_of[name] for name in re.findall(r'%([^,\s)]+)', operands))
+        for operands in re.findall(r' dot\(([^)]*)\)', hlo)
+    ]
 
 
 @pytest.mark.skipif(jax.default_backend() != 'cpu', reason="XLA:CPU's bfloat16 dot rules")
@@ -151,8 +179,12 @@ def test_bfloat16_matmuls_run_in_bfloat16_on_cpu():
     operands of any other to float32 first, which left the bf16 train step no faster than float32:
     every dot of the ops' forward and backward passes keeps bfloat16 operands."""
     bf16 = jnp.bfloat16
-    cases = [((2, 32, 48), (48, 80), 1), ((2, 32, 80), (80, 48), 1), ((2, 32, 48), (48, 4, 16), 1),
-             ((2, 32, 4, 16), (4, 16, 48), 2)]
+    cases = [
+        ((2, 32, 48), (48, 80), 1),
+        ((2, 32, 80), (80, 48), 1),
+        ((2, 32, 48), (48, 4, 16), 1),
+        ((2, 32, 4, 16), (4, 16, 48), 2),
+    ]
     for x_shape, w_shape, n_contract in cases:
         x, w = _normal(40, *x_shape).astype(bf16), _normal(41, *w_shape).astype(bf16)
         grads = jax.grad(lambda x, w: jnp.sum(ops.project(x, w, n_contract, jnp.float32) ** 2), argnums=(0, 1))
@@ -160,8 +192,9 @@ def test_bfloat16_matmuls_run_in_bfloat16_on_cpu():
     B, L, K, G, Dh = 2, 32, 2, 2, 16
     mask = jnp.asarray(_masks(B, L, L)['causal'])
     q, k, v = (_normal(42, B, L, K, G, Dh), _normal(43, B, L, K, Dh), _normal(44, B, L, K, Dh))
-    attention = jax.grad(lambda q, k, v: jnp.sum(ops.attention(q, k, v, mask).astype(jnp.float32) ** 2),
-                         argnums=(0, 1, 2))
+    attention = jax.grad(
+        lambda q, k, v: jnp.sum(ops.attention(q, k, v, mask).astype(jnp.float32) ** 2), argnums=(0, 1, 2)
+    )
     assert set(_dot_operand_dtypes(attention, *(a.astype(bf16) for a in (q, k, v)))) == {('bf16', 'bf16')}
     x, w = _normal(45, B, L, 48).astype(bf16), _normal(46, 48, 96).astype(bf16)
     targets, weights = jax.random.randint(jax.random.key(47), (B, L), 0, 90), jnp.ones((B, L))
@@ -179,8 +212,10 @@ def test_bfloat16_residuals_are_stacked_as_they_are_on_cpu():
     D = K * G * Dh
     bf16 = jnp.bfloat16
     mask = jnp.asarray(_masks(B, L, L)['causal'])
-    weights = tuple(_normal(50 + i, n_layers, *shape).astype(bf16)
-                    for i, shape in enumerate([(D, K, G, Dh), (D, K, Dh), (D, K, Dh), (D, F), (D, F), (F, D)]))
+    weights = tuple(
+        _normal(50 + i, n_layers, *shape).astype(bf16)
+        for i, shape in enumerate([(D, K, G, Dh), (D, K, Dh), (D, K, Dh), (D, F), (D, F), (F, D)])
+    )
 
     def loss(chosen: ops.HandVjpOps, x, weights):
         def layer(x, w):
@@ -189,14 +224,18 @@ def test_bfloat16_residuals_are_stacked_as_they_are_on_cpu():
             x = x + o.reshape(x.shape)
             hidden = chosen.swiglu(chosen.project(x, w_gate, 1), chosen.project(x, w_up, 1))
             return x + chosen.project(hidden, w_down, 1), None
+
         return jnp.sum(jax.lax.scan(layer, x, weights)[0].astype(jnp.float32) ** 2)
 
     def float32_stacks(hand_vjp: str) -> set[str]:
         grad = jax.jit(jax.grad(functools.partial(loss, ops.hand_vjp_ops(hand_vjp)), argnums=(0, 1)))
         text = grad.lower(_normal(49, B, L, D).astype(bf16), weights).compile().as_text()
         residuals = {(B, L, F), (B, K, G, L, Dh), (B, K, L, Dh)}
-        return {shape for shape in re.findall(rf'f32\[{n_layers},([\d,]+)\]', text)
-                if tuple(map(int, shape.split(','))) in residuals}
+        return {
+            shape
+            for shape in re.findall(rf'f32\[{n_layers},([\d,]+)\]', text)
+            if tuple(map(int, shape.split(','))) in residuals
+        }
 
     assert float32_stacks('all') == set()
     assert float32_stacks('none')
@@ -206,11 +245,14 @@ def _plain_cross_entropy_sums(x_BxLxD, w_DxV, targets_BxL, weights_BxL, vocab_si
     logits = jnp.einsum('bld,dv->blv', x_BxLxD, w_DxV)[..., :vocab_size]
     log_z = jax.nn.logsumexp(logits, axis=-1)
     cross_entropy = (log_z - jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]) * weights_BxL
-    return jnp.sum(cross_entropy + z_loss * weights_BxL * log_z ** 2), jnp.sum(cross_entropy)
+    return jnp.sum(cross_entropy + z_loss * weights_BxL * log_z**2), jnp.sum(cross_entropy)
 
 
-@pytest.mark.parametrize('z_loss,chunks', [(0.0, 1), (0.3, 1), (0.3, 3), (0.0, 4)],
-                         ids=['no z-loss', 'z-loss', '3 slices', '4 slices (3: 4 does not divide 6)'])
+@pytest.mark.parametrize(
+    'z_loss,chunks',
+    [(0.0, 1), (0.3, 1), (0.3, 3), (0.0, 4)],
+    ids=['no z-loss', 'z-loss', '3 slices', '4 slices (3: 4 does not divide 6)'],
+)
 @pytest.mark.parametrize('logit_scale', [1.0, 40.0], ids=['unit', 'large logits'])
 def test_cross_entropy_sums_match_autodiff(z_loss, chunks, logit_scale):
     """Head + loss: both sums and the gradients of the first against float64 autodiff, with padded
@@ -225,8 +267,9 @@ def test_cross_entropy_sums_match_autodiff(z_loss, chunks, logit_scale):
     dx, dw = vjp((jnp.float32(d_loss), jnp.float32(0.0)))
     with jax.enable_x64(True):
         x64, w64, weights64 = (jnp.asarray(np.asarray(a), jnp.float64) for a in (x, w, weights))
-        ref_sums, ref_vjp = jax.vjp(lambda x, w: _plain_cross_entropy_sums(x, w, targets, weights64, vocab_size,
-                                                                           z_loss), x64, w64)
+        ref_sums, ref_vjp = jax.vjp(
+            lambda x, w: _plain_cross_entropy_sums(x, w, targets, weights64, vocab_size, z_loss), x64, w64
+        )
         ref_dx, ref_dw = ref_vjp((jnp.float64(d_loss), jnp.float64(0.0)))
     for value, ref in zip(sums, ref_sums):
         assert abs(float(value) - float(ref)) / abs(float(ref)) < 2e-6
@@ -241,7 +284,8 @@ def test_cross_entropy_statistic_carries_no_gradient_and_eval_path_agrees():
     dx = jax.grad(lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0, 3)[1])(x)
     assert np.all(np.asarray(dx) == 0)
     (loss, statistic), _ = jax.value_and_grad(
-        lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0, 3), has_aux=True)(x)
+        lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0, 3), has_aux=True
+    )(x)
     plain = jax.jit(lambda x: ops.cross_entropy_sums(x, w, targets, weights, 15, 0.0, 3))(x)  # not differentiated
     assert float(loss) == float(statistic) and abs(float(plain[0]) - float(loss)) / float(loss) < 1e-6
 
@@ -254,8 +298,7 @@ def test_cross_entropy_slices_bound_the_logits_memory():
     targets, weights = jax.random.randint(jax.random.key(28), (B, L), 0, V), jnp.ones((B, L))
 
     def temporaries(chunks: int) -> int:
-        grad = jax.grad(lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, V, 1e-4, chunks)[0],
-                        argnums=(0, 1))
+        grad = jax.grad(lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, V, 1e-4, chunks)[0], argnums=(0, 1))
         return jax.jit(grad).lower(x, w).compile().memory_analysis().temp_size_in_bytes
 
     logits_bytes = B * L * V * 4

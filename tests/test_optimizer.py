@@ -42,16 +42,23 @@ def _first_update(cfg: OptimizerConfig, params: dict, axes: dict, grads: dict) -
 
 
 def _muon(**fields) -> OptimizerConfig:
-    return OptimizerConfig(**{**dict(name='muon', peak_lr=0.02, warmup_steps=0, decay_steps=10_000, weight_decay=0.0,
-                                     grad_clip=0.0), **fields})
+    return OptimizerConfig(
+        **{
+            **dict(name='muon', peak_lr=0.02, warmup_steps=0, decay_steps=10_000, weight_decay=0.0, grad_clip=0.0),
+            **fields,
+        }
+    )
 
 
 def test_muon_update_is_the_newton_schulz_of_the_gradient():
     rng = np.random.default_rng(7)
     w_up, w_down, embed = (rng.normal(size=s).astype(np.float32) for s in ((24, 40), (40, 24), (50, 24)))
     params = {'first': {'mlp': {'w_up': w_up, 'w_down': w_down}}, 'embed': embed}
-    axes = {('first', 'mlp', 'w_up'): ('embed', 'mlp'), ('first', 'mlp', 'w_down'): ('mlp', 'embed'),
-            ('embed',): ('vocab', 'embed')}
+    axes = {
+        ('first', 'mlp', 'w_up'): ('embed', 'mlp'),
+        ('first', 'mlp', 'w_down'): ('mlp', 'embed'),
+        ('embed',): ('vocab', 'embed'),
+    }
     grads = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
     updates = _first_update(_muon(embed_lr_ratio=5.0), params, axes, grads)
     # the first Nesterov momentum is a multiple of the gradient; the iteration is scale-free
@@ -73,19 +80,27 @@ def test_a_stack_of_layers_is_orthogonalised_layer_by_layer():
     stack = rng.normal(size=(3, 16, 4, 8)).astype(np.float32)  # (layers, embed, heads, head_dim)
     grads = rng.normal(size=stack.shape).astype(np.float32)
     axes = ('layers', 'embed', 'heads', 'head_dim')
-    stacked = _first_update(_muon(), {'layers': {'attn': {'wq': stack}}}, {('layers', 'attn', 'wq'): axes},
-                            {'layers': {'attn': {'wq': grads}}})['layers']['attn']['wq']
+    stacked = _first_update(
+        _muon(),
+        {'layers': {'attn': {'wq': stack}}},
+        {('layers', 'attn', 'wq'): axes},
+        {'layers': {'attn': {'wq': grads}}},
+    )['layers']['attn']['wq']
     for layer in range(3):
-        alone = _first_update(_muon(), {'first': {'attn': {'wq': stack[layer]}}},
-                              {('first', 'attn', 'wq'): axes[1:]},
-                              {'first': {'attn': {'wq': grads[layer]}}})['first']['attn']['wq']
+        alone = _first_update(
+            _muon(),
+            {'first': {'attn': {'wq': stack[layer]}}},
+            {('first', 'attn', 'wq'): axes[1:]},
+            {'first': {'attn': {'wq': grads[layer]}}},
+        )['first']['attn']['wq']
         np.testing.assert_allclose(stacked[layer], alone, rtol=1e-5, atol=1e-7)
         want = -0.02 * np.sqrt(32 / 16) * newton_schulz_reference(grads[layer].reshape(16, 32)).reshape(16, 4, 8)
         assert np.linalg.norm(np.asarray(alone) - want) / np.linalg.norm(want) < 1e-4
 
 
-@pytest.mark.parametrize('variant', ['all-baselines', 'resformer-per_token', 'resformer-value_embeds-shared',
-                                     'svformer-cla2'])
+@pytest.mark.parametrize(
+    'variant', ['all-baselines', 'resformer-per_token', 'resformer-value_embeds-shared', 'svformer-cla2']
+)
 def test_every_parameter_is_in_one_group_and_muon_gets_only_hidden_matrices(variant):
     cfg = small_model_config(n_layers=4, **{'lambda_mode': 'identity', **NAMED_VARIANTS[variant]})
     _, abstract = abstract_model(cfg)
@@ -113,13 +128,14 @@ def test_muon_dims_name_the_matrix_each_weight_multiplies():
     assert (dims.reduction_axis, dims.output_axis) == (1, (2, 3))
     dims = optimizer.matrix_dims(('heads', 'head_dim', 'embed'))  # wo: heads x head_dim -> embed
     assert (dims.reduction_axis, dims.output_axis) == ((0, 1), 2)
-    with pytest.raises(ValueError, match="needs an embed axis"):
+    with pytest.raises(ValueError, match='needs an embed axis'):
         optimizer.matrix_dims(('layers', 'mlp'))
 
 
 def test_wsd_schedule_against_a_hand_computed_table():
-    cfg = OptimizerConfig(peak_lr=1.0, init_lr=0.1, final_lr=0.2, warmup_steps=10, decay_steps=100,
-                          schedule='wsd', decay_fraction=0.2)
+    cfg = OptimizerConfig(
+        peak_lr=1.0, init_lr=0.1, final_lr=0.2, warmup_steps=10, decay_steps=100, schedule='wsd', decay_fraction=0.2
+    )
     assert cfg.decay_start == 80
     lr = optimizer.learning_rate(cfg)
     table = {0: 0.1, 5: 0.55, 10: 1.0, 50: 1.0, 80: 1.0, 85: 0.8, 90: 0.6, 100: 0.2, 150: 0.2}
@@ -133,22 +149,28 @@ def test_wsd_schedule_against_a_hand_computed_table():
 
 
 def test_a_run_shorter_than_its_schedule_is_told_where_its_lr_ends():
-    cfg = OptimizerConfig(peak_lr=1.0, init_lr=0.1, final_lr=0.2, warmup_steps=10, decay_steps=100,
-                          schedule='wsd', decay_fraction=0.2)
+    cfg = OptimizerConfig(
+        peak_lr=1.0, init_lr=0.1, final_lr=0.2, warmup_steps=10, decay_steps=100, schedule='wsd', decay_fraction=0.2
+    )
     note = optimizer.schedule_note(cfg, 86)  # step 86 trains at the schedule's count 85: 0.8 by the table above
-    assert note == ('train.steps=86 ends before the wsd schedule does (optimizer.decay_steps=100): its last step '
-                    'trains at lr 8.00e-01 (the schedule peaks at 1 and ends at final_lr 0.2); set '
-                    '--config.optimizer.decay_steps=86 to end the schedule with the run')
+    assert note == (
+        'train.steps=86 ends before the wsd schedule does (optimizer.decay_steps=100): its last step '
+        'trains at lr 8.00e-01 (the schedule peaks at 1 and ends at final_lr 0.2); set '
+        '--config.optimizer.decay_steps=86 to end the schedule with the run'
+    )
     assert optimizer.schedule_note(cfg, 100) == optimizer.schedule_note(cfg, 150) == ''
     assert optimizer.schedule_note(cfg, 0) == ''  # a conversion trains no step
 
 
-@pytest.mark.parametrize('fields, message', [
-    (dict(name='sgd'), "optimizer.name='sgd' is invalid: allowed one of 'adamw', 'muon'"),
-    (dict(schedule='wsd', warmup_steps=50, decay_steps=100, decay_fraction=0.6), 'decay starts after warmup'),
-    (dict(head_lr_ratio=0.0), 'optimizer.head_lr_ratio=0.0 is invalid'),
-    (dict(decay_shape='cubic'), "optimizer.decay_shape='cubic' is invalid"),
-])
+@pytest.mark.parametrize(
+    'fields, message',
+    [
+        (dict(name='sgd'), "optimizer.name='sgd' is invalid: allowed one of 'adamw', 'muon'"),
+        (dict(schedule='wsd', warmup_steps=50, decay_steps=100, decay_fraction=0.6), 'decay starts after warmup'),
+        (dict(head_lr_ratio=0.0), 'optimizer.head_lr_ratio=0.0 is invalid'),
+        (dict(decay_shape='cubic'), "optimizer.decay_shape='cubic' is invalid"),
+    ],
+)
 def test_bad_optimizer_settings_are_named(fields, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         OptimizerConfig(**fields)
@@ -165,7 +187,8 @@ def test_recipes_keep_the_schedule_length_and_name_a_bad_recipe():
     named = from_configdict(base_configs.get_config('svformer,82m,2k,muon'))  # the fourth part of a named config
     assert (named.optimizer.name, named.model.attention, named.data.seq_len) == ('muon', 'svformer', 2048)
     assert from_configdict(reproduce_cpu.get_config('muon')).optimizer == optimizer.recipe(
-        from_configdict(reproduce_cpu.get_config()).optimizer, 'muon')
+        from_configdict(reproduce_cpu.get_config()).optimizer, 'muon'
+    )
 
 
 def _random_batches(n: int, batch: int, length: int, vocab: int) -> list[dict]:
@@ -173,17 +196,32 @@ def _random_batches(n: int, batch: int, length: int, vocab: int) -> list[dict]:
     out = []
     for _ in range(n):
         tokens = rng.integers(0, vocab, (batch, length + 1)).astype(np.int32)
-        out.append({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'loss_mask': np.ones((batch, length), np.int32)})
+        out.append(
+            {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'loss_mask': np.ones((batch, length), np.int32)}
+        )
     return out
 
 
 @pytest.mark.slow
 def test_muon_sharded_on_8_devices_trains_as_on_one():
-    model = small_model_config(n_layers=3, n_heads=4, n_kv_heads=4, head_dim=8, d_model=32, d_ff=64, vocab_size=128,
-                               vocab_pad_multiple=64, attention='resformer', lambda_mode='learnable')
-    config = Config(model=model, data=DataConfig(seq_len=16, batch_size=8),
-                    optimizer=optimizer.recipe(OptimizerConfig(warmup_steps=1, decay_steps=10), 'muon'),
-                    train=TrainConfig(steps=4))
+    model = small_model_config(
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=8,
+        d_model=32,
+        d_ff=64,
+        vocab_size=128,
+        vocab_pad_multiple=64,
+        attention='resformer',
+        lambda_mode='learnable',
+    )
+    config = Config(
+        model=model,
+        data=DataConfig(seq_len=16, batch_size=8),
+        optimizer=optimizer.recipe(OptimizerConfig(warmup_steps=1, decay_steps=10), 'muon'),
+        train=TrainConfig(steps=4),
+    )
     batches = _random_batches(1, 8, 16, 128) * 4  # one batch again and again: the loss must fall
 
     reference, _ = train_losses(config, jax.devices()[:1], batches)
@@ -204,8 +242,10 @@ def _muon_run(small_corpus, **train_fields) -> Config:
 @pytest.mark.slow
 def test_muon_resumes_exactly_refuses_adamw_and_branches_from_the_stable_phase(small_corpus, tmp_path):
     straight = loop.run(_muon_run(small_corpus, steps=12, checkpoint_every=100), str(tmp_path / 'straight'))
-    assert sorted(int(p.name) for p in (tmp_path / 'straight' / 'checkpoints').iterdir() if p.name.isdigit()) == \
-        [6, 12]  # wsd saves its last stable step (decay_start 6) as well as the end
+    assert sorted(int(p.name) for p in (tmp_path / 'straight' / 'checkpoints').iterdir() if p.name.isdigit()) == [
+        6,
+        12,
+    ]  # wsd saves its last stable step (decay_start 6) as well as the end
     first = loop.run(_muon_run(small_corpus, steps=8, checkpoint_every=4), str(tmp_path / 'resumed'))
     second = loop.run(_muon_run(small_corpus, steps=12, checkpoint_every=4), str(tmp_path / 'resumed'))
     assert {**first.losses, **second.losses} == straight.losses
@@ -213,13 +253,17 @@ def test_muon_resumes_exactly_refuses_adamw_and_branches_from_the_stable_phase(s
     assert params_equal(second.state.opt_state, straight.state.opt_state)
 
     adamw = tiny_config(small_corpus, steps=16)
-    with pytest.raises(checkpoint.CheckpointMismatchError,
-                       match=re.escape("trained with optimizer.name='muon' but the config has optimizer.name='adamw'")):
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError,
+        match=re.escape("trained with optimizer.name='muon' but the config has optimizer.name='adamw'"),
+    ):
         loop.run(adamw, str(tmp_path / 'resumed'))
 
     longer = _muon_run(small_corpus, steps=16, checkpoint_every=100)
     longer = dataclasses.replace(longer, optimizer=dataclasses.replace(longer.optimizer, decay_steps=16))
-    branched = loop.run(longer, str(tmp_path / 'extended'), branch_from=str(tmp_path / 'straight' / 'checkpoints' / '6'))
+    branched = loop.run(
+        longer, str(tmp_path / 'extended'), branch_from=str(tmp_path / 'straight' / 'checkpoints' / '6')
+    )
     assert min(branched.losses) == 7 and branched.step == 16
     # steps 7 and 8 see the step-6 state, and step 7's update is at the peak LR in both; from step 8's
     # update on, the longer run stays at the peak while the straight one decays
@@ -227,16 +271,20 @@ def test_muon_resumes_exactly_refuses_adamw_and_branches_from_the_stable_phase(s
     assert branched.losses[9] != straight.losses[9]
 
 
-def _adamw_reference(params: dict, grads: list[dict], cfg: OptimizerConfig, ratios: dict[str, float],
-                     decayed: set[str]) -> dict:
+def _adamw_reference(
+    params: dict, grads: list[dict], cfg: OptimizerConfig, ratios: dict[str, float], decayed: set[str]
+) -> dict:
     """The paper's AdamW recipe in float64 NumPy, written from its definition: gradients clipped to
     a global norm of cfg.grad_clip, Adam moments with bias correction, decoupled weight decay on the
     `decayed` leaves only, all times the LR of the step (linear warmup from init_lr, then a cosine
     to final_lr at decay_steps) and the leaf's ratio."""
+
     def lr(step: int) -> float:
         if step < cfg.warmup_steps:
             return cfg.init_lr + (cfg.peak_lr - cfg.init_lr) * step / cfg.warmup_steps
-        progress = min(step - cfg.warmup_steps, cfg.decay_steps - cfg.warmup_steps) / (cfg.decay_steps - cfg.warmup_steps)
+        progress = min(step - cfg.warmup_steps, cfg.decay_steps - cfg.warmup_steps) / (
+            cfg.decay_steps - cfg.warmup_steps
+        )
         return cfg.final_lr + (cfg.peak_lr - cfg.final_lr) * 0.5 * (1 + np.cos(np.pi * progress))
 
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
@@ -244,12 +292,12 @@ def _adamw_reference(params: dict, grads: list[dict], cfg: OptimizerConfig, rati
     nu = {k: np.zeros_like(v) for k, v in p.items()}
     for t, g in enumerate(grads, start=1):
         g = {k: np.asarray(v, np.float64) for k, v in g.items()}
-        norm = np.sqrt(sum((v ** 2).sum() for v in g.values()))
+        norm = np.sqrt(sum((v**2).sum() for v in g.values()))
         g = {k: v * min(1.0, cfg.grad_clip / norm) for k, v in g.items()}
         for k in p:
             mu[k] = cfg.b1 * mu[k] + (1 - cfg.b1) * g[k]
             nu[k] = cfg.b2 * nu[k] + (1 - cfg.b2) * g[k] ** 2
-            update = (mu[k] / (1 - cfg.b1 ** t)) / (np.sqrt(nu[k] / (1 - cfg.b2 ** t)) + cfg.eps)
+            update = (mu[k] / (1 - cfg.b1**t)) / (np.sqrt(nu[k] / (1 - cfg.b2**t)) + cfg.eps)
             if k in decayed:
                 update = update + cfg.weight_decay * p[k]
             p[k] = p[k] - lr(t - 1) * ratios[k] * update
@@ -259,15 +307,29 @@ def _adamw_reference(params: dict, grads: list[dict], cfg: OptimizerConfig, rati
 def test_adamw_with_its_mask_clipping_and_schedule_equals_a_float64_reference():
     """Six steps through warmup into the cosine, one of them clipped: AdamW's betas, eps, decoupled
     decay (not on norm weights or lambdas) and each group's LR ratio, against _adamw_reference."""
-    cfg = OptimizerConfig(peak_lr=0.05, init_lr=0.001, final_lr=0.005, warmup_steps=3, decay_steps=8, b1=0.8,
-                          b2=0.9, eps=1e-6, weight_decay=0.3, grad_clip=1.0, embed_lr_ratio=2.0, head_lr_ratio=0.5,
-                          scalar_lr_ratio=3.0)
+    cfg = OptimizerConfig(
+        peak_lr=0.05,
+        init_lr=0.001,
+        final_lr=0.005,
+        warmup_steps=3,
+        decay_steps=8,
+        b1=0.8,
+        b2=0.9,
+        eps=1e-6,
+        weight_decay=0.3,
+        grad_clip=1.0,
+        embed_lr_ratio=2.0,
+        head_lr_ratio=0.5,
+        scalar_lr_ratio=3.0,
+    )
     rng = np.random.default_rng(7)
     shapes = {'wq': (4, 3), 'embed': (5, 4), 'head': (4, 5), 'scale': (4,), 'lambdas': (2,), 'gate': (3,)}
     params = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
-    grads = [{k: (rng.normal(size=s) * (5.0 if t == 2 else 0.1)).astype(np.float32) for k, s in shapes.items()}
-             for t in range(6)]  # step 3's global norm is far above grad_clip
-    assert np.sqrt(sum((g ** 2).sum() for g in grads[2].values())) > 10 * cfg.grad_clip
+    grads = [
+        {k: (rng.normal(size=s) * (5.0 if t == 2 else 0.1)).astype(np.float32) for k, s in shapes.items()}
+        for t in range(6)
+    ]  # step 3's global norm is far above grad_clip
+    assert np.sqrt(sum((g**2).sum() for g in grads[2].values())) > 10 * cfg.grad_clip
     tx = optimizer.make(cfg, {})
     state, got = tx.init(params), {k: jnp.asarray(v) for k, v in params.items()}
     for g in grads:
@@ -294,6 +356,7 @@ def test_the_schedule_follows_train_steps_unless_its_length_is_set():
     from configs import tiny
     from vrl.core.config import from_configdict
     from vrl.model import resolve
+
     short = from_configdict(tiny.get_config())
     short = dataclasses.replace(short, train=dataclasses.replace(short.train, steps=40))
     assert short.optimizer.decay_steps == 0
@@ -304,7 +367,8 @@ def test_the_schedule_follows_train_steps_unless_its_length_is_set():
     opt = resolve.execution(smoke, 'cpu', say=lambda line: None).optimizer
     assert opt.decay_steps == 31 and optimizer.schedule_note(opt, 20).endswith(
         'it stops inside the warmup (optimizer.warmup_steps=30): set --config.optimizer.warmup_steps=5 to decay '
-        'within the run')
+        'within the run'
+    )
     fixed = dataclasses.replace(short, optimizer=dataclasses.replace(short.optimizer, decay_steps=400))
     opt = resolve.execution(fixed, 'cpu', say=lambda line: None).optimizer
     assert opt.decay_steps == 400 and 'set --config.optimizer.decay_steps=40' in optimizer.schedule_note(opt, 40)

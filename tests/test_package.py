@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow  # builds and installs a wheel
 
 
 def _requirements(name: str) -> list[str]:
-    return [line.strip() for line in (ROOT / name).read_text().splitlines() if line.strip() and not line.startswith('#')]
+    return [
+        line.strip() for line in (ROOT / name).read_text().splitlines() if line.strip() and not line.startswith('#')
+    ]
 
 
 @pytest.fixture(scope='module')
@@ -31,10 +33,26 @@ def wheel(tmp_path_factory):
         shutil.copy(ROOT / name, source / name)
     for name in ('vrl', 'configs'):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns('__pycache__'))
-    built = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '--no-index',
-                            '-q', '-w', str(out), str(source)], capture_output=True, text=True, timeout=300)
+    built = subprocess.run(
+        [
+            sys.executable,
+            '-m',
+            'pip',
+            'wheel',
+            '--no-deps',
+            '--no-build-isolation',
+            '--no-index',
+            '-q',
+            '-w',
+            str(out),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    found, = out.glob('vrl-*.whl')
+    (found,) = out.glob('vrl-*.whl')
     return found
 
 
@@ -43,17 +61,29 @@ def test_the_wheel_holds_vrl_the_presets_and_the_requirement_files_dependencies(
     assert 'vrl/main.py' in names and 'vrl/interop/hf_modeling/modeling_vrl.py' in names
     assert {'configs/tiny.py', 'configs/base.py', 'configs/svformer_468m.py'} <= set(names)
     assert not [n for n in names if n.startswith(('tests/', 'bench/', 'docs/'))]
-    info = email.message_from_bytes(zipfile.ZipFile(wheel).read(
-        next(n for n in names if n.endswith('.dist-info/METADATA'))))
+    info = email.message_from_bytes(
+        zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith('.dist-info/METADATA')))
+    )
     requires = info.get_all('Requires-Dist')
     assert [r for r in requires if 'extra ==' not in r] == _requirements('requirements.txt')
-    for extra, file in (('extra', 'requirements-extra.txt'), ('tpu', 'requirements-tpu.txt'),
-                        ('test', 'requirements-test.txt')):
+    for extra, file in (
+        ('extra', 'requirements-extra.txt'),
+        ('tpu', 'requirements-tpu.txt'),
+        ('test', 'requirements-test.txt'),
+    ):
         assert len([r for r in requires if f'extra == "{extra}"' in r]) == len(_requirements(file)), (extra, requires)
     scripts = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith('entry_points.txt'))).decode()
-    assert re.findall(r'^(vrl-\w+) = ', scripts, re.M) == ['vrl-analyze', 'vrl-compare', 'vrl-data', 'vrl-evaluate',
-                                                          'vrl-export', 'vrl-generate', 'vrl-study', 'vrl-tokenizer',
-                                                          'vrl-train']
+    assert re.findall(r'^(vrl-\w+) = ', scripts, re.M) == [
+        'vrl-analyze',
+        'vrl-compare',
+        'vrl-data',
+        'vrl-evaluate',
+        'vrl-export',
+        'vrl-generate',
+        'vrl-study',
+        'vrl-tokenizer',
+        'vrl-train',
+    ]
 
 
 def test_installed_commands_run_outside_a_checkout_with_the_presets(wheel, tmp_path):
@@ -61,19 +91,43 @@ def test_installed_commands_run_outside_a_checkout_with_the_presets(wheel, tmp_p
     training command reads the installed preset that `--config=configs/...` names; a usage error names
     the command as it was called."""
     target = tmp_path / 'site'
-    installed = subprocess.run([sys.executable, '-m', 'pip', 'install', '--no-deps', '--no-index', '-q', '--target',
-                                str(target), str(wheel)], capture_output=True, text=True, timeout=300)
+    installed = subprocess.run(
+        [sys.executable, '-m', 'pip', 'install', '--no-deps', '--no-index', '-q', '--target', str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert installed.returncode == 0, installed.stderr[-3000:]
     elsewhere = tmp_path / 'elsewhere'
     elsewhere.mkdir()
     env = {**os.environ, 'PYTHONPATH': str(target), 'HOME': str(tmp_path / 'home')}
-    summary = subprocess.run([sys.executable, str(target / 'bin/vrl-train'), '--config=configs/svformer_468m.py',
-                              '--summary'], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    summary = subprocess.run(
+        [sys.executable, str(target / 'bin/vrl-train'), '--config=configs/svformer_468m.py', '--summary'],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert summary.returncode == 0, summary.stderr[-3000:]
-    assert re.search(r'^variant +svformer$', summary.stdout, re.M) and 'step time, estimated' in summary.stdout, summary.stdout
-    found = subprocess.run([sys.executable, '-c', 'import vrl, configs; print(vrl.__file__, configs.__file__)'],
-                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
+    assert re.search(r'^variant +svformer$', summary.stdout, re.M) and 'step time, estimated' in summary.stdout, (
+        summary.stdout
+    )
+    found = subprocess.run(
+        [sys.executable, '-c', 'import vrl, configs; print(vrl.__file__, configs.__file__)'],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert found.stdout.split() == [str(target / 'vrl/__init__.py'), str(target / 'configs/__init__.py')]
-    usage = subprocess.run([sys.executable, str(target / 'bin/vrl-data')], cwd=elsewhere, env=env,
-                           capture_output=True, text=True, timeout=300)
+    usage = subprocess.run(
+        [sys.executable, str(target / 'bin/vrl-data')],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert usage.returncode != 0 and 'usage: vrl-data prepare|tokenize|stats [--flags]' in usage.stderr, usage.stderr

@@ -19,7 +19,7 @@ from tests.runs import ROOT, host_xla_flags, tiny_config
 from vrl.core import multihost
 from vrl.data import pipeline
 
-COUNT = '''
+COUNT = """
 import json, sys
 import jax
 jax.config.update('jax_cpu_collectives_implementation', 'gloo')
@@ -38,7 +38,7 @@ while pipeline.next_batch(train, finite=True) is not None:
     trained += 1
 print(json.dumps({'eval': len(evaluated), 'eval_tokens': int(sum(b['loss_mask'].sum() for b in evaluated)),
                   'train': trained}))
-'''
+"""
 
 
 def _batches(cfg, tokenizer, process_count: int) -> tuple[list[int], list[int], list[int]]:
@@ -103,12 +103,22 @@ def test_the_processes_of_a_finite_pass_agree_on_its_batches(small_corpus, proce
 def test_every_process_runs_the_same_number_of_batches_in_a_finite_pass(small_corpus, process_count):
     cfg, (eval_alone, tokens_alone, train_alone) = _uneven(small_corpus, process_count)
     address = f'127.0.0.1:{free_port()}'
-    processes = [subprocess.Popen([sys.executable, '-c', COUNT, address, str(process_count), str(i),
-                                   json.dumps(dataclasses.asdict(cfg))], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True,
-                                  env={'PYTHONPATH': str(ROOT), 'JAX_PLATFORMS': 'cpu', 'PATH': '/usr/bin:/bin',
-                                       'XLA_FLAGS': host_xla_flags(1)})
-                 for i in range(process_count)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, '-c', COUNT, address, str(process_count), str(i), json.dumps(dataclasses.asdict(cfg))],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                'PYTHONPATH': str(ROOT),
+                'JAX_PLATFORMS': 'cpu',
+                'PATH': '/usr/bin:/bin',
+                'XLA_FLAGS': host_xla_flags(1),
+            },
+        )
+        for i in range(process_count)
+    ]
     results = []
     for p in processes:
         out, err = p.communicate(timeout=300)
@@ -122,16 +132,19 @@ def test_every_process_runs_the_same_number_of_batches_in_a_finite_pass(small_co
 @pytest.mark.slow  # trains a run
 def test_a_run_whose_data_ends_first_says_so_saved_and_evaluated(small_corpus, tmp_path, capsys):
     from vrl.train import checkpoint, loop
+
     config = tiny_config(small_corpus, steps=10_000, checkpoint_every=1000, log_every=1000)
-    config = dataclasses.replace(config, data=dataclasses.replace(config.data, num_epochs=1, seq_len=128,
-                                                                  batch_size=32))
+    config = dataclasses.replace(
+        config, data=dataclasses.replace(config.data, num_epochs=1, seq_len=128, batch_size=32)
+    )
     _, _, (steps,) = _batches(config.data, small_corpus[1], 1)
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=steps))
     result = loop.run(config, str(tmp_path / 'run'))
     out = capsys.readouterr().out
     assert result.step == max(result.losses) == steps < 10_000
-    assert (f'the data ended after step {steps}: data.num_epochs=1 passes over it are done, before '
-            'train.steps=10000; step') in out
+    assert (
+        f'the data ended after step {steps}: data.num_epochs=1 passes over it are done, before train.steps=10000; step'
+    ) in out
     assert checkpoint.latest_step(tmp_path / 'run') == steps and result.eval_loss is not None
     records = [json.loads(line) for line in (tmp_path / 'run/metrics.jsonl').read_text().splitlines()]
     assert [r['step'] for r in records if 'eval_loss' in r] == [steps]  # due and the data's end: evaluated once

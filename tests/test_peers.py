@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # real processes: outside the edit loop's tier
 # A command of two processes (vrl.core.cli, as every vrl command runs) whose process 0 waits in
 # all-gathers while process 1, after it has joined three, raises or just sleeps (to be killed or
 # frozen by the test); it prints when process 1 is past its last collective.
-TWO_PROCESSES = '''
+TWO_PROCESSES = """
 import os, sys, time
 import numpy as np
 from vrl.core import cli, multihost
@@ -43,16 +43,31 @@ def main(args):
         time.sleep(0.2)
 
 cli.run(main, multihost.define_flags)
-'''
+"""
 
 
 def _two_processes(fault: str, peer_timeout_s: int = 10) -> list[subprocess.Popen]:
     port = free_port()
     env = dict(os.environ, FAULT=fault, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', XLA_FLAGS=host_xla_flags(1))
-    return [subprocess.Popen([sys.executable, '-c', TWO_PROCESSES, f'--coordinator_address=127.0.0.1:{port}',
-                              '--num_processes=2', f'--process_id={i}', f'--peer_timeout_s={peer_timeout_s}'],
-                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for i in range(2)]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                '-c',
+                TWO_PROCESSES,
+                f'--coordinator_address=127.0.0.1:{port}',
+                '--num_processes=2',
+                f'--process_id={i}',
+                f'--peer_timeout_s={peer_timeout_s}',
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
 
 
 def _past_the_collectives(process: subprocess.Popen) -> float:
@@ -65,8 +80,11 @@ def _past_the_collectives(process: subprocess.Popen) -> float:
 def _said(output: str) -> list[str]:
     """The lines a user reads after the process joined its job: vrl's, not gloo's connection lines
     (filtered by vrl/core/native_lines.py)."""
-    return [line for line in output.splitlines()
-            if line and not line.startswith('[Gloo]') and not re.match(r'process \d of \d: joining the job at ', line)]
+    return [
+        line
+        for line in output.splitlines()
+        if line and not line.startswith('[Gloo]') and not re.match(r'process \d of \d: joining the job at ', line)
+    ]
 
 
 def test_an_error_on_process_1_stops_process_0_at_once_in_one_line():
@@ -81,8 +99,9 @@ def test_an_error_on_process_1_stops_process_0_at_once_in_one_line():
     assert 'RuntimeError: the data of process 1 broke' in said_one and 'Check failure' not in said_one
 
 
-@pytest.mark.parametrize('fault, why', [(signal.SIGKILL, 'it stopped answering'),
-                                        (signal.SIGSTOP, 'it has not answered for')])
+@pytest.mark.parametrize(
+    'fault, why', [(signal.SIGKILL, 'it stopped answering'), (signal.SIGSTOP, 'it has not answered for')]
+)
 def test_a_process_killed_or_frozen_stops_the_others_within_the_peer_timeout(fault, why):
     """Killed, its connections close and process 0's collective fails: the silent peer, not that
     failure, is named. Frozen, its connections stay open and process 0 waits in a collective that
@@ -112,8 +131,9 @@ def test_process_0_killed_stops_the_others_at_once_in_one_line():
     killed = time.time()
     said = one.communicate(timeout=60)[0]
     assert one.returncode != 0 and time.time() - killed < 10, said
-    assert _said(said) == ['error: process 0 stopped answering: the coordination service it hosts is gone (its '
-                           'host died or froze)'], said
+    assert _said(said) == [
+        'error: process 0 stopped answering: the coordination service it hosts is gone (its host died or froze)'
+    ], said
 
 
 def _forming(num_processes: int, started: list[int], how: str) -> list[subprocess.CompletedProcess]:
@@ -130,8 +150,16 @@ def _forming(num_processes: int, started: list[int], how: str) -> list[subproces
             args, env = [], dict(env, SLURM_PROCID=str(i), SLURM_LOCALID='0')
         else:
             args = [f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={num_processes}', f'--process_id={i}']
-        processes.append(subprocess.Popen([sys.executable, '-c', TWO_PROCESSES, *args, '--join_timeout_s=5'], cwd=ROOT,
-                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, '-c', TWO_PROCESSES, *args, '--join_timeout_s=5'],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return [subprocess.CompletedProcess(p.args, p.returncode, *p.communicate(timeout=120)) for p in processes]
 
 
@@ -140,8 +168,10 @@ def _free(port: int) -> bool:
         return probe.connect_ex(('127.0.0.1', port)) != 0
 
 
-NOT_JOINED = ('error: not every process joined the job within --join_timeout_s: start each of them with the same '
-              '--coordinator_address and --num_processes, and its own --process_id')
+NOT_JOINED = (
+    'error: not every process joined the job within --join_timeout_s: start each of them with the same '
+    '--coordinator_address and --num_processes, and its own --process_id'
+)
 
 
 @pytest.mark.parametrize('how', ['flags', 'slurm'])
@@ -152,8 +182,10 @@ def test_a_job_that_never_forms_says_who_is_missing_then_stops_in_one_line(how):
     started = time.time()
     zero, two = _forming(3, [0, 2], how)
     assert zero.returncode != 0 and two.returncode != 0 and time.time() - started < 60
-    joining = r'process {} of 3: joining the job at (?:127\.0\.0\.1|localhost):\d+ \(waiting up to 5 s for every process: ' \
-              r'--join_timeout_s\)\n'
+    joining = (
+        r'process {} of 3: joining the job at (?:127\.0\.0\.1|localhost):\d+ \(waiting up to 5 s for every process: '
+        r'--join_timeout_s\)\n'
+    )
     waiting = r'process 0 of 3: still waiting for process 1 to join \(here: 0, 2\)\n'
     assert re.fullmatch(joining.format(0) + f'(?:{waiting}){{2,}}', zero.stdout), zero.stdout
     assert re.fullmatch(joining.format(2), two.stdout), two.stdout
@@ -163,14 +195,17 @@ def test_a_job_that_never_forms_says_who_is_missing_then_stops_in_one_line(how):
 def test_a_process_whose_process_0_never_comes_says_so_while_it_waits():
     """Process 1 of 2 started alone: it says, every quarter of the join timeout, that process 0 has not
     answered at the roll call's address, then stops in one line."""
-    one, = _forming(2, [1], 'flags')
+    (one,) = _forming(2, [1], 'flags')
     assert one.returncode != 0
     port = int(one.args[3].rsplit(':', 1)[1]) + 1
     lines = one.stdout.splitlines()
     assert len(lines) >= 3 and re.fullmatch(r'process 1 of 2: joining the job at .*', lines[0]), one.stdout
     for line in lines[1:]:
-        assert re.fullmatch(rf'process 1 of 2: process 0 has not answered at 127\.0\.0\.1:{port} for \d+ s: is it '
-                            r'started, at that address\?', line), one.stdout
+        assert re.fullmatch(
+            rf'process 1 of 2: process 0 has not answered at 127\.0\.0\.1:{port} for \d+ s: is it '
+            r'started, at that address\?',
+            line,
+        ), one.stdout
     assert _said(one.stderr) == [NOT_JOINED], one.stderr
 
 
@@ -178,8 +213,9 @@ def test_a_run_whose_process_1_fails_stops_in_seconds_and_releases_its_lease(gcs
     """`python -m vrl.main` on two processes with a workdir on the bucket: process 1's data path
     raises after some steps while process 0 trains on (waiting in the step's collectives); process 0
     prints the cause in one line and exits within seconds, and the lease is released."""
-    config = tiny_config(small_corpus, attention='svformer', steps=200, checkpoint_every=100, log_every=1,
-                         lease_stale_seconds=60)
+    config = tiny_config(
+        small_corpus, attention='svformer', steps=200, checkpoint_every=100, log_every=1, lease_stale_seconds=60
+    )
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=1_000))
     launcher = tmp_path / 'failing_data.py'
     launcher.write_text(
@@ -194,14 +230,28 @@ def test_a_run_whose_process_1_fails_stops_in_seconds_and_releases_its_lease(gcs
         '        raise RuntimeError("a shard of process 1 is unreadable")\n'
         '    return real(iterator, finite)\n'
         'pipeline.next_batch = next_batch\n'
-        'runpy.run_module("vrl.main", run_name="__main__", alter_sys=True)\n')
+        'runpy.run_module("vrl.main", run_name="__main__", alter_sys=True)\n'
+    )
     port = free_port()
     args = cli_args(config, 'gs://vrl/peers_run')
-    pod = [subprocess.Popen([sys.executable, str(launcher), *args[3:], f'--coordinator_address=127.0.0.1:{port}',
-                             '--num_processes=2', f'--process_id={i}'], cwd=tmp_path,
-                            env={**machine_env(gcs, tmp_path / f'host{i}'), 'XLA_FLAGS': host_xla_flags(2),
-                                 'JAX_PLATFORMS': 'cpu'},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    pod = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(launcher),
+                *args[3:],
+                f'--coordinator_address=127.0.0.1:{port}',
+                '--num_processes=2',
+                f'--process_id={i}',
+            ],
+            cwd=tmp_path,
+            env={**machine_env(gcs, tmp_path / f'host{i}'), 'XLA_FLAGS': host_xla_flags(2), 'JAX_PLATFORMS': 'cpu'},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     said_zero = pod[0].communicate(timeout=600)[0]
     ended = time.time()
     said_one = pod[1].communicate(timeout=60)[0]

@@ -75,14 +75,24 @@ def test_every_baseline_trains_sharded_as_on_one_device(small_corpus, variant):
         assert abs(got - want) / want < 1e-5, (losses, reference)
 
 
-CONTEXT_MESHES = {'two': MeshConfig(data=1, fsdp=2, tensor=2, context=2),
-                  'four': MeshConfig(data=2, fsdp=1, tensor=1, context=4),
-                  'eight': MeshConfig(data=1, fsdp=1, tensor=1, context=8)}
+CONTEXT_MESHES = {
+    'two': MeshConfig(data=1, fsdp=2, tensor=2, context=2),
+    'four': MeshConfig(data=2, fsdp=1, tensor=1, context=4),
+    'eight': MeshConfig(data=1, fsdp=1, tensor=1, context=8),
+}
 
 
-@pytest.mark.parametrize('variant, mesh', [('vanilla', 'eight'), ('resformer-learnable_plus', 'two'),
-                                           ('svformer', 'four'), ('all-baselines', 'two'), ('cla2', 'eight'),
-                                           ('svformer-cla2', 'four')])
+@pytest.mark.parametrize(
+    'variant, mesh',
+    [
+        ('vanilla', 'eight'),
+        ('resformer-learnable_plus', 'two'),
+        ('svformer', 'four'),
+        ('all-baselines', 'two'),
+        ('cla2', 'eight'),
+        ('svformer-cla2', 'four'),
+    ],
+)
 def test_a_sequence_split_over_the_context_axis_trains_as_on_one_device(small_corpus, variant, mesh):
     """mesh.context = 2, 4 and 8, beside the other axes, each for two variants (between them every
     variant kind: the all-baselines one has the per-token mix, value tables, CLA's shared K/V,
@@ -91,10 +101,10 @@ def test_a_sequence_split_over_the_context_axis_trains_as_on_one_device(small_co
     copies of what layers share (SVFormer's V_1, a CLA group's K and V)."""
     _, tokenizer = small_corpus
     config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1))
-    model = dataclasses.replace(config.model, n_layers=4, attention_impl='xla',
-                                **{'lambda_mode': 'identity', **NAMED_VARIANTS[variant]})
-    config = dataclasses.replace(config, model=model,
-                                 data=dataclasses.replace(config.data, document_masking=True))
+    model = dataclasses.replace(
+        config.model, n_layers=4, attention_impl='xla', **{'lambda_mode': 'identity', **NAMED_VARIANTS[variant]}
+    )
+    config = dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, document_masking=True))
     iterator = iter(pipeline.train_dataset(config.data, tokenizer))
     batches = [next(iterator) for _ in range(3)]
     assert sum(len(set(row.tolist()) - {0}) > 1 for row in batches[0]['segment_ids']) >= 2  # rows of 2+ documents
@@ -121,8 +131,9 @@ def test_only_keys_and_values_cross_the_context_axis_once_for_the_layers_that_sh
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=4, attention_impl='xla'))
     sent = {}
     for variant in ('vanilla', 'svformer', 'cla2', 'svformer-cla2'):
-        totals, least = bench.measure(dataclasses.replace(
-            config, model=dataclasses.replace(config.model, **NAMED_VARIANTS[variant])))
+        totals, least = bench.measure(
+            dataclasses.replace(config, model=dataclasses.replace(config.model, **NAMED_VARIANTS[variant]))
+        )
         sent[variant] = totals.get('all-gather attention', 0) + totals.get('reduce-scatter attention', 0)
         rows = config.data.batch_size // 2  # fsdp 2; float32 hidden states and int32 token ids
         moved = sum(v for k, v in totals.items() if k.endswith(' context') and not k.startswith('all-reduce'))
@@ -130,29 +141,46 @@ def test_only_keys_and_values_cross_the_context_axis_once_for_the_layers_that_sh
         assert sent[variant] == least, (variant, totals)
     N = config.model.n_layers
     assert (sent['svformer'] * 2 * N, sent['cla2'] * 2, sent['svformer-cla2'] * 8) == (
-        sent['vanilla'] * (N + 1), sent['vanilla'], sent['vanilla'] * 3), sent  # N = 4: 2 groups; K twice, V once
+        sent['vanilla'] * (N + 1),
+        sent['vanilla'],
+        sent['vanilla'] * 3,
+    ), sent  # N = 4: 2 groups; K twice, V once
 
 
-@pytest.mark.parametrize('mesh, message', [
-    (MeshConfig(data=2, fsdp=3, tensor=1), 'multiply to 6 but there are 8 devices'),
-    (MeshConfig(data=3, fsdp=-1, tensor=1), 'fixed sizes (3) must divide the 8 devices'),
-])
+@pytest.mark.parametrize(
+    'mesh, message',
+    [
+        (MeshConfig(data=2, fsdp=3, tensor=1), 'multiply to 6 but there are 8 devices'),
+        (MeshConfig(data=3, fsdp=-1, tensor=1), 'fixed sizes (3) must divide the 8 devices'),
+    ],
+)
 def test_bad_mesh_sizes(mesh, message):
     with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)')):
         sharding.make_mesh(mesh)
 
 
-@pytest.mark.parametrize('mesh, batch, d_model, seq_len, message', [
-    (MeshConfig(1, 1, 8), 8, 32, 64, 'mesh.tensor=8 is invalid: it must divide model.n_heads=4'),
-    (MeshConfig(1, 8, 1), 6, 32, 64,
-     'data.batch_size=6 is invalid: .* split over mesh data x fsdp = 8 devices; use a multiple of 8'),
-    (MeshConfig(1, 8, 1), 8, 36, 64, 'mesh.fsdp=8 is invalid: it must divide model.d_model=36'),
-    (MeshConfig(1, 2, 1, context=4), 8, 32, 66, 'mesh.context=4 is invalid: it must divide data.seq_len=66'),
-])
+@pytest.mark.parametrize(
+    'mesh, batch, d_model, seq_len, message',
+    [
+        (MeshConfig(1, 1, 8), 8, 32, 64, 'mesh.tensor=8 is invalid: it must divide model.n_heads=4'),
+        (
+            MeshConfig(1, 8, 1),
+            6,
+            32,
+            64,
+            'data.batch_size=6 is invalid: .* split over mesh data x fsdp = 8 devices; use a multiple of 8',
+        ),
+        (MeshConfig(1, 8, 1), 8, 36, 64, 'mesh.fsdp=8 is invalid: it must divide model.d_model=36'),
+        (MeshConfig(1, 2, 1, context=4), 8, 32, 66, 'mesh.context=4 is invalid: it must divide data.seq_len=66'),
+    ],
+)
 def test_what_does_not_split_over_the_mesh_is_named(small_corpus, mesh, batch, d_model, seq_len, message):
     config = _sharding_config(small_corpus, mesh)
-    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=batch, seq_len=seq_len),
-                                 model=dataclasses.replace(config.model, d_model=d_model))
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, batch_size=batch, seq_len=seq_len),
+        model=dataclasses.replace(config.model, d_model=d_model),
+    )
     with pytest.raises(ConfigError, match=message):
         sharding.check_fits_mesh(config, sharding.mesh_shape(mesh, jax.device_count()))
 
@@ -163,29 +191,44 @@ def test_context_parallelism_takes_each_platforms_kernel_and_the_tools_split_no_
     mask on even lengths), else xla, with the reason; an explicit cuDNN that cannot serve is
     refused naming it; and the tools that read a trained run (decoding, scoring) split no sequence."""
     from vrl.model import attention
+
     cfg = ModelConfig(**{**TINY_MODEL, 'compute_dtype': 'bfloat16', 'head_dim': 64})
     assert attention.choose(cfg, 'tpu', 2048, False, context=4) == ('splash', 'the tpu kernel serves this config')
     assert attention.choose(cfg, 'tpu', 512, False, context=8) == (
-        'xla', 'splash needs data.seq_len / mesh.context=8 a multiple of 128 (and of 512 above it); it is 64')
+        'xla',
+        'splash needs data.seq_len / mesh.context=8 a multiple of 128 (and of 512 above it); it is 64',
+    )
     assert attention.choose(cfg, 'gpu', 2048, False, context=2) == ('cudnn', 'the gpu kernel serves this config')
     assert attention.choose(cfg, 'gpu', 2048, True, context=2)[0] == 'xla'  # document masking: no segment ids
     assert attention.choose(cfg, 'gpu', 1000, False, context=4) == (
-        'xla', 'cuDNN attention on a split sequence needs data.seq_len / mesh.context=4 a multiple of 2 x '
-               'model.attention_chunks=4; it is 250')
-    with pytest.raises(ConfigError, match=r"model.attention_impl='cudnn' cannot run here: cuDNN attention on a split "
-                                          r'sequence needs data.seq_len / mesh.context=4 a multiple of 2 x '
-                                          r'model.attention_chunks=4; it is 250'):
+        'xla',
+        'cuDNN attention on a split sequence needs data.seq_len / mesh.context=4 a multiple of 2 x '
+        'model.attention_chunks=4; it is 250',
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"model.attention_impl='cudnn' cannot run here: cuDNN attention on a split "
+        r'sequence needs data.seq_len / mesh.context=4 a multiple of 2 x '
+        r'model.attention_chunks=4; it is 250',
+    ):
         attention.choose(dataclasses.replace(cfg, attention_impl='cudnn'), 'gpu', 1000, False, context=4)
     assert sharding.without_context(MeshConfig(data=2, fsdp=2, tensor=1, context=2)) == MeshConfig(2, 4, 1)
     assert sharding.without_context(MeshConfig(data=2, fsdp=-1, tensor=1, context=2)) == MeshConfig(2, -1, 1)
     assert sharding.mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=1, context=2), 8) == {
-        'data': 2, 'fsdp': 2, 'context': 2, 'tensor': 1}
+        'data': 2,
+        'fsdp': 2,
+        'context': 2,
+        'tensor': 1,
+    }
     # context 0 (auto): picked by compiling (tests/test_attention.py), never a mesh as it stands
     assert sharding.without_context(MeshConfig(data=2, fsdp=-1, tensor=1, context=0)) == MeshConfig(2, -1, 1)
     with pytest.raises(ConfigError, match=r'mesh.context=0 \(auto\) is unresolved here: vrl.train.aot.resolve'):
         sharding.mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=1, context=0), 8)
-    with pytest.raises(ConfigError, match=r'mesh.context.*0 \(auto: .*\) with one of mesh.data, mesh.fsdp, '
-                                          r'mesh.tensor at -1'):
+    with pytest.raises(
+        ConfigError,
+        match=r'mesh.context.*0 \(auto: .*\) with one of mesh.data, mesh.fsdp, '
+        r'mesh.tensor at -1',
+    ):
         MeshConfig(data=2, fsdp=4, tensor=1, context=0)
 
 
@@ -198,10 +241,18 @@ def _free_port() -> int:
 def _start_two_processes(config: Config, workdir) -> list[subprocess.Popen]:
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS=host_xla_flags(4), JAX_PLATFORMS='cpu')
-    return [subprocess.Popen(cli_args(config, workdir) + [f'--coordinator_address=127.0.0.1:{port}',
-                                                           '--num_processes=2', f'--process_id={i}'],
-                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for i in range(2)]
+    return [
+        subprocess.Popen(
+            cli_args(config, workdir)
+            + [f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
 
 
 def _run_two_processes(config: Config, workdir) -> list[str]:
@@ -216,9 +267,18 @@ def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp
     rows, and the scores equal vrl.tools.evaluate's in one process."""
     tasks = write_choice_task(tmp_path / 'tasks')
     config = _sharding_config(small_corpus, MeshConfig(data=2, fsdp=-1, tensor=1))
-    config = dataclasses.replace(config, train=dataclasses.replace(
-        config.train, log_every=1, checkpoint_every=3, steps=3, downstream_tasks='toy_choice', downstream_every=3,
-        downstream_include_path=str(tasks)))
+    config = dataclasses.replace(
+        config,
+        train=dataclasses.replace(
+            config.train,
+            log_every=1,
+            checkpoint_every=3,
+            steps=3,
+            downstream_tasks='toy_choice',
+            downstream_every=3,
+            downstream_include_path=str(tasks),
+        ),
+    )
     workdir = tmp_path / 'two_processes'
     outputs = _run_two_processes(config, workdir)
     assert (workdir / 'checkpoints' / '3' / 'data' / 'process_1-of-2.json').exists()
@@ -226,8 +286,9 @@ def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp
     said = [line for line in outputs[1].splitlines() if line.startswith('process 1 of 2: ')]
     assert len(said) == 3 and said[0].startswith('process 1 of 2: joining the job at 127.0.0.1:'), outputs[1]
     assert 'fresh start, to step 3; process 0 prints the progress' in said[1], outputs[1]
-    assert re.fullmatch(rf'process 1 of 2: done at step 3: loss \d+\.\d{{4}}; checkpoint in {workdir}/checkpoints/3',
-                        said[2]), said
+    assert re.fullmatch(
+        rf'process 1 of 2: done at step 3: loss \d+\.\d{{4}}; checkpoint in {workdir}/checkpoints/3', said[2]
+    ), said
     assert 'step 3/3' not in outputs[1] and 'step 3/3' in outputs[0]
     assert 'done at step 3: loss ' in outputs[0]
     resumed = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6))
@@ -248,10 +309,12 @@ def test_two_processes_match_one_process_checkpoint_and_resume(small_corpus, tmp
         assert abs(got - want) / want < 1e-5, (two_process_losses, reference)
 
     from vrl.tools import evaluate
+
     scored = {r['step']: r['downstream/toy_choice/acc'] for r in records if 'downstream/toy_choice/acc' in r}
     assert sorted(scored) == [3, 6]
-    one_process = evaluate.evaluate(str(workdir), ['toy_choice'], batch_size=config.data.batch_size,
-                                    include_path=str(tasks)).results
+    one_process = evaluate.evaluate(
+        str(workdir), ['toy_choice'], batch_size=config.data.batch_size, include_path=str(tasks)
+    ).results
     assert one_process['results']['toy_choice']['acc,none'] == scored[6]
 
 
@@ -259,23 +322,33 @@ def test_a_sequence_split_across_two_hosts_trains_as_one_process_does(small_corp
     """mesh.context=8 over two processes of 4 devices: both hosts read the same whole sequences (one
     share of the rows, the same data position saved by each) and SVFormer trains as on one device."""
     config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1, context=8))
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention='svformer'),
-                                 train=dataclasses.replace(config.train, log_every=1, checkpoint_every=2, steps=2))
+    config = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, attention='svformer'),
+        train=dataclasses.replace(config.train, log_every=1, checkpoint_every=2, steps=2),
+    )
     workdir = tmp_path / 'split_across_hosts'
     _run_two_processes(config, workdir)
-    saved = [json.loads((workdir / 'checkpoints' / '2' / 'data' / f'process_{i}-of-2.json').read_text())
-             for i in range(2)]
+    saved = [
+        json.loads((workdir / 'checkpoints' / '2' / 'data' / f'process_{i}-of-2.json').read_text()) for i in range(2)
+    ]
     assert saved[0] == saved[1] and saved[0]['share'] == [0, 1], saved
-    losses = [json.loads(line)['loss'] for line in (workdir / 'metrics.jsonl').read_text().splitlines()
-              if 'loss' in json.loads(line)]
+    losses = [
+        json.loads(line)['loss']
+        for line in (workdir / 'metrics.jsonl').read_text().splitlines()
+        if 'loss' in json.loads(line)
+    ]
     iterator = iter(pipeline.train_dataset(config.data, small_corpus[1]))
-    reference, _ = train_losses(dataclasses.replace(config, mesh=MeshConfig(1, 1, 1)), jax.devices()[:1],
-                                [next(iterator) for _ in range(2)])
-    assert len(losses) == 2 and all(abs(got - want) / want < 1e-5 for got, want in zip(losses, reference)), \
-        (losses, reference)
+    reference, _ = train_losses(
+        dataclasses.replace(config, mesh=MeshConfig(1, 1, 1)), jax.devices()[:1], [next(iterator) for _ in range(2)]
+    )
+    assert len(losses) == 2 and all(abs(got - want) / want < 1e-5 for got, want in zip(losses, reference)), (
+        losses,
+        reference,
+    )
 
 
-FAIL_ON_PROCESS_0 = '''
+FAIL_ON_PROCESS_0 = """
 import sys, time
 import jax
 jax.config.update('jax_cpu_collectives_implementation', 'gloo')
@@ -288,22 +361,30 @@ try:
     multihost.on_process_0(build)
 except Exception as e:
     print(f'{time.monotonic() - started:.1f} {type(e).__name__}: {e}', flush=True)
-'''
+"""
 
 
 def test_whatever_fails_on_process_0_reaches_the_other_host_in_one_line():
     """Not only vrl's own errors: an OSError in what process 0 does alone (a full disk while building)
     stops the other process at once with its type and message, instead of leaving it waiting."""
     address = f'127.0.0.1:{_free_port()}'
-    procs = [subprocess.Popen([sys.executable, '-c', FAIL_ON_PROCESS_0, address, str(i)], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=host_xla_flags(1)))
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, '-c', FAIL_ON_PROCESS_0, address, str(i)],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=host_xla_flags(1)),
+        )
+        for i in range(2)
+    ]
     zero, one = [p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in procs]  # after gloo's lines
     assert zero.split(' ', 1)[1].strip() == "OSError: [Errno 28] No space left on device: '/data/shard-3'", zero
     seconds, said = one.split(' ', 1)
-    assert said.strip() == ("PeerError: process 0 stopped: OSError: [Errno 28] No space left on device: "
-                            "'/data/shard-3'"), one
+    assert said.strip() == (
+        "PeerError: process 0 stopped: OSError: [Errno 28] No space left on device: '/data/shard-3'"
+    ), one
     assert float(seconds) < 30
 
 
@@ -311,8 +392,12 @@ def test_a_preemption_notice_to_one_host_saves_the_same_step_on_every_host(small
     """SIGTERM to process 1 alone: JAX's preemption service agrees on a step, both processes save it
     and exit 0 within a few steps (two processes resuming a checkpoint: the test above)."""
     config = _sharding_config(small_corpus, MeshConfig(data=2, fsdp=-1, tensor=1))
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, log_every=1, checkpoint_every=10_000,
-                                                                   steps=3_000, eval_every=0, diagnostics_every=0))
+    config = dataclasses.replace(
+        config,
+        train=dataclasses.replace(
+            config.train, log_every=1, checkpoint_every=10_000, steps=3_000, eval_every=0, diagnostics_every=0
+        ),
+    )
     workdir = tmp_path / 'preempted'
     procs = _start_two_processes(config, workdir)
     deadline = time.time() + 300
@@ -324,32 +409,53 @@ def test_a_preemption_notice_to_one_host_saves_the_same_step_on_every_host(small
     assert [p.returncode for p in procs] == [0, 0], outputs
     saved = sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit())
     assert len(saved) == 1 and 3 < saved[0] < 100, (saved, outputs)
-    assert {'process_0-of-2.json', 'process_1-of-2.json'} <= {p.name for p in (workdir / 'checkpoints' / str(saved[0]) / 'data').iterdir()}
+    assert {'process_0-of-2.json', 'process_1-of-2.json'} <= {
+        p.name for p in (workdir / 'checkpoints' / str(saved[0]) / 'data').iterdir()
+    }
     assert all(f'every host saves step {saved[0]}, then exits' in out for out in outputs), outputs
     said = f'preempted: saved step {saved[0]} in {workdir}; run the same command to resume'
     assert said in outputs[0] and f'process 1 of 2: {said}' in outputs[1], outputs
 
 
-@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
-                    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
+@pytest.mark.skipif(
+    importlib.util.find_spec('libtpu') is None,
+    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described',
+)
 def test_aot_compile_for_v5e_4x4_says_each_auto_choice():
     """`--compile_only --topology`: the real train step for a TPU slice, compiled on this CPU machine, every
     `auto` resolved and said (the tiny model: test_attention compiles the 82M 64K step)."""
-    out = subprocess.run([sys.executable, '-m', 'vrl.main', '--config=configs/tiny.py', '--compile_only',
-                          '--topology=v5e:4x4', '--config.train.microbatches=0', '--config.model.remat=auto'],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            '-m',
+            'vrl.main',
+            '--config=configs/tiny.py',
+            '--compile_only',
+            '--topology=v5e:4x4',
+            '--config.train.microbatches=0',
+            '--config.model.remat=auto',
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert 'model.attention_impl=splash (auto on tpu: the tpu kernel serves this config)' in lines
     assert 'model.hand_vjp=all (auto on tpu: what pays on tpu)' in lines
     progress = [line for line in lines if line.startswith('auto fit: microbatches=')]  # each candidate, as compiled
-    assert progress and all(re.search(r'GiB per device, (fits|does not fit) \(compiled in \d+ s\)$', line)
-                            for line in progress), progress
+    assert progress and all(
+        re.search(r'GiB per device, (fits|does not fit) \(compiled in \d+ s\)$', line) for line in progress
+    ), progress
     fit = next(i for i, line in enumerate(lines) if line.startswith('auto fit: train.microbatches='))
     assert lines[fit].startswith('auto fit: train.microbatches=1, model.remat=none (')
-    rows = dict(line.split(None, 1) if not line.startswith(('arguments', 'outputs', 'temporaries', 'total', 'HBM',
-                                                            'aliased', 'model'))
-                else (line[:22].strip(), line[22:].strip()) for line in lines[fit + 1:])
+    rows = dict(
+        line.split(None, 1)
+        if not line.startswith(('arguments', 'outputs', 'temporaries', 'total', 'HBM', 'aliased', 'model'))
+        else (line[:22].strip(), line[22:].strip())
+        for line in lines[fit + 1 :]
+    )
     assert rows['devices'] == '16 x TPU v5 lite'
     assert rows['fits'] == 'yes' and rows['HBM / device'] == '16.00 GiB'
     assert 0 < float(rows['total / device'].split()[0]) < 16
@@ -357,65 +463,144 @@ def test_aot_compile_for_v5e_4x4_says_each_auto_choice():
         assert error_mark not in out.stdout + out.stderr
 
     def compile_468m(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, '-m', 'vrl.main', '--config=configs/svformer_468m.py',
-                               '--compile_only', '--topology=v5e:2x2', *flags],
-                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [
+                sys.executable,
+                '-m',
+                'vrl.main',
+                '--config=configs/svformer_468m.py',
+                '--compile_only',
+                '--topology=v5e:2x2',
+                *flags,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     too_big = compile_468m('--config.data.batch_size=256', '--config.train.microbatches=1', '--config.model.remat=none')
     assert too_big.returncode != 0 and 'does not fit TPU v5 lite' in too_big.stderr  # explicit values win
-    nowhere = compile_468m('--config.data.batch_size=4', '--config.data.seq_len=65536',
-                           '--config.model.attention_impl=xla')
+    nowhere = compile_468m(
+        '--config.data.batch_size=4', '--config.data.seq_len=65536', '--config.model.attention_impl=xla'
+    )
     assert nowhere.returncode != 0
     assert 'does not fit TPU v5 lite (16.0 GiB) at any setting: even microbatches=1 with remat=full' in nowhere.stderr
 
 
 def test_launch_scripts_dry_run_name_every_step():
-    tpu = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', 'all', '--name=pod1', '--config=configs/vanilla_82m.py',
-                          '--workdir=gs://bucket/run', '--', '--config.train.steps=100'],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    tpu = subprocess.run(
+        [
+            'bash',
+            'launch/tpu_pod.sh',
+            '--dry-run',
+            'all',
+            '--name=pod1',
+            '--config=configs/vanilla_82m.py',
+            '--workdir=gs://bucket/run',
+            '--',
+            '--config.train.steps=100',
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert len(tpu) == 3
     assert tpu[0].startswith('gcloud compute tpus tpu-vm create pod1')
     assert all('--worker=all' in line for line in tpu[1:])
     assert 'pip' in tpu[1] and 'vrl.main' in tpu[2] and 'gs://bucket/run' in tpu[2]
     for step in ('logs', 'delete'):
-        line = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', step, '--name=pod1'], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout
+        line = subprocess.run(
+            ['bash', 'launch/tpu_pod.sh', '--dry-run', step, '--name=pod1'],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert line.startswith(f'gcloud compute tpus tpu-vm {"ssh" if step == "logs" else "delete"} pod1')
-    tokenize = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', 'tokenize', '--name=pod1', '--dataset=web',
-                               '--data_dir=gs://bucket/tfds', '--tokenizer=gs://bucket/tokenizer.json'],
-                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    tokenize = subprocess.run(
+        [
+            'bash',
+            'launch/tpu_pod.sh',
+            '--dry-run',
+            'tokenize',
+            '--name=pod1',
+            '--dataset=web',
+            '--data_dir=gs://bucket/tfds',
+            '--tokenizer=gs://bucket/tokenizer.json',
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert len(tokenize) == 1 and '--worker=all' in tokenize[0]
-    assert r'vrl.data\ tokenize\ --name=web\ --data_dir=gs://bucket/tfds\ --tokenizer=gs://bucket/tokenizer.json' in tokenize[0]
-    incomplete = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', 'tokenize', '--name=pod1'], cwd=ROOT,
-                                capture_output=True, text=True)
+    assert (
+        r'vrl.data\ tokenize\ --name=web\ --data_dir=gs://bucket/tfds\ --tokenizer=gs://bucket/tokenizer.json'
+        in tokenize[0]
+    )
+    incomplete = subprocess.run(
+        ['bash', 'launch/tpu_pod.sh', '--dry-run', 'tokenize', '--name=pod1'], cwd=ROOT, capture_output=True, text=True
+    )
     assert incomplete.returncode == 2 and 'tokenize needs --dataset=NAME' in incomplete.stderr
-    prepare = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', 'prepare', '--name=pod1', '--dataset=web',
-                              '--input=gs://bucket/raw/*.jsonl.zst', '--data_dir=gs://bucket/tfds',
-                              '--tokenizer=gs://bucket/tokenizer.json', '--', '--validation_fraction=0.01'],
-                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    prepare = subprocess.run(
+        [
+            'bash',
+            'launch/tpu_pod.sh',
+            '--dry-run',
+            'prepare',
+            '--name=pod1',
+            '--dataset=web',
+            '--input=gs://bucket/raw/*.jsonl.zst',
+            '--data_dir=gs://bucket/tfds',
+            '--tokenizer=gs://bucket/tokenizer.json',
+            '--',
+            '--validation_fraction=0.01',
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert len(prepare) == 1 and '--worker=all' in prepare[0]
-    assert (r"vrl.data\ prepare\ --input=\'gs://bucket/raw/\*.jsonl.zst\'\ --name=web\ --data_dir=gs://bucket/tfds\ "
-            r'--tokenizer=gs://bucket/tokenizer.json\ --validation_fraction=0.01') in prepare[0]
-    multi = subprocess.run(['bash', 'launch/tpu_pod.sh', '--dry-run', 'all', '--name=pods', '--slices=2'],
-                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert (
+        r'vrl.data\ prepare\ --input=\'gs://bucket/raw/\*.jsonl.zst\'\ --name=web\ --data_dir=gs://bucket/tfds\ '
+        r'--tokenizer=gs://bucket/tokenizer.json\ --validation_fraction=0.01'
+    ) in prepare[0]
+    multi = subprocess.run(
+        ['bash', 'launch/tpu_pod.sh', '--dry-run', 'all', '--name=pods', '--slices=2'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert len(multi) == 5  # one queued resource, then install and train on each of its two slices
     assert multi[0].startswith('gcloud compute tpus queued-resources create pods') and '--node-count=2' in multi[0]
     assert [line.split()[5] for line in multi[1:]] == ['pods-0', 'pods-1'] * 2
     assert all('--config.mesh.slices=2' in line for line in multi[3:])
-    slurm = subprocess.run(['bash', 'launch/slurm_gpu.sh', '--dry-run', '--nodes=4', '--gpus_per_node=8'],
-                           cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    slurm = subprocess.run(
+        ['bash', 'launch/slurm_gpu.sh', '--dry-run', '--nodes=4', '--gpus_per_node=8'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert '#SBATCH --nodes=4' in slurm and '#SBATCH --ntasks-per-node=8' in slurm
     assert '--num_processes=$SLURM_NTASKS --process_id=$SLURM_PROCID' in slurm and '--coordinator_address=' in slurm
 
 
-@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
-                    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described')
+@pytest.mark.skipif(
+    importlib.util.find_spec('libtpu') is None,
+    reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described',
+)
 def test_two_slices_compile_and_only_data_parallelism_crosses_them():
     """v5e:2x2 twice: the outer `data` axis is the slice, fsdp runs within one; no parameter or
     optimizer state is split over `data`, so the data-center network carries only gradients."""
     devices, hbm = aot.tpu_devices('v5e:2x2', num_slices=2)
-    config = Config(model=ModelConfig(**TINY_MODEL), data=DataConfig(seq_len=128, batch_size=8),
-                    mesh=MeshConfig(slices=2))
+    config = Config(
+        model=ModelConfig(**TINY_MODEL), data=DataConfig(seq_len=128, batch_size=8), mesh=MeshConfig(slices=2)
+    )
     mesh = sharding.make_mesh(config.mesh, devices)
     assert dict(mesh.shape) == {'data': 2, 'fsdp': 4, 'context': 1, 'tensor': 1}
     for i in range(2):

@@ -22,8 +22,18 @@ def _log(workdir, lease, steps: range, start_step: int, rng: np.random.Generator
     writer = Trackers.open(workdir, steps.stop - 1, start_step, True, '', lease)
     writer.mark_start(start_step, 'resumed' if start_step else 'started')
     for step in steps:
-        writer.write(step, {'loss': float(rng.uniform(2, 5)), 'lr': 1e-3, 'grad_norm': 1.0, 'tokens_per_sec': 1e4,
-                            'step_time': 0.1, 'mfu': 0.3, 'sample': ' '.join(rng.choice(WORDS, 800))})  # ~4 KB
+        writer.write(
+            step,
+            {
+                'loss': float(rng.uniform(2, 5)),
+                'lr': 1e-3,
+                'grad_norm': 1.0,
+                'tokens_per_sec': 1e4,
+                'step_time': 0.1,
+                'mfu': 0.3,
+                'sample': ' '.join(rng.choice(WORDS, 800)),
+            },
+        )  # ~4 KB
         writer.write_diagnostics(step, {'attention_entropy': list(rng.uniform(0, 3, 4))})
         writer.flush(wait=True)
     writer.close()
@@ -37,6 +47,7 @@ def test_each_logged_byte_goes_up_once_and_a_resume_continues_the_series(gcs, tm
     flushed, sends what it logged plus a bounded overhead per request, not its whole files again at
     every flush; a resumed run continues the series."""
     from tests.slow_store import SlowStore
+
     workdir = storage.path('gs://vrl/logged/run')
     rng = np.random.default_rng(0)
     with SlowStore(gcs, latency_s=0.0) as store, clients_through(store.url):
@@ -70,6 +81,7 @@ def test_records_reach_the_store_at_most_flush_seconds_after_they_are_written(gc
     """Between checkpoints, a record goes up with the first record written FLUSH_SECONDS after the last
     upload (in the background), not with every record."""
     from vrl.train.trackers import composite
+
     workdir = storage.path('gs://vrl/flushed/run')
     lease = lease_lib.Lease(workdir, stale_after=60.0, say=lambda line: None)
     lease.acquire()

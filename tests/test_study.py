@@ -26,10 +26,10 @@ pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop'
 
 def test_power_law_fit_recovers_exponent_and_offset():
     n = np.array([1e6, 2e6, 4e6, 8e6])
-    law = scaling.fit_power_law(n, 7.0 * n ** -0.08)
+    law = scaling.fit_power_law(n, 7.0 * n**-0.08)
     assert law.a == pytest.approx(7.0, rel=1e-9) and law.alpha == pytest.approx(0.08, rel=1e-9)
     assert max(map(abs, law.residuals)) < 1e-12
-    noisy = 7.0 * n ** -0.08 * np.exp(np.array([1e-3, -1e-3, 1e-3, -1e-3]))
+    noisy = 7.0 * n**-0.08 * np.exp(np.array([1e-3, -1e-3, 1e-3, -1e-3]))
     law = scaling.fit_power_law(n, noisy)
     assert law.alpha == pytest.approx(0.08, abs=2e-3)
     np.testing.assert_allclose(law.residuals, noisy - law.loss(n), rtol=1e-12)
@@ -40,7 +40,7 @@ def test_params_saved_is_one_minus_the_inverse_of_the_effective_size_factor():
     """A variant that behaves like vanilla with k times its parameters saves 1 - 1/k of them at equal loss."""
     n = np.array([1e6, 2e6, 4e6])
     for k in (1.15, 1.0, 0.8):
-        baseline = scaling.fit_power_law(n, 5.0 * n ** -0.1)
+        baseline = scaling.fit_power_law(n, 5.0 * n**-0.1)
         variant = scaling.fit_power_law(n, 5.0 * (k * n) ** -0.1)
         for at in n:
             assert scaling.params_saved(variant, baseline, at) == pytest.approx(1 - 1 / k, abs=1e-9)
@@ -48,7 +48,7 @@ def test_params_saved_is_one_minus_the_inverse_of_the_effective_size_factor():
 
 def test_bootstrap_interval_holds_the_estimate_and_widens_with_the_seed_spread():
     n = [1e6, 2e6, 4e6]
-    base = [[5.0 * x ** -0.1] * 2 for x in n]
+    base = [[5.0 * x**-0.1] * 2 for x in n]
     variant = [[5.0 * (1.15 * x) ** -0.1] * 2 for x in n]
     low, high = scaling.bootstrap_params_saved(variant, base, n, n, 2e6)
     assert low == pytest.approx(1 - 1 / 1.15, abs=1e-9) and high == pytest.approx(low, abs=1e-9)
@@ -57,10 +57,13 @@ def test_bootstrap_interval_holds_the_estimate_and_widens_with_the_seed_spread()
     assert low < 1 - 1 / 1.15 < high and high - low > 0.05
 
 
-@pytest.mark.parametrize('n, loss, message', [
-    ([1e6, 1e6], [3.0, 3.1], 'two or more sizes'),
-    ([1e6, 2e6], [3.0, 3.1], 'does not fall with size'),
-])
+@pytest.mark.parametrize(
+    'n, loss, message',
+    [
+        ([1e6, 1e6], [3.0, 3.1], 'two or more sizes'),
+        ([1e6, 2e6], [3.0, 3.1], 'does not fall with size'),
+    ],
+)
 def test_fit_refuses_what_it_cannot_fit(n, loss, message):
     with pytest.raises(scaling.FitError, match=message):
         scaling.fit_power_law(n, loss)
@@ -95,12 +98,22 @@ def test_smoothing_window_is_the_papers_100_steps_at_most_a_tenth_of_the_run():
 
 
 def _result(variant, size, n, lr, seed, loss, curve, tokens_per_step=100, seq_len=10):
-    return {'variant': variant, 'coordinates': {'size': size}, 'seq_len': seq_len, 'peak_lr': lr, 'seed': seed,
-            'eval_loss': loss, 'non_embedding_params': n, 'step': max(curve), 'tokens_per_step': tokens_per_step,
-            'eval_curve': {str(k): v for k, v in curve.items()},
-            'train_loss': {str(k): v for k, v in curve.items()},
-            'diagnostics': {str(k): {'first_token_attention': [0.5, v / 10, 0.3], 'entropy': [1.0, v, 2.0]}
-                            for k, v in curve.items()}}
+    return {
+        'variant': variant,
+        'coordinates': {'size': size},
+        'seq_len': seq_len,
+        'peak_lr': lr,
+        'seed': seed,
+        'eval_loss': loss,
+        'non_embedding_params': n,
+        'step': max(curve),
+        'tokens_per_step': tokens_per_step,
+        'eval_curve': {str(k): v for k, v in curve.items()},
+        'train_loss': {str(k): v for k, v in curve.items()},
+        'diagnostics': {
+            str(k): {'first_token_attention': [0.5, v / 10, 0.3], 'entropy': [1.0, v, 2.0]} for k, v in curve.items()
+        },
+    }
 
 
 def test_summary_of_a_synthetic_study(tmp_path):
@@ -111,15 +124,33 @@ def test_summary_of_a_synthetic_study(tmp_path):
     results = []
     for size, count in zip(sizes, n):
         for seed in (0, 1):
-            final = 5.0 * count ** -0.1
+            final = 5.0 * count**-0.1
             for lr, worse in ((1e-3, 0.0), (2e-3, 0.1), (3e-3, 0.2)):
-                results.append(_result('vanilla', size, count, lr, seed, final + worse,
-                                       {s: final + worse + (100 - s) / 100 for s in (20, 40, 60, 80, 100)}))
+                results.append(
+                    _result(
+                        'vanilla',
+                        size,
+                        count,
+                        lr,
+                        seed,
+                        final + worse,
+                        {s: final + worse + (100 - s) / 100 for s in (20, 40, 60, 80, 100)},
+                    )
+                )
             final_v = 5.0 * (1.25 * count) ** -0.1
             reach = (final - final_v) * 100  # its curve final_v + (100 - s) / 100 is at `final` at step 100 - reach
             for lr, worse in ((1e-3, 0.2), (2e-3, 0.1), (3e-3, 0.0)):
-                results.append(_result('resformer', size, count * 0.95, lr, seed, final_v + worse,
-                                       {s: final_v + worse + (100 - s) / 100 for s in (20, 40, 60, 80, 100)}))
+                results.append(
+                    _result(
+                        'resformer',
+                        size,
+                        count * 0.95,
+                        lr,
+                        seed,
+                        final_v + worse,
+                        {s: final_v + worse + (100 - s) / 100 for s in (20, 40, 60, 80, 100)},
+                    )
+                )
     summary = study_report.summarize(study_report.Points(results, axes), 10)
     best = {(r['variant'], r['size']): r for r in summary['best_lr']}
     assert best[('vanilla', 'm')]['lr'] == 1e-3 and best[('vanilla', 'm')]['at_edge']
@@ -134,15 +165,19 @@ def test_summary_of_a_synthetic_study(tmp_path):
     # at N_vanilla = 1e6 the variant would need 0.76e6, below its smallest size (0.95e6): extrapolated
     assert [row['extrapolated'] for row in summary['fits']['params_saved']['resformer']] == [True, False, False]
     for size, count in zip(sizes, n):
-        reach = (5.0 * count ** -0.1 - 5.0 * (1.25 * count) ** -0.1) * 100
+        reach = (5.0 * count**-0.1 - 5.0 * (1.25 * count) ** -0.1) * 100
         data = summary['data_saved'][size]['resformer']
-        assert data['saved'] == pytest.approx(reach / 100, rel=1e-6) and data['saved_per_seed'] == [
-            pytest.approx(reach / 100, rel=1e-6)] * 2
+        assert (
+            data['saved'] == pytest.approx(reach / 100, rel=1e-6)
+            and data['saved_per_seed'] == [pytest.approx(reach / 100, rel=1e-6)] * 2
+        )
         assert data['tokens'] == pytest.approx((100 - reach) * 100, rel=1e-6)
     critical = summary['critical_steps']['m']['10']['resformer']
     assert critical['step'] is None and critical['variant_led']  # ahead throughout
     written = {p.name for p in study_report.write_plots(study_report.Points(results, axes), summary, tmp_path)}
-    assert {f'diagnostics_{name}_{size}.png' for name in ('first_token_attention', 'entropy') for size in sizes} <= written
+    assert {
+        f'diagnostics_{name}_{size}.png' for name in ('first_token_attention', 'entropy') for size in sizes
+    } <= written
 
 
 def test_sizes_fit_on_a_downstream_score_as_its_error(tmp_path):
@@ -153,8 +188,10 @@ def test_sizes_fit_on_a_downstream_score_as_its_error(tmp_path):
     results = []
     for size, count in zip(sizes, n):
         for seed in (0, 1):
-            for variant, params, error in (('vanilla', count, 0.5 * count ** -0.2),
-                                           ('resformer', 0.95 * count, 0.5 * (1.25 * count) ** -0.2)):
+            for variant, params, error in (
+                ('vanilla', count, 0.5 * count**-0.2),
+                ('resformer', 0.95 * count, 0.5 * (1.25 * count) ** -0.2),
+            ):
                 run = _result(variant, size, params, 1e-3, seed, 3.0, {50: 3.5, 100: 3.0})
                 curve = {'50': 0.5 - error / 2, '100': 1.0 - error * (0.95 + 0.1 * seed)}  # seeds' mean: 1 - error
                 run |= {'downstream': {'toy': {'acc': curve['100']}}, 'downstream_curves': {'toy/acc': curve}}
@@ -170,20 +207,34 @@ def test_sizes_fit_on_a_downstream_score_as_its_error(tmp_path):
     assert {f'downstream_toy_acc_{size}.png' for size in sizes} <= {p.name for p in figures}
     report = study_report.report(points, summary, {size: BASE.model for size in sizes}, 'intro.', figures)
     assert '## 1 - toy/acc vs parameters' in report and 'equal 1 - toy/acc against vanilla' in report
-    error = 0.5 * 1.25e6 ** -0.2
+    error = 0.5 * 1.25e6**-0.2
     assert f'| s | resformer | {curves.plus_minus(1 - error, 0.1 * error / np.sqrt(2))} |' in report
-    with pytest.raises(GridError, match=r"--fit_metric=toy/acc_norm: run vanilla \{'size': 's'\} seed 0 has no such "
-                       r'final score \(it has: toy/acc\)'):
+    with pytest.raises(
+        GridError,
+        match=r"--fit_metric=toy/acc_norm: run vanilla \{'size': 's'\} seed 0 has no such "
+        r'final score \(it has: toy/acc\)',
+    ):
         study_report.summarize(study_report.Points(results, dataclasses.replace(axes, fit_metric='toy/acc_norm')), 10)
 
 
 # --- sizes and the plan ---
 
-BASE = Config(model=ModelConfig(vocab_size=512, vocab_pad_multiple=64, n_layers=8, d_model=128, n_heads=4,
-                                n_kv_heads=4, head_dim=32, d_ff=384, compute_dtype='float32'),
-              data=DataConfig(seq_len=128, batch_size=16),
-              optimizer=OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=30, decay_steps=400),
-              train=TrainConfig(steps=400))
+BASE = Config(
+    model=ModelConfig(
+        vocab_size=512,
+        vocab_pad_multiple=64,
+        n_layers=8,
+        d_model=128,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=32,
+        d_ff=384,
+        compute_dtype='float32',
+    ),
+    data=DataConfig(seq_len=128, batch_size=16),
+    optimizer=OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=30, decay_steps=400),
+    train=TrainConfig(steps=400),
+)
 
 
 def test_sizes_scale_width_and_depth_from_the_base():
@@ -197,12 +248,15 @@ def test_sizes_scale_width_and_depth_from_the_base():
     assert study.sized('d256', gqa).n_kv_heads == 4  # the base's 2 query heads per kv head
 
 
-@pytest.mark.parametrize('name, message', [
-    ('x12', "'x12' is not a size; allowed 'base', d<width>, l<layers>"),
-    ('', "'' is not a size"),
-    ('d100', 'a multiple of head_dim'),
-    ('d16', 'a multiple of head_dim'),
-])
+@pytest.mark.parametrize(
+    'name, message',
+    [
+        ('x12', "'x12' is not a size; allowed 'base', d<width>, l<layers>"),
+        ('', "'' is not a size"),
+        ('d100', 'a multiple of head_dim'),
+        ('d16', 'a multiple of head_dim'),
+    ],
+)
 def test_bad_sizes_are_named(name, message):
     with pytest.raises(grid.GridError, match=message):
         study.sized(name, BASE.model)
@@ -221,6 +275,7 @@ def test_plan_keeps_tokens_per_step_and_scales_the_budget():
     small, large = by_name['vanilla-d64-lr0.001-L64-s0'], by_name['vanilla-d128-lr0.001-L64-s0']
     assert large.train.steps == 400 and large.optimizer.decay_steps == 400
     from vrl.model import accounting
+
     ratio = accounting.non_embedding_params(small.model) / accounting.non_embedding_params(large.model)
     assert small.train.steps == round(400 * ratio) and small.optimizer.decay_steps == small.train.steps
     assert by_name['svformer-d64-lr0.001-L64-s0'].train.steps == small.train.steps  # the same tokens per size
@@ -228,16 +283,22 @@ def test_plan_keeps_tokens_per_step_and_scales_the_budget():
     assert {r.config.train.steps for r in fixed} == {400}
 
 
-@pytest.mark.parametrize('changes, message', [
-    (dict(sizes=[]), '--sizes is empty'),
-    (dict(lrs=[1e-3, -1e-3]), '--lrs: -0.001 is invalid: allowed floats > 0'),
-    (dict(lrs=[0.0]), '--lrs: 0.0 is invalid'),
-    (dict(seq_lens=[100]), '--seq_lens: 100 is invalid: allowed divisors'),
-    (dict(seeds=[0, 0]), '--seeds=0,0: each value once'),
-    (dict(variants=['vanilla', 'resformer:learned']), "unknown variant preset 'resformer:learned'"),
-    (dict(fit_metric='hellaswag/acc'), r"--fit_metric=hellaswag/acc is invalid: allowed eval_loss or TASK/METRIC of a "
-                                       r"task the runs score while training \(--config.train.downstream_tasks=''\)"),
-])
+@pytest.mark.parametrize(
+    'changes, message',
+    [
+        (dict(sizes=[]), '--sizes is empty'),
+        (dict(lrs=[1e-3, -1e-3]), '--lrs: -0.001 is invalid: allowed floats > 0'),
+        (dict(lrs=[0.0]), '--lrs: 0.0 is invalid'),
+        (dict(seq_lens=[100]), '--seq_lens: 100 is invalid: allowed divisors'),
+        (dict(seeds=[0, 0]), '--seeds=0,0: each value once'),
+        (dict(variants=['vanilla', 'resformer:learned']), "unknown variant preset 'resformer:learned'"),
+        (
+            dict(fit_metric='hellaswag/acc'),
+            r'--fit_metric=hellaswag/acc is invalid: allowed eval_loss or TASK/METRIC of a '
+            r"task the runs score while training \(--config.train.downstream_tasks=''\)",
+        ),
+    ],
+)
 def test_bad_axes_are_named(changes, message):
     axes = dataclasses.replace(study.Axes(['vanilla'], ['d64'], [1e-3], [0], [128]), **changes)
     with pytest.raises(Exception, match=message):
@@ -246,16 +307,30 @@ def test_bad_axes_are_named(changes, message):
 
 # --- a real tiny study ---
 
+
 def _study(small_corpus, workdir, *args, steps=4):
     config = tiny_config(small_corpus, steps=steps, checkpoint_every=steps, eval_every=2, eval_batches=1)
-    return subprocess.run([*cli_args(config, workdir, 'vrl.experiments.study'), '--variants=vanilla,svformer',
-                           '--sizes=d32,d48', '--seeds=0', *args], capture_output=True, text=True, cwd=str(ROOT),
-                          timeout=900)
+    return subprocess.run(
+        [
+            *cli_args(config, workdir, 'vrl.experiments.study'),
+            '--variants=vanilla,svformer',
+            '--sizes=d32,d48',
+            '--seeds=0',
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=900,
+    )
 
 
 def _hashes(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob('*')) if p.is_file() and p.name != '.lock'}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob('*'))
+        if p.is_file() and p.name != '.lock'
+    }
 
 
 class Studied(NamedTuple):
@@ -284,15 +359,22 @@ def test_study_writes_report_results_and_plots(studied):
     results = json.loads((studied.workdir / 'results.json').read_text())
     assert len(results['runs']) == 2 * 2 * 2
     assert {(r['variant'], r['coordinates']['size'], r['peak_lr']) for r in results['runs']} == {
-        (v, s, lr) for v in ('vanilla', 'svformer') for s in ('d32', 'd48') for lr in (1e-3, 3e-3)}
+        (v, s, lr) for v in ('vanilla', 'svformer') for s in ('d32', 'd48') for lr in (1e-3, 3e-3)
+    }
     assert set(results['fits']['variants']) == {'vanilla', 'svformer'}
     assert set(results['data_saved']) == {'d32', 'd48'} and set(results['critical_steps']) == {'d32', 'd48'}
     report = (studied.workdir / 'study.md').read_text()
     for section in ('## Learning rate', '## Loss vs parameters', '## Data saved', '## The critical step'):
         assert section in report
     assert report.count('at the edge of the sweep') == sum(r['at_edge'] for r in results['best_lr'])
-    for name in ('loss_vs_params', 'loss_vs_lr', 'tokens_to_target_d32', 'tokens_to_target_d48',
-                 'relative_train_loss_d32', 'relative_train_loss_d48'):
+    for name in (
+        'loss_vs_params',
+        'loss_vs_lr',
+        'tokens_to_target_d32',
+        'tokens_to_target_d48',
+        'relative_train_loss_d32',
+        'relative_train_loss_d48',
+    ):
         assert (studied.workdir / f'{name}.png').read_bytes()[:4] == b'\x89PNG' and f'({name}.png)' in report
 
 
@@ -302,8 +384,9 @@ def test_one_more_lr_trains_only_the_new_runs(studied):
     assert statuses.count('finished') == 4 and statuses.count('new') == 4
     assert 'vanilla-d48-lr0.003-L64-s0' in studied.listed.stdout and '8 runs' in studied.listed.stdout
     after = {p.parent.name for p in (studied.workdir / 'runs').glob('*/result.json')}
-    assert after - set(studied.first_runs) == {f'{v}-{s}-lr0.003-L64-s0' for v in ('vanilla', 'svformer')
-                                                 for s in ('d32', 'd48')}
+    assert after - set(studied.first_runs) == {
+        f'{v}-{s}-lr0.003-L64-s0' for v in ('vanilla', 'svformer') for s in ('d32', 'd48')
+    }
     assert all(saved_steps(studied.workdir / 'runs' / name) == steps for name, steps in studied.first_runs.items())
     assert studied.again.stdout.count('finished before, reused') == 4
 
@@ -318,22 +401,35 @@ def test_another_base_config_is_refused_and_nothing_is_overwritten(studied, smal
 
 def test_a_ladder_of_one_size_reports_without_a_fit(small_corpus, tmp_path):
     config = tiny_config(small_corpus, steps=2, checkpoint_every=2, eval_every=1, eval_batches=1)
-    result = subprocess.run([*cli_args(config, tmp_path, 'vrl.experiments.study'), '--variants=vanilla', '--sizes=base'],
-                            capture_output=True, text=True, cwd=str(ROOT), timeout=900)
+    result = subprocess.run(
+        [*cli_args(config, tmp_path, 'vrl.experiments.study'), '--variants=vanilla', '--sizes=base'],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = (tmp_path / 'study.md').read_text()
     assert 'no fit: a fit of loss against parameters needs two or more sizes; got 1' in report
     assert '## Data saved' in report and (tmp_path / 'loss_vs_lr.png').exists()
 
 
-@pytest.mark.parametrize('args, message', [
-    (['--sizes=d32,x9'], "'x9' is not a size"),
-    (['--lrs=1e-3,-1'], '--lrs: -1.0 is invalid: allowed floats > 0'),
-    (['--lrs=fast'], '--lrs=fast is invalid'),
-])
+@pytest.mark.parametrize(
+    'args, message',
+    [
+        (['--sizes=d32,x9'], "'x9' is not a size"),
+        (['--lrs=1e-3,-1'], '--lrs: -1.0 is invalid: allowed floats > 0'),
+        (['--lrs=fast'], '--lrs=fast is invalid'),
+    ],
+)
 def test_bad_input_is_one_line_and_writes_nothing(small_corpus, tmp_path, args, message):
     config = tiny_config(small_corpus)
-    result = subprocess.run([*cli_args(config, tmp_path / 'new', 'vrl.experiments.study'), *args], capture_output=True,
-                            text=True, cwd=str(ROOT), timeout=300)
+    result = subprocess.run(
+        [*cli_args(config, tmp_path / 'new', 'vrl.experiments.study'), *args],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=300,
+    )
     assert result.returncode != 0 and message in result.stderr and 'Traceback' not in result.stderr
     assert not (tmp_path / 'new').exists()

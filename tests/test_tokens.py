@@ -41,7 +41,7 @@ def test_a_trained_tokenizer_json_is_exact_on_any_text(hf_tokenizer, small_corpu
     for text in texts:
         ids = tok.encode(text)
         assert tok.decode(ids) == text
-        (counted, n_bytes), = tok.encode_counting_bytes([text])
+        ((counted, n_bytes),) = tok.encode_counting_bytes([text])
         assert counted.tolist() == ids.tolist() and n_bytes.sum() == len(text.encode('utf-8'))  # exact bits per byte
     context, continuation = 'ROMEO: What', ' say 東京'
     first, second = tok.encode_pair(context, continuation)
@@ -50,6 +50,7 @@ def test_a_trained_tokenizer_json_is_exact_on_any_text(hf_tokenizer, small_corpu
     again = Tokenizer.load(tok.path)
     assert again.difference(tok) is None and again.fingerprint == tok.fingerprint
     import pickle
+
     assert (pickle.loads(pickle.dumps(tok)).encode(TEXT) == tok.encode(TEXT)).all()
 
 
@@ -66,21 +67,31 @@ def test_special_tokens_come_from_the_config_beside_or_their_usual_names(hf_toke
     (tmp_path / 'neox' / 'tokenizer_config.json').write_text(json.dumps({'eos_token': '<s>', 'pad_token': None}))
     assert Tokenizer.load(str(tmp_path / 'neox' / 'tokenizer.json')).eos_id == 2
     # a model directory, as transformers reads it: special_tokens_map.json overrides the config's names
-    (tmp_path / 'neox' / 'special_tokens_map.json').write_text(json.dumps(
-        {'eos_token': {'content': '<|endoftext|>'}, 'pad_token': '<|padding|>'}))
+    (tmp_path / 'neox' / 'special_tokens_map.json').write_text(
+        json.dumps({'eos_token': {'content': '<|endoftext|>'}, 'pad_token': '<|padding|>'})
+    )
     directory = Tokenizer.load(str(tmp_path / 'neox'))
-    assert directory.path == str(tmp_path / 'neox' / 'tokenizer.json') and (directory.eos_id, directory.pad_id) == (1, 0)
+    assert directory.path == str(tmp_path / 'neox' / 'tokenizer.json') and (directory.eos_id, directory.pad_id) == (
+        1,
+        0,
+    )
     transformers = pytest.importorskip('transformers')
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / 'neox'))
     assert (theirs.eos_token_id, theirs.pad_token_id) == (directory.eos_id, directory.pad_id)
-    (tmp_path / 'neox' / 'tokenizer_config.json').write_text(json.dumps(
-        {'eos_token': '<s>', 'added_tokens_decoder': {}}))  # the map is legacy then, as transformers has it
+    (tmp_path / 'neox' / 'tokenizer_config.json').write_text(
+        json.dumps({'eos_token': '<s>', 'added_tokens_decoder': {}})
+    )  # the map is legacy then, as transformers has it
     assert Tokenizer.load(str(tmp_path / 'neox')).eos_id == 2
     (tmp_path / 'empty_model_dir').mkdir()
-    with pytest.raises(TokenizerError, match=r"folder '.*empty_model_dir' holds neither tokenizer.json nor "
-                                             r'tokenizer.model'):
+    with pytest.raises(
+        TokenizerError,
+        match=r"folder '.*empty_model_dir' holds neither tokenizer.json nor "
+        r'tokenizer.model',
+    ):
         Tokenizer.load(str(tmp_path / 'empty_model_dir'))
-    rust['added_tokens'] = [dict(t, special=False) if t['content'] == '<|endoftext|>' else t for t in rust['added_tokens']]
+    rust['added_tokens'] = [
+        dict(t, special=False) if t['content'] == '<|endoftext|>' else t for t in rust['added_tokens']
+    ]
     (tmp_path / 'bare.json').write_text(json.dumps(rust))
     with pytest.raises(TokenizerError, match=r'bare.json: no EOS token \(special tokens: .*tokenizer_config.json'):
         Tokenizer.load(str(tmp_path / 'bare.json'))
@@ -92,30 +103,41 @@ def test_special_tokens_come_from_the_config_beside_or_their_usual_names(hf_toke
 def test_the_exported_tokenizer_json_encodes_as_the_run_did_in_transformers(hf_tokenizer, small_corpus, tmp_path):
     transformers = pytest.importorskip('transformers')
     from vrl.interop import hf
+
     hf.write_tokenizer(hf_tokenizer, tmp_path)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     cfg, _ = small_corpus
     literal = TEXT + ' '.join(_special_texts(hf_tokenizer))  # special tokens' text inside a document
     assert theirs(literal).input_ids == pipeline.prompt_tokens(cfg, hf_tokenizer, literal)
     assert Tokenizer.load(str(tmp_path / 'tokenizer.json')).difference(hf_tokenizer) is None
-    assert hf.run_tokenizer(str(tmp_path), '') == (str(tmp_path / 'tokenizer.json'), f'tokenizer {tmp_path / "tokenizer.json"}')
+    assert hf.run_tokenizer(str(tmp_path), '') == (
+        str(tmp_path / 'tokenizer.json'),
+        f'tokenizer {tmp_path / "tokenizer.json"}',
+    )
 
 
 def _records(n: int) -> list[dict]:
     rng = np.random.default_rng(0)
     words = ['thou', 'art', '東京', 'café', 'the', 'king', '🎭', 'say']
-    return [{'text': ' '.join(rng.choice(words, rng.integers(5, 40))) + f' {i}', 'meta': {'set': 'ab'[i % 2]}}
-            for i in range(n)]
+    return [
+        {'text': ' '.join(rng.choice(words, rng.integers(5, 40))) + f' {i}', 'meta': {'set': 'ab'[i % 2]}}
+        for i in range(n)
+    ]
 
 
 def test_jsonl_ndjson_gz_zst_and_parquet_are_read_as_plain_jsonl(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
+
     records = _records(60)
     lines = ''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in records).encode()
-    inputs = {'jsonl': lines, 'ndjson': lines, 'jsonl.gz': gzip.compress(lines),
-              'jsonl.zst': zstandard.ZstdCompressor().compress(lines)}
+    inputs = {
+        'jsonl': lines,
+        'ndjson': lines,
+        'jsonl.gz': gzip.compress(lines),
+        'jsonl.zst': zstandard.ZstdCompressor().compress(lines),
+    }
     for ending, payload in inputs.items():
         (tmp_path / ending).mkdir()
         (tmp_path / ending / f'part.{ending}').write_bytes(payload)
@@ -125,14 +147,19 @@ def test_jsonl_ndjson_gz_zst_and_parquet_are_read_as_plain_jsonl(tmp_path):
     for kind in ('jsonl', 'ndjson', 'jsonl.gz', 'jsonl.zst', 'parquet'):
         name = 'c_' + kind.replace('.', '_')
         build.prepare_from_glob(str(tmp_path / kind), name, str(tmp_path / 'tfds'), validation_fraction=0.2)
-        got[kind] = {split: sorted(corpus.texts(corpus.open_split(name, str(tmp_path / 'tfds'), split)))
-                     for split in ('train', 'validation')}
+        got[kind] = {
+            split: sorted(corpus.texts(corpus.open_split(name, str(tmp_path / 'tfds'), split)))
+            for split in ('train', 'validation')
+        }
     assert sorted(got['jsonl']['train'] + got['jsonl']['validation']) == sorted(r['text'] for r in records)
     for kind, splits in got.items():  # the held-out documents follow the file's name (and the chance of 0.2)
-        assert sorted(splits['train'] + splits['validation']) == sorted(got['jsonl']['train'] + got['jsonl']['validation'])
+        assert sorted(splits['train'] + splits['validation']) == sorted(
+            got['jsonl']['train'] + got['jsonl']['validation']
+        )
         assert 3 <= len(splits['validation']) <= 21, kind  # 12 +- 3 sigma
-    domains = build.prepare_domains(str(tmp_path / 'parquet'), 'dom', str(tmp_path / 'tfds'), 'meta.set',
-                                     validation_fraction=0.2)
+    domains = build.prepare_domains(
+        str(tmp_path / 'parquet'), 'dom', str(tmp_path / 'tfds'), 'meta.set', validation_fraction=0.2
+    )
     assert domains == {'a': 'dom_a', 'b': 'dom_b'}
 
 
@@ -140,14 +167,17 @@ def test_bad_corpus_files_are_one_line_naming_the_file(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
+
     whole = zstandard.ZstdCompressor().compress(b''.join(json.dumps(r).encode() + b'\n' for r in _records(400)))
     (tmp_path / 'cut').mkdir()
-    (tmp_path / 'cut' / 'part.jsonl.zst').write_bytes(whole[:len(whole) // 2])
+    (tmp_path / 'cut' / 'part.jsonl.zst').write_bytes(whole[: len(whole) // 2])
     with pytest.raises(corpus.DataError, match=r'part.jsonl.zst cannot be read as JSON lines: .*Fetch it again'):
         build.prepare_from_glob(str(tmp_path / 'cut'), 'cut', str(tmp_path / 'tfds'))
     (tmp_path / 'cols').mkdir()
     pq.write_table(pa.Table.from_pylist([{'body': 'x'}]), tmp_path / 'cols' / 'p.parquet')
-    with pytest.raises(corpus.DataError, match=r"p.parquet has no column 'text' \(columns: \['body'\]\); .*--text_field"):
+    with pytest.raises(
+        corpus.DataError, match=r"p.parquet has no column 'text' \(columns: \['body'\]\); .*--text_field"
+    ):
         build.prepare_from_glob(str(tmp_path / 'cols'), 'cols', str(tmp_path / 'tfds'))
     (tmp_path / 'empty').mkdir()
     (tmp_path / 'empty' / 'e.jsonl').write_text('{"text": ""}\n{"text": "  "}\n')
@@ -159,6 +189,7 @@ def test_bad_corpus_files_are_one_line_naming_the_file(tmp_path):
 def test_blank_line_blocks_are_the_same_read_a_chunk_at_a_time():
     import io
     import re
+
     rng = np.random.default_rng(1)
     text = ''.join(rng.choice(['a', 'b ', '\n', '\n\n', '\n \t\n', '\r\n\r\n', 'é'], 3000))
     for chunk in (1, 2, 3, 7, 64):
@@ -175,8 +206,9 @@ def pretokenized(small_corpus, hf_tokenizer, tmp_path_factory):
     return dataclasses.replace(cfg, data_dir=str(data_dir), tokenizer=hf_tokenizer.path), folder
 
 
-BLOCKS = pytest.mark.parametrize('min_blocks, bytes_per_token', [(1 << 40, 4), (8, 128)],
-                                 ids=['one_document_each', 'blocks'])
+BLOCKS = pytest.mark.parametrize(
+    'min_blocks, bytes_per_token', [(1 << 40, 4), (8, 128)], ids=['one_document_each', 'blocks']
+)
 
 
 def _blocks(monkeypatch, min_blocks: int, bytes_per_token: int) -> None:
@@ -186,21 +218,25 @@ def _blocks(monkeypatch, min_blocks: int, bytes_per_token: int) -> None:
 
 @BLOCKS
 @pytest.mark.parametrize('process_count, document_masking', [(1, True), (2, False)])
-def test_pretokenized_batches_equal_tokenizing_on_the_fly(pretokenized, hf_tokenizer, caplog, process_count,
-                                                         document_masking, min_blocks, bytes_per_token,
-                                                         monkeypatch):
+def test_pretokenized_batches_equal_tokenizing_on_the_fly(
+    pretokenized, hf_tokenizer, caplog, process_count, document_masking, min_blocks, bytes_per_token, monkeypatch
+):
     """Batch for batch, over 2 epochs, in each process; with one document per grain element and
     in blocks of consecutive documents (a corpus of short documents; here ~50)."""
     _blocks(monkeypatch, min_blocks, bytes_per_token)
     cfg, folder = pretokenized
-    per_block = pipeline._Blocks(None, corpus.split_info('plays', cfg.data_dir, 'train'), cfg.seq_len, 'train').per_block
+    per_block = pipeline._Blocks(
+        None, corpus.split_info('plays', cfg.data_dir, 'train'), cfg.seq_len, 'train'
+    ).per_block
     assert (per_block == 1) == (min_blocks > 1000) and per_block < 100
     cfg = dataclasses.replace(cfg, document_masking=document_masking, num_epochs=2)
     with caplog.at_level(logging.INFO):
         fast = [list(pipeline.train_dataset(cfg, hf_tokenizer, i, process_count)) for i in range(process_count)]
     assert f'plays train: pre-tokenized by {hf_tokenizer.path}' in caplog.text and str(folder) in caplog.text
-    slow = [list(pipeline.train_dataset(dataclasses.replace(cfg, pretokenized=False), hf_tokenizer, i, process_count))
-            for i in range(process_count)]
+    slow = [
+        list(pipeline.train_dataset(dataclasses.replace(cfg, pretokenized=False), hf_tokenizer, i, process_count))
+        for i in range(process_count)
+    ]
     assert len(fast[0]) > 4
     for a, b in zip(itertools.chain(*fast), itertools.chain(*slow), strict=True):
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
@@ -237,8 +273,10 @@ def test_a_vocabulary_above_65536_pieces_is_stored_in_uint32(small_corpus, hf_to
     n_special = len(specials)
     assert sorted(vocab[p] for p in specials) == list(range(n_special))  # the trainer puts them first
     shift = 1 << 16
-    rust['model']['vocab'] = {**{p: i if p in specials else i + shift for p, i in vocab.items()},
-                              **{f'<filler{k}>': k for k in range(n_special, n_special + shift)}}
+    rust['model']['vocab'] = {
+        **{p: i if p in specials else i + shift for p, i in vocab.items()},
+        **{f'<filler{k}>': k for k in range(n_special, n_special + shift)},
+    }
     (tmp_path / 'big.json').write_text(json.dumps(rust))
     big = Tokenizer.load(str(tmp_path / 'big.json'))
     assert big.vocab_size > shift and min(big.encode(TEXT)) >= shift
@@ -257,8 +295,7 @@ def test_a_vocabulary_above_65536_pieces_is_stored_in_uint32(small_corpus, hf_to
 
 
 @BLOCKS
-def test_a_pretokenized_iterator_resumes_exactly(pretokenized, hf_tokenizer, min_blocks, bytes_per_token,
-                                                 monkeypatch):
+def test_a_pretokenized_iterator_resumes_exactly(pretokenized, hf_tokenizer, min_blocks, bytes_per_token, monkeypatch):
     _blocks(monkeypatch, min_blocks, bytes_per_token)
     cfg, _ = pretokenized
     cfg = dataclasses.replace(cfg, num_epochs=0, document_masking=True)
@@ -267,8 +304,9 @@ def test_a_pretokenized_iterator_resumes_exactly(pretokenized, hf_tokenizer, min
     assert_resumes_exactly(lambda: pipeline.train_dataset(cfg, hf_tokenizer), expected, 5)
 
 
-def test_tokenize_resumes_from_the_shards_it_finished_and_checks_the_dataset(pretokenized, hf_tokenizer, caplog,
-                                                                              tmp_path):
+def test_tokenize_resumes_from_the_shards_it_finished_and_checks_the_dataset(
+    pretokenized, hf_tokenizer, caplog, tmp_path
+):
     cfg, folder = pretokenized
     data_dir = tmp_path / 'copy'
     shutil.copytree(Path(cfg.data_dir), data_dir)
@@ -286,28 +324,38 @@ def test_tokenize_resumes_from_the_shards_it_finished_and_checks_the_dataset(pre
     assert (copy / f'{shard}.tokens').read_bytes() == before and json.loads((copy / tokens.MARKER).read_text()) == info
     assert info['dataset_fingerprint'] == corpus.fingerprint('plays', str(data_dir)) and info['text_field'] == 'text'
     documents = info['splits']['train']['documents']
-    for field, value, why in [('documents', documents + 1, f'{documents + 1} documents then, {documents} now'),
-                              ('dataset_fingerprint', '0' * 16, 'the dataset was prepared again from other inputs'),
-                              ('text_field', 'body', "its text field was 'body', data.text_field is 'text'")]:
+    for field, value, why in [
+        ('documents', documents + 1, f'{documents + 1} documents then, {documents} now'),
+        ('dataset_fingerprint', '0' * 16, 'the dataset was prepared again from other inputs'),
+        ('text_field', 'body', "its text field was 'body', data.text_field is 'text'"),
+    ]:
         stale = json.loads(json.dumps(info))
         (stale['splits']['train'] if field == 'documents' else stale)[field] = value
         (copy / tokens.MARKER).write_text(json.dumps(stale))
-        with pytest.raises(corpus.DataError, match=rf"{copy} was made from other text than dataset 'plays' holds "
-                                                   rf"now \({re.escape(why)}.*--overwrite"):
+        with pytest.raises(
+            corpus.DataError,
+            match=rf"{copy} was made from other text than dataset 'plays' holds "
+            rf'now \({re.escape(why)}.*--overwrite',
+        ):
             tokens.find('plays', str(data_dir), 'train', hf_tokenizer)
 
 
 def test_a_dataset_pretokenized_only_by_another_tokenizer_is_refused_before_anything_compiles(
-        pretokenized, small_corpus, tmp_path, capsys):
+    pretokenized, small_corpus, tmp_path, capsys
+):
     """The config names a tokenizer without a copy while another's copy is there: one line naming
     the copies and the ways on, before the run resolves (compiles) anything; data.pretokenized=false
     trains on the fly."""
     from tests.runs import tiny_config
     from vrl.train import loop
+
     cfg, folder = pretokenized
     _, sentencepiece = small_corpus
-    with pytest.raises(corpus.DataError, match=rf"dataset 'plays' is pre-tokenized only by other tokenizers than "
-                                               rf"{re.escape(sentencepiece.path)} \({re.escape(str(folder))};"):
+    with pytest.raises(
+        corpus.DataError,
+        match=rf"dataset 'plays' is pre-tokenized only by other tokenizers than "
+        rf'{re.escape(sentencepiece.path)} \({re.escape(str(folder))};',
+    ):
         tokens.find('plays', cfg.data_dir, 'train', sentencepiece)
     config = tiny_config(small_corpus, steps=1, checkpoint_every=1)
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, data_dir=cfg.data_dir))
@@ -341,8 +389,9 @@ def test_special_tokens_text_in_a_document_is_ordinary_text(hf_tokenizer, tmp_pa
     for text in specials + [f'x{s}y' for s in specials] + [f'before {s} after' for s in specials]:
         ids = hf_tokenizer.encode(text).tolist()
         assert not special_ids & set(ids) and hf_tokenizer.decode(ids) == text, text
-    assert [ids.tolist() for ids in hf_tokenizer.encode_batch(specials)] == [hf_tokenizer.encode(s).tolist()
-                                                                              for s in specials]
+    assert [ids.tolist() for ids in hf_tokenizer.encode_batch(specials)] == [
+        hf_tokenizer.encode(s).tolist() for s in specials
+    ]
 
 
 def test_tokenize_with_a_missing_tokenizer_says_the_command_that_makes_one(small_corpus, tmp_path):
@@ -351,16 +400,31 @@ def test_tokenize_with_a_missing_tokenizer_says_the_command_that_makes_one(small
     import sys
 
     from tests.runs import ROOT
+
     cfg, _ = small_corpus
-    out = subprocess.run([sys.executable, '-m', 'vrl.data', 'tokenize', '--name=plays', f'--data_dir={cfg.data_dir}',
-                          f'--tokenizer={tmp_path}/none.json'], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            '-m',
+            'vrl.data',
+            'tokenize',
+            '--name=plays',
+            f'--data_dir={cfg.data_dir}',
+            f'--tokenizer={tmp_path}/none.json',
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
         f"error: tokenizer '{tmp_path}/none.json' (--tokenizer) does not exist. Train one with `python -m "
-        f"vrl.data.tokenizer train --name=plays --data_dir={cfg.data_dir} --vocab_size=N --out={tmp_path}/none.json`.")
+        f'vrl.data.tokenizer train --name=plays --data_dir={cfg.data_dir} --vocab_size=N --out={tmp_path}/none.json`.'
+    )
 
 
-def test_a_build_stopped_by_a_bad_line_publishes_nothing_and_resumes_from_its_finished_files(tmp_path, small_corpus,
-                                                                                            capsys):
+def test_a_build_stopped_by_a_bad_line_publishes_nothing_and_resumes_from_its_finished_files(
+    tmp_path, small_corpus, capsys
+):
     """Files are built in order on one process: a bad line in the fourth stops the build in one line
     naming it, with no dataset to read; mended (at the same size), the build goes on from the fourth
     file, and the dataset and its ids equal a build without the stop."""
@@ -368,13 +432,17 @@ def test_a_build_stopped_by_a_bad_line_publishes_nothing_and_resumes_from_its_fi
     raw = tmp_path / 'raw'
     raw.mkdir()
     for f in range(6):
-        (raw / f'part{f}.jsonl').write_text(''.join(json.dumps({'text': f'file {f} record {i} ' * (1 + i % 5)}) + '\n'
-                                                    for i in range(50)))
+        (raw / f'part{f}.jsonl').write_text(
+            ''.join(json.dumps({'text': f'file {f} record {i} ' * (1 + i % 5)}) + '\n' for i in range(50))
+        )
     good = (raw / 'part3.jsonl').read_text()
     (raw / 'part3.jsonl').write_text(good.replace('}\n', ']\n', 1))  # line 1 is no JSON object; same size
     data_dir = str(tmp_path / 'tfds')
-    with pytest.raises(corpus.DataError, match=r"part3.jsonl:1 is not valid JSON at column 28 \(expecting ',' "
-                                               r'delimiter\): fix that line, or leave the file out.$'):
+    with pytest.raises(
+        corpus.DataError,
+        match=r"part3.jsonl:1 is not valid JSON at column 28 \(expecting ',' "
+        r'delimiter\): fix that line, or leave the file out.$',
+    ):
         build.prepare_from_glob(str(raw), 'web', data_dir, tokenizer=tokenizer, workers=1)
     with pytest.raises(corpus.DataError, match="TFDS dataset 'web'.*vrl.data prepare"):
         corpus.open_split('web', data_dir, 'train')
@@ -385,8 +453,9 @@ def test_a_build_stopped_by_a_bad_line_publishes_nothing_and_resumes_from_its_fi
     clean = str(tmp_path / 'clean')
     build.prepare_from_glob(str(raw), 'web', clean, tokenizer=tokenizer, workers=1)
     for split in ('train', 'validation'):
-        assert list(corpus.texts(corpus.open_split('web', data_dir, split))) == \
-            list(corpus.texts(corpus.open_split('web', clean, split)))
+        assert list(corpus.texts(corpus.open_split('web', data_dir, split))) == list(
+            corpus.texts(corpus.open_split('web', clean, split))
+        )
         resumed, whole = (tokens.find('web', d, split, tokenizer) for d in (data_dir, clean))
         assert [resumed[i].tolist() for i in range(len(resumed))] == [whole[i].tolist() for i in range(len(whole))]
     assert corpus.fingerprint('web', data_dir) == corpus.fingerprint('web', clean)
@@ -398,6 +467,7 @@ def _tokenizer_json(kind: str, texts: list[str], path: Path) -> HuggingFaceToken
     byte fallback)."""
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
     if kind == 'metaspace':
         rust = RustTokenizer(models.BPE(byte_fallback=True))
         rust.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme='first')
@@ -412,14 +482,20 @@ def _tokenizer_json(kind: str, texts: list[str], path: Path) -> HuggingFaceToken
         rust.decoder = decoders.ByteLevel()
         specials = ['<|endoftext|>', '<|padding|>']
         alphabet = pre_tokenizers.ByteLevel.alphabet()
-    rust.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                        initial_alphabet=alphabet))
+    rust.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=alphabet)
+    )
     path.write_text(rust.to_str())
     return HuggingFaceTokenizer(path.read_bytes(), str(path))
 
 
-HARD_TEXTS = ['cafe\u0301 vs caf\u00e9, A\u030a, \u212b and \uac00 vs \u1100\u1161',  # NFC composes or splits these
-              '  leading spaces, a\ttab and\n\nnewlines ', '東京 🎭 naïve — “quoted”', 'x', ' ']
+HARD_TEXTS = [
+    'cafe\u0301 vs caf\u00e9, A\u030a, \u212b and \uac00 vs \u1100\u1161',  # NFC composes or splits these
+    '  leading spaces, a\ttab and\n\nnewlines ',
+    '東京 🎭 naïve — “quoted”',
+    'x',
+    ' ',
+]
 
 
 @pytest.mark.parametrize('kind', ['byte_level', 'nfc_byte_level', 'metaspace'])
@@ -445,5 +521,7 @@ def test_bits_per_byte_counts_the_original_text_whatever_the_normaliser(small_co
     eval_cfg = dataclasses.replace(cfg, name='hard', data_dir=data_dir, tokenizer=tok.path)
     batches = list(pipeline.eval_batches(eval_cfg, tok, max_batches=0))
     held_out = list(corpus.texts(corpus.open_split('hard', data_dir, 'validation')))
-    assert held_out and sum(int(b['target_bytes'].sum()) for b in batches) == sum(len(t.encode('utf-8')) for t in held_out)
+    assert held_out and sum(int(b['target_bytes'].sum()) for b in batches) == sum(
+        len(t.encode('utf-8')) for t in held_out
+    )
     assert all(not b['target_bytes'][b['loss_mask'] == 0].any() for b in batches)

@@ -39,12 +39,13 @@ def _unigram_entropy(small_corpus) -> float:
 
 
 def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path, capsys):
-    config = tiny_config(small_corpus, steps=200, eval_every=100, sample_prompt='HAMLET.', sample_tokens=8,
-                         log_every=50)
+    config = tiny_config(
+        small_corpus, steps=200, eval_every=100, sample_prompt='HAMLET.', sample_tokens=8, log_every=50
+    )
     result = loop.run(config, str(tmp_path))
     assert result.step == 200 and not result.preempted
     said = capsys.readouterr().out  # the prompt in brackets; no blank line between the sample and what follows
-    sample = said[said.index('\nsample (greedy): '):said.index('\ndone at step 200')]
+    sample = said[said.index('\nsample (greedy): ') : said.index('\ndone at step 200')]
     assert sample.startswith('\nsample (greedy): [HAMLET.]') and '\n\n' not in sample and sample == sample.rstrip()
     # it learns from context: well below the corpus's unigram entropy (5.1 nats; ln V = 6.2), which
     # a model that ignores context cannot pass
@@ -54,19 +55,25 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path, cap
     assert result.eval_loss < entropy - 0.25, (result.eval_loss, entropy)
     # bf16 compute (bf16 matmuls accumulating in float32, float32 parameters) learns like float32 (the
     # schedule does not depend on train.steps, so its first 40 steps are those of the run above)
-    bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype='bfloat16'),
-                               train=dataclasses.replace(config.train, steps=40, eval_every=0, sample_prompt='',
-                                                         sample_tokens=4, peak_flops=1e11))
+    bf16 = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, compute_dtype='bfloat16'),
+        train=dataclasses.replace(
+            config.train, steps=40, eval_every=0, sample_prompt='', sample_tokens=4, peak_flops=1e11
+        ),
+    )
     bf16_losses = loop.run(bf16, str(tmp_path / 'bf16')).losses
     # MFU by hand for its logged step: FLOPs per token from the module's matmul weights and attention,
     # tokens per second from the step time, over train.peak_flops x devices
     m, d = bf16.model, bf16.data
     flops_per_token = 6 * module_matmul_params(m) + 6 * m.n_layers * m.n_heads * m.head_dim * d.seq_len
-    logged, = [json.loads(line) for line in (tmp_path / 'bf16' / 'metrics.jsonl').read_text().splitlines()
-               if '"mfu"' in line]
+    (logged,) = [
+        json.loads(line) for line in (tmp_path / 'bf16' / 'metrics.jsonl').read_text().splitlines() if '"mfu"' in line
+    ]
     assert logged['tokens_per_sec'] == pytest.approx(d.batch_size * d.seq_len / logged['step_time'], rel=1e-6)
-    assert logged['mfu'] == pytest.approx(flops_per_token * logged['tokens_per_sec'] / (1e11 * jax.device_count()),
-                                          rel=1e-6)
+    assert logged['mfu'] == pytest.approx(
+        flops_per_token * logged['tokens_per_sec'] / (1e11 * jax.device_count()), rel=1e-6
+    )
     final = [np.mean([losses[s] for s in range(36, 41)]) for losses in (result.losses, bf16_losses)]
     assert abs(final[1] - final[0]) < 0.05, final
     said = capsys.readouterr().out
@@ -86,8 +93,20 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path, cap
 
     # the generate command on this run, and its errors
     def generate(workdir, *prompts, flags=('--max_new_tokens=5',)):
-        return subprocess.run([sys.executable, '-m', 'vrl.tools.generate', f'--workdir={workdir}', *flags,
-                               *[f'--prompt={p}' for p in prompts]], cwd=ROOT, capture_output=True, text=True)
+        return subprocess.run(
+            [
+                sys.executable,
+                '-m',
+                'vrl.tools.generate',
+                f'--workdir={workdir}',
+                *flags,
+                *[f'--prompt={p}' for p in prompts],
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+
     out = generate(tmp_path, 'HAMLET.', 'To be')
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count('--- ') == 2 and 'decode' in out.stdout and 'KV cache' in out.stdout
@@ -95,8 +114,9 @@ def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path, cap
     # the caches' positions split over 4 of the 8 devices: the same greedy completions
     split = generate(tmp_path, 'HAMLET.', 'To be', flags=('--max_new_tokens=5', '--context=4'))
     assert split.returncode == 0, split.stderr[-2000:]
-    assert [line for line in split.stdout.splitlines() if line.startswith('--- ')] == \
-        [line for line in out.stdout.splitlines() if line.startswith('--- ')]
+    assert [line for line in split.stdout.splitlines() if line.startswith('--- ')] == [
+        line for line in out.stdout.splitlines() if line.startswith('--- ')
+    ]
     # a --max_len far past what the prompts need allocates only what they need; past the trained length, a warning
     out = generate(tmp_path, 'HAMLET.', flags=('--max_new_tokens=70', '--max_len=1000000'))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -181,8 +201,9 @@ def test_gradient_accumulation_equals_one_big_batch(small_corpus):
 def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path, capfd):
     """LR 1e38: step 1 leaves huge but finite weights (saved); step 2's loss is not finite."""
     config = tiny_config(small_corpus, steps=4, checkpoint_every=1)
-    exploding = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e38,
-                                                                          init_lr=1e38, final_lr=1e38))
+    exploding = dataclasses.replace(
+        config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e38, init_lr=1e38, final_lr=1e38)
+    )
     with pytest.raises(loop.TrainingError, match=r'at step 2; no checkpoint of it was written \(latest saved: 1\)'):
         loop.run(exploding, str(tmp_path / 'error'))
     assert saved_steps(tmp_path / 'error') == [1]  # no checkpoint of the bad step
@@ -199,8 +220,11 @@ def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path, capfd):
     assert 'NaN or Inf' not in capfd.readouterr().err  # TensorBoard gets no non-finite scalar
     # steps 2, 3, 4 are non-finite: a limit of 2 skips in a row stops at step 4, naming it
     limited = dataclasses.replace(skipping, train=dataclasses.replace(skipping.train, max_skipped_steps=2, steps=6))
-    with pytest.raises(loop.TrainingError, match=r'3 steps in a row up to step 4 were non-finite and skipped '
-                                                  r'\(train.max_skipped_steps=2\)'):
+    with pytest.raises(
+        loop.TrainingError,
+        match=r'3 steps in a row up to step 4 were non-finite and skipped '
+        r'\(train.max_skipped_steps=2\)',
+    ):
         loop.run(limited, str(tmp_path / 'limited'))
 
 
@@ -208,19 +232,24 @@ def test_update_that_overflows_is_not_finite(small_corpus):
     """Finite loss and gradients, but Adam moments (mu >> sqrt(nu)) times the LR overflow float32:
     the step reports non-finite weights, and under nan_policy=skip leaves the state as it was."""
     config = tiny_config(small_corpus, nan_policy='skip')
-    config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e34,
-                                                                       init_lr=1e34, final_lr=1e34))
+    config = dataclasses.replace(
+        config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e34, init_lr=1e34, final_lr=1e34)
+    )
     trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
     state = trainer.init_state(0)
 
     def extreme_moments(opt_state):
         if isinstance(opt_state, optax.ScaleByAdamState):
-            return opt_state._replace(mu=jax.tree.map(lambda m: m + 1e3, opt_state.mu),
-                                      nu=jax.tree.map(lambda n: n + 1e-12, opt_state.nu))
+            return opt_state._replace(
+                mu=jax.tree.map(lambda m: m + 1e3, opt_state.mu), nu=jax.tree.map(lambda n: n + 1e-12, opt_state.nu)
+            )
         return opt_state
 
-    state = state._replace(opt_state=jax.tree.map(extreme_moments, state.opt_state,
-                                                  is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)))
+    state = state._replace(
+        opt_state=jax.tree.map(
+            extreme_moments, state.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)
+        )
+    )
     before = jax.device_get(state)
     batch = next(iter(pipeline.train_dataset(config.data, pipeline.load_tokenizer(config.data, 512), 0, 1)))
     after, step_metrics = trainer.train_step(state, trainer.device_batch(batch))
@@ -233,8 +262,10 @@ def _tree_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob('*')) if p.is_file()}
 
 
-@pytest.mark.parametrize('field, value', [('attention', 'svformer'), ('rope_theta', 500_000.0),
-                                          ('lambda_mode', 'learnable_plus'), ('d_ff', 96)])
+@pytest.mark.parametrize(
+    'field, value',
+    [('attention', 'svformer'), ('rope_theta', 500_000.0), ('lambda_mode', 'learnable_plus'), ('d_ff', 96)],
+)
 def test_resuming_another_model_is_refused_and_changes_nothing(small_corpus, tmp_path_factory, field, value):
     workdir = tmp_path_factory.getbasetemp() / 'mismatch_run'
     if not workdir.exists():
@@ -243,8 +274,10 @@ def test_resuming_another_model_is_refused_and_changes_nothing(small_corpus, tmp
     config = tiny_config(small_corpus, steps=8)
     other = dataclasses.replace(config, model=dataclasses.replace(config.model, **{field: value}))
     saved = getattr(config.model, field)
-    with pytest.raises(checkpoint.CheckpointMismatchError,
-                       match=re.escape(f'trained with model.{field}={saved!r} but the config has model.{field}={value!r}')):
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError,
+        match=re.escape(f'trained with model.{field}={saved!r} but the config has model.{field}={value!r}'),
+    ):
         loop.run(other, str(workdir))
     assert _tree_bytes(workdir) == before
 
@@ -256,23 +289,40 @@ def test_execution_settings_may_change_on_resume_and_the_run_goes_on_as_before(s
     config = tiny_config(small_corpus, steps=8)
     straight = loop.run(config, str(tmp_path / 'straight'))
     loop.run(tiny_config(small_corpus, steps=4), str(tmp_path / 'changed'))
-    model = dataclasses.replace(config.model, remat='full', scan_layers=not config.model.scan_layers,
-                                attention_impl='xla', hand_vjp='none', attention_chunks=2, head_chunks=2)
+    model = dataclasses.replace(
+        config.model,
+        remat='full',
+        scan_layers=not config.model.scan_layers,
+        attention_impl='xla',
+        hand_vjp='none',
+        attention_chunks=2,
+        head_chunks=2,
+    )
     resumed = loop.run(dataclasses.replace(config, model=model), str(tmp_path / 'changed'))
     assert sorted(resumed.losses) == [5, 6, 7, 8]
     for step, loss in resumed.losses.items():
         assert abs(loss - straight.losses[step]) <= 1e-5 * straight.losses[step], (step, loss, straight.losses[step])
-    bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype='bfloat16'),
-                               train=dataclasses.replace(config.train, steps=10))
+    bf16 = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, compute_dtype='bfloat16'),
+        train=dataclasses.replace(config.train, steps=10),
+    )
     assert loop.run(bf16, str(tmp_path / 'changed')).step == 10
 
 
-@pytest.mark.parametrize('changes, message', [
-    (dict(name='muon', peak_lr=0.02), "was trained with optimizer.name='adamw' but the config has optimizer.name='muon'"),
-    (dict(grad_clip=0.0), "its optimizer state differs from the config's"),
-])
-def test_resuming_under_another_optimizer_state_is_refused_and_changes_nothing(small_corpus, tmp_path_factory, changes,
-                                                                               message):
+@pytest.mark.parametrize(
+    'changes, message',
+    [
+        (
+            dict(name='muon', peak_lr=0.02),
+            "was trained with optimizer.name='adamw' but the config has optimizer.name='muon'",
+        ),
+        (dict(grad_clip=0.0), "its optimizer state differs from the config's"),
+    ],
+)
+def test_resuming_under_another_optimizer_state_is_refused_and_changes_nothing(
+    small_corpus, tmp_path_factory, changes, message
+):
     workdir = tmp_path_factory.getbasetemp() / 'mismatch_run'
     if not workdir.exists():
         loop.run(tiny_config(small_corpus, steps=4), str(workdir))
@@ -291,8 +341,12 @@ def test_a_data_position_saved_in_other_blocks_is_refused_and_changes_nothing(sm
     loop.run(tiny_config(small_corpus, steps=4), str(workdir))
     before = _tree_bytes(workdir)
     monkeypatch.setattr(pipeline, 'BYTES_PER_TOKEN', 128)  # a few speeches a block at this seq_len
-    with pytest.raises(corpus.DataError, match=re.escape('the saved data position counts grain elements of [1] '
-                                                         'documents (per dataset), but this pipeline reads [')):
+    with pytest.raises(
+        corpus.DataError,
+        match=re.escape(
+            'the saved data position counts grain elements of [1] documents (per dataset), but this pipeline reads ['
+        ),
+    ):
         loop.run(tiny_config(small_corpus, steps=8), str(workdir))
     assert _tree_bytes(workdir) == before
 
@@ -302,12 +356,15 @@ def test_init_from_checks_shapes(small_corpus, tmp_path):
     config = tiny_config(small_corpus)
     wider = dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=96))
     abstract = TrainSteps(wider, sharding.make_mesh(wider.mesh)).abstract_state.params
-    with pytest.raises(checkpoint.CheckpointMismatchError,
-                       match=r'mlp.w_down has shape \(64, 32\) but the config needs \(96, 32\)'):
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError, match=r'mlp.w_down has shape \(64, 32\) but the config needs \(96, 32\)'
+    ):
         checkpoint.restore_params(str(tmp_path), abstract)
     svformer = tiny_config(small_corpus, attention='svformer')
     abstract = TrainSteps(svformer, sharding.make_mesh(svformer.mesh)).abstract_state.params
-    with pytest.raises(checkpoint.CheckpointMismatchError, match='has parameter (lambdas|layers).* that the config does not'):
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError, match='has parameter (lambdas|layers).* that the config does not'
+    ):
         checkpoint.restore_params(str(tmp_path), abstract)
 
 
@@ -320,23 +377,44 @@ def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, mo
     assert params_equal(restored, source.state.params)
 
 
-@pytest.mark.parametrize('args, message', [
-    (['--config=configs/tiny.py', '--summary', '--config.train.stepz=3'],
-     "--config.train.stepz: 'stepz' is not a field of train; allowed: steps, microbatches,"),
-    (['--config=configs/tiny.py', '--summary', '--config.model.bogus=1'],
-     "--config.model.bogus: 'bogus' is not a field of model; allowed: attention, lambda_mode,"),
-    (['--config=configs/tiny.py', '--summary', '--config.model.attention=mamba'],
-     "model.attention='mamba' is invalid: allowed one of 'vanilla', 'resformer', 'svformer'"),
-    (['--config=configs/tiny.py', '--workdir=/proc/vrl_cannot_write'], 'cannot write to --workdir /proc/vrl_cannot_write ('),
-    (['--config=configs/base.py:resformer', '--summary'], 'configs/base.py:resformer is invalid: allowed VARIANT,SIZE'),
-    (['--config=configs/tiny.py', '--summary', '--config.trian.steps=3'],
-     "--config.trian.steps: 'trian' is not a config section; allowed: model, data, optimizer, train, mesh"),
-    (['--config=configs/tiny.py', '--summary', '--config.optimizer.final_lr=-1e-4'],
-     'optimizer.final_lr=-0.0001 is invalid: allowed a float >= 0'),
-    (['--config=configs/tinny.py', '--summary'],
-     f'error: the config file configs/tinny.py does not exist (looked from {ROOT}): name one of configs/*.py, '
-     'e.g. --config=configs/tiny.py\n'),
-])
+@pytest.mark.parametrize(
+    'args, message',
+    [
+        (
+            ['--config=configs/tiny.py', '--summary', '--config.train.stepz=3'],
+            "--config.train.stepz: 'stepz' is not a field of train; allowed: steps, microbatches,",
+        ),
+        (
+            ['--config=configs/tiny.py', '--summary', '--config.model.bogus=1'],
+            "--config.model.bogus: 'bogus' is not a field of model; allowed: attention, lambda_mode,",
+        ),
+        (
+            ['--config=configs/tiny.py', '--summary', '--config.model.attention=mamba'],
+            "model.attention='mamba' is invalid: allowed one of 'vanilla', 'resformer', 'svformer'",
+        ),
+        (
+            ['--config=configs/tiny.py', '--workdir=/proc/vrl_cannot_write'],
+            'cannot write to --workdir /proc/vrl_cannot_write (',
+        ),
+        (
+            ['--config=configs/base.py:resformer', '--summary'],
+            'configs/base.py:resformer is invalid: allowed VARIANT,SIZE',
+        ),
+        (
+            ['--config=configs/tiny.py', '--summary', '--config.trian.steps=3'],
+            "--config.trian.steps: 'trian' is not a config section; allowed: model, data, optimizer, train, mesh",
+        ),
+        (
+            ['--config=configs/tiny.py', '--summary', '--config.optimizer.final_lr=-1e-4'],
+            'optimizer.final_lr=-0.0001 is invalid: allowed a float >= 0',
+        ),
+        (
+            ['--config=configs/tinny.py', '--summary'],
+            f'error: the config file configs/tinny.py does not exist (looked from {ROOT}): name one of configs/*.py, '
+            'e.g. --config=configs/tiny.py\n',
+        ),
+    ],
+)
 def test_command_line_errors_are_clear(args, message):
     out = subprocess.run([sys.executable, '-m', 'vrl.main', *args], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode != 0
@@ -345,8 +423,12 @@ def test_command_line_errors_are_clear(args, message):
 
 def test_config_file_with_a_syntax_error(tmp_path):
     (tmp_path / 'broken.py').write_text('def get_config(:\n    pass\n')
-    out = subprocess.run([sys.executable, '-m', 'vrl.main', f'--config={tmp_path}/broken.py', '--summary'], cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, '-m', 'vrl.main', f'--config={tmp_path}/broken.py', '--summary'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode != 0 and 'Traceback' not in out.stderr
     assert f'the config file {tmp_path}/broken.py does not parse: invalid syntax (line 1)' in out.stderr
 
@@ -373,12 +455,20 @@ def test_weights_and_biases_gets_every_record_and_a_resumed_run_continues_it(sma
     hold the config, every logged loss of metrics.jsonl and the diagnostics per layer; the resumed
     run logs to the same W&B run."""
     from tests.helpers import wandb_records
+
     monkeypatch.setenv('WANDB_MODE', 'offline')
     monkeypatch.setenv('WANDB_DIR', str(tmp_path))
     monkeypatch.setenv('WANDB_SILENT', 'true')
     monkeypatch.setenv('WANDB_ERROR_REPORTING', 'false')
-    config = tiny_config(small_corpus, steps=4, log_every=1, checkpoint_every=2, diagnostics_every=2,
-                         diagnostics_sequences=2, wandb_project='vrl-test')
+    config = tiny_config(
+        small_corpus,
+        steps=4,
+        log_every=1,
+        checkpoint_every=2,
+        diagnostics_every=2,
+        diagnostics_sequences=2,
+        wandb_project='vrl-test',
+    )
     workdir = tmp_path / 'run'
     loop.run(config, str(workdir))
     loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6)), str(workdir))
@@ -391,8 +481,9 @@ def test_weights_and_biases_gets_every_record_and_a_resumed_run_continues_it(sma
         for record in wandb_records(file):
             kind = record.WhichOneof('record_type')
             if kind == 'history':
-                items = {item.key or '/'.join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item}
+                items = {
+                    item.key or '/'.join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+                }
                 history.setdefault(record.history.step.num, {}).update(items)
             elif kind == 'run':
                 configs.append({u.key: json.loads(u.value_json) for u in record.run.config.update})
@@ -413,4 +504,5 @@ def test_weights_and_biases_gets_every_record_and_a_resumed_run_continues_it(sma
     fresh_id = (workdir / 'wandb_run_id').read_text()
     assert fresh_id != run_id and (workdir / 'previous_runs').exists()
     assert sorted(f.name for f in tmp_path.glob('wandb/offline-run-*/run-*.wandb')) == sorted(
-        [f'run-{run_id}.wandb'] * 2 + [f'run-{fresh_id}.wandb'])
+        [f'run-{run_id}.wandb'] * 2 + [f'run-{fresh_id}.wandb']
+    )

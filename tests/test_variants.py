@@ -14,7 +14,7 @@ from vrl.model.decoder import Decoder
 
 
 def _logits(model: Decoder, tokens) -> jnp.ndarray:
-    return model(tokens)[..., :model.cfg.vocab_size]
+    return model(tokens)[..., : model.cfg.vocab_size]
 
 
 @pytest.fixture(scope='module')
@@ -73,8 +73,9 @@ def test_value_embeddings_tables_shared_as_configured():
 
 
 def test_value_embeddings_gates_and_tables_learn():
-    model = Decoder(small_model_config(value_embed_layers=(1, 3), attention='resformer', lambda_mode='per_token'),
-                    rngs=nnx.Rngs(0))
+    model = Decoder(
+        small_model_config(value_embed_layers=(1, 3), attention='resformer', lambda_mode='per_token'), rngs=nnx.Rngs(0)
+    )
     tokens = random_tokens(9)
     grads = nnx.to_pure_dict(nnx.grad(lambda m: jnp.mean(_logits(m, tokens) ** 2))(model))
     for g in (grads['value_embeds']['tables'], grads['value_embeds']['gates'], grads['layers']['attn']['w_mix']):
@@ -110,6 +111,7 @@ def test_cla_later_layers_have_no_key_or_value_projection():
 def test_every_preset_builds_on_the_shipped_shapes(size):
     from configs import base, tiny
     from vrl.core.config import from_configdict
+
     config = from_configdict(tiny.get_config() if size == 'tiny' else base.get_config(f'vanilla,{size}'))
     models = {name: presets.apply(name, config.model) for name in presets.PRESETS}
     for cfg in models.values():

@@ -28,8 +28,16 @@ def windowed(small_corpus, tmp_path_factory) -> tuple[DataConfig, tokens.TokenSo
     data_dir = tmp_path_factory.mktemp('windows')
     shutil.copytree(Path(cfg.data_dir) / 'plays', data_dir / 'plays')
     tokens.tokenize('plays', str(data_dir), tokenizer, workers=1)
-    cfg = dataclasses.replace(cfg, data_dir=str(data_dir), shuffle='windows', block_tokens=600, window_blocks=4,
-                              num_epochs=0, read_threads=0, seed=3)
+    cfg = dataclasses.replace(
+        cfg,
+        data_dir=str(data_dir),
+        shuffle='windows',
+        block_tokens=600,
+        window_blocks=4,
+        num_epochs=0,
+        read_threads=0,
+        seed=3,
+    )
     return cfg, tokens.find('plays', cfg.data_dir, 'train', tokenizer)
 
 
@@ -50,9 +58,18 @@ class _Numbered:
 
 def _window_iterator(cfg: DataConfig, source, process_index=0, process_count=1, epochs=None, reads=0, per_element=3):
     blocks = windows.plan(source.shard_documents, source.token_count(), cfg.block_tokens, 'plays train')
-    return windows.WindowIterator(source, blocks, window_blocks=cfg.window_blocks, per_element=per_element, seed=cfg.seed,
-                                  num_epochs=epochs, process_index=process_index, process_count=process_count,
-                                  reads=reads, settings={'block_documents': blocks.per_block})
+    return windows.WindowIterator(
+        source,
+        blocks,
+        window_blocks=cfg.window_blocks,
+        per_element=per_element,
+        seed=cfg.seed,
+        num_epochs=epochs,
+        process_index=process_index,
+        process_count=process_count,
+        reads=reads,
+        settings={'block_documents': blocks.per_block},
+    )
 
 
 def test_blocks_are_consecutive_documents_of_one_shard_near_the_asked_size(windowed):
@@ -76,9 +93,13 @@ def test_every_document_once_an_epoch_and_the_processes_shares_disjoint(windowed
     block is read by two processes, and each block is one read."""
     cfg, real = windowed
     sources = [_Numbered(real) for _ in range(process_count)]
-    streams = [[[int(d[0]) for d in window] for window in
-                _window_iterator(cfg, source, p, process_count, epochs=2, per_element=10 ** 6, reads=2)]
-               for p, source in enumerate(sources)]
+    streams = [
+        [
+            [int(d[0]) for d in window]
+            for window in _window_iterator(cfg, source, p, process_count, epochs=2, per_element=10**6, reads=2)
+        ]
+        for p, source in enumerate(sources)
+    ]
     read = collections.Counter(d for stream in streams for window in stream for d in window)
     assert read == collections.Counter({d: 2 for d in range(len(real))})
     sizes = [len(stream) for stream in streams]
@@ -86,11 +107,15 @@ def test_every_document_once_an_epoch_and_the_processes_shares_disjoint(windowed
     blocks = windows.plan(real.shard_documents, real.token_count(), cfg.block_tokens, 'plays train')
     reads = [r for source in sources for r in source.reads]
     assert sorted((r.start, r.stop) for r in reads) == sorted(
-        (r.start, r.stop) for r in map(blocks.documents, range(len(blocks))) for _ in range(2))
+        (r.start, r.stop) for r in map(blocks.documents, range(len(blocks))) for _ in range(2)
+    )
     one = [int(d[0]) for window in _window_iterator(cfg, _Numbered(real), epochs=1) for d in window]
     assert sorted(one) == list(range(len(real))) and one != sorted(one)
-    again = [int(d[0]) for window in _window_iterator(dataclasses.replace(cfg, seed=4), _Numbered(real), epochs=1)
-             for d in window]
+    again = [
+        int(d[0])
+        for window in _window_iterator(dataclasses.replace(cfg, seed=4), _Numbered(real), epochs=1)
+        for d in window
+    ]
     assert again != one  # another seed, another order
 
 
@@ -100,14 +125,16 @@ def test_a_window_holds_its_blocks_documents_shuffled_and_the_next_epoch_reorder
     cfg, real = windowed
     blocks = windows.plan(real.shard_documents, real.token_count(), cfg.block_tokens, 'plays train')
     per_epoch = -(-len(blocks) // cfg.window_blocks)
-    window_list = list(_window_iterator(cfg, _Numbered(real), epochs=2, per_element=10 ** 6))
+    window_list = list(_window_iterator(cfg, _Numbered(real), epochs=2, per_element=10**6))
     assert len(window_list) == 2 * per_epoch
     block_of = {i: b for b in range(len(blocks)) for i in blocks.documents(b)}
     firsts = []
     for window in (window_list[0], window_list[per_epoch]):
         positions = [int(d[0]) for d in window]
         held = {block_of[i] for i in positions}
-        assert len(held) == cfg.window_blocks and sorted(positions) == sorted(i for b in held for i in blocks.documents(b))
+        assert len(held) == cfg.window_blocks and sorted(positions) == sorted(
+            i for b in held for i in blocks.documents(b)
+        )
         assert positions != sorted(positions)  # shuffled within the window
         firsts.append(held)
     assert firsts[0] != firsts[1]
@@ -119,11 +146,14 @@ def test_batches_are_the_same_for_0_8_and_64_read_threads_and_resume_bit_for_bit
     cfg = dataclasses.replace(cfg, document_masking=True)
     expected = list(itertools.islice(pipeline.train_dataset(cfg, tokenizer), 40))
     for threads in (8, 64):
-        got = list(itertools.islice(pipeline.train_dataset(dataclasses.replace(cfg, read_threads=threads), tokenizer), 40))
+        got = list(
+            itertools.islice(pipeline.train_dataset(dataclasses.replace(cfg, read_threads=threads), tokenizer), 40)
+        )
         for a, b in zip(got, expected, strict=True):
             assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    assert_resumes_exactly(lambda: pipeline.train_dataset(dataclasses.replace(cfg, read_threads=8), tokenizer),
-                           expected, 13)  # past the first window
+    assert_resumes_exactly(
+        lambda: pipeline.train_dataset(dataclasses.replace(cfg, read_threads=8), tokenizer), expected, 13
+    )  # past the first window
 
 
 def test_a_mixture_with_a_weight_schedule_resumes_bit_for_bit_in_windows(windowed, small_corpus, tmp_path):
@@ -131,8 +161,9 @@ def test_a_mixture_with_a_weight_schedule_resumes_bit_for_bit_in_windows(windowe
     _, tokenizer = small_corpus
     for name in ('left', 'right'):  # two datasets: the plays twice, under two names
         shutil.copytree(Path(cfg.data_dir) / 'plays', tmp_path / name)
-    cfg = dataclasses.replace(cfg, data_dir=str(tmp_path), mixture='left=3,right=1', mixture_schedule='4:left=1,right=1',
-                              name='left')
+    cfg = dataclasses.replace(
+        cfg, data_dir=str(tmp_path), mixture='left=3,right=1', mixture_schedule='4:left=1,right=1', name='left'
+    )
     whole = list(itertools.islice(pipeline.train_dataset(cfg, tokenizer), 16))
     assert_resumes_exactly(lambda: pipeline.train_dataset(cfg, tokenizer), whole, 6)
     read = whole[-1]['tokens_read'][-1]
@@ -153,8 +184,11 @@ def test_bad_window_settings_are_one_line_naming_the_field(windowed, small_corpu
     saved = iter(pipeline.train_dataset(cfg, tokenizer))
     next(saved)
     state = json.loads(json.dumps(saved.get_state()))
-    for other, field in ((dict(window_blocks=8), 'data.window_blocks'), (dict(block_tokens=300), 'data.block_tokens'),
-                         (dict(shuffle='documents'), 'data.shuffle')):
+    for other, field in (
+        (dict(window_blocks=8), 'data.window_blocks'),
+        (dict(block_tokens=300), 'data.block_tokens'),
+        (dict(shuffle='documents'), 'data.shuffle'),
+    ):
         with pytest.raises(DataError, match=field):
             iter(pipeline.train_dataset(dataclasses.replace(cfg, **other), tokenizer)).set_state(state)
 
@@ -165,7 +199,11 @@ def test_auto_shuffles_in_windows_only_a_pretokenized_copy_on_a_store(windowed, 
     auto = dataclasses.replace(cfg, shuffle='auto')
     blocks = pipeline._blocks(auto, tokenizer, 'plays', 'train')
     assert not pipeline._window_shuffled(auto, blocks.source, 'plays train')  # local disk: the global document shuffle
-    assert pipeline._window_shuffled(dataclasses.replace(auto, data_dir='gs://bucket/tfds'), blocks.source, 'plays train')
+    assert pipeline._window_shuffled(
+        dataclasses.replace(auto, data_dir='gs://bucket/tfds'), blocks.source, 'plays train'
+    )
     on_the_fly = pipeline._blocks(dataclasses.replace(auto, pretokenized=False), tokenizer, 'plays', 'train')
-    assert not pipeline._window_shuffled(dataclasses.replace(auto, data_dir='gs://bucket/tfds'), on_the_fly.source, 'plays train')
+    assert not pipeline._window_shuffled(
+        dataclasses.replace(auto, data_dir='gs://bucket/tfds'), on_the_fly.source, 'plays train'
+    )
     assert corpus.split_info('plays', cfg.data_dir, 'train').documents == blocks.documents

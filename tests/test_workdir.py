@@ -49,8 +49,9 @@ def test_one_writer_a_killed_holder_does_not_block_and_ctrl_c_saves(small_corpus
     wait_for(lambda: logged_steps(workdir) >= interrupted_at + 2, 180, killed)
     killed.kill()  # kill -9 while holding the lock
     killed.wait()
-    resumed = loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=interrupted_at + 1)),
-                        str(workdir))
+    resumed = loop.run(
+        dataclasses.replace(config, train=dataclasses.replace(config.train, steps=interrupted_at + 1)), str(workdir)
+    )
     assert min(resumed.losses) == interrupted_at + 1
     starts = [r['event'] for r in _records(workdir) if 'event' in r]
     assert starts == ['started', 'resumed', 'resumed']
@@ -84,8 +85,11 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(small_corpus, tm
     config = tiny_config(small_corpus, steps=12, checkpoint_every=3, keep_checkpoints=4)
     first = loop.run(config, str(workdir))
     assert saved_steps(workdir) == [3, 6, 9, 12]
-    damages = {12: (_flip_one_bit_in_each, 'differs from the one saved (checksum mismatch)'),
-               9: (_truncate_each, 'cannot be read'), 6: (_delete_a_folder, 'cannot be read')}
+    damages = {
+        12: (_flip_one_bit_in_each, 'differs from the one saved (checksum mismatch)'),
+        9: (_truncate_each, 'cannot be read'),
+        6: (_delete_a_folder, 'cannot be read'),
+    }
     for step, (damage, _) in damages.items():
         damage(workdir / 'checkpoints' / str(step))
     capsys.readouterr()
@@ -108,10 +112,18 @@ def test_timed_saves_are_kept_until_the_next_and_scheduled_ones_as_configured(sm
     (checkpoint_every and the last), and keep_period keeps every k-th beside them."""
     saves = []
     save = checkpoint.save
-    monkeypatch.setattr(checkpoint, 'save', lambda manager, step, *rest, **kw: (saves.append(step),
-                                                                                 save(manager, step, *rest, **kw))[1])
-    config = tiny_config(small_corpus, steps=10, checkpoint_every=4, keep_checkpoints=1, keep_period=4,
-                         checkpoint_minutes=1e-6, eval_every=0)
+    monkeypatch.setattr(
+        checkpoint, 'save', lambda manager, step, *rest, **kw: (saves.append(step), save(manager, step, *rest, **kw))[1]
+    )
+    config = tiny_config(
+        small_corpus,
+        steps=10,
+        checkpoint_every=4,
+        keep_checkpoints=1,
+        keep_period=4,
+        checkpoint_minutes=1e-6,
+        eval_every=0,
+    )
     loop.run(config, str(tmp_path / 'kept'))
     assert saves == list(range(1, 11))
     assert saved_steps(tmp_path / 'kept') == [4, 8, 10]
@@ -119,8 +131,9 @@ def test_timed_saves_are_kept_until_the_next_and_scheduled_ones_as_configured(sm
     untimed = dataclasses.replace(config, train=dataclasses.replace(config.train, keep_period=0, checkpoint_minutes=0))
     loop.run(untimed, str(tmp_path / 'scheduled'))
     assert saves == [4, 8, 10] and saved_steps(tmp_path / 'scheduled') == [10]
-    wsd = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, schedule='wsd', decay_steps=10,
-                                                                    decay_fraction=0.3))
+    wsd = dataclasses.replace(
+        config, optimizer=dataclasses.replace(config.optimizer, schedule='wsd', decay_steps=10, decay_fraction=0.3)
+    )
     assert [s for s in range(1, 11) if checkpoint.permanent(wsd, s)] == [4, 7, 8, 10]  # 7: the stable phase's end
 
 
@@ -145,6 +158,7 @@ def _sigterm_after(workdir: Path, steps: int) -> Iterator[None]:
             if done.wait(0.02):
                 return
         os.kill(os.getpid(), signal.SIGTERM)
+
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     try:
@@ -227,9 +241,26 @@ def _run_on_a_small_disk(config, folder: Path, size: str) -> Iterator[tuple[subp
     (/proc/PID/root). The namespace's shell prints `run exited: CODE` after the run, then keeps
     the disk until the context ends."""
     script = 'mount -t tmpfs -o size="$1" tmpfs "$0" && "${@:2}"; echo "run exited: $?"; read _'
-    run = subprocess.Popen(['unshare', '--user', '--map-root-user', '--mount', 'bash', '-c', script, str(folder), size,
-                            *cli_args(config, folder / 'run')], cwd=ROOT, stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    run = subprocess.Popen(
+        [
+            'unshare',
+            '--user',
+            '--map-root-user',
+            '--mount',
+            'bash',
+            '-c',
+            script,
+            str(folder),
+            size,
+            *cli_args(config, folder / 'run'),
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         yield run, Path(f'/proc/{run.pid}/root') / folder.relative_to('/')
     finally:
@@ -258,9 +289,14 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(sma
     assert min(resumed.losses) == kept + 1
 
 
-@pytest.mark.parametrize('text, reason', [('{"config": {"model": {', 'Expecting'),
-                                          ('{"config": {"model": {"n_layerz": 2}}}', 'model.n_layerz is not a config field'),
-                                          ('{"params": 3}', "'config'")])
+@pytest.mark.parametrize(
+    'text, reason',
+    [
+        ('{"config": {"model": {', 'Expecting'),
+        ('{"config": {"model": {"n_layerz": 2}}}', 'model.n_layerz is not a config field'),
+        ('{"params": 3}', "'config'"),
+    ],
+)
 def test_a_damaged_run_record_is_one_line(tmp_path, text, reason):
     (tmp_path / 'config.json').write_text(text)
     with pytest.raises(WorkdirError, match=f'config.json is not a readable vrl run record .*{re.escape(reason)}'):
@@ -303,25 +339,45 @@ def test_a_resume_that_reads_another_tokenizer_is_refused_unless_allowed(small_c
     both, and data.allow_data_change=true resumes, saying so."""
     from vrl.data import corpus
     from vrl.data.tokenizer import train as train_tokenizer
+
     config = tiny_config(small_corpus, steps=2, checkpoint_every=2)
     workdir = tmp_path / 'run'
     loop.run(config, str(workdir))
     cfg, tokenizer = small_corpus
     read = json.loads((workdir / 'config.json').read_text())['data']
-    assert read['tokenizer'] == {'path': tokenizer.path, 'fingerprint': tokenizer.fingerprint,
-                                 'vocab_size': tokenizer.vocab_size, 'eos_id': tokenizer.eos_id,
-                                 'bos_id': tokenizer.bos_id, 'pad_id': tokenizer.pad_id}
-    assert read['datasets']['plays'].items() >= {'version': '1.0.0', 'weight': 1.0, 'pretokenized': False,
-                                                 'fingerprint': corpus.fingerprint('plays', cfg.data_dir)}.items()
-    other = train_tokenizer(corpus.texts(corpus.open_split('plays', cfg.data_dir, 'train')), 400,
-                            str(tmp_path / 'other.model'))
-    longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=4),
-                                 data=dataclasses.replace(config.data, tokenizer=other.path))
+    assert read['tokenizer'] == {
+        'path': tokenizer.path,
+        'fingerprint': tokenizer.fingerprint,
+        'vocab_size': tokenizer.vocab_size,
+        'eos_id': tokenizer.eos_id,
+        'bos_id': tokenizer.bos_id,
+        'pad_id': tokenizer.pad_id,
+    }
+    assert (
+        read['datasets']['plays'].items()
+        >= {
+            'version': '1.0.0',
+            'weight': 1.0,
+            'pretokenized': False,
+            'fingerprint': corpus.fingerprint('plays', cfg.data_dir),
+        }.items()
+    )
+    other = train_tokenizer(
+        corpus.texts(corpus.open_split('plays', cfg.data_dir, 'train')), 400, str(tmp_path / 'other.model')
+    )
+    longer = dataclasses.replace(
+        config,
+        train=dataclasses.replace(config.train, steps=4),
+        data=dataclasses.replace(config.data, tokenizer=other.path),
+    )
     capsys.readouterr()
-    with pytest.raises(loop.TrainingError, match=rf'{workdir} was trained on other data than this run reads: the '
-                                                 rf'tokenizer: {re.escape(tokenizer.path)} \(fingerprint '
-                                                 rf'{tokenizer.fingerprint}\) then, {re.escape(other.path)} '
-                                                 rf'\({other.fingerprint}\) now\..*data.allow_data_change=true'):
+    with pytest.raises(
+        loop.TrainingError,
+        match=rf'{workdir} was trained on other data than this run reads: the '
+        rf'tokenizer: {re.escape(tokenizer.path)} \(fingerprint '
+        rf'{tokenizer.fingerprint}\) then, {re.escape(other.path)} '
+        rf'\({other.fingerprint}\) now\..*data.allow_data_change=true',
+    ):
         loop.run(longer, str(workdir))
     assert checkpoint.latest_step(workdir) == 2  # nothing trained
     allowed = dataclasses.replace(longer, data=dataclasses.replace(longer.data, allow_data_change=True))
@@ -335,6 +391,7 @@ def test_a_run_refused_before_writing_leaves_no_workdir_behind(small_corpus, tmp
     """A missing tokenizer stops the run after it claimed its new workdir: the folder (with its lock
     file) goes; a workdir that was there already stays."""
     from vrl.data.tokenizer import TokenizerError
+
     config = tiny_config(small_corpus, steps=2)
     missing = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=str(tmp_path / 'none.model')))
     with pytest.raises(TokenizerError, match='does not exist'):

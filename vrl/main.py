@@ -24,30 +24,59 @@ from vrl.model import accounting, resolve
 
 def _define_flags() -> cli.Args:
     return {
-        'config': config_flags.DEFINE_config_file('config', None, 'A configs/*.py file (":arg" passes an argument).',
-                                                  lock_config=True),
+        'config': config_flags.DEFINE_config_file(
+            'config', None, 'A configs/*.py file (":arg" passes an argument).', lock_config=True
+        ),
         'workdir': flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and TensorBoard logs go here.'),
         'summary': flags.DEFINE_bool('summary', False, 'Print the model summary and exit.'),
         'summary_json': flags.DEFINE_bool('summary_json', False, 'With --summary: also one JSON line at the end.'),
-        'fresh': flags.DEFINE_bool('fresh', False, 'Start over from step 0: the run in --workdir moves to '
-                                   'WORKDIR/previous_runs/ (a run --fresh started resumes under the same command).'),
-        'compile_only': flags.DEFINE_bool('compile_only', False, 'Compile the train step ahead of time, print '
-                                          'per-device memory and FLOPs, exit non-zero if it does not fit.'),
-        'topology': flags.DEFINE_string('topology', None, 'With --compile_only: a TPU slice such as v5e:4x4 '
-                                        '(needs libtpu; no TPU needed). Default: the local devices.'),
-        'num_slices': flags.DEFINE_integer('num_slices', 1, 'With --topology: compile for this many such slices '
-                                           'joined over the data-center network (sets mesh.slices).'),
-        'take_over_lease': flags.DEFINE_bool('take_over_lease', False, 'A --workdir on a bucket: take its lease at '
-                                             'once, without waiting train.lease_stale_seconds for its holder to '
-                                             'renew it; only when that run is surely gone (its VMs deleted).'),
+        'fresh': flags.DEFINE_bool(
+            'fresh',
+            False,
+            'Start over from step 0: the run in --workdir moves to '
+            'WORKDIR/previous_runs/ (a run --fresh started resumes under the same command).',
+        ),
+        'compile_only': flags.DEFINE_bool(
+            'compile_only',
+            False,
+            'Compile the train step ahead of time, print '
+            'per-device memory and FLOPs, exit non-zero if it does not fit.',
+        ),
+        'topology': flags.DEFINE_string(
+            'topology',
+            None,
+            'With --compile_only: a TPU slice such as v5e:4x4 '
+            '(needs libtpu; no TPU needed). Default: the local devices.',
+        ),
+        'num_slices': flags.DEFINE_integer(
+            'num_slices',
+            1,
+            'With --topology: compile for this many such slices '
+            'joined over the data-center network (sets mesh.slices).',
+        ),
+        'take_over_lease': flags.DEFINE_bool(
+            'take_over_lease',
+            False,
+            'A --workdir on a bucket: take its lease at '
+            'once, without waiting train.lease_stale_seconds for its holder to '
+            'renew it; only when that run is surely gone (its VMs deleted).',
+        ),
         **multihost.define_flags(),
-        'init_from': flags.DEFINE_string('init_from', None, 'Initialise parameters from this checkpoint directory '
-                                         '(a step folder or a workdir), or from a Hugging Face Llama directory as '
-                                         'hf:DIR, instead of at random.'),
-        'branch_from': flags.DEFINE_string('branch_from', None, 'Continue another run\'s state (parameters, '
-                                           'optimizer, data position) from its step folder DIR/checkpoints/STEP '
-                                           'in this new workdir, e.g. to extend a wsd run from its last stable '
-                                           'step.'),
+        'init_from': flags.DEFINE_string(
+            'init_from',
+            None,
+            'Initialise parameters from this checkpoint directory '
+            '(a step folder or a workdir), or from a Hugging Face Llama directory as '
+            'hf:DIR, instead of at random.',
+        ),
+        'branch_from': flags.DEFINE_string(
+            'branch_from',
+            None,
+            "Continue another run's state (parameters, "
+            'optimizer, data position) from its step folder DIR/checkpoints/STEP '
+            'in this new workdir, e.g. to extend a wsd run from its last stable '
+            'step.',
+        ),
     }
 
 
@@ -65,8 +94,11 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
     m, acc = config.model, accounting.account(config.model, config.data.seq_len)
     mha = accounting.account(accounting.vanilla_mha(m), config.data.seq_len)
     tokens = config.data.batch_size * config.data.seq_len
-    vocab = (f'{m.vocab_size} (padded to {m.padded_vocab_size})' if m.padded_vocab_size != m.vocab_size
-             else str(m.vocab_size))
+    vocab = (
+        f'{m.vocab_size} (padded to {m.padded_vocab_size})'
+        if m.padded_vocab_size != m.vocab_size
+        else str(m.vocab_size)
+    )
     return [
         ('variant', m.variant_name),
         ('layers', str(m.n_layers)),
@@ -79,9 +111,12 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
         ('params, unpadded vocab', f'{_human(acc.params_unpadded)} ({acc.params_unpadded:,})'),
         ('non-embedding params', f'{_human(acc.non_embedding_params)} ({acc.non_embedding_params:,})'),
         (f'train FLOPs / token (seq {config.data.seq_len})', _human(acc.flops_per_token)),
-        (f'KV cache / token ({resolve.local_compute_dtype(m)})', f'{acc.kv_cache_bytes_per_token:,} B '
-         f'({acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token:.3f} of vanilla MHA, '
-         f'{mha.kv_cache_bytes_per_token:,} B)'),
+        (
+            f'KV cache / token ({resolve.local_compute_dtype(m)})',
+            f'{acc.kv_cache_bytes_per_token:,} B '
+            f'({acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token:.3f} of vanilla MHA, '
+            f'{mha.kv_cache_bytes_per_token:,} B)',
+        ),
         ('batch', f'{config.data.batch_size} sequences x {config.data.seq_len} tokens = {tokens:,} tokens a step'),
         ('training', f'{config.train.steps:,} steps = {_human(config.train.steps * tokens)} tokens'),
     ]
@@ -93,12 +128,15 @@ def step_time_row(config: Config) -> tuple[str, str]:
     import jax
 
     from vrl.train import metrics
+
     devices = jax.devices()
     peak = metrics.peak_flops(config.train.peak_flops, resolve.local_compute_dtype(config.model), devices)
     flops = accounting.account(config.model, config.data.seq_len).flops_per_token
     seconds = flops * config.data.batch_size * config.data.seq_len / (ASSUMED_MFU * peak.flops)
-    return (f'step time, estimated ({len(devices)} {jax.default_backend()} device(s))',
-            f'{seconds:.3g} s at {ASSUMED_MFU:.0%} MFU of {peak}')
+    return (
+        f'step time, estimated ({len(devices)} {jax.default_backend()} device(s))',
+        f'{seconds:.3g} s at {ASSUMED_MFU:.0%} MFU of {peak}',
+    )
 
 
 def print_summary(config: Config, as_json: bool) -> None:
@@ -109,15 +147,26 @@ def print_summary(config: Config, as_json: bool) -> None:
         m = config.model
         acc = accounting.account(m, config.data.seq_len)
         mha = accounting.account(accounting.vanilla_mha(m), config.data.seq_len)
-        print(json.dumps({'variant': m.variant_name, 'attention': m.attention, 'lambda_mode': m.lambda_mode,
-                          'n_layers': m.n_layers, **dataclasses.asdict(acc),
-                          'kv_cache_vs_vanilla_mha': acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token}))
+        print(
+            json.dumps(
+                {
+                    'variant': m.variant_name,
+                    'attention': m.attention,
+                    'lambda_mode': m.lambda_mode,
+                    'n_layers': m.n_layers,
+                    **dataclasses.asdict(acc),
+                    'kv_cache_vs_vanilla_mha': acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token,
+                }
+            )
+        )
 
 
 def _compile_only(config: Config, topology: str | None, num_slices: int) -> None:
     from vrl.train import aot
+
     if topology:
         import jax
+
         # compile for the described slice only: no TPU runtime here to start, no executable to cache
         jax.config.update('jax_platforms', 'cpu')
         jax.config.update('jax_compilation_cache_dir', None)
@@ -125,14 +174,17 @@ def _compile_only(config: Config, topology: str | None, num_slices: int) -> None
         config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, slices=num_slices))
     else:
         import jax
+
         devices, hbm = jax.devices(), aot.local_hbm_bytes()
     fitted, report = aot.resolve(config, devices, hbm, lambda line: print(line, flush=True))
     report = report or aot.compile_train_step(fitted, devices, hbm)
     print(report.table())
     if not report.fits:
-        sys.exit(f'error: the train step needs {report.total_bytes / aot.GiB:.2f} GiB per device but '
-                 f'{report.device_kind} has {report.hbm_bytes / aot.GiB:.2f} GiB: lower data.batch_size, '
-                 'use model.remat=full, or shard more (mesh.fsdp / mesh.tensor).')
+        sys.exit(
+            f'error: the train step needs {report.total_bytes / aot.GiB:.2f} GiB per device but '
+            f'{report.device_kind} has {report.hbm_bytes / aot.GiB:.2f} GiB: lower data.batch_size, '
+            'use model.remat=full, or shard more (mesh.fsdp / mesh.tensor).'
+        )
 
 
 def main(args: cli.Args) -> None:
@@ -145,8 +197,10 @@ def main(args: cli.Args) -> None:
     except OSError as e:  # config_flags defers a missing or broken config file to here
         missing = re.search(r"No such file or directory: '([^']+)'", str(e))
         if missing:
-            sys.exit(f'error: the config file {missing.group(1)} does not exist (looked from {os.getcwd()}): name one '
-                     'of configs/*.py, e.g. --config=configs/tiny.py')
+            sys.exit(
+                f'error: the config file {missing.group(1)} does not exist (looked from {os.getcwd()}): name one '
+                'of configs/*.py, e.g. --config=configs/tiny.py'
+            )
         sys.exit(f'error: {" ".join(str(e).split())}')
     except ConfigError as e:
         sys.exit(f'error: invalid config: {e}')
@@ -160,9 +214,16 @@ def main(args: cli.Args) -> None:
     cli.require(args, 'workdir')
     from vrl.train import checkpoint, loop  # here, so that --summary needs no data stack
     from vrl.train.lease import LeaseLostError
+
     try:
-        loop.run(config, args['workdir'].value, fresh=args['fresh'].value, init_from=args['init_from'].value,
-                  branch_from=args['branch_from'].value, take_over_lease=args['take_over_lease'].value)
+        loop.run(
+            config,
+            args['workdir'].value,
+            fresh=args['fresh'].value,
+            init_from=args['init_from'].value,
+            branch_from=args['branch_from'].value,
+            take_over_lease=args['take_over_lease'].value,
+        )
     except (checkpoint.SaveError, LeaseLostError) as e:
         # a failed save's writer threads can still print asyncio noise while Python shuts down, and a
         # save in flight when the lease was lost must write no more: end the process here
@@ -173,8 +234,10 @@ def main(args: cli.Args) -> None:
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
-        sys.exit(f'error: no space left on device writing {e.filename or args["workdir"].value}; free space and '
-                 'run the same command to resume.')
+        sys.exit(
+            f'error: no space left on device writing {e.filename or args["workdir"].value}; free space and '
+            'run the same command to resume.'
+        )
 
 
 def cli_main() -> None:

@@ -51,10 +51,16 @@ def name_absent_tpu_host(accelerator_type: str, environ: os._Environ | dict = os
 
 # XLA:CPU's instruction sets (the values of XLA_FLAGS=--xla_cpu_max_isa), oldest first, each with the
 # /proc/cpuinfo flags it adds to the ones before it.
-CPU_ISAS = (('SSE4_2', ('sse4_2',)), ('AVX', ('avx',)), ('AVX2', ('avx2', 'fma')),
-            ('AVX512', ('avx512f', 'avx512dq', 'avx512bw', 'avx512vl')), ('AVX512_VNNI', ('avx512_vnni',)),
-            ('AVX512_BF16', ('avx512_bf16',)), ('AMX', ('amx_tile', 'amx_bf16', 'amx_int8')),
-            ('AMX_FP16', ('amx_fp16',)))
+CPU_ISAS = (
+    ('SSE4_2', ('sse4_2',)),
+    ('AVX', ('avx',)),
+    ('AVX2', ('avx2', 'fma')),
+    ('AVX512', ('avx512f', 'avx512dq', 'avx512bw', 'avx512vl')),
+    ('AVX512_VNNI', ('avx512_vnni',)),
+    ('AVX512_BF16', ('avx512_bf16',)),
+    ('AMX', ('amx_tile', 'amx_bf16', 'amx_int8')),
+    ('AMX_FP16', ('amx_fp16',)),
+)
 ISA_NAMES = tuple(name for name, _ in CPU_ISAS)
 NATIVE_BF16_DOT_ISAS = ('AVX512_BF16', 'AMX', 'AMX_FP16')  # bf16 x bf16 -> float32 dot instructions
 

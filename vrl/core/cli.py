@@ -33,8 +33,12 @@ from vrl.core.errors import VrlError
 Args = dict[str, flags.FlagHolder]
 
 
-def run(main: Callable[..., None], define_flags: Callable[[], Args], commands: tuple[str, ...] = (),
-        huge_pages: bool = False) -> None:
+def run(
+    main: Callable[..., None],
+    define_flags: Callable[[], Args],
+    commands: tuple[str, ...] = (),
+    huge_pages: bool = False,
+) -> None:
     """Runs `main(args)`, or `main(args, command)` when the command takes one of `commands` first.
     `huge_pages`: first restart with glibc's huge-page malloc (vrl/core/host_memory.py), for the commands
     whose XLA:CPU steps it speeds up (training, decoding; docs/training.md has the figures)."""
@@ -73,6 +77,7 @@ def enable_compilation_cache() -> None:
     """Compiled steps are reused across runs and invocations (a grid's seeds share one compile), in
     `compilation_cache_dir()`."""
     import jax
+
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update('jax_compilation_cache_dir', compilation_cache_dir())
 
@@ -100,9 +105,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
         key = re.split(r"['\\\n]", text.strip("'"), maxsplit=1)[0]
         given = next((a.split('=')[0] for a in argv if a.startswith(f'--config.{key}.')), f'--config.{key}')
         hint = re.search(r'Did you mean "(\w+)"', text)
-        sys.exit(f'error: {given}: {key!r} is not a config section; allowed: '
-                 + ', '.join(f.name for f in dataclasses.fields(Config))
-                 + (f' (did you mean {hint.group(1)!r}?)' if hint else ''))
+        sys.exit(
+            f'error: {given}: {key!r} is not a config section; allowed: '
+            + ', '.join(f.name for f in dataclasses.fields(Config))
+            + (f' (did you mean {hint.group(1)!r}?)' if hint else '')
+        )
     except (AttributeError, TypeError, ValueError, OSError) as e:  # raised by --config.x=...
         unknown = _unknown_field(e, argv) if isinstance(e, AttributeError) else None
         if unknown:
@@ -134,8 +141,9 @@ def _unknown_field(e: AttributeError, argv: list[str]) -> str | None:
             section = getattr(Config(), parts[0], None)
             if dataclasses.is_dataclass(section):
                 allowed = ', '.join(f.name for f in dataclasses.fields(section))
-                return (f'{arg.split("=", 1)[0]}: {key!r} is not a field of {parts[0]}; allowed: {allowed}'
-                        + (f' (did you mean {hint.group(1)!r}?)' if hint else ''))
+                return f'{arg.split("=", 1)[0]}: {key!r} is not a field of {parts[0]}; allowed: {allowed}' + (
+                    f' (did you mean {hint.group(1)!r}?)' if hint else ''
+                )
     return None
 
 

@@ -46,10 +46,28 @@ def _choice(field: str, value: Any, allowed: Sequence[str]) -> None:
 
 # What makes a variant (presets reset them, exports record them), and what only changes how the step
 # runs (a resume may change these; the checkpoint is the same model).
-VARIANT_FIELDS = ('attention', 'lambda_mode', 'lambda1', 'lambda2', 'sparse_layers', 'neutreno', 'neutreno_lambda',
-                  'denseformer', 'kv_share', 'value_embed_layers', 'value_embed_tables')
-EXECUTION_FIELDS = ('attention_chunks', 'head_chunks', 'attention_impl', 'hand_vjp', 'scan_layers', 'remat',
-                    'compute_dtype')
+VARIANT_FIELDS = (
+    'attention',
+    'lambda_mode',
+    'lambda1',
+    'lambda2',
+    'sparse_layers',
+    'neutreno',
+    'neutreno_lambda',
+    'denseformer',
+    'kv_share',
+    'value_embed_layers',
+    'value_embed_tables',
+)
+EXECUTION_FIELDS = (
+    'attention_chunks',
+    'head_chunks',
+    'attention_impl',
+    'hand_vjp',
+    'scan_layers',
+    'remat',
+    'compute_dtype',
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +108,9 @@ class ModelConfig:
     init_std: float = 0.02
     attention_chunks: int = 4  # the XLA path's training attention (and cuDNN's on a split sequence) in this many
     # query chunks, each skipping the keys after its last query
-    head_chunks: int = 4  # the output head and loss in this many slices of the sequence (vrl.model.ops.cross_entropy_sums)
+    head_chunks: int = (
+        4  # the output head and loss in this many slices of the sequence (vrl.model.ops.cross_entropy_sums)
+    )
     attention_impl: str = 'auto'  # auto | xla | splash | cudnn: vrl/model/attention.py (auto: the platform's kernel)
     hand_vjp: str = 'auto'  # auto | all | none | some of HAND_VJP_OPS, comma-separated: vrl/model/ops.py's
     # ops that run their hand-written backward (the others autodiff); auto: what suits the platform
@@ -108,41 +128,85 @@ class ModelConfig:
         _choice('model.compute_dtype', self.compute_dtype, COMPUTE_DTYPES)
         if self.hand_vjp not in ('auto', 'all', 'none'):
             for name in self.hand_vjp.split(','):
-                _require(name in HAND_VJP_OPS, 'model.hand_vjp', self.hand_vjp,
-                         "'auto', 'all', 'none' or a comma-separated list of " + ', '.join(map(repr, HAND_VJP_OPS)))
-        for name in ('vocab_size', 'vocab_pad_multiple', 'd_model', 'n_heads', 'n_kv_heads',
-                     'head_dim', 'd_ff', 'attention_chunks', 'head_chunks'):
+                _require(
+                    name in HAND_VJP_OPS,
+                    'model.hand_vjp',
+                    self.hand_vjp,
+                    "'auto', 'all', 'none' or a comma-separated list of " + ', '.join(map(repr, HAND_VJP_OPS)),
+                )
+        for name in (
+            'vocab_size',
+            'vocab_pad_multiple',
+            'd_model',
+            'n_heads',
+            'n_kv_heads',
+            'head_dim',
+            'd_ff',
+            'attention_chunks',
+            'head_chunks',
+        ):
             _require(getattr(self, name) >= 1, f'model.{name}', getattr(self, name), 'an integer >= 1')
         _require(self.n_layers >= 2, 'model.n_layers', self.n_layers, 'an integer >= 2')
-        _require(self.n_heads % self.n_kv_heads == 0, 'model.n_kv_heads', self.n_kv_heads,
-                 f'a divisor of model.n_heads={self.n_heads}')
+        _require(
+            self.n_heads % self.n_kv_heads == 0,
+            'model.n_kv_heads',
+            self.n_kv_heads,
+            f'a divisor of model.n_heads={self.n_heads}',
+        )
         _require(self.head_dim % 2 == 0, 'model.head_dim', self.head_dim, 'an even integer (RoPE)')
         for layer in self.sparse_layers:
-            _require(2 <= layer <= self.n_layers, 'model.sparse_layers', self.sparse_layers,
-                     f'1-based layer indices in 2..{self.n_layers}')
+            _require(
+                2 <= layer <= self.n_layers,
+                'model.sparse_layers',
+                self.sparse_layers,
+                f'1-based layer indices in 2..{self.n_layers}',
+            )
         if self.attention == 'resformer' and self.lambda_mode == 'sparse':
-            _require(len(self.sparse_layers) > 0, 'model.sparse_layers', self.sparse_layers,
-                     "a non-empty tuple of layers when model.lambda_mode='sparse'")
+            _require(
+                len(self.sparse_layers) > 0,
+                'model.sparse_layers',
+                self.sparse_layers,
+                "a non-empty tuple of layers when model.lambda_mode='sparse'",
+            )
         _require(self.kv_share >= 1, 'model.kv_share', self.kv_share, 'an integer >= 1 (2 = CLA2)')
         if self.kv_share > 1:
-            _require(self.attention != 'resformer', 'model.kv_share', self.kv_share,
-                     "1 with model.attention='resformer' (CLA's later layers have no W_V to mix with V_1)")
+            _require(
+                self.attention != 'resformer',
+                'model.kv_share',
+                self.kv_share,
+                "1 with model.attention='resformer' (CLA's later layers have no W_V to mix with V_1)",
+            )
         if self.neutreno:
-            _require(self.attention != 'svformer', 'model.neutreno', self.neutreno,
-                     "False with model.attention='svformer' (its V_n is V_1, so V_1 - V_n is 0)")
+            _require(
+                self.attention != 'svformer',
+                'model.neutreno',
+                self.neutreno,
+                "False with model.attention='svformer' (its V_n is V_1, so V_1 - V_n is 0)",
+            )
         self._check_value_embeddings()
 
     def _check_value_embeddings(self) -> None:
         layers, tables = self.value_embed_layers, self.value_embed_tables
-        _require(len(set(layers)) == len(layers) and all(1 <= n <= self.n_layers for n in layers),
-                 'model.value_embed_layers', layers, f'distinct 1-based layer indices in 1..{self.n_layers}')
+        _require(
+            len(set(layers)) == len(layers) and all(1 <= n <= self.n_layers for n in layers),
+            'model.value_embed_layers',
+            layers,
+            f'distinct 1-based layer indices in 1..{self.n_layers}',
+        )
         owners = [n for n in layers if (n - 1) % self.kv_share == 0 and (n == 1 or self.attention != 'svformer')]
-        _require(owners == list(layers), 'model.value_embed_layers', layers,
-                 'layers that project their own values (layer 1 only for SVFormer; with model.kv_share='
-                 f'{self.kv_share}, layers 1, {1 + self.kv_share}, ...)')
-        _require(not tables or (len(tables) == len(layers) and set(tables) == set(range(max(tables) + 1))),
-                 'model.value_embed_tables', tables,
-                 f'() or one table id per value_embed_layers entry ({len(layers)}), using every id 0..T-1')
+        _require(
+            owners == list(layers),
+            'model.value_embed_layers',
+            layers,
+            'layers that project their own values (layer 1 only for SVFormer; with model.kv_share='
+            f'{self.kv_share}, layers 1, {1 + self.kv_share}, ...)',
+        )
+        _require(
+            not tables or (len(tables) == len(layers) and set(tables) == set(range(max(tables) + 1))),
+            'model.value_embed_tables',
+            tables,
+            f'() or one table id per value_embed_layers entry ({len(layers)}), using every id 0..T-1',
+        )
 
     @property
     def padded_vocab_size(self) -> int:
@@ -152,8 +216,10 @@ class ModelConfig:
     def resolved_compute_dtype(self) -> str:
         """compute_dtype where it is resolved ('float32' or 'bfloat16'); 'auto' is a ConfigError here."""
         if self.compute_dtype == 'auto':
-            raise ConfigError("model.compute_dtype='auto' is unresolved here: vrl.model.resolve.execution resolves it "
-                              'for a platform (a TrainSteps does it itself).')
+            raise ConfigError(
+                "model.compute_dtype='auto' is unresolved here: vrl.model.resolve.execution resolves it "
+                'for a platform (a TrainSteps does it itself).'
+            )
         return self.compute_dtype
 
     @property
@@ -203,8 +269,10 @@ class ModelConfig:
             parts.append(f'CLA{self.kv_share}')
         if self.value_embed_layers:
             tables = max(self.value_embed_table_ids) + 1
-            parts.append(f'value embeddings on layers {",".join(map(str, self.value_embed_layers))} '
-                         f'({tables} table{"s" if tables > 1 else ""})')
+            parts.append(
+                f'value embeddings on layers {",".join(map(str, self.value_embed_layers))} '
+                f'({tables} table{"s" if tables > 1 else ""})'
+            )
         if self.n_kv_heads != self.n_heads:
             parts.append('MQA' if self.n_kv_heads == 1 else f'GQA{self.n_heads // self.n_kv_heads}')
         return ' + '.join(parts)
@@ -286,10 +354,18 @@ class DataConfig:
         self.evaluated()  # parses data.eval, or names what is wrong
         if self.mixture:
             self.sources()  # parses, or names what is wrong
-            _require(self.num_epochs == 0, 'data.num_epochs', self.num_epochs,
-                     '0 with data.mixture (a mixture repeats its datasets forever; stop with train.steps)')
-        _require(not self.mixture_schedule or bool(self.mixture), 'data.mixture_schedule', self.mixture_schedule,
-                 "'' without data.mixture (it changes the mixture's weights)")
+            _require(
+                self.num_epochs == 0,
+                'data.num_epochs',
+                self.num_epochs,
+                '0 with data.mixture (a mixture repeats its datasets forever; stop with train.steps)',
+            )
+        _require(
+            not self.mixture_schedule or bool(self.mixture),
+            'data.mixture_schedule',
+            self.mixture_schedule,
+            "'' without data.mixture (it changes the mixture's weights)",
+        )
         self.phases()  # parses data.mixture_schedule, or names what is wrong
 
     def evaluated(self) -> list[tuple[str, str]]:
@@ -297,8 +373,12 @@ class DataConfig:
         if not self.eval:
             return [(name, self.eval_split) for name, _ in self.sources()]
         sets = [_eval_set(entry.strip(), self.eval_split) for entry in self.eval.split(',')]
-        _require(all(name for name, _ in sets) and len(set(sets)) == len(sets), 'data.eval', self.eval,
-                 "comma-separated distinct NAME or NAME:SPLIT entries, e.g. 'web,books:test'")
+        _require(
+            all(name for name, _ in sets) and len(set(sets)) == len(sets),
+            'data.eval',
+            self.eval,
+            "comma-separated distinct NAME or NAME:SPLIT entries, e.g. 'web,books:test'",
+        )
         return sets
 
     def sources(self) -> list[tuple[str, float]]:
@@ -317,13 +397,22 @@ class DataConfig:
         field, allowed = 'data.mixture_schedule', "';'-separated STEP:NAME=WEIGHT,... entries with rising steps > 0"
         for entry in self.mixture_schedule.split(';'):
             step, _, weights = entry.strip().partition(':')
-            _require(step.isdigit() and int(step) > phases[-1][0], field, self.mixture_schedule,
-                     f'{allowed} ({entry.strip()!r} is not)')
-            given = _weights(field, self.mixture_schedule, weights, 'weights >= 0 of data.mixture\'s datasets',
-                             zero_allowed=True)
-            _require(set(given) <= set(names) and any(given.values()), field, self.mixture_schedule,
-                     f'{allowed}, naming only data.mixture\'s datasets ({", ".join(names)}), one at weight > 0 '
-                     f'({entry.strip()!r} is not)')
+            _require(
+                step.isdigit() and int(step) > phases[-1][0],
+                field,
+                self.mixture_schedule,
+                f'{allowed} ({entry.strip()!r} is not)',
+            )
+            given = _weights(
+                field, self.mixture_schedule, weights, "weights >= 0 of data.mixture's datasets", zero_allowed=True
+            )
+            _require(
+                set(given) <= set(names) and any(given.values()),
+                field,
+                self.mixture_schedule,
+                f"{allowed}, naming only data.mixture's datasets ({', '.join(names)}), one at weight > 0 "
+                f'({entry.strip()!r} is not)',
+            )
             phases.append((int(step), tuple(given.get(name, 0.0) for name in names)))
         return phases
 
@@ -338,9 +427,15 @@ def _weights(field: str, value: str, pairs: str, allowed: str, zero_allowed: boo
             number = float(weight)
         except ValueError:
             number = math.nan
-        _require(bool(name) and name not in weights and math.isfinite(number) and (number > 0 or zero_allowed
-                 and number == 0), field, value,
-                 f'{allowed} ({entry.strip()!r} is not)')
+        _require(
+            bool(name)
+            and name not in weights
+            and math.isfinite(number)
+            and (number > 0 or zero_allowed and number == 0),
+            field,
+            value,
+            f'{allowed} ({entry.strip()!r} is not)',
+        )
         weights[name] = number
     return weights
 
@@ -383,13 +478,21 @@ class OptimizerConfig:
         _choice('optimizer.decay_shape', self.decay_shape, DECAY_SHAPES)
         _require(self.peak_lr > 0, 'optimizer.peak_lr', self.peak_lr, 'a float > 0')
         _require(self.warmup_steps >= 0, 'optimizer.warmup_steps', self.warmup_steps, 'an integer >= 0')
-        _require(self.decay_steps == 0 or self.decay_steps > self.warmup_steps, 'optimizer.decay_steps',
-                 self.decay_steps, f'0 (train.steps) or an integer > optimizer.warmup_steps={self.warmup_steps}')
+        _require(
+            self.decay_steps == 0 or self.decay_steps > self.warmup_steps,
+            'optimizer.decay_steps',
+            self.decay_steps,
+            f'0 (train.steps) or an integer > optimizer.warmup_steps={self.warmup_steps}',
+        )
         _require(0 < self.decay_fraction <= 1, 'optimizer.decay_fraction', self.decay_fraction, 'a float in (0, 1]')
         if self.schedule == 'wsd' and self.decay_steps:
-            _require(self.decay_start >= self.warmup_steps, 'optimizer.decay_fraction', self.decay_fraction,
-                     f'a fraction whose decay starts after warmup (decay_steps={self.decay_steps} x (1 - '
-                     f'{self.decay_fraction}) = {self.decay_start} < warmup_steps={self.warmup_steps})')
+            _require(
+                self.decay_start >= self.warmup_steps,
+                'optimizer.decay_fraction',
+                self.decay_fraction,
+                f'a fraction whose decay starts after warmup (decay_steps={self.decay_steps} x (1 - '
+                f'{self.decay_fraction}) = {self.decay_start} < warmup_steps={self.warmup_steps})',
+            )
         _require(self.eps > 0, 'optimizer.eps', self.eps, 'a float > 0')
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, 'optimizer.b1/b2', (self.b1, self.b2), 'floats in [0, 1)')
         _require(0 <= self.muon_momentum < 1, 'optimizer.muon_momentum', self.muon_momentum, 'a float in [0, 1)')
@@ -448,25 +551,49 @@ class TrainConfig:
     downstream_limit: int = 0  # examples per task; 0 = all
     downstream_fewshot: int = -1  # few-shot examples; -1 = each task's default
     downstream_include_path: str = ''  # a folder of task YAMLs of your own (lm-eval's include_path)
-    # Weights & Biases (vrl/train/trackers/wandb.py, requirements-extra.txt): everything the run logs, from process 0; '' = off
+    # Weights & Biases (vrl/train/trackers/wandb.py, requirements-extra.txt): everything the run logs, from process
+    # 0; '' = off
     wandb_project: str = ''
     wandb_entity: str = ''  # '' = your default entity
     wandb_run_name: str = ''  # '' = the workdir's name
 
     def __post_init__(self):
         _choice('train.nan_policy', self.nan_policy, NAN_POLICIES)
-        _require(self.lease_stale_seconds >= MIN_LEASE_STALE_SECONDS, 'train.lease_stale_seconds',
-                 self.lease_stale_seconds, f'an integer >= {MIN_LEASE_STALE_SECONDS}')
+        _require(
+            self.lease_stale_seconds >= MIN_LEASE_STALE_SECONDS,
+            'train.lease_stale_seconds',
+            self.lease_stale_seconds,
+            f'an integer >= {MIN_LEASE_STALE_SECONDS}',
+        )
         for name in ('log_every', 'checkpoint_every', 'keep_checkpoints', 'diagnostics_sequences'):
             _require(getattr(self, name) >= 1, f'train.{name}', getattr(self, name), 'an integer >= 1')
-        for name in ('steps', 'microbatches', 'print_every', 'eval_every', 'eval_batches', 'keep_period', 'sample_tokens',
-                     'max_skipped_steps', 'diagnostics_every', 'checkpoint_minutes', 'downstream_every',
-                     'downstream_limit'):
+        for name in (
+            'steps',
+            'microbatches',
+            'print_every',
+            'eval_every',
+            'eval_batches',
+            'keep_period',
+            'sample_tokens',
+            'max_skipped_steps',
+            'diagnostics_every',
+            'checkpoint_minutes',
+            'downstream_every',
+            'downstream_limit',
+        ):
             _require(getattr(self, name) >= 0, f'train.{name}', getattr(self, name), 'an integer >= 0')
-        _require(self.downstream_fewshot >= -1, 'train.downstream_fewshot', self.downstream_fewshot,
-                 '-1 (each task\'s default) or an integer >= 0')
-        _require(all(self.task_names) or not self.downstream_tasks.strip(), 'train.downstream_tasks',
-                 self.downstream_tasks, "lm-eval task names separated by commas, such as 'hellaswag,piqa'")
+        _require(
+            self.downstream_fewshot >= -1,
+            'train.downstream_fewshot',
+            self.downstream_fewshot,
+            "-1 (each task's default) or an integer >= 0",
+        )
+        _require(
+            all(self.task_names) or not self.downstream_tasks.strip(),
+            'train.downstream_tasks',
+            self.downstream_tasks,
+            "lm-eval task names separated by commas, such as 'hellaswag,piqa'",
+        )
 
     @property
     def task_names(self) -> list[str]:
@@ -486,12 +613,20 @@ class MeshConfig:
 
     def __post_init__(self):
         sizes = (self.data, self.fsdp, self.tensor)
-        _require(all(s == -1 or s >= 1 for s in sizes) and sizes.count(-1) <= 1, 'mesh', sizes,
-                 'sizes >= 1 with at most one -1')
+        _require(
+            all(s == -1 or s >= 1 for s in sizes) and sizes.count(-1) <= 1,
+            'mesh',
+            sizes,
+            'sizes >= 1 with at most one -1',
+        )
         _require(self.slices >= 1, 'mesh.slices', self.slices, 'an integer >= 1')
-        _require(self.context >= 1 or (self.context == 0 and -1 in sizes), 'mesh.context', self.context,
-                 'an integer >= 1, or 0 (auto: vrl/train/aot.py picks it) with one of mesh.data, mesh.fsdp, '
-                 'mesh.tensor at -1 to take the rest')
+        _require(
+            self.context >= 1 or (self.context == 0 and -1 in sizes),
+            'mesh.context',
+            self.context,
+            'an integer >= 1, or 0 (auto: vrl/train/aot.py picks it) with one of mesh.data, mesh.fsdp, '
+            'mesh.tensor at -1 to take the rest',
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -503,9 +638,12 @@ class Config:
     mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):
-        _require(self.train.microbatches == 0 or self.data.batch_size % self.train.microbatches == 0,
-                 'train.microbatches', self.train.microbatches,
-                 f'0 (auto) or a divisor of data.batch_size={self.data.batch_size}')
+        _require(
+            self.train.microbatches == 0 or self.data.batch_size % self.train.microbatches == 0,
+            'train.microbatches',
+            self.train.microbatches,
+            f'0 (auto) or a divisor of data.batch_size={self.data.batch_size}',
+        )
 
 
 def _int_tuple(field: str, value: Any) -> tuple[int, ...]:
@@ -533,13 +671,14 @@ def from_configdict(config_dict: ml_collections.ConfigDict) -> Config:
         known = {f.name: f for f in dataclasses.fields(section_cls)}
         unknown = sorted(set(given) - set(known))
         if unknown:
-            raise ConfigError(f'{field.name}.{unknown[0]} is not a config field; '
-                              f'allowed: {", ".join(sorted(known))}.')
+            raise ConfigError(f'{field.name}.{unknown[0]} is not a config field; allowed: {", ".join(sorted(known))}.')
         for name in ('sparse_layers', 'value_embed_layers', 'value_embed_tables'):
             if name in given:
                 given[name] = _int_tuple(f'{field.name}.{name}', given[name])
         sections[field.name] = section_cls(**given)
     if values:
-        raise ConfigError(f'{sorted(values)[0]} is not a config section; allowed: '
-                          f'{", ".join(f.name for f in dataclasses.fields(Config))}.')
+        raise ConfigError(
+            f'{sorted(values)[0]} is not a config section; allowed: '
+            f'{", ".join(f.name for f in dataclasses.fields(Config))}.'
+        )
     return Config(**sections)

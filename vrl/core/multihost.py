@@ -54,24 +54,37 @@ def together(operation: str) -> None:
     """Raises AloneError when `operation`, a collective, is called inside `on_process_0` (on any number
     of processes, so that a one-process test finds the mistake a pod would hang on)."""
     if getattr(_alone, 'depth', 0):
-        raise AloneError(f'{operation} is a collective operation, called from code that only process 0 runs '
-                         '(multihost.on_process_0): the other processes would never join it. Run that code on '
-                         'every process (multihost.everywhere) instead.')
+        raise AloneError(
+            f'{operation} is a collective operation, called from code that only process 0 runs '
+            '(multihost.on_process_0): the other processes would never join it. Run that code on '
+            'every process (multihost.everywhere) instead.'
+        )
 
 
 def define_flags() -> dict[str, flags.FlagHolder]:
     """The flags that join a process to a job of several (Cloud TPU and SLURM need none)."""
     return {
-        'coordinator_address': flags.DEFINE_string('coordinator_address', None, 'Multi-process: host:port of '
-                                                   'process 0 (GPU clusters, localhost tests). Cloud TPU and SLURM '
-                                                   'are auto-detected.'),
+        'coordinator_address': flags.DEFINE_string(
+            'coordinator_address',
+            None,
+            'Multi-process: host:port of '
+            'process 0 (GPU clusters, localhost tests). Cloud TPU and SLURM '
+            'are auto-detected.',
+        ),
         'num_processes': flags.DEFINE_integer('num_processes', None, 'Multi-process: how many processes.'),
-        'process_id': flags.DEFINE_integer('process_id', None, 'Multi-process: this process\'s index.'),
-        'peer_timeout_s': flags.DEFINE_integer('peer_timeout_s', PEER_TIMEOUT_S, 'Multi-process: a process that '
-                                               'has not answered for this many seconds (its host died or froze) '
-                                               'stops every process.'),
-        'join_timeout_s': flags.DEFINE_integer('join_timeout_s', JOIN_TIMEOUT_S, 'Multi-process: how long each '
-                                               'process waits for all of them to join the job before it stops.'),
+        'process_id': flags.DEFINE_integer('process_id', None, "Multi-process: this process's index."),
+        'peer_timeout_s': flags.DEFINE_integer(
+            'peer_timeout_s',
+            PEER_TIMEOUT_S,
+            'Multi-process: a process that '
+            'has not answered for this many seconds (its host died or froze) '
+            'stops every process.',
+        ),
+        'join_timeout_s': flags.DEFINE_integer(
+            'join_timeout_s',
+            JOIN_TIMEOUT_S,
+            'Multi-process: how long each process waits for all of them to join the job before it stops.',
+        ),
     }
 
 
@@ -90,20 +103,32 @@ def initialize(args: dict[str, flags.FlagHolder]) -> None:
         job = (args['coordinator_address'].value, args['num_processes'].value, args['process_id'].value)
     elif ',' in os.environ.get('TPU_WORKER_HOSTNAMES', '') or int(os.environ.get('SLURM_NTASKS', '1')) > 1:
         from jax._src import clusters  # the detection jax.distributed.initialize runs, done here to know the job
+
         job = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, join_timeout)[:3]
     else:
         return
     coordinator, num_processes, process_id = job
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU processes talk over gloo
     print(f'process {process_id} of {num_processes}: joining the job at {coordinator} {joining}', flush=True)
-    end_roll_call = roll_call.start(coordinator, num_processes, process_id, roll_call.report_every(join_timeout),
-                                    lambda line: print(line, flush=True))
+    end_roll_call = roll_call.start(
+        coordinator,
+        num_processes,
+        process_id,
+        roll_call.report_every(join_timeout),
+        lambda line: print(line, flush=True),
+    )
     try:
-        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=join_timeout,
-                                   heartbeat_timeout_seconds=timeout + JAX_HEARTBEAT_MARGIN_S)
+        jax.distributed.initialize(
+            coordinator,
+            num_processes,
+            process_id,
+            initialization_timeout=join_timeout,
+            heartbeat_timeout_seconds=timeout + JAX_HEARTBEAT_MARGIN_S,
+        )
     finally:
         end_roll_call()
     from jax._src import distributed  # the client has no public accessor
+
     peers.watch(distributed.global_state.client, timeout)
 
 
@@ -112,6 +137,7 @@ def preemption_service() -> bool:
     SIGTERM itself, and `multihost_utils.reached_preemption_sync_point` tells every process at
     which step to save."""
     from jax._src import distributed  # the service's state has no public accessor
+
     return jax.process_count() > 1 and distributed.global_state.preemption_sync_manager is not None
 
 
@@ -120,6 +146,7 @@ def sync(name: str) -> None:
     together(f'sync({name!r})')
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
+
         multihost_utils.sync_global_devices(name)
 
 
@@ -129,6 +156,7 @@ def every_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     from jax.experimental import multihost_utils
+
     return bool(np.all(multihost_utils.process_allgather(np.array([flag]))))
 
 
@@ -138,15 +166,17 @@ def summed(values: np.ndarray) -> np.ndarray:
     if jax.process_count() == 1:
         return values
     from jax.experimental import multihost_utils
+
     return np.sum(multihost_utils.process_allgather(values), axis=0)
 
 
 def _gather_text(text: str) -> list[str]:
     """Every process's `text` (at most _MESSAGE_BYTES of UTF-8), in process order, on every process."""
     from jax.experimental import multihost_utils
+
     buffer = np.zeros(_MESSAGE_BYTES, np.uint8)
     encoded = text.encode()[:_MESSAGE_BYTES]
-    buffer[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+    buffer[: len(encoded)] = np.frombuffer(encoded, np.uint8)
     received = np.asarray(multihost_utils.process_allgather(buffer)).reshape(jax.process_count(), _MESSAGE_BYTES)
     return [bytes(row).rstrip(b'\0').decode(errors='replace') for row in received]
 
@@ -188,6 +218,7 @@ def on_process_0(fn: Callable[[], T]) -> T | None:
             return None
         with _only_this_process():
             return fn()
+
     return everywhere(alone)
 
 

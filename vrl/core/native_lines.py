@@ -52,8 +52,10 @@ class GlooLines:
     A run of lines made only of Gloo's tokens is held until every message begun in it has ended, then
     dropped if every peer count in it (connected, expected) is the same number, else passed whole."""
 
-    TOKENS = re.compile(rb'(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. '
-                        rb'|Expected number of connected peer ranks is : )+')
+    TOKENS = re.compile(
+        rb'(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. '
+        rb'|Expected number of connected peer ranks is : )+'
+    )
     START = b'[Gloo] Rank '
     COUNT = re.compile(rb'(?: is connected to |peer ranks is : )(\d+)')
 
@@ -84,14 +86,19 @@ class JaxAbort:
     elsewhere, then passed on; the abort's own lines, read up to its stack trace, say its cause, and
     everything after them is dropped."""
 
-    LEADER_LOST = (b'error: process 0 stopped answering: the coordination service it hosts is gone (its host died '
-                   b'or froze)')
-    NOT_JOINED = (b'error: not every process joined the job within --join_timeout_s: start each of them with the '
-                  b'same --coordinator_address and --num_processes, and its own --process_id')
+    LEADER_LOST = (
+        b'error: process 0 stopped answering: the coordination service it hosts is gone (its host died or froze)'
+    )
+    NOT_JOINED = (
+        b'error: not every process joined the job within --join_timeout_s: start each of them with the '
+        b'same --coordinator_address and --num_processes, and its own --process_id'
+    )
     PREFIX = re.compile(rb'[IWEF]\d{4} [\d:.]+ +\d+ ')
     ON_THE_WAY = re.compile(rb'[IWEF]\d{4} [\d:.]+ +\d+ (preemption_sync_manager|coordination_service_agent)\.cc:')
-    ABORT = re.compile(rb'F\d{4} [\d:.]+ +\d+ client\.h:\d+\] Terminating process because the JAX distributed '
-                       rb'service detected fatal errors\..*absl::Status: (.*)')
+    ABORT = re.compile(
+        rb'F\d{4} [\d:.]+ +\d+ client\.h:\d+\] Terminating process because the JAX distributed '
+        rb'service detected fatal errors\..*absl::Status: (.*)'
+    )
 
     def __init__(self):
         self.held: list[bytes] = []
@@ -143,11 +150,16 @@ class Both:
 
 NOISE = {  # per stream, what drops its lines
     'stdout': GlooLines,
-    'stderr': lambda: Both(JaxAbort(), Drop(rb'[IWE]\d{4} [\d:.]+ +\d+ google_auth_provider\.cc:\d+\] '
-                           rb'(Could not find the credentials file in the standard gcloud location \[.*\]\. You may '
-                           rb'specify a credentials file using \$GOOGLE_APPLICATION_CREDENTIALS, or to use Google '
-                           rb'application default credentials, run: gcloud auth application-default login'
-                           rb'|Using GOOGLE_AUTH_TOKEN_FOR_TESTING)')),
+    'stderr': lambda: Both(
+        JaxAbort(),
+        Drop(
+            rb'[IWE]\d{4} [\d:.]+ +\d+ google_auth_provider\.cc:\d+\] '
+            rb'(Could not find the credentials file in the standard gcloud location \[.*\]\. You may '
+            rb'specify a credentials file using \$GOOGLE_APPLICATION_CREDENTIALS, or to use Google '
+            rb'application default credentials, run: gcloud auth application-default login'
+            rb'|Using GOOGLE_AUTH_TOKEN_FOR_TESTING)'
+        ),
+    ),
 }
 
 
@@ -166,8 +178,13 @@ def quiet() -> None:
         read_ends.append(read_end)
         setattr(sys, name, python_side)
     # the child's own 1 and 2 are the original ones; it holds no write end of its pipes
-    subprocess.Popen([sys.executable, '-m', 'vrl.core.native_lines', *map(str, read_ends)], pass_fds=read_ends,
-                     stdin=subprocess.DEVNULL, stdout=targets[0], stderr=targets[1])
+    subprocess.Popen(
+        [sys.executable, '-m', 'vrl.core.native_lines', *map(str, read_ends)],
+        pass_fds=read_ends,
+        stdin=subprocess.DEVNULL,
+        stdout=targets[0],
+        stderr=targets[1],
+    )
     for fd in (*targets, *read_ends):
         os.close(fd)
 
@@ -186,7 +203,7 @@ def pass_on(source: int, target: int, noise: Drop | GlooLines | Both) -> None:
 def _write(target: int, data: bytes) -> None:
     try:
         while data:
-            data = data[os.write(target, data):]
+            data = data[os.write(target, data) :]
     except OSError:  # a closed terminal or pipe: what follows has nowhere to go
         pass
 
@@ -197,8 +214,10 @@ def _serve(read_ends: list[int]) -> None:
     run has stopped."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    threads = [threading.Thread(target=pass_on, args=(source, target, noise()))
-               for target, (source, noise) in enumerate(zip(read_ends, NOISE.values()), 1)]
+    threads = [
+        threading.Thread(target=pass_on, args=(source, target, noise()))
+        for target, (source, noise) in enumerate(zip(read_ends, NOISE.values()), 1)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -123,13 +123,21 @@ class _Watcher:
                     if process not in last_moved or beats[process] != count:
                         beats[process], last_moved[process] = count, now
                     elif now - last_moved[process] > self._timeout_s:
-                        self.fail(f'process {process}: it has not answered for {now - last_moved[process]:.0f} s '
-                                  '(its host died or froze)', own=False, publish=True)
+                        self.fail(
+                            f'process {process}: it has not answered for {now - last_moved[process]:.0f} s '
+                            '(its host died or froze)',
+                            own=False,
+                            publish=True,
+                        )
             except Exception as e:  # noqa: BLE001 - the coordination service itself is gone
                 if self._closing.is_set():
                     return
-                self.fail(f'process 0: the job\'s coordination service stopped answering ({_first_line(e)}); '
-                          'process 0 ended or its host died', own=False, publish=False)
+                self.fail(
+                    f"process 0: the job's coordination service stopped answering ({_first_line(e)}); "
+                    'process 0 ended or its host died',
+                    own=False,
+                    publish=False,
+                )
             if self._closing.wait(POLL_S):
                 return
 
@@ -199,8 +207,9 @@ class _Watcher:
         before = self._alive()
         time.sleep(SILENT_S)
         after, done = self._alive(), self._done()
-        return sorted(p for p in range(self._count) if p != self._index and p not in done
-                      and after.get(p) == before.get(p))
+        return sorted(
+            p for p in range(self._count) if p != self._index and p not in done and after.get(p) == before.get(p)
+        )
 
     def _wait_for_the_others(self) -> None:
         """Until every other process has seen the failure (and ends at once), at most ACK_WAIT_S."""

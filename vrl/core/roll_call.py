@@ -33,13 +33,14 @@ def _port_after(coordinator: str) -> tuple[str, int]:
     return host.strip('[]'), int(port) + 1
 
 
-def _listen(port: int, num_processes: int, every_s: float, done: threading.Event,
-            say: Callable[[str], None]) -> None:
+def _listen(port: int, num_processes: int, every_s: float, done: threading.Event, say: Callable[[str], None]) -> None:
     try:
         server = socket.create_server(('', port), reuse_port=False)
     except OSError as e:
-        say(f'process 0 of {num_processes}: no roll call (port {port} is not free: {e.strerror}); the join goes on, '
-            'without saying who is missing')
+        say(
+            f'process 0 of {num_processes}: no roll call (port {port} is not free: {e.strerror}); the join goes on, '
+            'without saying who is missing'
+        )
         return
     server.settimeout(_RETRY_S)
     came = {0}
@@ -57,13 +58,22 @@ def _listen(port: int, num_processes: int, every_s: float, done: threading.Event
                 pass
             if time.monotonic() >= next_report and not done.is_set() and len(came) < num_processes:
                 missing = sorted(set(range(num_processes)) - came)
-                say(f'process 0 of {num_processes}: still waiting for process{"es" if len(missing) > 1 else ""} '
-                    f'{_numbers(missing)} to join (here: {_numbers(sorted(came))})')
+                say(
+                    f'process 0 of {num_processes}: still waiting for process{"es" if len(missing) > 1 else ""} '
+                    f'{_numbers(missing)} to join (here: {_numbers(sorted(came))})'
+                )
                 next_report += every_s
 
 
-def _answer(host: str, port: int, process_id: int, num_processes: int, every_s: float,
-            done: threading.Event, say: Callable[[str], None]) -> None:
+def _answer(
+    host: str,
+    port: int,
+    process_id: int,
+    num_processes: int,
+    every_s: float,
+    done: threading.Event,
+    say: Callable[[str], None],
+) -> None:
     started = time.monotonic()
     next_report = started + every_s
     while not done.is_set():
@@ -74,14 +84,17 @@ def _answer(host: str, port: int, process_id: int, num_processes: int, every_s: 
         except OSError:
             pass
         if time.monotonic() >= next_report and not done.is_set():
-            say(f'process {process_id} of {num_processes}: process 0 has not answered at {host}:{port} for '
-                f'{time.monotonic() - started:.0f} s: is it started, at that address?')
+            say(
+                f'process {process_id} of {num_processes}: process 0 has not answered at {host}:{port} for '
+                f'{time.monotonic() - started:.0f} s: is it started, at that address?'
+            )
             next_report += every_s
         done.wait(_RETRY_S)
 
 
-def start(coordinator: str, num_processes: int, process_id: int, every_s: float,
-          say: Callable[[str], None]) -> Callable[[], None]:
+def start(
+    coordinator: str, num_processes: int, process_id: int, every_s: float, say: Callable[[str], None]
+) -> Callable[[], None]:
     """Begins this process's part of the roll call for the job whose coordinator is `coordinator`
     (host:port). Returns the function that ends it (once the join has returned or failed)."""
     host, port = _port_after(coordinator)
@@ -96,4 +109,5 @@ def start(coordinator: str, num_processes: int, process_id: int, every_s: float,
     def end() -> None:
         done.set()
         thread.join(timeout=5)
+
     return end

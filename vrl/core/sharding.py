@@ -29,6 +29,7 @@ BATCH_AXES = ('data', 'fsdp')
 
 class Axis:
     """The logical axes the model names its arrays' dimensions by (LOGICAL_RULES maps each to the mesh)."""
+
     BATCH = 'batch'
     LENGTH = 'length'
     EMBED = 'embed'  # d_model of a parameter
@@ -62,8 +63,10 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
     if n_devices % cfg.slices:
         raise ConfigError(f'mesh.slices={cfg.slices} is invalid: it must divide the {n_devices} devices.')
     if cfg.context == 0:
-        raise ConfigError('mesh.context=0 (auto) is unresolved here: vrl.train.aot.resolve picks it by compiling '
-                          'for the devices (vrl.main and train.run do it).')
+        raise ConfigError(
+            'mesh.context=0 (auto) is unresolved here: vrl.train.aot.resolve picks it by compiling '
+            'for the devices (vrl.main and train.run do it).'
+        )
     per_slice = n_devices // cfg.slices
     sizes = [getattr(cfg, axis) for axis in MESH_AXES]
     known = math.prod(s for s in sizes if s != -1)
@@ -71,12 +74,15 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
     named = ', '.join(f'{axis}={size}' for axis, size in zip(MESH_AXES, sizes))
     if -1 in sizes:
         if per_slice % known:
-            raise ConfigError(f'mesh=({named}) is invalid: the fixed sizes ({known}) must divide the '
-                              f'{per_slice} devices{where}.')
+            raise ConfigError(
+                f'mesh=({named}) is invalid: the fixed sizes ({known}) must divide the {per_slice} devices{where}.'
+            )
         sizes[sizes.index(-1)] = per_slice // known
     if math.prod(sizes) != per_slice:
-        raise ConfigError(f'mesh=({named}) is invalid: the sizes multiply to {math.prod(sizes)} but there are '
-                          f'{per_slice} devices{where}; make them multiply to the device count or set one to -1.')
+        raise ConfigError(
+            f'mesh=({named}) is invalid: the sizes multiply to {math.prod(sizes)} but there are '
+            f'{per_slice} devices{where}; make them multiply to the device count or set one to -1.'
+        )
     return dict(zip(MESH_AXES, (cfg.slices * sizes[0], *sizes[1:])))
 
 
@@ -95,19 +101,24 @@ def check_fits_mesh(config: Config, shape: dict[str, int]) -> None:
     model = config.model
     for field in ('n_heads', 'n_kv_heads', 'd_ff'):
         if getattr(model, field) % tensor:
-            raise ConfigError(f'mesh.tensor={tensor} is invalid: it must divide model.{field}='
-                              f'{getattr(model, field)}.')
+            raise ConfigError(f'mesh.tensor={tensor} is invalid: it must divide model.{field}={getattr(model, field)}.')
     if model.d_model % fsdp:
-        raise ConfigError(f'mesh.fsdp={fsdp} is invalid: it must divide model.d_model={model.d_model} '
-                          '(parameters are sharded over fsdp on d_model).')
+        raise ConfigError(
+            f'mesh.fsdp={fsdp} is invalid: it must divide model.d_model={model.d_model} '
+            '(parameters are sharded over fsdp on d_model).'
+        )
     batch, parts = config.data.batch_size, max(config.train.microbatches, 1)  # 0 = auto: vrl/train/aot.py picks
     if (batch // parts) % (data * fsdp):
-        raise ConfigError(f'data.batch_size={batch} is invalid: each of its train.microbatches={parts} '
-                          f'part(s) is split over mesh data x fsdp = {data * fsdp} devices; use a multiple '
-                          f'of {parts * data * fsdp}.')
+        raise ConfigError(
+            f'data.batch_size={batch} is invalid: each of its train.microbatches={parts} '
+            f'part(s) is split over mesh data x fsdp = {data * fsdp} devices; use a multiple '
+            f'of {parts * data * fsdp}.'
+        )
     if config.data.seq_len % context:
-        raise ConfigError(f'mesh.context={context} is invalid: it must divide data.seq_len={config.data.seq_len} '
-                          '(each device holds every context-th token of each sequence).')
+        raise ConfigError(
+            f'mesh.context={context} is invalid: it must divide data.seq_len={config.data.seq_len} '
+            '(each device holds every context-th token of each sequence).'
+        )
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -117,8 +128,10 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     shape = tuple(mesh_shape(cfg, len(devices)).values())
     spanned = len({getattr(d, 'slice_index', 0) for d in devices})
     if spanned != cfg.slices and spanned > 1:
-        raise ConfigError(f'mesh.slices={cfg.slices} is invalid: the devices span {spanned} slices; '
-                          f'set --config.mesh.slices={spanned}.')
+        raise ConfigError(
+            f'mesh.slices={cfg.slices} is invalid: the devices span {spanned} slices; '
+            f'set --config.mesh.slices={spanned}.'
+        )
     if spanned > 1:
         per_slice = (shape[0] // cfg.slices, *shape[1:])
         return Mesh(mesh_utils.create_hybrid_device_mesh(per_slice, (cfg.slices, 1, 1, 1), devices), MESH_AXES)
@@ -146,8 +159,10 @@ def row_share(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:
             shares.append(frozenset(rows_of[process]))
     if len({len(rows) for rows in shares}) > 1 or len(set().union(*shares)) != sum(map(len, shares)):
         held = ', '.join(f'process {p}: rows {sorted(r)}' for p, r in sorted(rows_of.items()))
-        raise ConfigError(f'mesh={dict(mesh.shape)} cannot feed its hosts: processes must hold the same or '
-                          f'disjoint equal shares of the batch rows ({held}).')
+        raise ConfigError(
+            f'mesh={dict(mesh.shape)} cannot feed its hosts: processes must hold the same or '
+            f'disjoint equal shares of the batch rows ({held}).'
+        )
     return shares.index(frozenset(rows_of[index])), len(shares)
 
 
@@ -204,13 +219,17 @@ def traced_in(mesh: Mesh | None, fn: Callable) -> Callable:
     def wrapped(*args, **kwargs):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args, **kwargs)
+
     return wrapped
 
 
 def param_shardings(abstract_state: nnx.State, mesh: Mesh) -> dict[str, Any]:
     """A pure-dict tree of NamedShardings for the model's parameters, from their metadata."""
-    shardings = jax.tree.map(lambda v: NamedSharding(mesh, logical_spec(v.out_sharding or ())),
-                             abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    shardings = jax.tree.map(
+        lambda v: NamedSharding(mesh, logical_spec(v.out_sharding or ())),
+        abstract_state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
     return nnx.to_pure_dict(shardings)
 
 
@@ -218,11 +237,14 @@ def like_params(abstract_opt_state: Any, abstract_params: Any, param_shardings: 
     """Shardings for an optimizer state: a leaf whose key path ends in a parameter's path, with that
     parameter's shape (a moment, whatever transformation holds it), is sharded like the parameter;
     counters and the rest are replicated."""
+
     def names(path) -> tuple[str, ...]:
         return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
 
-    params = {names(p): (x.shape, s) for (p, x), s in zip(jax.tree_util.tree_leaves_with_path(abstract_params),
-                                                            jax.tree.leaves(param_shardings))}
+    params = {
+        names(p): (x.shape, s)
+        for (p, x), s in zip(jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(param_shardings))
+    }
 
     def pick(path, leaf):
         keys = names(path)

@@ -74,6 +74,7 @@ def path(p: str | os.PathLike) -> epath.Path:
 def _filesystem(p: epath.Path):
     """The fsspec filesystem and the path within it for a remote `p`."""
     import fsspec
+
     fs, inner = fsspec.core.url_to_fs(str(p))
     return fs, inner
 
@@ -111,12 +112,24 @@ def write_if(p: epath.Path, data: bytes, generation: int) -> int | None:
     returns the new generation, or None if the object had changed."""
     fs, bucket, key = _gcs_object(p)
     boundary = uuid.uuid4().hex
-    body = (f'--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{json.dumps({"name": key})}\r\n'
-            f'--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n').encode() + data + f'\r\n--{boundary}--'.encode()
+    body = (
+        (
+            f'--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{json.dumps({"name": key})}\r\n'
+            f'--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n'
+        ).encode()
+        + data
+        + f'\r\n--{boundary}--'.encode()
+    )
     try:
-        written = fs.call('POST', f'{fs._location}/upload/storage/v1/b/{bucket}/o', uploadType='multipart',
-                          ifGenerationMatch=str(generation), data=body, json_out=True,
-                          headers={'Content-Type': f'multipart/related; boundary="{boundary}"'})
+        written = fs.call(
+            'POST',
+            f'{fs._location}/upload/storage/v1/b/{bucket}/o',
+            uploadType='multipart',
+            ifGenerationMatch=str(generation),
+            data=body,
+            json_out=True,
+            headers={'Content-Type': f'multipart/related; boundary="{boundary}"'},
+        )
     except FileExistsError:  # gcsfs's reading of 412 Precondition Failed
         return None
     return int(written['generation'])
@@ -139,9 +152,17 @@ def append(p: epath.Path, data: bytes, new: bool) -> None:
         part = posixpath.join(posixpath.dirname(key), f'.{uuid.uuid4().hex[:8]}.part')
         fs.pipe_file(f'{bucket}/{part}', data)
         try:  # (a compose retried after it landed would append twice: readers keep a step's last record)
-            fs.call('POST', 'b/{}/o/{}/compose', bucket, key, json_out=True, json={
-                'sourceObjects': [{'name': key}, {'name': part}],
-                'destination': {'contentType': 'application/octet-stream'}})
+            fs.call(
+                'POST',
+                'b/{}/o/{}/compose',
+                bucket,
+                key,
+                json_out=True,
+                json={
+                    'sourceObjects': [{'name': key}, {'name': part}],
+                    'destination': {'contentType': 'application/octet-stream'},
+                },
+            )
         finally:
             fs.rm_file(f'{bucket}/{part}')
 
@@ -179,8 +200,13 @@ def files(folder: epath.Path) -> dict[str, int]:
     an object store."""
     if is_remote(folder):
         return {relative: int(info['size']) for relative, info in _listing(folder).items()}
-    return dict(sorted((os.path.relpath(os.path.join(d, name), folder), os.path.getsize(os.path.join(d, name)))
-                       for d, _, names in os.walk(folder) for name in names))
+    return dict(
+        sorted(
+            (os.path.relpath(os.path.join(d, name), folder), os.path.getsize(os.path.join(d, name)))
+            for d, _, names in os.walk(folder)
+            for name in names
+        )
+    )
 
 
 def _listing(folder: epath.Path) -> dict[str, dict]:
@@ -188,7 +214,7 @@ def _listing(folder: epath.Path) -> dict[str, dict]:
     it (size, generation, ...): one listing, never cached."""
     fs, inner = _filesystem(folder)
     fs.invalidate_cache(inner)
-    return {name[len(inner.rstrip('/')) + 1:]: info for name, info in sorted(fs.find(inner, detail=True).items())}
+    return {name[len(inner.rstrip('/')) + 1 :]: info for name, info in sorted(fs.find(inner, detail=True).items())}
 
 
 def matching(pattern: str) -> list[str]:
@@ -199,15 +225,20 @@ def matching(pattern: str) -> list[str]:
     return sorted(f'{scheme}://{f}' for f in found if not f.endswith('/'))
 
 
-def copy_tree(source: epath.Path, target: epath.Path, last: tuple[str, ...] = (),
-              known: dict[str, int] | None = None,
-              wanted: Callable[[str], bool] = lambda relative: True) -> dict[str, int]:
+def copy_tree(
+    source: epath.Path,
+    target: epath.Path,
+    last: tuple[str, ...] = (),
+    known: dict[str, int] | None = None,
+    wanted: Callable[[str], bool] = lambda relative: True,
+) -> dict[str, int]:
     """Copies every file under folder `source` that `wanted` (its relative path) accepts to the same
     place under `target` (either may be remote), except those that the target holds at their size
     already: as `known` (relative path -> size) says, or, without it, as a local target's files
     are; returns the sizes of what `source` holds, the `known` of the next call. Each file is
     streamed in COPY_CHUNK pieces. The files whose names end with one of `last` go last, in that
     order: what marks a folder complete, so that a reader never takes a half-copied one for whole."""
+
     def order(relative: str) -> int:
         return next((i + 1 for i, name in enumerate(last) if relative.endswith(name)), 0)
 
@@ -246,9 +277,14 @@ def local_copy(folder: epath.Path, wanted: Callable[[str], bool] = lambda relati
     record = local / COPIED
     held = json.loads(record.read_text()) if record.exists() else {}
     listing = _listing(folder)
-    now = {relative: f'{info["size"]}:{info.get("generation") or info.get("mtime")}' for relative, info in listing.items()}
-    missing = [relative for relative, version in now.items()
-               if wanted(relative) and (held.get(relative) != version or not (local / relative).exists())]
+    now = {
+        relative: f'{info["size"]}:{info.get("generation") or info.get("mtime")}' for relative, info in listing.items()
+    }
+    missing = [
+        relative
+        for relative, version in now.items()
+        if wanted(relative) and (held.get(relative) != version or not (local / relative).exists())
+    ]
     total, started = sum(int(listing[relative]['size']) for relative in missing), time.monotonic()
     said = total >= COPY_SAID_BYTES
     if said:
@@ -368,14 +404,17 @@ def explain(e: BaseException, p: epath.Path) -> str:
     lowered = text.lower()
     status = {int(code) for code in re.findall(r'\b(40[134])\b', text)}  # not a port that holds the digits
     if 'credentials' in lowered or 'refresh' in lowered or 'unauthenticated' in lowered or 401 in status:
-        return ('no credentials for the object store: on a Cloud VM give its service account access to the '
-                'bucket; elsewhere run `gcloud auth application-default login` or set '
-                'GOOGLE_APPLICATION_CREDENTIALS')
+        return (
+            'no credentials for the object store: on a Cloud VM give its service account access to the '
+            'bucket; elsewhere run `gcloud auth application-default login` or set '
+            'GOOGLE_APPLICATION_CREDENTIALS'
+        )
     if 403 in status or 'forbidden' in lowered or 'permission' in lowered:
         return f'permission denied on bucket {bucket}: grant this account Storage Object Admin on it'
-    if (404 in status or 'not found' in lowered or 'nosuchbucket' in lowered
-            or isinstance(e, FileNotFoundError)):
-        return f'bucket {bucket} does not exist: create it (gcloud storage buckets create gs://{bucket}) or fix the path'
+    if 404 in status or 'not found' in lowered or 'nosuchbucket' in lowered or isinstance(e, FileNotFoundError):
+        return (
+            f'bucket {bucket} does not exist: create it (gcloud storage buckets create gs://{bucket}) or fix the path'
+        )
     if 'connect' in lowered or 'timeout' in lowered or 'unreachable' in lowered:
         return f'the object store cannot be reached ({text[:160]}): check the network or STORAGE_EMULATOR_HOST'
     return text[:300]
@@ -405,6 +444,7 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
             outcome.set_result(fn())
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             outcome.set_exception(e)
+
     threading.Thread(target=call, name='vrl-store-call', daemon=True).start()
     try:
         return outcome.result(timeout=seconds)
@@ -420,8 +460,10 @@ def request_timeout_s() -> float:
     except ValueError:
         seconds = 0.0
     if not seconds > 0:
-        raise StorageError(f'VRL_STORE_TIMEOUT_S={text!r}: give the seconds a request to the object store may wait, '
-                           f'e.g. {REQUEST_TIMEOUT_S:.0f}')
+        raise StorageError(
+            f'VRL_STORE_TIMEOUT_S={text!r}: give the seconds a request to the object store may wait, '
+            f'e.g. {REQUEST_TIMEOUT_S:.0f}'
+        )
     return seconds
 
 
@@ -439,14 +481,16 @@ def _configure_clients() -> None:
     gcsfs_log.addFilter(_SayRetries())
     import aiohttp
     import fsspec
+
     timeout_s = request_timeout_s()
     seconds = str(max(1, round(timeout_s)))
     for name in ('TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS', 'TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS'):
         os.environ.setdefault(name, seconds)
     os.environ.setdefault('TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES', '1')
     gcs = fsspec.config.conf.setdefault('gcs', {})
-    gcs.setdefault('requests_timeout', aiohttp.ClientTimeout(
-        total=5 * timeout_s, sock_connect=timeout_s, sock_read=timeout_s))
+    gcs.setdefault(
+        'requests_timeout', aiohttp.ClientTimeout(total=5 * timeout_s, sock_connect=timeout_s, sock_read=timeout_s)
+    )
     if os.environ.get('STORAGE_EMULATOR_HOST'):
         gcs.setdefault('token', 'anon')
         os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')  # no gRPC probe: emulators have none

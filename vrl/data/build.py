@@ -20,10 +20,12 @@ as its own shard of each split, and with a tokenizer their ids too, in the same 
 
 With a domain field (SlimPajama's meta.redpajama_set_name) a unit writes each record to the dataset
 of its domain, NAME_<domain>, and `NAME/vrl_domains.json`, last, lists them. A killed build resumes
-from the units it finished (the same plan is kept; another one is started afresh). The result does not depend on how many processes or hosts wrote it. Validation is held
+from the units it finished (the same plan is kept; another one is started afresh). The result does not depend on how
+many processes or hosts wrote it. Validation is held
 out by document, each with chance `validation_fraction` by a hash of its text (no pass over the
 corpus first, nothing held per document; identical documents fall in the same split), or by whole
-files (an exact share of the files, from their names). Memory does not grow with the number of documents or a file's size.
+files (an exact share of the files, from their names). Memory does not grow with the number of documents or a file's
+size.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _hash(unit: str) -> int:
 
 def _held_out_at_most(fraction: float) -> int:
     """The int64 that a unit's `_hash` is at most with chance `fraction`."""
-    return int(fraction * 2 ** 64) - 2 ** 63 - 1
+    return int(fraction * 2**64) - 2**63 - 1
 
 
 def _validation_cut(hashes: np.ndarray, fraction: float) -> int | None:
@@ -131,12 +133,16 @@ def _units(spec: CorpusSpec, sizes: list[int]) -> list[_Unit]:
         hashes = np.array([_hash(file_id) for file_id in ids], np.int64)
         cut = _validation_cut(hashes, spec.validation_fraction)
         if cut is None and spec.validation_fraction > 0:
-            raise DataError(f'{len(ids)} file(s) are too few to hold out a validation split by file at '
-                            f'validation_fraction={spec.validation_fraction}: give more input (at least 2 files), '
-                            'or --validation_fraction=0 and evaluate on another dataset.')
+            raise DataError(
+                f'{len(ids)} file(s) are too few to hold out a validation split by file at '
+                f'validation_fraction={spec.validation_fraction}: give more input (at least 2 files), '
+                'or --validation_fraction=0 and evaluate on another dataset.'
+            )
         held = [cut is not None and bool(h <= cut) for h in hashes]
-    return [_Unit(i, f, file_id, h, first, n)
-            for i, (f, file_id, h, first, n) in enumerate(zip(spec.files, ids, held, firsts, counts))]
+    return [
+        _Unit(i, f, file_id, h, first, n)
+        for i, (f, file_id, h, first, n) in enumerate(zip(spec.files, ids, held, firsts, counts))
+    ]
 
 
 def _shard_count(units: list[_Unit]) -> int:
@@ -153,15 +159,20 @@ class _SplitWriter:
     and with a tokenizer their ids (shards.ShardWriter); `close()` moves them into place and says
     what they hold. Made on the shard's first document of that dataset and split: no empty shards."""
 
-    def __init__(self, target: epath.Path, dataset: str, split: str, shard: int, count: int,
-                 tokenizer: Encoder | None):
+    def __init__(self, target: epath.Path, dataset: str, split: str, shard: int, count: int, tokenizer: Encoder | None):
         self._final = str(_template(target, dataset, split).sharded_filepath(shard_index=shard, num_shards=count))
         self._scratch = tempfile.TemporaryDirectory() if storage.is_remote(target) else None
         self._local = (os.path.join(self._scratch.name, 'shard') if self._scratch else self._final) + '.partial'
         os.makedirs(os.path.dirname(self._local), exist_ok=True)
         self._records = array_record_module.ArrayRecordWriter(self._local, 'group_size:1')
-        self._ids = shards.ShardWriter(str(shards.folder(target, tokenizer) / f'{split}-{shard:05d}-of-{count:05d}'),
-                                       shards.dtype_for(tokenizer.vocab_size)) if tokenizer else None
+        self._ids = (
+            shards.ShardWriter(
+                str(shards.folder(target, tokenizer) / f'{split}-{shard:05d}-of-{count:05d}'),
+                shards.dtype_for(tokenizer.vocab_size),
+            )
+            if tokenizer
+            else None
+        )
         self._tokenizer, self._pending = tokenizer, []
         self.documents = self.bytes = 0
 
@@ -204,16 +215,17 @@ def serialize(text: str) -> bytes:
 
 def _varint(n: int) -> bytes:
     out = bytearray()
-    while n > 0x7f:
-        out.append(n & 0x7f | 0x80)
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
 
 
 def _template(target: epath.Path, dataset: str, split: str) -> naming.ShardedFileTemplate:
-    return naming.ShardedFileTemplate(data_dir=target, template=TEMPLATE, dataset_name=dataset, split=split,
-                                      filetype_suffix='array_record')
+    return naming.ShardedFileTemplate(
+        data_dir=target, template=TEMPLATE, dataset_name=dataset, split=split, filetype_suffix='array_record'
+    )
 
 
 def dataset_name(name: str, domain: str) -> str:
@@ -287,8 +299,10 @@ def _begin(spec: CorpusSpec, name: str, data_dir: str, plan: dict, overwrite: bo
         if not difference:
             return
         if not overwrite:
-            raise DataError(f'dataset {name!r} in {data_dir} was prepared from other inputs ({difference}); '
-                            'pass --overwrite to rebuild it, or choose another --name.')
+            raise DataError(
+                f'dataset {name!r} in {data_dir} was prepared from other inputs ({difference}); '
+                'pass --overwrite to rebuild it, or choose another --name.'
+            )
         logging.warning('rebuilding %s: %s', name, difference)
         _remove(data_dir, name, done['datasets'].values())
     elif (build_dir / PLAN).exists() and json.loads((build_dir / PLAN).read_text()) == plan:
@@ -342,14 +356,15 @@ def _difference(saved: dict, current: dict) -> str:
     saved.pop('jsonl_field', None)
     if saved['file_sha256'] != current['file_sha256']:
         n_then, n_now = len(saved['file_sha256']), len(current['file_sha256'])
-        return f'{n_then} input file(s) then, {n_now} now' if n_then != n_now else 'the input files\' contents differ'
+        return f'{n_then} input file(s) then, {n_now} now' if n_then != n_now else "the input files' contents differ"
     return ', '.join(f'{k} was {saved.get(k)!r}, now {v!r}' for k, v in current.items() if saved.get(k) != v)
 
 
 def _documents(record: dict) -> int:
     """The documents a unit's record holds, in all its datasets, splits and shards."""
-    return sum(e['documents'] for d in record['datasets'].values() for split in d['shards'].values()
-               for e in split.values())
+    return sum(
+        e['documents'] for d in record['datasets'].values() for split in d['shards'].values() for e in split.values()
+    )
 
 
 def _finish(spec: CorpusSpec, name: str, data_dir: str, count: int, tokenizer: Encoder | None) -> list[str]:
@@ -362,11 +377,15 @@ def _finish(spec: CorpusSpec, name: str, data_dir: str, count: int, tokenizer: E
         for dataset, entry in record['datasets'].items():
             clash = found.setdefault(dataset, entry['domain'])
             if clash != entry['domain'] or dataset == f'{name}_':
-                raise DataError(f'domains {sorted({clash, entry["domain"]})} of {spec.domain_field!r} make the same '
-                                f'dataset name {dataset!r}; rename them in the input.')
+                raise DataError(
+                    f'domains {sorted({clash, entry["domain"]})} of {spec.domain_field!r} make the same '
+                    f'dataset name {dataset!r}; rename them in the input.'
+                )
     if not found:
-        raise DataError(f'no non-empty documents in {len(spec.files)} input file(s): '
-                        f'{", ".join(spec.files[:3])}{" ..." if len(spec.files) > 3 else ""}.')
+        raise DataError(
+            f'no non-empty documents in {len(spec.files)} input file(s): '
+            f'{", ".join(spec.files[:3])}{" ..." if len(spec.files) > 3 else ""}.'
+        )
     inputs = _inputs_record(spec, [r['sha256'] for r in records])
     said = []
     for dataset, domain in sorted(found.items()):
@@ -377,26 +396,44 @@ def _finish(spec: CorpusSpec, name: str, data_dir: str, count: int, tokenizer: E
         totals = {split: sum(e['documents'] for e in held.values()) for split, held in per_shard.items()}
         if spec.validation_fraction > 0 and not all(totals.values()):
             n = sum(totals.values())
-            raise DataError(f'{n:,} document(s){f" of domain {domain!r}" if domain else ""} are too few to hold out a '
-                            f'validation split at validation_fraction={spec.validation_fraction} (each is held out '
-                            f'with that chance; here {"none was" if not totals["validation"] else "all were"}): give '
-                            'more input, a larger fraction, or --validation_fraction=0 and evaluate on another dataset.')
+            raise DataError(
+                f'{n:,} document(s){f" of domain {domain!r}" if domain else ""} are too few to hold out a '
+                f'validation split at validation_fraction={spec.validation_fraction} (each is held out '
+                f'with that chance; here {"none was" if not totals["validation"] else "all were"}): give '
+                'more input, a larger fraction, or --validation_fraction=0 and evaluate on another dataset.'
+            )
         target = _version(data_dir, dataset)
         _write_info(target, dataset, per_shard, count)
         record = json.dumps({**inputs, 'domain': domain} if domain else inputs).encode()
         storage.write_bytes(target / INPUTS, record)
         if tokenizer:
-            splits = {split: {'shards': [f'{split}-{k:05d}-of-{count:05d}' for k in sorted(held)],
-                              'documents': totals[split],
-                              'shard_documents': [held[k]['documents'] for k in sorted(held)],
-                              'tokens': sum(e['tokens'] for e in held.values())} for split, held in per_shard.items()}
-            shards.write_marker(shards.folder(target, tokenizer), dataset, tokenizer, splits,
-                                {'dataset_fingerprint': fingerprint_of(record), 'text_field': 'text'})
-        said.append(f'prepared dataset {dataset}: ' + ', '.join(f'{n:,} {split}' for split, n in totals.items()) +
-                    ' documents' + (f' ({spec.domain_field} = {domain!r})' if domain else ''))
+            splits = {
+                split: {
+                    'shards': [f'{split}-{k:05d}-of-{count:05d}' for k in sorted(held)],
+                    'documents': totals[split],
+                    'shard_documents': [held[k]['documents'] for k in sorted(held)],
+                    'tokens': sum(e['tokens'] for e in held.values()),
+                }
+                for split, held in per_shard.items()
+            }
+            shards.write_marker(
+                shards.folder(target, tokenizer),
+                dataset,
+                tokenizer,
+                splits,
+                {'dataset_fingerprint': fingerprint_of(record), 'text_field': 'text'},
+            )
+        said.append(
+            f'prepared dataset {dataset}: '
+            + ', '.join(f'{n:,} {split}' for split, n in totals.items())
+            + ' documents'
+            + (f' ({spec.domain_field} = {domain!r})' if domain else '')
+        )
     if spec.domain_field:
-        storage.write_bytes(storage.path(data_dir) / name / DOMAINS,
-                            json.dumps({'inputs': inputs, 'datasets': dict(sorted((d, n) for n, d in found.items()))}).encode())
+        storage.write_bytes(
+            storage.path(data_dir) / name / DOMAINS,
+            json.dumps({'inputs': inputs, 'datasets': dict(sorted((d, n) for n, d in found.items()))}).encode(),
+        )
     _build_dir(data_dir, name).rmtree()
     skipped = SkipCounter()
     for r in records:
@@ -410,32 +447,49 @@ def _finish(spec: CorpusSpec, name: str, data_dir: str, count: int, tokenizer: E
 def _write_info(target: epath.Path, name: str, per_shard: dict[str, dict[int, dict]], count: int) -> None:
     """TFDS's dataset_info.json and features.json, from what each of the `count` shards of each split
     holds (one that got no documents was not written: a length of 0, which TFDS skips)."""
-    identity = dataset_info.DatasetIdentity(name=name, version=tfds.core.Version(VERSION), data_dir=str(target),
-                                            module_name='')
-    info = dataset_info.DatasetInfo(builder=identity, features=FEATURES,
-                                    description='A text corpus prepared by vrl (vrl/data/build.py).')
+    identity = dataset_info.DatasetIdentity(
+        name=name, version=tfds.core.Version(VERSION), data_dir=str(target), module_name=''
+    )
+    info = dataset_info.DatasetInfo(
+        builder=identity, features=FEATURES, description='A text corpus prepared by vrl (vrl/data/build.py).'
+    )
     info.set_file_format('array_record')
-    info.set_splits(tfds_splits.SplitDict([
-        tfds_splits.SplitInfo(name=split, shard_lengths=[held.get(k, {}).get('documents', 0) for k in range(count)],
-                              num_bytes=sum(e['bytes'] for e in held.values()),
-                              filename_template=_template(target, name, split))
-        for split, held in per_shard.items()]))
+    info.set_splits(
+        tfds_splits.SplitDict(
+            [
+                tfds_splits.SplitInfo(
+                    name=split,
+                    shard_lengths=[held.get(k, {}).get('documents', 0) for k in range(count)],
+                    num_bytes=sum(e['bytes'] for e in held.values()),
+                    filename_template=_template(target, name, split),
+                )
+                for split, held in per_shard.items()
+            ]
+        )
+    )
     with tempfile.TemporaryDirectory() as local:
         info.write_to_directory(local)
         for file in sorted(os.listdir(local), key=lambda f: f == 'dataset_info.json'):  # dataset_info.json last
             storage.put_file(os.path.join(local, file), target / file)
 
 
-def prepare(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool = False, tokenizer: Encoder | None = None,
-            workers: int | None = None) -> str:
+def prepare(
+    spec: CorpusSpec,
+    name: str,
+    data_dir: str,
+    overwrite: bool = False,
+    tokenizer: Encoder | None = None,
+    workers: int | None = None,
+) -> str:
     """Builds dataset `name` in `data_dir` (local or on an object store) from `spec`'s files, with
     `tokenizer`'s pre-tokenized copy when given; returns its folder. See `_build`."""
     _build(spec, name, data_dir, overwrite, tokenizer, workers)
     return str(_version(data_dir or default_data_dir(), name))
 
 
-def _build(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool, tokenizer: Encoder | None,
-           workers: int | None) -> dict[str, str]:
+def _build(
+    spec: CorpusSpec, name: str, data_dir: str, overwrite: bool, tokenizer: Encoder | None, workers: int | None
+) -> dict[str, str]:
     """Builds the datasets of `spec`'s files: `name`, or with `spec.domain_field` one per domain;
     returns {domain ('' without domains): dataset}. Run on every host of a jax.distributed job, each
     builds its share of the files. `workers`: processes on this host (default: every core, or one for
@@ -462,10 +516,15 @@ def _build(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool, tokenize
     if spec.validation_fraction == 0:
         logging.warning('no validation split (validation_fraction=0)')
     build_dir = _build_dir(data_dir, name)
-    finished = {int(f.split('.')[0]) for f in storage.files(build_dir / UNITS)} if (build_dir / UNITS).exists() else set()
+    finished = (
+        {int(f.split('.')[0]) for f in storage.files(build_dir / UNITS)} if (build_dir / UNITS).exists() else set()
+    )
     if jax.process_index() == 0:
-        print(f'preparing dataset {name} in {build_dir.parent / VERSION if not spec.domain_field else build_dir.parent}'
-              f' from {len(units):,} file(s)' + (f' ({len(finished):,} done before)' if finished else ''), flush=True)
+        print(
+            f'preparing dataset {name} in {build_dir.parent / VERSION if not spec.domain_field else build_dir.parent}'
+            f' from {len(units):,} file(s)' + (f' ({len(finished):,} done before)' if finished else ''),
+            flush=True,
+        )
     start = time.perf_counter()
     multihost.everywhere(lambda: _write_units(spec, name, data_dir, units, sizes, finished, tokenizer, workers))
     said = multihost.on_process_0(lambda: _finish(spec, name, data_dir, _shard_count(units), tokenizer))
@@ -475,8 +534,16 @@ def _build(spec: CorpusSpec, name: str, data_dir: str, overwrite: bool, tokenize
     return _complete(spec, name, data_dir)['datasets']
 
 
-def _write_units(spec: CorpusSpec, name: str, data_dir: str, units: list[_Unit], sizes: list[int],
-                 finished: set[int], tokenizer: Encoder | None, workers: int | None) -> None:
+def _write_units(
+    spec: CorpusSpec,
+    name: str,
+    data_dir: str,
+    units: list[_Unit],
+    sizes: list[int],
+    finished: set[int],
+    tokenizer: Encoder | None,
+    workers: int | None,
+) -> None:
     """This process's units not done before: every process_count-th; with --limit, all of them on
     process 0, in order (each takes what the earlier ones left of the limit)."""
     count = _shard_count(units)
@@ -486,8 +553,9 @@ def _write_units(spec: CorpusSpec, name: str, data_dir: str, units: list[_Unit],
         left = spec.limit - sum(_documents(record) for record in _records(_build_dir(data_dir, name)))
         for unit in units:
             if unit.index not in finished:
-                left -= _documents(_write_unit((dataclasses.replace(unit, limit=left), spec, name, data_dir, count,
-                                                tokenizer)))
+                left -= _documents(
+                    _write_unit((dataclasses.replace(unit, limit=left), spec, name, data_dir, count, tokenizer))
+                )
         return
     mine = [u for u in units if u.index % jax.process_count() == jax.process_index() and u.index not in finished]
     if workers is None:
@@ -497,18 +565,40 @@ def _write_units(spec: CorpusSpec, name: str, data_dir: str, units: list[_Unit],
         pass
 
 
-def prepare_from_glob(input_glob: str, name: str, data_dir: str, overwrite: bool = False,
-                      tokenizer: Encoder | None = None, workers: int | None = None, **spec_fields) -> str:
-    return prepare(CorpusSpec(files=sources.resolve_files(input_glob), **spec_fields), name, data_dir, overwrite,
-                   tokenizer, workers)
+def prepare_from_glob(
+    input_glob: str,
+    name: str,
+    data_dir: str,
+    overwrite: bool = False,
+    tokenizer: Encoder | None = None,
+    workers: int | None = None,
+    **spec_fields,
+) -> str:
+    return prepare(
+        CorpusSpec(files=sources.resolve_files(input_glob), **spec_fields),
+        name,
+        data_dir,
+        overwrite,
+        tokenizer,
+        workers,
+    )
 
 
-def prepare_domains(input_glob: str, name: str, data_dir: str, domain_field: str, overwrite: bool = False,
-                    tokenizer: Encoder | None = None, workers: int | None = None, **spec_fields) -> dict[str, str]:
+def prepare_domains(
+    input_glob: str,
+    name: str,
+    data_dir: str,
+    domain_field: str,
+    overwrite: bool = False,
+    tokenizer: Encoder | None = None,
+    workers: int | None = None,
+    **spec_fields,
+) -> dict[str, str]:
     """One dataset per value of `domain_field` in the records of JSON lines or parquet files (e.g.
     SlimPajama's meta.redpajama_set_name), named NAME_<value in lower_snake_case>, each with its own
     validation split, built in one pass over the files like `prepare`'s one dataset; returns
     {domain: dataset name}. Train on them with data.mixture."""
-    spec = CorpusSpec(files=sources.resolve_files(input_glob), split_mode='jsonl', domain_field=domain_field,
-                      **spec_fields)
+    spec = CorpusSpec(
+        files=sources.resolve_files(input_glob), split_mode='jsonl', domain_field=domain_field, **spec_fields
+    )
     return _build(spec, name, data_dir, overwrite, tokenizer, workers)

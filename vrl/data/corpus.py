@@ -37,10 +37,11 @@ def _mirror(data_dir: str, name: str, split: str) -> str:
     splits, versions or pre-tokenized copies; array_record opens local files only). Returns the
     local data_dir."""
     shard = re.compile(r'\.array_record-\d+-of-\d+$')
-    storage.local_copy(dataset_path(name, data_dir),
-                       wanted=lambda f: '/' not in f and (not shard.search(f) or f'-{split}.array_record-' in f))
+    storage.local_copy(
+        dataset_path(name, data_dir),
+        wanted=lambda f: '/' not in f and (not shard.search(f) or f'-{split}.array_record-' in f),
+    )
     return str(storage.scratch(storage.path(data_dir)))
-
 
 
 def shakespeare_spec() -> CorpusSpec:
@@ -67,18 +68,26 @@ def kjv_spec() -> Iterator[CorpusSpec]:
     if not database.exists():
         raise DataError(f'{database} is missing; reinstall the package: `{KJV_INSTALL}`')
     import sqlite3
-    with contextlib.closing(sqlite3.connect(f'file:{database}?mode=ro', uri=True)) as db, \
-            tempfile.TemporaryDirectory() as folder:
+
+    with (
+        contextlib.closing(sqlite3.connect(f'file:{database}?mode=ro', uri=True)) as db,
+        tempfile.TemporaryDirectory() as folder,
+    ):
         chapters: dict[str, dict[int, list[str]]] = {}
         for slug, order, chapter, text in db.execute(
-                'SELECT b.slug, b.sort_order, v.chapter_number, v.text FROM verses v JOIN books b ON b.id = v.book_id '
-                'ORDER BY b.sort_order, v.chapter_number, v.verse_number'):
+            'SELECT b.slug, b.sort_order, v.chapter_number, v.text FROM verses v JOIN books b ON b.id = v.book_id '
+            'ORDER BY b.sort_order, v.chapter_number, v.verse_number'
+        ):
             chapters.setdefault(f'{order:02d}_{slug}', {}).setdefault(chapter, []).append(text)
         for book, by_number in chapters.items():
             lines = [json.dumps({'text': ' '.join(verses)}) for _, verses in sorted(by_number.items())]
             (Path(folder) / f'{book}.jsonl').write_text('\n'.join(lines) + '\n', encoding='utf-8')
-        yield CorpusSpec(files=tuple(sorted(str(p) for p in Path(folder).iterdir())), split_mode='jsonl',
-                         validation_fraction=0.1, holdout_unit='file')
+        yield CorpusSpec(
+            files=tuple(sorted(str(p) for p in Path(folder).iterdir())),
+            split_mode='jsonl',
+            validation_fraction=0.1,
+            holdout_unit='file',
+        )
 
 
 _BUILT_IN = {SHAKESPEARE: lambda: contextlib.nullcontext(shakespeare_spec()), KJV: kjv_spec}
@@ -117,9 +126,11 @@ def build_built_in(name: str, data_dir: str) -> None:
 def _missing(name: str, data_dir: str, why: str) -> DataError:
     """`why` may be a library's sentence, with its own full stop."""
     return DataError(
-        f'TFDS dataset {name!r} in data_dir {data_dir!r}: {why.rstrip(". ")}. Prepare it with `python -m vrl.data prepare '
+        f'TFDS dataset {name!r} in data_dir {data_dir!r}: {why.rstrip(". ")}. Prepare it with `python -m '
+        'vrl.data prepare '
         f'--input=GLOB --name={name} --data_dir={data_dir}` for local text, or `tfds build {name} '
-        f'--data_dir={data_dir} --file_format=array_record` for a TFDS catalog dataset.')
+        f'--data_dir={data_dir} --file_format=array_record` for a TFDS catalog dataset.'
+    )
 
 
 def dataset_path(name: str, data_dir: str) -> epath.Path:

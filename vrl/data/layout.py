@@ -36,8 +36,10 @@ def checked_data_dir(data_dir: str) -> str:
         storage.exists(storage.path(data_dir), 'data_dir')  # a missing bucket or store: one line
         return data_dir
     if Path(data_dir).exists() and not Path(data_dir).is_dir():
-        raise DataError(f'data_dir {data_dir!r} is a file, not a folder: point data.data_dir (or --data_dir) '
-                        'at the folder that holds the prepared datasets.')
+        raise DataError(
+            f'data_dir {data_dir!r} is a file, not a folder: point data.data_dir (or --data_dir) '
+            'at the folder that holds the prepared datasets.'
+        )
     return data_dir
 
 

@@ -40,7 +40,9 @@ from vrl.data.tokenizer import train as train_tokenizer
 Batch = dict[str, np.ndarray]  # inputs, targets, loss_mask [, segment_ids, positions]: (B, L)
 
 
-BYTES_PER_TOKEN = 4  # a grain element holds about a window of stored text, seq_len * this many bytes (a document at least),
+BYTES_PER_TOKEN = (
+    4  # a grain element holds about a window of stored text, seq_len * this many bytes (a document at least),
+)
 MIN_BLOCKS = 1000  # and a split has at least this many elements where it has the documents (a fine-grained shuffle)
 
 
@@ -84,8 +86,9 @@ class _Blocks:
         self.count_bytes = isinstance(source, _OnTheFly) and source.count_bytes  # documents come as (ids, bytes)
         self.documents = split.documents
         window_bytes = BYTES_PER_TOKEN * seq_len
-        self.per_block = max(1, min(window_bytes * split.documents // max(split.num_bytes, 1),
-                                    self.documents // MIN_BLOCKS))
+        self.per_block = max(
+            1, min(window_bytes * split.documents // max(split.num_bytes, 1), self.documents // MIN_BLOCKS)
+        )
 
     def __len__(self) -> int:
         return -(-self.documents // self.per_block)
@@ -101,8 +104,18 @@ class _PackIterator(grain.DatasetIterator):
     `count_bytes`, a document arrives as (ids, bytes of text per id) and each example gains
     'target_bytes' (the separators stand for no text)."""
 
-    def __init__(self, parent: grain.DatasetIterator, documents_per_block: int, reading: dict, seq_len: int,
-                 separator: np.ndarray, eos_id: int, pad_id: int, document_masking: bool, count_bytes: bool):
+    def __init__(
+        self,
+        parent: grain.DatasetIterator,
+        documents_per_block: int,
+        reading: dict,
+        seq_len: int,
+        separator: np.ndarray,
+        eos_id: int,
+        pad_id: int,
+        document_masking: bool,
+        count_bytes: bool,
+    ):
         super().__init__(parent)
         self._per_block = documents_per_block  # what the parent's position counts
         self._reading = reading  # how the parent shuffles: a position saved another way is refused
@@ -152,42 +165,51 @@ class _PackIterator(grain.DatasetIterator):
         if len(self._tokens) < 2:
             raise StopIteration
         n = min(L + 1, len(self._tokens))
-        example = _example(self._tokens[:n], self._groups[:n - 1], L, self._pad, self._document_masking)
+        example = _example(self._tokens[:n], self._groups[: n - 1], L, self._pad, self._document_masking)
         if self._count_bytes:
             example['target_bytes'] = np.zeros(L, np.int32)
-            example['target_bytes'][:n - 1] = self._bytes[1:n]
-            self._bytes = self._bytes[n - 1:]
-        self._tokens, self._groups = self._tokens[n - 1:], self._groups[n - 1:]
+            example['target_bytes'][: n - 1] = self._bytes[1:n]
+            self._bytes = self._bytes[n - 1 :]
+        self._tokens, self._groups = self._tokens[n - 1 :], self._groups[n - 1 :]
         return example
 
     def get_state(self) -> dict[str, Any]:  # between windows every piece is joined
-        return {'parent': self._parent.get_state(), 'tokens': self._tokens.tolist(),
-                'groups': self._groups.tolist(), 'n_groups': self._n_groups, 'exhausted': self._exhausted,
-                'documents_per_element': [self._per_block], 'reading': self._reading}
+        return {
+            'parent': self._parent.get_state(),
+            'tokens': self._tokens.tolist(),
+            'groups': self._groups.tolist(),
+            'n_groups': self._n_groups,
+            'exhausted': self._exhausted,
+            'documents_per_element': [self._per_block],
+            'reading': self._reading,
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         reading = state.get('reading', {'shuffle': 'documents'})  # a position saved without it: documents
         if reading['shuffle'] != self._reading['shuffle']:
             raise corpus.DataError(
-                f"the saved data position was read with data.shuffle={reading['shuffle']!r}, and this run reads "
+                f'the saved data position was read with data.shuffle={reading["shuffle"]!r}, and this run reads '
                 f"with {self._reading['shuffle']!r} (data.shuffle, or 'auto' on another store): set "
-                f"--config.data.shuffle={reading['shuffle']} to resume, or start a new --workdir from these weights "
-                'with --init_from=CHECKPOINT.')
+                f'--config.data.shuffle={reading["shuffle"]} to resume, or start a new --workdir from these weights '
+                'with --init_from=CHECKPOINT.'
+            )
         saved = state.get('documents_per_element', [1])  # a position saved without it counts documents
         if saved != [self._per_block]:
             raise corpus.DataError(
                 f'the saved data position counts grain elements of {saved} documents (per dataset), but this '
                 f'pipeline reads {[self._per_block]} (blocks of about a window of text, data.seq_len tokens): '
                 'restored, it would land elsewhere in the epoch. Resume with the vrl version and data.seq_len that '
-                'saved it, or start a new --workdir from these weights with --init_from=CHECKPOINT.')
+                'saved it, or start a new --workdir from these weights with --init_from=CHECKPOINT.'
+            )
         self._parent.set_state(state['parent'])
         self._tokens = np.asarray(state['tokens'], np.int32)
         self._groups = np.asarray(state['groups'], np.int64)
         self._n_groups, self._exhausted = state['n_groups'], state['exhausted']
 
 
-def _example(window: np.ndarray, groups: np.ndarray, L: int, pad_id: int,
-             document_masking: bool) -> dict[str, np.ndarray]:
+def _example(
+    window: np.ndarray, groups: np.ndarray, L: int, pad_id: int, document_masking: bool
+) -> dict[str, np.ndarray]:
     """One packed sequence from a window of n <= L + 1 tokens and the groups of its first n - 1."""
     n = len(window) - 1
     inputs = np.full(L, pad_id, np.int32)
@@ -223,8 +245,13 @@ class _MixIterator(grain.DatasetIterator):
     far, kept in the state, so that a resume continues the count. The state names the share of the
     batch rows it reads (`share`: index, count), and a resume reading another share is refused."""
 
-    def __init__(self, members: list[grain.DatasetIterator], phases: list[tuple[int, tuple[float, ...]]],
-                 windows_per_step: int, share: tuple[int, int]):
+    def __init__(
+        self,
+        members: list[grain.DatasetIterator],
+        phases: list[tuple[int, tuple[float, ...]]],
+        windows_per_step: int,
+        share: tuple[int, int],
+    ):
         super().__init__(members)
         self._members, self._phases, self._per_step, self._share = members, phases, windows_per_step, share
         self._windows = 0
@@ -253,8 +280,14 @@ class _MixIterator(grain.DatasetIterator):
         return example
 
     def get_state(self) -> dict[str, Any]:
-        return {'members': [m.get_state() for m in self._members], 'windows': self._windows, 'phase': self._phase,
-                'taken': list(self._taken), 'tokens_read': list(self._tokens_read), 'share': list(self._share)}
+        return {
+            'members': [m.get_state() for m in self._members],
+            'windows': self._windows,
+            'phase': self._phase,
+            'taken': list(self._taken),
+            'tokens_read': list(self._tokens_read),
+            'share': list(self._share),
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         if 'members' not in state:  # the older format: one packer's position for all datasets
@@ -262,16 +295,18 @@ class _MixIterator(grain.DatasetIterator):
                 raise corpus.DataError(
                     'the saved data position is of a mixture whose datasets were mixed before packing (an older '
                     'vrl): it cannot be restored into this order, which packs each dataset apart. Start a new '
-                    '--workdir from these weights with --init_from=CHECKPOINT.')
+                    '--workdir from these weights with --init_from=CHECKPOINT.'
+                )
             state = {'members': [state], 'windows': 0, 'phase': 0, 'taken': [0], 'tokens_read': [0]}
         saved_share = state.get('share', list(self._share))  # states without one: a share per process
         if saved_share != list(self._share):
             raise corpus.DataError(
-                f'the saved data position is of share {saved_share[0]} of {saved_share[1]} of every batch\'s rows, '
+                f"the saved data position is of share {saved_share[0]} of {saved_share[1]} of every batch's rows, "
                 f'and this mesh has this process read share {self._share[0]} of {self._share[1]} (a sequence split '
                 'over mesh.context across hosts makes those hosts read the same rows): the data would not go on '
                 'where it stopped. Resume with the mesh it was saved with, or start a new --workdir from these '
-                'weights with --init_from=CHECKPOINT.')
+                'weights with --init_from=CHECKPOINT.'
+            )
         for member, saved in zip(self._members, state['members'], strict=True):
             member.set_state(saved)
         self._windows, self._phase = state['windows'], state['phase']
@@ -279,8 +314,13 @@ class _MixIterator(grain.DatasetIterator):
 
 
 class _MixIterDataset(grain.IterDataset):
-    def __init__(self, members: list[grain.IterDataset], phases: list[tuple[int, tuple[float, ...]]],
-                 windows_per_step: int, share: tuple[int, int]):
+    def __init__(
+        self,
+        members: list[grain.IterDataset],
+        phases: list[tuple[int, tuple[float, ...]]],
+        windows_per_step: int,
+        share: tuple[int, int],
+    ):
         super().__init__(members)
         self._members, self._phases, self._per_step, self._share = members, phases, windows_per_step, share
 
@@ -297,8 +337,9 @@ def prompt_tokens(cfg: DataConfig, tokenizer: Tokenizer, text: str) -> list[int]
     return _separator(cfg, tokenizer).tolist() + tokenizer.encode(text).tolist()
 
 
-def _source(cfg: DataConfig, tokenizer: Tokenizer, name: str, split: str, count_bytes: bool = False
-            ) -> tokens.TokenSource | _OnTheFly:
+def _source(
+    cfg: DataConfig, tokenizer: Tokenizer, name: str, split: str, count_bytes: bool = False
+) -> tokens.TokenSource | _OnTheFly:
     """A split's documents as ids: its pre-tokenized copy for this tokenizer when it has one
     (data.pretokenized), else its text tokenized as it is read; the text always where each id's
     bytes of text are counted (`count_bytes`: they come from the text)."""
@@ -321,12 +362,25 @@ def _blocks(cfg: DataConfig, tokenizer: Tokenizer, name: str, split: str, count_
     """Split `split` of dataset `name` as blocks of consecutive documents' ids; the ids come from its
     pre-tokenized copy for this tokenizer when it has one (`_source`); the blocks, and so
     everything after, are the same either way."""
-    return _Blocks(_source(cfg, tokenizer, name, split, count_bytes), corpus.split_info(name, cfg.data_dir, split),
-                   cfg.seq_len, f'{name} {split}')
+    return _Blocks(
+        _source(cfg, tokenizer, name, split, count_bytes),
+        corpus.split_info(name, cfg.data_dir, split),
+        cfg.seq_len,
+        f'{name} {split}',
+    )
 
 
-def _windows(blocks: _Blocks, cfg: DataConfig, tokenizer: Tokenizer, *, seed: int | None, num_epochs: int | None,
-             process_index: int, process_count: int, share: float = 1.0) -> grain.IterDataset:
+def _windows(
+    blocks: _Blocks,
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    *,
+    seed: int | None,
+    num_epochs: int | None,
+    process_index: int,
+    process_count: int,
+    share: float = 1.0,
+) -> grain.IterDataset:
     """One dataset's packed windows of L + 1 tokens, from this process's share of its documents,
     shuffled with `seed` (None: in order, every `process_count`-th block) and repeated `num_epochs`
     times (None: forever), as data.shuffle says (`_window_shuffled`); read by `share` of the reading
@@ -336,8 +390,17 @@ def _windows(blocks: _Blocks, cfg: DataConfig, tokenizer: Tokenizer, *, seed: in
         ds, per_element, reading = _window_read(blocks, cfg, seed, num_epochs, process_index, process_count, share)
     else:
         ds, per_element, reading = _document_read(blocks, cfg, seed, num_epochs, process_index, process_count, share)
-    return _PackIterDataset(ds, per_element, reading, cfg.seq_len, _separator(cfg, tokenizer), tokenizer.eos_id,
-                            tokenizer.pad_id, cfg.document_masking, blocks.count_bytes)
+    return _PackIterDataset(
+        ds,
+        per_element,
+        reading,
+        cfg.seq_len,
+        _separator(cfg, tokenizer),
+        tokenizer.eos_id,
+        tokenizer.pad_id,
+        cfg.document_masking,
+        blocks.count_bytes,
+    )
 
 
 def _window_shuffled(cfg: DataConfig, source: tokens.TokenSource | _OnTheFly, where: str) -> bool:
@@ -345,13 +408,22 @@ def _window_shuffled(cfg: DataConfig, source: tokens.TokenSource | _OnTheFly, wh
     pre-tokenized copy on an object store, where a request costs tens of milliseconds."""
     pretokenized = isinstance(source, tokens.TokenSource)
     if cfg.shuffle == 'windows' and not pretokenized:
-        raise corpus.DataError(f"data.shuffle='windows' reads a pre-tokenized copy, and {where} is tokenized on "
-                               "the fly: pre-tokenize it (`python -m vrl.data tokenize`) or use data.shuffle='documents'.")
+        raise corpus.DataError(
+            f"data.shuffle='windows' reads a pre-tokenized copy, and {where} is tokenized on "
+            "the fly: pre-tokenize it (`python -m vrl.data tokenize`) or use data.shuffle='documents'."
+        )
     return cfg.shuffle == 'windows' or (cfg.shuffle == 'auto' and pretokenized and storage.is_remote(cfg.data_dir))
 
 
-def _document_read(blocks: _Blocks, cfg: DataConfig, seed: int | None, num_epochs: int | None, process_index: int,
-                   process_count: int, share: float) -> tuple[grain.IterDataset, int, dict]:
+def _document_read(
+    blocks: _Blocks,
+    cfg: DataConfig,
+    seed: int | None,
+    num_epochs: int | None,
+    process_index: int,
+    process_count: int,
+    share: float,
+) -> tuple[grain.IterDataset, int, dict]:
     """Small blocks (about a sequence of text each) shuffled globally, every `process_count`-th to
     this process, read ahead by grain's threads and worker processes."""
     ds = grain.MapDataset.source(blocks)
@@ -360,8 +432,9 @@ def _document_read(blocks: _Blocks, cfg: DataConfig, seed: int | None, num_epoch
     if workers := math.ceil(cfg.num_workers * share):
         if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; notebooks never parse them
             flags.FLAGS.mark_as_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers,
-                                                         per_worker_buffer_size=max(cfg.prefetch, 1) * 16))
+        ds = ds.mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(cfg.prefetch, 1) * 16)
+        )
     return ds, blocks.per_block, {'shuffle': 'documents'}
 
 
@@ -372,17 +445,33 @@ def _io_blocks(cfg: DataConfig, source: tokens.TokenSource, where: str) -> windo
 REMOTE_WINDOW_READS = 8  # data.read_threads=-1 in windows on an object store: block reads in flight per process
 
 
-def _window_read(blocks: _Blocks, cfg: DataConfig, seed: int, num_epochs: int | None, process_index: int,
-                 process_count: int, share: float) -> tuple[grain.IterDataset, int, dict]:
+def _window_read(
+    blocks: _Blocks,
+    cfg: DataConfig,
+    seed: int,
+    num_epochs: int | None,
+    process_index: int,
+    process_count: int,
+    share: float,
+) -> tuple[grain.IterDataset, int, dict]:
     """I/O blocks of data.block_tokens read whole, shuffled in windows of data.window_blocks
     (vrl/data/windows.py), handed out about a sequence of text at a time."""
     source = blocks.source
     io = _io_blocks(cfg, source, blocks.where)
     reads = cfg.read_threads if cfg.read_threads >= 0 else REMOTE_WINDOW_READS if storage.is_remote(cfg.data_dir) else 0
     reading = {'shuffle': 'windows', 'block_documents': io.per_block, 'window_blocks': cfg.window_blocks}
-    ds = windows.WindowDataset(source, io, window_blocks=cfg.window_blocks, per_element=blocks.per_block, seed=seed,
-                               num_epochs=num_epochs, process_index=process_index, process_count=process_count,
-                               reads=math.ceil(reads * share), settings=reading)
+    ds = windows.WindowDataset(
+        source,
+        io,
+        window_blocks=cfg.window_blocks,
+        per_element=blocks.per_block,
+        seed=seed,
+        num_epochs=num_epochs,
+        process_index=process_index,
+        process_count=process_count,
+        reads=math.ceil(reads * share),
+        settings=reading,
+    )
     return ds, blocks.per_block, reading
 
 
@@ -422,16 +511,27 @@ def provenance(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, Any]:
         shuffle = 'by document'
         if _window_shuffled(cfg, source, where):
             per_block = _io_blocks(cfg, source, where).per_block
-            shuffle = (f'in windows of {cfg.window_blocks} blocks of ~{round(per_block * count / len(source)):,} tokens')
-        datasets[name] = {'version': corpus.dataset_path(name, cfg.data_dir).name,
-                          'fingerprint': corpus.fingerprint(name, cfg.data_dir), 'weight': weight,
-                          'pretokenized': pretokenized, 'train_tokens': round(count),
-                          'train_tokens_are': 'counted' if pretokenized else 'estimated from 1,000 documents',
-                          'shuffle': shuffle}
-    return {'tokenizer': {'path': tokenizer.path, 'fingerprint': tokenizer.fingerprint,
-                          'vocab_size': tokenizer.vocab_size, 'eos_id': tokenizer.eos_id, 'bos_id': tokenizer.bos_id,
-                          'pad_id': tokenizer.pad_id},
-            'datasets': datasets}
+            shuffle = f'in windows of {cfg.window_blocks} blocks of ~{round(per_block * count / len(source)):,} tokens'
+        datasets[name] = {
+            'version': corpus.dataset_path(name, cfg.data_dir).name,
+            'fingerprint': corpus.fingerprint(name, cfg.data_dir),
+            'weight': weight,
+            'pretokenized': pretokenized,
+            'train_tokens': round(count),
+            'train_tokens_are': 'counted' if pretokenized else 'estimated from 1,000 documents',
+            'shuffle': shuffle,
+        }
+    return {
+        'tokenizer': {
+            'path': tokenizer.path,
+            'fingerprint': tokenizer.fingerprint,
+            'vocab_size': tokenizer.vocab_size,
+            'eos_id': tokenizer.eos_id,
+            'bos_id': tokenizer.bos_id,
+            'pad_id': tokenizer.pad_id,
+        },
+        'datasets': datasets,
+    }
 
 
 def epochs_per_step(read: dict[str, Any], tokens_per_step: int) -> dict[str, float]:
@@ -447,19 +547,24 @@ def provenance_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     for the same text) or other contents of a dataset; [] when only paths or the reading differ."""
     changes = []
     if saved['tokenizer']['fingerprint'] != now['tokenizer']['fingerprint']:
-        changes.append(f'the tokenizer: {saved["tokenizer"]["path"]} (fingerprint {saved["tokenizer"]["fingerprint"]}) '
-                       f'then, {now["tokenizer"]["path"]} ({now["tokenizer"]["fingerprint"]}) now')
+        changes.append(
+            f'the tokenizer: {saved["tokenizer"]["path"]} (fingerprint {saved["tokenizer"]["fingerprint"]}) '
+            f'then, {now["tokenizer"]["path"]} ({now["tokenizer"]["fingerprint"]}) now'
+        )
     for name, then in saved['datasets'].items():
         if name in now['datasets'] and then['fingerprint'] != now['datasets'][name]['fingerprint']:
-            changes.append(f'dataset {name!r}: prepared again from other inputs since (fingerprint '
-                           f'{then["fingerprint"]} then, {now["datasets"][name]["fingerprint"]} now)')
+            changes.append(
+                f'dataset {name!r}: prepared again from other inputs since (fingerprint '
+                f'{then["fingerprint"]} then, {now["datasets"][name]["fingerprint"]} now)'
+            )
     return changes
 
 
 def per_process_batch_size(cfg: DataConfig, process_count: int) -> int:
     if cfg.batch_size % process_count:
-        raise ConfigError(f'data.batch_size={cfg.batch_size} is invalid: allowed a multiple of the '
-                         f'process count {process_count}.')
+        raise ConfigError(
+            f'data.batch_size={cfg.batch_size} is invalid: allowed a multiple of the process count {process_count}.'
+        )
     return cfg.batch_size // process_count
 
 
@@ -468,6 +573,7 @@ class TrainData:
     """The training split of data.name or of each dataset of data.mixture, opened for `tokenizer`
     (`open`: a missing split, a pre-tokenized copy for another tokenizer or a data.shuffle a dataset
     cannot serve is a DataError there), and the batches of any process's share of them (`dataset`)."""
+
     cfg: DataConfig
     tokenizer: Tokenizer
     blocks: tuple[_Blocks, ...]  # per dataset of cfg.sources()
@@ -486,19 +592,32 @@ class TrainData:
         their windows interleaved by `_MixIterator`; each batch also holds 'tokens_read': (rows,
         datasets) int64, this process's target tokens read from each dataset up to each row."""
         cfg = self.cfg
-        members = [_windows(blocks, cfg, self.tokenizer, seed=cfg.seed + i, num_epochs=cfg.num_epochs or None,
-                            process_index=process_index, process_count=process_count, share=1 / len(self.blocks))
-                   for i, blocks in enumerate(self.blocks)]
-        mixed = _MixIterDataset(members, cfg.phases(), per_process_batch_size(cfg, process_count),
-                                (process_index, process_count))
+        members = [
+            _windows(
+                blocks,
+                cfg,
+                self.tokenizer,
+                seed=cfg.seed + i,
+                num_epochs=cfg.num_epochs or None,
+                process_index=process_index,
+                process_count=process_count,
+                share=1 / len(self.blocks),
+            )
+            for i, blocks in enumerate(self.blocks)
+        ]
+        mixed = _MixIterDataset(
+            members, cfg.phases(), per_process_batch_size(cfg, process_count), (process_index, process_count)
+        )
         # packed and batched on a thread ahead of the step, which only takes a ready batch; its position
         # (get_state) is the last batch taken's
-        return grain.experimental.ThreadPrefetchIterDataset(_batches(mixed, cfg, process_count),
-                                                            prefetch_buffer_size=cfg.prefetch)
+        return grain.experimental.ThreadPrefetchIterDataset(
+            _batches(mixed, cfg, process_count), prefetch_buffer_size=cfg.prefetch
+        )
 
 
-def train_dataset(cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0,
-                  process_count: int = 1) -> grain.IterDataset:
+def train_dataset(
+    cfg: DataConfig, tokenizer: Tokenizer, process_index: int = 0, process_count: int = 1
+) -> grain.IterDataset:
     """`TrainData.dataset` of the data `cfg` names, opened here."""
     return TrainData.open(cfg, tokenizer).dataset(process_index, process_count)
 
@@ -516,8 +635,14 @@ class EvalSets:
         self._opened: dict[tuple[str, str], _Blocks] = {}
         self._kept: dict[tuple, list[Batch]] = {}
 
-    def batches(self, max_batches: int, process_index: int = 0, process_count: int = 1, name: str | None = None,
-                split: str | None = None) -> Iterator[Batch]:
+    def batches(
+        self,
+        max_batches: int,
+        process_index: int = 0,
+        process_count: int = 1,
+        name: str | None = None,
+        split: str | None = None,
+    ) -> Iterator[Batch]:
         """Split `split` (default data.eval_split) of dataset `name` (default data.name) in a fixed
         order, one pass, every batch full size (padding has loss_mask 0), with 'target_bytes': the
         UTF-8 bytes of text each target stands for (Tokenizer.encode_counting_bytes).
@@ -539,13 +664,25 @@ class EvalSets:
         if size <= EVAL_KEPT_BYTES:
             self._kept[this_pass] = kept
 
-    def _read(self, key: tuple[str, str], max_batches: int, process_index: int, process_count: int
-              ) -> Iterator[Batch]:
+    def _read(self, key: tuple[str, str], max_batches: int, process_index: int, process_count: int) -> Iterator[Batch]:
         cfg = self.cfg
         if key not in self._opened:
             self._opened[key] = _blocks(cfg, self.tokenizer, key[0], key[1], count_bytes=True)
-        ds = iter(_batches(_windows(self._opened[key], cfg, self.tokenizer, seed=None, num_epochs=1,
-                                    process_index=process_index, process_count=process_count), cfg, process_count))
+        ds = iter(
+            _batches(
+                _windows(
+                    self._opened[key],
+                    cfg,
+                    self.tokenizer,
+                    seed=None,
+                    num_epochs=1,
+                    process_index=process_index,
+                    process_count=process_count,
+                ),
+                cfg,
+                process_count,
+            )
+        )
         padding = _pad_batch(_empty_like(cfg), per_process_batch_size(cfg, process_count))
         count = 0
         while not max_batches or count < max_batches:
@@ -556,8 +693,15 @@ class EvalSets:
             count += 1
 
 
-def eval_batches(cfg: DataConfig, tokenizer: Tokenizer, max_batches: int, process_index: int = 0,
-                 process_count: int = 1, name: str | None = None, split: str | None = None) -> Iterator[Batch]:
+def eval_batches(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    max_batches: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    name: str | None = None,
+    split: str | None = None,
+) -> Iterator[Batch]:
     """EvalSets.batches of a set opened for this pass alone."""
     return EvalSets(cfg, tokenizer).batches(max_batches, process_index, process_count, name, split)
 
@@ -584,8 +728,9 @@ def _empty_like(cfg: DataConfig) -> Batch:
 
 def _pad_batch(batch: Batch, batch_size: int) -> Batch:
     missing = batch_size - len(batch['inputs'])
-    return {k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)]) if missing else v
-            for k, v in batch.items()}
+    return {
+        k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)]) if missing else v for k, v in batch.items()
+    }
 
 
 def build_built_ins(cfg: DataConfig) -> None:
@@ -613,25 +758,34 @@ def load_tokenizer(cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
     else:
         data_dir = cfg.data_dir or layout.default_data_dir()
         names = [name for name, _ in cfg.sources()]
-        path = storage.path(data_dir) / 'vrl_tokenizers' / f'{"+".join(names).replace("/", "_")}_{model_vocab_size}.model'
+        path = (
+            storage.path(data_dir) / 'vrl_tokenizers' / f'{"+".join(names).replace("/", "_")}_{model_vocab_size}.model'
+        )
         if path.exists():
             tokenizer = Tokenizer.load(str(path))
         else:
             started = time.monotonic()
-            print(f'training a {model_vocab_size}-piece tokenizer on {", ".join(names)} (at most '
-                  f'{cfg.tokenizer_train_docs:,} documents; once, cached at {path}) ...', flush=True)
+            print(
+                f'training a {model_vocab_size}-piece tokenizer on {", ".join(names)} (at most '
+                f'{cfg.tokenizer_train_docs:,} documents; once, cached at {path}) ...',
+                flush=True,
+            )
             import sentencepiece
+
             sentencepiece.set_random_generator_seed(cfg.seed)  # the same model on every host
             per_dataset = -(-cfg.tokenizer_train_docs // len(names))  # a mixture's datasets, equally
             texts = itertools.chain.from_iterable(
-                corpus.texts(corpus.open_split(name, cfg.data_dir, cfg.train_split), cfg.text_field,
-                             limit=per_dataset) for name in names)
+                corpus.texts(corpus.open_split(name, cfg.data_dir, cfg.train_split), cfg.text_field, limit=per_dataset)
+                for name in names
+            )
             tokenizer = train_tokenizer(texts, model_vocab_size, str(path))
             print(f'trained the tokenizer in {time.monotonic() - started:.0f} s', flush=True)
     if tokenizer.vocab_size > model_vocab_size:
-        raise TokenizerError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but '
-                             f'model.vocab_size={model_vocab_size}: set --config.model.vocab_size='
-                             f'{tokenizer.vocab_size} (or larger).')
+        raise TokenizerError(
+            f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but '
+            f'model.vocab_size={model_vocab_size}: set --config.model.vocab_size='
+            f'{tokenizer.vocab_size} (or larger).'
+        )
     return tokenizer
 
 
@@ -641,8 +795,15 @@ def split_stats(name: str, data_dir: str, tokenizer: Tokenizer | None, text_fiel
     for split in ('train', 'validation'):
         docs = chars = tokens = 0
         documents = corpus.split_info(name, data_dir, split).documents
-        for text in tqdm.tqdm(corpus.texts(corpus.open_split(name, data_dir, split), text_field), total=documents,
-                              desc=f'{name} {split}', unit='doc', disable=None, mininterval=1.0, leave=False):
+        for text in tqdm.tqdm(
+            corpus.texts(corpus.open_split(name, data_dir, split), text_field),
+            total=documents,
+            desc=f'{name} {split}',
+            unit='doc',
+            disable=None,
+            mininterval=1.0,
+            leave=False,
+        ):
             docs, chars = docs + 1, chars + len(text)
             tokens += len(tokenizer.encode(text)) if tokenizer else 0
         stats[split] = {'documents': docs, 'characters': chars} | ({'tokens': tokens} if tokenizer else {})

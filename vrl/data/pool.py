@@ -12,15 +12,17 @@ import tqdm
 T = TypeVar('T')
 
 
-def in_pool(fn: Callable[[tuple], T], tasks: list[tuple], workers: int, desc: str,
-            sizes: list[int] | None = None) -> Iterator[T]:
+def in_pool(
+    fn: Callable[[tuple], T], tasks: list[tuple], workers: int, desc: str, sizes: list[int] | None = None
+) -> Iterator[T]:
     """fn(task) for each task, as each is done, on `workers` spawned processes (each on one core: the
     processes are the parallelism), or in this process for one; a terminal shows a bar (of `sizes`,
     bytes, when given). What a task raises stops the rest and is raised here."""
     workers = max(1, min(workers, len(tasks)))
     total = sum(sizes) if sizes else len(tasks)
-    with tqdm.tqdm(total=total, unit='B' if sizes else 'task', unit_scale=bool(sizes), desc=desc,
-                   disable=None, mininterval=1.0) as bar:
+    with tqdm.tqdm(
+        total=total, unit='B' if sizes else 'task', unit_scale=bool(sizes), desc=desc, disable=None, mininterval=1.0
+    ) as bar:
         if workers == 1:
             for k, task in enumerate(tasks):
                 yield fn(task)

@@ -45,6 +45,7 @@ class Encoder(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
 
+
 def folder(dataset_path: epath.Path, tokenizer: Encoder) -> epath.Path:
     """Where dataset folder `dataset_path` (NAME/VERSION) keeps `tokenizer`'s tokens."""
     return dataset_path / 'vrl_tokens' / tokenizer.fingerprint
@@ -101,13 +102,13 @@ class Shard:
         if not self._remote:
             if self._offsets is None:
                 self._offsets = np.load(f'{self._path}.offsets.npy', mmap_mode='r')
-            return np.asarray(self._offsets[first:last + 1])
+            return np.asarray(self._offsets[first : last + 1])
         if 8 * self._documents > OFFSETS_HELD_BYTES // 16:
             return self._read_offsets(first, last)
         whole = _HELD.get(self._path)
         if whole is None:
             whole = _HELD.put(self._path, self._read_offsets(0, self._documents))
-        return whole[first:last + 1]
+        return whole[first : last + 1]
 
     def _read_offsets(self, first: int, last: int) -> np.ndarray:
         if not self._header:
@@ -128,13 +129,15 @@ class Shard:
                 self._tokens = np.memmap(f'{self._path}.tokens', self._dtype, 'r')
             return self._tokens[start:end].astype(np.int32)
         size = self._dtype.itemsize
-        return np.frombuffer(storage.read_range(f'{self._path}.tokens', size * start, size * end),
-                             self._dtype).astype(np.int32)
+        return np.frombuffer(storage.read_range(f'{self._path}.tokens', size * start, size * end), self._dtype).astype(
+            np.int32
+        )
 
 
 def npy_header(url: str) -> tuple[int, int]:
     """(where the data starts, the length) of 1-D .npy file `url`, from its first bytes."""
     import io
+
     for size in (256, 1 << 16):  # np.save's header of a 1-D array is 128 bytes
         head = io.BytesIO(storage.read_range(url, 0, size))
         version = np.lib.format.read_magic(head)
@@ -173,8 +176,9 @@ class ShardWriter:
         self._ends.close()
         storage.put_file(f'{self._local}.tokens.partial', storage.path(f'{self._path}.tokens'))
         with open(f'{self._local}.offsets.partial', 'wb') as out, open(f'{self._local}.ends.partial', 'rb') as ends:
-            np.lib.format.write_array_header_1_0(out, {'descr': '<i8', 'fortran_order': False,
-                                                       'shape': (self.documents + 1,)})
+            np.lib.format.write_array_header_1_0(
+                out, {'descr': '<i8', 'fortran_order': False, 'shape': (self.documents + 1,)}
+            )
             out.write(np.int64(0).tobytes())
             while chunk := ends.read(1 << 20):
                 out.write(chunk)
@@ -188,7 +192,14 @@ def write_marker(target: epath.Path, name: str, tokenizer: Encoder, splits: dict
     """tokens.json, once every shard is in place: what makes the folder complete. `splits` holds per
     split its shards, documents, shard_documents and tokens; `record` says what the copy was made
     from (the dataset's fingerprint, the text field)."""
-    info = {'format': FORMAT, 'dataset': name, **record, 'tokenizer': tokenizer.path,
-            'fingerprint': tokenizer.fingerprint, 'vocab_size': tokenizer.vocab_size,
-            'dtype': dtype_for(tokenizer.vocab_size).str, 'splits': splits}
+    info = {
+        'format': FORMAT,
+        'dataset': name,
+        **record,
+        'tokenizer': tokenizer.path,
+        'fingerprint': tokenizer.fingerprint,
+        'vocab_size': tokenizer.vocab_size,
+        'dtype': dtype_for(tokenizer.vocab_size).str,
+        'splits': splits,
+    }
     storage.write_bytes(target / MARKER, json.dumps(info, indent=2).encode())

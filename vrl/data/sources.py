@@ -20,6 +20,7 @@ from vrl.core.errors import VrlError
 
 SPLIT_MODES = ('file', 'blank_line', 'jsonl')
 
+
 class DataError(VrlError, ValueError):
     """Bad or missing input data; the message names the thing and what to do."""
 
@@ -50,7 +51,7 @@ COMPRESSIONS = ('.gz', '.zst')
 def _format(file: str, split_mode: str) -> str:
     """'parquet', 'jsonl' or 'text', from the file's name (and split_mode for text files)."""
     name = file.lower()
-    name = next((name[:-len(c)] for c in COMPRESSIONS if name.endswith(c)), name)
+    name = next((name[: -len(c)] for c in COMPRESSIONS if name.endswith(c)), name)
     if name.endswith('.parquet'):
         return 'parquet'
     return 'jsonl' if name.endswith(RECORD_FORMATS) or split_mode == 'jsonl' else 'text'
@@ -65,8 +66,10 @@ def resolve_files(input_glob: str) -> tuple[str, ...]:
     else:
         files = sorted(f for f in glob.glob(input_glob, recursive=True) if os.path.isfile(f))
     if not files:
-        raise DataError(f'no input files match {input_glob!r}: give a folder or a glob of text, JSON lines '
-                        "(.jsonl, .jsonl.gz, .jsonl.zst) or parquet files, such as 'shards/*.parquet'.")
+        raise DataError(
+            f'no input files match {input_glob!r}: give a folder or a glob of text, JSON lines '
+            "(.jsonl, .jsonl.gz, .jsonl.zst) or parquet files, such as 'shards/*.parquet'."
+        )
     return tuple(files)
 
 
@@ -82,11 +85,12 @@ def sizes(files: tuple[str, ...]) -> list[int]:
 def opened(file: str, digest=None) -> Iterator[tuple[BinaryIO, BinaryIO]]:
     """(the raw file, its decompressed stream) for a local or remote file, by its ending; the raw
     bytes feed `digest` (a hashlib object) as they are read, when given."""
-    with (storage.path(file).open('rb') if storage.is_remote(file) else open(file, 'rb')) as raw:
+    with storage.path(file).open('rb') if storage.is_remote(file) else open(file, 'rb') as raw:
         if digest is not None:
             raw = _Digesting(raw, digest)
         if file.lower().endswith('.gz'):
             import gzip
+
             yield raw, gzip.GzipFile(fileobj=raw)
         elif file.lower().endswith('.zst'):
             yield raw, io.BufferedReader(_ZstdFrames(raw), 1 << 20)
@@ -106,7 +110,7 @@ class _Digesting(io.RawIOBase):
     def readinto(self, out) -> int:
         data = self._raw.read(len(out))
         self._digest.update(data)
-        out[:len(data)] = data
+        out[: len(data)] = data
         return len(data)
 
     def tell(self) -> int:
@@ -128,6 +132,7 @@ class _ZstdFrames(io.RawIOBase):
 
     def __init__(self, raw: BinaryIO):
         import zstandard
+
         self._raw, self._new = raw, zstandard.ZstdDecompressor().decompressobj
         self._frame, self._buffer, self._pending, self._inside = self._new(), b'', b'', False
 
@@ -165,7 +170,6 @@ class SkipCounter:
         return ', '.join(f'skipped {n:,} {reason}' for reason, n in sorted(self.counts.items()))
 
 
-
 class InputFile:
     """One input file, read once: its non-empty documents in order (`documents`), how far the read
     has got (`position`, of `length`: rows of a parquet file, else bytes of the file as stored),
@@ -186,6 +190,7 @@ class InputFile:
         if not self.parquet:
             return size
         import pyarrow.parquet as pq
+
         with opened(self.file) as (raw, _):
             return pq.ParquetFile(raw).metadata.num_rows
 
@@ -235,7 +240,9 @@ def records(file: str, stream: BinaryIO, split_mode: str, fields: tuple[str, ...
     if _format(file, split_mode) == 'parquet':
         yield from _guarded(file, 'parquet', _parquet_records(file, stream, fields))
     else:
-        yield from _guarded(file, 'JSON lines', _jsonl_records(file, io.TextIOWrapper(stream, encoding='utf-8', newline='')))
+        yield from _guarded(
+            file, 'JSON lines', _jsonl_records(file, io.TextIOWrapper(stream, encoding='utf-8', newline=''))
+        )
 
 
 def _guarded(file: str, kind: str, items: Iterator):
@@ -245,13 +252,17 @@ def _guarded(file: str, kind: str, items: Iterator):
         for item in items:
             yield item
     except UnicodeDecodeError as e:
-        raise DataError(f'{file} is not UTF-8 ({e.reason}); convert it, e.g. `iconv -f latin1 -t utf-8`, or remove '
-                        'it from the input.') from None
+        raise DataError(
+            f'{file} is not UTF-8 ({e.reason}); convert it, e.g. `iconv -f latin1 -t utf-8`, or remove '
+            'it from the input.'
+        ) from None
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - zstandard, gzip and pyarrow each raise their own kinds
-        raise DataError(f'{file} cannot be read as {kind}: {" ".join(str(e).split())[:200]}. Is it complete? Fetch '
-                        'it again, or remove it from the input.') from None
+        raise DataError(
+            f'{file} cannot be read as {kind}: {" ".join(str(e).split())[:200]}. Is it complete? Fetch '
+            'it again, or remove it from the input.'
+        ) from None
 
 
 def text_of(value) -> str:
@@ -274,13 +285,16 @@ _BLANK_LINE = re.compile(r'\n[ \t\r]*\n')
 def _parquet_records(file: str, stream: BinaryIO, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
     """The columns that `fields` (dotted names) start with, a row at a time, a batch read at once."""
     import pyarrow.parquet as pq
+
     parquet = pq.ParquetFile(stream)
     columns = list(dict.fromkeys(dotted.split('.', 1)[0] for dotted in fields))
     for column, dotted in zip(columns, fields):
         if column not in parquet.schema_arrow.names:
             flag = '--text_field' if dotted == fields[0] else '--domain_field'
-            raise DataError(f'{file} has no column {column!r} (columns: {parquet.schema_arrow.names}); pass the right '
-                            f'one with {flag}=NAME.')
+            raise DataError(
+                f'{file} has no column {column!r} (columns: {parquet.schema_arrow.names}); pass the right '
+                f'one with {flag}=NAME.'
+            )
     row = 0
     for batch in parquet.iter_batches(batch_size=1024, columns=columns):
         for record in batch.to_pylist():
@@ -295,8 +309,10 @@ def _jsonl_records(file: str, lines: Iterable[str]) -> Iterator[tuple[str, dict]
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f'{file}:{line_no} is not valid JSON at column {e.colno} '
-                                f'({e.msg.removesuffix(" at").lower()}): fix that line, or leave the file out.') from e
+                raise DataError(
+                    f'{file}:{line_no} is not valid JSON at column {e.colno} '
+                    f'({e.msg.removesuffix(" at").lower()}): fix that line, or leave the file out.'
+                ) from e
             if not isinstance(record, dict):
                 raise DataError(f'{file}:{line_no} is a JSON {type(record).__name__}, not an object.')
             yield f'{file}:{line_no}', record
@@ -308,8 +324,9 @@ def field(record: dict, dotted: str, where: str, flag: str):
     for key in dotted.split('.'):
         if not isinstance(value, dict) or key not in value:
             keys = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise DataError(f'{where} has no field {dotted!r} ({key!r} missing; there: {keys}); pass the right '
-                            f'one with {flag}=NAME.')
+            raise DataError(
+                f'{where} has no field {dotted!r} ({key!r} missing; there: {keys}); pass the right '
+                f'one with {flag}=NAME.'
+            )
         value = value[key]
     return value
-

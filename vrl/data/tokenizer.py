@@ -56,13 +56,21 @@ class Tokenizer:
             raise TokenizerError(
                 f'tokenizer {path!r} ({setting}) does not exist. Train one with `python -m vrl.data.tokenizer '
                 f'train --name={name} --data_dir={data_dir} --vocab_size=N --out={path}`'
-                + (", or leave data.tokenizer empty ('') to train and cache one from the training split on first use."
-                   if setting == 'data.tokenizer' else '.'))
+                + (
+                    ", or leave data.tokenizer empty ('') to train and cache one from the training split on first use."
+                    if setting == 'data.tokenizer'
+                    else '.'
+                )
+            )
         if file.is_dir():
-            found = next((file / name for name in ('tokenizer.json', 'tokenizer.model') if (file / name).exists()), None)
+            found = next(
+                (file / name for name in ('tokenizer.json', 'tokenizer.model') if (file / name).exists()), None
+            )
             if found is None:
-                raise TokenizerError(f'folder {path!r} holds neither tokenizer.json nor tokenizer.model (a Hugging '
-                                     'Face model directory has one): name the tokenizer file in data.tokenizer')
+                raise TokenizerError(
+                    f'folder {path!r} holds neither tokenizer.json nor tokenizer.model (a Hugging '
+                    'Face model directory has one): name the tokenizer file in data.tokenizer'
+                )
             file, path = found, str(found)
         kind = HuggingFaceTokenizer if path.endswith('.json') else SentencePieceTokenizer
         return kind(file.read_bytes(), path)
@@ -166,8 +174,9 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=file_bytes)
         except RuntimeError as e:
-            raise TokenizerError(f'{path!r} is not a sentencepiece model ({e}); a Hugging Face tokenizer '
-                                 'must be a file named *.json') from None
+            raise TokenizerError(
+                f'{path!r} is not a sentencepiece model ({e}); a Hugging Face tokenizer must be a file named *.json'
+            ) from None
         self.vocab_size = self._sp.get_piece_size()
         self.eos_id, self.bos_id, self.pad_id = self._sp.eos_id(), self._sp.bos_id(), self._sp.pad_id()
 
@@ -189,8 +198,10 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _ends_in_bytes(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         encoded = self._sp.encode(texts, out_type='proto')
-        return [(np.array([p.id for p in e.pieces], np.int32), np.array([p.end for p in e.pieces], np.int64))
-                for e in encoded]
+        return [
+            (np.array([p.id for p in e.pieces], np.int32), np.array([p.end for p in e.pieces], np.int64))
+            for e in encoded
+        ]
 
 
 # special tokens by their usual names, for a tokenizer.json without a tokenizer_config.json
@@ -208,6 +219,7 @@ class HuggingFaceTokenizer(Tokenizer):
     def __init__(self, file_bytes: bytes, path: str = '<memory>'):
         super().__init__(file_bytes, path)
         import tokenizers
+
         try:
             self._tok = tokenizers.Tokenizer.from_str(file_bytes.decode('utf-8'))
         except Exception as e:  # noqa: BLE001 - the Rust parser's errors are one kind to the user
@@ -222,19 +234,29 @@ class HuggingFaceTokenizer(Tokenizer):
         self.bos_id = self._special(named.get('bos_token'), _BOS_NAMES, special, 'BOS', self.eos_id)
         self.pad_id = self._special(named.get('pad_token'), _PAD_NAMES, special, 'padding', self.eos_id)
 
-    def _special(self, configured: str | None, usual: tuple[str, ...], special: dict[str, int], what: str,
-                 fallback: int | None = None) -> int:
+    def _special(
+        self,
+        configured: str | None,
+        usual: tuple[str, ...],
+        special: dict[str, int],
+        what: str,
+        fallback: int | None = None,
+    ) -> int:
         if configured is not None:
             i = self._tok.token_to_id(configured)
             if i is None:
-                raise TokenizerError(f'{self.path}: tokenizer_config.json names {what} token {configured!r}, which '
-                                     'is not in the vocabulary')
+                raise TokenizerError(
+                    f'{self.path}: tokenizer_config.json names {what} token {configured!r}, which '
+                    'is not in the vocabulary'
+                )
             return i
         found = next((special[name] for name in usual if name in special), fallback)
         if found is None:
-            raise TokenizerError(f'{self.path}: no {what} token (special tokens: {sorted(special) or "none"}); '
-                                 'put a tokenizer_config.json with "eos_token" beside it, as Hugging Face '
-                                 'model directories have')
+            raise TokenizerError(
+                f'{self.path}: no {what} token (special tokens: {sorted(special) or "none"}); '
+                'put a tokenizer_config.json with "eos_token" beside it, as Hugging Face '
+                'model directories have'
+            )
         return found
 
     def encode(self, text: str) -> np.ndarray:
@@ -312,8 +334,12 @@ def train(texts: Iterable[str], vocab_size: int, out: str, model_type: str = 'bp
     else:
         file_bytes, kind = _train_sentencepiece(lines(), vocab_size, model_type), SentencePieceTokenizer
     tokenizer = kind(file_bytes, out)
-    logging.info('trained a %d-piece tokenizer (%s) in %.1fs', tokenizer.vocab_size, tokenizer.FILE_NAME,
-                 time.perf_counter() - start)
+    logging.info(
+        'trained a %d-piece tokenizer (%s) in %.1fs',
+        tokenizer.vocab_size,
+        tokenizer.FILE_NAME,
+        time.perf_counter() - start,
+    )
     out_path = storage.path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_bytes(file_bytes)
@@ -325,16 +351,25 @@ def _train_byte_level_bpe(lines: Iterator[str], vocab_size: int) -> bytes:
     the special tokens take ids PAD_ID, EOS_ID, BOS_ID, UNK_ID as in the sentencepiece models."""
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
     tok = RustTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = sorted({PAD_ID: '<pad>', EOS_ID: '</s>', BOS_ID: '<s>', UNK_ID: '<unk>'}.items())
     if vocab_size < len(specials) + 256:
-        raise TokenizerError(f'vocab_size={vocab_size} is too small for a byte-level BPE tokenizer: it needs at least '
-                             f'{len(specials) + 256} (the special tokens and the 256 bytes).')
-    tok.train_from_iterator(lines, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[name for _, name in specials], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        raise TokenizerError(
+            f'vocab_size={vocab_size} is too small for a byte-level BPE tokenizer: it needs at least '
+            f'{len(specials) + 256} (the special tokens and the 256 bytes).'
+        )
+    tok.train_from_iterator(
+        lines,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[name for _, name in specials],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     return tok.to_str().encode('utf-8')
 
 
@@ -346,32 +381,53 @@ def _train_sentencepiece(lines: Iterator[str], vocab_size: int, model_type: str)
         too_high = re.search(r'Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)', str(e))
         if not too_high:
             raise
-        raise TokenizerError(f'vocab_size={vocab_size} is too large for this corpus: sentencepiece can make at '
-                             f'most {too_high.group(2)} pieces from it; use a smaller vocabulary (model.vocab_size '
-                             'or --vocab_size) or more text.') from None
+        raise TokenizerError(
+            f'vocab_size={vocab_size} is too large for this corpus: sentencepiece can make at '
+            f'most {too_high.group(2)} pieces from it; use a smaller vocabulary (model.vocab_size '
+            'or --vocab_size) or more text.'
+        ) from None
     return model.getvalue()
 
 
 def _run_sentencepiece_trainer(lines: Iterator[str], model: io.BytesIO, vocab_size: int, model_type: str) -> None:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=lines, model_writer=model, vocab_size=vocab_size, model_type=model_type,
-        byte_fallback=True, pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
-        normalization_rule_name='identity', add_dummy_prefix=False, remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, split_digits=True, character_coverage=0.9995,
-        input_sentence_size=2_000_000, shuffle_input_sentence=True, max_sentence_length=1 << 16,
-        num_threads=2, minloglevel=2)
+        sentence_iterator=lines,
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        byte_fallback=True,
+        pad_id=PAD_ID,
+        eos_id=EOS_ID,
+        bos_id=BOS_ID,
+        unk_id=UNK_ID,
+        normalization_rule_name='identity',
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        character_coverage=0.9995,
+        input_sentence_size=2_000_000,
+        shuffle_input_sentence=True,
+        max_sentence_length=1 << 16,
+        num_threads=2,
+        minloglevel=2,
+    )
 
 
 def _define_flags() -> dict:
     from absl import flags
+
     return {
         'name': flags.DEFINE_string('name', None, 'TFDS dataset name'),
         'data_dir': flags.DEFINE_string('data_dir', '', "TFDS data_dir ('' = vrl's cache)"),
         'split': flags.DEFINE_string('split', 'train', 'split to train on'),
         'text_field': flags.DEFINE_string('text_field', 'text', 'feature holding the text'),
         'vocab_size': flags.DEFINE_integer('vocab_size', None, 'pieces in the vocabulary'),
-        'out': flags.DEFINE_string('out', None, 'where to write the tokenizer: PATH.model (sentencepiece) or '
-                                   'PATH.json (a byte-level BPE tokenizer.json)'),
+        'out': flags.DEFINE_string(
+            'out',
+            None,
+            'where to write the tokenizer: PATH.model (sentencepiece) or PATH.json (a byte-level BPE tokenizer.json)',
+        ),
         'model_type': flags.DEFINE_enum('model_type', 'bpe', MODEL_TYPES, 'sentencepiece model type (.model only)'),
         'max_docs': flags.DEFINE_integer('max_docs', 100_000, 'documents read from the split'),
     }
@@ -380,12 +436,18 @@ def _define_flags() -> dict:
 def main(args: dict, command: str) -> None:
     from vrl.core import cli
     from vrl.data import corpus
+
     cli.require(args, 'name', 'vocab_size', 'out')
-    print(f'training a {args["vocab_size"].value:,}-piece tokenizer on up to {args["max_docs"].value:,} documents of '
-          f'{args["name"].value} {args["split"].value} (reading them, then fitting: a minute or so per 100,000) ...',
-          flush=True)
-    texts = corpus.texts(corpus.open_split(args['name'].value, args['data_dir'].value, args['split'].value),
-                         args['text_field'].value, limit=args['max_docs'].value)
+    print(
+        f'training a {args["vocab_size"].value:,}-piece tokenizer on up to {args["max_docs"].value:,} documents of '
+        f'{args["name"].value} {args["split"].value} (reading them, then fitting: a minute or so per 100,000) ...',
+        flush=True,
+    )
+    texts = corpus.texts(
+        corpus.open_split(args['name'].value, args['data_dir'].value, args['split'].value),
+        args['text_field'].value,
+        limit=args['max_docs'].value,
+    )
     tok = train(texts, args['vocab_size'].value, args['out'].value, args['model_type'].value)
     print(f'wrote {args["out"].value}: {tok.vocab_size} pieces, pad={tok.pad_id} eos={tok.eos_id} bos={tok.bos_id}')
 
@@ -393,6 +455,7 @@ def main(args: dict, command: str) -> None:
 def cli_main() -> None:
     """`vrl-tokenizer` (pyproject.toml's scripts): `python -m vrl.data.tokenizer` by another name."""
     from vrl.core import cli
+
     cli.run(main, _define_flags, ('train',))
 
 

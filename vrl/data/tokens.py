@@ -101,22 +101,36 @@ def find(name: str, data_dir: str, split: str, tokenizer: Tokenizer, text_field:
         others = sorted(str(marker.parent) for marker in (dataset / 'vrl_tokens').glob('*/' + MARKER))
         if others:
             raise corpus.DataError(
-                f'dataset {name!r} is pre-tokenized only by other tokenizers than {tokenizer.path} ({", ".join(others)}; '
-                f'each folder\'s tokens.json names its tokenizer). Pre-tokenize it by this one with `{make}`, name '
-                'the tokenizer that made a copy in data.tokenizer, or tokenize on the fly: data.pretokenized=false.')
-        logging.info('%s %s: tokenized on the fly by %s; pre-tokenize once with `%s`', name, split, tokenizer.path, make)
+                f'dataset {name!r} is pre-tokenized only by other tokenizers than {tokenizer.path} '
+                f'({", ".join(others)}; '
+                f"each folder's tokens.json names its tokenizer). Pre-tokenize it by this one with `{make}`, name "
+                'the tokenizer that made a copy in data.tokenizer, or tokenize on the fly: data.pretokenized=false.'
+            )
+        logging.info(
+            '%s %s: tokenized on the fly by %s; pre-tokenize once with `%s`', name, split, tokenizer.path, make
+        )
         return None
     info = json.loads((where / MARKER).read_text())
     if split not in info['splits']:
         return None
     entry = info['splits'][split]
-    stale = _stale(info, entry, corpus.fingerprint(name, data_dir), corpus.split_info(name, data_dir, split).documents,
-                   text_field)
+    stale = _stale(
+        info, entry, corpus.fingerprint(name, data_dir), corpus.split_info(name, data_dir, split).documents, text_field
+    )
     if stale:
-        raise corpus.DataError(f'{where} was made from other text than dataset {name!r} holds now ({stale}): make it '
-                               f'again with `{make} --overwrite`, or tokenize on the fly: data.pretokenized=false.')
-    logging.info('%s %s: pre-tokenized by %s (%s documents, %s tokens) in %s', name, split, tokenizer.path,
-                 f'{entry["documents"]:,}', f'{entry["tokens"]:,}', where)
+        raise corpus.DataError(
+            f'{where} was made from other text than dataset {name!r} holds now ({stale}): make it '
+            f'again with `{make} --overwrite`, or tokenize on the fly: data.pretokenized=false.'
+        )
+    logging.info(
+        '%s %s: pre-tokenized by %s (%s documents, %s tokens) in %s',
+        name,
+        split,
+        tokenizer.path,
+        f'{entry["documents"]:,}',
+        f'{entry["tokens"]:,}',
+        where,
+    )
     shards = [str(where / shard) for shard in entry['shards']]
     documents = entry.get('shard_documents') or _shard_documents(shards)
     return TokenSource(shards, info['dtype'], documents, entry['tokens'])
@@ -139,8 +153,14 @@ def _shard_documents(shards: list[str]) -> list[int]:
     return [shards.npy_header(f'{shard}.offsets.npy')[1] - 1 for shard in shards]
 
 
-def tokenize(name: str, data_dir: str, tokenizer: Tokenizer, workers: int | None = None,
-             overwrite: bool = False, text_field: str = 'text') -> epath.Path:
+def tokenize(
+    name: str,
+    data_dir: str,
+    tokenizer: Tokenizer,
+    workers: int | None = None,
+    overwrite: bool = False,
+    text_field: str = 'text',
+) -> epath.Path:
     """Writes every split of dataset `name` as `tokenizer`'s ids, in parallel on `workers`
     processes (default: all cores), each shard straight into the dataset's folder, local or on an
     object store (written locally, then moved or uploaded whole); resumes from the shards a killed
@@ -165,12 +185,31 @@ def tokenize(name: str, data_dir: str, tokenizer: Tokenizer, workers: int | None
         bounds = np.linspace(0, documents, count + 1).astype(int)
         names = [f'{split}-{i:05d}-of-{count:05d}' for i in range(count)]
         splits[split] = {'shards': names, 'documents': documents, 'shard_documents': np.diff(bounds).tolist()}
-        tasks += [(name, data_dir, split, text_field, int(bounds[i]), int(bounds[i + 1]), str(target / shard),
-                   tokenizer, dtype.str) for i, shard in enumerate(names)]
+        tasks += [
+            (
+                name,
+                data_dir,
+                split,
+                text_field,
+                int(bounds[i]),
+                int(bounds[i + 1]),
+                str(target / shard),
+                tokenizer,
+                dtype.str,
+            )
+            for i, shard in enumerate(names)
+        ]
     done = {k for k, task in enumerate(tasks) if f'{os.path.basename(task[6])}.offsets.npy' in finished}
     mine = [task for k, task in enumerate(tasks) if k % jax.process_count() == jax.process_index() and k not in done]
-    logging.info('tokenizing %s with %s: %d of %d shards to write here (%d done before), %d processes', name,
-                 tokenizer.path, len(mine), len(tasks), len(done), min(workers, max(len(mine), 1)))
+    logging.info(
+        'tokenizing %s with %s: %d of %d shards to write here (%d done before), %d processes',
+        name,
+        tokenizer.path,
+        len(mine),
+        len(tasks),
+        len(done),
+        min(workers, max(len(mine), 1)),
+    )
     start = time.perf_counter()
     if mine:
         target.mkdir(parents=True, exist_ok=True)
@@ -178,13 +217,20 @@ def tokenize(name: str, data_dir: str, tokenizer: Tokenizer, workers: int | None
             pass
     multihost.sync('vrl.data tokenize: every shard written')
     record = {'dataset_fingerprint': corpus.fingerprint(name, data_dir), 'text_field': text_field}
-    multihost.on_process_0(lambda: shards.write_marker(target, name, tokenizer, _count_tokens(target, dtype, splits),
-                                                       record))
+    multihost.on_process_0(
+        lambda: shards.write_marker(target, name, tokenizer, _count_tokens(target, dtype, splits), record)
+    )
     info = json.loads((target / MARKER).read_text())
     total = sum(entry['tokens'] for entry in info['splits'].values())
     seconds = time.perf_counter() - start
-    logging.info('tokenized %s: %s tokens in %.1fs (%s tokens/s) into %s', name, f'{total:,}', seconds,
-                 f'{total / max(seconds, 1e-9):,.0f}', target)
+    logging.info(
+        'tokenized %s: %s tokens in %.1fs (%s tokens/s) into %s',
+        name,
+        f'{total:,}',
+        seconds,
+        f'{total / max(seconds, 1e-9):,.0f}',
+        target,
+    )
     return target
 
 
@@ -197,8 +243,10 @@ def _clear(target: epath.Path) -> None:
 def _count_tokens(target: epath.Path, dtype: np.dtype, splits: dict) -> dict:
     """`splits` with each split's tokens, read from its shards' last offsets (a small read each)."""
     for entry in splits.values():
-        entry['tokens'] = sum(Shard(str(target / shard), dtype, n).token_count()
-                              for shard, n in zip(entry['shards'], entry['shard_documents']))
+        entry['tokens'] = sum(
+            Shard(str(target / shard), dtype, n).token_count()
+            for shard, n in zip(entry['shards'], entry['shard_documents'])
+        )
     return splits
 
 

@@ -28,7 +28,9 @@ import numpy as np
 
 from vrl.data.sources import DataError
 
-DEFAULT_BLOCK_TOKENS = 1 << 18  # data.block_tokens=0 (auto): 256K tokens, 512 KB a read at uint16, or a shard if smaller
+DEFAULT_BLOCK_TOKENS = (
+    1 << 18
+)  # data.block_tokens=0 (auto): 256K tokens, 512 KB a read at uint16, or a shard if smaller
 
 
 class Blocks:
@@ -58,8 +60,10 @@ def plan(shard_documents: list[int], tokens: float, block_tokens: int, where: st
     per_document = tokens / max(documents, 1)
     shard_tokens = int(per_document * max(shard_documents))  # the largest shard's, about
     if block_tokens > shard_tokens:
-        raise DataError(f'data.block_tokens={block_tokens} is invalid for {where}: a block is read from one shard, and '
-                        f'its largest holds about {shard_tokens:,} tokens; allowed 0 (auto) or at most {shard_tokens:,}.')
+        raise DataError(
+            f'data.block_tokens={block_tokens} is invalid for {where}: a block is read from one shard, and '
+            f'its largest holds about {shard_tokens:,} tokens; allowed 0 (auto) or at most {shard_tokens:,}.'
+        )
     wanted = block_tokens or min(DEFAULT_BLOCK_TOKENS, shard_tokens)
     return Blocks(shard_documents, max(1, round(wanted / max(per_document, 1e-9))))
 
@@ -69,8 +73,20 @@ class WindowIterator(grain.DatasetIterator):
     list of `per_element` documents as int32 token arrays. `source.documents(range)` reads
     consecutive documents of one shard (tokens.TokenSource: one ranged read on an object store)."""
 
-    def __init__(self, source: Any, blocks: Blocks, *, window_blocks: int, per_element: int, seed: int,
-                 num_epochs: int | None, process_index: int, process_count: int, reads: int, settings: dict):
+    def __init__(
+        self,
+        source: Any,
+        blocks: Blocks,
+        *,
+        window_blocks: int,
+        per_element: int,
+        seed: int,
+        num_epochs: int | None,
+        process_index: int,
+        process_count: int,
+        reads: int,
+        settings: dict,
+    ):
         super().__init__()
         self._source, self._blocks, self._W, self._per_element = source, blocks, window_blocks, per_element
         self._seed, self._epochs = seed, num_epochs
@@ -98,8 +114,9 @@ class WindowIterator(grain.DatasetIterator):
             picks = [self._order[i] % n for i in range(first, min(first + self._W, (epoch + 1) * n))]
             ranges = [self._blocks.documents(int(block)) for block in picks]
             read = self._source.documents
-            self._reading[window] = ([self._pool.submit(read, r) for r in ranges] if self._pool
-                                     else [read(r) for r in ranges])
+            self._reading[window] = (
+                [self._pool.submit(read, r) for r in ranges] if self._pool else [read(r) for r in ranges]
+            )
         return self._reading.get(window, [])
 
     def _open(self) -> None:
@@ -118,7 +135,7 @@ class WindowIterator(grain.DatasetIterator):
             if self._documents is None:
                 self._open()
             if self._taken < len(self._documents):
-                element = self._documents[self._taken:self._taken + self._per_element]
+                element = self._documents[self._taken : self._taken + self._per_element]
                 self._taken += len(element)
                 return element
             self._window, self._taken, self._documents = self._window + 1, 0, None
@@ -132,7 +149,8 @@ class WindowIterator(grain.DatasetIterator):
             raise DataError(
                 f'the saved data position was read in windows cut by {saved}, and this run cuts them by '
                 f'{self._settings}: restored, it would land elsewhere in the epoch. Resume with the data.block_tokens '
-                'and data.window_blocks that saved it, or start a new --workdir with --init_from=CHECKPOINT.')
+                'and data.window_blocks that saved it, or start a new --workdir with --init_from=CHECKPOINT.'
+            )
         self._reading.clear()
         self._window, self._taken, self._documents = state['window'], state['taken'], None
 

@@ -37,8 +37,10 @@ def analyze_run(workdir: str, sequences: int, seq_len: int, batch_size: int) -> 
     config, tok, trainer, params, step = load_trained(workdir)
     seq_len = seq_len or config.data.seq_len
     if not 2 <= seq_len <= config.data.seq_len:
-        raise AnalysisError(f'--seq_len={seq_len} is invalid: allowed 2..{config.data.seq_len}, the sequence length '
-                            f'{workdir} was trained at (RoPE positions beyond it were never seen).')
+        raise AnalysisError(
+            f'--seq_len={seq_len} is invalid: allowed 2..{config.data.seq_len}, the sequence length '
+            f'{workdir} was trained at (RoPE positions beyond it were never seen).'
+        )
     tokens = diagnostics.validation_sequences(config, tok, sequences, seq_len, '--sequences')
     stats = diagnostics.averaged(diagnostics.summed_stats(trainer), trainer, params, tokens, batch_size)
     return {'variant': config.model.variant_name, 'step': step, 'sequences': sequences, 'seq_len': seq_len, **stats}
@@ -48,10 +50,16 @@ _PLOTS = {  # file -> (title, y label, [(statistic, line style)])
     'entropy': ('Attention entropy (key importance)', 'entropy (nats)', [('entropy', '-')]),
     'similarity': ('Token similarity', 'mean pairwise cosine', [('similarity', '-')]),
     'first_token_attention': ('Attention on the first token', 'mass', [('first_token_attention', '-')]),
-    'value_norms': ('Value-state norms (solid: first token, dashed: the rest)', 'L2 norm',
-                    [('value_norm_first', '-'), ('value_norm_rest', '--')]),
-    'hidden_norms': ('Hidden-state norms (solid: first token, dashed: the rest)', 'L2 norm',
-                     [('hidden_norm_first', '-'), ('hidden_norm_rest', '--')]),
+    'value_norms': (
+        'Value-state norms (solid: first token, dashed: the rest)',
+        'L2 norm',
+        [('value_norm_first', '-'), ('value_norm_rest', '--')],
+    ),
+    'hidden_norms': (
+        'Hidden-state norms (solid: first token, dashed: the rest)',
+        'L2 norm',
+        [('hidden_norm_first', '-'), ('hidden_norm_rest', '--')],
+    ),
 }
 PLOTTED = [statistic for _, _, statistics in _PLOTS.values() for statistic, _ in statistics]
 
@@ -65,8 +73,15 @@ def plot(results: dict[str, dict], out: epath.Path) -> list[epath.Path]:
             for statistic, style in statistics:
                 first_layer = layer_stats.first_layer(statistic)
                 values = result[statistic]
-                lines.append(plots.Line(f'{run} ({result["variant"]})' if style == '-' else None,
-                                        range(first_layer, first_layer + len(values)), values, style, color))
+                lines.append(
+                    plots.Line(
+                        f'{run} ({result["variant"]})' if style == '-' else None,
+                        range(first_layer, first_layer + len(values)),
+                        values,
+                        style,
+                        color,
+                    )
+                )
         xlabel = 'layer (0 = embedding output)' if name == 'similarity' else 'layer'
         written.append(plots.line_plot(out / f'{name}.png', title, xlabel, ylabel, lines))
     return written
@@ -76,8 +91,10 @@ def run_names(workdirs: list[str]) -> list[str]:
     names = [storage.path(w).name for w in workdirs]
     for name in names:
         if names.count(name) > 1:
-            raise AnalysisError(f'two --workdir folders are named {name!r}; their results would share '
-                                f'OUT/{name}: give each run a distinct folder name.')
+            raise AnalysisError(
+                f'two --workdir folders are named {name!r}; their results would share '
+                f'OUT/{name}: give each run a distinct folder name.'
+            )
     return names
 
 
@@ -98,8 +115,10 @@ def main(args: cli.Args) -> None:
     out = storage.path(args['out'].value)
     storage.check_writable(out.parent, '--out')  # before any work; out itself only once there are results
     names = run_names(workdirs)
-    results = {name: analyze_run(workdir, args['sequences'].value, args['seq_len'].value,
-                                 args['batch_size'].value) for name, workdir in zip(names, workdirs)}
+    results = {
+        name: analyze_run(workdir, args['sequences'].value, args['seq_len'].value, args['batch_size'].value)
+        for name, workdir in zip(names, workdirs)
+    }
     for name, result in results.items():
         (out / name).mkdir(parents=True, exist_ok=True)
         (out / name / 'analysis.json').write_text(json.dumps(result, indent=2))
@@ -107,7 +126,7 @@ def main(args: cli.Args) -> None:
     for name, result in results.items():
         entropy = ' '.join(f'{x:.2f}' for x in result['entropy'])
         print(f'{name} ({result["variant"]}, step {result["step"]}): entropy per layer {entropy}')
-    print(f"wrote {len(results)} analysis.json and {len(figures)} plots to {out}")
+    print(f'wrote {len(results)} analysis.json and {len(figures)} plots to {out}')
 
 
 def cli_main() -> None:

@@ -48,20 +48,38 @@ def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:
     if not variants:
         raise grid.GridError(f'--variants is empty: name at least one of {", ".join(presets.PRESETS)}.')
     if len(set(variants)) < len(variants) or len(set(seeds)) < len(seeds):
-        raise grid.GridError(f'--variants={",".join(variants)} / --seeds={",".join(map(str, seeds))}: '
-                             'each name and seed once.')
+        raise grid.GridError(
+            f'--variants={",".join(variants)} / --seeds={",".join(map(str, seeds))}: each name and seed once.'
+        )
     runs = []
     for variant in variants:
         model = presets.apply(variant, base.model)
         for seed in seeds:
-            runs.append(Run(variant, seed, dataclasses.replace(
-                base, model=model, train=dataclasses.replace(base.train, seed=seed, log_every=1, sample_tokens=0,
-                                                           print_every=base.train.log_every))))
+            runs.append(
+                Run(
+                    variant,
+                    seed,
+                    dataclasses.replace(
+                        base,
+                        model=model,
+                        train=dataclasses.replace(
+                            base.train, seed=seed, log_every=1, sample_tokens=0, print_every=base.train.log_every
+                        ),
+                    ),
+                )
+            )
     return runs
 
 
-def compare(base: Config, variants: list[str], seeds: list[int], workdir: epath.Path, analysis_sequences: int,
-            downstream: Downstream | None = None, group_runs: bool = True) -> list[dict]:
+def compare(
+    base: Config,
+    variants: list[str],
+    seeds: list[int],
+    workdir: epath.Path,
+    analysis_sequences: int,
+    downstream: Downstream | None = None,
+    group_runs: bool = True,
+) -> list[dict]:
     """Trains what is missing, then writes report.md, results.json and the plots; returns the table rows."""
     runs = plan(base, variants, seeds)
     directory = grid.GridDirectory(workdir, 'compare.json', 'comparison')
@@ -86,19 +104,28 @@ def compare(base: Config, variants: list[str], seeds: list[int], workdir: epath.
 def _define_flags() -> dict:
     """The command's flags, defined only when it runs (the notebook imports this module's functions)."""
     return {
-        'config': config_flags.DEFINE_config_file('config', None, 'The base config (configs/*.py); its model shape, '
-                                                  'data and budget are shared by every run.', lock_config=True),
+        'config': config_flags.DEFINE_config_file(
+            'config',
+            None,
+            'The base config (configs/*.py); its model shape, data and budget are shared by every run.',
+            lock_config=True,
+        ),
         'variants': flags.DEFINE_list('variants', [], 'vrl/model/presets.py names, e.g. vanilla,resformer,svformer.'),
         'seeds': flags.DEFINE_list('seeds', ['0'], 'Parameter-init seeds; each variant is trained once per seed.'),
         'workdir': flags.DEFINE_string('workdir', None, 'Where the runs, the report and the plots go.'),
         'list_variants': flags.DEFINE_bool('list_variants', False, 'Print the variant presets and exit.'),
-        'analysis_sequences': flags.DEFINE_integer('analysis_sequences', 16,
-                                                   'Validation sequences for vrl.experiments.analyze per run (0: none).'),
+        'analysis_sequences': flags.DEFINE_integer(
+            'analysis_sequences', 16, 'Validation sequences for vrl.experiments.analyze per run (0: none).'
+        ),
         'tasks': flags.DEFINE_list('tasks', [], 'lm-eval tasks to evaluate every run on (vrl.tools.evaluate).'),
         'task_limit': flags.DEFINE_float('task_limit', None, 'Examples per task (< 1: a fraction).'),
         'include_path': flags.DEFINE_string('include_path', None, 'A folder of lm-eval task YAMLs of your own.'),
-        'group_runs': flags.DEFINE_bool('group_runs', True, "Train a variant's seeds together in one compiled step "
-                                        '(vrl/experiments/grid.py); false: one run after another.'),
+        'group_runs': flags.DEFINE_bool(
+            'group_runs',
+            True,
+            "Train a variant's seeds together in one compiled step "
+            '(vrl/experiments/grid.py); false: one run after another.',
+        ),
     }
 
 
@@ -121,14 +148,25 @@ def main(args: cli.Args) -> None:
         except ImportError as e:
             sys.exit(f'error: --tasks {e}')
     workdir = storage.path(args['workdir'].value)
-    downstream = (Downstream(args['tasks'].value, args['task_limit'].value, args['include_path'].value)
-                  if args['tasks'].value else None)
-    rows = compare(from_configdict(args['config'].value), args['variants'].value,
-                   parse_seeds(args['seeds'].value), workdir, args['analysis_sequences'].value, downstream,
-                   args['group_runs'].value)
+    downstream = (
+        Downstream(args['tasks'].value, args['task_limit'].value, args['include_path'].value)
+        if args['tasks'].value
+        else None
+    )
+    rows = compare(
+        from_configdict(args['config'].value),
+        args['variants'].value,
+        parse_seeds(args['seeds'].value),
+        workdir,
+        args['analysis_sequences'].value,
+        downstream,
+        args['group_runs'].value,
+    )
     for r in rows:
-        print(f'{r["variant"]}: eval loss {curves.plus_minus(r["eval_loss"], r["eval_loss_spread"])}, '
-              f'vs vanilla {r["delta_vs_vanilla"]:+.4f}')
+        print(
+            f'{r["variant"]}: eval loss {curves.plus_minus(r["eval_loss"], r["eval_loss_spread"])}, '
+            f'vs vanilla {r["delta_vs_vanilla"]:+.4f}'
+        )
     print(f'report: {workdir / "report.md"}')
 
 

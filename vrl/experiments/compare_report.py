@@ -25,20 +25,34 @@ def summarize(results: list[dict], variants: list[str]) -> list[dict]:
         loss, loss_spread = curves.mean_and_spread([r['eval_loss'] for r in runs])
         deltas = [r['eval_loss'] - baseline[r['seed']] for r in runs if r['seed'] in baseline]
         delta, delta_spread = curves.mean_and_spread(deltas) if deltas else (math.nan, math.nan)
-        rows.append({'variant': variant, 'model': runs[0]['model'], 'seeds': [r['seed'] for r in runs],
-                     'eval_loss': loss, 'eval_loss_spread': loss_spread, 'delta_vs_vanilla': delta,
-                     'delta_spread': delta_spread, 'params': runs[0]['params'],
-                     'kv_cache_bytes_per_token': runs[0]['kv_cache_bytes_per_token'],
-                     'tokens_per_sec': float(np.mean([r['tokens_per_sec'] for r in runs])),
-                     'downstream': _mean_downstream([r.get('downstream', {}) for r in runs])})
+        rows.append(
+            {
+                'variant': variant,
+                'model': runs[0]['model'],
+                'seeds': [r['seed'] for r in runs],
+                'eval_loss': loss,
+                'eval_loss_spread': loss_spread,
+                'delta_vs_vanilla': delta,
+                'delta_spread': delta_spread,
+                'params': runs[0]['params'],
+                'kv_cache_bytes_per_token': runs[0]['kv_cache_bytes_per_token'],
+                'tokens_per_sec': float(np.mean([r['tokens_per_sec'] for r in runs])),
+                'downstream': _mean_downstream([r.get('downstream', {}) for r in runs]),
+            }
+        )
     return rows
 
 
 def _mean_downstream(per_run: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, tuple[float, float]]]:
     """{task: {metric: (mean, standard deviation) over the runs}} for the metrics every run has."""
     tasks = set.intersection(*(set(d) for d in per_run)) if per_run else set()
-    return {task: {metric: curves.mean_and_spread([d[task][metric] for d in per_run])
-                   for metric in set.intersection(*(set(d[task]) for d in per_run))} for task in sorted(tasks)}
+    return {
+        task: {
+            metric: curves.mean_and_spread([d[task][metric] for d in per_run])
+            for metric in set.intersection(*(set(d[task]) for d in per_run))
+        }
+        for task in sorted(tasks)
+    }
 
 
 def write_plots(results: list[dict], variants: list[str], workdir: epath.Path) -> list[epath.Path]:
@@ -52,16 +66,29 @@ def write_plots(results: list[dict], variants: list[str], workdir: epath.Path) -
         if BASELINE in train_curves:
             steps, relative = curves.relative_loss(train_curves[variant], train_curves[BASELINE], window)
             relative_lines.append(plots.Line(variant, steps, relative, '-', color))
-    written = [plots.line_plot(workdir / 'eval_loss.png', 'Validation loss', 'step', 'eval loss (mean over seeds)',
-                               eval_lines)]
+    written = [
+        plots.line_plot(workdir / 'eval_loss.png', 'Validation loss', 'step', 'eval loss (mean over seeds)', eval_lines)
+    ]
     if relative_lines:
-        written.append(plots.line_plot(
-            workdir / 'relative_train_loss.png', f'Training loss minus vanilla\'s ({window}-step moving average)',
-            'step', 'relative training loss (mean over seeds)', relative_lines, markers=False))
+        written.append(
+            plots.line_plot(
+                workdir / 'relative_train_loss.png',
+                f"Training loss minus vanilla's ({window}-step moving average)",
+                'step',
+                'relative training loss (mean over seeds)',
+                relative_lines,
+                markers=False,
+            )
+        )
     analysed = {v: [r['analysis'] for r in runs if r['analysis']] for v, runs in by_variant.items()}
-    mean_analysis = {variant: {'variant': by_variant[variant][0]['model'], **{
-        k: np.mean([a[k] for a in analyses], axis=0).tolist() for k in analyze.PLOTTED}}
-        for variant, analyses in analysed.items() if analyses}
+    mean_analysis = {
+        variant: {
+            'variant': by_variant[variant][0]['model'],
+            **{k: np.mean([a[k] for a in analyses], axis=0).tolist() for k in analyze.PLOTTED},
+        }
+        for variant, analyses in analysed.items()
+        if analyses
+    }
     figures = written + diagnostics_plots(by_variant, workdir) + downstream_plots(by_variant, workdir)
     return figures + (analyze.plot(mean_analysis, workdir) if mean_analysis else [])
 
@@ -72,8 +99,7 @@ _DIAGNOSTICS_PLOTS = {  # statistic -> (title, y label)
 }
 
 
-def diagnostics_plots(by_variant: dict[str, list[dict]], workdir: epath.Path, where: str = ''
-                      ) -> list[epath.Path]:
+def diagnostics_plots(by_variant: dict[str, list[dict]], workdir: epath.Path, where: str = '') -> list[epath.Path]:
     """Training's diagnostics (train.diagnostics_every) of the middle layer over the steps, a chart
     per statistic with a line per variant (mean over its runs), in diagnostics_<statistic><where>.png;
     none when no run logged them."""
@@ -87,9 +113,18 @@ def diagnostics_plots(by_variant: dict[str, list[dict]], workdir: epath.Path, wh
             if runs:
                 middle = len(next(iter(runs[0].values()))[name]) // 2  # index i is layer i + 1
                 curve = curves.mean_curve([{step: d[name][middle] for step, d in run.items()} for run in runs])
-                lines.append(plots.Line(f'{variant} (layer {middle + 1})', list(curve), list(curve.values()), '-', color))
-        written.append(plots.line_plot(workdir / f'diagnostics_{name}{where}.png', f'{title}, middle layer, over '
-                                       f'training{where.replace("_", ", ")}', 'step', ylabel, lines))
+                lines.append(
+                    plots.Line(f'{variant} (layer {middle + 1})', list(curve), list(curve.values()), '-', color)
+                )
+        written.append(
+            plots.line_plot(
+                workdir / f'diagnostics_{name}{where}.png',
+                f'{title}, middle layer, over training{where.replace("_", ", ")}',
+                'step',
+                ylabel,
+                lines,
+            )
+        )
     return written
 
 
@@ -109,41 +144,74 @@ def downstream_plots(by_variant: dict[str, list[dict]], workdir: epath.Path, whe
             spread = [curves.mean_and_spread([c[s] for c in seeds]) for s in steps]
             mean = [m for m, _ in spread]
             band = ([m - d for m, d in spread], [m + d for m, d in spread]) if len(seeds) > 1 else None
-            lines.append(plots.Line(f'{variant} ({len(seeds)} seed{"s" * (len(seeds) > 1)})', [int(s) for s in steps],
-                                    mean, '-', color, band))
+            lines.append(
+                plots.Line(
+                    f'{variant} ({len(seeds)} seed{"s" * (len(seeds) > 1)})',
+                    [int(s) for s in steps],
+                    mean,
+                    '-',
+                    color,
+                    band,
+                )
+            )
         file = 'downstream_' + ''.join(c if c.isalnum() or c in '-.' else '_' for c in name) + where + '.png'
-        written.append(plots.line_plot(workdir / file, f'{name} while training{where.replace("_", ", ")}', 'step',
-                                       f'{name} (mean; shaded: ± one standard deviation over seeds)', lines))
+        written.append(
+            plots.line_plot(
+                workdir / file,
+                f'{name} while training{where.replace("_", ", ")}',
+                'step',
+                f'{name} (mean; shaded: ± one standard deviation over seeds)',
+                lines,
+            )
+        )
     return written
 
 
 def report(rows: list[dict], figures: list[epath.Path], base: Config, seeds: list[int]) -> str:
     tokens = base.train.steps * base.data.batch_size * base.data.seq_len
     lines = [
-        '# Variant comparison', '',
+        '# Variant comparison',
+        '',
         f'{base.train.steps} steps x {base.data.batch_size} x {base.data.seq_len} tokens ({tokens:,} tokens) on '
-        f'`{base.data.mixture or base.data.name}`, seeds {", ".join(map(str, seeds))}; {base.model.n_layers} layers, d_model '
+        f'`{base.data.mixture or base.data.name}`, seeds {", ".join(map(str, seeds))}; {base.model.n_layers} '
+        'layers, d_model '
         f'{base.model.d_model}; optimizer {base.optimizer.name} (peak LR {base.optimizer.peak_lr:g}, '
-        f'{base.optimizer.schedule} schedule). Eval loss: mean ± standard deviation over seeds; the delta pairs each seed with '
-        'vanilla\'s run of the same seed. Train tokens/s: the median of the logged rates on this machine as it was '
-        'while the run trained (shared with whatever else ran), not a measure of the variant\'s speed; '
-        '`python bench/train_throughput.py` measures that.', '',
+        f'{base.optimizer.schedule} schedule). Eval loss: mean ± standard deviation over seeds; the delta '
+        'pairs each seed with '
+        "vanilla's run of the same seed. Train tokens/s: the median of the logged rates on this machine as it was "
+        "while the run trained (shared with whatever else ran), not a measure of the variant's speed; "
+        '`python bench/train_throughput.py` measures that.',
+        '',
         '| variant | model | final eval loss | Δ vs vanilla | params | KV cache B/token | train tokens/s |',
         '|---|---|---|---|---|---|---|',
     ]
     for r in rows:
-        delta = ('—' if math.isnan(r['delta_vs_vanilla']) else
-                 '+' * (r['delta_vs_vanilla'] >= 0) + curves.plus_minus(r['delta_vs_vanilla'], r['delta_spread']))
-        lines.append(f'| {r["variant"]} | {r["model"]} | {curves.plus_minus(r["eval_loss"], r["eval_loss_spread"])} | '
-                     f'{delta} | {r["params"]:,} | {r["kv_cache_bytes_per_token"]:,} | {r["tokens_per_sec"]:,.0f} |')
+        delta = (
+            '—'
+            if math.isnan(r['delta_vs_vanilla'])
+            else '+' * (r['delta_vs_vanilla'] >= 0) + curves.plus_minus(r['delta_vs_vanilla'], r['delta_spread'])
+        )
+        lines.append(
+            f'| {r["variant"]} | {r["model"]} | {curves.plus_minus(r["eval_loss"], r["eval_loss_spread"])} | '
+            f'{delta} | {r["params"]:,} | {r["kv_cache_bytes_per_token"]:,} | {r["tokens_per_sec"]:,.0f} |'
+        )
     columns = sorted({(task, metric) for r in rows for task, metrics in r['downstream'].items() for metric in metrics})
     if columns:
-        lines += ['', '## Downstream tasks (lm-eval at the final step, mean ± standard deviation over seeds)', '',
-                  '| variant | ' + ' | '.join(f'{task} {metric}' for task, metric in columns) + ' |',
-                  '|---|' + '---|' * len(columns)]
+        lines += [
+            '',
+            '## Downstream tasks (lm-eval at the final step, mean ± standard deviation over seeds)',
+            '',
+            '| variant | ' + ' | '.join(f'{task} {metric}' for task, metric in columns) + ' |',
+            '|---|' + '---|' * len(columns),
+        ]
         for r in rows:
-            lines.append(f'| {r["variant"]} | ' + ' | '.join(
-                curves.plus_minus(*r['downstream'][t][m]) if m in r['downstream'].get(t, {}) else '—'
-                for t, m in columns) + ' |')
+            lines.append(
+                f'| {r["variant"]} | '
+                + ' | '.join(
+                    curves.plus_minus(*r['downstream'][t][m]) if m in r['downstream'].get(t, {}) else '—'
+                    for t, m in columns
+                )
+                + ' |'
+            )
     lines += ['', '## Figures', ''] + [f'![{f.stem}]({f.name})' for f in figures]
     return '\n'.join(lines) + '\n'

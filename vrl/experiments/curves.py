@@ -31,8 +31,9 @@ def moving_average(values: Sequence[float], window: int) -> np.ndarray:
 def relative_loss(curve: dict[int, float], baseline: dict[int, float], window: int) -> tuple[list[int], np.ndarray]:
     """(steps, moving-average(curve) - moving-average(baseline)) over the steps both have."""
     steps = sorted(set(curve) & set(baseline))
-    return steps, (moving_average([curve[s] for s in steps], window)
-                   - moving_average([baseline[s] for s in steps], window))
+    return steps, (
+        moving_average([curve[s] for s in steps], window) - moving_average([baseline[s] for s in steps], window)
+    )
 
 
 def mean_and_spread(values: Sequence[float]) -> tuple[float, float]:
@@ -68,6 +69,7 @@ def step_to_reach(curve: dict[int, float], target: float) -> float | None:
 @dataclasses.dataclass(frozen=True)
 class Crossing:
     """Where a baseline overtakes a variant for good (the paper's critical step)."""
+
     step: int | None  # the first step after which the baseline stays below; None: not within the budget
     variant_led: bool  # whether the variant was ahead at some step before that
 

@@ -42,6 +42,7 @@ class GridError(VrlError, ValueError):
 class Run:
     """One point of a grid: a preset variant, an init seed, the full config and, for a study, the
     other coordinates (e.g. (('size', 'd128'), ('lr', '3e-03'))) that name its folder."""
+
     variant: str
     seed: int
     config: Config
@@ -55,6 +56,7 @@ class Run:
 @dataclasses.dataclass
 class Downstream:
     """lm-eval tasks to run on every run (vrl.tools.evaluate), with one task index for all of them."""
+
     tasks: list[str]
     limit: float | None = None
     include_path: str | None = None
@@ -63,6 +65,7 @@ class Downstream:
     def index(self) -> Any:
         """lm-eval's TaskManager for the tasks, built once; EvaluateError names an unknown task."""
         from vrl.train import lm_eval_tasks  # lm-eval: requirements-extra.txt
+
         if self._task_manager is None:
             self._task_manager = lm_eval_tasks.task_manager_for(self.tasks, self.include_path)
         return self._task_manager
@@ -71,6 +74,7 @@ class Downstream:
         """{requested task: {metric: value}} on the run's latest checkpoint (lm_eval_tasks.task_metrics)."""
         from vrl.tools import evaluate  # lm-eval: requirements-extra.txt
         from vrl.train import lm_eval_tasks
+
         results = evaluate.evaluate(str(run_dir), tasks, limit=self.limit, task_manager=self.index()).results
         return lm_eval_tasks.task_metrics(results, tasks)
 
@@ -94,6 +98,7 @@ class GridDirectory:
             guard_lib.hold(self._guard)
             self.check_same_base(base)  # a writer that finished just before us may have written it
             self.write_text(self.record.name, json.dumps({'base_config': dataclasses.asdict(base)}, indent=2))
+
         multihost.on_process_0(hold)
 
     def close(self) -> None:
@@ -105,8 +110,10 @@ class GridDirectory:
             return
         saved = json.loads(self.record.read_text())['base_config']
         for name, (old, value) in workdir_lib.changes(saved, workdir_lib.as_json(base)).items():
-            raise GridError(f'{self.path} holds a {self.kind} of another config: {name} was {old!r} there and is '
-                            f'{value!r} now; use another --workdir (nothing was changed).')
+            raise GridError(
+                f'{self.path} holds a {self.kind} of another config: {name} was {old!r} there and is '
+                f'{value!r} now; use another --workdir (nothing was changed).'
+            )
 
     def write_text(self, name: str, text: str) -> epath.Path:
         """DIR/name replaced whole by `text` (process 0 only)."""
@@ -116,13 +123,18 @@ class GridDirectory:
         return target
 
 
-def train_all(runs: list[Run], workdir: epath.Path, analysis_sequences: int, downstream: Downstream | None = None,
-              group_runs: bool = True) -> list[dict[str, Any]]:
+def train_all(
+    runs: list[Run],
+    workdir: epath.Path,
+    analysis_sequences: int,
+    downstream: Downstream | None = None,
+    group_runs: bool = True,
+) -> list[dict[str, Any]]:
     """Every run's result (`train_or_reuse`), in order. With `group_runs`, the unfinished runs that
     differ only in seed and stand at the same checkpoint step are first trained together, one
     compiled step for all (train.run_group); a run with no such partner trains alone."""
     trained: dict[str, dict[str, Any]] = {}
-    for members in (_groups(runs, workdir) if group_runs else []):
+    for members in _groups(runs, workdir) if group_runs else []:
         names = ', '.join(run.name for run in members)
         if len(members) == 1:
             _say(f'{names}: trained alone (no unfinished run of its shape, data and step to group with)')
@@ -149,8 +161,13 @@ def _groups(runs: list[Run], workdir: epath.Path) -> list[list[Run]]:
     return list(groups.values())
 
 
-def train_or_reuse(run: Run, workdir: epath.Path, analysis_sequences: int, downstream: Downstream | None = None,
-                   trained: dict[str, Any] | None = None) -> dict[str, Any]:
+def train_or_reuse(
+    run: Run,
+    workdir: epath.Path,
+    analysis_sequences: int,
+    downstream: Downstream | None = None,
+    trained: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The run's result: `trained` (from its group), read back if it finished before, else trained (or
     resumed), evaluated and, with analysis_sequences > 0, analysed; then evaluated on the downstream
     tasks it has no result for."""
@@ -194,21 +211,29 @@ def _result(run: Run, run_dir: epath.Path, final_step: int, seconds: float, anal
     speeds = [r['tokens_per_sec'] for step, r in sorted(records.items()) if 'tokens_per_sec' in r][1:]
     eval_curve = {step: r['eval_loss'] for step, r in sorted(records.items()) if 'eval_loss' in r}
     if final_step not in eval_curve:  # stopped between its last save and its final eval
-        raise GridError(f'{run_dir} finished training but holds no eval at step {final_step}; remove that '
-                        'folder to train the run again.')
+        raise GridError(
+            f'{run_dir} finished training but holds no eval at step {final_step}; remove that '
+            'folder to train the run again.'
+        )
     cfg = run.config
     account = accounting.account(cfg.model, cfg.data.seq_len)
     curves_of = downstream_curves(records)
     return {
-        'variant': run.variant, 'model': cfg.model.variant_name, 'seed': run.seed, 'step': final_step,
+        'variant': run.variant,
+        'model': cfg.model.variant_name,
+        'seed': run.seed,
+        'step': final_step,
         'coordinates': dict(run.coordinates),
         # the final eval (also when the training had finished in an earlier, interrupted invocation)
-        'eval_loss': eval_curve[final_step], 'params': account.params,
+        'eval_loss': eval_curve[final_step],
+        'params': account.params,
         'non_embedding_params': account.non_embedding_params,
         'kv_cache_bytes_per_token': account.kv_cache_bytes_per_token,
-        'tokens_per_step': cfg.data.batch_size * cfg.data.seq_len, 'peak_lr': cfg.optimizer.peak_lr,
-        'seq_len': cfg.data.seq_len, 'flops': account.flops_per_token * cfg.data.batch_size * cfg.data.seq_len
-        * final_step, 'seconds': seconds,
+        'tokens_per_step': cfg.data.batch_size * cfg.data.seq_len,
+        'peak_lr': cfg.optimizer.peak_lr,
+        'seq_len': cfg.data.seq_len,
+        'flops': account.flops_per_token * cfg.data.batch_size * cfg.data.seq_len * final_step,
+        'seconds': seconds,
         'tokens_per_sec': float(np.median(speeds)) if speeds else float('nan'),
         'train_loss': {step: r['loss'] for step, r in records.items() if 'loss' in r},
         'eval_curve': eval_curve,
@@ -225,7 +250,7 @@ def downstream_curves(records: dict[int, dict]) -> dict[str, dict[int, float]]:
     for step, record in sorted(records.items()):
         for key, value in record.items():
             if key.startswith('downstream/'):
-                out.setdefault(key[len('downstream/'):], {})[step] = value
+                out.setdefault(key[len('downstream/') :], {})[step] = value
     return out
 
 

@@ -22,8 +22,9 @@ class Line(NamedTuple):
     band: tuple[Sequence[float], Sequence[float]] | None = None  # (low, high) at each x, shaded: e.g. the seeds' spread
 
 
-def line_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list[Line], markers: bool = True,
-              log: str = '') -> Path:
+def line_plot(
+    path: Path, title: str, xlabel: str, ylabel: str, lines: list[Line], markers: bool = True, log: str = ''
+) -> Path:
     """Writes a PNG of `lines` to path and returns path; `log` names the axes on a log scale ('x', 'y', 'xy')."""
     try:
         import matplotlib
@@ -32,15 +33,28 @@ def line_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list[Line
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     import matplotlib.ticker
+
     colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for line in lines:  # a style with its own marker ('o': points only) keeps it
-        ax.plot(line.x, line.y, line.style, color=colors[line.color % len(colors)], label=line.label,
-                markersize=3, **({'marker': 'o'} if markers else {}))
+        ax.plot(
+            line.x,
+            line.y,
+            line.style,
+            color=colors[line.color % len(colors)],
+            label=line.label,
+            markersize=3,
+            **({'marker': 'o'} if markers else {}),
+        )
         if line.band is not None:
             ax.fill_between(line.x, *line.band, color=colors[line.color % len(colors)], alpha=0.2, linewidth=0)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel, xscale='log' if 'x' in log else 'linear',
-           yscale='log' if 'y' in log else 'linear')
+    ax.set(
+        title=title,
+        xlabel=xlabel,
+        ylabel=ylabel,
+        xscale='log' if 'x' in log else 'linear',
+        yscale='log' if 'y' in log else 'linear',
+    )
     plain = matplotlib.ticker.FuncFormatter(lambda value, _: f'{value:g}')
     for axis in [a for name, a in (('x', ax.xaxis), ('y', ax.yaxis)) if name in log]:
         axis.set_major_formatter(plain)

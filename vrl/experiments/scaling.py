@@ -24,6 +24,7 @@ class FitError(VrlError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class PowerLaw:
     """L(N) = a * N^(-alpha), fitted to (N, L) points."""
+
     a: float
     alpha: float
     residuals: tuple[float, ...]  # measured minus fitted loss, per point, in the order given
@@ -56,17 +57,25 @@ def params_saved(variant: PowerLaw, baseline: PowerLaw, n_baseline: float) -> fl
     return 1.0 - variant.params_for(float(baseline.loss(n_baseline))) / n_baseline
 
 
-def bootstrap_params_saved(variant_seeds: Sequence[Sequence[float]], baseline_seeds: Sequence[Sequence[float]],
-                           n_variant: Sequence[float], n_baseline: Sequence[float], at: float,
-                           resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
+def bootstrap_params_saved(
+    variant_seeds: Sequence[Sequence[float]],
+    baseline_seeds: Sequence[Sequence[float]],
+    n_variant: Sequence[float],
+    n_baseline: Sequence[float],
+    at: float,
+    resamples: int = 1000,
+    seed: int = 0,
+) -> tuple[float, float]:
     """A 95% interval of params_saved(at) from the seeds: each resample draws, per size, the seeds'
     losses with replacement (variant_seeds[i] holds size i's per-seed losses), refits both laws on
     the means, and recomputes. Resamples whose loss does not fall with size are dropped."""
     rng = np.random.default_rng(seed)
     values = []
     for _ in range(resamples):
-        means = [[float(np.mean(rng.choice(seeds, len(seeds)))) for seeds in group]
-                 for group in (variant_seeds, baseline_seeds)]
+        means = [
+            [float(np.mean(rng.choice(seeds, len(seeds)))) for seeds in group]
+            for group in (variant_seeds, baseline_seeds)
+        ]
         try:
             values.append(params_saved(fit_power_law(n_variant, means[0]), fit_power_law(n_baseline, means[1]), at))
         except FitError:

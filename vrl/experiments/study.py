@@ -5,7 +5,8 @@
         [--budget=steps|params] [--fit_metric=TASK/METRIC] --workdir=DIR [--list] [--config.train.steps=400 ...]
 
 Every (variant, size, LR, seq_len, seed) is a vrl.main workdir under DIR/runs/, trained, reused or
-resumed by vrl/experiments/grid.py exactly as vrl.experiments.compare's runs are, so adding a size, LR or seed trains only
+resumed by vrl/experiments/grid.py exactly as vrl.experiments.compare's runs are, so adding a size, LR or seed trains
+only
 the new runs. --list prints the planned grid (parameters, tokens, estimated time, what is done)
 without training.
 
@@ -78,8 +79,10 @@ def sized(name: str, base: ModelConfig) -> ModelConfig:
         group = base.n_heads // base.n_kv_heads
         n_heads = d_model // base.head_dim
         if d_model % base.head_dim or n_heads % group or not n_heads:
-            raise GridError(f'--sizes: {name!r} needs d_model={d_model} to be a multiple of head_dim x query heads '
-                            f'per kv head = {base.head_dim * group}.')
+            raise GridError(
+                f'--sizes: {name!r} needs d_model={d_model} to be a multiple of head_dim x query heads '
+                f'per kv head = {base.head_dim * group}.'
+            )
         d_ff = max(8, round(base.d_ff * d_model / base.d_model / 8) * 8)
         fields.update(d_model=d_model, n_heads=n_heads, n_kv_heads=n_heads // group, d_ff=d_ff)
     return dataclasses.replace(base, **fields)
@@ -87,8 +90,13 @@ def sized(name: str, base: ModelConfig) -> ModelConfig:
 
 def check(base: Config, axes: Axes) -> None:
     """Every axis non-empty, distinct and valid; GridError names the first that is not."""
-    for flag, values in (('--variants', axes.variants), ('--sizes', axes.sizes), ('--lrs', axes.lrs),
-                         ('--seeds', axes.seeds), ('--seq_lens', axes.seq_lens)):
+    for flag, values in (
+        ('--variants', axes.variants),
+        ('--sizes', axes.sizes),
+        ('--lrs', axes.lrs),
+        ('--seeds', axes.seeds),
+        ('--seq_lens', axes.seq_lens),
+    ):
         if not values:
             raise GridError(f'{flag} is empty: give at least one value.')
         if len(set(values)) < len(values):
@@ -101,14 +109,18 @@ def check(base: Config, axes: Axes) -> None:
     tokens = base.data.batch_size * base.data.seq_len
     for seq_len in axes.seq_lens:
         if seq_len < 1 or tokens % seq_len:
-            raise GridError(f'--seq_lens: {seq_len} is invalid: allowed divisors of the base\'s tokens per step '
-                            f'({base.data.batch_size} x {base.data.seq_len} = {tokens}).')
+            raise GridError(
+                f"--seq_lens: {seq_len} is invalid: allowed divisors of the base's tokens per step "
+                f'({base.data.batch_size} x {base.data.seq_len} = {tokens}).'
+            )
     if axes.fit_metric != 'eval_loss':
         task, _, metric = axes.fit_metric.partition('/')
         if task not in base.train.task_names or not metric:
-            raise GridError(f'--fit_metric={axes.fit_metric} is invalid: allowed eval_loss or TASK/METRIC of a task '
-                            f'the runs score while training (--config.train.downstream_tasks='
-                            f'{base.train.downstream_tasks!r}), such as hellaswag/acc_norm.')
+            raise GridError(
+                f'--fit_metric={axes.fit_metric} is invalid: allowed eval_loss or TASK/METRIC of a task '
+                f'the runs score while training (--config.train.downstream_tasks='
+                f'{base.train.downstream_tasks!r}), such as hellaswag/acc_norm.'
+            )
         study_report.lower_is_better(metric)  # a metric lm-eval knows
 
 
@@ -129,17 +141,22 @@ def plan(base: Config, axes: Axes) -> list[Run]:
         shape = sized(size, base.model)
         steps = _steps(base, shape, axes.budget)
         decay_steps = base.optimizer.decay_steps and max(  # 0 follows each run's train.steps
-            base.optimizer.warmup_steps + 1, round(base.optimizer.decay_steps * steps / base.train.steps))
+            base.optimizer.warmup_steps + 1, round(base.optimizer.decay_steps * steps / base.train.steps)
+        )
         schedule = dataclasses.replace(
-            base.optimizer, peak_lr=lr, final_lr=base.optimizer.final_lr * lr / base.optimizer.peak_lr,
-            decay_steps=decay_steps)
+            base.optimizer,
+            peak_lr=lr,
+            final_lr=base.optimizer.final_lr * lr / base.optimizer.peak_lr,
+            decay_steps=decay_steps,
+        )
         data = dataclasses.replace(base.data, seq_len=seq_len, batch_size=tokens // seq_len)
         coordinates = (('size', size), ('lr', f'lr{lr:g}'), ('seq', f'L{seq_len}'))
         for variant in axes.variants:
             model = presets.apply(variant, shape)
             for seed in axes.seeds:
-                train_cfg = dataclasses.replace(base.train, steps=steps, seed=seed, log_every=1, sample_tokens=0,
-                                                print_every=base.train.log_every)
+                train_cfg = dataclasses.replace(
+                    base.train, steps=steps, seed=seed, log_every=1, sample_tokens=0, print_every=base.train.log_every
+                )
                 config = dataclasses.replace(base, model=model, data=data, optimizer=schedule, train=train_cfg)
                 runs.append(Run(variant, seed, config, coordinates))
     return runs
@@ -147,23 +164,32 @@ def plan(base: Config, axes: Axes) -> list[Run]:
 
 # --- the grid before training: --list ---
 
+
 def _seconds_per_flop(workdir: epath.Path, model: ModelConfig) -> tuple[float, float, str]:
     """(seconds per training FLOP, seconds per run, where the figures come from)."""
     finished = [json.loads(p.read_text()) for p in sorted((workdir / 'runs').glob('*/result.json'))]
     timed = [r for r in finished if r.get('seconds') and r.get('flops')]
     if timed:
-        return (sum(r['seconds'] for r in timed) / sum(r['flops'] for r in timed), 0.0,
-                f'from the {len(timed)} finished runs of this study')
+        return (
+            sum(r['seconds'] for r in timed) / sum(r['flops'] for r in timed),
+            0.0,
+            f'from the {len(timed)} finished runs of this study',
+        )
     peak = metrics.peak_flops(0.0, resolve.local_compute_dtype(model))
-    return (1 / (_GUESS_PEAK_FRACTION * peak.flops), _GUESS_SECONDS_PER_RUN,
-            f'a guess: {_GUESS_PEAK_FRACTION:.0%} of the peak, {peak}, + {_GUESS_SECONDS_PER_RUN:.0f} s a run')
+    return (
+        1 / (_GUESS_PEAK_FRACTION * peak.flops),
+        _GUESS_SECONDS_PER_RUN,
+        f'a guess: {_GUESS_PEAK_FRACTION:.0%} of the peak, {peak}, + {_GUESS_SECONDS_PER_RUN:.0f} s a run',
+    )
 
 
 def listing(runs: list[Run], workdir: epath.Path) -> str:
     """The planned grid, a line per run: status, shape, parameters, tokens, estimated time."""
     per_flop, per_run, source = _seconds_per_flop(workdir, runs[0].config.model)
-    header = f'{"run":<40} {"status":<12} {"layers":>6} {"d_model":>7} {"non-emb params":>14} {"steps":>6} ' \
-             f'{"tokens":>12} {"est. time":>9}'
+    header = (
+        f'{"run":<40} {"status":<12} {"layers":>6} {"d_model":>7} {"non-emb params":>14} {"steps":>6} '
+        f'{"tokens":>12} {"est. time":>9}'
+    )
     lines, remaining = [header], 0.0
     for run in runs:
         cfg = run.config
@@ -177,14 +203,17 @@ def listing(runs: list[Run], workdir: epath.Path) -> str:
             remaining += seconds
             saved = checkpoint.latest_step(run_dir) if run_dir.exists() else None
             status = f'at step {saved}' if saved else 'new'
-        lines.append(f'{run.name:<40} {status:<12} {cfg.model.n_layers:>6} {cfg.model.d_model:>7} '
-                     f'{account.non_embedding_params:>14,} {cfg.train.steps:>6} {tokens:>12,} {seconds / 60:>8.1f}m')
+        lines.append(
+            f'{run.name:<40} {status:<12} {cfg.model.n_layers:>6} {cfg.model.d_model:>7} '
+            f'{account.non_embedding_params:>14,} {cfg.train.steps:>6} {tokens:>12,} {seconds / 60:>8.1f}m'
+        )
     lines.append(f'{len(runs)} runs; what is not finished: about {remaining / 60:.0f} minutes ({source}).')
     return '\n'.join(lines)
 
 
-def study(base: Config, axes: Axes, workdir: epath.Path, analysis_sequences: int = 0, group_runs: bool = True
-          ) -> dict[str, Any]:
+def study(
+    base: Config, axes: Axes, workdir: epath.Path, analysis_sequences: int = 0, group_runs: bool = True
+) -> dict[str, Any]:
     """Trains what is missing, then writes study.md, results.json and the plots; returns the summary."""
     runs = plan(base, axes)
     directory = grid.GridDirectory(workdir, 'study.json', 'study')
@@ -196,8 +225,9 @@ def study(base: Config, axes: Axes, workdir: epath.Path, analysis_sequences: int
         summary = study_report.summarize(points, fit_seq_len)
         if jax.process_index() == 0:
             figures = study_report.write_plots(points, summary, workdir)
-            directory.write_text('results.json', json.dumps(
-                {'axes': dataclasses.asdict(axes), **summary, 'runs': results}, indent=1))
+            directory.write_text(
+                'results.json', json.dumps({'axes': dataclasses.asdict(axes), **summary, 'runs': results}, indent=1)
+            )
             shapes = {size: sized(size, base.model) for size in axes.sizes}
             directory.write_text('study.md', study_report.report(points, summary, shapes, _intro(base, axes), figures))
     finally:
@@ -207,36 +237,59 @@ def study(base: Config, axes: Axes, workdir: epath.Path, analysis_sequences: int
 
 def _intro(base: Config, axes: Axes) -> str:
     tokens = base.data.batch_size * base.data.seq_len
-    budget = (f'the base config\'s {base.train.steps} steps for every run' if axes.budget == 'steps' else
-              f'steps proportional to non-embedding parameters ({base.train.steps} at the base shape)')
-    return (f'Variants {", ".join(axes.variants)}; sizes {", ".join(axes.sizes)}; peak LRs '
-            f'{", ".join(f"{lr:g}" for lr in axes.lrs)}; seeds {", ".join(map(str, axes.seeds))}; seq_lens '
-            f'{", ".join(map(str, axes.seq_lens))}; {tokens:,} tokens per step on '
-            f'`{base.data.mixture or base.data.name}`; optimizer {base.optimizer.name} with a '
-            f'{base.optimizer.schedule} schedule; budget: {budget}.')
+    budget = (
+        f"the base config's {base.train.steps} steps for every run"
+        if axes.budget == 'steps'
+        else f'steps proportional to non-embedding parameters ({base.train.steps} at the base shape)'
+    )
+    return (
+        f'Variants {", ".join(axes.variants)}; sizes {", ".join(axes.sizes)}; peak LRs '
+        f'{", ".join(f"{lr:g}" for lr in axes.lrs)}; seeds {", ".join(map(str, axes.seeds))}; seq_lens '
+        f'{", ".join(map(str, axes.seq_lens))}; {tokens:,} tokens per step on '
+        f'`{base.data.mixture or base.data.name}`; optimizer {base.optimizer.name} with a '
+        f'{base.optimizer.schedule} schedule; budget: {budget}.'
+    )
 
 
 def _define_flags() -> dict:
     return {
-        'config': config_flags.DEFINE_config_file('config', None, 'The base config (configs/*.py): the shape the '
-                                                  'sizes start from, the data, recipe and budget.', lock_config=True),
+        'config': config_flags.DEFINE_config_file(
+            'config',
+            None,
+            'The base config (configs/*.py): the shape the sizes start from, the data, recipe and budget.',
+            lock_config=True,
+        ),
         'variants': flags.DEFINE_list('variants', ['vanilla', 'resformer', 'svformer'], 'vrl/model/presets.py names.'),
         'sizes': flags.DEFINE_list('sizes', ['base'], "Size ladder: 'base', d<width>, l<layers>, d<width>l<layers>."),
-        'lrs': flags.DEFINE_list('lrs', [], 'Peak LRs to sweep (default: the base config\'s optimizer.peak_lr).'),
+        'lrs': flags.DEFINE_list('lrs', [], "Peak LRs to sweep (default: the base config's optimizer.peak_lr)."),
         'seeds': flags.DEFINE_list('seeds', ['0'], 'Parameter-init seeds.'),
-        'seq_lens': flags.DEFINE_list('seq_lens', [], 'Sequence lengths at the base\'s tokens per step (default: '
-                                      'the base\'s data.seq_len).'),
-        'budget': flags.DEFINE_enum('budget', 'steps', BUDGETS, 'steps: every run trains train.steps; params: steps '
-                                    'proportional to non-embedding parameters.'),
+        'seq_lens': flags.DEFINE_list(
+            'seq_lens', [], "Sequence lengths at the base's tokens per step (default: the base's data.seq_len)."
+        ),
+        'budget': flags.DEFINE_enum(
+            'budget',
+            'steps',
+            BUDGETS,
+            'steps: every run trains train.steps; params: steps proportional to non-embedding parameters.',
+        ),
         'workdir': flags.DEFINE_string('workdir', None, 'Where the runs, study.md and the plots go.'),
-        'group_runs': flags.DEFINE_bool('group_runs', True, 'Train runs that differ only in seed together in one '
-                                        'compiled step (vrl/experiments/grid.py); false: one run after another.'),
-        'fit_metric': flags.DEFINE_string('fit_metric', 'eval_loss', 'What the size fits are of: eval_loss, or '
-                                          'TASK/METRIC of train.downstream_tasks at the final step (e.g. '
-                                          'hellaswag/acc_norm; a score where higher is better is fitted as 1 - score).'),
+        'group_runs': flags.DEFINE_bool(
+            'group_runs',
+            True,
+            'Train runs that differ only in seed together in one '
+            'compiled step (vrl/experiments/grid.py); false: one run after another.',
+        ),
+        'fit_metric': flags.DEFINE_string(
+            'fit_metric',
+            'eval_loss',
+            'What the size fits are of: eval_loss, or '
+            'TASK/METRIC of train.downstream_tasks at the final step (e.g. '
+            'hellaswag/acc_norm; a score where higher is better is fitted as 1 - score).',
+        ),
         'list': flags.DEFINE_bool('list', False, 'Print the planned grid with estimated times; train nothing.'),
-        'analysis_sequences': flags.DEFINE_integer('analysis_sequences', 0, 'Validation sequences for vrl.experiments.analyze '
-                                                   'per run (0: no analysis).'),
+        'analysis_sequences': flags.DEFINE_integer(
+            'analysis_sequences', 0, 'Validation sequences for vrl.experiments.analyze per run (0: no analysis).'
+        ),
     }
 
 
@@ -251,11 +304,15 @@ def main(args: cli.Args) -> None:
     cli.require(args, 'config', 'workdir')
     cli.enable_compilation_cache()
     base = from_configdict(args['config'].value)
-    axes = Axes(args['variants'].value, args['sizes'].value,
-                _floats('--lrs', args['lrs'].value) if args['lrs'].value else [base.optimizer.peak_lr],
-                parse_seeds(args['seeds'].value),
-                [int(v) for v in _floats('--seq_lens', args['seq_lens'].value)] or [base.data.seq_len],
-                args['budget'].value, args['fit_metric'].value)
+    axes = Axes(
+        args['variants'].value,
+        args['sizes'].value,
+        _floats('--lrs', args['lrs'].value) if args['lrs'].value else [base.optimizer.peak_lr],
+        parse_seeds(args['seeds'].value),
+        [int(v) for v in _floats('--seq_lens', args['seq_lens'].value)] or [base.data.seq_len],
+        args['budget'].value,
+        args['fit_metric'].value,
+    )
     workdir = storage.path(args['workdir'].value)
     if args['list'].value:
         print(listing(plan(base, axes), workdir))

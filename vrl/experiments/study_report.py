@@ -27,6 +27,7 @@ _STYLES = ('-', '--', ':', '-.')
 @dataclasses.dataclass(frozen=True)
 class Axes:
     """A study's grid, as the user gave it (sizes by name)."""
+
     variants: list[str]
     sizes: list[str]
     lrs: list[float]
@@ -46,12 +47,19 @@ class Points:
             self._runs[(r['variant'], r['coordinates']['size'], r['seq_len'], r['peak_lr'])].append(r)
         self.lr_rows = {}
         for variant, size, seq_len in itertools.product(axes.variants, axes.sizes, axes.seq_lens):
-            losses = {lr: curves.mean_and_spread([r['eval_loss'] for r in self._runs[(variant, size, seq_len, lr)]])
-                      for lr in sorted(axes.lrs)}
+            losses = {
+                lr: curves.mean_and_spread([r['eval_loss'] for r in self._runs[(variant, size, seq_len, lr)]])
+                for lr in sorted(axes.lrs)
+            }
             best = min(losses, key=lambda lr: losses[lr][0])
             self.lr_rows[(variant, size, seq_len)] = {
-                'variant': variant, 'size': size, 'seq_len': seq_len, 'lr': best, 'losses': losses,
-                'at_edge': len(losses) > 1 and best in (min(losses), max(losses))}
+                'variant': variant,
+                'size': size,
+                'seq_len': seq_len,
+                'lr': best,
+                'losses': losses,
+                'at_edge': len(losses) > 1 and best in (min(losses), max(losses)),
+            }
 
     def at_best(self, variant: str, size: str, seq_len: int) -> list[dict]:
         """The seeds' runs of the point at its best LR."""
@@ -72,9 +80,11 @@ class Points:
         task, metric = self.axes.fit_metric.split('/', 1)
         score = run.get('downstream', {}).get(task, {}).get(metric)
         if score is None:
-            raise GridError(f'--fit_metric={self.axes.fit_metric}: run {run["variant"]} {run["coordinates"]} seed '
-                            f'{run["seed"]} has no such final score (it has: {", ".join(_scores(run)) or "none"}); '
-                            'score the task while training with --config.train.downstream_tasks.')
+            raise GridError(
+                f'--fit_metric={self.axes.fit_metric}: run {run["variant"]} {run["coordinates"]} seed '
+                f'{run["seed"]} has no such final score (it has: {", ".join(_scores(run)) or "none"}); '
+                'score the task while training with --config.train.downstream_tasks.'
+            )
         return score if lower_is_better(metric) else 1.0 - score
 
     def fitted_label(self) -> str:
@@ -93,12 +103,15 @@ def lower_is_better(metric: str) -> bool:
     'acc_FILTER', 'acc'); GridError for a metric the registry does not know."""
     import lm_eval.api.metrics  # noqa: F401 - registers lm-eval's metrics (requirements-extra.txt)
     from lm_eval.api.registry import HIGHER_IS_BETTER_REGISTRY
+
     name = metric.rsplit('/', 1)[-1]
     for known in (name, name.rsplit('_', 1)[0]):
         if known in HIGHER_IS_BETTER_REGISTRY:
             return not HIGHER_IS_BETTER_REGISTRY[known]
-    raise GridError(f'--fit_metric: lm-eval does not say whether a higher {name!r} is better; fit one of its '
-                    f'metrics ({", ".join(sorted(HIGHER_IS_BETTER_REGISTRY))}).')
+    raise GridError(
+        f'--fit_metric: lm-eval does not say whether a higher {name!r} is better; fit one of its '
+        f'metrics ({", ".join(sorted(HIGHER_IS_BETTER_REGISTRY))}).'
+    )
 
 
 def fits(points: Points, seq_len: int) -> dict[str, Any]:
@@ -123,14 +136,21 @@ def fits(points: Points, seq_len: int) -> dict[str, Any]:
         rows = []
         for at in params[BASELINE]:
             try:
-                interval = scaling.bootstrap_params_saved(per_seed[variant], per_seed[BASELINE], params[variant],
-                                                          params[BASELINE], at)
+                interval = scaling.bootstrap_params_saved(
+                    per_seed[variant], per_seed[BASELINE], params[variant], params[BASELINE], at
+                )
             except scaling.FitError:
                 interval = (math.nan, math.nan)
             saved = scaling.params_saved(laws[variant], laws[BASELINE], at)
             needed = at * (1 - saved)  # the variant's parameters at vanilla's loss
-            rows.append({'vanilla_params': at, 'saved': saved, 'interval': interval,
-                         'extrapolated': not min(params[variant]) <= needed <= max(params[variant])})
+            rows.append(
+                {
+                    'vanilla_params': at,
+                    'saved': saved,
+                    'interval': interval,
+                    'extrapolated': not min(params[variant]) <= needed <= max(params[variant]),
+                }
+            )
         out['params_saved'][variant] = rows
     return out
 
@@ -148,13 +168,18 @@ def data_saved(points: Points, seq_len: int) -> dict[str, dict[str, Any]]:
         for variant in points.others():
             runs = points.at_best(variant, size, seq_len)
             mean = curves.step_to_reach(points.mean_curve('eval_curve', variant, size, seq_len), target)
-            per_seed = [curves.step_to_reach({int(k): v for k, v in r['eval_curve'].items()},
-                                             baseline[r['seed']]['eval_loss']) for r in runs if r['seed'] in baseline]
+            per_seed = [
+                curves.step_to_reach({int(k): v for k, v in r['eval_curve'].items()}, baseline[r['seed']]['eval_loss'])
+                for r in runs
+                if r['seed'] in baseline
+            ]
             out[size][variant] = {
-                'target': target, 'vanilla_tokens': steps * runs[0]['tokens_per_step'],
+                'target': target,
+                'vanilla_tokens': steps * runs[0]['tokens_per_step'],
                 'tokens': None if mean is None else mean * runs[0]['tokens_per_step'],
                 'saved': None if mean is None else 1 - mean / steps,
-                'saved_per_seed': [None if s is None else 1 - s / steps for s in per_seed]}
+                'saved_per_seed': [None if s is None else 1 - s / steps for s in per_seed],
+            }
     return out
 
 
@@ -171,20 +196,29 @@ def critical_steps(points: Points) -> dict[str, dict[str, dict[str, Any]]]:
         row = {}
         for variant in points.others():
             crossing = curves.critical_step(points.mean_curve('train_loss', variant, size, seq_len), baseline, window)
-            row[variant] = {'step': crossing.step, 'variant_led': crossing.variant_led, 'window': window,
-                            'describe': crossing.describe(),
-                            'tokens': None if crossing.step is None else crossing.step * first['tokens_per_step']}
+            row[variant] = {
+                'step': crossing.step,
+                'variant_led': crossing.variant_led,
+                'window': window,
+                'describe': crossing.describe(),
+                'tokens': None if crossing.step is None else crossing.step * first['tokens_per_step'],
+            }
         out.setdefault(size, {})[str(seq_len)] = row
     return out
 
 
 def summarize(points: Points, fit_seq_len: int) -> dict[str, Any]:
     """Everything study.md reports, as results.json stores it."""
-    return {'best_lr': list(points.lr_rows.values()), 'fits': fits(points, fit_seq_len),
-            'data_saved': data_saved(points, fit_seq_len), 'critical_steps': critical_steps(points)}
+    return {
+        'best_lr': list(points.lr_rows.values()),
+        'fits': fits(points, fit_seq_len),
+        'data_saved': data_saved(points, fit_seq_len),
+        'critical_steps': critical_steps(points),
+    }
 
 
 # --- figures ---
+
 
 def write_plots(points: Points, summary: dict, folder: epath.Path) -> list[epath.Path]:
     axes, fit = points.axes, summary['fits']
@@ -196,16 +230,39 @@ def write_plots(points: Points, summary: dict, folder: epath.Path) -> list[epath
         if 'a' in f:
             n = np.geomspace(min(f['params']), max(f['params']), 32)
             lines.append(plots.Line(None, n, scaling.PowerLaw(f['a'], f['alpha'], ()).loss(n), '-', color[variant]))
-    written.append(plots.line_plot(folder / 'loss_vs_params.png', f'Final {fit["of"]} at each size\'s best LR '
-                                   '(lines: power-law fits)', 'non-embedding parameters', fit['of'], lines,
-                                   markers=False, log='xy'))
+    written.append(
+        plots.line_plot(
+            folder / 'loss_vs_params.png',
+            f"Final {fit['of']} at each size's best LR (lines: power-law fits)",
+            'non-embedding parameters',
+            fit['of'],
+            lines,
+            markers=False,
+            log='xy',
+        )
+    )
     lines = []
     for row in (r for r in summary['best_lr'] if r['seq_len'] == fit['seq_len']):
         lrs = sorted(row['losses'])
-        lines.append(plots.Line(f'{row["variant"]} {row["size"]}', lrs, [row['losses'][lr][0] for lr in lrs],
-                                _STYLES[axes.sizes.index(row['size']) % len(_STYLES)], color[row['variant']]))
-    written.append(plots.line_plot(folder / 'loss_vs_lr.png', 'Final eval loss vs peak LR (mean over seeds)',
-                                   'peak LR', 'eval loss', lines, log='x'))
+        lines.append(
+            plots.Line(
+                f'{row["variant"]} {row["size"]}',
+                lrs,
+                [row['losses'][lr][0] for lr in lrs],
+                _STYLES[axes.sizes.index(row['size']) % len(_STYLES)],
+                color[row['variant']],
+            )
+        )
+    written.append(
+        plots.line_plot(
+            folder / 'loss_vs_lr.png',
+            'Final eval loss vs peak LR (mean over seeds)',
+            'peak LR',
+            'eval loss',
+            lines,
+            log='x',
+        )
+    )
     for size in axes.sizes if BASELINE in axes.variants else []:
         written.append(_tokens_to_target(points, size, fit['seq_len'], color, folder))
         written.append(_relative_train_loss(points, size, color, folder))
@@ -223,10 +280,16 @@ def _tokens_to_target(points: Points, size: str, seq_len: int, color: dict[str, 
         tokens = [s * points.at_best(variant, size, seq_len)[0]['tokens_per_step'] for s in curve]
         lines.append(plots.Line(variant, tokens, list(curve.values()), '-', color[variant]))
     target = float(np.mean([r['eval_loss'] for r in points.at_best(BASELINE, size, seq_len)]))
-    lines.append(plots.Line('vanilla\'s final loss', [lines[0].x[0], lines[0].x[-1]], [target, target], ':',
-                            color[BASELINE]))
-    return plots.line_plot(folder / f'tokens_to_target_{size}.png', f'Eval loss vs tokens, {size} (each variant '
-                           'at its best LR)', 'training tokens', 'eval loss (mean over seeds)', lines)
+    lines.append(
+        plots.Line("vanilla's final loss", [lines[0].x[0], lines[0].x[-1]], [target, target], ':', color[BASELINE])
+    )
+    return plots.line_plot(
+        folder / f'tokens_to_target_{size}.png',
+        f'Eval loss vs tokens, {size} (each variant at its best LR)',
+        'training tokens',
+        'eval loss (mean over seeds)',
+        lines,
+    )
 
 
 def _relative_train_loss(points: Points, size: str, color: dict[str, int], folder: epath.Path) -> epath.Path:
@@ -236,16 +299,24 @@ def _relative_train_loss(points: Points, size: str, color: dict[str, int], folde
         windows.add(window)
         baseline = points.mean_curve('train_loss', BASELINE, size, seq_len)
         for variant in points.others():
-            steps, relative = curves.relative_loss(points.mean_curve('train_loss', variant, size, seq_len), baseline,
-                                                   window)
-            lines.append(plots.Line(f'{variant} L={seq_len}', steps, relative, _STYLES[i % len(_STYLES)],
-                                    color[variant]))
-    return plots.line_plot(folder / f'relative_train_loss_{size}.png', f'Training loss minus vanilla\'s, {size} '
-                           f'({"/".join(map(str, sorted(windows)))}-step moving average)', 'step',
-                           'relative training loss (mean over seeds)', lines, markers=False)
+            steps, relative = curves.relative_loss(
+                points.mean_curve('train_loss', variant, size, seq_len), baseline, window
+            )
+            lines.append(
+                plots.Line(f'{variant} L={seq_len}', steps, relative, _STYLES[i % len(_STYLES)], color[variant])
+            )
+    return plots.line_plot(
+        folder / f'relative_train_loss_{size}.png',
+        f"Training loss minus vanilla's, {size} ({'/'.join(map(str, sorted(windows)))}-step moving average)",
+        'step',
+        'relative training loss (mean over seeds)',
+        lines,
+        markers=False,
+    )
 
 
 # --- study.md ---
+
 
 def _loss(mean: float, spread: float) -> str:
     return f'{mean:.4f}' if math.isnan(spread) else curves.plus_minus(mean, spread)
@@ -263,46 +334,90 @@ def report(points: Points, summary: dict, shapes: dict[str, ModelConfig], intro:
     """study.md: `intro` (what was run), then one section per claim; `shapes` maps each size to its model."""
     axes = points.axes
     seeds = len(axes.seeds)
-    lines = ['# Study', '', intro + ' Losses are final eval losses, ' +
-             ('mean ± standard deviation over seeds.' if seeds > 1 else 'of one seed (no spread, no interval).'), '']
+    lines = [
+        '# Study',
+        '',
+        intro
+        + ' Losses are final eval losses, '
+        + ('mean ± standard deviation over seeds.' if seeds > 1 else 'of one seed (no spread, no interval).'),
+        '',
+    ]
     lines += ['## Sizes', ''] + _table(
         ['size', 'layers', 'd_model', 'heads', 'd_ff', 'steps'] + [f'{v} non-emb params' for v in axes.variants],
-        [[size, str(shapes[size].n_layers), str(shapes[size].d_model), str(shapes[size].n_heads), str(shapes[size].d_ff),
-          str(points.at_best(axes.variants[0], size, axes.seq_lens[0])[0]['step'])]
-         + [f'{points.at_best(v, size, axes.seq_lens[0])[0]["non_embedding_params"]:,}' for v in axes.variants]
-         for size in axes.sizes])
+        [
+            [
+                size,
+                str(shapes[size].n_layers),
+                str(shapes[size].d_model),
+                str(shapes[size].n_heads),
+                str(shapes[size].d_ff),
+                str(points.at_best(axes.variants[0], size, axes.seq_lens[0])[0]['step']),
+            ]
+            + [f'{points.at_best(v, size, axes.seq_lens[0])[0]["non_embedding_params"]:,}' for v in axes.variants]
+            for size in axes.sizes
+        ],
+    )
     lines += ['', '## Learning rate', '']
     for seq_len in axes.seq_lens:
         rows = []
         for row in (r for r in summary['best_lr'] if r['seq_len'] == seq_len):
-            cells = [f'**{_loss(*row["losses"][lr])}**' if lr == row['lr'] else _loss(*row['losses'][lr])
-                     for lr in sorted(row['losses'])]
+            cells = [
+                f'**{_loss(*row["losses"][lr])}**' if lr == row['lr'] else _loss(*row['losses'][lr])
+                for lr in sorted(row['losses'])
+            ]
             edge = ' ⚠ at the edge of the sweep: the optimum is not bracketed' if row['at_edge'] else ''
             rows.append([row['variant'], row['size'], *cells, f'{row["lr"]:g}{edge}'])
-        lines += [f'seq_len {seq_len}:', ''] + _table(
-            ['variant', 'size'] + [f'LR {lr:g}' for lr in sorted(axes.lrs)] + ['best LR'], rows) + ['']
+        lines += (
+            [f'seq_len {seq_len}:', '']
+            + _table(['variant', 'size'] + [f'LR {lr:g}' for lr in sorted(axes.lrs)] + ['best LR'], rows)
+            + ['']
+        )
     lines += _fit_section(summary['fits'], axes)
     lines += _downstream_section(points, summary['fits']['seq_len'])
     lines += ['', '## Data saved', '']
     if summary['data_saved']:
-        lines += ['Tokens each variant needs to reach vanilla\'s final eval loss, interpolated between evals; '
-                  'saved = 1 - tokens / vanilla\'s tokens (seed by seed in brackets).', ''] + _table(
-            ['size', 'variant', 'vanilla\'s final loss', 'tokens', 'saved'],
-            [[size, variant, f'{d["target"]:.4f}',
-              'not within the budget' if d['tokens'] is None else f'{d["tokens"]:,.0f}',
-              f'{_percent(d["saved"])} [' + ', '.join(_percent(s) for s in d['saved_per_seed']) + ']']
-             for size, row in summary['data_saved'].items() for variant, d in row.items()])
+        lines += [
+            "Tokens each variant needs to reach vanilla's final eval loss, interpolated between evals; "
+            "saved = 1 - tokens / vanilla's tokens (seed by seed in brackets).",
+            '',
+        ] + _table(
+            ['size', 'variant', "vanilla's final loss", 'tokens', 'saved'],
+            [
+                [
+                    size,
+                    variant,
+                    f'{d["target"]:.4f}',
+                    'not within the budget' if d['tokens'] is None else f'{d["tokens"]:,.0f}',
+                    f'{_percent(d["saved"])} [' + ', '.join(_percent(s) for s in d['saved_per_seed']) + ']',
+                ]
+                for size, row in summary['data_saved'].items()
+                for variant, d in row.items()
+            ],
+        )
     else:
         lines.append('Needs vanilla among --variants.')
     lines += ['', '## The critical step', '']
     if summary['critical_steps']:
-        lines += ['The first step after which vanilla\'s smoothed training loss stays below the variant\'s (mean '
-                  'curves over seeds; window: the moving average, in steps).', ''] + _table(
+        lines += [
+            "The first step after which vanilla's smoothed training loss stays below the variant's (mean "
+            'curves over seeds; window: the moving average, in steps).',
+            '',
+        ] + _table(
             ['size', 'seq_len', 'variant', 'critical step', 'tokens', 'window'],
-            [[size, seq_len, variant, c['describe'], '—' if c['tokens'] is None else f'{c["tokens"]:,}',
-              str(c['window'])]
-             for size, by_len in summary['critical_steps'].items() for seq_len, row in by_len.items()
-             for variant, c in row.items()])
+            [
+                [
+                    size,
+                    seq_len,
+                    variant,
+                    c['describe'],
+                    '—' if c['tokens'] is None else f'{c["tokens"]:,}',
+                    str(c['window']),
+                ]
+                for size, by_len in summary['critical_steps'].items()
+                for seq_len, row in by_len.items()
+                for variant, c in row.items()
+            ],
+        )
     else:
         lines.append('Needs vanilla among --variants.')
     lines += ['', '## Figures', ''] + [f'![{f.stem}]({f.name})' for f in figures]
@@ -310,29 +425,56 @@ def report(points: Points, summary: dict, shapes: dict[str, ModelConfig], intro:
 
 
 def _fit_section(fit: dict, axes: Axes) -> list[str]:
-    note = (' With two sizes the line passes through both points, so the residuals say nothing.'
-            if len(axes.sizes) == 2 else '')
-    lines = ['## Loss vs parameters' if fit['of'] == 'eval loss' else f'## {fit["of"]} vs parameters', '',
-             f'L(N) = a · N^(-alpha) of the final {fit["of"]} over the sizes, N = non-embedding parameters, each size '
-             f'at its best LR by eval loss (seq_len {fit["seq_len"]}); residual = measured minus fitted.{note}', '']
-    lines += _table(['variant', 'a', 'alpha', 'residuals'], [
-        [variant, '—', '—', f'no fit: {f["error"]}'] if 'error' in f else
-        [variant, f'{f["a"]:.4g}', f'{f["alpha"]:.4f}', ', '.join(f'{x:+.4f}' for x in f['residuals'])]
-        for variant, f in fit['variants'].items()])
+    note = (
+        ' With two sizes the line passes through both points, so the residuals say nothing.'
+        if len(axes.sizes) == 2
+        else ''
+    )
+    lines = [
+        '## Loss vs parameters' if fit['of'] == 'eval loss' else f'## {fit["of"]} vs parameters',
+        '',
+        f'L(N) = a · N^(-alpha) of the final {fit["of"]} over the sizes, N = non-embedding parameters, each size '
+        f'at its best LR by eval loss (seq_len {fit["seq_len"]}); residual = measured minus fitted.{note}',
+        '',
+    ]
+    lines += _table(
+        ['variant', 'a', 'alpha', 'residuals'],
+        [
+            [variant, '—', '—', f'no fit: {f["error"]}']
+            if 'error' in f
+            else [variant, f'{f["a"]:.4g}', f'{f["alpha"]:.4f}', ', '.join(f'{x:+.4f}' for x in f['residuals'])]
+            for variant, f in fit['variants'].items()
+        ],
+    )
     if fit['params_saved']:
         at = [r['vanilla_params'] for r in next(iter(fit['params_saved'].values()))]
         interval = len(axes.seeds) > 1
-        lines += ['', f'Parameters saved at equal {fit["of"]} against vanilla: 1 - N_variant / N_vanilla, where the '
-                  f'variant\'s fit reaches the {fit["of"]} vanilla\'s fit has at N_vanilla' +
-                  ('; 95% bootstrap interval over seeds in brackets.' if interval else '.'), '']
-        lines += _table(['variant'] + [f'at N_vanilla = {n:,}' for n in at], [
-            [variant] + [_percent(r['saved']) + (f' [{_percent(r["interval"][0])}, {_percent(r["interval"][1])}]'
-                                                 if interval else '') + (' †' if r['extrapolated'] else '')
-                         for r in rows]
-            for variant, rows in fit['params_saved'].items()])
+        lines += [
+            '',
+            f'Parameters saved at equal {fit["of"]} against vanilla: 1 - N_variant / N_vanilla, where the '
+            f"variant's fit reaches the {fit['of']} vanilla's fit has at N_vanilla"
+            + ('; 95% bootstrap interval over seeds in brackets.' if interval else '.'),
+            '',
+        ]
+        lines += _table(
+            ['variant'] + [f'at N_vanilla = {n:,}' for n in at],
+            [
+                [variant]
+                + [
+                    _percent(r['saved'])
+                    + (f' [{_percent(r["interval"][0])}, {_percent(r["interval"][1])}]' if interval else '')
+                    + (' †' if r['extrapolated'] else '')
+                    for r in rows
+                ]
+                for variant, rows in fit['params_saved'].items()
+            ],
+        )
         if any(r['extrapolated'] for rows in fit['params_saved'].values() for r in rows):
-            lines += ['', '† The equal-loss size lies outside the variant\'s measured sizes: the fit is extrapolated '
-                      'there, and the figure is not a measurement.']
+            lines += [
+                '',
+                "† The equal-loss size lies outside the variant's measured sizes: the fit is extrapolated "
+                'there, and the figure is not a measurement.',
+            ]
     elif BASELINE not in axes.variants:
         lines += ['', 'Parameters saved: needs vanilla among --variants.']
     return lines
@@ -342,8 +484,14 @@ def _downstream_section(points: Points, seq_len: int) -> list[str]:
     """The downstream scores at the final step (train.downstream_tasks, or compare's --tasks), each
     variant at its best LR, mean ± standard deviation over seeds; nothing when no run has any."""
     axes = points.axes
-    names = sorted({name for variant, size in itertools.product(axes.variants, axes.sizes)
-                    for r in points.at_best(variant, size, seq_len) for name in _scores(r)})
+    names = sorted(
+        {
+            name
+            for variant, size in itertools.product(axes.variants, axes.sizes)
+            for r in points.at_best(variant, size, seq_len)
+            for name in _scores(r)
+        }
+    )
     if not names:
         return []
     rows = []
@@ -355,6 +503,11 @@ def _downstream_section(points: Points, seq_len: int) -> list[str]:
             values = [r['downstream'][task][metric] for r in runs if metric in r.get('downstream', {}).get(task, {})]
             cells.append(_loss(*curves.mean_and_spread(values)) if values else '—')
         rows.append([size, variant, *cells])
-    return ['', '## Downstream tasks', '', f'lm-eval scores at the final step, each variant at its best LR (seq_len '
-            f'{seq_len}); the curves over training are the downstream_*.png figures.', ''] + _table(
-        ['size', 'variant', *names], rows)
+    return [
+        '',
+        '## Downstream tasks',
+        '',
+        f'lm-eval scores at the final step, each variant at its best LR (seq_len '
+        f'{seq_len}); the curves over training are the downstream_*.png figures.',
+        '',
+    ] + _table(['size', 'variant', *names], rows)

@@ -41,8 +41,9 @@ from vrl.data.tokenizer import SentencePieceTokenizer, Tokenizer
 try:
     from safetensors.numpy import load_file, save_file
 except ImportError as e:
-    raise ImportError(f'the Hugging Face export and import need safetensors ({e}): '
-                      'pip install -r requirements-extra.txt') from e
+    raise ImportError(
+        f'the Hugging Face export and import need safetensors ({e}): pip install -r requirements-extra.txt'
+    ) from e
 
 MODELING_DIR = Path(__file__).parent / 'hf_modeling'
 # The transformers releases an export works with: requirements-extra.txt's range, whose lower
@@ -57,6 +58,7 @@ class HFError(CheckpointError):
 
 class Link(NamedTuple):
     """One Hugging Face tensor and where it lives among vrl's parameters."""
+
     name: str  # the Hugging Face name
     path: tuple[str, ...]  # into vrl's parameter tree
     index: Any  # a NumPy index into that array: () for all of it
@@ -83,15 +85,18 @@ _BLOCK_WEIGHTS = [  # (Hugging Face name within a layer, vrl (module, weight) wi
 
 def is_llama(cfg: ModelConfig) -> bool:
     """Whether the model is a plain Llama decoder: vanilla attention, none of the baselines."""
-    return not (cfg.attention != 'vanilla' or cfg.neutreno or cfg.denseformer or cfg.kv_share > 1
-                or cfg.value_embed_layers)
+    return not (
+        cfg.attention != 'vanilla' or cfg.neutreno or cfg.denseformer or cfg.kv_share > 1 or cfg.value_embed_layers
+    )
 
 
 def links(cfg: ModelConfig) -> list[Link]:
     """Every tensor of the Hugging Face model for `cfg`, each tied to its place in vrl's parameters."""
     V = cfg.vocab_size
-    out = [Link('model.embed_tokens.weight', ('embed',), np.s_[:V], *_SAME),
-           Link('model.norm.weight', ('final_norm', 'scale'), (), *_SAME)]
+    out = [
+        Link('model.embed_tokens.weight', ('embed',), np.s_[:V], *_SAME),
+        Link('model.norm.weight', ('final_norm', 'scale'), (), *_SAME),
+    ]
     if not cfg.tie_embeddings:
         out.append(Link('lm_head.weight', ('head',), np.s_[:, :V], *_TRANSPOSE))
     owners = [layer for layer in range(1, cfg.n_layers) if cfg.owns_kv(layer)]
@@ -109,15 +114,25 @@ def links(cfg: ModelConfig) -> list[Link]:
         if i > 0 and cfg.per_token_mix:
             out.append(Link(prefix + 'self_attn.mix_proj.weight', ('layers', 'attn', 'w_mix'), at, *_TRANSPOSE))
         if i in ve_entry:
-            out.append(Link(prefix + 'self_attn.value_embed_gate.weight', ('value_embeds', 'gates'),
-                            (ve_entry[i],), *_TRANSPOSE))
+            out.append(
+                Link(
+                    prefix + 'self_attn.value_embed_gate.weight', ('value_embeds', 'gates'), (ve_entry[i],), *_TRANSPOSE
+                )
+            )
         if cfg.denseformer:  # row i of the depth matrix: its i + 2 weights, contiguous in alpha
-            out.append(Link(prefix + 'depth_weights', ('depth_weights', 'alpha'),
-                            np.s_[depth_offset:depth_offset + i + 2], *_SAME))
+            out.append(
+                Link(
+                    prefix + 'depth_weights',
+                    ('depth_weights', 'alpha'),
+                    np.s_[depth_offset : depth_offset + i + 2],
+                    *_SAME,
+                )
+            )
             depth_offset += i + 2
     for table in sorted(set(cfg.value_embed_table_ids)):
-        out.append(Link(f'model.value_embeds.{table}.weight', ('value_embeds', 'tables'), np.s_[table, :V],
-                        *_FLAT_ROWS))
+        out.append(
+            Link(f'model.value_embeds.{table}.weight', ('value_embeds', 'tables'), np.s_[table, :V], *_FLAT_ROWS)
+        )
     if cfg.attention == 'resformer' and cfg.lambda_mode in ('learnable', 'learnable_plus'):
         names = ('v1', 'vn') if cfg.lambda_mode == 'learnable' else ('vn', 'w', 's')
         out += [Link(f'model.value_lambdas.{name}', ('lambdas', name), (), *_SAME) for name in names]
@@ -132,8 +147,10 @@ def _at(tree: dict, path: tuple[str, ...]) -> Any:
 
 def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """vrl parameters (a pure dict of host arrays) -> Hugging Face tensors, float32, unpadded vocabulary."""
-    return {link.name: np.array(link.to_hf(np.asarray(_at(params, link.path))[link.index]), np.float32, order='C')
-            for link in links(cfg)}
+    return {
+        link.name: np.array(link.to_hf(np.asarray(_at(params, link.path))[link.index]), np.float32, order='C')
+        for link in links(cfg)
+    }
 
 
 def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, shapes: dict) -> dict:
@@ -144,8 +161,10 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, shapes: dict) -> d
     unused = set(tensors) - {link.name for link in expected}
     unused = sorted(name for name in unused if not name.endswith(_IGNORED_SUFFIXES))
     if unused:
-        raise HFError(f'the Hugging Face weights have {", ".join(map(repr, unused[:5]))}'
-                      f'{" and more" if len(unused) > 5 else ""}, which {cfg.variant_name} has no place for.')
+        raise HFError(
+            f'the Hugging Face weights have {", ".join(map(repr, unused[:5]))}'
+            f'{" and more" if len(unused) > 5 else ""}, which {cfg.variant_name} has no place for.'
+        )
     for link in expected:
         target = _at(params, link.path)
         shape = target[link.index].shape
@@ -165,27 +184,48 @@ def _zeros(shapes: Any) -> Any:
 
 
 _LLAMA_FIELDS = {  # Hugging Face config.json key -> vrl model field
-    'hidden_size': 'd_model', 'intermediate_size': 'd_ff', 'num_hidden_layers': 'n_layers',
-    'num_attention_heads': 'n_heads', 'num_key_value_heads': 'n_kv_heads', 'head_dim': 'head_dim',
-    'rms_norm_eps': 'norm_eps', 'tie_word_embeddings': 'tie_embeddings',
+    'hidden_size': 'd_model',
+    'intermediate_size': 'd_ff',
+    'num_hidden_layers': 'n_layers',
+    'num_attention_heads': 'n_heads',
+    'num_key_value_heads': 'n_kv_heads',
+    'head_dim': 'head_dim',
+    'rms_norm_eps': 'norm_eps',
+    'tie_word_embeddings': 'tie_embeddings',
 }
 
 
 def hf_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dict[str, Any]:
     """config.json: LlamaForCausalLM for a plain Llama decoder, vrl's VrlForCausalLM otherwise."""
     config = {key: getattr(cfg, field) for key, field in _LLAMA_FIELDS.items()}
-    config.update({
-        'vocab_size': cfg.vocab_size, 'hidden_act': 'silu', 'max_position_embeddings': max_positions,
-        'rope_theta': cfg.rope_theta, 'rope_parameters': {'rope_type': 'default', 'rope_theta': cfg.rope_theta},
-        'attention_bias': False, 'mlp_bias': False, 'bos_token_id': tokenizer.eos_id,
-        'eos_token_id': tokenizer.eos_id, 'pad_token_id': tokenizer.pad_id, 'torch_dtype': 'float32',
-    })
+    config.update(
+        {
+            'vocab_size': cfg.vocab_size,
+            'hidden_act': 'silu',
+            'max_position_embeddings': max_positions,
+            'rope_theta': cfg.rope_theta,
+            'rope_parameters': {'rope_type': 'default', 'rope_theta': cfg.rope_theta},
+            'attention_bias': False,
+            'mlp_bias': False,
+            'bos_token_id': tokenizer.eos_id,
+            'eos_token_id': tokenizer.eos_id,
+            'pad_token_id': tokenizer.pad_id,
+            'torch_dtype': 'float32',
+        }
+    )
     if is_llama(cfg):
         return {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **config}
     variant = {field: _jsonable(getattr(cfg, field)) for field in VARIANT_FIELDS}
-    return {'architectures': ['VrlForCausalLM'], 'model_type': 'vrl',
-            'auto_map': {'AutoConfig': 'configuration_vrl.VrlConfig',
-                         'AutoModelForCausalLM': 'modeling_vrl.VrlForCausalLM'}, **config, **variant}
+    return {
+        'architectures': ['VrlForCausalLM'],
+        'model_type': 'vrl',
+        'auto_map': {
+            'AutoConfig': 'configuration_vrl.VrlConfig',
+            'AutoModelForCausalLM': 'modeling_vrl.VrlForCausalLM',
+        },
+        **config,
+        **variant,
+    }
 
 
 def _jsonable(value: Any) -> Any:
@@ -199,21 +239,33 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     eos, pad = tokenizer.piece(tokenizer.eos_id)[0], tokenizer.piece(tokenizer.pad_id)[0]
     if isinstance(tokenizer, SentencePieceTokenizer):
         (out / 'tokenizer.model').write_bytes(tokenizer.file_bytes)
-        config = {'tokenizer_class': 'LlamaTokenizer', 'legacy': True, 'add_prefix_space': False,
-                  'add_bos_token': True, 'add_eos_token': False, 'unk_token': '<unk>'}
+        config = {
+            'tokenizer_class': 'LlamaTokenizer',
+            'legacy': True,
+            'add_prefix_space': False,
+            'add_bos_token': True,
+            'add_eos_token': False,
+            'unk_token': '<unk>',
+        }
     else:
         rust = json.loads(tokenizer.file_bytes)
-        rust['post_processor'] = {'type': 'TemplateProcessing',
-                                  'single': [{'SpecialToken': {'id': eos, 'type_id': 0}},
-                                             {'Sequence': {'id': 'A', 'type_id': 0}}],
-                                  'pair': [{'SpecialToken': {'id': eos, 'type_id': 0}},
-                                           {'Sequence': {'id': 'A', 'type_id': 0}},
-                                           {'Sequence': {'id': 'B', 'type_id': 1}}],
-                                  'special_tokens': {eos: {'id': eos, 'ids': [tokenizer.eos_id], 'tokens': [eos]}}}
+        rust['post_processor'] = {
+            'type': 'TemplateProcessing',
+            'single': [{'SpecialToken': {'id': eos, 'type_id': 0}}, {'Sequence': {'id': 'A', 'type_id': 0}}],
+            'pair': [
+                {'SpecialToken': {'id': eos, 'type_id': 0}},
+                {'Sequence': {'id': 'A', 'type_id': 0}},
+                {'Sequence': {'id': 'B', 'type_id': 1}},
+            ],
+            'special_tokens': {eos: {'id': eos, 'ids': [tokenizer.eos_id], 'tokens': [eos]}},
+        }
         (out / 'tokenizer.json').write_text(json.dumps(rust, ensure_ascii=False))
         config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'split_special_tokens': True}  # text stays text
-    (out / 'tokenizer_config.json').write_text(json.dumps(
-        {**config, 'bos_token': eos, 'eos_token': eos, 'pad_token': pad, 'model_max_length': 1 << 30}, indent=2))
+    (out / 'tokenizer_config.json').write_text(
+        json.dumps(
+            {**config, 'bos_token': eos, 'eos_token': eos, 'pad_token': pad, 'model_max_length': 1 << 30}, indent=2
+        )
+    )
 
 
 def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer, out: Path) -> list[Path]:
@@ -222,8 +274,11 @@ def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokeni
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / 'model.safetensors'), metadata={'format': 'pt'})
     (out / 'config.json').write_text(json.dumps(hf_config(cfg, max_positions, tokenizer), indent=2))
-    (out / 'generation_config.json').write_text(json.dumps({
-        'bos_token_id': tokenizer.eos_id, 'eos_token_id': tokenizer.eos_id, 'pad_token_id': tokenizer.pad_id}))
+    (out / 'generation_config.json').write_text(
+        json.dumps(
+            {'bos_token_id': tokenizer.eos_id, 'eos_token_id': tokenizer.eos_id, 'pad_token_id': tokenizer.pad_id}
+        )
+    )
     if not is_llama(cfg):
         for name in ('configuration_vrl.py', 'modeling_vrl.py'):
             shutil.copyfile(MODELING_DIR / name, out / name)
@@ -235,25 +290,39 @@ def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokeni
 def model_card(cfg: ModelConfig) -> str:
     """README.md: what the directory holds and what loads it (the transformers range, remote code)."""
     llama = is_llama(cfg)
-    loading = ("AutoModelForCausalLM.from_pretrained(path)" if llama else
-               "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)")
-    kind = ('a plain `LlamaForCausalLM`' if llama else
-            '`VrlForCausalLM`, whose PyTorch code (modeling_vrl.py, configuration_vrl.py) is in this directory')
-    return (f'---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags: [vrl, {cfg.attention}]\n---\n\n'
-            f'# {cfg.variant_name}\n\n'
-            f'A decoder trained with vrl (value residual learning, Zhou et al., arXiv 2410.17897), exported as {kind}.\n\n'
-            f'Needs `{TRANSFORMERS}` and PyTorch. Load it with `{loading}` and '
-            '`AutoTokenizer.from_pretrained(path)`.\n')
+    loading = (
+        'AutoModelForCausalLM.from_pretrained(path)'
+        if llama
+        else 'AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)'
+    )
+    kind = (
+        'a plain `LlamaForCausalLM`'
+        if llama
+        else '`VrlForCausalLM`, whose PyTorch code (modeling_vrl.py, configuration_vrl.py) is in this directory'
+    )
+    return (
+        f'---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags: [vrl, {cfg.attention}]\n---\n\n'
+        f'# {cfg.variant_name}\n\n'
+        f'A decoder trained with vrl (value residual learning, Zhou et al., arXiv 2410.17897), exported as {kind}.\n\n'
+        f'Needs `{TRANSFORMERS}` and PyTorch. Load it with `{loading}` and '
+        '`AutoTokenizer.from_pretrained(path)`.\n'
+    )
 
 
 def _check_config(hf: dict, folder: Path, cfg: ModelConfig) -> None:
     """HFError naming the first config.json field that differs from the vrl config."""
-    hf = {'head_dim': hf['hidden_size'] // hf['num_attention_heads'],
-          'num_key_value_heads': hf['num_attention_heads'], 'tie_word_embeddings': False, **hf}
+    hf = {
+        'head_dim': hf['hidden_size'] // hf['num_attention_heads'],
+        'num_key_value_heads': hf['num_attention_heads'],
+        'tie_word_embeddings': False,
+        **hf,
+    }
     for key, field in _LLAMA_FIELDS.items():
         if hf.get(key) != getattr(cfg, field):
-            raise HFError(f'{folder} has {key}={hf.get(key)!r} but the config has model.{field}='
-                          f'{getattr(cfg, field)!r}; set --config.model.{field}={hf.get(key)!r}.')
+            raise HFError(
+                f'{folder} has {key}={hf.get(key)!r} but the config has model.{field}='
+                f'{getattr(cfg, field)!r}; set --config.model.{field}={hf.get(key)!r}.'
+            )
     theta = (hf.get('rope_parameters') or {}).get('rope_theta', hf.get('rope_theta', 10_000.0))
     if theta != cfg.rope_theta:
         raise HFError(f'{folder} has rope_theta={theta!r} but the config has model.rope_theta={cfg.rope_theta!r}.')
@@ -262,15 +331,20 @@ def _check_config(hf: dict, folder: Path, cfg: ModelConfig) -> None:
         for field in VARIANT_FIELDS:
             theirs = hf.get(field, _jsonable(getattr(defaults, field)))
             if theirs != _jsonable(getattr(cfg, field)):
-                raise HFError(f'{folder} has {field}={theirs!r} but the config has model.{field}='
-                              f'{getattr(cfg, field)!r}; set --config.model.{field}={theirs!r}.')
+                raise HFError(
+                    f'{folder} has {field}={theirs!r} but the config has model.{field}='
+                    f'{getattr(cfg, field)!r}; set --config.model.{field}={theirs!r}.'
+                )
     if hf['vocab_size'] > cfg.vocab_size:
-        raise HFError(f'{folder} has vocab_size={hf["vocab_size"]} but model.vocab_size={cfg.vocab_size}: set '
-                      f'--config.model.vocab_size={hf["vocab_size"]} (or larger) and its tokenizer.')
+        raise HFError(
+            f'{folder} has vocab_size={hf["vocab_size"]} but model.vocab_size={cfg.vocab_size}: set '
+            f'--config.model.vocab_size={hf["vocab_size"]} (or larger) and its tokenizer.'
+        )
 
 
 class Imported(NamedTuple):
     """What `load_params` read: the parameters, how many tensors, and a line for the log."""
+
     params: dict
     tensors: int
     note: str  # '' or why the tensors alone cannot tell which variant they were trained as
@@ -286,12 +360,16 @@ def load_params(path: str, cfg: ModelConfig, shapes: dict) -> Imported:
     folder = Path(path)
     config_file = folder / 'config.json'
     if not config_file.is_file():
-        raise HFError(f'{config_file} not found: --init_from=hf:DIR needs a Hugging Face model directory '
-                      '(config.json + *.safetensors).')
+        raise HFError(
+            f'{config_file} not found: --init_from=hf:DIR needs a Hugging Face model directory '
+            '(config.json + *.safetensors).'
+        )
     hf = json.loads(config_file.read_text())
     if hf.get('model_type') not in ('llama', 'vrl'):
-        raise HFError(f'{folder} holds a {hf.get("model_type")!r} model ({hf.get("architectures")}); vrl can start '
-                      'from Llama models (model_type "llama") and from its own exports ("vrl") only.')
+        raise HFError(
+            f'{folder} holds a {hf.get("model_type")!r} model ({hf.get("architectures")}); vrl can start '
+            'from Llama models (model_type "llama") and from its own exports ("vrl") only.'
+        )
     _check_config(hf, folder, cfg)
     files = sorted(folder.glob('*.safetensors'))
     if not files:
@@ -306,8 +384,9 @@ def load_params(path: str, cfg: ModelConfig, shapes: dict) -> Imported:
                 pad = np.zeros((cfg.vocab_size - vocab, *tensor.shape[1:]), tensor.dtype)
                 tensors[name] = np.concatenate([tensor, pad])
     params = from_hf(tensors, cfg, shapes)
-    return Imported(params, sum(not name.endswith(_IGNORED_SUFFIXES) for name in tensors),
-                    _ambiguity(hf['model_type'], cfg))
+    return Imported(
+        params, sum(not name.endswith(_IGNORED_SUFFIXES) for name in tensors), _ambiguity(hf['model_type'], cfg)
+    )
 
 
 def _ambiguity(model_type: str, cfg: ModelConfig) -> str:
@@ -316,11 +395,15 @@ def _ambiguity(model_type: str, cfg: ModelConfig) -> str:
     if model_type != 'llama':
         return ''
     if is_llama(cfg):
-        return ('a plain Llama config.json: these tensors also fit a fixed-lambda ResFormer; an official-code '
-                'ResFormer checkpoint needs --config.model.attention=resformer')
+        return (
+            'a plain Llama config.json: these tensors also fit a fixed-lambda ResFormer; an official-code '
+            'ResFormer checkpoint needs --config.model.attention=resformer'
+        )
     if {link.name for link in links(cfg)} == {link.name for link in links(cfg.as_vanilla())}:
-        return (f'WARNING: a plain Llama config.json whose tensors fit vanilla too: started as {cfg.variant_name} '
-                'because the config says so; if these weights were trained as vanilla, their logits will differ')
+        return (
+            f'WARNING: a plain Llama config.json whose tensors fit vanilla too: started as {cfg.variant_name} '
+            'because the config says so; if these weights were trained as vanilla, their logits will differ'
+        )
     return ''
 
 
@@ -332,19 +415,27 @@ def run_tokenizer(path: str, named: str) -> tuple[str, str]:
     difference when they disagree, or when DIR has neither and none is named (a tokenizer trained
     for the run would feed these weights ids they never saw).
     """
-    theirs = next((Path(path) / name for name in ('tokenizer.model', 'tokenizer.json')
-                   if (Path(path) / name).is_file()), None)
+    theirs = next(
+        (Path(path) / name for name in ('tokenizer.model', 'tokenizer.json') if (Path(path) / name).is_file()), None
+    )
     if named and theirs is None:
-        return named, f'tokenizer {named} (data.tokenizer; {path} has no tokenizer.model or tokenizer.json to check it against)'
+        return (
+            named,
+            f'tokenizer {named} (data.tokenizer; {path} has no tokenizer.model or tokenizer.json to check it against)',
+        )
     if named:
         difference = Tokenizer.load(named).difference(Tokenizer.load(str(theirs)))
         if difference:
-            raise HFError(f'data.tokenizer={named} is not the tokenizer the weights in {path} were trained with '
-                          f'({theirs}): {difference}. Leave data.tokenizer empty to train with theirs.')
+            raise HFError(
+                f'data.tokenizer={named} is not the tokenizer the weights in {path} were trained with '
+                f'({theirs}): {difference}. Leave data.tokenizer empty to train with theirs.'
+            )
         return named, f'tokenizer {named} (data.tokenizer, the same pieces as {theirs})'
     if theirs is None:
         other = ', '.join(p.name for p in sorted(Path(path).glob('tokenizer*')))
-        raise HFError(f'{path} has no tokenizer.model or tokenizer.json{f" (only {other})" if other else ""}'
-                      ': a tokenizer trained for this run would feed these weights ids they never saw. Name the '
-                      'tokenizer they were trained with: --config.data.tokenizer=PATH.')
+        raise HFError(
+            f'{path} has no tokenizer.model or tokenizer.json{f" (only {other})" if other else ""}'
+            ': a tokenizer trained for this run would feed these weights ids they never saw. Name the '
+            'tokenizer they were trained with: --config.data.tokenizer=PATH.'
+        )
     return str(theirs), f'tokenizer {theirs}'

@@ -65,8 +65,12 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def matmul_params(cfg: ModelConfig) -> int:
     D, H, K, Dh, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
     per_layer = 2 * D * H * Dh + 3 * D * F  # W_Q, W_O, SwiGLU
-    return (cfg.n_layers * per_layer + _kv_projections(cfg) * D * K * Dh + _gate_matrices(cfg) * D * K
-            + D * cfg.padded_vocab_size)
+    return (
+        cfg.n_layers * per_layer
+        + _kv_projections(cfg) * D * K * Dh
+        + _gate_matrices(cfg) * D * K
+        + D * cfg.padded_vocab_size
+    )
 
 
 def non_embedding_params(cfg: ModelConfig) -> int:
@@ -88,8 +92,16 @@ def max_batch_for_cache(cfg: ModelConfig, context: int, memory_bytes: float) -> 
 
 def vanilla_mha(cfg: ModelConfig) -> ModelConfig:
     """The same shape as plain multi-head attention: the reference for cache and parameter ratios."""
-    return dataclasses.replace(cfg, attention='vanilla', n_kv_heads=cfg.n_heads, kv_share=1, neutreno=False,
-                               denseformer=False, value_embed_layers=(), value_embed_tables=())
+    return dataclasses.replace(
+        cfg,
+        attention='vanilla',
+        n_kv_heads=cfg.n_heads,
+        kv_share=1,
+        neutreno=False,
+        denseformer=False,
+        value_embed_layers=(),
+        value_embed_tables=(),
+    )
 
 
 def account(cfg: ModelConfig, seq_len: int) -> ModelAccount:

@@ -52,6 +52,7 @@ class Copies(NamedTuple):
     """With sequences split over `context`: the whole sequence of keys and of values that several
     layers attend with, each (C, B, L, K, Dh) (`whole_copies`), made once by the layer that projects
     them; None: that layer gathers its own."""
+
     k: Array | None
     v: Array | None
 
@@ -60,6 +61,7 @@ class Causal(NamedTuple):
     """Training's mask, never materialised whole: key j is seen by query i when j <= i and, with
     segment ids, both are in the same document. With sequences split over `context`, the tokens
     come in `balanced_order` (order[i]: where the token at i stands in the sequence)."""
+
     segment_ids_BxL: Array | None
     order: np.ndarray | None = None
 
@@ -75,8 +77,9 @@ class Causal(NamedTuple):
         return mask_LxL[None] & (ids[:, :, None] == ids[:, None, :])
 
 
-def why_not(impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool,
-            context: int = 1) -> str | None:
+def why_not(
+    impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool, context: int = 1
+) -> str | None:
     """Why `impl` cannot compute this model's training attention on `platform` with each sequence
     split over `context` devices, or None if it can."""
     if impl in ('splash', 'splash_interpret'):
@@ -95,13 +98,14 @@ def why_not(impl: str, cfg: ModelConfig, platform: str, seq_len: int, document_m
             return 'cuDNN attention through JAX takes no segment ids (data.document_masking=True)'
         if context > 1 and seq_len // context % (2 * cfg.attention_chunks):  # even chunks: cuDNN trains with a
             # mask (a bias) on even lengths only
-            return (f'cuDNN attention on a split sequence needs data.seq_len / mesh.context={context} a multiple of '
-                    f'2 x model.attention_chunks={cfg.attention_chunks}; it is {seq_len // context}')
+            return (
+                f'cuDNN attention on a split sequence needs data.seq_len / mesh.context={context} a multiple of '
+                f'2 x model.attention_chunks={cfg.attention_chunks}; it is {seq_len // context}'
+            )
     return None
 
 
-def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool,
-           context: int = 1) -> tuple[str, str]:
+def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool, context: int = 1) -> tuple[str, str]:
     """(the implementation to trace for `cfg` on `platform` ('cpu', 'gpu', 'tpu'), why). `auto` picks
     the platform's kernel where it can serve the config, else xla; an explicit choice that cannot
     serve is a ConfigError with the reason (vrl/model/resolve.py calls this)."""
@@ -111,8 +115,9 @@ def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool
     if impl != 'auto':
         reason = why_not(impl, cfg, platform, seq_len, document_masking, context)
         if reason:
-            raise ConfigError(f'model.attention_impl={impl!r} cannot run here: {reason}. '
-                              f'Allowed: {", ".join(ATTENTION_IMPLS[:-1])}.')
+            raise ConfigError(
+                f'model.attention_impl={impl!r} cannot run here: {reason}. Allowed: {", ".join(ATTENTION_IMPLS[:-1])}.'
+            )
         if impl.startswith('splash') and platform != 'tpu':
             return 'splash_interpret', f"splash in Pallas' interpreter on {platform} (slow; for checking numerics)"
         return impl, 'as configured'
@@ -123,37 +128,67 @@ def choose(cfg: ModelConfig, platform: str, seq_len: int, document_masking: bool
     return ('xla', reason) if reason else (kernel, f'the {platform} kernel serves this config')
 
 
-def attention(impl: str, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask: Causal | Array,
-              causal_chunks: int, xla_attention: Callable[..., Array] = ops.attention,
-              copies: Copies | None = None) -> Array:
+def attention(
+    impl: str,
+    q_BxLxHxDh: Array,
+    k_BxSxKxDh: Array,
+    v_BxSxKxDh: Array,
+    mask: Causal | Array,
+    causal_chunks: int,
+    xla_attention: Callable[..., Array] = ops.attention,
+    copies: Copies | None = None,
+) -> Array:
     """Softmax attention (B, L, H, Dh) of training (a `Causal` mask) or of an explicit (B, L, S) one,
     by `impl` (a resolved one: xla, splash, splash_interpret or cudnn); an explicit mask always takes
     the XLA path, which computes each query chunk with `xla_attention` (vrl.model.ops' attention,
     hand-written backward or autodiff). With sequences split over `context`, `copies` of the keys or
     values (made once for the layers that share them) stand in for gathering them."""
     if impl == 'auto' and isinstance(mask, Causal):
-        raise ConfigError("model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
-                          'platform (a TrainSteps does it itself).')
+        raise ConfigError(
+            "model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
+            'platform (a TrainSteps does it itself).'
+        )
     if isinstance(mask, Causal) and context_parts() > 1:  # the sequence split over devices
         assert mask.order is not None, 'a split sequence comes in balanced_order (Decoder.hidden)'
-        return _context_parallel(impl, q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL, causal_chunks,
-                                 xla_attention, copies or Copies(None, None))
+        return _context_parallel(
+            impl,
+            q_BxLxHxDh,
+            k_BxSxKxDh,
+            v_BxSxKxDh,
+            mask.segment_ids_BxL,
+            causal_chunks,
+            xla_attention,
+            copies or Copies(None, None),
+        )
     # cuDNN through JAX takes no segment ids: packed sequences (vrl.tools.evaluate's) take the XLA path
     if impl == 'xla' or not isinstance(mask, Causal) or (impl == 'cudnn' and mask.segment_ids_BxL is not None):
         B, L = q_BxLxHxDh.shape[:2]
         dense = mask.dense(B, L) if isinstance(mask, Causal) else mask
-        return _xla(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1,
-                    xla_attention)
+        return _xla(
+            q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1, xla_attention
+        )
     if impl == 'cudnn':
-        return jax.nn.dot_product_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, is_causal=True,
-                                            implementation=DOT_PRODUCT_ATTENTION)
+        return jax.nn.dot_product_attention(
+            q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, is_causal=True, implementation=DOT_PRODUCT_ATTENTION
+        )
     interpret = impl == 'splash_interpret'
-    return _per_shard(lambda q, k, v, ids: _splash(q, k, v, ids, ids, interpret),
-                      q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask.segment_ids_BxL)
+    return _per_shard(
+        lambda q, k, v, ids: _splash(q, k, v, ids, ids, interpret),
+        q_BxLxHxDh,
+        k_BxSxKxDh,
+        v_BxSxKxDh,
+        mask.segment_ids_BxL,
+    )
 
 
-def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array, causal_chunks: int,
-         xla_attention: Callable[..., Array]) -> Array:
+def _xla(
+    q_BxLxHxDh: Array,
+    k_BxSxKxDh: Array,
+    v_BxSxKxDh: Array,
+    mask_BxLxS: Array,
+    causal_chunks: int,
+    xla_attention: Callable[..., Array],
+) -> Array:
     """`xla_attention` (vrl.model.ops' attention, or `_cudnn_attention`) in `causal_chunks` query
     chunks, one after another (only a chunk's logits exist at a time). causal_chunks > 1 promises a
     causal mask with the L queries spread evenly over the S key positions, the last at the end
@@ -166,8 +201,11 @@ def _xla(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Ar
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         seen = S - S // L * (L - end)  # keys [0, seen) are all the chunk's queries can see
-        outs.append(xla_attention(q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :seen], v_BxSxKxDh[:, :seen],
-                                  mask_BxLxS[:, start:end, :seen]))
+        outs.append(
+            xla_attention(
+                q_BxLxKxGxDh[:, start:end], k_BxSxKxDh[:, :seen], v_BxSxKxDh[:, :seen], mask_BxLxS[:, start:end, :seen]
+            )
+        )
     return jnp.concatenate(outs, axis=1).reshape(B, L, H, Dh)
 
 
@@ -176,8 +214,13 @@ def _cudnn_attention(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, 
     a mask that is the same for every row of the batch (no segment ids): cuDNN reads it as a
     (1, 1, L, S) bias, computing the masked logits too."""
     B, L, K, G, Dh = q_BxLxKxGxDh.shape
-    out_BxLxHxDh = jax.nn.dot_product_attention(q_BxLxKxGxDh.reshape(B, L, K * G, Dh), k_BxSxKxDh, v_BxSxKxDh,
-                                                mask=mask_BxLxS[:1, None], implementation=DOT_PRODUCT_ATTENTION)
+    out_BxLxHxDh = jax.nn.dot_product_attention(
+        q_BxLxKxGxDh.reshape(B, L, K * G, Dh),
+        k_BxSxKxDh,
+        v_BxSxKxDh,
+        mask=mask_BxLxS[:1, None],
+        implementation=DOT_PRODUCT_ATTENTION,
+    )
     return out_BxLxHxDh.reshape(B, L, K, G, Dh)
 
 
@@ -194,8 +237,16 @@ def balanced_order(L: int) -> np.ndarray | None:
     return np.arange(L).reshape(L // parts, parts).T.reshape(L)
 
 
-def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, ids_BxL: Array | None,
-                      query_chunks: int, xla_attention: Callable[..., Array], copies: Copies) -> Array:
+def _context_parallel(
+    impl: str,
+    q_BxLxHxDh: Array,
+    k_BxLxKxDh: Array,
+    v_BxLxKxDh: Array,
+    ids_BxL: Array | None,
+    query_chunks: int,
+    xla_attention: Callable[..., Array],
+    copies: Copies,
+) -> Array:
     """Causal attention with each sequence split over the mesh's `context` axis (L is the whole
     sequence here, in `balanced_order`; a device holds P = L / c of it): each device keeps its queries
     and gathers the keys, values and segment ids of the whole sequence (in the backward pass, their
@@ -225,8 +276,9 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
         part = jax.lax.axis_index('context')
         if impl.startswith('splash'):
             interpret = impl == 'splash_interpret'
-            kernels = [functools.partial(_splash, interpret=interpret, causal=_StripedRows(i, parts, L))
-                       for i in range(parts)]
+            kernels = [
+                functools.partial(_splash, interpret=interpret, causal=_StripedRows(i, parts, L)) for i in range(parts)
+            ]
             return jax.lax.switch(part, kernels, q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxP, ids_whole_BxL)
         k_seq, v_seq = _in_sequence(k_BxLxKxDh, parts), _in_sequence(v_BxLxKxDh, parts)
         mask_BxPxL = jnp.broadcast_to(_striped_rows(part, parts, L), (B, P, L))
@@ -234,8 +286,9 @@ def _context_parallel(impl: str, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxD
             mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == _in_sequence(ids_whole_BxL, parts)[:, None, :])
         return _xla(q_BxPxHxDh, k_seq, v_seq, mask_BxPxL, query_chunks, attend)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(_Q_SPEC, k_spec, v_spec, ids_spec), out_specs=_Q_SPEC,
-                         check_vma=False)(q_BxLxHxDh, k_given, v_given, ids_BxL)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(_Q_SPEC, k_spec, v_spec, ids_spec), out_specs=_Q_SPEC, check_vma=False
+    )(q_BxLxHxDh, k_given, v_given, ids_BxL)
 
 
 def _striped_rows(part: Array | int, parts: int, L: int) -> Array:
@@ -256,8 +309,13 @@ def whole_copies(x_BxLxKxDh: Array) -> Array:
     axis 0 split over `context`, for `attention` to read in place of gathering them in every layer
     that attends with them (SVFormer's V_1, a CLA group's K and V): they cross the context axis once,
     this gather forward and one reduce-scatter of the gradients every such layer added backward."""
-    return jax.shard_map(lambda x: _whole(x)[None], mesh=jax.sharding.get_abstract_mesh(), in_specs=_KV_SPEC,
-                         out_specs=_copies_spec(), check_vma=False)(x_BxLxKxDh)
+    return jax.shard_map(
+        lambda x: _whole(x)[None],
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=_KV_SPEC,
+        out_specs=_copies_spec(),
+        check_vma=False,
+    )(x_BxLxKxDh)
 
 
 def _copies_spec() -> PartitionSpec:
@@ -277,8 +335,9 @@ def _per_shard(kernel, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, 
     if mesh.empty:
         return kernel(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
     ids_spec = None if ids_BxL is None else logical_spec((Axis.BATCH, Axis.LENGTH))
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(_Q_SPEC, _KV_SPEC, _KV_SPEC, ids_spec), out_specs=_Q_SPEC,
-                         check_vma=False)(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
+    return jax.shard_map(
+        kernel, mesh=mesh, in_specs=(_Q_SPEC, _KV_SPEC, _KV_SPEC, ids_spec), out_specs=_Q_SPEC, check_vma=False
+    )(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
 
 
 class _StripedRows(splash_mask._ComputableMask):
@@ -294,28 +353,47 @@ class _StripedRows(splash_mask._ComputableMask):
 
     def _seen(self, q_ids, kv_ids):
         P = self.shape[0]
-        kv_position = sum(((kv_ids >= d * P) & (kv_ids < (d + 1) * P)) * (self.parts * (kv_ids - d * P) + d)
-                          for d in range(self.parts))
+        kv_position = sum(
+            ((kv_ids >= d * P) & (kv_ids < (d + 1) * P)) * (self.parts * (kv_ids - d * P) + d)
+            for d in range(self.parts)
+        )
         return self.parts * q_ids + self.part >= kv_position
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _StripedRows) and (self.part, self.parts, self.shape) == (
-            other.part, other.parts, other.shape)
+            other.part,
+            other.parts,
+            other.shape,
+        )
 
     def __hash__(self) -> int:
         return hash((_StripedRows, self.part, self.parts, self.shape))
 
 
-def _splash(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, ids_BxL: Array | None, ids_BxS: Array | None,
-            interpret: bool, causal: splash_mask.Mask | None = None) -> Array:
+def _splash(
+    q_BxLxHxDh: Array,
+    k_BxSxKxDh: Array,
+    v_BxSxKxDh: Array,
+    ids_BxL: Array | None,
+    ids_BxS: Array | None,
+    interpret: bool,
+    causal: splash_mask.Mask | None = None,
+) -> Array:
     """Causal splash attention of L queries over S keys (`causal`, (L, S): default the plain causal
     mask, L = S), heads-major inside; q is scaled by 1/sqrt(Dh) here (splash does not)."""
     B, L, H, Dh = q_BxLxHxDh.shape
     S = k_BxSxKxDh.shape[1]
     block_q, block_kv = min(SPLASH_BLOCK, L), min(SPLASH_BLOCK, S)
-    sizes = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv, block_q_dkv=block_q,
-                              block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv, block_q_dq=block_q,
-                              block_kv_dq=block_kv)
+    sizes = splash.BlockSizes(
+        block_q=block_q,
+        block_kv=block_kv,
+        block_kv_compute=block_kv,
+        block_q_dkv=block_q,
+        block_kv_dkv=block_kv,
+        block_kv_dkv_compute=block_kv,
+        block_q_dq=block_q,
+        block_kv_dq=block_kv,
+    )
     mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((L, S)) if causal is None else causal] * H)
     kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
     q_BxHxLxDh = (q_BxLxHxDh * (1 / math.sqrt(Dh))).transpose(0, 2, 1, 3)

@@ -42,10 +42,12 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        for name, ok, allowed in (('temperature', self.temperature >= 0, '>= 0 (0 = greedy)'),
-                                  ('top_k', self.top_k >= 0, '>= 0 (0 = off)'),
-                                  ('top_p', 0 < self.top_p <= 1, 'in (0, 1] (1 = off)'),
-                                  ('max_new_tokens', self.max_new_tokens >= 1, '>= 1')):
+        for name, ok, allowed in (
+            ('temperature', self.temperature >= 0, '>= 0 (0 = greedy)'),
+            ('top_k', self.top_k >= 0, '>= 0 (0 = off)'),
+            ('top_p', 0 < self.top_p <= 1, 'in (0, 1] (1 = off)'),
+            ('max_new_tokens', self.max_new_tokens >= 1, '>= 1'),
+        ):
             if not ok:
                 raise DecodeError(f'{name}={getattr(self, name)!r} is invalid: allowed {allowed}.')
 
@@ -57,9 +59,11 @@ class Sampling:
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     """Zeros in the compute dtype: cfg.n_key_slots key and cfg.n_value_slots value arrays, each
     (B * K, S, Dh) (vrl.model.decoder.KVCache)."""
+
     def slots(n: int) -> tuple[jax.Array, ...]:
         shape = (batch * cfg.n_kv_heads, max_len, cfg.head_dim)
         return tuple(jnp.zeros(shape, cfg.resolved_compute_dtype) for _ in range(n))
+
     return KVCache(k=slots(cfg.n_key_slots), v=slots(cfg.n_value_slots), index=jnp.zeros((), jnp.int32))
 
 
@@ -74,8 +78,10 @@ def cache_shardings(cache: KVCache, batch: int, mesh: Mesh) -> KVCache:
     stays whole (a batch of 1 keeps only the kv-head split, an undivided larger batch neither). Its
     positions are split over 'context' (a long prompt's cache over several devices: each attends
     over its positions and the softmax's sums are reduced across them), where the mesh divides them."""
+
     def mesh_axes(logical: str, size: int) -> tuple[str, ...]:
         return sharding.spec_axes(sharding.fitted_sharding(mesh, (logical,), (size,)).spec[0])
+
     batch_axes = mesh_axes(Axis.BATCH, batch)
     rows = batch_axes + mesh_axes(Axis.KV_HEADS, cache.k[0].shape[0] // batch) if batch_axes or batch == 1 else ()
     positions = tuple(a for a in mesh_axes(Axis.LENGTH, cache.k[0].shape[1]) if mesh.shape[a] > 1)
@@ -113,8 +119,16 @@ class Generation:
 class Generator:
     """Jitted prefill and decode loop for one model, batch size and cache length."""
 
-    def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, params: Any, max_len: int,
-                 eos_id: int, mesh: Mesh | None = None, prefill_chunk: int = 512):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        graphdef: nnx.GraphDef,
+        params: Any,
+        max_len: int,
+        eos_id: int,
+        mesh: Mesh | None = None,
+        prefill_chunk: int = 512,
+    ):
         self.cfg, self.graphdef, self.params = cfg, graphdef, params
         self.max_len, self.eos_id, self.mesh = max_len, eos_id, mesh
         self.prefill_chunk = prefill_chunk
@@ -145,6 +159,7 @@ class Generator:
         def chunk(cache, tokens_BxC):
             logits_BxCxV, cache = model.decode(tokens_BxC, pad_B, cache, layers)
             return cache, logits_BxCxV[:, -1]
+
         cache, last_NxBxV = jax.lax.scan(chunk, cache, chunks_NxBxC)
         return last_NxBxV[-1], self._pinned(cache)
 
@@ -176,8 +191,11 @@ class Generator:
         """Ahead-of-time compiled prefill and decode loop, once per (batch, prompt length, sampling)."""
         signature = (*tokens_BxP.shape, sampling)
         if signature not in self._compiled:
-            prefill = jax.jit(sharding.traced_in(self.mesh, self._prefill_fn), donate_argnums=1).lower(
-                self.params, cache, tokens_BxP, pad_B).compile()
+            prefill = (
+                jax.jit(sharding.traced_in(self.mesh, self._prefill_fn), donate_argnums=1)
+                .lower(self.params, cache, tokens_BxP, pad_B)
+                .compile()
+            )
             logits, cache = jax.eval_shape(self._prefill_fn, self.params, cache, tokens_BxP, pad_B)
             decode = self.decode_fn(sampling).lower(self.params, cache, logits, pad_B, key).compile()
             self._compiled[signature] = (prefill, decode)
@@ -186,8 +204,9 @@ class Generator:
     def decode_fn(self, sampling: Sampling):
         """The jitted decode loop: (params, cache, first logits (B, V), pad (B,), key) -> (tokens (B, N),
         steps, cache). The cache is donated and returned: the loop writes into it where it lies."""
-        return jax.jit(sharding.traced_in(self.mesh, functools.partial(self._decode_fn, sampling=sampling)),
-                       donate_argnums=1)
+        return jax.jit(
+            sharding.traced_in(self.mesh, functools.partial(self._decode_fn, sampling=sampling)), donate_argnums=1
+        )
 
     def new_cache(self, batch: int) -> KVCache:
         cache = init_cache(self.cfg, batch, self.max_len)
@@ -200,12 +219,14 @@ class Generator:
             raise DecodeError('empty prompt: every prompt needs at least one token.')
         P = max(len(p) for p in prompts)
         if P + sampling.max_new_tokens > self.max_len:
-            raise DecodeError(f'prompt of {P} tokens + {sampling.max_new_tokens} new tokens exceeds the '
-                              f'maximum length {self.max_len}; shorten the prompt or ask for fewer tokens.')
+            raise DecodeError(
+                f'prompt of {P} tokens + {sampling.max_new_tokens} new tokens exceeds the '
+                f'maximum length {self.max_len}; shorten the prompt or ask for fewer tokens.'
+            )
         tokens_BxP = np.zeros((len(prompts), P), np.int32)
         pad_B = np.array([P - len(p) for p in prompts], np.int32)
         for row, prompt in enumerate(prompts):
-            tokens_BxP[row, P - len(prompt):] = prompt
+            tokens_BxP[row, P - len(prompt) :] = prompt
         cache = self.new_cache(len(prompts))
         n_bytes = cache_bytes(cache)
         tokens_BxP, pad_B, key = jnp.asarray(tokens_BxP), jnp.asarray(pad_B), jax.random.key(sampling.seed)
@@ -220,5 +241,5 @@ class Generator:
         decode_seconds = time.perf_counter() - start
         completions = []
         for row in out_BxN[:, :steps].tolist():
-            completions.append(row[:row.index(self.eos_id) + 1] if self.eos_id in row else row)
+            completions.append(row[: row.index(self.eos_id) + 1] if self.eos_id in row else row)
         return Generation(completions, prefill_seconds, decode_seconds, steps, n_bytes)

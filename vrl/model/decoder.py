@@ -71,14 +71,17 @@ class KVCache(NamedTuple):
     V_1, for SVFormer. Only the first layer of a slot writes it: the layers after it would
     write the same rows (V_1, CLA's borrowed K/V), and a second write made XLA copy the slot.
     """
+
     k: tuple[Array, ...]
     v: tuple[Array, ...]
     index: Array  # int32 scalar: cache positions [0, index) are filled
 
-    def update(self, cfg: ModelConfig, layer: int, k_BxTxKxDh: Array, v_BxTxKxDh: Array
-               ) -> tuple[Array, Array, KVCache]:
+    def update(
+        self, cfg: ModelConfig, layer: int, k_BxTxKxDh: Array, v_BxTxKxDh: Array
+    ) -> tuple[Array, Array, KVCache]:
         """Writes T new keys and values at [index, index + T) of the slots `layer` owns, in place;
         returns the layer's whole (B * K, S, Dh) keys and values, and the cache."""
+
         def write(slots: tuple[Array, ...], slot: int, new_BxTxKxDh: Array) -> tuple[Array, ...]:
             B, T, K, Dh = new_BxTxKxDh.shape
             new_NxTxDh = new_BxTxKxDh.transpose(0, 2, 1, 3).reshape(B * K, T, Dh).astype(slots[slot].dtype)
@@ -90,10 +93,11 @@ class KVCache(NamedTuple):
             else:
                 zero = jnp.zeros((), jnp.int32)
                 written = jax.lax.dynamic_update_slice(slots[slot], new_NxTxDh, (zero, self.index, zero))
-            return (*slots[:slot], written, *slots[slot + 1:])
+            return (*slots[:slot], written, *slots[slot + 1 :])
 
         def owns(slot_of) -> bool:  # the first layer of a slot writes it; the rest hold the same rows
             return layer == 0 or slot_of(layer - 1) != slot_of(layer)
+
         k_slot, v_slot = cfg.key_slot(layer), cfg.value_slot(layer)
         k = write(self.k, k_slot, k_BxTxKxDh) if owns(cfg.key_slot) else self.k
         v = write(self.v, v_slot, v_BxTxKxDh) if owns(cfg.value_slot) else self.v
@@ -110,8 +114,11 @@ class Attention(nnx.Module):
         self.wq = params.normal(rngs, (D, H, Dh), (Axis.EMBED, Axis.HEADS, Axis.HEAD_DIM), std, stack)
         kv_axes = (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM)
         self.wk = params.normal(rngs, (D, K, Dh), kv_axes, std, stack) if owns_kv else None
-        self.wv = (params.normal(rngs, (D, K, Dh), kv_axes, std, stack)
-                   if owns_kv and (first or cfg.attention != 'svformer') else None)
+        self.wv = (
+            params.normal(rngs, (D, K, Dh), kv_axes, std, stack)
+            if owns_kv and (first or cfg.attention != 'svformer')
+            else None
+        )
         self.wo = params.normal(rngs, (H, Dh, D), (Axis.HEADS, Axis.HEAD_DIM, Axis.EMBED), std, stack)
         per_token = not first and cfg.per_token_mix
         self.w_mix = params.normal(rngs, (D, K), (Axis.EMBED, Axis.KV_HEADS), std, stack) if per_token else None
@@ -127,13 +134,20 @@ class Attention(nnx.Module):
         q_BxLxHxDh = self.ops.project(x_BxLxD, self.wq[...].astype(x_BxLxD.dtype), 1)
         return rope(q_BxLxHxDh, positions_BxL, self.rope_theta)
 
-    def keys_values(self, x_BxLxD: Array, positions_BxL: Array, v1_BxLxKxDh: Array | None, kv: LayerKV | None,
-                    borrowed: tuple[Array, Array] | None) -> tuple[Array, Array]:
+    def keys_values(
+        self,
+        x_BxLxD: Array,
+        positions_BxL: Array,
+        v1_BxLxKxDh: Array | None,
+        kv: LayerKV | None,
+        borrowed: tuple[Array, Array] | None,
+    ) -> tuple[Array, Array]:
         """Keys (with RoPE) and the layer's own values V_n: x W_V, or V_1 where the layer has no W_V.
 
         CLA (kv given): only the first layer of a group projects; the others borrow its keys and
         the values it attended over (`kv.owns` is known when tracing: Decoder._stacked_layers).
         """
+
         def project(wk_DxKxDh: Array, wv_DxKxDh: Array | None) -> tuple[Array, Array]:
             dtype = x_BxLxD.dtype
             k = rope(self.ops.project(x_BxLxD, wk_DxKxDh.astype(dtype), 1), positions_BxL, self.rope_theta)
@@ -189,6 +203,7 @@ class MLP(nnx.Module):
 class LayerInputs(NamedTuple):
     """A layer's share of the variants' per-layer inputs; for layers 2..L each has a leading N axis
     that the scan slices."""
+
     layer: Array | int  # the 0-based layer index: an int where the layers are unrolled (it picks cache slots)
     lambdas: Lambdas | None  # ResFormer's scalar mix
     kv: LayerKV | None  # CLA: the layer's W_K, W_V (zeros where it borrows) and whether it owns them
@@ -198,6 +213,7 @@ class LayerInputs(NamedTuple):
 
 class Stream(NamedTuple):
     """What each layer hands the next: the layer scan's carry."""
+
     h: Array  # (B, L, D) the next block's input
     v1: Array | None  # (B, L, K, Dh) V_1, once layer 1 has run
     copies: attention.Copies | None  # sequences split over `context`: shared keys and values made whole (Block.copies)
@@ -217,9 +233,9 @@ class Block(nnx.Module):
         self.cfg = cfg
         self.neutreno_lambda = cfg.neutreno_lambda if cfg.neutreno else None
 
-    def __call__(self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array, record: bool
-                 ) -> tuple[Array, tuple[Array, Array], attention.Copies | None, KVCache | None,
-                            layer_stats.AttentionStats | None]:
+    def __call__(
+        self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array, record: bool
+    ) -> tuple[Array, tuple[Array, Array], attention.Copies | None, KVCache | None, layer_stats.AttentionStats | None]:
         """The block's output (B, L, D), its keys and attended values for the L tokens, the copies it
         attended with (`copies`), the cache with them written and, when recording, its attention statistics."""
         x_BxLxD = self.attn_norm(s.h)
@@ -237,8 +253,16 @@ class Block(nnx.Module):
             keys, values, cache = cache.update(self.cfg, p.layer, k_BxLxKxDh, v_BxLxKxDh)
         keys, values = keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype)
         if cache is None:  # training's causal mask, or an explicit one: vrl/model/attention.py decides how
-            o_BxLxHxDh = attention.attention(self.cfg.attention_impl, q_BxLxHxDh, keys, values, mask,
-                                             self.cfg.attention_chunks, self.attn.ops.attention, copies)
+            o_BxLxHxDh = attention.attention(
+                self.cfg.attention_impl,
+                q_BxLxHxDh,
+                keys,
+                values,
+                mask,
+                self.cfg.attention_chunks,
+                self.attn.ops.attention,
+                copies,
+            )
         else:  # the cache's (B * K, S, Dh) slots as they lie
             o_BxLxHxDh = ops.attend_cache(q_BxLxHxDh, keys, values, mask)
         if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V)
@@ -252,8 +276,9 @@ class Block(nnx.Module):
             stats = layer_stats.attention_stats(q_BxLxHxDh, keys, values, dense_BxLxS, scale_BxLxKx1)
         return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), copies, cache, stats
 
-    def copies(self, s: Stream, p: LayerInputs, k_BxLxKxDh: Array, v_BxLxKxDh: Array, mask: Causal | Array
-               ) -> attention.Copies | None:
+    def copies(
+        self, s: Stream, p: LayerInputs, k_BxLxKxDh: Array, v_BxLxKxDh: Array, mask: Causal | Array
+    ) -> attention.Copies | None:
         """With sequences split over `context` (training): the whole keys and values this layer attends
         with that later layers share, so they cross the axis once. A layer makes copies of what it projects
         for others (layer 1: SVFormer's V_1; the first layer of a CLA group: its K, and its V unless value
@@ -263,9 +288,12 @@ class Block(nnx.Module):
         cfg, first, kept = self.cfg, s.v1 is None, s.copies or attention.Copies(None, None)
         projects_shared = cfg.kv_share > 1 and (first or p.kv.owns)
         makes_v = (first and cfg.attention == 'svformer') or (
-            projects_shared and cfg.attention != 'svformer' and not cfg.value_embed_layers)
-        return attention.Copies(attention.whole_copies(k_BxLxKxDh) if projects_shared else kept.k,
-                                attention.whole_copies(v_BxLxKxDh) if makes_v else kept.v)
+            projects_shared and cfg.attention != 'svformer' and not cfg.value_embed_layers
+        )
+        return attention.Copies(
+            attention.whole_copies(k_BxLxKxDh) if projects_shared else kept.k,
+            attention.whole_copies(v_BxLxKxDh) if makes_v else kept.v,
+        )
 
 
 def _per_query_head(x_BxLxKxDh: Array, shape_BxLxHxDh: tuple[int, ...]) -> Array:
@@ -275,8 +303,9 @@ def _per_query_head(x_BxLxKxDh: Array, shape_BxLxHxDh: tuple[int, ...]) -> Array
     return jnp.broadcast_to(x_BxLxKxDh[:, :, :, None], (B, L, K, G, Dh)).reshape(shape_BxLxHxDh)
 
 
-def _in_order(order: np.ndarray | None, tokens_BxL: Array, positions_BxL: Array, segment_ids_BxL: Array | None
-              ) -> tuple[Array, Array, Causal]:
+def _in_order(
+    order: np.ndarray | None, tokens_BxL: Array, positions_BxL: Array, segment_ids_BxL: Array | None
+) -> tuple[Array, Array, Causal]:
     """Tokens, positions and the causal mask with the tokens in `order` (attention.balanced_order:
     a split sequence, each device holding a piece of each end; None: as they come)."""
     if order is None:
@@ -324,16 +353,18 @@ class Decoder(nnx.Module):
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.cfg.resolved_compute_dtype)
 
-    def __call__(self, tokens_BxL: Array, positions_BxL: Array | None = None,
-                 segment_ids_BxL: Array | None = None) -> Array:
+    def __call__(
+        self, tokens_BxL: Array, positions_BxL: Array | None = None, segment_ids_BxL: Array | None = None
+    ) -> Array:
         """Float32 logits (B, L, V); padded vocab entries are -1e30.
 
         positions default to 0..L-1; with segment ids, attention stays within a document.
         """
         return self.logits(self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL))
 
-    def hidden(self, tokens_BxL: Array, positions_BxL: Array | None = None,
-               segment_ids_BxL: Array | None = None) -> Array:
+    def hidden(
+        self, tokens_BxL: Array, positions_BxL: Array | None = None, segment_ids_BxL: Array | None = None
+    ) -> Array:
         """The final-normalised hidden states (B, L, D) that `head_DxV` turns into logits, in the
         tokens' order (a sequence split over `context` runs through the layers in
         attention.balanced_order)."""
@@ -358,8 +389,9 @@ class Decoder(nnx.Module):
         _, stacked_state = nnx.split(self.layers)
         return [jax.tree.map(lambda x: x[i], stacked_state) for i in range(self.cfg.n_stacked)]
 
-    def decode(self, tokens_BxT: Array, pad_B: Array, cache: KVCache, layers: list[nnx.State] | None = None
-               ) -> tuple[Array, KVCache]:
+    def decode(
+        self, tokens_BxT: Array, pad_B: Array, cache: KVCache, layers: list[nnx.State] | None = None
+    ) -> tuple[Array, KVCache]:
         """Runs T new tokens at cache positions [index, index + T) of left-padded sequences.
 
         pad_B: how many cache positions at the start of each sequence are padding. Each new
@@ -372,15 +404,23 @@ class Decoder(nnx.Module):
         S = cache.k[0].shape[1]
         query_index_BxT = jnp.broadcast_to(cache.index + jnp.arange(T), (B, T))
         key_index_S = jnp.arange(S)
-        mask_BxTxS = ((key_index_S[None, None, :] <= query_index_BxT[:, :, None])
-                      & (key_index_S[None, None, :] >= pad_B[:, None, None]))
-        h_BxTxD, cache, _ = self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache, False,
-                                          layers)
+        mask_BxTxS = (key_index_S[None, None, :] <= query_index_BxT[:, :, None]) & (
+            key_index_S[None, None, :] >= pad_B[:, None, None]
+        )
+        h_BxTxD, cache, _ = self._forward(
+            tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache, False, layers
+        )
         return self.logits(h_BxTxD), cache
 
-    def _forward(self, tokens_BxL: Array, positions_BxL: Array, mask: Causal | Array, cache: KVCache | None,
-                 record: bool, layers: list[nnx.State] | None = None
-                 ) -> tuple[Array, KVCache | None, layer_stats.LayerStats | None]:
+    def _forward(
+        self,
+        tokens_BxL: Array,
+        positions_BxL: Array,
+        mask: Causal | Array,
+        cache: KVCache | None,
+        record: bool,
+        layers: list[nnx.State] | None = None,
+    ) -> tuple[Array, KVCache | None, layer_stats.LayerStats | None]:
         """The final-normalised hidden states (B, L, D), the updated cache when decoding, and the
         per-layer statistics when recording."""
         dtype, L = self.compute_dtype, self.cfg.n_layers
@@ -390,16 +430,23 @@ class Decoder(nnx.Module):
             blocks = jnp.zeros((L + 1, *h_BxLxD.shape), dtype).at[0].set(h_BxLxD)
         dense_LxL1 = None if self.depth_weights is None else self.depth_weights.matrix()
         ve = self.value_embeds
-        first = LayerInputs(layer=0, lambdas=None, kv=None,
-                            value_embed=None if ve is None else ve.for_first(tokens_BxL, dtype),
-                            dense_row=None if dense_LxL1 is None else dense_LxL1[0])
-        stacked = LayerInputs(layer=jnp.arange(1, L, dtype=jnp.int32),
-                              lambdas=None if self.lambdas is None else self.lambdas.for_stack(),
-                              kv=None if self.shared_kv is None else self.shared_kv.for_stack(),
-                              value_embed=None if ve is None else ve.for_stack(tokens_BxL, dtype),
-                              dense_row=None if dense_LxL1 is None else dense_LxL1[1:])
-        s, first_stats = self._layer(self.first, Stream(h_BxLxD, None, None, None, blocks, cache), first,
-                                     positions_BxL, mask, record)
+        first = LayerInputs(
+            layer=0,
+            lambdas=None,
+            kv=None,
+            value_embed=None if ve is None else ve.for_first(tokens_BxL, dtype),
+            dense_row=None if dense_LxL1 is None else dense_LxL1[0],
+        )
+        stacked = LayerInputs(
+            layer=jnp.arange(1, L, dtype=jnp.int32),
+            lambdas=None if self.lambdas is None else self.lambdas.for_stack(),
+            kv=None if self.shared_kv is None else self.shared_kv.for_stack(),
+            value_embed=None if ve is None else ve.for_stack(tokens_BxL, dtype),
+            dense_row=None if dense_LxL1 is None else dense_LxL1[1:],
+        )
+        s, first_stats = self._layer(
+            self.first, Stream(h_BxLxD, None, None, None, blocks, cache), first, positions_BxL, mask, record
+        )
         s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask, record, layers)
         h_BxLxD = self.final_norm(s.h)
         cache = None if cache is None else s.cache._replace(index=cache.index + tokens_BxL.shape[1])
@@ -408,11 +455,18 @@ class Decoder(nnx.Module):
         stats = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first_stats, stacked_stats)
         embedding_similarity = layer_stats.token_similarity(self.embed[...].astype(dtype)[tokens_BxL])
         gated_Lx1 = np.isin(np.arange(1, L + 1), self.cfg.value_embed_layers)[:, None]  # the stack computes every gate
-        return h_BxLxD, cache, stats._replace(similarity=jnp.concatenate([embedding_similarity[None], stats.similarity]),
-                                              value_gate=jnp.where(gated_Lx1, stats.value_gate, jnp.nan))
+        return (
+            h_BxLxD,
+            cache,
+            stats._replace(
+                similarity=jnp.concatenate([embedding_similarity[None], stats.similarity]),
+                value_gate=jnp.where(gated_Lx1, stats.value_gate, jnp.nan),
+            ),
+        )
 
-    def _layer(self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array,
-               record: bool) -> tuple[Stream, layer_stats.LayerStats | None]:
+    def _layer(
+        self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array, record: bool
+    ) -> tuple[Stream, layer_stats.LayerStats | None]:
         """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average."""
         h_BxLxD, kv, copies, cache, attention_stats = block(s, p, positions_BxL, mask, record)
         blocks = s.blocks
@@ -424,9 +478,15 @@ class Decoder(nnx.Module):
         s = Stream(h_BxLxD, v1, copies, kv if self.cfg.kv_share > 1 else None, blocks, cache)
         return s, layer_stats.layer_stats(attention_stats, h_BxLxD) if record else None
 
-    def _stacked_layers(self, s: Stream, inputs: LayerInputs, positions_BxL: Array, mask: Causal | Array,
-                        record: bool, layers: list[nnx.State] | None
-                        ) -> tuple[Stream, layer_stats.LayerStats | None]:
+    def _stacked_layers(
+        self,
+        s: Stream,
+        inputs: LayerInputs,
+        positions_BxL: Array,
+        mask: Causal | Array,
+        record: bool,
+        layers: list[nnx.State] | None,
+    ) -> tuple[Stream, layer_stats.LayerStats | None]:
         """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`,
         a CLA group of model.kv_share layers at a time (without CLA, one layer), so that which layer
         projects the group's keys and values is known when tracing: the kv_share - 1 layers that borrow
@@ -456,11 +516,14 @@ class Decoder(nnx.Module):
             return s._replace(v1=None, copies=None), None if not record else _stacked(outputs)
 
         if self.cfg.remat == 'auto' and not decoding:
-            raise ConfigError("model.remat='auto' is unresolved here: vrl.train.aot.resolve resolves it by compiling "
-                              'for the devices (vrl.main and train.run do it).')
+            raise ConfigError(
+                "model.remat='auto' is unresolved here: vrl.train.aot.resolve resolves it by compiling "
+                'for the devices (vrl.main and train.run do it).'
+            )
         if self.cfg.remat != 'none' and not decoding:
-            group = jax.checkpoint(group, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False,
-                                   static_argnums=(2,))
+            group = jax.checkpoint(
+                group, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False, static_argnums=(2,)
+            )
         s = s._replace(v1=None, copies=None)
         scan = self.cfg.scan_layers and not decoding
         layers = None if scan else self.split_layers() if layers is None else layers
@@ -468,16 +531,23 @@ class Decoder(nnx.Module):
         def unrolled(s: Stream, start: int, size: int) -> tuple[Stream, layer_stats.LayerStats | None]:
             if size == 0:
                 return s, None
-            states = _unstacked(stacked_state, start, size) if scan else layers[start:start + size]
-            per_layer = [p._replace(layer=start + i + 1) if decoding else p
-                         for i, p in enumerate(_unstacked(inputs, start, size))]
+            states = _unstacked(stacked_state, start, size) if scan else layers[start : start + size]
+            per_layer = [
+                p._replace(layer=start + i + 1) if decoding else p
+                for i, p in enumerate(_unstacked(inputs, start, size))
+            ]
             return group(s, (states, per_layer), start)
 
         s, lead_stats = unrolled(s, 0, lead)
         middle = []
         if scan and groups:  # without CLA, the stack as it lies (a group axis of 1 would cost the 468M 8% memory)
-            grouped = (stacked_state, inputs) if G == 1 else jax.tree.map(
-                lambda x: x[lead:lead + groups * G].reshape(groups, G, *x.shape[1:]), (stacked_state, inputs))
+            grouped = (
+                (stacked_state, inputs)
+                if G == 1
+                else jax.tree.map(
+                    lambda x: x[lead : lead + groups * G].reshape(groups, G, *x.shape[1:]), (stacked_state, inputs)
+                )
+            )
             per_layer = (lambda x: [x]) if G == 1 else (lambda x: _unstacked(x, 0, G))
             s, stats = jax.lax.scan(lambda s, xs: group(s, tuple(map(per_layer, xs)), lead), s, grouped)
             middle.append(None if stats is None else jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stats))

@@ -35,6 +35,7 @@ class AttentionStats(NamedTuple):
 
 class LayerStats(NamedTuple):
     """One layer's statistics (B,) each, or (layers, B) for a whole model."""
+
     entropy: Array
     first_token_attention: Array
     value_norm_first: Array
@@ -83,15 +84,20 @@ def first_and_rest_norms(x_BxLx___: Array) -> tuple[Array, Array]:
     return norms_BxL[:, 0], jnp.mean(norms_BxL[:, 1:], axis=-1)
 
 
-def attention_stats(q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array,
-                    value_gate_BxLxKx1: Array | None) -> AttentionStats:
+def attention_stats(
+    q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array, value_gate_BxLxKx1: Array | None
+) -> AttentionStats:
     """The attention statistics; value_gate_BxLxKx1 is the layer's value-embedding gate (None: none)."""
     probs_BxLxS = attention_probs(q_BxLxHxDh, k_BxSxKxDh, mask_BxLxS)
     B = q_BxLxHxDh.shape[0]
-    gate_B = (jnp.full((B,), jnp.nan, jnp.float32) if value_gate_BxLxKx1 is None
-              else jnp.mean(value_gate_BxLxKx1.astype(jnp.float32), axis=(1, 2, 3)))
-    return AttentionStats(attention_entropy(probs_BxLxS), first_token_attention(probs_BxLxS),
-                          *first_and_rest_norms(v_BxSxKxDh), gate_B)
+    gate_B = (
+        jnp.full((B,), jnp.nan, jnp.float32)
+        if value_gate_BxLxKx1 is None
+        else jnp.mean(value_gate_BxLxKx1.astype(jnp.float32), axis=(1, 2, 3))
+    )
+    return AttentionStats(
+        attention_entropy(probs_BxLxS), first_token_attention(probs_BxLxS), *first_and_rest_norms(v_BxSxKxDh), gate_B
+    )
 
 
 def layer_stats(attention: AttentionStats, h_BxLxD: Array) -> LayerStats:

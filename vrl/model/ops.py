@@ -93,7 +93,7 @@ def _token_axes(a: Array, n_trailing: int) -> tuple[int, ...]:
     one, or kept apart where sequences are split over `context`. A merged axis cannot be split
     as the batch and length axes are (each device holds some rows' part of the sequence), so XLA's
     partitioner would move hidden states between devices around every matmul."""
-    tokens = a.shape[:a.ndim - n_trailing]
+    tokens = a.shape[: a.ndim - n_trailing]
     return tokens if context_parts() > 1 else (math.prod(tokens),)
 
 
@@ -106,7 +106,7 @@ def _as_matrices(x: Array, w: Array, n_contract: int) -> tuple[Array, Array]:
 def _project_fwd(x: Array, w: Array, n_contract: int, out_dtype: jnp.dtype | None):
     x_TxI, w_IxO = _as_matrices(x, w, n_contract)
     y_TxO = jnp.dot(x_TxI, w_IxO, preferred_element_type=jnp.float32)
-    y = y_TxO.astype(out_dtype or x.dtype).reshape(*x.shape[:x.ndim - n_contract], *w.shape[n_contract:])
+    y = y_TxO.astype(out_dtype or x.dtype).reshape(*x.shape[: x.ndim - n_contract], *w.shape[n_contract:])
     return y, _as_bits((x, w))
 
 
@@ -134,7 +134,7 @@ def _project_grads(x: Array, w: Array, n_contract: int, dy: Array) -> tuple[Arra
     on its own."""
     x_TxI, w_IxO = _as_matrices(x, w, n_contract)
     I, O = w_IxO.shape
-    dy = dy.astype(x.dtype).reshape(*x.shape[:x.ndim - n_contract], O)
+    dy = dy.astype(x.dtype).reshape(*x.shape[: x.ndim - n_contract], O)
     dy_TxO = dy.reshape(*_token_axes(dy, 1), O)
     dx_TxI = jnp.einsum('...o,io->...i', dy_TxO, w_IxO, preferred_element_type=jnp.float32)
     if I <= O:
@@ -170,8 +170,9 @@ def attend_cache(q_BxLxHxDh: Array, k_NxSxDh: Array, v_NxSxDh: Array, mask_BxLxS
     N, S = k_NxSxDh.shape[:2]
     K = N // B
     q_BxKxGxLxDh = _queries_heads_major(q_BxLxHxDh.reshape(B, L, K, H // K, Dh), pin=False)
-    logits_NxQxS = jnp.einsum('nqd,nsd->nqs', q_BxKxGxLxDh.reshape(N, -1, Dh), k_NxSxDh,
-                              preferred_element_type=jnp.float32)
+    logits_NxQxS = jnp.einsum(
+        'nqd,nsd->nqs', q_BxKxGxLxDh.reshape(N, -1, Dh), k_NxSxDh, preferred_element_type=jnp.float32
+    )
     logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], logits_NxQxS.reshape(B, K, -1, L, S), _MASKED)
     probs_NxQxS = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(v_NxSxDh.dtype).reshape(N, -1, S)
     out_NxQxDh = jnp.einsum('nqs,nsd->nqd', probs_NxQxS, v_NxSxDh, preferred_element_type=jnp.float32)
@@ -184,11 +185,13 @@ def _queries_heads_major(q_BxLxKxGxDh: Array, pin: bool) -> Array:
     return _pinned(q_BxLxKxGxDh.transpose(0, 2, 3, 1, 4), pin)
 
 
-def _heads_major(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, pin: bool
-                 ) -> tuple[Array, Array, Array]:
+def _heads_major(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, pin: bool) -> tuple[Array, Array, Array]:
     """Batch and heads leading, as the batched matmuls want them; q is scaled by 1/sqrt(Dh)."""
-    return (_queries_heads_major(q_BxLxKxGxDh, pin), _pinned(k_BxSxKxDh.transpose(0, 2, 1, 3), pin),
-            _pinned(v_BxSxKxDh.transpose(0, 2, 1, 3), pin))
+    return (
+        _queries_heads_major(q_BxLxKxGxDh, pin),
+        _pinned(k_BxSxKxDh.transpose(0, 2, 1, 3), pin),
+        _pinned(v_BxSxKxDh.transpose(0, 2, 1, 3), pin),
+    )
 
 
 def _logits(q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, mask_BxLxS: Array) -> Array:
@@ -200,8 +203,9 @@ def _probs(logits_BxKxGxLxS: Array, max_BxKxGxLx1: Array, sum_BxKxGxLx1: Array) 
     return jnp.exp(logits_BxKxGxLxS - max_BxKxGxLx1) * (1 / sum_BxKxGxLx1)
 
 
-def _attend(q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, mask_BxLxS: Array
-            ) -> tuple[Array, tuple[Array, Array]]:
+def _attend(
+    q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, mask_BxLxS: Array
+) -> tuple[Array, tuple[Array, Array]]:
     """(output (B, K, G, L, Dh), the float32 max and sum (B, K, G, L, 1) of each query's softmax)."""
     logits_BxKxGxLxS = _logits(q_BxKxGxLxDh, k_BxKxSxDh, mask_BxLxS)
     max_BxKxGxLx1 = jnp.max(logits_BxKxGxLxS, axis=-1, keepdims=True)
@@ -227,23 +231,28 @@ def _attention_bwd(residuals, d_out_BxLxKxGxDh: Array):
     probs_BxKxGxLxS = _probs(_logits(q, k, mask_BxLxS), max_BxKxGxLx1, sum_BxKxGxLx1)
     d_out_BxKxGxLxDh = _pinned(d_out_BxLxKxGxDh.transpose(0, 2, 3, 1, 4))
     d_probs = jnp.einsum('bkgld,bksd->bkgls', d_out_BxKxGxLxDh.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    row_BxKxGxLx1 = jnp.sum(d_out_BxKxGxLxDh.astype(jnp.float32) * out_BxKxGxLxDh.astype(jnp.float32),
-                            axis=-1, keepdims=True)
+    row_BxKxGxLx1 = jnp.sum(
+        d_out_BxKxGxLxDh.astype(jnp.float32) * out_BxKxGxLxDh.astype(jnp.float32), axis=-1, keepdims=True
+    )
     d_logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], probs_BxKxGxLxS * (d_probs - row_BxKxGxLx1), 0.0)
-    d_q_BxKxGxLxDh = jnp.einsum('bkgls,bksd->bkgld', d_logits_BxKxGxLxS.astype(q.dtype), k,
-                                preferred_element_type=jnp.float32) * (1 / math.sqrt(Dh))
+    d_q_BxKxGxLxDh = jnp.einsum(
+        'bkgls,bksd->bkgld', d_logits_BxKxGxLxS.astype(q.dtype), k, preferred_element_type=jnp.float32
+    ) * (1 / math.sqrt(Dh))
 
     def transposed_product(small_BxKxGxLxDh: Array, big_BxKxGxLxS: Array) -> Array:
         """sum over (g, l) of small[..., l, d] * big[..., l, s] -> (B, S, K, Dh)."""
         small_BxKxDhxGL = _pinned(small_BxKxGxLxDh.transpose(0, 1, 4, 2, 3)).reshape(B, K, Dh, G * L)
-        out_BxKxDhxS = jnp.einsum('bkdx,bkxs->bkds', small_BxKxDhxGL.astype(big_BxKxGxLxS.dtype),
-                                  big_BxKxGxLxS.reshape(B, K, G * L, -1), preferred_element_type=jnp.float32)
+        out_BxKxDhxS = jnp.einsum(
+            'bkdx,bkxs->bkds',
+            small_BxKxDhxGL.astype(big_BxKxGxLxS.dtype),
+            big_BxKxGxLxS.reshape(B, K, G * L, -1),
+            preferred_element_type=jnp.float32,
+        )
         return out_BxKxDhxS.transpose(0, 3, 1, 2)
 
     d_v = transposed_product(d_out_BxKxGxLxDh, probs_BxKxGxLxS.astype(v.dtype))
     d_k = transposed_product(q, d_logits_BxKxGxLxS.astype(q.dtype))
-    return (d_q_BxKxGxLxDh.transpose(0, 3, 1, 2, 4).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
-            None)
+    return (d_q_BxKxGxLxDh.transpose(0, 3, 1, 2, 4).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
@@ -273,8 +282,9 @@ def _swiglu_bwd(residuals, d_out: Array):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-def plain_cross_entropy_sums(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array,
-                             vocab_size: int, z_loss: float, chunks: int) -> tuple[Array, Array]:
+def plain_cross_entropy_sums(
+    x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int, z_loss: float, chunks: int
+) -> tuple[Array, Array]:
     """Logits x @ w (float32), and over tokens t with weight w_t (float32, e.g. a 0/1 loss mask):
 
         (sum_t w_t * (CE_t + z_loss * logZ_t^2),  sum_t w_t * CE_t)
@@ -337,8 +347,9 @@ def _added(sums: tuple[Array, ...], more: tuple[Array, ...]) -> tuple[Array, ...
     return tuple(a + b for a, b in zip(sums, more))
 
 
-def _cross_entropy(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int,
-                   z_loss: float):
+def _cross_entropy(
+    x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int, z_loss: float
+):
     """The two sums, and (exp(logits - max) (B, L, V) with 0 for padding, its sum, logZ); w's
     padding columns repeat column 0 (`_padding_repeats_column_0`)."""
     is_real_V = jnp.arange(w_DxV.shape[-1]) < vocab_size
@@ -353,8 +364,9 @@ def _cross_entropy(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL
     return sums, (exp_BxLxV, sum_BxLx1, log_z_BxL)
 
 
-def _cross_entropy_fwd(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int,
-                       z_loss: float, chunks: int):
+def _cross_entropy_fwd(
+    x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int, z_loss: float, chunks: int
+):
     """Per slice of the positions, d loss / d logits = w_t * ((1 + 2 z_loss logZ_t) softmax_t -
     onehot(target_t)), then the head's backward (vrl.model.ops.project's) on it, the weight gradient
     summed over slices in float32: the residuals are the gradients for a cotangent of 1."""
@@ -362,8 +374,9 @@ def _cross_entropy_fwd(x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights
 
     def chunk(carry, x_BxCxD, targets_BxC, weights_BxC):
         sums, d_w_DxV = carry
-        chunk_sums, (exp_BxCxV, sum_BxCx1, log_z_BxC) = _cross_entropy(x_BxCxD, real_w_DxV, targets_BxC,
-                                                                       weights_BxC, vocab_size, z_loss)
+        chunk_sums, (exp_BxCxV, sum_BxCx1, log_z_BxC) = _cross_entropy(
+            x_BxCxD, real_w_DxV, targets_BxC, weights_BxC, vocab_size, z_loss
+        )
         row_BxCx1 = (weights_BxC * (1 + 2 * z_loss * log_z_BxC))[..., None] / sum_BxCx1
         is_target_BxCxV = jnp.arange(exp_BxCxV.shape[-1])[None, None, :] == targets_BxC[..., None]
         d_logits_BxCxV = exp_BxCxV * row_BxCx1 - jnp.where(is_target_BxCxV, weights_BxC[..., None], 0.0)
@@ -389,14 +402,14 @@ cross_entropy_sums.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 # no worse than autodiff in the benchmarks; docs/performance.md). GPU (not measured): the ops whose
 # saving is structural (kept residuals, passes over the logits); project's barriers only serve
 # XLA:CPU's layouts, and cuBLAS takes transposed operands itself.
-HAND_VJP_BY_PLATFORM = {'cpu': HAND_VJP_OPS, 'tpu': HAND_VJP_OPS,
-                        'gpu': ('attention', 'swiglu', 'cross_entropy')}
+HAND_VJP_BY_PLATFORM = {'cpu': HAND_VJP_OPS, 'tpu': HAND_VJP_OPS, 'gpu': ('attention', 'swiglu', 'cross_entropy')}
 
 
 @dataclasses.dataclass(frozen=True)
 class HandVjpOps:
     """The model's hot operations as model.hand_vjp chooses: each with its hand-written backward or
     differentiated by autodiff (the same forward either way)."""
+
     project: Callable[..., Array]
     attention: Callable[..., Array]
     swiglu: Callable[..., Array]
@@ -416,10 +429,14 @@ def choose_hand_vjp(setting: str, platform: str) -> tuple[str, str]:
 def hand_vjp_ops(hand_vjp: str) -> HandVjpOps:
     """The ops for a resolved model.hand_vjp value ('all', 'none' or a comma list)."""
     if hand_vjp == 'auto':
-        raise ConfigError("model.hand_vjp='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
-                          'platform (a TrainSteps does it itself).')
+        raise ConfigError(
+            "model.hand_vjp='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
+            'platform (a TrainSteps does it itself).'
+        )
     names = () if hand_vjp == 'none' else HAND_VJP_OPS if hand_vjp == 'all' else hand_vjp.split(',')
-    return HandVjpOps(project=project if 'project' in names else plain_project,
-                  attention=attention if 'attention' in names else plain_attention,
-                  swiglu=swiglu if 'swiglu' in names else plain_swiglu,
-                  cross_entropy_sums=cross_entropy_sums if 'cross_entropy' in names else plain_cross_entropy_sums)
+    return HandVjpOps(
+        project=project if 'project' in names else plain_project,
+        attention=attention if 'attention' in names else plain_attention,
+        swiglu=swiglu if 'swiglu' in names else plain_swiglu,
+        cross_entropy_sums=cross_entropy_sums if 'cross_entropy' in names else plain_cross_entropy_sums,
+    )

@@ -30,8 +30,9 @@ def scaled_normal(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Arr
     return jnp.asarray(np.float32(std) * np.asarray(blocks).reshape(-1)[:n].reshape(shape))
 
 
-def normal(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float,
-           stack: int | None = None) -> nnx.Param:
+def normal(
+    rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float, stack: int | None = None
+) -> nnx.Param:
     """An N(0, std) weight; `stack` prepends a `layers` axis of that size."""
     if stack is not None:
         shape, axes = (stack, *shape), (Axis.LAYERS, *axes)

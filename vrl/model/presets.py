@@ -25,42 +25,72 @@ def _gqa(group: int) -> Callable[[ModelConfig], dict]:
         if cfg.n_heads % group:
             raise ConfigError(f'GQA{group} needs model.n_heads divisible by {group}; it is {cfg.n_heads}.')
         return dict(n_kv_heads=cfg.n_heads // group)
+
     return overrides
 
 
 # name -> (what it is, the model fields it sets, given the base model config)
 PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
     'vanilla': ('Llama-style baseline', lambda cfg: dict(attention='vanilla')),
-    'resformer': ('ResFormer, lambda_1 = lambda_2 = 0.5 (the official code)',
-                  lambda cfg: dict(attention='resformer', lambda_mode='identity')),
-    'resformer:constant': ('ResFormer, V_n + 2 V_1', lambda cfg: dict(attention='resformer', lambda_mode='constant',
-                                                                      lambda1=2.0, lambda2=1.0)),
-    'resformer:learnable': ('ResFormer, both lambdas learned per layer (init 0.5)',
-                            lambda cfg: dict(attention='resformer', lambda_mode='learnable')),
-    'resformer:learnable_plus': ('ResFormer, lambda_1 = s softmax(w) over layers (the paper\'s best)',
-                                 lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus')),
-    'resformer:sparse': ('ResFormer, lambda_1 = 5 on the last 3/8 of the layers only',
-                         lambda cfg: dict(attention='resformer', lambda_mode='sparse', lambda1=5.0, lambda2=1.0,
-                                          sparse_layers=_late_layers(cfg))),
-    'resformer:per_token': ('learned per-token mix, sigmoid(x W_mix) per kv head (x-transformers)',
-                            lambda cfg: dict(attention='resformer', lambda_mode='per_token')),
+    'resformer': (
+        'ResFormer, lambda_1 = lambda_2 = 0.5 (the official code)',
+        lambda cfg: dict(attention='resformer', lambda_mode='identity'),
+    ),
+    'resformer:constant': (
+        'ResFormer, V_n + 2 V_1',
+        lambda cfg: dict(attention='resformer', lambda_mode='constant', lambda1=2.0, lambda2=1.0),
+    ),
+    'resformer:learnable': (
+        'ResFormer, both lambdas learned per layer (init 0.5)',
+        lambda cfg: dict(attention='resformer', lambda_mode='learnable'),
+    ),
+    'resformer:learnable_plus': (
+        "ResFormer, lambda_1 = s softmax(w) over layers (the paper's best)",
+        lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus'),
+    ),
+    'resformer:sparse': (
+        'ResFormer, lambda_1 = 5 on the last 3/8 of the layers only',
+        lambda cfg: dict(
+            attention='resformer', lambda_mode='sparse', lambda1=5.0, lambda2=1.0, sparse_layers=_late_layers(cfg)
+        ),
+    ),
+    'resformer:per_token': (
+        'learned per-token mix, sigmoid(x W_mix) per kv head (x-transformers)',
+        lambda cfg: dict(attention='resformer', lambda_mode='per_token'),
+    ),
     'svformer': ('SVFormer: layers >= 2 attend over V_1, no W_V', lambda cfg: dict(attention='svformer')),
-    'svformer:gqa4': ('SVFormer with 4 query heads per kv head', lambda cfg: dict(attention='svformer', **_gqa(4)(cfg))),
-    'neutreno': ('NeuTRENO, + 0.4 (V_1 - V_n) on the attention output',
-                 lambda cfg: dict(attention='vanilla', neutreno=True, neutreno_lambda=0.4)),
-    'resformer+neutreno': ('ResFormer (identity) with NeuTRENO 0.2 on the mix: + 0.2 (V_1 - V_mix) = 0.1 (V_1 - V_n)',
-                           lambda cfg: dict(attention='resformer', lambda_mode='identity', neutreno=True,
-                                            neutreno_lambda=0.2)),
-    'denseformer': ('DenseFormer: depth-weighted averages of all block outputs',
-                    lambda cfg: dict(attention='vanilla', denseformer=True)),
+    'svformer:gqa4': (
+        'SVFormer with 4 query heads per kv head',
+        lambda cfg: dict(attention='svformer', **_gqa(4)(cfg)),
+    ),
+    'neutreno': (
+        'NeuTRENO, + 0.4 (V_1 - V_n) on the attention output',
+        lambda cfg: dict(attention='vanilla', neutreno=True, neutreno_lambda=0.4),
+    ),
+    'resformer+neutreno': (
+        'ResFormer (identity) with NeuTRENO 0.2 on the mix: + 0.2 (V_1 - V_mix) = 0.1 (V_1 - V_n)',
+        lambda cfg: dict(attention='resformer', lambda_mode='identity', neutreno=True, neutreno_lambda=0.2),
+    ),
+    'denseformer': (
+        'DenseFormer: depth-weighted averages of all block outputs',
+        lambda cfg: dict(attention='vanilla', denseformer=True),
+    ),
     'cla2': ('cross-layer attention: layer pairs share K and V', lambda cfg: dict(attention='vanilla', kv_share=2)),
-    'gqa4': ('grouped-query attention, 4 query heads per kv head', lambda cfg: dict(attention='vanilla', **_gqa(4)(cfg))),
+    'gqa4': (
+        'grouped-query attention, 4 query heads per kv head',
+        lambda cfg: dict(attention='vanilla', **_gqa(4)(cfg)),
+    ),
     'mqa': ('multi-query attention: one kv head', lambda cfg: dict(attention='vanilla', n_kv_heads=1)),
-    'value_embeds': ('value embeddings on alternating layers 1, 3, ..., a table each (nanochat)',
-                     lambda cfg: dict(attention='vanilla', value_embed_layers=tuple(range(1, cfg.n_layers + 1, 2)))),
-    'resformer+value_embeds': ('ResFormer (learnable_plus) with value embeddings on alternating layers',
-                               lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus',
-                                                value_embed_layers=tuple(range(1, cfg.n_layers + 1, 2)))),
+    'value_embeds': (
+        'value embeddings on alternating layers 1, 3, ..., a table each (nanochat)',
+        lambda cfg: dict(attention='vanilla', value_embed_layers=tuple(range(1, cfg.n_layers + 1, 2))),
+    ),
+    'resformer+value_embeds': (
+        'ResFormer (learnable_plus) with value embeddings on alternating layers',
+        lambda cfg: dict(
+            attention='resformer', lambda_mode='learnable_plus', value_embed_layers=tuple(range(1, cfg.n_layers + 1, 2))
+        ),
+    ),
 }
 
 

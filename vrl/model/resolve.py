@@ -53,16 +53,21 @@ def execution(config: Config, platform: str, say: Say = logging.info) -> Config:
     ConfigError with the reason."""
     dtype, why_dtype = compute_dtype(config.model, platform)
     model = dataclasses.replace(config.model, compute_dtype=dtype)  # cuDNN attention needs bfloat16
-    impl, why_impl = attention.choose(model, platform, config.data.seq_len, config.data.document_masking,
-                                      config.mesh.context)
+    impl, why_impl = attention.choose(
+        model, platform, config.data.seq_len, config.data.document_masking, config.mesh.context
+    )
     hand_vjp, why_vjp = ops.choose_hand_vjp(model.hand_vjp, platform)
-    for field, new, why in (('compute_dtype', dtype, why_dtype), ('attention_impl', impl, why_impl),
-                            ('hand_vjp', hand_vjp, why_vjp)):
+    for field, new, why in (
+        ('compute_dtype', dtype, why_dtype),
+        ('attention_impl', impl, why_impl),
+        ('hand_vjp', hand_vjp, why_vjp),
+    ):
         old = getattr(config.model, field)
         if new != old or why != 'as configured':  # a change, or an explicit value with a note
             say(f'model.{field}={new} ({old} on {platform}: {why})')
     optimizer = config.optimizer
     if not optimizer.decay_steps:  # the schedule ends with the run (after its warmup, at least)
         optimizer = dataclasses.replace(optimizer, decay_steps=max(config.train.steps, optimizer.warmup_steps + 1))
-    return dataclasses.replace(config, model=dataclasses.replace(model, attention_impl=impl, hand_vjp=hand_vjp),
-                               optimizer=optimizer)
+    return dataclasses.replace(
+        config, model=dataclasses.replace(model, attention_impl=impl, hand_vjp=hand_vjp), optimizer=optimizer
+    )

@@ -50,6 +50,7 @@ def _owner_index(owned: tuple[bool, ...]) -> np.ndarray:
 
 class Lambdas(NamedTuple):
     """ResFormer's value mix for one layer (scalars) or for all stacked layers (N,)."""
+
     v1: Array  # lambda_1, the weight of V_1
     vn: Array  # lambda_2, the weight of this layer's own V_n
 
@@ -95,6 +96,7 @@ class ValueResidualLambdas(nnx.Module):
 
 class ValueEmbed(NamedTuple):
     """One layer's value embedding (or N stacked layers'): zeros where a layer has none."""
+
     e: Array  # (B, L, K, Dh) the lookup of each position's token in the layer's table
     gate_w: Array  # (D, K) the gate's weight: V_n += 2 * sigmoid(x W) * e
 
@@ -108,8 +110,9 @@ class ValueEmbeddings(nnx.Module):
         table_ids = cfg.value_embed_table_ids
         shape = (max(table_ids) + 1, cfg.padded_vocab_size, cfg.n_kv_heads, cfg.head_dim)
         self.tables = params.normal(rngs, shape, (None, Axis.VOCAB, Axis.KV_HEADS, Axis.HEAD_DIM), cfg.init_std)
-        self.gates = params.constant(np.zeros((cfg.d_model, cfg.n_kv_heads)), (Axis.EMBED, Axis.KV_HEADS),
-                                     len(table_ids))
+        self.gates = params.constant(
+            np.zeros((cfg.d_model, cfg.n_kv_heads)), (Axis.EMBED, Axis.KV_HEADS), len(table_ids)
+        )
         by_layer = dict(zip((n - 1 for n in cfg.value_embed_layers), range(len(table_ids))))
         self.entry_of_layer = tuple(by_layer.get(layer) for layer in range(cfg.n_layers))  # static
         self.table_ids = tuple(table_ids)
@@ -129,12 +132,15 @@ class ValueEmbeddings(nnx.Module):
         stacked = self.entry_of_layer[1:]
         entries = [e for e in stacked if e is not None]
         index_N = _owner_index(tuple(e is not None for e in stacked))
-        return ValueEmbed(spread(self._lookups(tokens_BxL, entries, dtype), index_N),
-                          spread(self.gates[...][np.asarray(entries, np.int32)], index_N))
+        return ValueEmbed(
+            spread(self._lookups(tokens_BxL, entries, dtype), index_N),
+            spread(self.gates[...][np.asarray(entries, np.int32)], index_N),
+        )
 
 
 class LayerKV(NamedTuple):
     """CLA: a layer's W_K and W_V (zeros where it borrows) and whether it projects its own, or N stacked."""
+
     wk: Array  # (D, K, Dh)
     wv: Array | None  # (D, K, Dh); None for SVFormer, whose layers >= 2 have no W_V
     owns: bool | None  # known when tracing: set where the layer runs (Decoder._stacked_layers); None when stacked
@@ -149,13 +155,15 @@ class SharedKeyValues(nnx.Module):
         self.owned = tuple(cfg.owns_kv(layer) for layer in range(1, cfg.n_layers))  # static, layers 2..L
         owners = sum(self.owned)
         self.wk = params.normal(rngs, (D, K, Dh), (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM), std, owners)
-        self.wv = (None if cfg.attention == 'svformer'
-                   else params.normal(rngs, (D, K, Dh), (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM), std, owners))
+        self.wv = (
+            None
+            if cfg.attention == 'svformer'
+            else params.normal(rngs, (D, K, Dh), (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM), std, owners)
+        )
 
     def for_stack(self) -> LayerKV:
         index_N = _owner_index(self.owned)
-        return LayerKV(spread(self.wk[...], index_N), None if self.wv is None else spread(self.wv[...], index_N),
-                       None)
+        return LayerKV(spread(self.wk[...], index_N), None if self.wv is None else spread(self.wv[...], index_N), None)
 
 
 class DepthWeights(nnx.Module):

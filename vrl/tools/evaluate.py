@@ -24,8 +24,9 @@ try:
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import handle_non_serializable, make_table
 except ImportError as e:
-    raise ImportError(f'vrl.tools.evaluate needs lm-evaluation-harness ({e}): pip install -r requirements-extra.txt'
-                      ) from e
+    raise ImportError(
+        f'vrl.tools.evaluate needs lm-evaluation-harness ({e}): pip install -r requirements-extra.txt'
+    ) from e
 
 from vrl.core import cli, storage
 from vrl.train import checkpoint
@@ -40,9 +41,16 @@ class EvalOutputs:
     files: list[Path]
 
 
-def evaluate(workdir: str, tasks: list[str], num_fewshot: int | None = None, limit: float | None = None,
-             batch_size: int = 16, include_path: str | None = None, log_samples: bool = False,
-             task_manager: TaskManager | None = None) -> EvalOutputs:
+def evaluate(
+    workdir: str,
+    tasks: list[str],
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    batch_size: int = 16,
+    include_path: str | None = None,
+    log_samples: bool = False,
+    task_manager: TaskManager | None = None,
+) -> EvalOutputs:
     """Runs lm-eval's tasks on the workdir's latest checkpoint and writes WORKDIR/lm_eval/results_<time>.*
     (limit: examples per task, or a fraction below 1; task_manager: one from task_manager_for, to share
     among several workdirs)."""
@@ -64,8 +72,9 @@ def _write(out: epath.Path, results: dict, step: int | None) -> EvalOutputs:
     files[1].write_text(table)
     for task, task_samples in samples.items():
         files.append(out / f'samples_{task}_{stamp}.jsonl')
-        files[-1].write_text(''.join(json.dumps(s, default=handle_non_serializable, ensure_ascii=False) + '\n'
-                                     for s in task_samples))
+        files[-1].write_text(
+            ''.join(json.dumps(s, default=handle_non_serializable, ensure_ascii=False) + '\n' for s in task_samples)
+        )
     return EvalOutputs(results, table, files)
 
 
@@ -75,8 +84,11 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
         'tasks': flags.DEFINE_list('tasks', [], 'lm-eval task, group or tag names, comma-separated.'),
         'num_fewshot': flags.DEFINE_integer('num_fewshot', None, "Few-shot examples; unset = each task's default."),
         'limit': flags.DEFINE_float('limit', None, 'Examples per task (< 1: a fraction); for quick checks.'),
-        'batch_size': flags.DEFINE_integer('batch_size', 16, 'Forward passes take this many seq_len rows\' worth '
-                                           'of tokens, the requests packed into them.'),
+        'batch_size': flags.DEFINE_integer(
+            'batch_size',
+            16,
+            "Forward passes take this many seq_len rows' worth of tokens, the requests packed into them.",
+        ),
         'include_path': flags.DEFINE_string('include_path', None, 'A folder of task YAMLs of your own.'),
         'log_samples': flags.DEFINE_boolean('log_samples', False, 'Also write each scored request.'),
     }
@@ -84,9 +96,15 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
 
 def main(args: cli.Args) -> None:
     cli.require(args, 'workdir')
-    outputs = evaluate(args['workdir'].value, args['tasks'].value, args['num_fewshot'].value,
-                       args['limit'].value, args['batch_size'].value, args['include_path'].value,
-                       args['log_samples'].value)
+    outputs = evaluate(
+        args['workdir'].value,
+        args['tasks'].value,
+        args['num_fewshot'].value,
+        args['limit'].value,
+        args['batch_size'].value,
+        args['include_path'].value,
+        args['log_samples'].value,
+    )
     print(outputs.table)
     print('wrote ' + ', '.join(str(f) for f in outputs.files))
 

@@ -52,10 +52,15 @@ def publish(out: epath.Path, source: dict, overwrite: bool, write: Callable[[Pat
         except (OSError, ValueError):
             earlier = None
         if earlier != source['workdir']:
-            what = f'an export of {earlier}' if earlier else 'other files: ' + ', '.join(held[:5]) + (
-                ', ...' if len(held) > 5 else '')
-            raise ExportError(f'--out={out} holds {what}; choose an empty or new directory, or pass --overwrite to '
-                              'replace it (nothing was written).')
+            what = (
+                f'an export of {earlier}'
+                if earlier
+                else 'other files: ' + ', '.join(held[:5]) + (', ...' if len(held) > 5 else '')
+            )
+            raise ExportError(
+                f'--out={out} holds {what}; choose an empty or new directory, or pass --overwrite to '
+                'replace it (nothing was written).'
+            )
     local = not storage.is_remote(out)
     if local:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -95,14 +100,20 @@ def main(args: cli.Args) -> None:
         sys.exit(f'error: {e}')
     run = load_trained(args['workdir'].value)
     params = jax.device_get(run.params)
-    source = {'workdir': str(storage.path(args['workdir'].value)), 'step': run.step,
-              'variant': run.config.model.variant_name}
+    source = {
+        'workdir': str(storage.path(args['workdir'].value)),
+        'step': run.step,
+        'variant': run.config.model.variant_name,
+    }
     out = storage.path(args['out'].value)
     storage.check_writable(out.parent, '--out')
-    files = publish(out, source, args['overwrite'].value, lambda folder: hf.export(
-        params, run.config.model, run.config.data.seq_len, run.tokenizer, folder))
-    print(f'{run.config.model.variant_name} at step {run.step} -> {args["out"].value}: '
-          + ', '.join(files))
+    files = publish(
+        out,
+        source,
+        args['overwrite'].value,
+        lambda folder: hf.export(params, run.config.model, run.config.data.seq_len, run.tokenizer, folder),
+    )
+    print(f'{run.config.model.variant_name} at step {run.step} -> {args["out"].value}: ' + ', '.join(files))
 
 
 def cli_main() -> None:

@@ -67,8 +67,10 @@ def tpu_devices(topology: str, num_slices: int = 1) -> tuple[Sequence[jax.Device
     generation_name, _, shape = topology.partition(':')
     generation = TPU_GENERATIONS.get(generation_name)
     if generation is None or not shape:
-        raise CompileError(f'--topology={topology!r} is invalid: allowed GENERATION:SHAPE with GENERATION '
-                           f'one of {sorted(TPU_GENERATIONS)}, e.g. v5e:4x4 or v5p:2x2x2.')
+        raise CompileError(
+            f'--topology={topology!r} is invalid: allowed GENERATION:SHAPE with GENERATION '
+            f'one of {sorted(TPU_GENERATIONS)}, e.g. v5e:4x4 or v5p:2x2x2.'
+        )
     dims = [int(d) for d in shape.split('x')]
     # describing a slice claims no chip: no need for libtpu's one-process lockfile, so several
     # compiles (processes, test workers) may run side by side
@@ -76,13 +78,20 @@ def tpu_devices(topology: str, num_slices: int = 1) -> tuple[Sequence[jax.Device
     backend.name_absent_tpu_host(generation.accelerator_type_of(math.prod(dims)))
     try:
         from jax.experimental import topologies
+
         description = topologies.get_topology_desc(
-            topology_name=topology, platform='tpu', chip_config_name=generation.chip_config,
-            chips_per_host_bounds=generation.chips_per_host, num_slices=num_slices,
-            wrap=tuple(len(dims) == 3 and d >= 4 for d in (dims + [1, 1, 1])[:3]))
+            topology_name=topology,
+            platform='tpu',
+            chip_config_name=generation.chip_config,
+            chips_per_host_bounds=generation.chips_per_host,
+            num_slices=num_slices,
+            wrap=tuple(len(dims) == 3 and d >= 4 for d in (dims + [1, 1, 1])[:3]),
+        )
     except Exception as e:  # libtpu missing or the shape unknown to it
-        raise CompileError(f'cannot describe TPU topology {topology!r}: {str(e).splitlines()[0]}. '
-                           'Install libtpu with `pip install "jax[tpu]==<your jax version>"`.') from e
+        raise CompileError(
+            f'cannot describe TPU topology {topology!r}: {str(e).splitlines()[0]}. '
+            'Install libtpu with `pip install "jax[tpu]==<your jax version>"`.'
+        ) from e
     return description.devices, generation.hbm_bytes
 
 
@@ -114,13 +123,19 @@ class CompileReport:
     def table(self) -> str:
         def gib(n):
             return f'{n / GiB:8.2f} GiB'
-        rows = [('devices', f'{self.devices} x {self.device_kind}'), ('mesh', str(self.mesh)),
-                ('arguments / device', gib(self.argument_bytes)), ('outputs / device', gib(self.output_bytes)),
-                ('temporaries / device', gib(self.temp_bytes)), ('aliased (donated)', gib(self.alias_bytes)),
-                ('total / device', gib(self.total_bytes)),
-                ('HBM / device', gib(self.hbm_bytes) if self.hbm_bytes else 'unknown'),
-                ('fits', 'yes' if self.fits else 'NO'),
-                ('model FLOPs / step', f'{self.model_flops_per_step:.3e}')]
+
+        rows = [
+            ('devices', f'{self.devices} x {self.device_kind}'),
+            ('mesh', str(self.mesh)),
+            ('arguments / device', gib(self.argument_bytes)),
+            ('outputs / device', gib(self.output_bytes)),
+            ('temporaries / device', gib(self.temp_bytes)),
+            ('aliased (donated)', gib(self.alias_bytes)),
+            ('total / device', gib(self.total_bytes)),
+            ('HBM / device', gib(self.hbm_bytes) if self.hbm_bytes else 'unknown'),
+            ('fits', 'yes' if self.fits else 'NO'),
+            ('model FLOPs / step', f'{self.model_flops_per_step:.3e}'),
+        ]
         return '\n'.join(f'{k:<22}{v}' for k, v in rows)
 
 
@@ -130,24 +145,35 @@ def compile_train_step(config: Config, devices: Sequence[jax.Device], hbm_bytes:
     sharding.check_fits_mesh(config, dict(mesh.shape))
     trainer = TrainSteps(config, mesh)
     shape = (config.data.batch_size, config.data.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
-             for k in ('inputs', 'targets', 'loss_mask')}
+    batch = {
+        k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
+        for k in ('inputs', 'targets', 'loss_mask')
+    }
     try:
         compiled = trainer.train_step.lower(trainer.abstract_state, batch).compile()
     except jax.errors.JaxRuntimeError as e:
         if 'RESOURCE_EXHAUSTED' not in str(e):
             raise
-        raise CompileError(f'the train step does not fit {devices[0].device_kind} on mesh {dict(mesh.shape)}: '
-                           f'{str(e).splitlines()[0]} Lower data.batch_size, set model.remat=full, or shard '
-                           'more (mesh.fsdp / mesh.tensor).') from e
+        raise CompileError(
+            f'the train step does not fit {devices[0].device_kind} on mesh {dict(mesh.shape)}: '
+            f'{str(e).splitlines()[0]} Lower data.batch_size, set model.remat=full, or shard '
+            'more (mesh.fsdp / mesh.tensor).'
+        ) from e
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
     flops = accounting.training_flops_per_token(config.model, config.data.seq_len) * shape[0] * shape[1]
     return CompileReport(
-        devices=len(devices), device_kind=devices[0].device_kind, mesh=dict(mesh.shape),
-        argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
-        temp_bytes=memory.temp_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
-        hbm_bytes=hbm_bytes, model_flops_per_step=flops, hlo_flops=cost.get('flops', 0.0),
-        hlo_bytes_accessed=cost.get('bytes accessed', 0.0))
+        devices=len(devices),
+        device_kind=devices[0].device_kind,
+        mesh=dict(mesh.shape),
+        argument_bytes=memory.argument_size_in_bytes,
+        output_bytes=memory.output_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes,
+        alias_bytes=memory.alias_size_in_bytes,
+        hbm_bytes=hbm_bytes,
+        model_flops_per_step=flops,
+        hlo_flops=cost.get('flops', 0.0),
+        hlo_bytes_accessed=cost.get('bytes accessed', 0.0),
+    )
 
 
 def local_hbm_bytes() -> int | None:
@@ -155,8 +181,9 @@ def local_hbm_bytes() -> int | None:
     return stats.get('bytes_limit')
 
 
-def auto_fit(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None,
-             say: Callable[[str], None] = print) -> tuple[Config, CompileReport | None]:
+def auto_fit(
+    config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None, say: Callable[[str], None] = print
+) -> tuple[Config, CompileReport | None]:
     """`config` with train.microbatches=0 and model.remat='auto' resolved, and the report of the
     chosen step (None when nothing was auto). Microbatches come first (the fewest that fit with the
     most memory-saving remat allowed, by bisection: memory falls as they grow), then the cheapest
@@ -171,8 +198,11 @@ def auto_fit(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | Non
     remats = REMAT_BY_COST if auto_remat else (config.model.remat,)
 
     def setting(count: int, remat: str) -> Config:
-        return dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=count),
-                                   model=dataclasses.replace(config.model, remat=remat))
+        return dataclasses.replace(
+            config,
+            train=dataclasses.replace(config.train, microbatches=count),
+            model=dataclasses.replace(config.model, remat=remat),
+        )
 
     reports: dict[tuple[int, str], CompileReport | None] = {}
 
@@ -182,8 +212,10 @@ def auto_fit(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | Non
             try:
                 report = reports[count, remat] = compile_train_step(setting(count, remat), devices, hbm_bytes)
                 verdict = 'fits' if report.total_bytes <= FIT_MARGIN * hbm_bytes else 'does not fit'
-                say(f'{candidate} {report.total_bytes / GiB:.2f} of {hbm_bytes / GiB:.2f} GiB per device, {verdict} '
-                    f'(compiled in {time.perf_counter() - start:.0f} s)')
+                say(
+                    f'{candidate} {report.total_bytes / GiB:.2f} of {hbm_bytes / GiB:.2f} GiB per device, {verdict} '
+                    f'(compiled in {time.perf_counter() - start:.0f} s)'
+                )
             except CompileError as e:
                 reports[count, remat] = None
                 say(f'{candidate} does not compile ({e})')
@@ -197,7 +229,8 @@ def auto_fit(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | Non
         raise CompileError(
             f'the train step does not fit {devices[0].device_kind} ({hbm_bytes / GiB:.1f} GiB) at any '
             f'setting: even microbatches={counts[hi]} with remat={remats[-1]} does not. Lower data.batch_size '
-            'or data.seq_len, shard more (mesh.fsdp / mesh.tensor), or use more devices.')
+            'or data.seq_len, shard more (mesh.fsdp / mesh.tensor), or use more devices.'
+        )
     while lo < hi:  # the fewest microbatches that fit with the most memory-saving remat
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(counts[mid], remats[-1]) else (mid + 1, hi)
@@ -208,13 +241,17 @@ def auto_fit(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | Non
 
 def fit_line(fitted: Config, report: CompileReport | None) -> str:
     """What auto_fit chose, in one line."""
-    memory = ('device memory unknown, so the cheapest setting' if report is None else
-              f'{report.total_bytes / GiB:.2f} of {report.hbm_bytes / GiB:.2f} GiB per device')
+    memory = (
+        'device memory unknown, so the cheapest setting'
+        if report is None
+        else f'{report.total_bytes / GiB:.2f} of {report.hbm_bytes / GiB:.2f} GiB per device'
+    )
     return f'auto fit: train.microbatches={fitted.train.microbatches}, model.remat={fitted.model.remat} ({memory})'
 
 
-def resolve(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None,
-            say: Callable[[str], None] = print) -> tuple[Config, CompileReport | None]:
+def resolve(
+    config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None, say: Callable[[str], None] = print
+) -> tuple[Config, CompileReport | None]:
     """Every auto setting of `config` for these devices (their memory: `hbm_bytes` per device, None
     if unknown), each choice said; and the chosen step's compile report where one was compiled."""
     if config.mesh.context == 0:
@@ -227,16 +264,16 @@ def resolve(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None
     return fitted, report
 
 
-def fit_context(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None,
-                say: Callable[[str], None] = print) -> tuple[Config, CompileReport | None]:
+def fit_context(
+    config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None, say: Callable[[str], None] = print
+) -> tuple[Config, CompileReport | None]:
     """`resolve` for mesh.context=0 (auto): each context size c that divides a slice's devices and
     data.seq_len, fewest devices per sequence first (each split adds the keys' and values' exchange),
     until the step fits; the mesh axis at -1 gives up the devices. Every other auto setting is
     resolved at each size (the attention kernel among them). Without a known memory limit (CPU),
     every sequence stays whole."""
     per_slice = len(devices) // config.mesh.slices
-    sizes = [c for c in range(1, per_slice + 1)
-             if per_slice % c == 0 and config.data.seq_len % c == 0]
+    sizes = [c for c in range(1, per_slice + 1) if per_slice % c == 0 and config.data.seq_len % c == 0]
     for context in sizes[:1] if hbm_bytes is None else sizes:
         candidate = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, context=context))
         try:
@@ -249,10 +286,15 @@ def fit_context(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | 
         except (CompileError, ConfigError) as e:
             say(f'auto fit: mesh.context={context} does not fit ({" ".join(str(e).split())})')
             continue
-        why = ('device memory unknown, so every sequence whole' if hbm_bytes is None else
-               f'the fewest devices per sequence that fit: {report.total_bytes / GiB:.2f} GiB per device')
+        why = (
+            'device memory unknown, so every sequence whole'
+            if hbm_bytes is None
+            else f'the fewest devices per sequence that fit: {report.total_bytes / GiB:.2f} GiB per device'
+        )
         say(f'auto fit: mesh.context={context} ({why})')
         return fitted, report
-    raise CompileError(f'the train step does not fit {devices[0].device_kind} at any mesh.context in {sizes} '
-                       '(the sizes that divide both a slice\'s devices and data.seq_len). Lower '
-                       'data.batch_size or data.seq_len, or use more devices.')
+    raise CompileError(
+        f'the train step does not fit {devices[0].device_kind} at any mesh.context in {sizes} '
+        "(the sizes that divide both a slice's devices and data.seq_len). Lower "
+        'data.batch_size or data.seq_len, or use more devices.'
+    )

@@ -65,8 +65,10 @@ def make_manager(workdir: str, config: Config, guard: guard_lib.Guard) -> ocp.Ch
     """The run's checkpoints, of which Orbax keeps the newest (whatever made it), the newest
     train.keep_checkpoints of the permanent steps (`permanent`), and every train.keep_period-th;
     process 0 commits each step with `guard` once its files are written."""
-    policies = [_NewestPermanent(config.train.keep_checkpoints, functools.partial(permanent, config)),
-                preservation.LatestN(1)]
+    policies = [
+        _NewestPermanent(config.train.keep_checkpoints, functools.partial(permanent, config)),
+        preservation.LatestN(1),
+    ]
     if config.train.keep_period:
         policies.append(preservation.EveryNSteps(config.train.keep_period))
     made: list[ocp.CheckpointManager] = []
@@ -76,10 +78,18 @@ def make_manager(workdir: str, config: Config, guard: guard_lib.Guard) -> ocp.Ch
             guard.commit(step=made[0].latest_step())
 
     folder = epath.Path(workdir) / 'checkpoints'
-    made.append(_manager(folder, ocp.CheckpointManagerOptions(
-        preservation_policy=preservation.AnyPreservationPolicy(policies), enable_async_checkpointing=True,
-        create=True, step_name_format=_step_names(folder, guard.epoch),
-        async_options=ocp.AsyncOptions(post_finalization_callback=commit))))
+    made.append(
+        _manager(
+            folder,
+            ocp.CheckpointManagerOptions(
+                preservation_policy=preservation.AnyPreservationPolicy(policies),
+                enable_async_checkpointing=True,
+                create=True,
+                step_name_format=_step_names(folder, guard.epoch),
+                async_options=ocp.AsyncOptions(post_finalization_callback=commit),
+            ),
+        )
+    )
     return made[0]
 
 
@@ -88,6 +98,7 @@ class _FencedSteps(step_lib.NameFormat):
     """A remote checkpoint folder's steps: written as STEP.eEPOCH; readable when the lease record
     commits STEP to EPOCH and Orbax's marker is there, or (a run from before fencing) named STEP
     with the marker."""
+
     epoch: int
 
     def build_name(self, step: int) -> str:
@@ -129,37 +140,52 @@ def readable_steps(folder: epath.Path) -> dict[int, step_lib.Metadata]:
         return {s: step_lib.Metadata(step=s, path=folder / str(s)) for s in steps}
     names = workdir_lib.steps_in(folder)
     wanted = {s[0]: str(s[0]) for s in map(step_of, names) if s is not None and s[1] == 0}
-    wanted |= {s: workdir_lib.step_name(s, e) for s, e in lease.read_fence(folder.parent).committed.items()
-               if workdir_lib.step_name(s, e) in names}
-    return {s: step_lib.Metadata(step=s, path=folder / name) for s, name in sorted(wanted.items())
-            if (folder / name / COMMITTED).exists()}
+    wanted |= {
+        s: workdir_lib.step_name(s, e)
+        for s, e in lease.read_fence(folder.parent).committed.items()
+        if workdir_lib.step_name(s, e) in names
+    }
+    return {
+        s: step_lib.Metadata(step=s, path=folder / name)
+        for s, name in sorted(wanted.items())
+        if (folder / name / COMMITTED).exists()
+    }
 
 
 def permanent(config: Config, step: int) -> bool:
     """A step saved on schedule (train.checkpoint_every, the last, the end of WSD's stable phase), not
     for a preemption or by train.checkpoint_minutes, whose saves are kept only until the next save."""
     opt = config.optimizer
-    return (step % config.train.checkpoint_every == 0 or step == config.train.steps
-            or (opt.schedule == 'wsd' and step == opt.decay_start))
+    return (
+        step % config.train.checkpoint_every == 0
+        or step == config.train.steps
+        or (opt.schedule == 'wsd' and step == opt.decay_start)
+    )
 
 
 @dataclasses.dataclass
 class _NewestPermanent:
     """Orbax's preservation policy keeping the newest `n` steps of those `keep` accepts."""
+
     n: int
     keep: Callable[[int], bool]
 
     def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
-        kept = [c.step for c in checkpoints if self.keep(c.step)][-self.n:]
+        kept = [c.step for c in checkpoints if self.keep(c.step)][-self.n :]
         return [c.step in kept for c in checkpoints]
 
 
 def _manager(folder: epath.Path, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
     orbax_noise.quiet()
-    return ocp.CheckpointManager(folder, options=options,
-                                 item_handlers={'state': ocp.StandardCheckpointHandler(),
-                                                'data': grain.checkpoint.CheckpointHandler(),
-                                                'meta': ocp.JsonCheckpointHandler()})
+    return ocp.CheckpointManager(
+        folder,
+        options=options,
+        item_handlers={
+            'state': ocp.StandardCheckpointHandler(),
+            'data': grain.checkpoint.CheckpointHandler(),
+            'meta': ocp.JsonCheckpointHandler(),
+        },
+    )
 
 
 def _leaf_fingerprint(x: jax.Array) -> jax.Array:
@@ -182,11 +208,20 @@ def fingerprint(tree: Any) -> dict[str, list[int]]:
     return {_path_name(p): [int(v) for v in np.asarray(x)] for p, x in jax.tree_util.tree_leaves_with_path(host)}
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iterator: grain.DatasetIterator | None, config: Config,
-         force: bool = False) -> bool:
+def save(
+    manager: ocp.CheckpointManager,
+    step: int,
+    state: Any,
+    data_iterator: grain.DatasetIterator | None,
+    config: Config,
+    force: bool = False,
+) -> bool:
     """Starts an async save of `state`, the iterator's position (if any) and the meta record."""
-    meta = {'model': dataclasses.asdict(config.model), 'optimizer': config.optimizer.name,
-            'fingerprint': fingerprint(state)}
+    meta = {
+        'model': dataclasses.asdict(config.model),
+        'optimizer': config.optimizer.name,
+        'fingerprint': fingerprint(state),
+    }
     items = {'state': ocp.args.StandardSave(state), 'meta': ocp.args.JsonSave(meta)}
     if data_iterator is not None:
         items['data'] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -211,10 +246,16 @@ def _save_errors(manager: ocp.CheckpointManager) -> Iterator[None]:
         reason = 'no space left on device' if 'No space left on device' in str(e) else _one_line(e)
         folder = epath.Path(manager.directory)
         latest = latest_step(folder.parent)
-        kept = f'the latest complete checkpoint is step {latest}' if latest is not None else 'no checkpoint is complete yet'
-        raise SaveError(f'saving a checkpoint in {folder} failed ({reason}); its partial folder is removed (or, '
-                        f'left by a process that died, ignored on resume) and {kept}. Fix the cause and run the same '
-                        'command to resume.') from None
+        kept = (
+            f'the latest complete checkpoint is step {latest}'
+            if latest is not None
+            else 'no checkpoint is complete yet'
+        )
+        raise SaveError(
+            f'saving a checkpoint in {folder} failed ({reason}); its partial folder is removed (or, '
+            f'left by a process that died, ignored on resume) and {kept}. Fix the cause and run the same '
+            'command to resume.'
+        ) from None
 
 
 def close(manager: ocp.CheckpointManager, epoch: int) -> None:
@@ -238,8 +279,9 @@ def _remove_partials(folder: epath.Path, epoch: int, tries: int = 10) -> None:
     while the save's other writes may still be in flight and recreate the folder (a full disk, a
     loaded host): it is removed again until it stays gone for PARTIAL_QUIET_SECONDS."""
     for _ in range(tries):
-        partials = (_unfinished(folder, epoch) if storage.is_remote(folder)
-                    else list(folder.glob('*.orbax-checkpoint-tmp*')))
+        partials = (
+            _unfinished(folder, epoch) if storage.is_remote(folder) else list(folder.glob('*.orbax-checkpoint-tmp*'))
+        )
         if not partials:
             return
         for partial in partials:
@@ -273,14 +315,18 @@ def check_committed(workdir: epath.Path) -> None:
     folder = workdir / 'checkpoints'
     if not storage.is_remote(folder) or not folder.exists():
         return
-    copied = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and not (p / COMMITTED).exists()
-                    and _finished_elsewhere(p))  # (fenced steps, STEP.eEPOCH, are never copied from local disk)
+    copied = sorted(
+        int(p.name)
+        for p in folder.iterdir()
+        if p.name.isdigit() and not (p / COMMITTED).exists() and _finished_elsewhere(p)
+    )  # (fenced steps, STEP.eEPOCH, are never copied from local disk)
     if copied:
         raise CheckpointError(
             f'{folder} holds steps {copied} that Orbax finished but that lack {COMMITTED}, the marker a step on an '
             'object store needs (a workdir copied from local disk?); resuming would start over from step 0 beside '
             f'them. Add the marker to each (gcloud storage cp /dev/null {folder}/STEP/{COMMITTED}), or use --fresh '
-            'to move them aside.')
+            'to move them aside.'
+        )
 
 
 def _path_name(path) -> str:
@@ -293,16 +339,21 @@ def check_compatible(saved: Any, expected: Any, where: str) -> None:
     expected_leaves = {_path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
     for name, want in expected_leaves.items():
         if name not in saved_leaves:
-            raise CheckpointMismatchError(f'{where} has no parameter {name} (shape {tuple(want.shape)}) that '
-                                          'the config needs: it was written for another model config.')
+            raise CheckpointMismatchError(
+                f'{where} has no parameter {name} (shape {tuple(want.shape)}) that '
+                'the config needs: it was written for another model config.'
+            )
         got = tuple(saved_leaves[name].shape)
         if got != tuple(want.shape):
-            raise CheckpointMismatchError(f'{where}: parameter {name} has shape {got} but the config '
-                                          f'needs {tuple(want.shape)}; it was written for another model config.')
+            raise CheckpointMismatchError(
+                f'{where}: parameter {name} has shape {got} but the config '
+                f'needs {tuple(want.shape)}; it was written for another model config.'
+            )
     extra = sorted(set(saved_leaves) - set(expected_leaves))
     if extra:
-        raise CheckpointMismatchError(f'{where} has parameter {extra[0]} that the config does not: it was '
-                                      'written for another model config.')
+        raise CheckpointMismatchError(
+            f'{where} has parameter {extra[0]} that the config does not: it was written for another model config.'
+        )
 
 
 def _read_meta(step_dir: epath.Path) -> dict | None:
@@ -328,7 +379,8 @@ def check_model(saved: dict | None, model: ModelConfig, where: str) -> None:
             raise CheckpointMismatchError(
                 f'{where} was trained with model.{name}={_normalized(value)!r} but the config has '
                 f'model.{name}={_normalized(current[name])!r}; a different model cannot resume this run '
-                '(start it from these weights in a new --workdir with --init_from).')
+                '(start it from these weights in a new --workdir with --init_from).'
+            )
 
 
 def check_optimizer(saved: dict | None, optimizer: str, saved_state: Any, expected_state: Any, where: str) -> None:
@@ -338,16 +390,18 @@ def check_optimizer(saved: dict | None, optimizer: str, saved_state: Any, expect
         raise CheckpointMismatchError(
             f'{where} was trained with optimizer.name={was!r} but the config has optimizer.name={optimizer!r}; '
             'its optimizer state cannot continue under another optimizer (start from its weights in a new '
-            '--workdir with --init_from).')
+            '--workdir with --init_from).'
+        )
     saved_names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved_state)}
     expected_names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected_state)}
     if saved_names != expected_names:
         first = sorted(saved_names ^ expected_names)[0]
         side = 'only the checkpoint' if first in saved_names else 'only the config'
         raise CheckpointMismatchError(
-            f'{where}: its optimizer state differs from the config\'s ({first} is in {side}); were '
+            f"{where}: its optimizer state differs from the config's ({first} is in {side}); were "
             'optimizer.grad_clip or an optimizer.*_lr_ratio switched between 0/1 and another value? Resume '
-            'with the run\'s optimizer settings.')
+            "with the run's optimizer settings."
+        )
 
 
 def _normalized(value: Any) -> Any:
@@ -359,8 +413,13 @@ def _one_line(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + '...'
 
 
-def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iterator: grain.DatasetIterator | None,
-                  config: Config) -> Any:
+def _restore_step(
+    manager: ocp.CheckpointManager,
+    step: int,
+    abstract_state: Any,
+    data_iterator: grain.DatasetIterator | None,
+    config: Config,
+) -> Any:
     """Step `step`'s verified state; CheckpointMismatchError for another model, CorruptCheckpointError
     for a step that cannot be read or whose arrays differ from the ones saved."""
     folder = _step_dir(manager, step)
@@ -390,8 +449,13 @@ def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any
     return state
 
 
-def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any, data_iterator: grain.DatasetIterator | None,
-                   config: Config, say: Callable[[str], None] = print) -> tuple[Any, int] | None:
+def restore_latest(
+    manager: ocp.CheckpointManager,
+    abstract_state: Any,
+    data_iterator: grain.DatasetIterator | None,
+    config: Config,
+    say: Callable[[str], None] = print,
+) -> tuple[Any, int] | None:
     """The newest step that reads back intact, as (state, step); None if there is no checkpoint.
 
     Newer steps that are damaged are reported in one line each and moved to
@@ -421,7 +485,8 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any, data_ite
         raise CorruptCheckpointError(
             f'no checkpoint in {manager.directory} can be restored: '
             + '; '.join(f'step {s}: {why}' for s, why in damaged)
-            + '. Nothing was moved; start a new --workdir (optionally --init_from a copy you trust).')
+            + '. Nothing was moved; start a new --workdir (optionally --init_from a copy you trust).'
+        )
     return None
 
 
@@ -456,14 +521,18 @@ def step_folder(path: str) -> tuple[epath.Path, int | None]:
     if (root / 'state').exists():
         step = (step_of(root.name) or (None,))[0]
         if storage.is_remote(root) and step is not None and _committed_at(root) != root:
-            raise NoCheckpointError(f'{root} is not a committed checkpoint step (its run lost its lease before '
-                                    f'committing it, or it is still being written); the committed ones: '
-                                    f'{sorted(readable_steps(root.parent))}.')
+            raise NoCheckpointError(
+                f'{root} is not a committed checkpoint step (its run lost its lease before '
+                f'committing it, or it is still being written); the committed ones: '
+                f'{sorted(readable_steps(root.parent))}.'
+            )
         return root, step
     steps = readable_steps(root)
     if not steps:
-        raise NoCheckpointError(f'no checkpoint in {path}: expected a workdir with checkpoints/ or a step '
-                                'folder holding state/ (train one with `python -m vrl.main --workdir=...`).')
+        raise NoCheckpointError(
+            f'no checkpoint in {path}: expected a workdir with checkpoints/ or a step '
+            'folder holding state/ (train one with `python -m vrl.main --workdir=...`).'
+        )
     return steps[max(steps)].path, max(steps)
 
 
@@ -473,15 +542,19 @@ def _committed_at(step_dir: epath.Path) -> epath.Path | None:
     return found and found.path
 
 
-def restore_branch(path: str, abstract_state: Any, data_iterator: grain.DatasetIterator | None, config: Config) -> tuple[Any, int]:
+def restore_branch(
+    path: str, abstract_state: Any, data_iterator: grain.DatasetIterator | None, config: Config
+) -> tuple[Any, int]:
     """Another run's whole state at one step (parameters, optimizer, data position), as (state, step):
     `--branch_from`, e.g. to extend a wsd run from its last stable step in a new workdir."""
     root, step = step_folder(path)
     if step is None:
-        raise NoCheckpointError(f'{path} is not a checkpoint step folder (DIR/checkpoints/STEP): --branch_from '
-                                'needs one.')
-    manager = _manager(root.parent, ocp.CheckpointManagerOptions(read_only=True,
-                                                                 step_name_format=_step_names(root.parent, 0)))
+        raise NoCheckpointError(
+            f'{path} is not a checkpoint step folder (DIR/checkpoints/STEP): --branch_from needs one.'
+        )
+    manager = _manager(
+        root.parent, ocp.CheckpointManagerOptions(read_only=True, step_name_format=_step_names(root.parent, 0))
+    )
     try:
         return _restore_step(manager, step, abstract_state, data_iterator, config), step
     finally:
@@ -497,9 +570,14 @@ def restore_params(path: str, abstract_params: Any, model: ModelConfig | None = 
     checkpointer = ocp.PyTreeCheckpointer()
     # the handler's metadata: the checkpointer's also looks for step metadata, which the manager
     # writes one folder up, and logs a warning that it is missing
-    check_compatible(ocp.PyTreeCheckpointHandler().metadata(root / 'state')['params'], abstract_params,
-                     f'checkpoint {root}')
+    check_compatible(
+        ocp.PyTreeCheckpointHandler().metadata(root / 'state')['params'], abstract_params, f'checkpoint {root}'
+    )
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), abstract_params)
-    restored = checkpointer.restore(root / 'state', args=ocp.args.PyTreeRestore(
-        item={'params': abstract_params}, restore_args={'params': restore_args}, partial_restore=True))
+    restored = checkpointer.restore(
+        root / 'state',
+        args=ocp.args.PyTreeRestore(
+            item={'params': abstract_params}, restore_args={'params': restore_args}, partial_restore=True
+        ),
+    )
     return restored['params']

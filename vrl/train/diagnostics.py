@@ -44,32 +44,36 @@ def validation_sequences(config: Config, tok: Tokenizer, n: int, seq_len: int, s
         rows += [x for x, mask in zip(batch['inputs'], batch['loss_mask']) if mask.all()]
         if len(rows) >= n:
             return np.stack(rows[:n])
-    raise DiagnosticsError(f'the {cfg.eval_split} split of {name!r} holds only {len(rows)} full sequences of '
-                           f'{seq_len} tokens, fewer than {setting}={n}: lower {setting} or the sequence length.')
+    raise DiagnosticsError(
+        f'the {cfg.eval_split} split of {name!r} holds only {len(rows)} full sequences of '
+        f'{seq_len} tokens, fewer than {setting}={n}: lower {setting} or the sequence length.'
+    )
 
 
 def summed_stats(trainer: TrainSteps) -> Callable[[Any, jax.Array], dict[str, jax.Array]]:
     """A jitted function of (params, tokens (B, L)) to each statistic summed over the B sequences:
     (layers,) each, (layers + 1,) for similarity (from the embedding); replicated on every device,
     so that every process can read it."""
+
     def sums(params: Any, tokens_BxL: jax.Array) -> dict[str, jax.Array]:
         stats = nnx.merge(trainer.graphdef, params).layer_stats(tokens_BxL)
         return {name: jnp.sum(value, axis=1) for name, value in stats._asdict().items()}
+
     return jax.jit(sharding.traced_in(trainer.mesh, sums), out_shardings=NamedSharding(trainer.mesh, PartitionSpec()))
 
 
-def averaged(stats_fn: Callable, trainer: TrainSteps, params: Any, tokens_NxL: np.ndarray, batch_size: int
-             ) -> dict[str, list[float]]:
+def averaged(
+    stats_fn: Callable, trainer: TrainSteps, params: Any, tokens_NxL: np.ndarray, batch_size: int
+) -> dict[str, list[float]]:
     """Each statistic per layer, averaged over the N sequences, taken batch_size at a time; the
     value-embedding gate only for a model with value embeddings, null in the layers without one."""
     sums: dict[str, np.ndarray] = {}
     for start in range(0, len(tokens_NxL), batch_size):
-        batch = tokens_NxL[start:start + batch_size]
+        batch = tokens_NxL[start : start + batch_size]
         placed = jax.device_put(batch, sharding.fitted_sharding(trainer.mesh, ('batch', 'length'), batch.shape))
         for name, value in jax.device_get(stats_fn(params, placed)).items():
             sums[name] = sums.get(name, 0.0) + np.asarray(value, np.float64)
-    means = {name: [None if np.isnan(x) else x for x in (sums[name] / len(tokens_NxL)).tolist()]
-             for name in STATISTICS}
+    means = {name: [None if np.isnan(x) else x for x in (sums[name] / len(tokens_NxL)).tolist()] for name in STATISTICS}
     return means if trainer.config.model.value_embed_layers else {n: v for n, v in means.items() if n != 'value_gate'}
 
 
@@ -90,9 +94,12 @@ class TrainingDiagnostics:
     def __init__(self, trainer: TrainSteps, tokenizer: Tokenizer):
         cfg = trainer.config
         self.trainer, self.stats_fn = trainer, summed_stats(trainer)
-        self.tokens = validation_sequences(cfg, tokenizer, cfg.train.diagnostics_sequences, cfg.data.seq_len,
-                                           'train.diagnostics_sequences')
+        self.tokens = validation_sequences(
+            cfg, tokenizer, cfg.train.diagnostics_sequences, cfg.data.seq_len, 'train.diagnostics_sequences'
+        )
         self.batch_size = cfg.data.batch_size
 
     def __call__(self, params: Any) -> dict[str, list[float]]:
-        return averaged(self.stats_fn, self.trainer, params, self.tokens, self.batch_size) | lambdas(self.trainer, params)
+        return averaged(self.stats_fn, self.trainer, params, self.tokens, self.batch_size) | lambdas(
+            self.trainer, params
+        )

@@ -5,7 +5,8 @@ The tasks are indexed and their data loaded at start-up, before anything compile
 cannot be loaded stops the run in one line then. Scoring is vrl/train/lm_eval_model.py's (`VrlLM`: the
 requests packed into rows, data.batch_size / train.microbatches sequences' worth of tokens at a
 time, the same tasks one compiled program for the whole run) and gives the numbers
-vrl.tools.evaluate gives for a checkpoint of the same step. On a pod every process runs lm-eval on the same requests; each
+vrl.tools.evaluate gives for a checkpoint of the same step. On a pod every process runs lm-eval on the same requests;
+each
 supplies its share of every batch's rows, as in training, and receives every score, and process 0
 writes `downstream/TASK/METRIC` (lm-eval's metric: acc, acc_norm, perplexity, ...) to
 metrics.jsonl, TensorBoard and W&B beside the loss.
@@ -40,20 +41,30 @@ def load(train: TrainConfig) -> Any:
         except ImportError as e:
             raise TrainingError(f'train.downstream_tasks={train.downstream_tasks!r}: {e}') from None
         try:
-            return lm_eval_tasks.load_tasks(train.task_names, train.downstream_include_path or None,
-                                            quiet=jax.process_index() != 0)  # the others print two lines only
+            return lm_eval_tasks.load_tasks(
+                train.task_names, train.downstream_include_path or None, quiet=jax.process_index() != 0
+            )  # the others print two lines only
         except scorer.EvaluateError as e:  # its advice names the command's flag; here that is a config field
             message = str(e).replace('--include_path', 'train.downstream_include_path')
             raise TrainingError(f'train.downstream_tasks: {message}') from None
+
     return multihost.everywhere(index)
 
 
 class Downstream(Scoring):
     """train.downstream_tasks every train.downstream_every steps and at the end, for each run of a group."""
 
-    def __init__(self, config: Config, trainer: TrainSteps, group: RunGroup, members: list[Member],
-                 tokenizer: Tokenizer, task_manager: Any):
+    def __init__(
+        self,
+        config: Config,
+        trainer: TrainSteps,
+        group: RunGroup,
+        members: list[Member],
+        tokenizer: Tokenizer,
+        task_manager: Any,
+    ):
         from vrl.train import lm_eval_model  # lm-eval: requirements-extra.txt, present since `load` found the tasks
+
         self.config, self.group, self.members, self.task_manager = config, group, members, task_manager
         rows = config.data.batch_size // config.train.microbatches
         self.model = lm_eval_model.VrlLM(TrainedRun(config, tokenizer, trainer, None, None), batch_size=rows)
@@ -66,14 +77,26 @@ class Downstream(Scoring):
 
     def score(self, step: int, state: TrainState) -> None:
         from vrl.train import lm_eval_model, lm_eval_tasks
+
         train = self.config.train
         for i, m in enumerate(self.members):
             started = time.perf_counter()
             self.model.use(self.group.member(state.params, i), step)
-            results = lm_eval_model.run_tasks(self.model, train.task_names, self.task_manager,
-                                              None if train.downstream_fewshot < 0 else train.downstream_fewshot,
-                                              train.downstream_limit or None, quiet=True)
+            results = lm_eval_model.run_tasks(
+                self.model,
+                train.task_names,
+                self.task_manager,
+                None if train.downstream_fewshot < 0 else train.downstream_fewshot,
+                train.downstream_limit or None,
+                quiet=True,
+            )
             scores = lm_eval_tasks.task_metrics(results, train.task_names)
-            m.writer.write(step, {f'downstream/{task}/{metric}': value for task, metrics in scores.items()
-                                  for metric, value in metrics.items()}
-                           | {'downstream_seconds': time.perf_counter() - started})
+            m.writer.write(
+                step,
+                {
+                    f'downstream/{task}/{metric}': value
+                    for task, metrics in scores.items()
+                    for metric, value in metrics.items()
+                }
+                | {'downstream_seconds': time.perf_counter() - started},
+            )

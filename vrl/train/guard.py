@@ -39,8 +39,10 @@ class Lock:
         except OSError:
             holder = os.read(fd, 4096).decode(errors='replace').strip() or 'a process that is starting'
             os.close(fd)
-            raise WorkdirError(f'workdir {self.path.parent} is in use by another {self.holder_kind} ({holder}); '
-                               'stop it or choose another --workdir.') from None
+            raise WorkdirError(
+                f'workdir {self.path.parent} is in use by another {self.holder_kind} ({holder}); '
+                'stop it or choose another --workdir.'
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, holder_line().encode())
         os.fsync(fd)
@@ -88,13 +90,14 @@ def release(guard: Guard) -> None:
         guard.created = False
 
 
-def make(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0, take_over: bool = False
-         ) -> Guard:
+def make(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0, take_over: bool = False) -> Guard:
     """The guard that keeps a second writer out of `workdir`: a flock locally, a lease on an object
     store (`take_over`: at once, from a holder known to be gone)."""
     if storage.is_remote(workdir) and not str(workdir).startswith(('gs://', 'gcs://')):
-        raise WorkdirError(f'{workdir}: a workdir on an object store is kept by a lease on GCS object generations, '
-                           'which this store does not have; use a gs:// or a local path.')
+        raise WorkdirError(
+            f'{workdir}: a workdir on an object store is kept by a lease on GCS object generations, '
+            'which this store does not have; use a gs:// or a local path.'
+        )
     if storage.is_remote(workdir):
         return Lease(workdir, holder_kind, stale_after, take_over)
     return Lock(workdir, holder_kind)

@@ -42,6 +42,7 @@ class Member:
     """One run of a group, host side: its config, workdir, the guard that keeps it (process 0's), the
     label before its lines, its checkpoint manager and its metrics writer (whose `print` is how the
     run's lines reach the terminal)."""
+
     config: Config
     path: epath.Path
     guard: guard_lib.Guard
@@ -55,6 +56,7 @@ class StepRecord:
     """What step `step` left: its device-side metrics and the state after it (a group's: a leading
     run axis), the target tokens read from each dataset up to it (this process's), whether it is
     train.steps, and what every process agreed on after it (preemption, the hooks' flags)."""
+
     step: int
     metrics: dict[str, jax.Array]
     state: TrainState
@@ -67,6 +69,7 @@ class StepRecord:
 class Hook:
     """Something done around steps on its own schedule; a new one is a subclass in the loop's
     `step_hooks`, touching no other hook."""
+
     checks_step = False  # the step passes the NaN policy before this runs
 
     def flags(self) -> dict[str, bool]:
@@ -102,16 +105,21 @@ class Preemption:
     def __init__(self):
         self.requested = False
         self._service = multihost.preemption_service()
-        self._previous = {sig: signal.signal(sig, self._handle)
-                          for sig in ((signal.SIGINT,) if self._service else (signal.SIGTERM, signal.SIGINT))}
+        self._previous = {
+            sig: signal.signal(sig, self._handle)
+            for sig in ((signal.SIGINT,) if self._service else (signal.SIGTERM, signal.SIGINT))
+        }
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.requested:
             raise KeyboardInterrupt  # the second Ctrl-C aborts
         name = 'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'
-        print(f'{name}: the run saves a checkpoint at the next step that checks for it (within train.log_every '
-              'steps; the steps already sent to the device finish first), then exits'
-              + ('; Ctrl-C again aborts without saving' if signum == signal.SIGINT else ''), flush=True)
+        print(
+            f'{name}: the run saves a checkpoint at the next step that checks for it (within train.log_every '
+            'steps; the steps already sent to the device finish first), then exits'
+            + ('; Ctrl-C again aborts without saving' if signum == signal.SIGINT else ''),
+            flush=True,
+        )
         self.requested = True
 
     def agree(self, step: int, every: int, **local: bool) -> tuple[bool, dict[str, bool]]:
@@ -120,10 +128,12 @@ class Preemption:
         if jax.process_count() == 1:
             return self.requested, local
         from jax.experimental import multihost_utils
+
         noticed = self._service and multihost_utils.reached_preemption_sync_point(step)
         if noticed:
-            print(f'a preemption notice (SIGTERM) reached this pod: every host saves step {step}, then exits',
-                  flush=True)
+            print(
+                f'a preemption notice (SIGTERM) reached this pod: every host saves step {step}, then exits', flush=True
+            )
         if step % every:
             return noticed, dict.fromkeys(local, False)
         agreed = multihost.summed(np.array([self.requested, *local.values()], np.int32)) > 0
@@ -140,8 +150,16 @@ class HostMetrics:
     processes); at the end, a run that skipped most of its steps is an error. tokens/s and MFU are
     the interval's tokens over its wall time less the hooks' (`pause`)."""
 
-    def __init__(self, config: Config, group: RunGroup, members: list[Member], flops_per_token: float,
-                 peak_flops: float, train_tokens: dict[str, int], start_step: int):
+    def __init__(
+        self,
+        config: Config,
+        group: RunGroup,
+        members: list[Member],
+        flops_per_token: float,
+        peak_flops: float,
+        train_tokens: dict[str, int],
+        start_step: int,
+    ):
         self.config, self.group, self.members = config, group, members
         self._flops_per_token, self._peak, self._train_tokens = flops_per_token, peak_flops, train_tokens
         self._start_step = start_step
@@ -176,10 +194,13 @@ class HostMetrics:
             elapsed = time.perf_counter() - self._interval_start - self._paused
             tokens_per_sec = self._interval_steps * config.data.batch_size * config.data.seq_len / elapsed
             read = dict(zip(self._train_tokens, multihost.summed(record.tokens_read).tolist()))
-            shared = {'tokens_per_sec': tokens_per_sec, 'step_time': elapsed / self._interval_steps,
-                      'mfu': self._flops_per_token * tokens_per_sec / self._peak,
-                      **{f'tokens/{name}': n for name, n in read.items()},
-                      **{f'epoch/{name}': n / max(self._train_tokens[name], 1) for name, n in read.items()}}
+            shared = {
+                'tokens_per_sec': tokens_per_sec,
+                'step_time': elapsed / self._interval_steps,
+                'mfu': self._flops_per_token * tokens_per_sec / self._peak,
+                **{f'tokens/{name}': n for name, n in read.items()},
+                **{f'epoch/{name}': n / max(self._train_tokens[name], 1) for name, n in read.items()},
+            }
         first = step == self._start_step + 1 and not logging_now  # what the silent minutes before it were
         for i, m in enumerate(self.members):
             mine = self.group.member(host, i)
@@ -188,17 +209,21 @@ class HostMetrics:
             if logging_now:
                 m.writer.write(step, {'loss': mine['loss'], 'lr': mine['lr'], 'grad_norm': mine['grad_norm'], **shared})
             elif first:
-                m.writer.print(f'step {step}: compiled and trained in {time.perf_counter() - self._interval_start:.0f} s '
-                               f'(loss {float(mine["loss"]):.4f}); the log follows every {config.train.log_every} steps')
+                m.writer.print(
+                    f'step {step}: compiled and trained in {time.perf_counter() - self._interval_start:.0f} s '
+                    f'(loss {float(mine["loss"]):.4f}); the log follows every {config.train.log_every} steps'
+                )
         if logging_now:
             self._interval_start, self._interval_steps, self._paused = time.perf_counter(), 0, 0.0
 
     def check_skipped(self, step: int) -> None:
         for m, skipped in zip(self.members, self._skipped):
             if 2 * skipped > step - self._start_step:
-                raise TrainingError(f'{m.label}{skipped} of the {step - self._start_step} steps this run took were '
-                                    'non-finite and skipped (train.nan_policy=skip): the run is not learning; lower '
-                                    f'the LR. The checkpoint of step {step} holds the weights of the last finite step.')
+                raise TrainingError(
+                    f'{m.label}{skipped} of the {step - self._start_step} steps this run took were '
+                    'non-finite and skipped (train.nan_policy=skip): the run is not learning; lower '
+                    f'the LR. The checkpoint of step {step} holds the weights of the last finite step.'
+                )
 
     def _check_finite(self, i: int, step: int, finite: bool) -> None:
         """train.nan_policy for one step of member i: stop ('error', or too many skipped) or count the skip."""
@@ -207,15 +232,19 @@ class HostMetrics:
             self._skipped_in_a_row[i] = 0
             return
         if train_cfg.nan_policy == 'error':
-            raise TrainingError(f'{m.label}non-finite loss, gradients or weights at step {step}; no checkpoint '
-                                f'of it was written (latest saved: {m.manager.latest_step()}). Lower the LR or set '
-                                'train.nan_policy=skip.')
+            raise TrainingError(
+                f'{m.label}non-finite loss, gradients or weights at step {step}; no checkpoint '
+                f'of it was written (latest saved: {m.manager.latest_step()}). Lower the LR or set '
+                'train.nan_policy=skip.'
+            )
         self._skipped_in_a_row[i] += 1
         self._skipped[i] += 1
         if self._skipped_in_a_row[i] > train_cfg.max_skipped_steps:
-            raise TrainingError(f'{m.label}{self._skipped_in_a_row[i]} steps in a row up to step {step} were '
-                                f'non-finite and skipped (train.max_skipped_steps={train_cfg.max_skipped_steps}): '
-                                'the run is not learning; lower the LR.')
+            raise TrainingError(
+                f'{m.label}{self._skipped_in_a_row[i]} steps in a row up to step {step} were '
+                f'non-finite and skipped (train.max_skipped_steps={train_cfg.max_skipped_steps}): '
+                'the run is not learning; lower the LR.'
+            )
         logging.warning('%sstep %d: non-finite loss, gradients or weights; update skipped', m.label, step)
 
 
@@ -250,6 +279,7 @@ def said_when_slow(say: Callable[[str], None], doing: str, done: str) -> Iterato
     def tell() -> None:
         fired.set()
         say(f'{doing} ...')
+
     timer = threading.Timer(SILENT_WAIT_SECONDS, tell)
     timer.daemon = True
     timer.start()
@@ -286,10 +316,18 @@ class Checkpoints(Hook):
     """Saves every train.checkpoint_every steps, every train.checkpoint_minutes, at the end, at a
     preemption and at the end of WSD's stable phase (a run to extend from); a failed asynchronous
     save stops the run at the next step."""
+
     checks_step = True
 
-    def __init__(self, config: Config, group: RunGroup, members: list[Member], leases: Leases, data_iterator: grain.DatasetIterator,
-                 start_step: int):
+    def __init__(
+        self,
+        config: Config,
+        group: RunGroup,
+        members: list[Member],
+        leases: Leases,
+        data_iterator: grain.DatasetIterator,
+        start_step: int,
+    ):
         self.config, self.group, self.members, self.leases = config, group, members, leases
         self._data_iterator = data_iterator
         self._saved_at = time.monotonic()  # train.checkpoint_minutes' clock
@@ -306,8 +344,13 @@ class Checkpoints(Hook):
     def due(self, record: StepRecord) -> bool:
         train, opt = self.config.train, self.config.optimizer
         stable_end = opt.schedule == 'wsd' and record.step == opt.decay_start
-        return (record.step % train.checkpoint_every == 0 or record.preempted or record.at_end or stable_end
-                or record.agreed['timed_save'])
+        return (
+            record.step % train.checkpoint_every == 0
+            or record.preempted
+            or record.at_end
+            or stable_end
+            or record.agreed['timed_save']
+        )
 
     def __call__(self, record: StepRecord) -> None:
         self.save(record.step, record.state, force=record.preempted or record.at_end)
@@ -317,15 +360,24 @@ class Checkpoints(Hook):
         self._saved_at, self.last_saved = time.monotonic(), step
         for i, m in enumerate(self.members):
             m.writer.flush(wait=True)  # on an object store, every step's metrics are there before its checkpoint
-            with lease_first(m.guard), said_when_slow(m.writer.print, f'starting the save of step {step} in {m.path}',
-                                                f'the save of step {step} started'):
-                checkpoint.save(m.manager, step, self.group.member(state, i), self._data_iterator, m.config, force=force)
+            with (
+                lease_first(m.guard),
+                said_when_slow(
+                    m.writer.print, f'starting the save of step {step} in {m.path}', f'the save of step {step} started'
+                ),
+            ):
+                checkpoint.save(
+                    m.manager, step, self.group.member(state, i), self._data_iterator, m.config, force=force
+                )
 
     def wait(self) -> None:
         """Until the saves in flight are written."""
         for m in self.members:
-            with said_when_slow(m.writer.print, f'writing the checkpoint of step {self.last_saved} to {m.path}',
-                                f'checkpoint of step {self.last_saved} written'):
+            with said_when_slow(
+                m.writer.print,
+                f'writing the checkpoint of step {self.last_saved} to {m.path}',
+                f'checkpoint of step {self.last_saved} written',
+            ):
                 check_saves(m.manager, m.guard, wait=True)
 
     def data_ended(self, step: int, state: TrainState) -> None:
@@ -339,6 +391,7 @@ class Checkpoints(Hook):
 class Scoring(Hook):
     """A hook that scores the parameters at the steps it is due (validation, downstream tasks), and
     at the last step of data that ends early: `evaluate` scores a step once."""
+
     checks_step = True
     scored_at: int | None = None
 
@@ -393,8 +446,16 @@ class Sample(Hook):
     or the opening words of the run's own validation data: the prompt in brackets, then what the
     model wrote, its trailing blank lines left out."""
 
-    def __init__(self, config: Config, group: RunGroup, members: list[Member], graphdef: Any, mesh: Any,
-                 tokenizer: Any, start_step: int):
+    def __init__(
+        self,
+        config: Config,
+        group: RunGroup,
+        members: list[Member],
+        graphdef: Any,
+        mesh: Any,
+        tokenizer: Any,
+        start_step: int,
+    ):
         self.config, self.group, self.members, self.graphdef, self.mesh = config, group, members, graphdef, mesh
         self.tokenizer, self.start_step = tokenizer, start_step
 
@@ -406,8 +467,14 @@ class Sample(Hook):
         prompt = pipeline.prompt_tokens(config.data, self.tokenizer, text)
         sampling = decode.Sampling(max_new_tokens=min(config.train.sample_tokens, config.data.seq_len - len(prompt)))
         for i, m in enumerate(self.members):
-            generator = decode.Generator(config.model, self.graphdef, self.group.member(state.params, i),
-                                         config.data.seq_len, self.tokenizer.eos_id, self.mesh)
+            generator = decode.Generator(
+                config.model,
+                self.graphdef,
+                self.group.member(state.params, i),
+                config.data.seq_len,
+                self.tokenizer.eos_id,
+                self.mesh,
+            )
             completion = generator.generate([prompt], sampling).tokens[0]
             continuation = self.tokenizer.decode(completion).rstrip()  # not the blank lines a tiny model ends on
             m.writer.print(f'sample (greedy): [{text}]{continuation}')

@@ -56,8 +56,15 @@ class Lease:
     own names, but never commit them, so no reader (vrl/train/checkpoint.py, `read_metrics`) sees them.
     """
 
-    def __init__(self, workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0,
-                 take_over: bool = False, say=print, clock: Callable[[], float] | None = None):
+    def __init__(
+        self,
+        workdir: epath.Path,
+        holder_kind: str = 'run',
+        stale_after: float = 300.0,
+        take_over: bool = False,
+        say=print,
+        clock: Callable[[], float] | None = None,
+    ):
         self.path, self.holder_kind, self.stale_after = workdir / '.lock', holder_kind, stale_after
         self.take_over, self.say = take_over, say
         self._clock = clock or elapsed_seconds  # every staleness is measured on it
@@ -76,9 +83,17 @@ class Lease:
         self._renewer: threading.Thread | None = None
 
     def _record(self, released: bool = False) -> bytes:
-        return json.dumps({'holder': self.holder, 'token': self.token, 'released': released,
-                           'written': time.strftime('%Y-%m-%d %H:%M:%S'), 'epoch': self.epoch,
-                           'committed': self.committed, 'logged': self.logged}).encode()
+        return json.dumps(
+            {
+                'holder': self.holder,
+                'token': self.token,
+                'released': released,
+                'written': time.strftime('%Y-%m-%d %H:%M:%S'),
+                'epoch': self.epoch,
+                'committed': self.committed,
+                'logged': self.logged,
+            }
+        ).encode()
 
     def _read(self) -> tuple[dict[str, Any], int] | None:
         found = storage.read_versioned(self.path)
@@ -121,11 +136,15 @@ class Lease:
             if not self.take_over:
                 self._wait_out(held, generation)
             if not self._write(generation):
-                raise WorkdirError(f'workdir {self.path.parent}: another {self.holder_kind} ({self._holder_now()}) '
-                                   'took the lease over first; stop it or choose another --workdir.')
-            line = (f'took over the lease of workdir {self.path.parent} from {held.get("holder")}: '
-                    + ('--take_over_lease' if self.take_over else
-                       f'not renewed for {self.stale_after:.0f} s (train.lease_stale_seconds)'))
+                raise WorkdirError(
+                    f'workdir {self.path.parent}: another {self.holder_kind} ({self._holder_now()}) '
+                    'took the lease over first; stop it or choose another --workdir.'
+                )
+            line = f'took over the lease of workdir {self.path.parent} from {held.get("holder")}: ' + (
+                '--take_over_lease'
+                if self.take_over
+                else f'not renewed for {self.stale_after:.0f} s (train.lease_stale_seconds)'
+            )
             logging.warning('%s', line)
             self._start_renewing()
             return line
@@ -136,19 +155,26 @@ class Lease:
         """Returns once `generation` has stayed the live one for stale_after seconds; WorkdirError as
         soon as it changes (its holder renewed it, or another run took it)."""
         deadline = self._clock() + self.stale_after
-        self.say(f'workdir {self.path.parent} is leased by {held.get("holder")}: taking it over in '
-                 f'{self.stale_after:.0f} s unless its holder renews it (train.lease_stale_seconds; '
-                 '--take_over_lease if that run is surely gone)')
+        self.say(
+            f'workdir {self.path.parent} is leased by {held.get("holder")}: taking it over in '
+            f'{self.stale_after:.0f} s unless its holder renews it (train.lease_stale_seconds; '
+            '--take_over_lease if that run is surely gone)'
+        )
         said = self._clock()
         while (left := deadline - self._clock()) > 0:
             time.sleep(min(left, max(1.0, self.stale_after / 16)))
             found = self._read()
             if found is None or found[1] != generation:
                 renewed = found is not None and found[0].get('token') == held.get('token')
-                how = ('it renewed its lease while this one waited' if renewed else
-                       f'it took the lease over from {held.get("holder")} while this one waited')
-                raise WorkdirError(f'workdir {self.path.parent} is in use by another {self.holder_kind} '
-                                   f'({self._holder_now(found)}; {how}); stop it or choose another --workdir.')
+                how = (
+                    'it renewed its lease while this one waited'
+                    if renewed
+                    else f'it took the lease over from {held.get("holder")} while this one waited'
+                )
+                raise WorkdirError(
+                    f'workdir {self.path.parent} is in use by another {self.holder_kind} '
+                    f'({self._holder_now(found)}; {how}); stop it or choose another --workdir.'
+                )
             if self._clock() - said >= 30 and left > 5:
                 self.say(f'  ... {left:.0f} s until the lease of {self.path.parent} is taken over')
                 said = self._clock()
@@ -178,10 +204,12 @@ class Lease:
                 failing_since = started if failing_since is None else failing_since
                 cause = ' '.join(f'{type(e).__name__}: {e}'.split()).rstrip(': ')
                 if self._clock() - failing_since >= 2 * timeout and not self._stop.is_set():
-                    self.store_gone(f'the object store stopped answering: renewing the lease {self.path} failed '
-                                    f'for {self._clock() - failing_since:.0f} s ({cause}; VRL_STORE_TIMEOUT_S='
-                                    f'{timeout:g}). This {self.holder_kind} stops here, its last checkpoint intact: '
-                                    'run the same command once the store answers.')
+                    self.store_gone(
+                        f'the object store stopped answering: renewing the lease {self.path} failed '
+                        f'for {self._clock() - failing_since:.0f} s ({cause}; VRL_STORE_TIMEOUT_S='
+                        f'{timeout:g}). This {self.holder_kind} stops here, its last checkpoint intact: '
+                        'run the same command once the store answers.'
+                    )
                 logging.warning('renewing the lease of workdir %s failed (%s); retrying', self.path.parent, cause)
 
     def renew(self) -> None:
@@ -196,12 +224,16 @@ class Lease:
         with self._lock:
             if step is not None:
                 kept = steps_in(self.path.parent / 'checkpoints')
-                self.committed = {s: e for s, e in self.committed.items() if step_name(s, e) in kept} | {step: self.epoch}
+                self.committed = {s: e for s, e in self.committed.items() if step_name(s, e) in kept} | {
+                    step: self.epoch
+                }
             if logged_bytes is not None:
                 self.logged = {**self.logged, self.epoch: logged_bytes}
             if not self._rewrite():
-                raise LeaseLostError(f'{self.lost}: this {self.holder_kind} stopped without making more of what it '
-                                     'wrote readable; its last committed checkpoint is intact.')
+                raise LeaseLostError(
+                    f'{self.lost}: this {self.holder_kind} stopped without making more of what it '
+                    'wrote readable; its last committed checkpoint is intact.'
+                )
 
     def _rewrite(self) -> bool:
         """Writes the record over the generation this run last wrote; whether it still holds the lease
@@ -214,8 +246,10 @@ class Lease:
             if self._write(self._generation):
                 return True
             found = self._read()
-        self.lost = (f'the lease of workdir {self.path.parent} was taken over by '
-                     f'{(found or ({"holder": "nobody (deleted)"}, 0))[0].get("holder")}')
+        self.lost = (
+            f'the lease of workdir {self.path.parent} was taken over by '
+            f'{(found or ({"holder": "nobody (deleted)"}, 0))[0].get("holder")}'
+        )
         logging.error('%s; this run writes nothing more there', self.lost)
         return False
 
@@ -225,11 +259,15 @@ class Lease:
             try:
                 self.renew()
             except Exception as e:  # noqa: BLE001 - unrenewable: another run may take the lease over soon
-                self.lost = (f'the lease of workdir {self.path.parent} could not be renewed for '
-                             f'{self._clock() - self._renewed_at:.0f} s ({e})')
+                self.lost = (
+                    f'the lease of workdir {self.path.parent} could not be renewed for '
+                    f'{self._clock() - self._renewed_at:.0f} s ({e})'
+                )
         if self.lost:
-            raise LeaseLostError(f'{self.lost}: another {self.holder_kind} may be writing there, so this one '
-                                 'stopped without writing more; its last checkpoint is intact.')
+            raise LeaseLostError(
+                f'{self.lost}: another {self.holder_kind} may be writing there, so this one '
+                'stopped without writing more; its last checkpoint is intact.'
+            )
 
     def release(self) -> None:
         if self._renewer is None:
@@ -250,6 +288,7 @@ class Lease:
 class Fence:
     """What a workdir's lease record makes readable: the latest `epoch`, its committed checkpoint
     steps (step -> epoch) and each epoch's readable metrics bytes."""
+
     epoch: int = 0
     committed: dict[int, int] = dataclasses.field(default_factory=dict)
     logged: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -257,8 +296,11 @@ class Fence:
 
 def read_fence_record(record: dict[str, Any]) -> Fence:
     """The fence of a lease record (JSON keys are strings); a record from before fencing has none."""
-    return Fence(int(record.get('epoch', 0)), {int(k): int(v) for k, v in record.get('committed', {}).items()},
-                 {int(k): int(v) for k, v in record.get('logged', {}).items()})
+    return Fence(
+        int(record.get('epoch', 0)),
+        {int(k): int(v) for k, v in record.get('committed', {}).items()},
+        {int(k): int(v) for k, v in record.get('logged', {}).items()},
+    )
 
 
 def read_fence(workdir: epath.Path) -> Fence:

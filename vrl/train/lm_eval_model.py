@@ -29,6 +29,7 @@ import numpy as np
 
 # isort: off
 from vrl.train import lm_eval_tasks  # first: without lm-eval, one line naming its install
+
 # isort: on
 import datasets  # lm-eval's own dependency
 import lm_eval
@@ -55,17 +56,23 @@ class VrlLM(LM):
         run's mesh instead."""
         super().__init__()
         if not str(batch_size).isdigit() or int(batch_size) < 1:
-            raise EvaluateError(f'batch_size={batch_size!r} is invalid: allowed an integer >= 1 (vrl does not '
-                                'pick one automatically).')
+            raise EvaluateError(
+                f'batch_size={batch_size!r} is invalid: allowed an integer >= 1 (vrl does not pick one automatically).'
+            )
         batch_size = int(batch_size)
         self.run = workdir if isinstance(workdir, TrainedRun) else load_trained(workdir)
         self.tokenizer = self.run.tokenizer
         self.max_len = self.run.config.data.seq_len
         self.separator = pipeline.prompt_tokens(self.run.config.data, self.tokenizer, '')
         self.scorer = Scorer(self.run, batch_size)
-        self.generator = decode.Generator(self.run.config.model, self.run.trainer.graphdef, self.run.params,
-                                          max_len=self.max_len, eos_id=self.tokenizer.eos_id,
-                                          mesh=self.run.trainer.mesh)
+        self.generator = decode.Generator(
+            self.run.config.model,
+            self.run.trainer.graphdef,
+            self.run.params,
+            max_len=self.max_len,
+            eos_id=self.tokenizer.eos_id,
+            mesh=self.run.trainer.mesh,
+        )
 
     def use(self, params: Any, step: int) -> None:
         """Scores with `params` (of the same model and layout) from now on, with no new compile."""
@@ -78,9 +85,11 @@ class VrlLM(LM):
         if not continuation_ids:
             raise EvaluateError(f'empty continuation after context {context[-40:]!r}: nothing to score.')
         if len(continuation_ids) > self.max_len:
-            raise EvaluateError(f'a continuation of {len(continuation_ids)} tokens is longer than the model\'s '
-                                f'{self.max_len}-token context: it cannot be scored.')
-        ids = (self.separator + context_ids + continuation_ids)[-(self.max_len + 1):]
+            raise EvaluateError(
+                f"a continuation of {len(continuation_ids)} tokens is longer than the model's "
+                f'{self.max_len}-token context: it cannot be scored.'
+            )
+        ids = (self.separator + context_ids + continuation_ids)[-(self.max_len + 1) :]
         return ids, len(ids) - len(continuation_ids)
 
     def loglikelihood(self, requests: list) -> list[tuple[float, bool]]:
@@ -93,8 +102,12 @@ class VrlLM(LM):
         """The text's ids (after the separator) as disjoint windows of at most seq_len predictions."""
         token_list = self.separator[1:] + self.tokenizer.encode(text).tolist()
         windows = []
-        for context, predicted in map(make_disjoint_window, get_rolling_token_windows(
-                token_list=token_list, prefix_token=self.separator[0], max_seq_len=self.max_len, context_len=1)):
+        for context, predicted in map(
+            make_disjoint_window,
+            get_rolling_token_windows(
+                token_list=token_list, prefix_token=self.separator[0], max_seq_len=self.max_len, context_len=1
+            ),
+        ):
             windows.append((context + predicted, len(context)))
         if windows:  # the separator's tail is context, not text to predict
             ids, n = windows[0]
@@ -124,12 +137,18 @@ class VrlLM(LM):
             until = [until] if isinstance(until, str) else list(until)
             max_new = max(1, min(int(settings.pop('max_gen_toks', 256)), self.max_len - 1))
             temperature = float(settings.pop('temperature', 0.0)) if settings.pop('do_sample', False) else 0.0
-            sampling = decode.Sampling(temperature=temperature, top_k=int(settings.pop('top_k', 0) or 0),
-                                       top_p=float(settings.pop('top_p', 1.0) or 1.0), max_new_tokens=max_new)
+            sampling = decode.Sampling(
+                temperature=temperature,
+                top_k=int(settings.pop('top_k', 0) or 0),
+                top_p=float(settings.pop('top_p', 1.0) or 1.0),
+                max_new_tokens=max_new,
+            )
             for start in range(0, len(indices), self.scorer.batch_size):
-                batch = indices[start:start + self.scorer.batch_size]
-                prompts = [(self.separator + self.tokenizer.encode(requests[i].args[0]).tolist())[-(self.max_len - max_new):]
-                           for i in batch]
+                batch = indices[start : start + self.scorer.batch_size]
+                prompts = [
+                    (self.separator + self.tokenizer.encode(requests[i].args[0]).tolist())[-(self.max_len - max_new) :]
+                    for i in batch
+                ]
                 for i, tokens in zip(batch, self.generator.generate(prompts, sampling).tokens):
                     text = self.tokenizer.decode(t for t in tokens if t != self.tokenizer.eos_id)
                     for stop in until:
@@ -139,8 +158,15 @@ class VrlLM(LM):
         return results
 
 
-def run_tasks(model: VrlLM, tasks: list[str], task_manager: lm_eval_tasks.TaskManager, num_fewshot: int | None = None,
-              limit: float | None = None, log_samples: bool = False, quiet: bool = False) -> dict:
+def run_tasks(
+    model: VrlLM,
+    tasks: list[str],
+    task_manager: lm_eval_tasks.TaskManager,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    log_samples: bool = False,
+    quiet: bool = False,
+) -> dict:
     """lm-eval's results for the tasks on `model` (limit: examples per task, or a fraction below 1;
     quiet: without lm-eval's INFO lines and progress bars, as inside a training run). lm-eval seeds
     Python's and NumPy's global generators; their states are put back after."""
@@ -149,8 +175,14 @@ def run_tasks(model: VrlLM, tasks: list[str], task_manager: lm_eval_tasks.TaskMa
     states = random.getstate(), np.random.get_state()
     try:
         with _quieted() if quiet else contextlib.nullcontext():
-            return lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                           log_samples=log_samples, task_manager=task_manager)
+            return lm_eval.simple_evaluate(
+                model=model,
+                tasks=tasks,
+                num_fewshot=num_fewshot,
+                limit=limit,
+                log_samples=log_samples,
+                task_manager=task_manager,
+            )
     except (EvaluateError, decode.DecodeError):
         raise
     except Exception as e:  # noqa: BLE001 - narrowed to the task whose data fails, if any

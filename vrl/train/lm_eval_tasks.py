@@ -15,8 +15,10 @@ try:
     import yaml  # lm-eval's own dependency
     from lm_eval.tasks import TaskManager
 except ImportError as e:
-    raise ImportError(f'scoring lm-eval tasks (vrl.tools.evaluate, train.downstream_tasks) needs '
-                      f'lm-evaluation-harness ({e}): pip install -r requirements-extra.txt') from e
+    raise ImportError(
+        f'scoring lm-eval tasks (vrl.tools.evaluate, train.downstream_tasks) needs '
+        f'lm-evaluation-harness ({e}): pip install -r requirements-extra.txt'
+    ) from e
 
 from vrl.train.scorer import EvaluateError
 
@@ -28,14 +30,20 @@ def check_tasks(task_manager: TaskManager, tasks: list[str], include_path: str |
     if unknown:
         broken = _broken_task_files(include_path) if include_path else []
         if broken:
-            raise EvaluateError(f'unknown task(s) {", ".join(map(repr, unknown))}; task files in --include_path '
-                                f'that do not parse: {"; ".join(broken)}.')
+            raise EvaluateError(
+                f'unknown task(s) {", ".join(map(repr, unknown))}; task files in --include_path '
+                f'that do not parse: {"; ".join(broken)}.'
+            )
         close = {t: difflib.get_close_matches(t, task_manager.all_tasks, 3) for t in unknown}
-        hints = '; '.join(f'{t!r}: did you mean {", ".join(matches)}?' if matches else f'{t!r}: no close match'
-                          for t, matches in close.items())
-        raise EvaluateError(f'unknown task(s) {", ".join(map(repr, unknown))} ({hints}). `lm-eval ls tasks` lists '
-                            f'the {len(task_manager.all_tasks)} names lm-eval {lm_eval.__version__} knows; a task of '
-                            'your own is a YAML file in a folder passed with --include_path.')
+        hints = '; '.join(
+            f'{t!r}: did you mean {", ".join(matches)}?' if matches else f'{t!r}: no close match'
+            for t, matches in close.items()
+        )
+        raise EvaluateError(
+            f'unknown task(s) {", ".join(map(repr, unknown))} ({hints}). `lm-eval ls tasks` lists '
+            f'the {len(task_manager.all_tasks)} names lm-eval {lm_eval.__version__} knows; a task of '
+            'your own is a YAML file in a folder passed with --include_path.'
+        )
 
 
 class _TaskYamlLoader(yaml.SafeLoader):
@@ -100,15 +108,17 @@ def unloadable_task(task_manager: TaskManager, tasks: list[str]) -> EvaluateErro
         except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message carries its reason
             bad_line = _bad_json_line(task_manager, task)
             if bad_line:
-                return EvaluateError(f'task {task!r}: its data could not be loaded: {bad_line}; fix or remove that '
-                                     'line.')
+                return EvaluateError(
+                    f'task {task!r}: its data could not be loaded: {bad_line}; fix or remove that line.'
+                )
             reason = ' '.join(f'{type(e).__name__}: {e}'.split())[:400]
             return EvaluateError(
                 f'task {task!r}: its data could not be loaded ({reason}). lm-eval reads task data with Hugging '
                 "Face `datasets` (the task YAML's dataset_path) from the Hub or the local cache (HF_DATASETS_CACHE). "
                 'On a machine without the Hub, copy that cache from one that has it, or write a task YAML with '
                 '`dataset_path: json` and `dataset_kwargs: {data_files: {test: /path/to/file.jsonl}}` in a folder '
-                'passed with --include_path (docs/evaluation.md).')
+                'passed with --include_path (docs/evaluation.md).'
+            )
     return None
 
 
@@ -119,8 +129,9 @@ def task_manager_for(tasks: list[str], include_path: str | None = None) -> TaskM
         raise EvaluateError('no task given: --tasks=hellaswag,piqa,... (`lm-eval ls tasks` lists them).')
     if include_path:
         if not Path(include_path).is_dir():
-            raise EvaluateError(f'--include_path={include_path} is not a folder: give the folder holding your '
-                                'task YAMLs.')
+            raise EvaluateError(
+                f'--include_path={include_path} is not a folder: give the folder holding your task YAMLs.'
+            )
         local = TaskManager(include_path=include_path, include_defaults=False)
         if all(local.match_tasks([t]) for t in tasks):
             return local
@@ -145,6 +156,7 @@ def task_metrics(results: dict, tasks: list[str]) -> dict[str, dict[str, float]]
     """{requested task: {metric: value}}: lm-eval's numbers without their stderr, named 'acc' for
     lm-eval's 'acc,none' and 'acc_FILTER' for another filter; a group without its own aggregate
     gets each subtask's, named 'subtask/metric'."""
+
     def numbers(task: str, prefix: str = '') -> dict[str, float]:
         named, scored = {}, results.get('higher_is_better', {}).get(task)  # its metrics, not e.g. sample_len
         for key, value in results['results'].get(task, {}).items():
@@ -152,6 +164,7 @@ def task_metrics(results: dict, tasks: list[str]) -> dict[str, dict[str, float]]
             if isinstance(value, (int, float)) and (metric in scored if scored else '_stderr' not in metric):
                 named[prefix + metric + ('' if filter_name in ('', 'none') else f'_{filter_name}')] = float(value)
         return named
+
     by_task = {}
     for task in tasks:
         by_task[task] = numbers(task)
@@ -165,6 +178,7 @@ def task_metrics(results: dict, tasks: list[str]) -> dict[str, dict[str, float]]
 def datasets_bars_off() -> Iterator[None]:
     """The `datasets` library's progress bars (building a task's split) off, for the duration."""
     import datasets
+
     was_on = not datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()
     try:

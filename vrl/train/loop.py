@@ -50,6 +50,7 @@ class Validation:
     """Per evaluation set (data.eval's, or the eval_split of data.name or of each dataset of
     data.mixture), named NAME, or NAME:SPLIT for another split: (nats per target token,
     bits per byte = summed token losses / ln 2 / UTF-8 bytes of the text they stand for)."""
+
     domains: dict[str, tuple[float, float]]
 
     @property
@@ -62,8 +63,11 @@ class Validation:
         return float(np.mean([bpb for _, bpb in self.domains.values()]))
 
     def record(self) -> dict[str, float]:
-        record = {'eval_loss': self.loss, 'eval_perplexity': math.exp(min(self.loss, 50)),
-                  'eval_bpb': self.bits_per_byte}
+        record = {
+            'eval_loss': self.loss,
+            'eval_perplexity': math.exp(min(self.loss, 50)),
+            'eval_bpb': self.bits_per_byte,
+        }
         if len(self.domains) > 1:
             for name, (loss, bpb) in self.domains.items():
                 record |= {f'eval_loss/{name}': loss, f'eval_bpb/{name}': bpb}
@@ -75,8 +79,9 @@ def validate(trainer: TrainSteps, params: Any, config: Config, tokenizer) -> Val
     return _validations(trainer, params, config, pipeline.EvalSets(config.data, tokenizer))[0]
 
 
-def _validations(stepper: TrainSteps | RunGroup, params: Any, config: Config, sets: pipeline.EvalSets
-                 ) -> list[Validation]:
+def _validations(
+    stepper: TrainSteps | RunGroup, params: Any, config: Config, sets: pipeline.EvalSets
+) -> list[Validation]:
     """One Validation per run: `params` are one TrainSteps's run's, or a RunGroup's (a leading run axis)."""
     domains: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for name, split in config.data.evaluated():
@@ -84,14 +89,25 @@ def _validations(stepper: TrainSteps | RunGroup, params: Any, config: Config, se
         for batch in sets.batches(config.train.eval_batches, *stepper.row_share, name, split):
             out = jax.device_get(stepper.eval_step(params, stepper.device_batch(batch)))
             loss_sum, tokens, n_bytes = (loss_sum + out['loss_sum'], tokens + out['tokens'], n_bytes + out['bytes'])
-        domains[name if split == config.data.eval_split else f'{name}:{split}'] = (loss_sum / np.maximum(tokens, 1.0), loss_sum / math.log(2) / np.maximum(n_bytes, 1.0))
+        domains[name if split == config.data.eval_split else f'{name}:{split}'] = (
+            loss_sum / np.maximum(tokens, 1.0),
+            loss_sum / math.log(2) / np.maximum(n_bytes, 1.0),
+        )
     runs = len(next(iter(domains.values()))[0])
-    return [Validation({name: (float(loss[i]), float(bpb[i])) for name, (loss, bpb) in domains.items()})
-            for i in range(runs)]
+    return [
+        Validation({name: (float(loss[i]), float(bpb[i])) for name, (loss, bpb) in domains.items()})
+        for i in range(runs)
+    ]
 
 
-def run(config: Config, workdir: str, fresh: bool = False, init_from: str | None = None,
-        branch_from: str | None = None, take_over_lease: bool = False) -> RunResult:
+def run(
+    config: Config,
+    workdir: str,
+    fresh: bool = False,
+    init_from: str | None = None,
+    branch_from: str | None = None,
+    take_over_lease: bool = False,
+) -> RunResult:
     """Trains `config` in `workdir`, resuming from its latest intact checkpoint; `fresh` starts over,
     moving the old run aside (vrl/train/workdir.py). A workdir without a checkpoint starts from `init_from`'s
     parameters, or from `branch_from`'s whole state (a step folder of another run), or at random.
@@ -105,8 +121,14 @@ def group_key(config: Config) -> Config:
     return dataclasses.replace(config, train=dataclasses.replace(config.train, seed=0))
 
 
-def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, init_from: str | None = None,
-              branch_from: str | None = None, take_over_lease: bool = False) -> list[RunResult]:
+def run_group(
+    configs: list[Config],
+    workdirs: list[str],
+    fresh: bool = False,
+    init_from: str | None = None,
+    branch_from: str | None = None,
+    take_over_lease: bool = False,
+) -> list[RunResult]:
     """Trains runs that differ only in train.seed together (vrl/train/step.py's RunGroup: one compiled step
     over a run axis, one shared batch stream), each in its own workdir exactly as `run` would train it
     alone: its checkpoints, metrics, eval and config.json. Every member must resume from the same step
@@ -116,8 +138,9 @@ def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, i
     if len({group_key(c) for c in configs}) > 1:
         raise TrainingError('runs trained together must differ only in train.seed; train the others apart.')
     paths = [storage.path(w) for w in workdirs]  # local ones absolute, as Orbax needs
-    guards = [guard_lib.make(path, 'run', c.train.lease_stale_seconds, take_over_lease)
-             for path, c in zip(paths, configs)]
+    guards = [
+        guard_lib.make(path, 'run', c.train.lease_stale_seconds, take_over_lease) for path, c in zip(paths, configs)
+    ]
     preemption = hooks.Preemption()  # from here on, a signal during setup or the first compile saves too
     # another process's failure ends this one from a watcher thread: the lease goes with it
     forget = peers.on_stop(lambda: [guard_lib.release(guard) for guard in guards])
@@ -131,8 +154,13 @@ def run_group(configs: list[Config], workdirs: list[str], fresh: bool = False, i
             guard_lib.release(guard)
 
 
-def _run(configs: list[Config], paths: list[epath.Path], guards: list[guard_lib.Guard],
-         request: start.Request, preemption: hooks.Preemption) -> list[RunResult]:
+def _run(
+    configs: list[Config],
+    paths: list[epath.Path],
+    guards: list[guard_lib.Guard],
+    request: start.Request,
+    preemption: hooks.Preemption,
+) -> list[RunResult]:
     """The runs' plan (vrl/train/plan.py), then their compiled step, data and workdirs; each member's
     start, then `_train`; whatever ends it, the saves in flight are waited for (unless another run
     took a workdir) and everything is closed."""
@@ -152,20 +180,35 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[guard_lib.
     multihost.sync('vrl workdir ready')
     for guard, epoch in zip(guards, multihost.summed(np.array([g.epoch if is_writer else 0 for g in guards]))):
         guard.epoch = int(epoch)  # process 0 took the guards: every process names its saves by their epochs
-    managers = [checkpoint.make_manager(str(path), c, guard)
-                for path, c, guard in zip(settled.paths, settled.member_configs, guards)]
+    managers = [
+        checkpoint.make_manager(str(path), c, guard)
+        for path, c, guard in zip(settled.paths, settled.member_configs, guards)
+    ]
     writers: list[Trackers] = []
     data_iterator = iter(dataset)
     try:
-        starts = [start.decide(trainer, c, path, manager, data_iterator, request,
-                               lambda line, label=label: say(label + line))
-                  for c, path, manager, label in zip(settled.member_configs, settled.paths, managers, settled.labels)]
+        starts = [
+            start.decide(trainer, c, path, manager, data_iterator, request, lambda line, label=label: say(label + line))
+            for c, path, manager, label in zip(settled.member_configs, settled.paths, managers, settled.labels)
+        ]
         reads = {'data': pipeline.provenance(settled.config.data, settled.tokenizer)}
         for path, c, label, guard in zip(settled.paths, settled.member_configs, settled.labels, guards):
-            writers.append(Trackers.open(path, c.train.steps, starts[0].step(), is_writer, label, guard,
-                                         (c, reads) if c.train.wandb_project else None, c.train.print_every))
-        members = [hooks.Member(*member) for member in zip(settled.member_configs, settled.paths, guards,
-                                                             settled.labels, managers, writers)]
+            writers.append(
+                Trackers.open(
+                    path,
+                    c.train.steps,
+                    starts[0].step(),
+                    is_writer,
+                    label,
+                    guard,
+                    (c, reads) if c.train.wandb_project else None,
+                    c.train.print_every,
+                )
+            )
+        members = [
+            hooks.Member(*member)
+            for member in zip(settled.member_configs, settled.paths, guards, settled.labels, managers, writers)
+        ]
         return _train(settled, trainer, group, members, starts, reads['data'], data_iterator, request, preemption)
     finally:
         if not any(guard.lost for guard in guards):  # else another run holds a workdir: add nothing there
@@ -182,9 +225,17 @@ def _run(configs: list[Config], paths: list[epath.Path], guards: list[guard_lib.
         getattr(data_iterator, 'close', lambda: None)()
 
 
-def _train(settled: plan.RunPlan, trainer: TrainSteps, group: RunGroup, members: list[hooks.Member],
-           starts: list[start.Start], reads: dict[str, Any], data_iterator: grain.DatasetIterator, request: start.Request,
-           preemption: hooks.Preemption) -> list[RunResult]:
+def _train(
+    settled: plan.RunPlan,
+    trainer: TrainSteps,
+    group: RunGroup,
+    members: list[hooks.Member],
+    starts: list[start.Start],
+    reads: dict[str, Any],
+    data_iterator: grain.DatasetIterator,
+    request: start.Request,
+    preemption: hooks.Preemption,
+) -> list[RunResult]:
     """The start lines, the hooks, then the loop and the end of the run."""
     config = settled.config
     state, start_step = _initial_state(trainer, group, members, starts)
@@ -193,8 +244,9 @@ def _train(settled: plan.RunPlan, trainer: TrainSteps, group: RunGroup, members:
     account = accounting.account(config.model, config.data.seq_len)
     _announce(settled, trainer, group, members, starts, reads, request, account)
     train_tokens = {name: d['train_tokens'] for name, d in reads['datasets'].items()}
-    host = hooks.HostMetrics(config, group, members, account.flops_per_token, settled.peak.flops, train_tokens,
-                             start_step)
+    host = hooks.HostMetrics(
+        config, group, members, account.flops_per_token, settled.peak.flops, train_tokens, start_step
+    )
     checkpoints = hooks.Checkpoints(config, group, members, leases, data_iterator, start_step)
     eval_sets = pipeline.EvalSets(config.data, settled.tokenizer)  # opened at the first evaluation, then kept
     evaluation = hooks.Evaluation(config, members, lambda params: _validations(group, params, config, eval_sets))
@@ -204,11 +256,13 @@ def _train(settled: plan.RunPlan, trainer: TrainSteps, group: RunGroup, members:
         diagnose = diagnostics.TrainingDiagnostics(trainer, settled.tokenizer)
         step_hooks.append(hooks.Diagnostics(config, group, members, diagnose))
     if settled.task_manager is not None:
-        step_hooks.append(downstream.Downstream(config, trainer, group, members, settled.tokenizer,
-                                                settled.task_manager))
+        step_hooks.append(
+            downstream.Downstream(config, trainer, group, members, settled.tokenizer, settled.task_manager)
+        )
     if config.train.sample_tokens:
-        step_hooks.append(hooks.Sample(config, group, members, trainer.graphdef, trainer.mesh, settled.tokenizer,
-                                       start_step))
+        step_hooks.append(
+            hooks.Sample(config, group, members, trainer.graphdef, trainer.mesh, settled.tokenizer, start_step)
+        )
     if config.train.steps == 0 and starts[0].origin != start.Origin.RESUMED:  # a conversion: the initial weights
         _save_initial(config, state, members, checkpoints, evaluation)
     state, step, preempted = _loop(config, group, data_iterator, state, start_step, host, step_hooks, preemption)
@@ -220,15 +274,30 @@ def _train(settled: plan.RunPlan, trainer: TrainSteps, group: RunGroup, members:
         for hook in step_hooks:
             hook.finish(step, state)
         if step > start_step:
-            tell_every_host(members, [f'done at step {step}: loss {losses[step]:.4f}; checkpoint in '
-                                      f'{checkpoint.step_path(m.path, checkpoints.last_saved, m.guard.epoch)}'
-                                      for m, losses in zip(members, host.losses)])
-    return [RunResult(step, host.losses[i], evaluation.eval_losses[i], group.member(state, i), preempted)
-            for i in range(len(members))]
+            tell_every_host(
+                members,
+                [
+                    f'done at step {step}: loss {losses[step]:.4f}; checkpoint in '
+                    f'{checkpoint.step_path(m.path, checkpoints.last_saved, m.guard.epoch)}'
+                    for m, losses in zip(members, host.losses)
+                ],
+            )
+    return [
+        RunResult(step, host.losses[i], evaluation.eval_losses[i], group.member(state, i), preempted)
+        for i in range(len(members))
+    ]
 
 
-def _loop(config: Config, group: RunGroup, data_iterator: grain.DatasetIterator, state: TrainState, step: int, host: hooks.HostMetrics,
-          step_hooks: list[hooks.Hook], preemption: hooks.Preemption) -> tuple[TrainState, int, bool]:
+def _loop(
+    config: Config,
+    group: RunGroup,
+    data_iterator: grain.DatasetIterator,
+    state: TrainState,
+    step: int,
+    host: hooks.HostMetrics,
+    step_hooks: list[hooks.Hook],
+    preemption: hooks.Preemption,
+) -> tuple[TrainState, int, bool]:
     """Steps until train.steps, the end of finite data or a preemption: (the state, its step, preempted)."""
     while step < config.train.steps:
         batch = pipeline.next_batch(data_iterator, finite=config.data.num_epochs > 0)
@@ -253,8 +322,10 @@ def _loop(config: Config, group: RunGroup, data_iterator: grain.DatasetIterator,
         if preempted and not record.at_end:
             for hook in step_hooks:
                 hook.end(step, state)  # the saves in flight are durable
-            tell_every_host(host.members, [f'preempted: saved step {step} in {m.path}; run the same command to resume'
-                                           for m in host.members])
+            tell_every_host(
+                host.members,
+                [f'preempted: saved step {step} in {m.path}; run the same command to resume' for m in host.members],
+            )
             return state, step, True
     return state, step, False
 
@@ -270,23 +341,35 @@ def tell_every_host(members: list[hooks.Member], lines: list[str]) -> None:
             print(f'process {jax.process_index()} of {jax.process_count()}: {m.label}{line}', flush=True)
 
 
-def _initial_state(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], starts: list[start.Start]
-                   ) -> tuple[TrainState, int]:
+def _initial_state(
+    trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], starts: list[start.Start]
+) -> tuple[TrainState, int]:
     """The group's state to train on and its step; every member must start at the same step."""
     steps = [s.step() for s in starts]
     if len(set(steps)) > 1:
-        raise TrainingError('runs trained together must start at the same step, but their checkpoints are at '
-                            + ', '.join(f'{m.path.name}: {s}' for m, s in zip(members, steps)) + '; train them apart.')
+        raise TrainingError(
+            'runs trained together must start at the same step, but their checkpoints are at '
+            + ', '.join(f'{m.path.name}: {s}' for m, s in zip(members, steps))
+            + '; train them apart.'
+        )
     if all(s.state is None for s in starts):
         return group.init_state([m.config.train.seed for m in members]), steps[0]
     # a checkpoint of step 0 beside a fresh member (train.steps=0): the fresh one's own init
-    return group.stack([trainer.init_state(m.config.train.seed) if s.state is None else s.state
-                        for m, s in zip(members, starts)]), steps[0]
+    return group.stack(
+        [trainer.init_state(m.config.train.seed) if s.state is None else s.state for m, s in zip(members, starts)]
+    ), steps[0]
 
 
-def _announce(settled: plan.RunPlan, trainer: TrainSteps, group: RunGroup, members: list[hooks.Member],
-              starts: list[start.Start], reads: dict[str, Any], request: start.Request,
-              account: accounting.ModelAccount) -> None:
+def _announce(
+    settled: plan.RunPlan,
+    trainer: TrainSteps,
+    group: RunGroup,
+    members: list[hooks.Member],
+    starts: list[start.Start],
+    reads: dict[str, Any],
+    request: start.Request,
+    account: accounting.ModelAccount,
+) -> None:
     """What the run reads (pipeline.provenance; a resume must read the same) recorded in config.json,
     and the start lines."""
     config, is_writer = settled.config, jax.process_index() == 0
@@ -297,23 +380,38 @@ def _announce(settled: plan.RunPlan, trainer: TrainSteps, group: RunGroup, membe
         if begun.origin == start.Origin.RESUMED:
             multihost.on_process_0(lambda: _check_reads(m, reads, config.data.allow_data_change))
         if is_writer:
-            changed = workdir_lib.record_start(m.path, m.config, start_step, request.fresh, {
-                'params': account.params, 'non_embedding_params': account.non_embedding_params, 'data': reads})
+            changed = workdir_lib.record_start(
+                m.path,
+                m.config,
+                start_step,
+                request.fresh,
+                {'params': account.params, 'non_embedding_params': account.non_embedding_params, 'data': reads},
+            )
             for name, (old, new) in changed.items():
                 m.writer.print(f'{name} changed since the last start: {old!r} -> {new!r}')
         m.writer.mark_start(start_step, begun.origin.value, init_from=request.init_from)
-        m.writer.print(f'{config.model.variant_name}: {account.params:,} params, mesh {dict(trainer.mesh.shape)}, '
-                       f'{opt.name} + {opt.schedule} (peak LR {opt.peak_lr:g}), {begun.describe()}{together}')
+        m.writer.print(
+            f'{config.model.variant_name}: {account.params:,} params, mesh {dict(trainer.mesh.shape)}, '
+            f'{opt.name} + {opt.schedule} (peak LR {opt.peak_lr:g}), {begun.describe()}{together}'
+        )
         for name, d in reads['datasets'].items():
-            m.writer.print(f'data {name}: {d["train_tokens"]:,} train tokens ({d["train_tokens_are"]}'
-                           f'{", pre-tokenized" if d["pretokenized"] else ", tokenized on the fly"}, shuffled '
-                           f'{d["shuffle"]}): an epoch every {1 / epoch_rates[name]:,.0f} steps')
-        m.writer.print(f'tokenizer {settled.tokenizer.path} ({settled.tokenizer.vocab_size:,} pieces); writing to '
-                       f'{m.path}')
+            m.writer.print(
+                f'data {name}: {d["train_tokens"]:,} train tokens ({d["train_tokens_are"]}'
+                f'{", pre-tokenized" if d["pretokenized"] else ", tokenized on the fly"}, shuffled '
+                f'{d["shuffle"]}): an epoch every {1 / epoch_rates[name]:,.0f} steps'
+            )
+        m.writer.print(
+            f'tokenizer {settled.tokenizer.path} ({settled.tokenizer.vocab_size:,} pieces); writing to {m.path}'
+        )
         m.writer.print(f'MFU against {settled.peak}')
         if not is_writer:
-            tell_every_host([m], [f'{config.model.variant_name}, {begun.describe()}, to step {config.train.steps}; '
-                                  'process 0 prints the progress'])
+            tell_every_host(
+                [m],
+                [
+                    f'{config.model.variant_name}, {begun.describe()}, to step {config.train.steps}; '
+                    'process 0 prints the progress'
+                ],
+            )
         if note := optimizer.schedule_note(opt, config.train.steps):
             m.writer.print(note)
         if start_step >= config.train.steps and (config.train.steps or begun.origin == start.Origin.RESUMED):
@@ -328,15 +426,22 @@ def _check_reads(m: hooks.Member, reads: dict[str, Any], allowed: bool) -> None:
     saved = workdir_lib.last_read(m.path)
     changed = pipeline.provenance_changes(saved, reads) if saved else []
     if changed and not allowed:
-        raise TrainingError(f'{m.label}{m.path} was trained on other data than this run reads: {"; ".join(changed)}. '
-                            'Resume with what it read, train a new --workdir from its weights (--init_from), or set '
-                            'data.allow_data_change=true to go on (config.json records what each start read).')
+        raise TrainingError(
+            f'{m.label}{m.path} was trained on other data than this run reads: {"; ".join(changed)}. '
+            'Resume with what it read, train a new --workdir from its weights (--init_from), or set '
+            'data.allow_data_change=true to go on (config.json records what each start read).'
+        )
     for line in changed:
         m.writer.print(f'resuming on changed data (data.allow_data_change=true): {line}')
 
 
-def _save_initial(config: Config, state: TrainState, members: list[hooks.Member], checkpoints: hooks.Checkpoints,
-                  evaluation: hooks.Evaluation) -> None:
+def _save_initial(
+    config: Config,
+    state: TrainState,
+    members: list[hooks.Member],
+    checkpoints: hooks.Checkpoints,
+    evaluation: hooks.Evaluation,
+) -> None:
     """train.steps=0 (a conversion): the initial parameters saved as step 0, and evaluated."""
     checkpoints.save(0, state, force=True)
     if config.train.eval_batches:
@@ -345,14 +450,17 @@ def _save_initial(config: Config, state: TrainState, members: list[hooks.Member]
         m.writer.print(f'train.steps=0: saved the initial parameters as step 0 in {m.path}')
 
 
-def _data_ended(config: Config, step: int, state: TrainState, host: hooks.HostMetrics, step_hooks: list[hooks.Hook]
-                ) -> None:
+def _data_ended(
+    config: Config, step: int, state: TrainState, host: hooks.HostMetrics, step_hooks: list[hooks.Hook]
+) -> None:
     """data.num_epochs passes ended before train.steps: each hook's `data_ended` (the last step saved,
     then scored by validation and the downstream tasks unless they scored it already), said."""
     host.settle()
     for hook in step_hooks:
         hook.data_ended(step, state)
     for m in host.members:
-        m.writer.print(f'the data ended after step {step}: data.num_epochs={config.data.num_epochs} passes over '
-                       f'it are done, before train.steps={config.train.steps}; step {step} is saved and '
-                       'evaluated (raise data.num_epochs, or 0 to repeat it, to train on)')
+        m.writer.print(
+            f'the data ended after step {step}: data.num_epochs={config.data.num_epochs} passes over '
+            f'it are done, before train.steps={config.train.steps}; step {step} is saved and '
+            'evaluated (raise data.num_epochs, or 0 to repeat it, to train on)'
+        )

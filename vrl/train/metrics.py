@@ -19,7 +19,8 @@ import jax.numpy as jnp
 PEAK_FLOPS = (
     ('v6', 918e12),  # TPU v6e (Trillium)
     ('v5p', 459e12),
-    ('v5 lite', 197e12), ('v5e', 197e12),
+    ('v5 lite', 197e12),
+    ('v5e', 197e12),
     ('v5', 459e12),  # 'TPU v5' is v5p
     ('v4', 275e12),
     ('h200', 989e12),
@@ -35,6 +36,7 @@ PROBE_SECONDS = 0.5  # how long the CPU matmul probe repeats its matmul, at leas
 class Peak:
     """The FLOP/s a job's devices can do at most, which MFU is measured against, and where the
     figure comes from (said on the terminal and in bench tables)."""
+
     flops: float
     source: str
 
@@ -42,8 +44,9 @@ class Peak:
         return f'{_si(self.flops)}FLOP/s ({self.source})'
 
 
-def peak_flops(configured: float = 0.0, compute_dtype: str = 'float32',
-               devices: Sequence[jax.Device] | None = None) -> Peak:
+def peak_flops(
+    configured: float = 0.0, compute_dtype: str = 'float32', devices: Sequence[jax.Device] | None = None
+) -> Peak:
     """The peak of `devices` (default: every device of the job): `configured` (train.peak_flops, per
     device) if set, else each accelerator's dense bf16 figure from PEAK_FLOPS, else on CPU each
     host's matmul rate (`host_matmul_peak`: the CPU devices of one host share its cores)."""
@@ -57,7 +60,7 @@ def peak_flops(configured: float = 0.0, compute_dtype: str = 'float32',
     if devices[0].platform == 'cpu':
         hosts = len({d.process_index for d in devices})
         host = host_matmul_peak(compute_dtype)
-        each = f'{hosts} hosts x {_si(host)}FLOP/s: each host\'s' if hosts > 1 else 'this host\'s'
+        each = f"{hosts} hosts x {_si(host)}FLOP/s: each host's" if hosts > 1 else "this host's"
         return Peak(host * hosts, f'{each} best measured {compute_dtype} matmul rate, kept in {cpu_peak_file()}')
     logging.warning('no peak FLOP/s known for device kind %r: set train.peak_flops for MFU', kind)
     return Peak(float('nan'), f'unknown for {kind}: set train.peak_flops')
@@ -82,7 +85,7 @@ def host_matmul_peak(compute_dtype: str = 'float32', n: int = 1024) -> float:
         start = time.perf_counter()
         matmul(a).block_until_ready()
         best, repeats = min(best, time.perf_counter() - start), repeats + 1
-    measured = 2 * n ** 3 / best
+    measured = 2 * n**3 / best
     key = f'{_cpu_model()} | {len(os.sched_getaffinity(0))} cores | {compute_dtype}'
     kept = _read_kept()
     if measured > kept.get(key, 0.0):

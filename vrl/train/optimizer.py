@@ -42,8 +42,17 @@ Axes = tuple[str | None, ...]  # a parameter's logical axis names (vrl/model/par
 # the head, no weight decay, and a wsd schedule that decays over the last 40%.
 RECIPES: dict[str, dict[str, Any]] = {
     'adamw': {},
-    'muon': dict(name='muon', peak_lr=0.02, schedule='wsd', decay_fraction=0.4, embed_lr_ratio=10.0,
-                 head_lr_ratio=0.2, scalar_lr_ratio=1.0, b1=0.8, weight_decay=0.0),
+    'muon': dict(
+        name='muon',
+        peak_lr=0.02,
+        schedule='wsd',
+        decay_fraction=0.4,
+        embed_lr_ratio=10.0,
+        head_lr_ratio=0.2,
+        scalar_lr_ratio=1.0,
+        b1=0.8,
+        weight_decay=0.0,
+    ),
 }
 
 
@@ -90,8 +99,10 @@ def weight_decay_mask(params: Any) -> Any:
     d_model x kv_heads projections (value embeddings, the per-token mix) among them; the paper's
     recipe decays neither norms nor scalars, so norm scales, lambdas and DenseFormer's weights are
     not."""
+
     def decayed(path, _):
         return not set(_keys(path)) & set(_NOT_DECAYED)
+
     return jax.tree_util.tree_map_with_path(decayed, params)
 
 
@@ -102,19 +113,25 @@ def learning_rate(cfg: OptimizerConfig, peak: float | None = None) -> optax.Sche
     wsd: the same warmup, peak until decay_start, then linear (or 1 - sqrt) to final at decay_steps.
     """
     if not cfg.decay_steps:
-        raise ValueError('optimizer.decay_steps=0 stands for train.steps: take the OptimizerConfig of a Config, '
-                         'which resolves it')
+        raise ValueError(
+            'optimizer.decay_steps=0 stands for train.steps: take the OptimizerConfig of a Config, which resolves it'
+        )
     peak = cfg.peak_lr if peak is None else peak
     init, final = cfg.init_lr * peak / cfg.peak_lr, cfg.final_lr * peak / cfg.peak_lr
     if cfg.schedule == 'cosine':
-        return optax.warmup_cosine_decay_schedule(init_value=init, peak_value=peak, warmup_steps=cfg.warmup_steps,
-                                                  decay_steps=cfg.decay_steps, end_value=final)
+        return optax.warmup_cosine_decay_schedule(
+            init_value=init,
+            peak_value=peak,
+            warmup_steps=cfg.warmup_steps,
+            decay_steps=cfg.decay_steps,
+            end_value=final,
+        )
     decay_length = cfg.decay_steps - cfg.decay_start
     power = 1.0 if cfg.decay_shape == 'linear' else 0.5
 
     def decay(step):
         progress = jax.numpy.clip(step / decay_length, 0.0, 1.0)
-        return final + (peak - final) * (1.0 - progress ** power)
+        return final + (peak - final) * (1.0 - progress**power)
 
     warmup = optax.linear_schedule(init, peak, cfg.warmup_steps)
     stable = optax.constant_schedule(peak)
@@ -126,26 +143,33 @@ def schedule_note(cfg: OptimizerConfig, steps: int) -> str:
     does not): where its LR will be, and how to make the schedule end with the run."""
     if not 0 < steps < cfg.decay_steps:
         return ''
-    ends = (f'train.steps={steps} ends before the {cfg.schedule} schedule does (optimizer.decay_steps='
-            f'{cfg.decay_steps}): its last step trains at lr {float(learning_rate(cfg)(steps - 1)):.2e} (the '
-            f'schedule peaks at {cfg.peak_lr:g} and ends at final_lr {cfg.final_lr:g}); ')
+    ends = (
+        f'train.steps={steps} ends before the {cfg.schedule} schedule does (optimizer.decay_steps='
+        f'{cfg.decay_steps}): its last step trains at lr {float(learning_rate(cfg)(steps - 1)):.2e} (the '
+        f'schedule peaks at {cfg.peak_lr:g} and ends at final_lr {cfg.final_lr:g}); '
+    )
     if steps <= cfg.warmup_steps:
-        return ends + (f'it stops inside the warmup (optimizer.warmup_steps={cfg.warmup_steps}): set '
-                       f'--config.optimizer.warmup_steps={steps // 4} to decay within the run')
+        return ends + (
+            f'it stops inside the warmup (optimizer.warmup_steps={cfg.warmup_steps}): set '
+            f'--config.optimizer.warmup_steps={steps // 4} to decay within the run'
+        )
     return ends + f'set --config.optimizer.decay_steps={steps} to end the schedule with the run'
 
 
 def _scale_each(factor: Callable[[tuple[str, ...], jax.Array], float]) -> optax.GradientTransformation:
     """Multiplies each update by factor(its key path, it) (stateless)."""
+
     def scale(updates, state, params=None):
         del params
         return jax.tree_util.tree_map_with_path(lambda path, u: u * factor(_keys(path), u), updates), state
+
     return optax.GradientTransformation(lambda _: optax.EmptyState(), scale)
 
 
 def _adamw(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    return optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                       mask=weight_decay_mask)
+    return optax.adamw(
+        learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=weight_decay_mask
+    )
 
 
 def _width_scale(axes: Axes, shape: tuple[int, ...]) -> float:
@@ -157,17 +181,19 @@ def _width_scale(axes: Axes, shape: tuple[int, ...]) -> float:
 
 def _muon(cfg: OptimizerConfig, axes: dict[tuple[str, ...], Axes]) -> optax.GradientTransformation:
     """Muon for the hidden matrices, AdamW for the rest, as one partitioned transformation."""
+
     def dims(tree):  # called on the matrix group's tree: its other leaves are optax's MaskedNode
         return jax.tree_util.tree_map_with_path(lambda path, _: matrix_dims(axes[_keys(path)]), tree)
 
     muon = optax.chain(
-        scale_by_muon(ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum, nesterov=True,
-                      weight_dimension_numbers=dims),
+        scale_by_muon(ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum, nesterov=True, weight_dimension_numbers=dims),
         _scale_each(lambda path, u: _width_scale(axes[path], u.shape)),
         optax.add_decayed_weights(cfg.weight_decay),
-        optax.scale_by_learning_rate(learning_rate(cfg)))
+        optax.scale_by_learning_rate(learning_rate(cfg)),
+    )
     labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda path, _: 'muon' if group(path) == 'matrix' else 'adamw', params)
+        lambda path, _: 'muon' if group(path) == 'matrix' else 'adamw', params
+    )
     return optax.partition({'muon': muon, 'adamw': _adamw(cfg)}, labels)
 
 

@@ -65,6 +65,7 @@ def _quiet_async_leftovers() -> None:
     def quiet_unraisablehook(unraisable):
         if not _is_async_leftover(unraisable.exc_value, unraisable.object):
             unraisablehook(unraisable)
+
     quiet_excepthook.vrl_quiet = True
     sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
 

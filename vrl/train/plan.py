@@ -28,6 +28,7 @@ class RunPlan:
     """What a run's setup settled. `config` is resolved (auto choices made; an hf: start's tokenizer
     named) and is each member's but for train.seed (`member_configs`); `data` is what the pipeline
     reads now (a tokenizer that is copied into the workdir later is read from its source until then)."""
+
     config: Config
     member_configs: tuple[Config, ...]
     paths: tuple[epath.Path, ...]
@@ -42,8 +43,9 @@ class RunPlan:
     peak: metrics.Peak
 
 
-def settle(configs: list[Config], paths: list[epath.Path], request: start.Request,
-           say: Callable[[str], None]) -> RunPlan:
+def settle(
+    configs: list[Config], paths: list[epath.Path], request: start.Request, say: Callable[[str], None]
+) -> RunPlan:
     """The plan of the runs `configs` in `paths` (they differ only in train.seed)."""
     given = configs[0].mesh  # a bad mesh fails here, before the data and the compiles (context 0, auto: as 1)
     early = sharding.make_mesh(sharding.without_context(given) if given.context == 0 else given)
@@ -52,7 +54,8 @@ def settle(configs: list[Config], paths: list[epath.Path], request: start.Reques
     # a new run's copy of an hf: tokenizer is made in the workdir once the plan is settled: until then its
     # source stands in for it
     copied_later = tokenizer_source is not None and (
-        request.fresh or not workdir_lib.trained_tokenizer(paths[0], tokenizer_source))
+        request.fresh or not workdir_lib.trained_tokenizer(paths[0], tokenizer_source)
+    )
     data = dataclasses.replace(config.data, tokenizer=str(tokenizer_source)) if copied_later else config.data
     pipeline.build_built_ins(data)
     tokenizer = multihost.process_0_first(lambda: pipeline.tokenizer_for_run(data, config.model.vocab_size))
@@ -62,10 +65,18 @@ def settle(configs: list[Config], paths: list[epath.Path], request: start.Reques
     mesh = sharding.make_mesh(config.mesh)
     return RunPlan(
         config=config,
-        member_configs=tuple(dataclasses.replace(config, train=dataclasses.replace(config.train, seed=c.train.seed))
-                             for c in configs),
-        paths=tuple(paths), labels=tuple(f'[{path.name}] ' if len(paths) > 1 else '' for path in paths),
-        mesh=mesh, row_share=sharding.row_share(mesh), data=data, train_data=train_data, tokenizer=tokenizer,
-        tokenizer_copy=(tokenizer_source, tokenizer_line) if tokenizer_source else None, task_manager=task_manager,
+        member_configs=tuple(
+            dataclasses.replace(config, train=dataclasses.replace(config.train, seed=c.train.seed)) for c in configs
+        ),
+        paths=tuple(paths),
+        labels=tuple(f'[{path.name}] ' if len(paths) > 1 else '' for path in paths),
+        mesh=mesh,
+        row_share=sharding.row_share(mesh),
+        data=data,
+        train_data=train_data,
+        tokenizer=tokenizer,
+        tokenizer_copy=(tokenizer_source, tokenizer_line) if tokenizer_source else None,
+        task_manager=task_manager,
         # before the data's workers start: a CPU's matmul probe must not share the cores with them
-        peak=metrics.peak_flops(config.train.peak_flops, resolve.local_compute_dtype(config.model)))
+        peak=metrics.peak_flops(config.train.peak_flops, resolve.local_compute_dtype(config.model)),
+    )

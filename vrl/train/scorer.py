@@ -63,10 +63,15 @@ class Scorer:
             hidden_BxCxD, targets_BxC = chunk
             logits_BxCxV = model.logits(hidden_BxCxD)
             target_logits_BxC = jnp.take_along_axis(logits_BxCxV, targets_BxC[..., None], axis=-1)[..., 0]
-            return (target_logits_BxC - jax.nn.logsumexp(logits_BxCxV, axis=-1),
-                    logits_BxCxV.argmax(axis=-1) == targets_BxC)
-        chunks = (hidden_BxLxD.reshape(B, L // C, C, D).swapaxes(0, 1),
-                  rows['targets'].reshape(B, L // C, C).swapaxes(0, 1))
+            return (
+                target_logits_BxC - jax.nn.logsumexp(logits_BxCxV, axis=-1),
+                logits_BxCxV.argmax(axis=-1) == targets_BxC,
+            )
+
+        chunks = (
+            hidden_BxLxD.reshape(B, L // C, C, D).swapaxes(0, 1),
+            rows['targets'].reshape(B, L // C, C).swapaxes(0, 1),
+        )
         log_probs_NxBxC, greedy_NxBxC = jax.lax.map(score, chunks)
         return log_probs_NxBxC.swapaxes(0, 1).reshape(B, L), greedy_NxBxC.swapaxes(0, 1).reshape(B, L)
 
@@ -75,8 +80,10 @@ class Scorer:
         in nats, whether every ids[t] is the model's argmax)."""
         for ids, n in sequences:
             if not 1 <= n < len(ids) <= self.max_len + 1:
-                raise EvaluateError(f'cannot score {len(ids)} tokens from position {n}: allowed 1 <= n < length '
-                                    f'<= seq_len + 1 = {self.max_len + 1}.')
+                raise EvaluateError(
+                    f'cannot score {len(ids)} tokens from position {n}: allowed 1 <= n < length '
+                    f'<= seq_len + 1 = {self.max_len + 1}.'
+                )
         lengths = [len(ids) - 1 for ids, _ in sequences]
         L = self.row_length(max(lengths, default=1))
         rows, per_batch = _pack(lengths, L), self.batch_size * max(1, self.max_len // L)
@@ -84,16 +91,19 @@ class Scorer:
         index, shares = self.run.trainer.row_share
         share = per_batch // shares
         for start in range(0, len(rows), per_batch):
-            batch = rows[start:start + per_batch]
-            placed = self.run.trainer.device_batch(_row_arrays(batch[share * index:share * (index + 1)], sequences,
-                                                               share, L))
+            batch = rows[start : start + per_batch]
+            placed = self.run.trainer.device_batch(
+                _row_arrays(batch[share * index : share * (index + 1)], sequences, share, L)
+            )
             log_probs_BxL, greedy_BxL = jax.device_get(self._scores(self.run.params, placed))
             for b, row in enumerate(batch):
                 for i, offset in row:
                     ids, n = sequences[i]
                     scored = slice(offset + n - 1, offset + len(ids) - 1)  # position t - 1 predicts ids[t]
-                    results[i] = (float(np.sum(log_probs_BxL[b, scored], dtype=np.float64)),
-                                  bool(np.all(greedy_BxL[b, scored])))
+                    results[i] = (
+                        float(np.sum(log_probs_BxL[b, scored], dtype=np.float64)),
+                        bool(np.all(greedy_BxL[b, scored])),
+                    )
         return results
 
 
@@ -115,8 +125,9 @@ def _pack(lengths: list[int], row_length: int) -> list[list[tuple[int, int]]]:
     return rows
 
 
-def _row_arrays(rows: list[list[tuple[int, int]]], sequences: list[Sequence], n_rows: int, length: int
-                ) -> dict[str, np.ndarray]:
+def _row_arrays(
+    rows: list[list[tuple[int, int]]], sequences: list[Sequence], n_rows: int, length: int
+) -> dict[str, np.ndarray]:
     """(n_rows, length) int32 inputs, targets, positions and segment ids (1, 2, ... per sequence of a row;
     0 after them) of packed rows; rows past `rows` are empty."""
     arrays = {k: np.zeros((n_rows, length), np.int32) for k in ('inputs', 'targets', 'positions', 'segment_ids')}

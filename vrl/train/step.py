@@ -39,20 +39,28 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
 
 
-def loss_sums(graphdef: nnx.GraphDef, params: dict[str, Any], batch: Batch, z_loss: float
-              ) -> tuple[jax.Array, jax.Array]:
+def loss_sums(
+    graphdef: nnx.GraphDef, params: dict[str, Any], batch: Batch, z_loss: float
+) -> tuple[jax.Array, jax.Array]:
     """Sums over unmasked tokens of (cross-entropy + z_loss * logZ^2) and of cross-entropy alone;
     the second carries no gradient (vrl.model.ops.cross_entropy_sums)."""
     model = nnx.merge(graphdef, params)
     hidden_BxLxD = model.hidden(batch['inputs'], batch.get('positions'), batch.get('segment_ids'))
     return ops.hand_vjp_ops(model.cfg.hand_vjp).cross_entropy_sums(
-        hidden_BxLxD, model.head_DxV(), batch['targets'], batch['loss_mask'].astype(jnp.float32),
-        model.cfg.vocab_size, z_loss, model.cfg.head_chunks)
+        hidden_BxLxD,
+        model.head_DxV(),
+        batch['targets'],
+        batch['loss_mask'].astype(jnp.float32),
+        model.cfg.vocab_size,
+        z_loss,
+        model.cfg.head_chunks,
+    )
 
 
 class _Programs(NamedTuple):
     """The jitted functions of one step program: init(seed) -> state, train_step(state, batch) ->
     (state, metrics), eval_step(params, batch) -> sums, and (for a group) stack(*states) -> state."""
+
     init: Callable
     train_step: Callable
     eval_step: Callable
@@ -80,16 +88,24 @@ def _programs(trainer: 'TrainSteps', members: int = 1) -> _Programs:
             init = jax.vmap(init)
             train_step, eval_step = jax.vmap(train_step, in_axes=(0, None)), jax.vmap(eval_step, in_axes=(0, None))
             state_shardings, param_shardings = _with_run_axis(state_shardings), _with_run_axis(param_shardings)
-            stack = jax.jit(lambda *states: jax.tree.map(lambda *xs: jnp.stack(xs), *states),
-                            out_shardings=state_shardings)
+            stack = jax.jit(
+                lambda *states: jax.tree.map(lambda *xs: jnp.stack(xs), *states), out_shardings=state_shardings
+            )
         _PROGRAMS[key] = _Programs(
             init=jax.jit(init, out_shardings=state_shardings),
-            train_step=jax.jit(sharding.traced_in(mesh, train_step), donate_argnums=0,
-                               in_shardings=(state_shardings, trainer.batch_sharding),
-                               out_shardings=(state_shardings, replicated)),
-            eval_step=jax.jit(sharding.traced_in(mesh, eval_step), out_shardings=replicated,
-                              in_shardings=(param_shardings, trainer.batch_sharding)),
-            stack=stack)
+            train_step=jax.jit(
+                sharding.traced_in(mesh, train_step),
+                donate_argnums=0,
+                in_shardings=(state_shardings, trainer.batch_sharding),
+                out_shardings=(state_shardings, replicated),
+            ),
+            eval_step=jax.jit(
+                sharding.traced_in(mesh, eval_step),
+                out_shardings=replicated,
+                in_shardings=(param_shardings, trainer.batch_sharding),
+            ),
+            stack=stack,
+        )
         while len(_PROGRAMS) > _PROGRAMS_KEPT:
             _PROGRAMS.popitem(last=False)
     _PROGRAMS.move_to_end(key)
@@ -107,8 +123,10 @@ class TrainSteps:
 
     def __init__(self, config: Config, mesh: Mesh):
         if config.train.microbatches == 0 or config.model.remat == 'auto':
-            raise ConfigError('train.microbatches=0 and model.remat=auto must be resolved before a TrainSteps is '
-                              'built: vrl.train.aot.resolve does it (vrl.main and train.run call it).')
+            raise ConfigError(
+                'train.microbatches=0 and model.remat=auto must be resolved before a TrainSteps is '
+                'built: vrl.train.aot.resolve does it (vrl.main and train.run call it).'
+            )
         config = resolve.execution(config, mesh.devices.flat[0].platform)
         self.config, self.mesh = config, mesh
         self.graphdef, abstract_params = abstract_model(config.model)
@@ -117,10 +135,13 @@ class TrainSteps:
         self.param_shardings = sharding.param_shardings(abstract_params, mesh)
         abstract = jax.eval_shape(self._init, jax.random.key(0))
         self.state_shardings = TrainState(
-            step=sharding.replicated(mesh), params=self.param_shardings,
-            opt_state=sharding.like_params(abstract.opt_state, abstract.params, self.param_shardings, mesh))
-        self.abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                           abstract, self.state_shardings)
+            step=sharding.replicated(mesh),
+            params=self.param_shardings,
+            opt_state=sharding.like_params(abstract.opt_state, abstract.params, self.param_shardings, mesh),
+        )
+        self.abstract_state = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, self.state_shardings
+        )
         self.batch_sharding = sharding.batch_sharding(mesh)
         self._jitted = _programs(self)
         self.train_step, self.eval_step = self._jitted.train_step, self._jitted.eval_step
@@ -139,8 +160,9 @@ class TrainSteps:
         return self._jitted.init(jnp.int32(seed))
 
     def _loss_and_grads(self, params: dict, batch: Batch) -> tuple[tuple[jax.Array, jax.Array], Any]:
-        return jax.value_and_grad(loss_sums, argnums=1, has_aux=True)(self.graphdef, params, batch,
-                                                                      self.config.optimizer.z_loss)
+        return jax.value_and_grad(loss_sums, argnums=1, has_aux=True)(
+            self.graphdef, params, batch, self.config.optimizer.z_loss
+        )
 
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         k = self.config.train.microbatches
@@ -161,22 +183,33 @@ class TrainSteps:
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # finite weights also rule out an update that overflowed; the check fuses into the update
-        finite = (jnp.isfinite(total) & jnp.isfinite(grad_norm)
-                  & jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)])))
+        finite = (
+            jnp.isfinite(total)
+            & jnp.isfinite(grad_norm)
+            & jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
+        )
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
         if self.config.train.nan_policy == 'skip':  # keep the old state; under 'error' the host stops
             new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
             new_state = new_state._replace(step=state.step + 1)
-        return new_state, {'loss': cross_entropy / tokens, 'grad_norm': grad_norm,
-                           'lr': self.learning_rate(state.step), 'tokens': tokens, 'finite': finite}
+        return new_state, {
+            'loss': cross_entropy / tokens,
+            'grad_norm': grad_norm,
+            'lr': self.learning_rate(state.step),
+            'tokens': tokens,
+            'finite': finite,
+        }
 
     def _eval_step(self, params: dict, batch: Batch) -> Metrics:
         """Sums over the batch's unmasked targets: cross-entropy (nats), tokens, and the UTF-8 bytes
         they stand for (batch['target_bytes'], from Tokenizer.encode_counting_bytes)."""
         _, cross_entropy = loss_sums(self.graphdef, params, batch, 0.0)
         mask = batch['loss_mask'].astype(jnp.float32)
-        return {'loss_sum': cross_entropy, 'tokens': jnp.sum(mask),
-                'bytes': jnp.sum(batch['target_bytes'].astype(jnp.float32) * mask)}
+        return {
+            'loss_sum': cross_entropy,
+            'tokens': jnp.sum(mask),
+            'bytes': jnp.sum(batch['target_bytes'].astype(jnp.float32) * mask),
+        }
 
     @functools.cached_property
     def row_share(self) -> tuple[int, int]:
@@ -187,8 +220,10 @@ class TrainSteps:
         """This process's share of the rows, whole sequences (B / shares, L) -> one global array per
         field, rows over ('data', 'fsdp') and each sequence over `context`."""
         shares = self.row_share[1]
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, (len(v) * shares, *v.shape[1:]))
-                for k, v in local_batch.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, v, (len(v) * shares, *v.shape[1:]))
+            for k, v in local_batch.items()
+        }
 
 
 class RunGroup:

@@ -22,19 +22,23 @@ def load_run(workdir: str) -> tuple[Config, Tokenizer]:
     """The config a workdir was trained with (its config.json) and the run's tokenizer."""
     config_file = storage.path(workdir) / 'config.json'
     if not storage.exists(config_file, '--workdir'):
-        raise workdir_lib.NotARunError(f'{config_file} not found: --workdir must be a directory that '
-                                '`python -m vrl.main --workdir=...` trained in.')
+        raise workdir_lib.NotARunError(
+            f'{config_file} not found: --workdir must be a directory that '
+            '`python -m vrl.main --workdir=...` trained in.'
+        )
     try:
         config = from_configdict(ml_collections.ConfigDict(json.loads(config_file.read_text())['config']))
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON, no 'config', unknown field
-        raise workdir_lib.WorkdirError(f'{config_file} is not a readable vrl run record '
-                                       f'({" ".join(str(e).split())}); restore it from the run.') from None
+        raise workdir_lib.WorkdirError(
+            f'{config_file} is not a readable vrl run record ({" ".join(str(e).split())}); restore it from the run.'
+        ) from None
     return config, pipeline.load_tokenizer(config.data, config.model.vocab_size)
 
 
 class TrainedRun(NamedTuple):
     """A workdir's latest checkpoint, ready to run: parameters sharded by the training rules on a
     mesh of this machine's devices shaped by the run's mesh config."""
+
     config: Config
     tokenizer: Tokenizer
     trainer: TrainSteps
@@ -50,8 +54,11 @@ def load_trained(workdir: str, context: int = 1) -> TrainedRun:
     (vrl/model/decode.py), its devices taken from the mesh axis at -1."""
     config, tokenizer = load_run(workdir)
     _, step = checkpoint.step_folder(workdir)
-    here = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_impl='auto', hand_vjp='auto'),
-                               mesh=dataclasses.replace(sharding.without_context(config.mesh), context=context))
+    here = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, attention_impl='auto', hand_vjp='auto'),
+        mesh=dataclasses.replace(sharding.without_context(config.mesh), context=context),
+    )
     trainer = TrainSteps(here, sharding.make_mesh(here.mesh))
     params = checkpoint.restore_params(workdir, trainer.abstract_state.params, config.model)
     return TrainedRun(trainer.config, tokenizer, trainer, params, step)

@@ -68,10 +68,17 @@ def start_over(workdir: epath.Path, config: Config, latest_step: int | None) -> 
     """`--fresh`: moves the workdir's run aside, unless it is the unfinished run that `--fresh`
     started with this same config (then it resumes). Returns what was done, for the log."""
     record = _read_record(workdir)
-    if (record is not None and record.get('started_fresh') and record.get('config') == as_json(config)
-            and latest_step is not None and latest_step < config.train.steps):
-        return (f'--fresh: resuming the run that --fresh started at {record.get("started", "?")} with this '
-                f'config (step {latest_step}); to start over again, change the command or workdir')
+    if (
+        record is not None
+        and record.get('started_fresh')
+        and record.get('config') == as_json(config)
+        and latest_step is not None
+        and latest_step < config.train.steps
+    ):
+        return (
+            f'--fresh: resuming the run that --fresh started at {record.get("started", "?")} with this '
+            f'config (step {latest_step}); to start over again, change the command or workdir'
+        )
     names = _run_files(workdir)
     if not names:
         return '--fresh: the workdir holds no run'
@@ -111,9 +118,12 @@ def as_json(config: Config) -> dict[str, Any]:
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
     """'section.field' -> [old, new] for each field of `new` (an as_json config) that differs in `old`."""
-    return {f'{section}.{key}': [old.get(section, {}).get(key), value]
-            for section, values in new.items() for key, value in values.items()
-            if old.get(section, {}).get(key) != value}
+    return {
+        f'{section}.{key}': [old.get(section, {}).get(key), value]
+        for section, values in new.items()
+        for key, value in values.items()
+        if old.get(section, {}).get(key) != value
+    }
 
 
 def last_read(workdir: epath.Path) -> dict[str, Any] | None:
@@ -126,11 +136,15 @@ def record_start(workdir: epath.Path, config: Config, step: int, fresh: bool, ex
     record = _read_record(workdir) or {}
     new = as_json(config)
     changed = changes(record['config'], new) if step and 'config' in record else {}
-    history = record.get('history', []) + [{'step': step, 'time': time.strftime('%Y-%m-%d %H:%M:%S'),
-                                            'changed': changed}]
+    history = record.get('history', []) + [
+        {'step': step, 'time': time.strftime('%Y-%m-%d %H:%M:%S'), 'changed': changed}
+    ]
     started_fresh = record.get('started_fresh', False) if step else fresh
     started = record.get('started', history[-1]['time']) if step else history[-1]['time']
-    storage.write_bytes(workdir / 'config.json', json.dumps(
-        {'config': new, **extra, 'started_fresh': started_fresh, 'started': started, 'history': history},
-        indent=2).encode())
+    storage.write_bytes(
+        workdir / 'config.json',
+        json.dumps(
+            {'config': new, **extra, 'started_fresh': started_fresh, 'started': started, 'history': history}, indent=2
+        ).encode(),
+    )
     return changed

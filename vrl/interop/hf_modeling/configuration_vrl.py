@@ -15,15 +15,34 @@ class VrlConfig(PreTrainedConfig):
     model_type = 'vrl'
     keys_to_ignore_at_inference = ['cache', 'past_key_values']
 
-    def __init__(self, vocab_size: int = 32000, hidden_size: int = 512, intermediate_size: int = 1792,
-                 num_hidden_layers: int = 8, num_attention_heads: int = 8, num_key_value_heads: int = 8,
-                 head_dim: int = 64, rms_norm_eps: float = 1e-5, rope_theta: float = 10_000.0,
-                 max_position_embeddings: int = 2048, tie_word_embeddings: bool = False,
-                 attention: str = 'vanilla', lambda_mode: str = 'identity', lambda1: float = 0.5,
-                 lambda2: float = 0.5, sparse_layers: tuple[int, ...] = (), neutreno: bool = False,
-                 neutreno_lambda: float = 0.4, denseformer: bool = False, kv_share: int = 1,
-                 value_embed_layers: tuple[int, ...] = (), value_embed_tables: tuple[int, ...] = (),
-                 initializer_range: float = 0.02, use_cache: bool = True, **kwargs):
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 512,
+        intermediate_size: int = 1792,
+        num_hidden_layers: int = 8,
+        num_attention_heads: int = 8,
+        num_key_value_heads: int = 8,
+        head_dim: int = 64,
+        rms_norm_eps: float = 1e-5,
+        rope_theta: float = 10_000.0,
+        max_position_embeddings: int = 2048,
+        tie_word_embeddings: bool = False,
+        attention: str = 'vanilla',
+        lambda_mode: str = 'identity',
+        lambda1: float = 0.5,
+        lambda2: float = 0.5,
+        sparse_layers: tuple[int, ...] = (),
+        neutreno: bool = False,
+        neutreno_lambda: float = 0.4,
+        denseformer: bool = False,
+        kv_share: int = 1,
+        value_embed_layers: tuple[int, ...] = (),
+        value_embed_tables: tuple[int, ...] = (),
+        initializer_range: float = 0.02,
+        use_cache: bool = True,
+        **kwargs,
+    ):
         self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
         self.num_key_value_heads, self.head_dim = num_key_value_heads, head_dim

@@ -16,7 +16,8 @@ The KV cache is transformers' DynamicCache with one entry per layer: keys and va
 that borrow their group's). Shapes: B batch, T new tokens, S cached + new tokens, D hidden,
 H heads, K kv heads, G = H // K, Dh head dim; per-head tensors are heads-major (B, K, T, Dh).
 
-Works with transformers 5.3 and later (vrl/interop/hf.py TRANSFORMERS): the cache comes in as `cache` (the name generate() passes
+Works with transformers 5.3 and later (vrl/interop/hf.py TRANSFORMERS): the cache comes in as `cache` (the name
+generate() passes
 from 5.24 on) or `past_key_values` (before), and goes out under the name the installed
 transformers' output class declares.
 """
@@ -61,8 +62,14 @@ class NothingLayer(DynamicLayer):
 def shape_cache(cache: DynamicCache, config: VrlConfig) -> DynamicCache:
     """Gives an empty cache one entry per layer: keys and values (DynamicLayer), keys only, or nothing
     (CLA's borrowing layers). transformers builds every entry as a DynamicLayer."""
-    kinds = [DynamicLayer if config.value_owner(layer) == layer else KeysOnlyLayer
-             if config.key_owner(layer) == layer else NothingLayer for layer in range(config.num_hidden_layers)]
+    kinds = [
+        DynamicLayer
+        if config.value_owner(layer) == layer
+        else KeysOnlyLayer
+        if config.key_owner(layer) == layer
+        else NothingLayer
+        for layer in range(config.num_hidden_layers)
+    ]
     if cache.get_seq_length() == 0 and [type(entry) for entry in cache.layers] != kinds:
         cache.layers[:] = [kind() for kind in kinds]
         cache.layer_class_to_replicate = None
@@ -106,7 +113,10 @@ class ValueLambdas(nn.Module):
             self.s = nn.Parameter(torch.tensor(float(config.num_hidden_layers)))
         elif mode == 'sparse':
             chosen = [layer + 2 in config.sparse_layers for layer in range(N)]
-            self.fixed = ([config.lambda1 if c else 0.0 for c in chosen], [config.lambda2 if c else 1.0 for c in chosen])
+            self.fixed = (
+                [config.lambda1 if c else 0.0 for c in chosen],
+                [config.lambda2 if c else 1.0 for c in chosen],
+            )
         else:
             v1, vn = (0.5, 0.5) if mode == 'identity' else (config.lambda1, config.lambda2)
             self.fixed = ([v1] * N, [vn] * N)
@@ -129,8 +139,9 @@ class VrlAttention(nn.Module):
         owns_kv = config.key_owner(layer) == layer
         self.q_proj = nn.Linear(D, H * Dh, bias=False)
         self.k_proj = nn.Linear(D, K * Dh, bias=False) if owns_kv else None
-        self.v_proj = (nn.Linear(D, K * Dh, bias=False)
-                       if owns_kv and (layer == 0 or config.attention != 'svformer') else None)
+        self.v_proj = (
+            nn.Linear(D, K * Dh, bias=False) if owns_kv and (layer == 0 or config.attention != 'svformer') else None
+        )
         self.o_proj = nn.Linear(H * Dh, D, bias=False)
         per_token = layer > 0 and config.attention == 'resformer' and config.lambda_mode == 'per_token'
         self.mix_proj = nn.Linear(D, K, bias=False) if per_token else None
@@ -237,9 +248,15 @@ class VrlModel(VrlPreTrainedModel):
         self.value_embeds = nn.ModuleList(nn.Embedding(config.vocab_size, K * Dh) for _ in tables) if tables else None
         self.post_init()
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
-                use_cache: bool | None = None, **kwargs) -> tuple[torch.Tensor, DynamicCache | None]:
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: DynamicCache | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, DynamicCache | None]:
         """Final-normalised hidden states (B, T, D) of T new tokens after the cached ones, and the cache.
 
         attention_mask (B, S), 1 for real tokens, 0 for padding; positions then count real tokens.
@@ -252,8 +269,11 @@ class VrlModel(VrlPreTrainedModel):
         B, T = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
         S = past + T
-        real_BxS = (torch.ones(B, S, dtype=torch.bool, device=input_ids.device) if attention_mask is None
-                    else attention_mask.bool())
+        real_BxS = (
+            torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
+            if attention_mask is None
+            else attention_mask.bool()
+        )
         if position_ids is None:
             position_ids = (real_BxS.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
         query_T, key_S = torch.arange(past, S, device=input_ids.device), torch.arange(S, device=input_ids.device)
@@ -286,19 +306,28 @@ class VrlForCausalLM(VrlPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
-                use_cache: bool | None = None, labels: torch.LongTensor | None = None,
-                logits_to_keep: int = 0, past_key_values: DynamicCache | None = None,
-                **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: DynamicCache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int = 0,
+        past_key_values: DynamicCache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         """`cache` and `past_key_values` are one argument under its new and its old name: give either."""
         if cache is not None and past_key_values is not None:
             raise ValueError('give the cache as `cache` or as `past_key_values`, not both')
-        h, cache = self.model(input_ids, attention_mask, position_ids,
-                              past_key_values if cache is None else cache, use_cache)
+        h, cache = self.model(
+            input_ids, attention_mask, position_ids, past_key_values if cache is None else cache, use_cache
+        )
         logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float()
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                   ignore_index=-100)
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})

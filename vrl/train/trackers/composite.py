@@ -33,9 +33,17 @@ class Trackers:
         self._trackers, self._terminal, self._stored = trackers, terminal, stored
 
     @classmethod
-    def open(cls, workdir: str | epath.Path, total_steps: int, start_step: int, enabled: bool, label: str,
-             guard: guard_lib.Guard, wandb: tuple[Config, dict[str, Any]] | None = None,
-             print_every: int = 0) -> 'Trackers':
+    def open(
+        cls,
+        workdir: str | epath.Path,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        label: str,
+        guard: guard_lib.Guard,
+        wandb: tuple[Config, dict[str, Any]] | None = None,
+        print_every: int = 0,
+    ) -> 'Trackers':
         """The run's trackers in `workdir` (none unless `enabled`: process 0); `label` starts every
         terminal line; `guard` (the workdir's Lock or Lease) is confirmed before each upload to an
         object store; `wandb`: (the config, what the run reads) for a W&B run; `print_every`: the
@@ -49,6 +57,7 @@ class Trackers:
         trackers: list[Tracker] = [JsonlTracker(folder), TensorBoardTracker(folder, start_step)]
         if wandb is not None:
             from vrl.train.trackers.wandb import WandbTracker
+
             trackers.append(WandbTracker(wandb[0], workdir, wandb[1]))
         return cls(trackers + [terminal], terminal, stored)
 

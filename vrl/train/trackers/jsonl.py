@@ -25,8 +25,14 @@ class JsonlTracker(Tracker):
         self._line({'step': step, 'diagnostics': diagnostics})
 
     def mark_start(self, step: int, how: str, details: dict[str, Any]) -> None:
-        self._line({'step': step, 'event': how, 'time': time.strftime('%Y-%m-%d %H:%M:%S'),
-                    **{k: v for k, v in details.items() if v}})
+        self._line(
+            {
+                'step': step,
+                'event': how,
+                'time': time.strftime('%Y-%m-%d %H:%M:%S'),
+                **{k: v for k, v in details.items() if v},
+            }
+        )
 
     def close(self) -> None:
         self._file.close()

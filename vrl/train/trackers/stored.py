@@ -96,7 +96,7 @@ def read_metrics(workdir: epath.Path) -> list[dict]:
         files += [(metrics_file(epoch), size) for epoch, size in sorted(lease.read_fence(workdir).logged.items())]
     elif storage.is_remote(workdir):
         before, after = metrics_file('*').split('*')
-        epochs = sorted(int(p.name[len(before):-len(after)]) for p in workdir.glob(metrics_file('*')))
+        epochs = sorted(int(p.name[len(before) : -len(after)]) for p in workdir.glob(metrics_file('*')))
         files += [(metrics_file(epoch), None) for epoch in epochs]
     records = []
     for name, size in files:

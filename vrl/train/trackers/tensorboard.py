@@ -13,8 +13,10 @@ from vrl.train.trackers.tracker import Tracker
 class TensorBoardTracker(Tracker):
     def __init__(self, folder: Path, start_step: int):
         from tensorboardX import SummaryWriter  # a resumed run's points after its checkpoint replace the earlier
-        self._writer = SummaryWriter(str(Path(folder) / 'tensorboard'),
-                                     purge_step=start_step + 1 if start_step else None)
+
+        self._writer = SummaryWriter(
+            str(Path(folder) / 'tensorboard'), purge_step=start_step + 1 if start_step else None
+        )
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         for key, value in record.items():  # a skipped step's NaN stays in metrics.jsonl, out of TensorBoard

@@ -17,8 +17,10 @@ class TerminalTracker(Tracker):
         self._bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True,
-                             desc=label.strip() or None)
+
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, unit='step', dynamic_ncols=True, desc=label.strip() or None
+            )
 
     def print(self, line: str) -> None:
         if self._bar is not None:
@@ -28,22 +30,38 @@ class TerminalTracker(Tracker):
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         if 'eval_loss' in record:
-            domains = ''.join(f'  {key[len("eval_loss/"):]} {value:.4f}' for key, value in record.items()
-                              if key.startswith('eval_loss/'))
-            self.print(f'step {step}: eval_loss {record["eval_loss"]:.4f}  '
-                       f'eval_perplexity {record["eval_perplexity"]:.2f}  eval_bpb {record["eval_bpb"]:.4f}'
-                       + (f'  (per dataset:{domains})' if domains else ''))
+            domains = ''.join(
+                f'  {key[len("eval_loss/") :]} {value:.4f}'
+                for key, value in record.items()
+                if key.startswith('eval_loss/')
+            )
+            self.print(
+                f'step {step}: eval_loss {record["eval_loss"]:.4f}  '
+                f'eval_perplexity {record["eval_perplexity"]:.2f}  eval_bpb {record["eval_bpb"]:.4f}'
+                + (f'  (per dataset:{domains})' if domains else '')
+            )
             return
         if 'downstream_seconds' in record:
-            scores = '  '.join(f'{key[len("downstream/"):].replace("/", " ")} {value:.4f}' for key, value in record.items()
-                               if key.startswith('downstream/'))
+            scores = '  '.join(
+                f'{key[len("downstream/") :].replace("/", " ")} {value:.4f}'
+                for key, value in record.items()
+                if key.startswith('downstream/')
+            )
             self.print(f'step {step}: downstream  {scores}  ({record["downstream_seconds"]:.1f} s)')
             return
-        epochs = {key[len('epoch/'):]: value for key, value in record.items() if key.startswith('epoch/')}
-        short = (f'loss {record["loss"]:.4f}  lr {record["lr"]:.2e}  tok/s {record["tokens_per_sec"]:,.0f}  '
-                 f'mfu {record["mfu"]:.1%}' + ('  epoch ' + ' '.join(
-                     f'{value:.2f}' if len(epochs) == 1 else f'{name} {value:.2f}' for name, value in epochs.items())
-                     if epochs else ''))
+        epochs = {key[len('epoch/') :]: value for key, value in record.items() if key.startswith('epoch/')}
+        short = (
+            f'loss {record["loss"]:.4f}  lr {record["lr"]:.2e}  tok/s {record["tokens_per_sec"]:,.0f}  '
+            f'mfu {record["mfu"]:.1%}'
+            + (
+                '  epoch '
+                + ' '.join(
+                    f'{value:.2f}' if len(epochs) == 1 else f'{name} {value:.2f}' for name, value in epochs.items()
+                )
+                if epochs
+                else ''
+            )
+        )
         if self._bar is not None:
             self._bar.set_postfix_str(short, refresh=False)
             self._bar.update(step - self._bar.n)

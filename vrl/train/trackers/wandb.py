@@ -34,16 +34,22 @@ class WandbTracker(Tracker):
         try:
             import wandb
         except ImportError:
-            raise TrackingError('train.wandb_project is set but wandb is not installed: '
-                                'pip install -r requirements-extra.txt') from None
+            raise TrackingError(
+                'train.wandb_project is set but wandb is not installed: pip install -r requirements-extra.txt'
+            ) from None
         id_file = workdir / workdir_lib.WANDB_RUN_ID
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         if not id_file.exists():
             storage.write_bytes(id_file, run_id.encode())
         train = config.train
-        self._run = wandb.init(project=train.wandb_project, entity=train.wandb_entity or None,
-                               name=train.wandb_run_name or workdir.name, id=run_id, resume='allow',
-                               config={**workdir_lib.as_json(config), **(extra or {})})
+        self._run = wandb.init(
+            project=train.wandb_project,
+            entity=train.wandb_entity or None,
+            name=train.wandb_run_name or workdir.name,
+            id=run_id,
+            resume='allow',
+            config={**workdir_lib.as_json(config), **(extra or {})},
+        )
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         values = {k: v for k, v in record.items() if k != 'step' and isinstance(v, (int, float))}
@@ -52,8 +58,14 @@ class WandbTracker(Tracker):
 
     def log_diagnostics(self, step: int, diagnostics: dict[str, list[float | None]]) -> None:
         """Each diagnostic as diagnostics/<statistic>/layer_<i>."""
-        self._run.log({f'diagnostics/{name}/{layer}': v for name, per_layer in diagnostics.items()
-                       for layer, v in layer_stats.by_layer(name, per_layer).items()}, step=step)
+        self._run.log(
+            {
+                f'diagnostics/{name}/{layer}': v
+                for name, per_layer in diagnostics.items()
+                for layer, v in layer_stats.by_layer(name, per_layer).items()
+            },
+            step=step,
+        )
 
     def close(self) -> None:
         self._run.finish()
