@@ -67,9 +67,17 @@ def machine_env(url: str, home: Path) -> dict[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(('127.0.0.1', 0))
-        return probe.getsockname()[1]
+    """A port that is free on 127.0.0.1, and so is the one after it: a job's coordinator at port P
+    holds its roll call at P + 1 (vrl/core/roll_call.py)."""
+    while True:
+        with socket.socket() as probe, socket.socket() as after:
+            probe.bind(('127.0.0.1', 0))
+            port = probe.getsockname()[1]
+            try:
+                after.bind(('127.0.0.1', port + 1))
+            except (OSError, OverflowError):  # in use, or past 65535
+                continue
+            return port
 
 
 @contextlib.contextmanager
