@@ -9,7 +9,7 @@ is float32 on CPU (caches too), the config's dtype on accelerators.
 
 `of bound`: the bytes one decode step must read (the parameters, and the filled part of the
 cache) per second, as a fraction of this host's memory bandwidth, measured in the same run as
-a jitted copy of a 1 GiB array (2 GiB moved: read + write), before and after the rows (the
+a jitted copy of a 1 GiB array (--probe_mib; 2 GiB moved: read + write), before and after the rows (the
 better of the two: on a shared host it varies by half). `of reads` counts the cache as the
 layers read it: each layer reads a key and a value slot, so a slot that several layers share
 (SVFormer's V_1, CLA's groups) is read once per layer. Layers run one after the other, so no
@@ -89,8 +89,10 @@ def main() -> None:
     parser.add_argument('--batches', default='1,8')
     parser.add_argument('--new_tokens', type=int, default=16)
     parser.add_argument('--variants', default='vanilla,resformer,svformer')
+    parser.add_argument('--probe_mib', type=int, default=1024, help='the bandwidth probe copy (a real one: 1 GiB)')
     args = parser.parse_args()
-    bandwidth_before = memory_bandwidth()
+    probe = args.probe_mib * 2**20
+    bandwidth_before = memory_bandwidth(probe)
     rows = []
     for context in map(int, args.contexts.split(',')):
         for batch in map(int, args.batches.split(',')):
@@ -100,12 +102,12 @@ def main() -> None:
                     cfg, compute_dtype='float32' if jax.default_backend() == 'cpu' else 'bfloat16'
                 )
                 rows.append((variant, context, batch, *decode_tokens_per_sec(cfg, batch, context, args.new_tokens)))
-    bandwidth_after = memory_bandwidth()
+    bandwidth_after = memory_bandwidth(probe)
     bandwidth = max(bandwidth_before, bandwidth_after)  # a shared host's best moment in this run
     print(
         f'{args.size}, {jax.devices()[0].device_kind}; {args.new_tokens} decode steps after the context; '
-        f'memory bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB copy; {bandwidth_before / 1e9:.1f} before the '
-        f'rows, {bandwidth_after / 1e9:.1f} after)'
+        f'memory bandwidth {bandwidth / 1e9:.1f} GB/s ({args.probe_mib} MiB copy; '
+        f'{bandwidth_before / 1e9:.1f} before the rows, {bandwidth_after / 1e9:.1f} after)'
     )
     width = max(map(len, args.variants.split(',')))
     print(

@@ -163,6 +163,8 @@ PARTS = (
             '2',
             '--variants',
             'vanilla,svformer',
+            '--probe_mib',
+            '64',
         ),
     ),
     Part(
@@ -170,7 +172,19 @@ PARTS = (
         'in-training downstream scoring: its share of training time (goal <= 5%)',
         ('bench/downstream_cost.py', '--size', '82m'),
         50,
-        ('bench/downstream_cost.py', '--size', '82m', '--limit', '2', '--rows', '2', '--train_rows', '1'),
+        (
+            'bench/downstream_cost.py',
+            '--size',
+            '82m',
+            '--layers',
+            '2',
+            '--limit',
+            '2',
+            '--rows',
+            '2',
+            '--train_rows',
+            '1',
+        ),
         needs='lm_eval',
     ),  # lm-eval and its dependencies are 45 MiB more wheels than a command carries
     Part(

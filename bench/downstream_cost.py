@@ -107,11 +107,14 @@ def main() -> None:
     parser.add_argument('--rows', type=int, default=32, help='sequences per scoring batch')
     parser.add_argument('--train_rows', type=int, default=2, help='sequences of the timed train step')
     parser.add_argument('--every', type=int, default=1000, help='steps between evaluations (train.downstream_every)')
+    parser.add_argument('--layers', type=int, default=0, help="n_layers instead of the size's (0: the size's)")
     args = parser.parse_args()
     tokenizer_config = from_configdict(tiny.get_config())
     config = from_configdict(base.get_config(f'vanilla,{args.size}'))
     steps_tokens = config.data.batch_size * config.data.seq_len
     model = dataclasses.replace(config.model, vocab_size=tokenizer_config.model.vocab_size)
+    if args.layers:
+        model = dataclasses.replace(model, n_layers=args.layers)
     if jax.default_backend() == 'cpu':
         model = dataclasses.replace(model, compute_dtype='float32')
     model = dataclasses.replace(model, remat='none')
