@@ -49,12 +49,17 @@ def _np_sigmoid(x):
 
 
 def _np_kv_weights(cfg: ModelConfig, p: dict, n: int, layer: dict) -> tuple:
-    """(W_K, W_V or None) of 0-based layer n, which owns a K/V group (CLA keeps stacked owners apart)."""
+    """(W_K, W_V or None, QK-norm's key scale or None) of 0-based layer n, which owns a K/V group (CLA
+    keeps stacked owners apart)."""
     if n == 0 or cfg.kv_share == 1:
-        return layer['attn']['wk'], layer['attn'].get('wv')
+        return layer['attn']['wk'], layer['attn'].get('wv'), layer['attn'].get('k_norm')
     owner = [m for m in range(1, cfg.n_layers) if m % cfg.kv_share == 0].index(n)
     shared = p['shared_kv']
-    return shared['wk'][owner], None if shared.get('wv') is None else shared['wv'][owner]
+    return tuple(None if shared.get(name) is None else shared[name][owner] for name in ('wk', 'wv', 'k_norm'))
+
+
+def _np_qk_norm(x, scale, eps):  # x: L x N x Dh; each head's vector over Dh (QK-norm), or x without one
+    return x if scale is None else _np_rms(x, scale, eps)
 
 
 def _np_value_embedding(cfg: ModelConfig, p: dict, n: int, x: np.ndarray, tokens: np.ndarray):
@@ -94,10 +99,11 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
     for n, layer in enumerate(layers):
         x = _np_rms(h, layer['attn_norm']['scale'], cfg.norm_eps)
         a = layer['attn']
-        q = _np_rope(np.einsum('ld,dnh->lnh', x, a['wq']), cfg.rope_theta)
+        q = _np_qk_norm(np.einsum('ld,dnh->lnh', x, a['wq']), a.get('q_norm'), cfg.norm_eps)
+        q = _np_rope(q, cfg.rope_theta)
         if n % cfg.kv_share == 0:  # the first layer of a CLA group projects K and V
-            wk, wv = _np_kv_weights(cfg, p, n, layer)
-            k = _np_rope(np.einsum('ld,dkh->lkh', x, wk), cfg.rope_theta)
+            wk, wv, k_norm = _np_kv_weights(cfg, p, n, layer)
+            k = _np_rope(_np_qk_norm(np.einsum('ld,dkh->lkh', x, wk), k_norm, cfg.norm_eps), cfg.rope_theta)
             v_n = v1 if wv is None else np.einsum('ld,dkh->lkh', x, wv)
         else:  # the others attend with its keys and values
             k, v_n = group_kv

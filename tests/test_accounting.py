@@ -31,7 +31,9 @@ def _real_param_count(cfg) -> int:
 
 
 @pytest.mark.parametrize(
-    'variant', VARIANTS + [dict(attention='svformer', tie_embeddings=True)], ids=VARIANT_IDS + ['svformer-tied']
+    'variant',
+    VARIANTS + [dict(attention='svformer', tie_embeddings=True), dict(attention='vanilla', kv_share=2, qk_norm=True)],
+    ids=VARIANT_IDS + ['svformer-tied', 'cla2-qk_norm'],
 )
 def test_count_from_config_equals_module(variant):
     cfg = small_model_config(**variant)

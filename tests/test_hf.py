@@ -178,15 +178,22 @@ def test_bad_directories_are_named(exported, tmp_path):
         start.initial_params(f'hf:{folder}', TrainSteps(config, run.trainer.mesh), config)
 
 
+# the named variants, and QK-norm on the one whose keys are stacked apart (CLA) and whose V is V_1
+HF_VARIANTS = {**NAMED_VARIANTS, 'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True)}
+
+
 def _variant(name: str, tokenizer) -> tuple:
     """A random model of the named variant (the tokenizer's vocabulary) and its parameters."""
-    cfg = small_model_config(vocab_size=tokenizer.vocab_size, **NAMED_VARIANTS[name])
+    cfg = small_model_config(vocab_size=tokenizer.vocab_size, **HF_VARIANTS[name])
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, seed=len(name))
     return cfg, model
 
 
-@pytest.mark.parametrize('name', FAST_TIER if UNDER_OLDEST_TRANSFORMERS else variant_params(by_name=True))
+@pytest.mark.parametrize(
+    'name',
+    FAST_TIER if UNDER_OLDEST_TRANSFORMERS else [*variant_params(by_name=True), 'svformer-cla2-qk_norm'],
+)
 def test_every_variant_exports_and_comes_back(name, exported, tmp_path):
     run, _ = exported
     cfg, model = _variant(name, run.tokenizer)
@@ -238,7 +245,8 @@ def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    'name', ['svformer-cla2', 'resformer-per_token', 'all-baselines', 'resformer-value_embeds-shared']
+    'name',
+    ['svformer-cla2', 'resformer-per_token', 'all-baselines', 'resformer-value_embeds-shared', 'svformer-cla2-qk_norm'],
 )
 def test_transformers_generate_matches_vrl_decoding(name, exported, tmp_path):
     """Greedy tokens of two left-padded prompts, through transformers' cache (every kind of cache

@@ -127,8 +127,13 @@ def test_resformer_limits_are_vanilla_and_svformer():
 @pytest.mark.parametrize(
     'variant',
     cases(
-        {**NAMED_VARIANTS, 'vanilla-tied': dict(attention='vanilla', tie_embeddings=True)},
-        FAST_TIER + ('vanilla-tied',),
+        {
+            **NAMED_VARIANTS,
+            'vanilla-tied': dict(attention='vanilla', tie_embeddings=True),
+            'resformer-qk_norm': dict(attention='resformer', lambda_mode='learnable_plus', qk_norm=True),
+            'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True),
+        },
+        FAST_TIER + ('vanilla-tied', 'svformer-cla2-qk_norm'),
     ),
 )
 def test_matches_float64_numpy_reference(variant):

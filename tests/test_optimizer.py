@@ -323,7 +323,15 @@ def test_adamw_with_its_mask_clipping_and_schedule_equals_a_float64_reference():
         scalar_lr_ratio=3.0,
     )
     rng = np.random.default_rng(7)
-    shapes = {'wq': (4, 3), 'embed': (5, 4), 'head': (4, 5), 'scale': (4,), 'lambdas': (2,), 'gate': (3,)}
+    shapes = {
+        'wq': (4, 3),
+        'embed': (5, 4),
+        'head': (4, 5),
+        'scale': (4,),
+        'q_norm': (3,),
+        'lambdas': (2,),
+        'gate': (3,),
+    }
     params = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
     grads = [
         {k: (rng.normal(size=s) * (5.0 if t == 2 else 0.1)).astype(np.float32) for k, s in shapes.items()}
@@ -335,7 +343,7 @@ def test_adamw_with_its_mask_clipping_and_schedule_equals_a_float64_reference():
     for g in grads:
         updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, got)
         got = optax.apply_updates(got, updates)
-    ratios = {'wq': 1.0, 'embed': 2.0, 'head': 0.5, 'scale': 3.0, 'lambdas': 3.0, 'gate': 3.0}
+    ratios = {'wq': 1.0, 'embed': 2.0, 'head': 0.5, 'scale': 3.0, 'q_norm': 3.0, 'lambdas': 3.0, 'gate': 3.0}
     want = _adamw_reference(params, grads, cfg, ratios, decayed={'wq', 'embed', 'head', 'gate'})
     for k in shapes:
         err = np.abs(np.asarray(got[k], np.float64) - want[k]).max() / np.abs(want[k] - params[k]).max()

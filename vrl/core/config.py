@@ -94,6 +94,9 @@ class ModelConfig:
     kv_share: int = 1  # CLA: this many adjacent layers share one K and V (2 = CLA2); the later ones own none
     value_embed_layers: tuple[int, ...] = ()  # 1-based layers whose V adds a gated token-embedding lookup
     value_embed_tables: tuple[int, ...] = ()  # the table of each of those layers (shared ids share); () = own
+    # QK-norm: each head's queries and keys RMS-normalised over head_dim with a learned scale (Dh,), before
+    # RoPE, as Qwen3 and Gemma 3 do (nanochat's has no scale; OLMo-2 normalises all heads together)
+    qk_norm: bool = False
     vocab_size: int = 50277  # the tokenizer's vocabulary
     vocab_pad_multiple: int = 128  # the embedding is padded to this multiple for sharding
     n_layers: int = 8
@@ -275,6 +278,8 @@ class ModelConfig:
             )
         if self.n_kv_heads != self.n_heads:
             parts.append('MQA' if self.n_kv_heads == 1 else f'GQA{self.n_heads // self.n_kv_heads}')
+        if self.qk_norm:
+            parts.append('QK-norm')
         return ' + '.join(parts)
 
     @property

@@ -84,9 +84,14 @@ _BLOCK_WEIGHTS = [  # (Hugging Face name within a layer, vrl (module, weight) wi
 
 
 def is_llama(cfg: ModelConfig) -> bool:
-    """Whether the model is a plain Llama decoder: vanilla attention, none of the baselines."""
+    """Whether the model is a plain Llama decoder: vanilla attention, none of the baselines, no QK-norm."""
     return not (
-        cfg.attention != 'vanilla' or cfg.neutreno or cfg.denseformer or cfg.kv_share > 1 or cfg.value_embed_layers
+        cfg.attention != 'vanilla'
+        or cfg.neutreno
+        or cfg.denseformer
+        or cfg.kv_share > 1
+        or cfg.value_embed_layers
+        or cfg.qk_norm
     )
 
 
@@ -109,8 +114,12 @@ def links(cfg: ModelConfig) -> list[Link]:
         if cfg.owns_kv(i):  # CLA keeps the stacked owners' W_K, W_V apart; SVFormer's layers >= 2 have no W_V
             path, kv_at = ((block, 'attn'), at) if i == 0 or cfg.kv_share == 1 else (('shared_kv',), (owners.index(i),))
             out.append(Link(prefix + 'self_attn.k_proj.weight', (*path, 'wk'), kv_at, *_INTO_LINEAR))
+            if cfg.qk_norm:
+                out.append(Link(prefix + 'self_attn.k_norm.weight', (*path, 'k_norm'), kv_at, *_SAME))
             if i == 0 or cfg.attention != 'svformer':
                 out.append(Link(prefix + 'self_attn.v_proj.weight', (*path, 'wv'), kv_at, *_INTO_LINEAR))
+        if cfg.qk_norm:
+            out.append(Link(prefix + 'self_attn.q_norm.weight', (block, 'attn', 'q_norm'), at, *_SAME))
         if i > 0 and cfg.per_token_mix:
             out.append(Link(prefix + 'self_attn.mix_proj.weight', ('layers', 'attn', 'w_mix'), at, *_TRANSPOSE))
         if i in ve_entry:
@@ -183,6 +192,7 @@ def _zeros(shapes: Any) -> Any:
     return np.zeros(shapes, np.float32)
 
 
+VRL_FIELDS = (*VARIANT_FIELDS, 'qk_norm')  # what a VrlForCausalLM's config.json adds to Llama's, same names
 _LLAMA_FIELDS = {  # Hugging Face config.json key -> vrl model field
     'hidden_size': 'd_model',
     'intermediate_size': 'd_ff',
@@ -215,7 +225,7 @@ def hf_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dic
     )
     if is_llama(cfg):
         return {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **config}
-    variant = {field: _jsonable(getattr(cfg, field)) for field in VARIANT_FIELDS}
+    variant = {field: _jsonable(getattr(cfg, field)) for field in VRL_FIELDS}
     return {
         'architectures': ['VrlForCausalLM'],
         'model_type': 'vrl',
@@ -328,7 +338,7 @@ def _check_config(hf: dict, folder: Path, cfg: ModelConfig) -> None:
         raise HFError(f'{folder} has rope_theta={theta!r} but the config has model.rope_theta={cfg.rope_theta!r}.')
     if hf['model_type'] == 'vrl':
         defaults = ModelConfig()
-        for field in VARIANT_FIELDS:
+        for field in VRL_FIELDS:
             theirs = hf.get(field, _jsonable(getattr(defaults, field)))
             if theirs != _jsonable(getattr(cfg, field)):
                 raise HFError(

@@ -75,6 +75,8 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 def non_embedding_params(cfg: ModelConfig) -> int:
     norms = (2 * cfg.n_layers + 1) * cfg.d_model
+    if cfg.qk_norm:  # a query scale per layer, a key scale per layer that projects keys
+        norms += (cfg.n_layers + sum(map(cfg.owns_kv, range(cfg.n_layers)))) * cfg.head_dim
     return matmul_params(cfg) - cfg.d_model * cfg.padded_vocab_size + norms + _scalar_params(cfg)
 
 

@@ -16,6 +16,9 @@ in one place:
 - what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended)): `Block.__call__`;
 - which layer's K/V a layer uses (CLA): `Attention.keys_values`;
 - how block outputs combine into the next block's input (DenseFormer): `Decoder._layer`.
+
+QK-norm (model.qk_norm), beside the variants, normalises each head's queries and keys before RoPE:
+`head_rms_norm`, in `Attention.queries` and `Attention.keys_values`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,16 @@ class RMSNorm(nnx.Module):
         x = x_BxLxD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         return (x * self.scale[...][None, None, :]).astype(x_BxLxD.dtype)
+
+
+def head_rms_norm(x_BxLxNxDh: Array, scale_Dh: Array | None, eps: float) -> Array:
+    """QK-norm: each head's vector RMS-normalised over head_dim and scaled (float32 inside); `x` as is
+    where the model has none (scale None)."""
+    if scale_Dh is None:
+        return x_BxLxNxDh
+    x = x_BxLxNxDh.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (x * scale_Dh[None, None, None, :]).astype(x_BxLxNxDh.dtype)
 
 
 def rope(x_BxLxNxDh: Array, positions_BxL: Array, theta: float) -> Array:
@@ -120,6 +133,9 @@ class Attention(nnx.Module):
             else None
         )
         self.wo = params.normal(rngs, (H, Dh, D), (Axis.HEADS, Axis.HEAD_DIM, Axis.EMBED), std, stack)
+        self.q_norm = params.constant(np.ones(Dh), (Axis.HEAD_DIM,), stack) if cfg.qk_norm else None
+        self.k_norm = params.constant(np.ones(Dh), (Axis.HEAD_DIM,), stack) if cfg.qk_norm and owns_kv else None
+        self.norm_eps = cfg.norm_eps
         per_token = not first and cfg.per_token_mix
         self.w_mix = params.normal(rngs, (D, K), (Axis.EMBED, Axis.KV_HEADS), std, stack) if per_token else None
         self.variant = cfg.attention
@@ -132,6 +148,7 @@ class Attention(nnx.Module):
 
     def queries(self, x_BxLxD: Array, positions_BxL: Array) -> Array:
         q_BxLxHxDh = self.ops.project(x_BxLxD, self.wq[...].astype(x_BxLxD.dtype), 1)
+        q_BxLxHxDh = head_rms_norm(q_BxLxHxDh, None if self.q_norm is None else self.q_norm[...], self.norm_eps)
         return rope(q_BxLxHxDh, positions_BxL, self.rope_theta)
 
     def keys_values(
@@ -148,14 +165,16 @@ class Attention(nnx.Module):
         the values it attended over (`kv.owns` is known when tracing: Decoder._stacked_layers).
         """
 
-        def project(wk_DxKxDh: Array, wv_DxKxDh: Array | None) -> tuple[Array, Array]:
+        def project(wk_DxKxDh: Array, wv_DxKxDh: Array | None, k_norm_Dh: Array | None) -> tuple[Array, Array]:
             dtype = x_BxLxD.dtype
-            k = rope(self.ops.project(x_BxLxD, wk_DxKxDh.astype(dtype), 1), positions_BxL, self.rope_theta)
+            k = head_rms_norm(self.ops.project(x_BxLxD, wk_DxKxDh.astype(dtype), 1), k_norm_Dh, self.norm_eps)
+            k = rope(k, positions_BxL, self.rope_theta)
             return k, v1_BxLxKxDh if wv_DxKxDh is None else self.ops.project(x_BxLxD, wv_DxKxDh.astype(dtype), 1)
 
         if kv is None:
-            return project(self.wk[...], None if self.wv is None else self.wv[...])
-        return project(kv.wk, kv.wv) if kv.owns else borrowed
+            wv, k_norm = (None if w is None else w[...] for w in (self.wv, self.k_norm))
+            return project(self.wk[...], wv, k_norm)
+        return project(kv.wk, kv.wv, kv.k_norm) if kv.owns else borrowed
 
     def values(self, x_BxLxD: Array, v_n: Array, v1: Array | None, lambdas: Lambdas | None) -> Array:
         """The values (B, L, K, Dh) this layer attends over: where the variants differ in V.

@@ -143,6 +143,7 @@ class LayerKV(NamedTuple):
 
     wk: Array  # (D, K, Dh)
     wv: Array | None  # (D, K, Dh); None for SVFormer, whose layers >= 2 have no W_V
+    k_norm: Array | None  # (Dh,): QK-norm's key scale; None without model.qk_norm
     owns: bool | None  # known when tracing: set where the layer runs (Decoder._stacked_layers); None when stacked
 
 
@@ -160,10 +161,12 @@ class SharedKeyValues(nnx.Module):
             if cfg.attention == 'svformer'
             else params.normal(rngs, (D, K, Dh), (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM), std, owners)
         )
+        self.k_norm = params.constant(np.ones(Dh), (Axis.HEAD_DIM,), owners) if cfg.qk_norm else None
 
     def for_stack(self) -> LayerKV:
         index_N = _owner_index(self.owned)
-        return LayerKV(spread(self.wk[...], index_N), None if self.wv is None else spread(self.wv[...], index_N), None)
+        wv, k_norm = (None if w is None else spread(w[...], index_N) for w in (self.wv, self.k_norm))
+        return LayerKV(spread(self.wk[...], index_N), wv, k_norm, None)
 
 
 class DepthWeights(nnx.Module):

@@ -30,8 +30,8 @@ from vrl.core.config import ConfigError, OptimizerConfig
 GROUPS = ('matrix', 'embed', 'head', 'scalar')
 _MATRICES = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_up', 'w_down')
 _EMBEDDINGS = ('embed', 'tables')
-# RMSNorm weights (leaf 'scale'), ResFormer's lambdas and DenseFormer's averaging weights
-_NOT_DECAYED = ('scale', 'lambdas', 'depth_weights')
+# RMSNorm weights (leaf 'scale'), QK-norm's scales, ResFormer's lambdas and DenseFormer's averaging weights
+_NOT_DECAYED = ('scale', 'q_norm', 'k_norm', 'lambdas', 'depth_weights')
 
 Axes = tuple[str | None, ...]  # a parameter's logical axis names (vrl/model/params.py)
 

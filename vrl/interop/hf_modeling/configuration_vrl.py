@@ -2,7 +2,7 @@
 
 Llama's fields for the decoder's shape, plus vrl's own (vrl/core/config.py's ModelConfig, same names):
 attention (vanilla | resformer | svformer), lambda_mode, lambda1, lambda2, sparse_layers,
-neutreno, neutreno_lambda, denseformer, kv_share, value_embed_layers, value_embed_tables.
+neutreno, neutreno_lambda, denseformer, kv_share, value_embed_layers, value_embed_tables, qk_norm.
 This file and modeling_vrl.py need torch and transformers only, not vrl.
 """
 
@@ -39,6 +39,7 @@ class VrlConfig(PreTrainedConfig):
         kv_share: int = 1,
         value_embed_layers: tuple[int, ...] = (),
         value_embed_tables: tuple[int, ...] = (),
+        qk_norm: bool = False,
         initializer_range: float = 0.02,
         use_cache: bool = True,
         **kwargs,
@@ -54,6 +55,7 @@ class VrlConfig(PreTrainedConfig):
         self.neutreno, self.neutreno_lambda, self.denseformer = neutreno, neutreno_lambda, denseformer
         self.kv_share = kv_share
         self.value_embed_layers, self.value_embed_tables = list(value_embed_layers), list(value_embed_tables)
+        self.qk_norm = qk_norm
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def key_owner(self, layer: int) -> int:

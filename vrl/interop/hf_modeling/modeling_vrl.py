@@ -143,6 +143,9 @@ class VrlAttention(nn.Module):
             nn.Linear(D, K * Dh, bias=False) if owns_kv and (layer == 0 or config.attention != 'svformer') else None
         )
         self.o_proj = nn.Linear(H * Dh, D, bias=False)
+        # QK-norm: each head's queries and keys RMS-normalised over head_dim with a learned scale, before RoPE
+        self.q_norm = VrlRMSNorm(Dh, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = VrlRMSNorm(Dh, config.rms_norm_eps) if config.qk_norm and owns_kv else None
         per_token = layer > 0 and config.attention == 'resformer' and config.lambda_mode == 'per_token'
         self.mix_proj = nn.Linear(D, K, bias=False) if per_token else None
         has_value_embed = config.value_embed_table(layer) is not None
@@ -174,9 +177,11 @@ class VrlAttention(nn.Module):
     def forward(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, v1, borrowed, lambdas, value_embed_BxTxKDh, cache):
         """The attention output (B, T, D) and (keys, V_n, attended values) of the T new tokens."""
         theta = self.config.rope_theta
-        q = rope(self.heads_major(self.q_proj(x_BxTxD)), positions_BxT, theta)
+        q = self.heads_major(self.q_proj(x_BxTxD))
+        q = rope(q if self.q_norm is None else self.q_norm(q), positions_BxT, theta)
         if self.k_proj is not None:
-            k = rope(self.heads_major(self.k_proj(x_BxTxD)), positions_BxT, theta)
+            k = self.heads_major(self.k_proj(x_BxTxD))
+            k = rope(k if self.k_norm is None else self.k_norm(k), positions_BxT, theta)
             v_n = v1 if self.v_proj is None else self.heads_major(self.v_proj(x_BxTxD))
         else:  # CLA: the group's first layer's keys and attended values
             k, v_n = borrowed
