@@ -27,6 +27,42 @@ def test_a_first_ctrl_c_asks_for_a_save_and_a_second_aborts(capsys):
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_ctrl_c_that_lands_inside_a_print_is_said_after_it(capsys):
+    """The signal's handler runs between two bytecodes of whatever the main thread does, a print among
+    them: its line must wait for that print, not re-enter the stream (RuntimeError: reentrant call)."""
+    import io
+    import sys
+
+    before = signal.getsignal(signal.SIGINT)
+    preemption = hooks.Preemption()
+
+    class Interrupted(io.RawIOBase):  # a terminal at which a Ctrl-C arrives while a line is written
+        def __init__(self):
+            self.written = bytearray()
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            if not preemption.requested:
+                os.kill(os.getpid(), signal.SIGINT)  # the handler runs inside this write
+            self.written += data
+            return len(data)
+
+    raw = Interrupted()
+    stream = io.TextIOWrapper(io.BufferedWriter(raw), write_through=True)
+    stdout, sys.stdout = sys.stdout, stream
+    try:
+        print('step 7/100  loss 5.1234', flush=True)
+        assert preemption.agree(8, 1) == (True, {})
+    finally:
+        sys.stdout = stdout
+        preemption.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+    lines = raw.written.decode().splitlines()
+    assert lines[0] == 'step 7/100  loss 5.1234' and lines[1].startswith('Ctrl-C: the run saves a checkpoint'), lines
+
+
 def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hooks(monkeypatch, small_corpus):
     """On a clock the test moves: 4 steps of 2 s, then a 100 s evaluation, then 4 more steps of 2 s.
     Each logged interval reports 4 x batch x seq_len tokens over 8 s (the evaluation left out), and

@@ -104,6 +104,7 @@ class Preemption:
 
     def __init__(self):
         self.requested = False
+        self._telling: threading.Thread | None = None  # the thread that says a signal's line
         self._service = multihost.preemption_service()
         self._previous = {
             sig: signal.signal(sig, self._handle)
@@ -114,17 +115,23 @@ class Preemption:
         if signum == signal.SIGINT and self.requested:
             raise KeyboardInterrupt  # the second Ctrl-C aborts
         name = 'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'
-        print(
+        line = (
             f'{name}: the run saves a checkpoint at the next step that checks for it (within train.log_every '
             'steps; the steps already sent to the device finish first), then exits'
-            + ('; Ctrl-C again aborts without saving' if signum == signal.SIGINT else ''),
-            flush=True,
+            + ('; Ctrl-C again aborts without saving' if signum == signal.SIGINT else '')
         )
+        # said from another thread: the signal may have stopped this one inside a print, and printing
+        # here would re-enter its stream; the other thread waits for the stream to be free
+        self._telling = threading.Thread(target=print, args=(line,), kwargs={'flush': True}, daemon=True)
+        self._telling.start()
         self.requested = True
 
     def agree(self, step: int, every: int, **local: bool) -> tuple[bool, dict[str, bool]]:
         """(preempted, each of `local`'s flags: whether it holds on any process), the same on every
-        process; with several, the flags are gathered every `every` steps and False between."""
+        process; with several, the flags are gathered every `every` steps and False between. A
+        signal's line is out before it returns."""
+        if self._telling is not None:
+            self._telling.join()
         if jax.process_count() == 1:
             return self.requested, local
         from jax.experimental import multihost_utils
