@@ -15,7 +15,7 @@ from etils import epath
 from jax.sharding import Mesh
 
 from vrl.core import multihost, sharding
-from vrl.core.config import Config, DataConfig
+from vrl.core.config import Config
 from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer
 from vrl.model import resolve
@@ -26,8 +26,8 @@ from vrl.train import workdir as workdir_lib
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
     """What a run's setup settled. `config` is resolved (auto choices made; an hf: start's tokenizer
-    named) and is each member's but for train.seed (`member_configs`); `data` is what the pipeline
-    reads now (a tokenizer that is copied into the workdir later is read from its source until then)."""
+    named) and is each member's but for train.seed (`member_configs`); `train_data` reads from a
+    tokenizer's source where the tokenizer is copied into the workdir later."""
 
     config: Config
     member_configs: tuple[Config, ...]
@@ -35,7 +35,6 @@ class RunPlan:
     labels: tuple[str, ...]  # '[WORKDIR NAME] ' before a group member's lines, '' for a run alone
     mesh: Mesh
     row_share: tuple[int, int]  # (which share, how many) of every batch's rows this process supplies
-    data: DataConfig
     train_data: pipeline.TrainData  # the training datasets, opened
     tokenizer: Tokenizer
     tokenizer_copy: tuple[epath.Path, str] | None  # an hf: start's tokenizer file and how it was chosen
@@ -72,7 +71,6 @@ def settle(
         labels=tuple(f'[{path.name}] ' if len(paths) > 1 else '' for path in paths),
         mesh=mesh,
         row_share=sharding.row_share(mesh),
-        data=data,
         train_data=train_data,
         tokenizer=tokenizer,
         tokenizer_copy=(tokenizer_source, tokenizer_line) if tokenizer_source else None,
