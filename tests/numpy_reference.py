@@ -62,6 +62,10 @@ def _np_qk_norm(x, scale, eps):  # x: L x N x Dh; each head's vector over Dh (QK
     return x if scale is None else _np_rms(x, scale, eps)
 
 
+def _np_soft_cap(x, cap):  # cap * tanh(x / cap), or x for cap 0
+    return cap * np.tanh(x / cap) if cap else x
+
+
 def _np_value_embedding(cfg: ModelConfig, p: dict, n: int, x: np.ndarray, tokens: np.ndarray):
     """(the gate 2 sigmoid(x W_gate) (L, K, 1), table[token] (L, K, Dh)) for layer n + 1 if it has a
     value embedding, else None."""
@@ -121,7 +125,7 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
             v = v_n
         group_kv = (k, v) if n % cfg.kv_share == 0 else group_kv
         k_rep, v_rep = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # GQA by repetition here
-        s = np.einsum('inh,jnh->nij', q, k_rep) / np.sqrt(cfg.head_dim)
+        s = _np_soft_cap(np.einsum('inh,jnh->nij', q, k_rep) / np.sqrt(cfg.head_dim), cfg.attn_logits_soft_cap)
         s = np.where(np.tril(np.ones((L, L), bool)), s, -np.inf)
         att = np.exp(s - s.max(-1, keepdims=True))
         att /= att.sum(-1, keepdims=True)
@@ -140,4 +144,4 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
             trace.append((att, v, h, np.nan if ve is None else ve[0].mean()))
     x = _np_rms(h, p['final_norm']['scale'], cfg.norm_eps)
     head = p['embed'].T if cfg.tie_embeddings else p['head']
-    return (x @ head)[:, : cfg.vocab_size]
+    return _np_soft_cap((x @ head)[:, : cfg.vocab_size], cfg.final_logits_soft_cap)

@@ -63,11 +63,14 @@ def test_splash_matches_xla_in_the_model(name):
         assert rel_err(a, b) < 1e-4 if np.any(b) else not np.any(a)  # the head takes no part in hidden()
 
 
-def _split_matches_one_device(name: str, impl: str, context: int, documents: bool):
+CAPS = dict(attn_logits_soft_cap=0.5, final_logits_soft_cap=1.0)  # low: most logits are bent by them
+
+
+def _split_matches_one_device(name: str, impl: str, context: int, documents: bool, **fields):
     """The model's loss and gradients (float32, GQA) with each sequence of 2 x 256 tokens split over
     `context` devices, attention by `impl`, equal the XLA path's on one device; the split step, for
     what a test asks of its program."""
-    cfg = small_model_config(**NAMED_VARIANTS[name])
+    cfg = small_model_config(**NAMED_VARIANTS[name], **fields)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, seed=1)
     params = nnx.state(model, nnx.Param)
@@ -92,13 +95,18 @@ def _split_matches_one_device(name: str, impl: str, context: int, documents: boo
     return lambda: split.lower(params, impl)
 
 
-@pytest.mark.parametrize('name', ['vanilla', 'svformer'])
-def test_splash_on_each_part_of_a_split_sequence_matches_xla(name):
+@pytest.mark.parametrize('name, fields', [('vanilla', {}), ('svformer', CAPS)], ids=['vanilla', 'svformer-soft_caps'])
+def test_splash_on_each_part_of_a_split_sequence_matches_xla(name, fields):
     """mesh.context=2: each device runs splash on its part of the sequence (every other token), its
     rows of the causal mask, over the gathered keys and values (SVFormer's layers >= 2: V_1's whole
-    copies), with packed documents."""
-    lowered = _split_matches_one_device(name, 'splash_interpret', context=2, documents=True)
+    copies), with packed documents; with soft caps, splash's own soft cap against the XLA path's."""
+    lowered = _split_matches_one_device(name, 'splash_interpret', context=2, documents=True, **fields)
     assert 'stablehlo.case' in lowered().as_text()  # each part's own kernel
+
+
+def test_soft_capped_logits_on_a_split_sequence_are_one_devices():
+    """mesh.context=2 on the XLA path: each device caps its queries' logits over the gathered keys."""
+    _split_matches_one_device('resformer-learnable_plus', 'xla', context=2, documents=True, **CAPS)
 
 
 def test_each_part_of_a_striped_split_keeps_the_same_splash_blocks():
@@ -156,6 +164,12 @@ def test_splash_without_documents_and_multi_query():
     assert rel_err(got, want) < 1e-5
     got_bf16 = attention.attention('splash_interpret', *(x.astype(jnp.bfloat16) for x in (q, k, v)), mask, 1)
     assert rel_err(got_bf16.astype(jnp.float32), want) < 2e-2
+    # soft-capped logits (the queries scaled up so that the cap bends most of them): splash's cap is vrl's
+    capped = [attention.attention(impl, 4 * q, k, v, mask, 1, logits_cap=2.0) for impl in ('xla', 'splash_interpret')]
+    assert (
+        rel_err(capped[1], capped[0]) < 1e-5
+        and rel_err(capped[0], attention.attention('xla', 4 * q, k, v, mask, 1)) > 0.1
+    )
 
 
 def test_auto_picks_each_platforms_kernel_and_says_why_not():
@@ -187,6 +201,10 @@ def test_auto_picks_each_platforms_kernel_and_says_why_not():
     )
     assert 'splash needs data.seq_len a multiple of 128' in resolved('tpu', seq_len=200)[1][0]
     assert 'needs model.compute_dtype=bfloat16 (it is float32)' in resolved('gpu', compute_dtype='float32')[1][0]
+    assert resolved('gpu', attn_logits_soft_cap=50.0)[1][0] == (
+        'model.attention_impl=xla (auto on gpu: cuDNN attention through JAX has no logit soft cap '
+        '(model.attn_logits_soft_cap=50))'
+    )
 
 
 def test_code_that_uses_a_setting_refuses_auto_by_name():

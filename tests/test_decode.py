@@ -28,12 +28,22 @@ _CACHE_CASES = (
     {f'{name}-gqa2': (v, 2) for name, v in NAMED_VARIANTS.items()}
     | {f'{a}-{n}': (dict(attention=a), k) for a in ('vanilla', 'svformer') for n, k in (('mha', 4), ('mqa', 1))}
     | {'svformer-cla2-qk_norm-gqa2': (dict(attention='svformer', kv_share=2, qk_norm=True), 2)}
+    | {
+        'resformer-soft_caps-gqa2': (
+            dict(attention='resformer', attn_logits_soft_cap=0.5, final_logits_soft_cap=1.0),
+            2,
+        )
+    }
 )
 
 
 @pytest.mark.parametrize(
     'variant, n_kv_heads',
-    cases(_CACHE_CASES, [f'{name}-gqa2' for name in FAST_TIER[1:]] + ['vanilla-mqa', 'svformer-cla2-qk_norm-gqa2']),
+    cases(
+        _CACHE_CASES,
+        [f'{name}-gqa2' for name in FAST_TIER[1:]]
+        + ['vanilla-mqa', 'svformer-cla2-qk_norm-gqa2', 'resformer-soft_caps-gqa2'],
+    ),
 )
 def test_cached_decoding_equals_full_forward(variant, n_kv_heads):
     model = _model(n_kv_heads=n_kv_heads, **variant)

@@ -178,8 +178,15 @@ def test_bad_directories_are_named(exported, tmp_path):
         start.initial_params(f'hf:{folder}', TrainSteps(config, run.trainer.mesh), config)
 
 
-# the named variants, and QK-norm on the one whose keys are stacked apart (CLA) and whose V is V_1
-HF_VARIANTS = {**NAMED_VARIANTS, 'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True)}
+# the named variants, QK-norm on the one whose keys are stacked apart (CLA) and whose V is V_1, and soft
+# caps low enough to bend most logits
+HF_VARIANTS = {
+    **NAMED_VARIANTS,
+    'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True),
+    'resformer-soft_caps': dict(
+        attention='resformer', lambda_mode='learnable_plus', attn_logits_soft_cap=0.5, final_logits_soft_cap=1.0
+    ),
+}
 
 
 def _variant(name: str, tokenizer) -> tuple:
@@ -192,7 +199,9 @@ def _variant(name: str, tokenizer) -> tuple:
 
 @pytest.mark.parametrize(
     'name',
-    FAST_TIER if UNDER_OLDEST_TRANSFORMERS else [*variant_params(by_name=True), 'svformer-cla2-qk_norm'],
+    FAST_TIER
+    if UNDER_OLDEST_TRANSFORMERS
+    else [*variant_params(by_name=True), 'svformer-cla2-qk_norm', 'resformer-soft_caps'],
 )
 def test_every_variant_exports_and_comes_back(name, exported, tmp_path):
     run, _ = exported
@@ -246,7 +255,14 @@ def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
 
 @pytest.mark.parametrize(
     'name',
-    ['svformer-cla2', 'resformer-per_token', 'all-baselines', 'resformer-value_embeds-shared', 'svformer-cla2-qk_norm'],
+    [
+        'svformer-cla2',
+        'resformer-per_token',
+        'all-baselines',
+        'resformer-value_embeds-shared',
+        'svformer-cla2-qk_norm',
+        'resformer-soft_caps',
+    ],
 )
 def test_transformers_generate_matches_vrl_decoding(name, exported, tmp_path):
     """Greedy tokens of two left-padded prompts, through transformers' cache (every kind of cache

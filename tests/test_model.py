@@ -124,6 +124,10 @@ def test_resformer_limits_are_vanilla_and_svformer():
     assert rel_err(svformer(tokens)[..., :97], vanilla(tokens)[..., :97]) > 1e-3
 
 
+# soft caps low enough that most attention and final logits of randomize()d weights are bent by them
+CAPS = dict(attn_logits_soft_cap=0.5, final_logits_soft_cap=1.0)
+
+
 @pytest.mark.parametrize(
     'variant',
     cases(
@@ -132,8 +136,10 @@ def test_resformer_limits_are_vanilla_and_svformer():
             'vanilla-tied': dict(attention='vanilla', tie_embeddings=True),
             'resformer-qk_norm': dict(attention='resformer', lambda_mode='learnable_plus', qk_norm=True),
             'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True),
+            'resformer-soft_caps': dict(CAPS, attention='resformer', lambda_mode='learnable_plus'),
+            'svformer-qk_norm-soft_caps': dict(CAPS, attention='svformer', qk_norm=True),
         },
-        FAST_TIER + ('vanilla-tied', 'svformer-cla2-qk_norm'),
+        FAST_TIER + ('vanilla-tied', 'svformer-cla2-qk_norm', 'svformer-qk_norm-soft_caps'),
     ),
 )
 def test_matches_float64_numpy_reference(variant):
@@ -196,6 +202,7 @@ def test_v1_is_not_detached():
         (dict(lambda_mode='learned'), 'model.lambda_mode', "'identity', 'constant'"),
         (dict(attention_chunks=0), 'model.attention_chunks', 'an integer >= 1'),
         (dict(head_chunks=0), 'model.head_chunks', 'an integer >= 1'),
+        (dict(final_logits_soft_cap=-15.0), 'model.final_logits_soft_cap', 'a cap > 0, or 0 for none'),
         (dict(hand_vjp='project,flash'), 'model.hand_vjp', "'auto', 'all', 'none' or a comma-separated list of"),
         # combinations of variants that mean nothing
         (dict(attention='resformer', kv_share=2), 'model.kv_share', "1 with model.attention='resformer'"),
@@ -285,6 +292,23 @@ def test_hand_vjp_auto_resolves_per_platform():
         assert (chosen.swiglu is ops.swiglu) == ('swiglu' in names)
         assert (chosen.attention is ops.attention) == ('attention' in names)
         assert (chosen.cross_entropy_sums is ops.cross_entropy_sums) == ('cross_entropy' in names)
+
+
+@pytest.mark.parametrize('hand_vjp', ['all', 'none'])
+def test_the_training_loss_is_the_cross_entropy_of_the_logits_decoding_sees(hand_vjp):
+    """With both soft caps on, the train step's loss (the head fused with the loss, in slices) is the
+    cross-entropy of the capped logits that decoding, scoring and evaluation read (Decoder.logits)."""
+    model = Decoder(
+        small_model_config(attention='svformer', hand_vjp=hand_vjp, head_chunks=3, **CAPS), rngs=nnx.Rngs(0)
+    )
+    randomize(model, 6)
+    tokens, targets = random_tokens(30, B=2, L=9), random_tokens(31, B=2, L=9)
+    mask = jnp.ones_like(tokens).at[1, :3].set(0)
+    graphdef, params = nnx.split(model, nnx.Param)
+    loss, statistic = step.loss_sums(graphdef, params, {'inputs': tokens, 'targets': targets, 'loss_mask': mask}, 0.0)
+    log_probs = jax.nn.log_softmax(model(tokens)[..., : model.cfg.vocab_size], axis=-1)
+    want = -jnp.sum(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0] * mask)
+    assert abs(float(loss) - float(want)) / float(want) < 1e-5 and float(statistic) == pytest.approx(float(loss))
 
 
 @pytest.mark.parametrize(

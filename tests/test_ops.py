@@ -56,8 +56,13 @@ def test_project_matches_autodiff(x_shape, w_shape, n_contract):
     )
 
 
-def _plain_attention(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxLxS):
+def _capped(logits, cap: float):
+    return cap * jnp.tanh(logits / cap) if cap else logits
+
+
+def _plain_attention(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxLxS, cap: float = 0.0):
     logits = jnp.einsum('blkgd,bskd->bkgls', q_BxLxKxGxDh, k_BxSxKxDh) / math.sqrt(q_BxLxKxGxDh.shape[-1])
+    logits = _capped(logits, cap)
     probs = jax.nn.softmax(jnp.where(mask_BxLxS[:, None, None], logits, -1e30), axis=-1)
     return jnp.einsum('bkgls,bskd->blkgd', probs, v_BxSxKxDh)
 
@@ -90,6 +95,19 @@ def test_attention_matches_autodiff(kv_heads, groups, mask_name):
     mask = jnp.asarray(_masks(B, L, L)[mask_name])
     q, k, v = _normal(2, B, L, kv_heads, groups, Dh), _normal(3, B, L, kv_heads, Dh), _normal(4, B, L, kv_heads, Dh)
     _check_against_float64(ops.attention, _plain_attention, [q, k, v, mask], n_grads=3)
+
+
+@pytest.mark.parametrize('cap', [0.5, 3.0], ids=['most logits at the cap', 'some logits at the cap'])
+def test_soft_capped_attention_matches_autodiff(cap):
+    """Logits of about +-10 (inputs scaled up) capped at `cap`: the hand-written backward's slope
+    1 - (capped / cap)^2 against float64 autodiff through tanh, with document masking."""
+    B, L, Dh = 2, 7, 8
+    mask = jnp.asarray(_masks(B, L, L)['documents'])
+    q, k, v = 3 * _normal(30, B, L, 2, 3, Dh), 3 * _normal(31, B, L, 2, Dh), _normal(32, B, L, 2, Dh)
+    for op in (ops.attention, ops.plain_attention):
+        _check_against_float64(
+            lambda q, k, v: op(q, k, v, mask, cap), lambda q, k, v: _plain_attention(q, k, v, mask, cap), [q, k, v], 3
+        )
 
 
 def test_attention_over_a_longer_cache():
@@ -241,39 +259,44 @@ def test_bfloat16_residuals_are_stacked_as_they_are_on_cpu():
     assert float32_stacks('none')
 
 
-def _plain_cross_entropy_sums(x_BxLxD, w_DxV, targets_BxL, weights_BxL, vocab_size, z_loss):
-    logits = jnp.einsum('bld,dv->blv', x_BxLxD, w_DxV)[..., :vocab_size]
+def _plain_cross_entropy_sums(x_BxLxD, w_DxV, targets_BxL, weights_BxL, vocab_size, z_loss, cap: float = 0.0):
+    logits = _capped(jnp.einsum('bld,dv->blv', x_BxLxD, w_DxV)[..., :vocab_size], cap)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     cross_entropy = (log_z - jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]) * weights_BxL
     return jnp.sum(cross_entropy + z_loss * weights_BxL * log_z**2), jnp.sum(cross_entropy)
 
 
 @pytest.mark.parametrize(
-    'z_loss,chunks',
-    [(0.0, 1), (0.3, 1), (0.3, 3), (0.0, 4)],
-    ids=['no z-loss', 'z-loss', '3 slices', '4 slices (3: 4 does not divide 6)'],
+    'z_loss,chunks,cap',
+    [(0.0, 1, 0.0), (0.3, 1, 0.0), (0.3, 3, 0.0), (0.0, 4, 0.0), (0.3, 3, 2.0)],
+    ids=['no z-loss', 'z-loss', '3 slices', '4 slices (3: 4 does not divide 6)', 'soft cap 2, z-loss, 3 slices'],
 )
 @pytest.mark.parametrize('logit_scale', [1.0, 40.0], ids=['unit', 'large logits'])
-def test_cross_entropy_sums_match_autodiff(z_loss, chunks, logit_scale):
+def test_cross_entropy_sums_match_autodiff(z_loss, chunks, cap, logit_scale):
     """Head + loss: both sums and the gradients of the first against float64 autodiff, with padded
-    vocab columns (never part of the softmax, zero gradient), a random weight per token, and the
-    tokens in slices of the sequence."""
+    vocab columns (never part of the softmax, zero gradient), a random weight per token, the
+    tokens in slices of the sequence, and the logits soft-capped (the slope in the backward)."""
     B, L, D, V, vocab_size = 2, 6, 16, 24, 21
     x, w = _normal(19, B, L, D), _normal(20, D, V) * (logit_scale / math.sqrt(D))
     targets = jax.random.randint(jax.random.key(21), (B, L), 0, vocab_size)
     weights = jax.random.uniform(jax.random.key(22), (B, L)) * (jnp.arange(L) != 2)[None, :]  # one token masked out
     d_loss = 1.7  # the cotangent of the loss, as a loss scale would be
-    sums, vjp = jax.vjp(lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, vocab_size, z_loss, chunks), x, w)
+    sums, vjp = jax.vjp(
+        lambda x, w: ops.cross_entropy_sums(x, w, targets, weights, vocab_size, z_loss, chunks, cap), x, w
+    )
     dx, dw = vjp((jnp.float32(d_loss), jnp.float32(0.0)))
     with jax.enable_x64(True):
         x64, w64, weights64 = (jnp.asarray(np.asarray(a), jnp.float64) for a in (x, w, weights))
         ref_sums, ref_vjp = jax.vjp(
-            lambda x, w: _plain_cross_entropy_sums(x, w, targets, weights64, vocab_size, z_loss), x64, w64
+            lambda x, w: _plain_cross_entropy_sums(x, w, targets, weights64, vocab_size, z_loss, cap), x64, w64
         )
         ref_dx, ref_dw = ref_vjp((jnp.float64(d_loss), jnp.float64(0.0)))
+    # capped logits near +-cap: the slope 1 - tanh^2 loses float32 digits to cancellation (jax's own
+    # tanh derivative is the same formula)
+    tol = 1e-5 if cap else 2e-6
     for value, ref in zip(sums, ref_sums):
         assert abs(float(value) - float(ref)) / abs(float(ref)) < 2e-6
-    assert rel_err(dx, ref_dx) < 2e-6 and rel_err(dw, ref_dw) < 2e-6
+    assert rel_err(dx, ref_dx) < tol and rel_err(dw, ref_dw) < tol
     assert np.all(np.asarray(dw)[:, vocab_size:] == 0)
 
 

@@ -97,6 +97,10 @@ class ModelConfig:
     # QK-norm: each head's queries and keys RMS-normalised over head_dim with a learned scale (Dh,), before
     # RoPE, as Qwen3 and Gemma 3 do (nanochat's has no scale; OLMo-2 normalises all heads together)
     qk_norm: bool = False
+    # soft-capping, cap * tanh(x / cap), of the attention logits q.k / sqrt(Dh) and of the final logits, as
+    # Gemma 2 (50 and 30) and nanochat (final 15) do; 0 = off
+    attn_logits_soft_cap: float = 0.0
+    final_logits_soft_cap: float = 0.0
     vocab_size: int = 50277  # the tokenizer's vocabulary
     vocab_pad_multiple: int = 128  # the embedding is padded to this multiple for sharding
     n_layers: int = 8
@@ -150,6 +154,8 @@ class ModelConfig:
         ):
             _require(getattr(self, name) >= 1, f'model.{name}', getattr(self, name), 'an integer >= 1')
         _require(self.n_layers >= 2, 'model.n_layers', self.n_layers, 'an integer >= 2')
+        for name in ('attn_logits_soft_cap', 'final_logits_soft_cap'):
+            _require(getattr(self, name) >= 0, f'model.{name}', getattr(self, name), 'a cap > 0, or 0 for none')
         _require(
             self.n_heads % self.n_kv_heads == 0,
             'model.n_kv_heads',
@@ -280,6 +286,13 @@ class ModelConfig:
             parts.append('MQA' if self.n_kv_heads == 1 else f'GQA{self.n_heads // self.n_kv_heads}')
         if self.qk_norm:
             parts.append('QK-norm')
+        if self.attn_logits_soft_cap or self.final_logits_soft_cap:
+            caps = [
+                f'{what} {cap:g}'
+                for what, cap in (('attention', self.attn_logits_soft_cap), ('final', self.final_logits_soft_cap))
+                if cap
+            ]
+            parts.append(f'logits capped ({", ".join(caps)})')
         return ' + '.join(parts)
 
     @property

@@ -92,6 +92,8 @@ def is_llama(cfg: ModelConfig) -> bool:
         or cfg.kv_share > 1
         or cfg.value_embed_layers
         or cfg.qk_norm
+        or cfg.attn_logits_soft_cap
+        or cfg.final_logits_soft_cap
     )
 
 
@@ -193,6 +195,11 @@ def _zeros(shapes: Any) -> Any:
 
 
 VRL_FIELDS = (*VARIANT_FIELDS, 'qk_norm')  # what a VrlForCausalLM's config.json adds to Llama's, same names
+# and under transformers' names (Gemma 2's; None: off), config.json key -> vrl model field
+_SOFT_CAP_FIELDS = {
+    'attn_logit_softcapping': 'attn_logits_soft_cap',
+    'final_logit_softcapping': 'final_logits_soft_cap',
+}
 _LLAMA_FIELDS = {  # Hugging Face config.json key -> vrl model field
     'hidden_size': 'd_model',
     'intermediate_size': 'd_ff',
@@ -226,6 +233,7 @@ def hf_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dic
     if is_llama(cfg):
         return {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **config}
     variant = {field: _jsonable(getattr(cfg, field)) for field in VRL_FIELDS}
+    variant.update({key: getattr(cfg, field) or None for key, field in _SOFT_CAP_FIELDS.items()})
     return {
         'architectures': ['VrlForCausalLM'],
         'model_type': 'vrl',
@@ -343,6 +351,13 @@ def _check_config(hf: dict, folder: Path, cfg: ModelConfig) -> None:
             if theirs != _jsonable(getattr(cfg, field)):
                 raise HFError(
                     f'{folder} has {field}={theirs!r} but the config has model.{field}='
+                    f'{getattr(cfg, field)!r}; set --config.model.{field}={theirs!r}.'
+                )
+        for key, field in _SOFT_CAP_FIELDS.items():
+            theirs = hf.get(key) or 0.0
+            if theirs != getattr(cfg, field):
+                raise HFError(
+                    f'{folder} has {key}={hf.get(key)!r} but the config has model.{field}='
                     f'{getattr(cfg, field)!r}; set --config.model.{field}={theirs!r}.'
                 )
     if hf['vocab_size'] > cfg.vocab_size:

@@ -8,7 +8,8 @@
   shorter than 512 and a multiple of 128). Chosen off TPU, it runs in Pallas' interpreter
   (it becomes `splash_interpret`): slow, for checking numerics on CPU.
 - cudnn: jax.nn.dot_product_attention(implementation='cudnn') on NVIDIA GPUs: causal, GQA,
-  bfloat16. cuDNN through JAX takes no segment ids, so document masking falls back to xla.
+  bfloat16. cuDNN through JAX takes no segment ids and no logit soft cap, so document masking and
+  model.attn_logits_soft_cap fall back to xla.
   Tests on CPU run the same calls with JAX's reference for them (DOT_PRODUCT_ATTENTION = 'xla').
 - auto (the default): splash on TPU, cudnn on GPU where it can serve the config, else xla;
   resolved by vrl/model/resolve.py, which logs the choice and its reason. The code here takes only
@@ -18,7 +19,8 @@ With the mesh's `context` axis above 1 (context parallelism, docs/scaling-out.md
 gathers the whole sequence's keys and values and every implementation attends with the device's
 share of the queries over them (`_context_parallel`).
 
-Value residual only changes V, so every variant runs on every implementation. Decoding (a KV
+model.attn_logits_soft_cap caps q.k / sqrt(Dh) in the XLA path and in splash (its
+attn_logits_soft_cap). Value residual only changes V, so every variant runs on every implementation. Decoding (a KV
 cache) and vrl.experiments.analyze's attention statistics always take the XLA path, which works everywhere.
 """
 
@@ -96,6 +98,9 @@ def why_not(
             return f'cuDNN attention needs head_dim a multiple of 8 and at most 128 (it is {cfg.head_dim})'
         if document_masking:
             return 'cuDNN attention through JAX takes no segment ids (data.document_masking=True)'
+        if cfg.attn_logits_soft_cap:
+            cap = cfg.attn_logits_soft_cap
+            return f'cuDNN attention through JAX has no logit soft cap (model.attn_logits_soft_cap={cap:g})'
         if context > 1 and seq_len // context % (2 * cfg.attention_chunks):  # even chunks: cuDNN trains with a
             # mask (a bias) on even lengths only
             return (
@@ -137,12 +142,15 @@ def attention(
     causal_chunks: int,
     xla_attention: Callable[..., Array] = ops.attention,
     copies: Copies | None = None,
+    logits_cap: float = 0.0,
 ) -> Array:
     """Softmax attention (B, L, H, Dh) of training (a `Causal` mask) or of an explicit (B, L, S) one,
     by `impl` (a resolved one: xla, splash, splash_interpret or cudnn); an explicit mask always takes
     the XLA path, which computes each query chunk with `xla_attention` (vrl.model.ops' attention,
     hand-written backward or autodiff). With sequences split over `context`, `copies` of the keys or
-    values (made once for the layers that share them) stand in for gathering them."""
+    values (made once for the layers that share them) stand in for gathering them. The logits
+    q.k / sqrt(Dh) are soft-capped at `logits_cap` (0: not capped; cudnn takes none)."""
+    attend = functools.partial(xla_attention, logits_cap=logits_cap) if logits_cap else xla_attention
     if impl == 'auto' and isinstance(mask, Causal):
         raise ConfigError(
             "model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
@@ -157,23 +165,23 @@ def attention(
             v_BxSxKxDh,
             mask.segment_ids_BxL,
             causal_chunks,
-            xla_attention,
+            attend,
             copies or Copies(None, None),
+            logits_cap,
         )
     # cuDNN through JAX takes no segment ids: packed sequences (vrl.tools.evaluate's) take the XLA path
     if impl == 'xla' or not isinstance(mask, Causal) or (impl == 'cudnn' and mask.segment_ids_BxL is not None):
         B, L = q_BxLxHxDh.shape[:2]
         dense = mask.dense(B, L) if isinstance(mask, Causal) else mask
-        return _xla(
-            q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1, xla_attention
-        )
+        return _xla(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1, attend)
     if impl == 'cudnn':
+        assert not logits_cap, 'cuDNN takes no logit soft cap (why_not)'
         return jax.nn.dot_product_attention(
             q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, is_causal=True, implementation=DOT_PRODUCT_ATTENTION
         )
     interpret = impl == 'splash_interpret'
     return _per_shard(
-        lambda q, k, v, ids: _splash(q, k, v, ids, ids, interpret),
+        lambda q, k, v, ids: _splash(q, k, v, ids, ids, interpret, logits_cap=logits_cap),
         q_BxLxHxDh,
         k_BxSxKxDh,
         v_BxSxKxDh,
@@ -246,6 +254,7 @@ def _context_parallel(
     query_chunks: int,
     xla_attention: Callable[..., Array],
     copies: Copies,
+    logits_cap: float,
 ) -> Array:
     """Causal attention with each sequence split over the mesh's `context` axis (L is the whole
     sequence here, in `balanced_order`; a device holds P = L / c of it): each device keeps its queries
@@ -277,7 +286,8 @@ def _context_parallel(
         if impl.startswith('splash'):
             interpret = impl == 'splash_interpret'
             kernels = [
-                functools.partial(_splash, interpret=interpret, causal=_StripedRows(i, parts, L)) for i in range(parts)
+                functools.partial(_splash, interpret=interpret, causal=_StripedRows(i, parts, L), logits_cap=logits_cap)
+                for i in range(parts)
             ]
             return jax.lax.switch(part, kernels, q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxP, ids_whole_BxL)
         k_seq, v_seq = _in_sequence(k_BxLxKxDh, parts), _in_sequence(v_BxLxKxDh, parts)
@@ -378,9 +388,11 @@ def _splash(
     ids_BxS: Array | None,
     interpret: bool,
     causal: splash_mask.Mask | None = None,
+    logits_cap: float = 0.0,
 ) -> Array:
     """Causal splash attention of L queries over S keys (`causal`, (L, S): default the plain causal
-    mask, L = S), heads-major inside; q is scaled by 1/sqrt(Dh) here (splash does not)."""
+    mask, L = S), heads-major inside; q is scaled by 1/sqrt(Dh) here (splash does not), and the
+    logits soft-capped at `logits_cap` (0: not capped) by splash."""
     B, L, H, Dh = q_BxLxHxDh.shape
     S = k_BxSxKxDh.shape[1]
     block_q, block_kv = min(SPLASH_BLOCK, L), min(SPLASH_BLOCK, S)
@@ -395,7 +407,14 @@ def _splash(
         block_kv_dq=block_kv,
     )
     mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((L, S)) if causal is None else causal] * H)
-    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    kernel = splash.make_splash_mha(
+        mask,
+        block_sizes=sizes,
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=interpret,
+        attn_logits_soft_cap=logits_cap or None,
+    )
     q_BxHxLxDh = (q_BxLxHxDh * (1 / math.sqrt(Dh))).transpose(0, 2, 1, 3)
     k_BxKxSxDh, v_BxKxSxDh = k_BxSxKxDh.transpose(0, 2, 1, 3), v_BxSxKxDh.transpose(0, 2, 1, 3)
     if ids_BxL is None:

@@ -281,9 +281,10 @@ class Block(nnx.Module):
                 self.cfg.attention_chunks,
                 self.attn.ops.attention,
                 copies,
+                self.cfg.attn_logits_soft_cap,
             )
         else:  # the cache's (B * K, S, Dh) slots as they lie
-            o_BxLxHxDh = ops.attend_cache(q_BxLxHxDh, keys, values, mask)
+            o_BxLxHxDh = ops.attend_cache(q_BxLxHxDh, keys, values, mask, self.cfg.attn_logits_soft_cap)
         if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V)
             o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_BxLxKxDh), o_BxLxHxDh.shape)
         h_BxLxD = s.h + self.attn.output(o_BxLxHxDh)
@@ -292,7 +293,9 @@ class Block(nnx.Module):
         if record:
             B, L = q_BxLxHxDh.shape[:2]
             dense_BxLxS = mask.dense(B, L) if isinstance(mask, Causal) else mask
-            stats = layer_stats.attention_stats(q_BxLxHxDh, keys, values, dense_BxLxS, scale_BxLxKx1)
+            stats = layer_stats.attention_stats(
+                q_BxLxHxDh, keys, values, dense_BxLxS, scale_BxLxKx1, self.cfg.attn_logits_soft_cap
+            )
         return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), copies, cache, stats
 
     def copies(
@@ -585,6 +588,8 @@ class Decoder(nnx.Module):
         return head_DxV.astype(self.compute_dtype)
 
     def logits(self, x_BxLxD: Array) -> Array:
-        logits_BxLxV = ops.project(x_BxLxD, self.head_DxV(), 1, jnp.float32)
+        logits_BxLxV = ops.soft_cap(
+            ops.project(x_BxLxD, self.head_DxV(), 1, jnp.float32), self.cfg.final_logits_soft_cap
+        )
         is_real_V = jnp.arange(logits_BxLxV.shape[-1]) < self.cfg.vocab_size
         return constrain(jnp.where(is_real_V, logits_BxLxV, -1e30), (Axis.BATCH, Axis.LENGTH, Axis.VOCAB))

@@ -22,6 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from vrl.model import ops
+
 Array = jax.Array
 
 
@@ -46,13 +48,14 @@ class LayerStats(NamedTuple):
     similarity: Array
 
 
-def attention_probs(q_BxLxHxDh: Array, k_BxSxKxDh: Array, mask_BxLxS: Array) -> Array:
-    """Softmax attention (float32) averaged over the H query heads: (B, L, S)."""
+def attention_probs(q_BxLxHxDh: Array, k_BxSxKxDh: Array, mask_BxLxS: Array, logits_cap: float) -> Array:
+    """Softmax attention (float32; the logits soft-capped at `logits_cap`, 0: not capped) averaged
+    over the H query heads: (B, L, S)."""
     B, L, H, Dh = q_BxLxHxDh.shape
     K = k_BxSxKxDh.shape[2]
     q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, H // K, Dh).astype(jnp.float32)
     logits_BxKxGxLxS = jnp.einsum('blkgd,bskd->bkgls', q_BxLxKxGxDh, k_BxSxKxDh.astype(jnp.float32)) / math.sqrt(Dh)
-    logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], logits_BxKxGxLxS, -jnp.inf)
+    logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], ops.soft_cap(logits_BxKxGxLxS, logits_cap), -jnp.inf)
     return jnp.mean(jax.nn.softmax(logits_BxKxGxLxS, axis=-1), axis=(1, 2))
 
 
@@ -85,10 +88,16 @@ def first_and_rest_norms(x_BxLx___: Array) -> tuple[Array, Array]:
 
 
 def attention_stats(
-    q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array, value_gate_BxLxKx1: Array | None
+    q_BxLxHxDh: Array,
+    k_BxSxKxDh: Array,
+    v_BxSxKxDh: Array,
+    mask_BxLxS: Array,
+    value_gate_BxLxKx1: Array | None,
+    logits_cap: float,
 ) -> AttentionStats:
-    """The attention statistics; value_gate_BxLxKx1 is the layer's value-embedding gate (None: none)."""
-    probs_BxLxS = attention_probs(q_BxLxHxDh, k_BxSxKxDh, mask_BxLxS)
+    """The attention statistics; value_gate_BxLxKx1 is the layer's value-embedding gate (None: none),
+    `logits_cap` the model's attention soft cap (0: none)."""
+    probs_BxLxS = attention_probs(q_BxLxHxDh, k_BxSxKxDh, mask_BxLxS, logits_cap)
     B = q_BxLxHxDh.shape[0]
     gate_B = (
         jnp.full((B,), jnp.nan, jnp.float32)

@@ -21,6 +21,9 @@ HAND_VJP_BY_PLATFORM says what each backend runs.
   batch and heads leading, and the products that contract over queries transpose the small
   (L, Dh) operand rather than the (L, S) matrix.
 - `swiglu`: keeps gate and up for the backward instead of four (L, d_ff) intermediates.
+- Soft-capping (`soft_cap`: cap * tanh(x / cap), Gemma 2's, off at cap 0) of the attention logits
+  and of the final logits enters each backward as its slope 1 - (capped / cap)^2, from the
+  capped logits that backward has at hand.
 - `cross_entropy_sums` (head + loss): the loss is a scalar, so when it is differentiated its
   forward pass computes d loss / d logits while the (B, L, V) logits are at hand and runs both
   head matmuls of the backward right there; the backward only scales the two gradients by the
@@ -52,6 +55,17 @@ from vrl.core.sharding import Axis, constrain, context_parts
 Array = jax.Array
 
 _MASKED = -1e30  # the logit of a key a query may not see
+
+
+def soft_cap(logits: Array, cap: float) -> Array:
+    """cap * tanh(logits / cap), elementwise; the logits as they are for cap 0 (off)."""
+    return cap * jnp.tanh(logits / cap) if cap else logits
+
+
+def _through_soft_cap(d_capped: Array, capped: Array, cap: float) -> Array:
+    """The gradient d_capped of soft_cap's output taken back to its input: times the slope
+    1 - (capped / cap)^2 (d_capped itself for cap 0)."""
+    return d_capped * (1 - jnp.square(capped / cap)) if cap else d_capped
 
 
 def _pinned(x: Array, pin: bool = True) -> Array:
@@ -148,23 +162,30 @@ def _project_grads(x: Array, w: Array, n_contract: int, dy: Array) -> tuple[Arra
 project.defvjp(_project_fwd, _project_bwd)
 
 
-def plain_attention(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array) -> Array:
-    """Softmax attention of grouped query heads over their kv head -> (B, L, K, G, Dh).
+def plain_attention(
+    q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array, logits_cap: float = 0.0
+) -> Array:
+    """Softmax attention of grouped query heads over their kv head -> (B, L, K, G, Dh), the logits
+    q.k / sqrt(Dh) soft-capped at `logits_cap` (0: not capped).
 
     Logits and softmax are float32. A query whose keys are all masked attends uniformly.
     """
-    out_BxKxGxLxDh, _ = _attend(*_heads_major(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, pin=False), mask_BxLxS)
+    q, k, v = _heads_major(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, pin=False)
+    out_BxKxGxLxDh, _ = _attend(q, k, v, mask_BxLxS, logits_cap)
     return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4)
 
 
-attention = jax.custom_vjp(plain_attention)
+attention = jax.custom_vjp(plain_attention, nondiff_argnums=(4,))
 
 
-def attend_cache(q_BxLxHxDh: Array, k_NxSxDh: Array, v_NxSxDh: Array, mask_BxLxS: Array) -> Array:
+def attend_cache(
+    q_BxLxHxDh: Array, k_NxSxDh: Array, v_NxSxDh: Array, mask_BxLxS: Array, logits_cap: float = 0.0
+) -> Array:
     """Attention over a KV cache's slots, rows N = B * K (sequence-major), forward only -> (B, L, H, Dh).
 
     Every matmul reads a slot as it lies, with no unit axis for XLA to drop: XLA:CPU transposed
-    or copied a (B, K, S, Dh) slot whenever the batch was 1.
+    or copied a (B, K, S, Dh) slot whenever the batch was 1. The logits are soft-capped at
+    `logits_cap` as `attention`'s are.
     """
     B, L, H, Dh = q_BxLxHxDh.shape
     N, S = k_NxSxDh.shape[:2]
@@ -173,7 +194,8 @@ def attend_cache(q_BxLxHxDh: Array, k_NxSxDh: Array, v_NxSxDh: Array, mask_BxLxS
     logits_NxQxS = jnp.einsum(
         'nqd,nsd->nqs', q_BxKxGxLxDh.reshape(N, -1, Dh), k_NxSxDh, preferred_element_type=jnp.float32
     )
-    logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], logits_NxQxS.reshape(B, K, -1, L, S), _MASKED)
+    capped_BxKxGxLxS = soft_cap(logits_NxQxS.reshape(B, K, -1, L, S), logits_cap)
+    logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], capped_BxKxGxLxS, _MASKED)
     probs_NxQxS = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(v_NxSxDh.dtype).reshape(N, -1, S)
     out_NxQxDh = jnp.einsum('nqs,nsd->nqd', probs_NxQxS, v_NxSxDh, preferred_element_type=jnp.float32)
     return out_NxQxDh.astype(v_NxSxDh.dtype).reshape(B, K, -1, L, Dh).transpose(0, 3, 1, 2, 4).reshape(B, L, H, Dh)
@@ -194,9 +216,10 @@ def _heads_major(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, pin:
     )
 
 
-def _logits(q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, mask_BxLxS: Array) -> Array:
+def _logits(q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, mask_BxLxS: Array, cap: float) -> Array:
+    """The float32 logits, soft-capped at `cap`, _MASKED where the mask hides a key."""
     logits_BxKxGxLxS = jnp.einsum('bkgld,bksd->bkgls', q_BxKxGxLxDh, k_BxKxSxDh, preferred_element_type=jnp.float32)
-    return jnp.where(mask_BxLxS[:, None, None], logits_BxKxGxLxS, _MASKED)
+    return jnp.where(mask_BxLxS[:, None, None], soft_cap(logits_BxKxGxLxS, cap), _MASKED)
 
 
 def _probs(logits_BxKxGxLxS: Array, max_BxKxGxLx1: Array, sum_BxKxGxLx1: Array) -> Array:
@@ -204,10 +227,10 @@ def _probs(logits_BxKxGxLxS: Array, max_BxKxGxLx1: Array, sum_BxKxGxLx1: Array) 
 
 
 def _attend(
-    q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, mask_BxLxS: Array
+    q_BxKxGxLxDh: Array, k_BxKxSxDh: Array, v_BxKxSxDh: Array, mask_BxLxS: Array, cap: float
 ) -> tuple[Array, tuple[Array, Array]]:
     """(output (B, K, G, L, Dh), the float32 max and sum (B, K, G, L, 1) of each query's softmax)."""
-    logits_BxKxGxLxS = _logits(q_BxKxGxLxDh, k_BxKxSxDh, mask_BxLxS)
+    logits_BxKxGxLxS = _logits(q_BxKxGxLxDh, k_BxKxSxDh, mask_BxLxS, cap)
     max_BxKxGxLx1 = jnp.max(logits_BxKxGxLxS, axis=-1, keepdims=True)
     sum_BxKxGxLx1 = jnp.sum(jnp.exp(logits_BxKxGxLxS - max_BxKxGxLx1), axis=-1, keepdims=True)
     probs = _probs(logits_BxKxGxLxS, max_BxKxGxLx1, sum_BxKxGxLx1).astype(v_BxKxSxDh.dtype)
@@ -216,25 +239,32 @@ def _attend(
     return out_BxKxGxLxDh.astype(v_BxKxSxDh.dtype), (max_BxKxGxLx1, sum_BxKxGxLx1)
 
 
-def _attention_fwd(q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array):
+def _attention_fwd(
+    q_BxLxKxGxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, mask_BxLxS: Array, logits_cap: float = 0.0
+):
     q, k, v = _heads_major(q_BxLxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, pin=True)
-    out_BxKxGxLxDh, softmax_stats = _attend(q, k, v, mask_BxLxS)
+    out_BxKxGxLxDh, softmax_stats = _attend(q, k, v, mask_BxLxS, logits_cap)
     return out_BxKxGxLxDh.transpose(0, 3, 1, 2, 4), _as_bits((q, k, v, mask_BxLxS, out_BxKxGxLxDh, softmax_stats))
 
 
-def _attention_bwd(residuals, d_out_BxLxKxGxDh: Array):
+def _attention_bwd(logits_cap: float, residuals, d_out_BxLxKxGxDh: Array):
     """Recomputes the probabilities P exactly as the forward did; dV = P^T dO, dP = dO V^T,
-    dlogits = P * (dP - <dO, O>) where unmasked (0 where masked), dQ = dlogits K and
-    dK = dlogits^T Q. dV and dK transpose their small operand (dO, Q), not the (L, S) matrix."""
+    dlogits = P * (dP - <dO, O>) * the soft cap's slope where unmasked (0 where masked),
+    dQ = dlogits K and dK = dlogits^T Q. dV and dK transpose their small operand (dO, Q), not
+    the (L, S) matrix."""
     q, k, v, mask_BxLxS, out_BxKxGxLxDh, (max_BxKxGxLx1, sum_BxKxGxLx1) = _from_bits(residuals)
     B, K, G, L, Dh = q.shape
-    probs_BxKxGxLxS = _probs(_logits(q, k, mask_BxLxS), max_BxKxGxLx1, sum_BxKxGxLx1)
+    logits_BxKxGxLxS = _logits(q, k, mask_BxLxS, logits_cap)
+    probs_BxKxGxLxS = _probs(logits_BxKxGxLxS, max_BxKxGxLx1, sum_BxKxGxLx1)
     d_out_BxKxGxLxDh = _pinned(d_out_BxLxKxGxDh.transpose(0, 2, 3, 1, 4))
     d_probs = jnp.einsum('bkgld,bksd->bkgls', d_out_BxKxGxLxDh.astype(v.dtype), v, preferred_element_type=jnp.float32)
     row_BxKxGxLx1 = jnp.sum(
         d_out_BxKxGxLxDh.astype(jnp.float32) * out_BxKxGxLxDh.astype(jnp.float32), axis=-1, keepdims=True
     )
-    d_logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], probs_BxKxGxLxS * (d_probs - row_BxKxGxLx1), 0.0)
+    d_capped_BxKxGxLxS = probs_BxKxGxLxS * (d_probs - row_BxKxGxLx1)
+    d_logits_BxKxGxLxS = jnp.where(
+        mask_BxLxS[:, None, None], _through_soft_cap(d_capped_BxKxGxLxS, logits_BxKxGxLxS, logits_cap), 0.0
+    )
     d_q_BxKxGxLxDh = jnp.einsum(
         'bkgls,bksd->bkgld', d_logits_BxKxGxLxS.astype(q.dtype), k, preferred_element_type=jnp.float32
     ) * (1 / math.sqrt(Dh))
@@ -283,9 +313,17 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def plain_cross_entropy_sums(
-    x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int, z_loss: float, chunks: int
+    x_BxLxD: Array,
+    w_DxV: Array,
+    targets_BxL: Array,
+    weights_BxL: Array,
+    vocab_size: int,
+    z_loss: float,
+    chunks: int,
+    logits_cap: float = 0.0,
 ) -> tuple[Array, Array]:
-    """Logits x @ w (float32), and over tokens t with weight w_t (float32, e.g. a 0/1 loss mask):
+    """Logits x @ w (float32, soft-capped at `logits_cap`; 0: not capped), and over tokens t with
+    weight w_t (float32, e.g. a 0/1 loss mask):
 
         (sum_t w_t * (CE_t + z_loss * logZ_t^2),  sum_t w_t * CE_t)
 
@@ -300,7 +338,7 @@ def plain_cross_entropy_sums(
 
     @jax.checkpoint
     def chunk_sums(x_BxCxD, w_DxV, targets_BxC, weights_BxC):
-        return _cross_entropy(x_BxCxD, w_DxV, targets_BxC, weights_BxC, vocab_size, z_loss)[0]
+        return _cross_entropy(x_BxCxD, w_DxV, targets_BxC, weights_BxC, vocab_size, z_loss, logits_cap)[0]
 
     def chunk(sums, x_BxCxD, targets_BxC, weights_BxC):
         return _added(sums, chunk_sums(x_BxCxD, w_DxV, targets_BxC, weights_BxC)), None
@@ -309,7 +347,7 @@ def plain_cross_entropy_sums(
     return loss, jax.lax.stop_gradient(statistic)
 
 
-cross_entropy_sums = jax.custom_vjp(plain_cross_entropy_sums, nondiff_argnums=(4, 5, 6))
+cross_entropy_sums = jax.custom_vjp(plain_cross_entropy_sums, nondiff_argnums=(4, 5, 6, 7))
 
 
 def _padding_repeats_column_0(w_DxV: Array, vocab_size: int) -> Array:
@@ -348,12 +386,13 @@ def _added(sums: tuple[Array, ...], more: tuple[Array, ...]) -> tuple[Array, ...
 
 
 def _cross_entropy(
-    x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int, z_loss: float
+    x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int, z_loss: float, cap: float
 ):
-    """The two sums, and (exp(logits - max) (B, L, V) with 0 for padding, its sum, logZ); w's
-    padding columns repeat column 0 (`_padding_repeats_column_0`)."""
+    """The two sums, and (exp(logits - max) (B, L, V) with 0 for padding, its sum, logZ, the
+    logits soft-capped at `cap`); w's padding columns repeat column 0 (`_padding_repeats_column_0`)."""
     is_real_V = jnp.arange(w_DxV.shape[-1]) < vocab_size
-    logits_BxLxV = constrain(_project_fwd(x_BxLxD, w_DxV, 1, jnp.float32)[0], (Axis.BATCH, Axis.LENGTH, Axis.VOCAB))
+    logits_BxLxV = soft_cap(_project_fwd(x_BxLxD, w_DxV, 1, jnp.float32)[0], cap)
+    logits_BxLxV = constrain(logits_BxLxV, (Axis.BATCH, Axis.LENGTH, Axis.VOCAB))
     max_BxLx1 = jnp.max(logits_BxLxV, axis=-1, keepdims=True)
     exp_BxLxV = jnp.exp(logits_BxLxV + jnp.where(is_real_V, 0.0, -jnp.inf)[None, None, :] - max_BxLx1)
     sum_BxLx1 = jnp.sum(exp_BxLxV, axis=-1, keepdims=True)
@@ -361,25 +400,34 @@ def _cross_entropy(
     target_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
     cross_entropy_BxL = (log_z_BxL - target_BxL) * weights_BxL
     sums = (jnp.sum(cross_entropy_BxL + z_loss * weights_BxL * jnp.square(log_z_BxL)), jnp.sum(cross_entropy_BxL))
-    return sums, (exp_BxLxV, sum_BxLx1, log_z_BxL)
+    return sums, (exp_BxLxV, sum_BxLx1, log_z_BxL, logits_BxLxV)
 
 
 def _cross_entropy_fwd(
-    x_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, vocab_size: int, z_loss: float, chunks: int
+    x_BxLxD: Array,
+    w_DxV: Array,
+    targets_BxL: Array,
+    weights_BxL: Array,
+    vocab_size: int,
+    z_loss: float,
+    chunks: int,
+    logits_cap: float = 0.0,
 ):
     """Per slice of the positions, d loss / d logits = w_t * ((1 + 2 z_loss logZ_t) softmax_t -
-    onehot(target_t)), then the head's backward (vrl.model.ops.project's) on it, the weight gradient
-    summed over slices in float32: the residuals are the gradients for a cotangent of 1."""
+    onehot(target_t)) (times the soft cap's slope), then the head's backward (vrl.model.ops.project's)
+    on it, the weight gradient summed over slices in float32: the residuals are the gradients for a
+    cotangent of 1."""
     real_w_DxV = _padding_repeats_column_0(w_DxV, vocab_size)
 
     def chunk(carry, x_BxCxD, targets_BxC, weights_BxC):
         sums, d_w_DxV = carry
-        chunk_sums, (exp_BxCxV, sum_BxCx1, log_z_BxC) = _cross_entropy(
-            x_BxCxD, real_w_DxV, targets_BxC, weights_BxC, vocab_size, z_loss
+        chunk_sums, (exp_BxCxV, sum_BxCx1, log_z_BxC, logits_BxCxV) = _cross_entropy(
+            x_BxCxD, real_w_DxV, targets_BxC, weights_BxC, vocab_size, z_loss, logits_cap
         )
         row_BxCx1 = (weights_BxC * (1 + 2 * z_loss * log_z_BxC))[..., None] / sum_BxCx1
         is_target_BxCxV = jnp.arange(exp_BxCxV.shape[-1])[None, None, :] == targets_BxC[..., None]
-        d_logits_BxCxV = exp_BxCxV * row_BxCx1 - jnp.where(is_target_BxCxV, weights_BxC[..., None], 0.0)
+        d_capped_BxCxV = exp_BxCxV * row_BxCx1 - jnp.where(is_target_BxCxV, weights_BxC[..., None], 0.0)
+        d_logits_BxCxV = _through_soft_cap(d_capped_BxCxV, logits_BxCxV, logits_cap)
         d_x_BxCxD, chunk_d_w_DxV = _project_grads(x_BxCxD, real_w_DxV, 1, d_logits_BxCxV)
         return (_added(sums, chunk_sums), d_w_DxV + chunk_d_w_DxV), d_x_BxCxD
 
@@ -388,8 +436,8 @@ def _cross_entropy_fwd(
     return sums, (d_x_BxLxD, d_w_DxV.astype(w_DxV.dtype))
 
 
-def _cross_entropy_bwd(vocab_size: int, z_loss: float, chunks: int, residuals, d_sums):
-    del vocab_size, z_loss, chunks
+def _cross_entropy_bwd(vocab_size: int, z_loss: float, chunks: int, logits_cap: float, residuals, d_sums):
+    del vocab_size, z_loss, chunks, logits_cap
     d_x, d_w = residuals
     d_loss = d_sums[0]
     return (d_loss * d_x).astype(d_x.dtype), (d_loss * d_w).astype(d_w.dtype), None, None

@@ -54,6 +54,7 @@ def loss_sums(
         model.cfg.vocab_size,
         z_loss,
         model.cfg.head_chunks,
+        model.cfg.final_logits_soft_cap,
     )
 
 

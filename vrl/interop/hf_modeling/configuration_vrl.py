@@ -2,7 +2,8 @@
 
 Llama's fields for the decoder's shape, plus vrl's own (vrl/core/config.py's ModelConfig, same names):
 attention (vanilla | resformer | svformer), lambda_mode, lambda1, lambda2, sparse_layers,
-neutreno, neutreno_lambda, denseformer, kv_share, value_embed_layers, value_embed_tables, qk_norm.
+neutreno, neutreno_lambda, denseformer, kv_share, value_embed_layers, value_embed_tables, qk_norm; and
+the soft caps under Gemma 2's names, attn_logit_softcapping and final_logit_softcapping (None: off).
 This file and modeling_vrl.py need torch and transformers only, not vrl.
 """
 
@@ -40,6 +41,8 @@ class VrlConfig(PreTrainedConfig):
         value_embed_layers: tuple[int, ...] = (),
         value_embed_tables: tuple[int, ...] = (),
         qk_norm: bool = False,
+        attn_logit_softcapping: float | None = None,
+        final_logit_softcapping: float | None = None,
         initializer_range: float = 0.02,
         use_cache: bool = True,
         **kwargs,
@@ -56,6 +59,7 @@ class VrlConfig(PreTrainedConfig):
         self.kv_share = kv_share
         self.value_embed_layers, self.value_embed_tables = list(value_embed_layers), list(value_embed_tables)
         self.qk_norm = qk_norm
+        self.attn_logit_softcapping, self.final_logit_softcapping = attn_logit_softcapping, final_logit_softcapping
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def key_owner(self, layer: int) -> int:

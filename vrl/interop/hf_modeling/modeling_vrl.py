@@ -11,6 +11,9 @@ variants changes one thing, as in vrl/model/decoder.py:
 - what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended));
 - how block outputs combine into the next block's input (DenseFormer's depth weights).
 
+The recipe around them: QK-norm, and soft-capping (cap * tanh(x / cap)) of the attention logits and
+the final logits, Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`.
+
 The KV cache is transformers' DynamicCache with one entry per layer: keys and values, keys only
 (SVFormer's layers >= 2: their values are V_1, cached once by layer 1), or nothing (CLA layers
 that borrow their group's). Shapes: B batch, T new tokens, S cached + new tokens, D hidden,
@@ -34,6 +37,23 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .configuration_vrl import VrlConfig
 
 VALUE_EMBED_GATE_SCALE = 2.0  # gate = 2 sigmoid(x W): 1 at W = 0
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap); x as it is without a cap."""
+    return cap * torch.tanh(x / cap) if cap else x
+
+
+def attend(q, keys, values, mask_Bx1xTxS, logits_cap: float | None) -> torch.Tensor:
+    """Softmax attention (B, H, T, Dh) of q (B, H, T, Dh) over GQA keys and values (B, K, S, Dh):
+    PyTorch's fused attention, or with the logits soft-capped, written out (float32 softmax)."""
+    if not logits_cap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_Bx1xTxS, enable_gqa=True)
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    logits = soft_cap((q @ keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5, logits_cap)
+    probs = torch.softmax(logits.masked_fill(~mask_Bx1xTxS, float('-inf')), dim=-1)
+    return probs.to(values.dtype) @ values
 
 
 # The field of transformers' model outputs that holds the cache: `cache` from 5.24 on, `past_key_values` before.
@@ -191,7 +211,7 @@ class VrlAttention(nn.Module):
             cache.update(k, v, self.layer)  # each entry keeps what its kind holds (shape_cache)
             keys = cache.layers[self.config.key_owner(self.layer)].keys
             values = cache.layers[self.config.value_owner(self.layer)].values
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_Bx1xTxS, enable_gqa=True)
+        o = attend(q, keys, values, mask_Bx1xTxS, self.config.attn_logit_softcapping)
         if self.config.neutreno and v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V), per query head
             o = o + self.config.neutreno_lambda * (v1 - v).repeat_interleave(self.heads // self.kv_heads, dim=1)
         B, _, T, _ = o.shape
@@ -329,7 +349,9 @@ class VrlForCausalLM(VrlPreTrainedModel, GenerationMixin):
         h, cache = self.model(
             input_ids, attention_mask, position_ids, past_key_values if cache is None else cache, use_cache
         )
-        logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float()
+        logits = soft_cap(
+            self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float(), self.config.final_logit_softcapping
+        )
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
