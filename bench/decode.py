@@ -2,6 +2,7 @@
 
     python bench/decode.py [--size 82m] [--contexts 512,2048,8192] [--batches 1,8] [--new_tokens 16]
                            [--variants vanilla,resformer,svformer]   (vrl/model/presets.py names)
+                           [--window 1024 --global_layers 4,8]       (local/global attention)
 
 The cache is filled with random keys and values up to the context (prefill is not timed:
 each decode step reads the whole cache, which is what the context length changes). Compute
@@ -15,6 +16,10 @@ layers read it: each layer reads a key and a value slot, so a slot that several 
 (SVFormer's V_1, CLA's groups) is read once per layer. Layers run one after the other, so no
 decode step reads less; where the cache outgrows the CPU's caches, `of reads` is the column that
 says how close a step is to memory speed, and the stored bytes (`of bound`) say what fits.
+
+`formula MiB`: vrl.model.accounting.kv_cache_bytes for the batch at the allocated length (context +
+new tokens), which the allocated `KV cache MiB` must equal: with --window, a slot that only one
+local layer reads is a ring buffer of the window (docs/variants.md, "Local and global layers").
 """
 
 from __future__ import annotations
@@ -55,11 +60,9 @@ def bytes_per_step(cfg, params, batch: int, context: int) -> tuple[int, int]:
     """What one decode step must read: every parameter, and the filled cache of each sequence
     counted once (as stored) and as the layers read it (a key and a value slot per layer)."""
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    read_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
-    return (
-        weights + batch * context * accounting.kv_cache_bytes_per_token(cfg),
-        weights + batch * context * read_per_token,
-    )
+    row = 2 * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize  # a key and a value
+    read = sum(min(cfg.attention_window, context) if local else context for local in cfg.local_layers) * row
+    return weights + batch * accounting.kv_cache_bytes(cfg, context), weights + batch * read
 
 
 def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tuple[int, float, tuple[int, int]]:
@@ -90,6 +93,8 @@ def main() -> None:
     parser.add_argument('--new_tokens', type=int, default=16)
     parser.add_argument('--variants', default='vanilla,resformer,svformer')
     parser.add_argument('--probe_mib', type=int, default=1024, help='the bandwidth probe copy (a real one: 1 GiB)')
+    parser.add_argument('--window', type=int, default=0, help='model.attention_window of every variant (0: off)')
+    parser.add_argument('--global_layers', default='', help='model.global_layers with --window, e.g. 4,8')
     args = parser.parse_args()
     probe = args.probe_mib * 2**20
     bandwidth_before = memory_bandwidth(probe)
@@ -99,25 +104,31 @@ def main() -> None:
             for variant in args.variants.split(','):
                 cfg = presets.apply(variant, from_configdict(base.get_config(f'vanilla,{args.size}')).model)
                 cfg = dataclasses.replace(
-                    cfg, compute_dtype='float32' if jax.default_backend() == 'cpu' else 'bfloat16'
+                    cfg,
+                    compute_dtype='float32' if jax.default_backend() == 'cpu' else 'bfloat16',
+                    attention_window=args.window,
+                    global_layers=tuple(int(n) for n in args.global_layers.split(',') if n),
                 )
-                rows.append((variant, context, batch, *decode_tokens_per_sec(cfg, batch, context, args.new_tokens)))
+                formula = batch * accounting.kv_cache_bytes(cfg, context + args.new_tokens)
+                measured = decode_tokens_per_sec(cfg, batch, context, args.new_tokens)
+                rows.append((variant, context, batch, formula, *measured))
     bandwidth_after = memory_bandwidth(probe)
     bandwidth = max(bandwidth_before, bandwidth_after)  # a shared host's best moment in this run
+    windows = f'; window {args.window}, global layers {args.global_layers or "none"}' if args.window else ''
     print(
-        f'{args.size}, {jax.devices()[0].device_kind}; {args.new_tokens} decode steps after the context; '
+        f'{args.size}{windows}, {jax.devices()[0].device_kind}; {args.new_tokens} decode steps after the context; '
         f'memory bandwidth {bandwidth / 1e9:.1f} GB/s ({args.probe_mib} MiB copy; '
         f'{bandwidth_before / 1e9:.1f} before the rows, {bandwidth_after / 1e9:.1f} after)'
     )
     width = max(map(len, args.variants.split(',')))
     print(
-        f'{"variant":>{width}} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"decode tok/s":>12} | '
-        f'{"of bound":>8} | {"of reads":>8}'
+        f'{"variant":>{width}} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"formula MiB":>11} | '
+        f'{"decode tok/s":>12} | {"of bound":>8} | {"of reads":>8}'
     )
-    for variant, context, batch, n_bytes, tokens_per_sec, (stored, read) in rows:
+    for variant, context, batch, formula, n_bytes, tokens_per_sec, (stored, read) in rows:
         steps_per_sec = tokens_per_sec / batch
         print(
-            f'{variant:>{width}} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | '
+            f'{variant:>{width}} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | {formula / 2**20:>11,.1f} | '
             f'{tokens_per_sec:>12,.1f} | {stored * steps_per_sec / bandwidth:>8.1%} | '
             f'{read * steps_per_sec / bandwidth:>8.1%}'
         )

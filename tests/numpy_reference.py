@@ -126,7 +126,9 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
         group_kv = (k, v) if n % cfg.kv_share == 0 else group_kv
         k_rep, v_rep = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # GQA by repetition here
         s = _np_soft_cap(np.einsum('inh,jnh->nij', q, k_rep) / np.sqrt(cfg.head_dim), cfg.attn_logits_soft_cap)
-        s = np.where(np.tril(np.ones((L, L), bool)), s, -np.inf)
+        i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+        local = cfg.attention_window > 0 and n + 1 not in cfg.global_layers  # a sliding window of keys
+        s = np.where((j <= i) & ((i - j < cfg.attention_window) | (not local)), s, -np.inf)
         att = np.exp(s - s.max(-1, keepdims=True))
         att /= att.sum(-1, keepdims=True)
         o = np.einsum('nij,jnh->inh', att, v_rep)

@@ -8,10 +8,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
-from configs import base
+from configs import base, modern
 from tests.helpers import (
     NAMED_VARIANTS,
     VARIANT_IDS,
@@ -20,7 +21,7 @@ from tests.helpers import (
     small_model_config,
     variant_params,
 )
-from vrl.core.config import from_configdict
+from vrl.core.config import ConfigError, from_configdict
 from vrl.model import accounting
 from vrl.model.decoder import Decoder
 
@@ -177,8 +178,6 @@ def test_svformer_fits_about_2l_over_l_plus_1_times_the_batch():
 
 
 def test_sequence_length_study_configs_keep_2m_tokens_per_step():
-    from vrl.core.config import ConfigError
-
     for seq, want_len in (
         ('512', 512),
         ('2k', 2048),
@@ -193,3 +192,38 @@ def test_sequence_length_study_configs_keep_2m_tokens_per_step():
     assert from_configdict(base.get_config('svformer,82m')).data.seq_len == 2048
     with pytest.raises(ConfigError, match="sequence length '16k' is invalid"):
         base.get_config('svformer,82m,16k')
+
+
+def test_a_local_layers_attention_flops_are_its_masks_pairs():
+    """Windows of 5 of 12 tokens in layers 1 and 3 of 3: the attention term counts each layer's mask
+    pairs less half its diagonal (seq_len / 2 per query under the plain causal mask), so it falls by
+    what the windows hide."""
+    S, W = 12, 5
+    cfg = small_model_config(attention_window=W, global_layers=(2,))
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    pairs = [((j <= i) & ((i - j < W) | (not cfg.is_local(n)))).sum() for n in range(cfg.n_layers)]
+    attention = accounting.training_flops_per_token(cfg, S) - 6 * accounting.matmul_params(cfg)
+    assert attention == pytest.approx(12 * cfg.n_heads * cfg.head_dim * sum(p - S / 2 for p in pairs) / S)
+    whole = dataclasses.replace(cfg, attention_window=0, global_layers=())
+    assert accounting.training_flops_per_token(whole, S) - 6 * accounting.matmul_params(cfg) > 1.2 * attention
+
+
+@pytest.mark.parametrize('size', ['82m', '468m'])
+def test_the_modern_recipe_sets_its_fields_for_each_variant(size):
+    """configs/modern.py: Muon + WSD, QK-norm, the final soft cap, a 512 window with every fourth layer
+    global, value embeddings where the variant projects values; counted parameters are the model's."""
+    for variant, tables in (
+        ('vanilla', 'every other layer'),
+        ('resformer', 'every other layer'),
+        ('svformer', 'layer 1'),
+    ):
+        config = from_configdict(modern.get_config(f'{variant},{size}'))
+        m = config.model
+        assert (config.optimizer.name, config.optimizer.schedule, config.data.seq_len) == ('muon', 'wsd', 2048)
+        assert m.qk_norm and m.final_logits_soft_cap == 15 and m.attention_window == 512
+        assert m.global_layers == tuple(range(4, m.n_layers + 1, 4)) and m.global_layers[-1] == m.n_layers
+        layers = tuple(range(1, m.n_layers + 1, 2)) if tables == 'every other layer' else (1,)
+        assert m.value_embed_layers == layers and m.attention == variant
+    assert accounting.account(m, 2048).params == _real_param_count(m)
+    with pytest.raises(ConfigError, match=r'configs/modern.py:mamba,82m is invalid: allowed VARIANT,SIZE'):
+        modern.get_config('mamba,82m')

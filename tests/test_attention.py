@@ -38,10 +38,16 @@ def _documents(B: int, seed: int, length: int = L) -> jax.Array:
 SPLASH_VARIANTS = ('vanilla', 'svformer-cla2', 'resformer-per_token', 'all-baselines')
 
 
-@pytest.mark.parametrize('name', cases({n: n for n in SPLASH_VARIANTS}, ['all-baselines']))
+@pytest.mark.parametrize(
+    'name',
+    cases({n: n for n in (*SPLASH_VARIANTS, 'svformer-cla2-windows')}, ['all-baselines', 'svformer-cla2-windows']),
+)
 def test_splash_matches_xla_in_the_model(name):
-    """The whole model's loss and every parameter gradient, float32, GQA, packed documents."""
-    cfg = small_model_config(**NAMED_VARIANTS[name])
+    """The whole model's loss and every parameter gradient, float32, GQA, packed documents; with
+    windows (50 of 128 tokens, layer 2 global), splash's LocalMask in the layers the scan finds local."""
+    windows = name.endswith('-windows')
+    fields = dict(attention_window=50, global_layers=(2,)) if windows else {}
+    cfg = small_model_config(**NAMED_VARIANTS[name.removesuffix('-windows')], **fields)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, seed=1)
     params = nnx.state(model, nnx.Param)
@@ -64,6 +70,7 @@ def test_splash_matches_xla_in_the_model(name):
 
 
 CAPS = dict(attn_logits_soft_cap=0.5, final_logits_soft_cap=1.0)  # low: most logits are bent by them
+WINDOWS = dict(attention_window=100, global_layers=(2,))  # of 256 tokens: layers 1 and 3 local
 
 
 def _split_matches_one_device(name: str, impl: str, context: int, documents: bool, **fields):
@@ -95,18 +102,22 @@ def _split_matches_one_device(name: str, impl: str, context: int, documents: boo
     return lambda: split.lower(params, impl)
 
 
-@pytest.mark.parametrize('name, fields', [('vanilla', {}), ('svformer', CAPS)], ids=['vanilla', 'svformer-soft_caps'])
+@pytest.mark.parametrize(
+    'name, fields', [('vanilla', {}), ('svformer', CAPS | WINDOWS)], ids=['vanilla', 'svformer-soft_caps-windows']
+)
 def test_splash_on_each_part_of_a_split_sequence_matches_xla(name, fields):
     """mesh.context=2: each device runs splash on its part of the sequence (every other token), its
     rows of the causal mask, over the gathered keys and values (SVFormer's layers >= 2: V_1's whole
-    copies), with packed documents; with soft caps, splash's own soft cap against the XLA path's."""
+    copies), with packed documents; with soft caps and windows, splash's own soft cap and each part's
+    window against the XLA path's, the layer scan choosing each layer's kernels (local or global)."""
     lowered = _split_matches_one_device(name, 'splash_interpret', context=2, documents=True, **fields)
     assert 'stablehlo.case' in lowered().as_text()  # each part's own kernel
 
 
-def test_soft_capped_logits_on_a_split_sequence_are_one_devices():
-    """mesh.context=2 on the XLA path: each device caps its queries' logits over the gathered keys."""
-    _split_matches_one_device('resformer-learnable_plus', 'xla', context=2, documents=True, **CAPS)
+def test_soft_caps_and_windows_on_a_split_sequence_are_one_devices():
+    """mesh.context=2 on the XLA path: each device caps its queries' logits over the gathered keys
+    and, in the local layers, keeps the keys within its queries' windows."""
+    _split_matches_one_device('resformer-learnable_plus', 'xla', context=2, documents=True, **CAPS, **WINDOWS)
 
 
 def test_each_part_of_a_striped_split_keeps_the_same_splash_blocks():
@@ -164,6 +175,10 @@ def test_splash_without_documents_and_multi_query():
     assert rel_err(got, want) < 1e-5
     got_bf16 = attention.attention('splash_interpret', *(x.astype(jnp.bfloat16) for x in (q, k, v)), mask, 1)
     assert rel_err(got_bf16.astype(jnp.float32), want) < 2e-2
+    # a local layer's window: splash's LocalMask is vrl's
+    local = attention.Causal(None, window=50, local=True)
+    got_local = attention.attention('splash_interpret', q, k, v, local, 1)
+    assert rel_err(got_local, attention.attention('xla', q, k, v, local, 1)) < 1e-5 and rel_err(got_local, want) > 0.1
     # soft-capped logits (the queries scaled up so that the cap bends most of them): splash's cap is vrl's
     capped = [attention.attention(impl, 4 * q, k, v, mask, 1, logits_cap=2.0) for impl in ('xla', 'splash_interpret')]
     assert (
@@ -357,6 +372,11 @@ def test_the_cudnn_call_means_what_the_xla_path_computes(monkeypatch):
     want = attention.attention('xla', q, k, v, attention.Causal(None), causal_chunks=2)
     got = attention.attention('cudnn', q, k, v, attention.Causal(None), causal_chunks=2)
     assert rel_err(got, want) < 1e-5
+    # a local layer: cuDNN's sliding window (local_window_size) is vrl's window
+    local = attention.Causal(None, window=10, local=True)
+    want_local = attention.attention('xla', q, k, v, local, causal_chunks=2)
+    assert rel_err(attention.attention('cudnn', q, k, v, local, causal_chunks=2), want_local) < 1e-5
+    assert rel_err(want_local, want) > 0.1
 
 
 @pytest.mark.skipif(
@@ -375,7 +395,8 @@ def test_cudnn_on_a_gpu_attends_with_a_parts_chunks_as_the_xla_path_does():
     q = jax.random.normal(keys[0], (B, P, H, Dh), jnp.bfloat16)
     k, v = (jax.random.normal(key, (B, L, K, Dh), jnp.bfloat16) for key in keys[1:3])
     weights = jax.random.normal(keys[3], (B, P, H, Dh))
-    mask = jnp.broadcast_to(attention._striped_rows(part, parts, L), (B, P, L))
+    query_position = parts * jnp.arange(P) + part  # balanced_order's, keys in sequence order
+    mask = jnp.broadcast_to(attention._seen(query_position[:, None], jnp.arange(L)[None, :], 0, False), (B, P, L))
 
     def loss(q, k, v, attend):
         return jnp.sum(attention._xla(q, k, v, mask, chunks, attend).astype(jnp.float32) * weights)

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec
 from tests.helpers import FAST_TIER, NAMED_VARIANTS, cases, randomize, rel_err, small_model_config
 from vrl.core import sharding
 from vrl.core.config import MeshConfig
-from vrl.model import decode
+from vrl.model import accounting, decode
 from vrl.model.decoder import Decoder
 
 
@@ -34,6 +34,16 @@ _CACHE_CASES = (
             2,
         )
     }
+    # windows of 3 (layer 2 global): ring buffers written by a 7-token prefill and wrapped by the steps;
+    # SVFormer's local layers read the window of the whole V_1, CLA's groups the window of their slot
+    | {
+        f'{name}-windows-gqa2': (dict(attention_window=3, global_layers=(2,), **variant), 2)
+        for name, variant in (
+            ('resformer', dict(attention='resformer', lambda_mode='learnable_plus')),
+            ('svformer', dict(attention='svformer')),
+            ('svformer-cla2', dict(attention='svformer', kv_share=2)),
+        )
+    }
 )
 
 
@@ -42,7 +52,7 @@ _CACHE_CASES = (
     cases(
         _CACHE_CASES,
         [f'{name}-gqa2' for name in FAST_TIER[1:]]
-        + ['vanilla-mqa', 'svformer-cla2-qk_norm-gqa2', 'resformer-soft_caps-gqa2'],
+        + ['vanilla-mqa', 'svformer-cla2-qk_norm-gqa2', 'resformer-soft_caps-gqa2', 'svformer-windows-gqa2'],
     ),
 )
 def test_cached_decoding_equals_full_forward(variant, n_kv_heads):
@@ -82,6 +92,19 @@ def test_cache_bytes_realise_the_savings():
     assert sizes['resformer'] == sizes['vanilla']
     assert sizes['vanilla_gqa4'] * 4 == sizes['vanilla']
     assert sizes['svformer_gqa4'] * 4 == sizes['svformer']
+
+
+@pytest.mark.parametrize('attention', ['vanilla', 'svformer'])
+def test_a_local_layers_cache_holds_only_its_window(attention):
+    """6 layers, windows of 4 with layer 2 global, 32 positions: vanilla keeps 2 whole slots (layer 2's K
+    and V) and 10 rings of 4; SVFormer 2 whole (layer 2's K, V_1) and 5 rings (the local layers' K), as
+    accounting.kv_cache_bytes says."""
+    cfg = small_model_config(n_layers=6, attention=attention, attention_window=4, global_layers=(2,))
+    row = 3 * cfg.n_kv_heads * cfg.head_dim * 4  # 3 sequences, float32
+    rings = {'vanilla': 10, 'svformer': 5}[attention]
+    cache = decode.init_cache(cfg, batch=3, max_len=32)
+    assert sorted(x.shape[1] for x in (*cache.k, *cache.v)) == [4] * rings + [32, 32]
+    assert decode.cache_bytes(cache) == row * (2 * 32 + rings * 4) == 3 * accounting.kv_cache_bytes(cfg, 32)
 
 
 def _generator(model: Decoder, max_len=40, eos_id=1) -> decode.Generator:
@@ -233,6 +256,25 @@ def test_a_cache_split_over_context_decodes_as_one_device_and_stays_split():
         if re.search(r'= \S+\[[0-9,]*32,[0-9,]*\]\S* (all-gather|all-to-all|collective-permute)', line)
     ]
     assert not gathered, gathered
+
+
+def test_ring_buffers_stay_whole_when_the_cache_is_split_over_context():
+    """mesh.context=4 with windows of 5 (layer 2 global) in SVFormer: the local layers' key rings stay
+    whole on every device, V_1 and layer 2's keys split 4 ways, and the greedy tokens are one device's."""
+    model = _model(seed=8, n_heads=4, n_kv_heads=2, attention='svformer', attention_window=5, global_layers=(2,))
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, context=4))
+    generators = [
+        decode.Generator(model.cfg, graphdef, p, max_len=32, eos_id=-1, mesh=m, prefill_chunk=4)
+        for p, m in ((params, None), (jax.device_put(params, sharding.replicated(mesh)), mesh))
+    ]
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [6, 7]]
+    tokens = [g.generate(prompts, decode.Sampling(max_new_tokens=8)).tokens for g in generators]
+    assert tokens[0] == tokens[1]
+    cache = generators[1].new_cache(2)
+    split = {slot.shape[1]: slot.sharding.spec[1] for slot in (*cache.k, *cache.v)}
+    assert split == {5: None, 32: 'context'}
 
 
 @pytest.mark.parametrize(

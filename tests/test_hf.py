@@ -27,11 +27,12 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from configs import modern
 from tests.helpers import FAST_TIER, NAMED_VARIANTS, randomize, rel_err, small_model_config, variant_params
 from tests.runs import SHARED_RUN_STEPS, cli_args, params_equal
 from vrl.data import pipeline
 from vrl.interop import hf
-from vrl.model import decode
+from vrl.model import decode, presets
 from vrl.model.decoder import Decoder
 from vrl.train import loop, start, trained
 from vrl.train.step import TrainSteps
@@ -178,14 +179,28 @@ def test_bad_directories_are_named(exported, tmp_path):
         start.initial_params(f'hf:{folder}', TrainSteps(config, run.trainer.mesh), config)
 
 
-# the named variants, QK-norm on the one whose keys are stacked apart (CLA) and whose V is V_1, and soft
-# caps low enough to bend most logits
+def _modern_fields(variant: str) -> dict:
+    """configs/modern.py's model fields on a 4-layer small shape (layer 4 global), the window cut to 5
+    tokens and the final cap to 3 so that both bend what a test's short, random model computes."""
+    small = small_model_config(n_layers=4)
+    cfg = modern.modern(presets.apply(modern.PRESET[variant], small))
+    cfg = dataclasses.replace(cfg, attention_window=5, final_logits_soft_cap=3.0)
+    changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(small, f.name)}
+    return {name: getattr(cfg, name) for name in changed | {'n_layers'}}
+
+
+# the named variants, QK-norm on the one whose keys are stacked apart (CLA) and whose V is V_1, soft
+# caps low enough to bend most logits, windows of 5 (layer 2 global) over longer sequences, and the
+# modern recipe (all of these with value embeddings) on ResFormer and SVFormer
 HF_VARIANTS = {
     **NAMED_VARIANTS,
     'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True),
     'resformer-soft_caps': dict(
         attention='resformer', lambda_mode='learnable_plus', attn_logits_soft_cap=0.5, final_logits_soft_cap=1.0
     ),
+    'svformer-windows': dict(attention='svformer', attention_window=5, global_layers=(2,)),
+    'modern-resformer': _modern_fields('resformer'),
+    'modern-svformer': _modern_fields('svformer'),
 }
 
 
@@ -201,7 +216,14 @@ def _variant(name: str, tokenizer) -> tuple:
     'name',
     FAST_TIER
     if UNDER_OLDEST_TRANSFORMERS
-    else [*variant_params(by_name=True), 'svformer-cla2-qk_norm', 'resformer-soft_caps'],
+    else [
+        *variant_params(by_name=True),
+        'svformer-cla2-qk_norm',
+        'resformer-soft_caps',
+        'svformer-windows',
+        'modern-resformer',
+        'modern-svformer',
+    ],
 )
 def test_every_variant_exports_and_comes_back(name, exported, tmp_path):
     run, _ = exported
@@ -262,6 +284,8 @@ def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
         'resformer-value_embeds-shared',
         'svformer-cla2-qk_norm',
         'resformer-soft_caps',
+        'svformer-windows',
+        'modern-svformer',
     ],
 )
 def test_transformers_generate_matches_vrl_decoding(name, exported, tmp_path):

@@ -126,6 +126,8 @@ def test_resformer_limits_are_vanilla_and_svformer():
 
 # soft caps low enough that most attention and final logits of randomize()d weights are bent by them
 CAPS = dict(attn_logits_soft_cap=0.5, final_logits_soft_cap=1.0)
+# a window of 3 of the 9 tokens in layers 1 and 3 of 3; layer 2 global
+WINDOWS = dict(attention_window=3, global_layers=(2,))
 
 
 @pytest.mark.parametrize(
@@ -138,8 +140,10 @@ CAPS = dict(attn_logits_soft_cap=0.5, final_logits_soft_cap=1.0)
             'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True),
             'resformer-soft_caps': dict(CAPS, attention='resformer', lambda_mode='learnable_plus'),
             'svformer-qk_norm-soft_caps': dict(CAPS, attention='svformer', qk_norm=True),
+            'resformer-windows': dict(WINDOWS, attention='resformer', lambda_mode='learnable_plus'),
+            'svformer-cla2-windows': dict(WINDOWS, attention='svformer', kv_share=2),
         },
-        FAST_TIER + ('vanilla-tied', 'svformer-cla2-qk_norm', 'svformer-qk_norm-soft_caps'),
+        FAST_TIER + ('vanilla-tied', 'svformer-cla2-qk_norm', 'svformer-qk_norm-soft_caps', 'svformer-cla2-windows'),
     ),
 )
 def test_matches_float64_numpy_reference(variant):
@@ -203,6 +207,8 @@ def test_v1_is_not_detached():
         (dict(attention_chunks=0), 'model.attention_chunks', 'an integer >= 1'),
         (dict(head_chunks=0), 'model.head_chunks', 'an integer >= 1'),
         (dict(final_logits_soft_cap=-15.0), 'model.final_logits_soft_cap', 'a cap > 0, or 0 for none'),
+        (dict(global_layers=(2,)), 'model.global_layers', 'with model.attention_window > 0'),
+        (dict(attention_window=8, global_layers=(4,)), 'model.global_layers', '1-based layer indices in 1..3'),
         (dict(hand_vjp='project,flash'), 'model.hand_vjp', "'auto', 'all', 'none' or a comma-separated list of"),
         # combinations of variants that mean nothing
         (dict(attention='resformer', kv_share=2), 'model.kv_share', "1 with model.attention='resformer'"),

@@ -101,6 +101,10 @@ class ModelConfig:
     # Gemma 2 (50 and 30) and nanochat (final 15) do; 0 = off
     attn_logits_soft_cap: float = 0.0
     final_logits_soft_cap: float = 0.0
+    # local/global attention: a local layer's query sees itself and the attention_window - 1 positions before
+    # it (a sliding window, Gemma 2 / nanochat); the 1-based global_layers see the whole context. 0 = all global
+    attention_window: int = 0
+    global_layers: tuple[int, ...] = ()
     vocab_size: int = 50277  # the tokenizer's vocabulary
     vocab_pad_multiple: int = 128  # the embedding is padded to this multiple for sharding
     n_layers: int = 8
@@ -156,6 +160,17 @@ class ModelConfig:
         _require(self.n_layers >= 2, 'model.n_layers', self.n_layers, 'an integer >= 2')
         for name in ('attn_logits_soft_cap', 'final_logits_soft_cap'):
             _require(getattr(self, name) >= 0, f'model.{name}', getattr(self, name), 'a cap > 0, or 0 for none')
+        _require(
+            self.attention_window >= 0, 'model.attention_window', self.attention_window, 'an integer >= 0 (0: off)'
+        )
+        _require(
+            len(set(self.global_layers)) == len(self.global_layers)
+            and all(1 <= n <= self.n_layers for n in self.global_layers)
+            and (self.attention_window > 0 or not self.global_layers),
+            'model.global_layers',
+            self.global_layers,
+            f'distinct 1-based layer indices in 1..{self.n_layers}, with model.attention_window > 0',
+        )
         _require(
             self.n_heads % self.n_kv_heads == 0,
             'model.n_kv_heads',
@@ -258,6 +273,22 @@ class ModelConfig:
         """The KV-cache slot of the values `layer` attends over: SVFormer's are all V_1 (slot 0)."""
         return 0 * layer if self.attention == 'svformer' else layer // self.kv_share
 
+    def is_local(self, layer: int) -> bool:
+        """Whether 0-based `layer` attends within model.attention_window (a local layer)."""
+        return self.attention_window > 0 and layer + 1 not in self.global_layers
+
+    @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """`is_local` of every layer, in order."""
+        return tuple(self.is_local(layer) for layer in range(self.n_layers))
+
+    def ring_slot(self, kind: str, slot: int) -> bool:
+        """Whether the KV-cache slot `slot` of `kind` ('k' or 'v') holds only a window (a ring buffer):
+        one local layer reads it and no other (a slot shared by a CLA group or SVFormer's V_1 stays whole)."""
+        slot_of = self.key_slot if kind == 'k' else self.value_slot
+        readers = [layer for layer in range(self.n_layers) if slot_of(layer) == slot]
+        return len(readers) == 1 and self.is_local(readers[0])
+
     @property
     def n_key_slots(self) -> int:
         return self.key_slot(self.n_layers - 1) + 1
@@ -286,6 +317,9 @@ class ModelConfig:
             parts.append('MQA' if self.n_kv_heads == 1 else f'GQA{self.n_heads // self.n_kv_heads}')
         if self.qk_norm:
             parts.append('QK-norm')
+        if self.attention_window:
+            kept = f', global layers {",".join(map(str, self.global_layers))}' if self.global_layers else ''
+            parts.append(f'window {self.attention_window}{kept}')
         if self.attn_logits_soft_cap or self.final_logits_soft_cap:
             caps = [
                 f'{what} {cap:g}'
@@ -690,8 +724,8 @@ def from_configdict(config_dict: ml_collections.ConfigDict) -> Config:
         unknown = sorted(set(given) - set(known))
         if unknown:
             raise ConfigError(f'{field.name}.{unknown[0]} is not a config field; allowed: {", ".join(sorted(known))}.')
-        for name in ('sparse_layers', 'value_embed_layers', 'value_embed_tables'):
-            if name in given:
+        for name in given:  # tuples of ints from JSON lists or a command line's '1,3,5'
+            if known[name].type == 'tuple[int, ...]':  # the annotation, a string here
                 given[name] = _int_tuple(f'{field.name}.{name}', given[name])
         sections[field.name] = section_cls(**given)
     if values:

@@ -94,6 +94,7 @@ def is_llama(cfg: ModelConfig) -> bool:
         or cfg.qk_norm
         or cfg.attn_logits_soft_cap
         or cfg.final_logits_soft_cap
+        or cfg.attention_window
     )
 
 
@@ -234,6 +235,7 @@ def hf_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dic
         return {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **config}
     variant = {field: _jsonable(getattr(cfg, field)) for field in VRL_FIELDS}
     variant.update({key: getattr(cfg, field) or None for key, field in _SOFT_CAP_FIELDS.items()})
+    variant.update(_layer_types(cfg))
     return {
         'architectures': ['VrlForCausalLM'],
         'model_type': 'vrl',
@@ -244,6 +246,12 @@ def hf_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dic
         **config,
         **variant,
     }
+
+
+def _layer_types(cfg: ModelConfig) -> dict[str, Any]:
+    """Local/global attention under transformers' names: sliding_window and layer_types."""
+    kinds = ['sliding_attention' if local else 'full_attention' for local in cfg.local_layers]
+    return {'sliding_window': cfg.attention_window or None, 'layer_types': kinds}
 
 
 def _jsonable(value: Any) -> Any:
@@ -360,6 +368,16 @@ def _check_config(hf: dict, folder: Path, cfg: ModelConfig) -> None:
                     f'{folder} has {key}={hf.get(key)!r} but the config has model.{field}='
                     f'{getattr(cfg, field)!r}; set --config.model.{field}={theirs!r}.'
                 )
+        window = hf.get('sliding_window') or 0
+        kinds = hf.get('layer_types') or ['full_attention'] * cfg.n_layers
+        global_layers = tuple(n for n, kind in enumerate(kinds, 1) if kind == 'full_attention') if window else ()
+        if (window, global_layers) != (cfg.attention_window, cfg.global_layers):
+            raise HFError(
+                f'{folder} has sliding_window={hf.get("sliding_window")!r} and full_attention on layers '
+                f'{list(global_layers)}, but the config has model.attention_window={cfg.attention_window} and '
+                f'model.global_layers={cfg.global_layers}; set --config.model.attention_window={window} '
+                f'--config.model.global_layers={",".join(map(str, global_layers))}.'
+            )
     if hf['vocab_size'] > cfg.vocab_size:
         raise HFError(
             f'{folder} has vocab_size={hf["vocab_size"]} but model.vocab_size={cfg.vocab_size}: set '

@@ -51,15 +51,20 @@ def _vocab_params(cfg: ModelConfig, vocab: int) -> int:
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """6 * matmul_params + 6 * L * H * Dh * seq_len.
+    """6 * matmul_params + 12 * H * Dh * (keys per query, summed over layers); without local layers
+    6 * matmul_params + 6 * L * H * Dh * seq_len.
 
     The first term is the forward (2 FLOPs per multiply-add) and backward (twice the
     forward) of every weight matmul, the output head included. The second is the same for
     the two attention matmuls (QK^T and AV), each 2 * Dh FLOPs per query-key pair per head,
-    with seq_len / 2 keys per query on average under the causal mask. Elementwise work (the
-    value mixes, NeuTRENO, DenseFormer's averages) and lookups (value embeddings) are not counted.
+    with the mask's pairs less half its diagonal per query: seq_len / 2 under the causal mask,
+    W - 1/2 - W (W - 1) / (2 seq_len) in a local layer (W = min(model.attention_window, seq_len)).
+    Elementwise work (the value mixes, NeuTRENO, DenseFormer's averages) and lookups (value
+    embeddings) are not counted.
     """
-    return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    W, S = min(cfg.attention_window, seq_len), seq_len
+    keys = sum(W - 0.5 - W * (W - 1) / (2 * S) if local else S / 2 for local in cfg.local_layers)
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_heads * cfg.head_dim * keys
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -80,16 +85,35 @@ def non_embedding_params(cfg: ModelConfig) -> int:
     return matmul_params(cfg) - cfg.d_model * cfg.padded_vocab_size + norms + _scalar_params(cfg)
 
 
+def _ring_slots(cfg: ModelConfig) -> int:
+    """The KV-cache slots that hold only a local layer's window (cfg.ring_slot)."""
+    keys = sum(cfg.ring_slot('k', slot) for slot in range(cfg.n_key_slots))
+    return keys + sum(cfg.ring_slot('v', slot) for slot in range(cfg.n_value_slots))
+
+
+def _slot_row_bytes(cfg: ModelConfig) -> int:
+    """One position of one slot: K vectors of Dh in the compute dtype (`auto`: as it resolves on this
+    process's backend)."""
+    return cfg.n_kv_heads * cfg.head_dim * jnp.dtype(resolve.local_compute_dtype(cfg)).itemsize
+
+
 def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
-    """A key and a value slot's vectors per token: cfg.n_key_slots + cfg.n_value_slots of them, in the
-    compute dtype (`auto`: as it resolves on this process's backend)."""
-    itemsize = jnp.dtype(resolve.local_compute_dtype(cfg)).itemsize
-    return _kv_projections(cfg) * cfg.n_kv_heads * cfg.head_dim * itemsize
+    """What each position adds to one sequence's cache: a vector per slot that holds every position,
+    cfg.n_key_slots + cfg.n_value_slots of them less the ring buffers of local layers (whose window
+    is a fixed size: `kv_cache_bytes`)."""
+    return (_kv_projections(cfg) - _ring_slots(cfg)) * _slot_row_bytes(cfg)
+
+
+def kv_cache_bytes(cfg: ModelConfig, context: int) -> int:
+    """One sequence's cache at `context` positions: the whole slots' `context` positions and each ring
+    buffer's min(model.attention_window, context)."""
+    ring = _ring_slots(cfg) * min(cfg.attention_window, context) * _slot_row_bytes(cfg)
+    return kv_cache_bytes_per_token(cfg) * context + ring
 
 
 def max_batch_for_cache(cfg: ModelConfig, context: int, memory_bytes: float) -> int:
     """The most sequences of `context` tokens whose KV cache fits in `memory_bytes`."""
-    return int(memory_bytes // (kv_cache_bytes_per_token(cfg) * context))
+    return int(memory_bytes // kv_cache_bytes(cfg, context))
 
 
 def vanilla_mha(cfg: ModelConfig) -> ModelConfig:

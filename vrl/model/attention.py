@@ -61,22 +61,38 @@ class Copies(NamedTuple):
 
 class Causal(NamedTuple):
     """Training's mask, never materialised whole: key j is seen by query i when j <= i and, with
-    segment ids, both are in the same document. With sequences split over `context`, the tokens
-    come in `balanced_order` (order[i]: where the token at i stands in the sequence)."""
+    segment ids, both are in the same document; in a local layer (`local`, a traced bool under the
+    layer scan) also i - j < `window`. With sequences split over `context`, the tokens come in
+    `balanced_order` (order[i]: where the token at i stands in the sequence)."""
 
     segment_ids_BxL: Array | None
     order: np.ndarray | None = None
+    window: int = 0  # model.attention_window; 0: none
+    local: Array | bool = False  # whether this layer attends within the window
 
     def dense(self, B: int, L: int) -> Array:
         """The (B, L, L) boolean mask, for the XLA path."""
-        if self.order is None:
-            mask_LxL = jnp.tril(jnp.ones((L, L), jnp.bool_))
-        else:
-            mask_LxL = jnp.asarray(self.order)[:, None] >= jnp.asarray(self.order)[None, :]
+        position_L = jnp.arange(L) if self.order is None else jnp.asarray(self.order)
+        mask_LxL = _seen(position_L[:, None], position_L[None, :], self.window, self.local)
         if self.segment_ids_BxL is None:
             return jnp.broadcast_to(mask_LxL, (B, L, L))
         ids = self.segment_ids_BxL
         return mask_LxL[None] & (ids[:, :, None] == ids[:, None, :])
+
+
+def _seen(query_position: Array, key_position: Array, window: int, local: Array | bool) -> Array:
+    """Whether a query sees a key, from their positions in the sequence (broadcast): causal, and within
+    `window` where `local`."""
+    causal = key_position <= query_position
+    return causal & ((query_position - key_position < window) | jnp.logical_not(local)) if window else causal
+
+
+def _local_or_global(local: Array | bool, attend: Callable[[bool], Array]) -> Array:
+    """attend(True) where the layer is local, attend(False) where not: a kernel's window is static, so
+    under the layer scan (a traced `local`) both are traced and lax.cond runs the layer's."""
+    if isinstance(local, (bool, np.bool_)):
+        return attend(bool(local))
+    return jax.lax.cond(local, lambda: attend(True), lambda: attend(False))
 
 
 def why_not(
@@ -163,7 +179,7 @@ def attention(
             q_BxLxHxDh,
             k_BxSxKxDh,
             v_BxSxKxDh,
-            mask.segment_ids_BxL,
+            mask,
             causal_chunks,
             attend,
             copies or Copies(None, None),
@@ -176,16 +192,28 @@ def attention(
         return _xla(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, dense, causal_chunks if isinstance(mask, Causal) else 1, attend)
     if impl == 'cudnn':
         assert not logits_cap, 'cuDNN takes no logit soft cap (why_not)'
-        return jax.nn.dot_product_attention(
-            q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, is_causal=True, implementation=DOT_PRODUCT_ATTENTION
+        return _local_or_global(
+            mask.local,
+            lambda local: jax.nn.dot_product_attention(
+                q_BxLxHxDh,
+                k_BxSxKxDh,
+                v_BxSxKxDh,
+                is_causal=True,
+                local_window_size=(mask.window - 1, 0) if local and mask.window else None,
+                implementation=DOT_PRODUCT_ATTENTION,
+            ),
         )
     interpret = impl == 'splash_interpret'
-    return _per_shard(
-        lambda q, k, v, ids: _splash(q, k, v, ids, ids, interpret, logits_cap=logits_cap),
-        q_BxLxHxDh,
-        k_BxSxKxDh,
-        v_BxSxKxDh,
-        mask.segment_ids_BxL,
+    L = q_BxLxHxDh.shape[1]
+    return _local_or_global(
+        mask.local,
+        lambda local: _per_shard(
+            lambda q, k, v, ids: _splash(q, k, v, ids, ids, interpret, _whole_rows(L, mask.window, local), logits_cap),
+            q_BxLxHxDh,
+            k_BxSxKxDh,
+            v_BxSxKxDh,
+            mask.segment_ids_BxL,
+        ),
     )
 
 
@@ -250,7 +278,7 @@ def _context_parallel(
     q_BxLxHxDh: Array,
     k_BxLxKxDh: Array,
     v_BxLxKxDh: Array,
-    ids_BxL: Array | None,
+    mask: Causal,
     query_chunks: int,
     xla_attention: Callable[..., Array],
     copies: Copies,
@@ -268,7 +296,9 @@ def _context_parallel(
     cuDNN is given the mask as a bias (cuDNN through JAX knows only the causal mask of queries and
     keys that stand together). splash: one kernel per device (lax.switch on its index), its mask
     that device's rows of the causal mask over the keys as gathered (`_StripedRows`); masked
-    blocks are skipped, and every device keeps the same number."""
+    blocks are skipped, and every device keeps the same number. A local layer's mask keeps only
+    the keys within the window (`Causal`)."""
+    ids_BxL = mask.segment_ids_BxL
     mesh = jax.sharding.get_abstract_mesh()
     ids_spec = None if ids_BxL is None else logical_spec((Axis.BATCH, Axis.LENGTH))
     k_given, k_spec = (k_BxLxKxDh, _KV_SPEC) if copies.k is None else (copies.k, _copies_spec())
@@ -285,13 +315,22 @@ def _context_parallel(
         part = jax.lax.axis_index('context')
         if impl.startswith('splash'):
             interpret = impl == 'splash_interpret'
-            kernels = [
-                functools.partial(_splash, interpret=interpret, causal=_StripedRows(i, parts, L), logits_cap=logits_cap)
-                for i in range(parts)
-            ]
-            return jax.lax.switch(part, kernels, q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxP, ids_whole_BxL)
+
+            def kernels(local: bool) -> Array:
+                window = mask.window if local else 0
+                each = [
+                    functools.partial(
+                        _splash, interpret=interpret, causal=_StripedRows(i, parts, L, window), logits_cap=logits_cap
+                    )
+                    for i in range(parts)
+                ]
+                return jax.lax.switch(part, each, q_BxPxHxDh, k_BxLxKxDh, v_BxLxKxDh, ids_BxP, ids_whole_BxL)
+
+            return _local_or_global(mask.local, kernels)
         k_seq, v_seq = _in_sequence(k_BxLxKxDh, parts), _in_sequence(v_BxLxKxDh, parts)
-        mask_BxPxL = jnp.broadcast_to(_striped_rows(part, parts, L), (B, P, L))
+        query_position_P = parts * jnp.arange(P) + part  # balanced_order's positions of this device's queries
+        seen_PxL = _seen(query_position_P[:, None], jnp.arange(L)[None, :], mask.window, mask.local)
+        mask_BxPxL = jnp.broadcast_to(seen_PxL, (B, P, L))
         if ids_BxP is not None:
             mask_BxPxL = mask_BxPxL & (ids_BxP[:, :, None] == _in_sequence(ids_whole_BxL, parts)[:, None, :])
         return _xla(q_BxPxHxDh, k_seq, v_seq, mask_BxPxL, query_chunks, attend)
@@ -299,12 +338,6 @@ def _context_parallel(
     return jax.shard_map(
         local, mesh=mesh, in_specs=(_Q_SPEC, k_spec, v_spec, ids_spec), out_specs=_Q_SPEC, check_vma=False
     )(q_BxLxHxDh, k_given, v_given, ids_BxL)
-
-
-def _striped_rows(part: Array | int, parts: int, L: int) -> Array:
-    """(L / parts, L): device `part`'s rows of the causal mask, its queries at positions
-    parts * i + part (balanced_order) and the keys in sequence order."""
-    return parts * jnp.arange(L // parts)[:, None] + part >= jnp.arange(L)[None, :]
 
 
 def _in_sequence(x_BxLx_: Array, parts: int) -> Array:
@@ -350,15 +383,22 @@ def _per_shard(kernel, q_BxLxHxDh: Array, k_BxSxKxDh: Array, v_BxSxKxDh: Array, 
     )(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, ids_BxL)
 
 
+def _whole_rows(L: int, window: int, local: bool) -> splash_mask.Mask:
+    """Splash's own mask for whole sequences: causal, or its sliding window (LocalMask) in a local layer."""
+    if local and window:
+        return splash_mask.LocalMask((L, L), window_size=(window - 1, 0), offset=0)
+    return splash_mask.CausalMask((L, L))
+
+
 class _StripedRows(splash_mask._ComputableMask):
     """Device `part`'s rows of the causal mask over L tokens in `balanced_order`: (L / parts, L),
     its rows (queries) at positions parts * i + part and the keys as gathered, device after device,
-    key j of device d at position parts * j + d. Computed from indices (numpy when splash plans its
-    blocks, in the kernel when it runs), with comparisons and products only. A subclass of
-    splash's own base for computed masks, as its CausalMask is."""
+    key j of device d at position parts * j + d; with a `window`, only the keys within it. Computed
+    from indices (numpy when splash plans its blocks, in the kernel when it runs), with comparisons
+    and products only. A subclass of splash's own base for computed masks, as its CausalMask is."""
 
-    def __init__(self, part: int, parts: int, L: int):
-        self.part, self.parts = part, parts
+    def __init__(self, part: int, parts: int, L: int, window: int = 0):
+        self.part, self.parts, self.window = part, parts, window
         super().__init__((L // parts, L), self._seen)
 
     def _seen(self, q_ids, kv_ids):
@@ -367,17 +407,18 @@ class _StripedRows(splash_mask._ComputableMask):
             ((kv_ids >= d * P) & (kv_ids < (d + 1) * P)) * (self.parts * (kv_ids - d * P) + d)
             for d in range(self.parts)
         )
-        return self.parts * q_ids + self.part >= kv_position
+        q_position = self.parts * q_ids + self.part
+        seen = q_position >= kv_position
+        return seen & (q_position - kv_position < self.window) if self.window else seen
+
+    def _key(self) -> tuple:
+        return (self.part, self.parts, self.window, self.shape)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _StripedRows) and (self.part, self.parts, self.shape) == (
-            other.part,
-            other.parts,
-            other.shape,
-        )
+        return isinstance(other, _StripedRows) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((_StripedRows, self.part, self.parts, self.shape))
+        return hash((_StripedRows, *self._key()))
 
 
 def _splash(
@@ -387,12 +428,12 @@ def _splash(
     ids_BxL: Array | None,
     ids_BxS: Array | None,
     interpret: bool,
-    causal: splash_mask.Mask | None = None,
+    causal: splash_mask.Mask,
     logits_cap: float = 0.0,
 ) -> Array:
-    """Causal splash attention of L queries over S keys (`causal`, (L, S): default the plain causal
-    mask, L = S), heads-major inside; q is scaled by 1/sqrt(Dh) here (splash does not), and the
-    logits soft-capped at `logits_cap` (0: not capped) by splash."""
+    """Causal splash attention of L queries over S keys (`causal`, (L, S): the rows of the causal
+    mask these queries hold), heads-major inside; q is scaled by 1/sqrt(Dh) here (splash does not),
+    and the logits soft-capped at `logits_cap` (0: not capped) by splash."""
     B, L, H, Dh = q_BxLxHxDh.shape
     S = k_BxSxKxDh.shape[1]
     block_q, block_kv = min(SPLASH_BLOCK, L), min(SPLASH_BLOCK, S)
@@ -406,7 +447,7 @@ def _splash(
         block_q_dq=block_q,
         block_kv_dq=block_kv,
     )
-    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((L, S)) if causal is None else causal] * H)
+    mask = splash_mask.MultiHeadMask([causal] * H)
     kernel = splash.make_splash_mha(
         mask,
         block_sizes=sizes,

@@ -58,13 +58,17 @@ class Sampling:
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     """Zeros in the compute dtype: cfg.n_key_slots key and cfg.n_value_slots value arrays, each
-    (B * K, S, Dh) (vrl.model.decoder.KVCache)."""
+    (B * K, S, Dh), S = max_len, or min(model.attention_window, max_len) for a ring buffer
+    (cfg.ring_slot; vrl.model.decoder.KVCache)."""
 
-    def slots(n: int) -> tuple[jax.Array, ...]:
-        shape = (batch * cfg.n_kv_heads, max_len, cfg.head_dim)
-        return tuple(jnp.zeros(shape, cfg.resolved_compute_dtype) for _ in range(n))
+    def slots(kind: str, n: int) -> tuple[jax.Array, ...]:
+        def length(slot: int) -> int:
+            return min(cfg.attention_window, max_len) if cfg.ring_slot(kind, slot) else max_len
 
-    return KVCache(k=slots(cfg.n_key_slots), v=slots(cfg.n_value_slots), index=jnp.zeros((), jnp.int32))
+        shape = (batch * cfg.n_kv_heads, cfg.head_dim)
+        return tuple(jnp.zeros((shape[0], length(i), shape[1]), cfg.resolved_compute_dtype) for i in range(n))
+
+    return KVCache(k=slots('k', cfg.n_key_slots), v=slots('v', cfg.n_value_slots), index=jnp.zeros((), jnp.int32))
 
 
 def cache_bytes(cache: KVCache) -> int:
@@ -77,16 +81,22 @@ def cache_shardings(cache: KVCache, batch: int, mesh: Mesh) -> KVCache:
     ('data', 'fsdp') then 'tensor' (vrl/core/sharding.py's rules); a part the mesh does not divide
     stays whole (a batch of 1 keeps only the kv-head split, an undivided larger batch neither). Its
     positions are split over 'context' (a long prompt's cache over several devices: each attends
-    over its positions and the softmax's sums are reduced across them), where the mesh divides them."""
+    over its positions and the softmax's sums are reduced across them), where the mesh divides them;
+    a ring buffer's window (shorter than the others) stays whole."""
 
     def mesh_axes(logical: str, size: int) -> tuple[str, ...]:
         return sharding.spec_axes(sharding.fitted_sharding(mesh, (logical,), (size,)).spec[0])
 
     batch_axes = mesh_axes(Axis.BATCH, batch)
     rows = batch_axes + mesh_axes(Axis.KV_HEADS, cache.k[0].shape[0] // batch) if batch_axes or batch == 1 else ()
-    positions = tuple(a for a in mesh_axes(Axis.LENGTH, cache.k[0].shape[1]) if mesh.shape[a] > 1)
-    spec = NamedSharding(mesh, PartitionSpec(rows or None, positions or None, None))
-    return KVCache(k=(spec,) * len(cache.k), v=(spec,) * len(cache.v), index=sharding.replicated(mesh))
+    longest = max(slot.shape[1] for slot in (*cache.k, *cache.v))
+
+    def spec(slot: jax.Array) -> NamedSharding:
+        split = slot.shape[1] == longest
+        positions = tuple(a for a in mesh_axes(Axis.LENGTH, slot.shape[1]) if mesh.shape[a] > 1) if split else ()
+        return NamedSharding(mesh, PartitionSpec(rows or None, positions or None, None))
+
+    return KVCache(k=tuple(map(spec, cache.k)), v=tuple(map(spec, cache.v)), index=sharding.replicated(mesh))
 
 
 def sample(logits_BxV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:

@@ -83,6 +83,12 @@ class KVCache(NamedTuple):
     ResFormer (which caches its mixed values), one per group for CLA, and a single value slot,
     V_1, for SVFormer. Only the first layer of a slot writes it: the layers after it would
     write the same rows (V_1, CLA's borrowed K/V), and a second write made XLA copy the slot.
+
+    A slot that only one local layer reads (cfg.ring_slot) is a ring buffer of its window,
+    min(model.attention_window, S) positions, position p holding the latest token whose index is
+    p modulo that size: its layer attends over it as it was before the step, then the step's
+    tokens, and writes them after. Every other slot holds every position (a local layer among
+    its readers masks the rest).
     """
 
     k: tuple[Array, ...]
@@ -91,14 +97,43 @@ class KVCache(NamedTuple):
 
     def update(
         self, cfg: ModelConfig, layer: int, k_BxTxKxDh: Array, v_BxTxKxDh: Array
-    ) -> tuple[Array, Array, KVCache]:
-        """Writes T new keys and values at [index, index + T) of the slots `layer` owns, in place;
-        returns the layer's whole (B * K, S, Dh) keys and values, and the cache."""
+    ) -> tuple[Array, Array, Array, KVCache]:
+        """Writes T new keys and values of the slots `layer` owns, in place; returns the (B * K, S', Dh)
+        keys and values the layer attends over, each key's token index (S',) (negative: none yet), and
+        the cache."""
+        k_slot, v_slot = cfg.key_slot(layer), cfg.value_slot(layer)
+        k_ring, v_ring = cfg.ring_slot('k', k_slot), cfg.ring_slot('v', v_slot)
+        assert k_ring or not v_ring, 'a ring of values is read by one local layer, which also owns its keys'
+        T = k_BxTxKxDh.shape[1]
+        new_index_T = self.index + jnp.arange(T, dtype=jnp.int32)
+        if k_ring:  # the window before this step, then the step's tokens
+            R = self.k[k_slot].shape[1]
+            ring_index_R = self.index - 1 - jnp.mod(self.index - 1 - jnp.arange(R, dtype=jnp.int32), R)
+            key_index = jnp.concatenate([ring_index_R, new_index_T])
+            keys = jnp.concatenate([self.k[k_slot], _rows(k_BxTxKxDh, self.k[k_slot].dtype)], axis=1)
+            values = None
+            if v_ring:
+                values = jnp.concatenate([self.v[v_slot], _rows(v_BxTxKxDh, self.v[v_slot].dtype)], axis=1)
+        cache = self._written(cfg, layer, k_BxTxKxDh, v_BxTxKxDh)
+        if not k_ring:
+            return cache.k[k_slot], cache.v[v_slot], jnp.arange(cache.k[k_slot].shape[1], dtype=jnp.int32), cache
+        if values is None:  # V_1 (SVFormer), whole: the positions of the window's keys
+            values = jnp.take(cache.v[v_slot], jnp.maximum(key_index, 0), axis=1)
+        return keys, values, key_index, cache
 
-        def write(slots: tuple[Array, ...], slot: int, new_BxTxKxDh: Array) -> tuple[Array, ...]:
-            B, T, K, Dh = new_BxTxKxDh.shape
-            new_NxTxDh = new_BxTxKxDh.transpose(0, 2, 1, 3).reshape(B * K, T, Dh).astype(slots[slot].dtype)
-            if T > 1 and context_parts() > 1:  # positions split over devices: each writes its own (a window
+    def _written(self, cfg: ModelConfig, layer: int, k_BxTxKxDh: Array, v_BxTxKxDh: Array) -> KVCache:
+        """The cache with T new keys and values in the slots `layer` owns: at [index, index + T), or
+        in a ring buffer at their indices modulo its size."""
+
+        def write(slots: tuple[Array, ...], slot: int, new_BxTxKxDh: Array, ring: bool) -> tuple[Array, ...]:
+            T = new_BxTxKxDh.shape[1]
+            new_NxTxDh = _rows(new_BxTxKxDh, slots[slot].dtype)
+            if ring:  # the last R of the new tokens, each at its index modulo R
+                R = slots[slot].shape[1]
+                kept = min(T, R)
+                at_R = jnp.mod(self.index + T - kept + jnp.arange(kept), R)
+                written = slots[slot].at[:, at_R].set(new_NxTxDh[:, T - kept :])
+            elif T > 1 and context_parts() > 1:  # positions split over devices: each writes its own (a window
                 # written as a slice could straddle two devices' positions, and XLA gathered the slot)
                 offset_S = jnp.arange(slots[slot].shape[1]) - self.index
                 new_NxSxDh = jnp.take(new_NxTxDh, jnp.clip(offset_S, 0, T - 1), axis=1)
@@ -112,9 +147,30 @@ class KVCache(NamedTuple):
             return layer == 0 or slot_of(layer - 1) != slot_of(layer)
 
         k_slot, v_slot = cfg.key_slot(layer), cfg.value_slot(layer)
-        k = write(self.k, k_slot, k_BxTxKxDh) if owns(cfg.key_slot) else self.k
-        v = write(self.v, v_slot, v_BxTxKxDh) if owns(cfg.value_slot) else self.v
-        return k[k_slot], v[v_slot], KVCache(k, v, self.index)
+        k = write(self.k, k_slot, k_BxTxKxDh, cfg.ring_slot('k', k_slot)) if owns(cfg.key_slot) else self.k
+        v = write(self.v, v_slot, v_BxTxKxDh, cfg.ring_slot('v', v_slot)) if owns(cfg.value_slot) else self.v
+        return KVCache(k, v, self.index)
+
+
+def _rows(x_BxTxKxDh: Array, dtype: jnp.dtype) -> Array:
+    """(B, T, K, Dh) -> a slot's (B * K, T, Dh) rows."""
+    B, T, K, Dh = x_BxTxKxDh.shape
+    return x_BxTxKxDh.transpose(0, 2, 1, 3).reshape(B * K, T, Dh).astype(dtype)
+
+
+class CachedQueries(NamedTuple):
+    """Decoding's mask, made per layer over the keys its cache gives it: T new tokens at cache
+    indices `index_BxT` of left-padded sequences (`pad_B` padding positions first) see the real
+    tokens up to themselves, within model.attention_window in a local layer."""
+
+    index_BxT: Array
+    pad_B: Array
+
+    def over(self, key_index_S: Array, window: int) -> Array:
+        """(B, T, S): which of the keys at token indices key_index_S (negative: none) each query sees."""
+        query_BxTx1, key_1x1xS = self.index_BxT[:, :, None], key_index_S[None, None, :]
+        seen = (key_1x1xS <= query_BxTx1) & (key_1x1xS >= self.pad_B[:, None, None])
+        return seen & (query_BxTx1 - key_1x1xS < window) if window else seen
 
 
 class Attention(nnx.Module):
@@ -253,7 +309,7 @@ class Block(nnx.Module):
         self.neutreno_lambda = cfg.neutreno_lambda if cfg.neutreno else None
 
     def __call__(
-        self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array, record: bool
+        self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries, record: bool
     ) -> tuple[Array, tuple[Array, Array], attention.Copies | None, KVCache | None, layer_stats.AttentionStats | None]:
         """The block's output (B, L, D), its keys and attended values for the L tokens, the copies it
         attended with (`copies`), the cache with them written and, when recording, its attention statistics."""
@@ -266,12 +322,16 @@ class Block(nnx.Module):
             scale_BxLxKx1 = variants.VALUE_EMBED_GATE_SCALE * gate_BxLxKx1
             v_n = v_n + (scale_BxLxKx1 * p.value_embed.e).astype(v_n.dtype)
         v_BxLxKxDh = self.attn.values(x_BxLxD, v_n, s.v1, p.lambdas)  # ResFormer, SVFormer, per-token mix
+        local = self.cfg.is_local(p.layer) if isinstance(p.layer, int) else jnp.asarray(self.cfg.local_layers)[p.layer]
+        if isinstance(mask, Causal) and self.cfg.attention_window:  # local/global attention
+            mask = mask._replace(window=self.cfg.attention_window, local=local)
         copies = self.copies(s, p, k_BxLxKxDh, v_BxLxKxDh, mask)
         keys, values, cache = k_BxLxKxDh, v_BxLxKxDh, s.cache
         if cache is not None:
-            keys, values, cache = cache.update(self.cfg, p.layer, k_BxLxKxDh, v_BxLxKxDh)
+            keys, values, key_index_S, cache = cache.update(self.cfg, p.layer, k_BxLxKxDh, v_BxLxKxDh)
+            mask = mask.over(key_index_S, self.cfg.attention_window if local else 0)
         keys, values = keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype)
-        if cache is None:  # training's causal mask, or an explicit one: vrl/model/attention.py decides how
+        if cache is None:  # training's causal mask: vrl/model/attention.py decides how
             o_BxLxHxDh = attention.attention(
                 self.cfg.attention_impl,
                 q_BxLxHxDh,
@@ -299,7 +359,7 @@ class Block(nnx.Module):
         return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), copies, cache, stats
 
     def copies(
-        self, s: Stream, p: LayerInputs, k_BxLxKxDh: Array, v_BxLxKxDh: Array, mask: Causal | Array
+        self, s: Stream, p: LayerInputs, k_BxLxKxDh: Array, v_BxLxKxDh: Array, mask: Causal | CachedQueries
     ) -> attention.Copies | None:
         """With sequences split over `context` (training): the whole keys and values this layer attends
         with that later layers share, so they cross the axis once. A layer makes copies of what it projects
@@ -423,22 +483,16 @@ class Decoder(nnx.Module):
         copied every layer's weights every step.
         """
         B, T = tokens_BxT.shape
-        S = cache.k[0].shape[1]
         query_index_BxT = jnp.broadcast_to(cache.index + jnp.arange(T), (B, T))
-        key_index_S = jnp.arange(S)
-        mask_BxTxS = (key_index_S[None, None, :] <= query_index_BxT[:, :, None]) & (
-            key_index_S[None, None, :] >= pad_B[:, None, None]
-        )
-        h_BxTxD, cache, _ = self._forward(
-            tokens_BxT, query_index_BxT - pad_B[:, None], mask_BxTxS, cache, False, layers
-        )
+        queries = CachedQueries(query_index_BxT, pad_B)
+        h_BxTxD, cache, _ = self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], queries, cache, False, layers)
         return self.logits(h_BxTxD), cache
 
     def _forward(
         self,
         tokens_BxL: Array,
         positions_BxL: Array,
-        mask: Causal | Array,
+        mask: Causal | CachedQueries,
         cache: KVCache | None,
         record: bool,
         layers: list[nnx.State] | None = None,
@@ -487,7 +541,7 @@ class Decoder(nnx.Module):
         )
 
     def _layer(
-        self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | Array, record: bool
+        self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries, record: bool
     ) -> tuple[Stream, layer_stats.LayerStats | None]:
         """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average."""
         h_BxLxD, kv, copies, cache, attention_stats = block(s, p, positions_BxL, mask, record)
@@ -505,7 +559,7 @@ class Decoder(nnx.Module):
         s: Stream,
         inputs: LayerInputs,
         positions_BxL: Array,
-        mask: Causal | Array,
+        mask: Causal | CachedQueries,
         record: bool,
         layers: list[nnx.State] | None,
     ) -> tuple[Stream, layer_stats.LayerStats | None]:

@@ -91,6 +91,10 @@ PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
             attention='resformer', lambda_mode='learnable_plus', value_embed_layers=tuple(range(1, cfg.n_layers + 1, 2))
         ),
     ),
+    'svformer+value_embeds': (
+        'SVFormer with a value embedding on layer 1 (V_1, the values its layers >= 2 attend over)',
+        lambda cfg: dict(attention='svformer', value_embed_layers=(1,)),
+    ),
 }
 
 

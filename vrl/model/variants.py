@@ -127,10 +127,13 @@ class ValueEmbeddings(nnx.Module):
             return None
         return ValueEmbed(self._lookups(tokens_BxL, [entry], dtype)[0], self.gates[...][entry])
 
-    def for_stack(self, tokens_BxL: Array, dtype) -> ValueEmbed:
-        """(N, ...) for layers 2..L; layers without a value embedding get zeros (adds nothing)."""
+    def for_stack(self, tokens_BxL: Array, dtype) -> ValueEmbed | None:
+        """(N, ...) for layers 2..L; layers without a value embedding get zeros (adds nothing). None
+        when none of them has one (layer 1's alone: SVFormer's)."""
         stacked = self.entry_of_layer[1:]
         entries = [e for e in stacked if e is not None]
+        if not entries:
+            return None
         index_N = _owner_index(tuple(e is not None for e in stacked))
         return ValueEmbed(
             spread(self._lookups(tokens_BxL, entries, dtype), index_N),

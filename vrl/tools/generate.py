@@ -84,7 +84,7 @@ def main(args: cli.Args) -> None:
     max_len = min(args['max_len'].value or config.data.seq_len, max(map(len, encoded)) + sampling.max_new_tokens)
     max_len = -(-max_len // args['context'].value) * args['context'].value  # whole positions on each device
     if max_len > config.data.seq_len:
-        cache = accounting.kv_cache_bytes_per_token(config.model) * max_len * len(encoded)
+        cache = accounting.kv_cache_bytes(config.model, max_len) * len(encoded)
         print(
             f'warning: {max_len} positions (prompt + --max_new_tokens) are beyond the trained seq_len '
             f'{config.data.seq_len}: RoPE positions past it were never seen in training; the KV cache takes '

@@ -3,7 +3,9 @@
 Llama's fields for the decoder's shape, plus vrl's own (vrl/core/config.py's ModelConfig, same names):
 attention (vanilla | resformer | svformer), lambda_mode, lambda1, lambda2, sparse_layers,
 neutreno, neutreno_lambda, denseformer, kv_share, value_embed_layers, value_embed_tables, qk_norm; and
-the soft caps under Gemma 2's names, attn_logit_softcapping and final_logit_softcapping (None: off).
+the soft caps under Gemma 2's names, attn_logit_softcapping and final_logit_softcapping (None: off),
+and local/global attention under transformers' names: sliding_window (None: off) and layer_types
+('sliding_attention' or 'full_attention' per layer).
 This file and modeling_vrl.py need torch and transformers only, not vrl.
 """
 
@@ -43,6 +45,8 @@ class VrlConfig(PreTrainedConfig):
         qk_norm: bool = False,
         attn_logit_softcapping: float | None = None,
         final_logit_softcapping: float | None = None,
+        sliding_window: int | None = None,
+        layer_types: list[str] | None = None,
         initializer_range: float = 0.02,
         use_cache: bool = True,
         **kwargs,
@@ -60,6 +64,8 @@ class VrlConfig(PreTrainedConfig):
         self.value_embed_layers, self.value_embed_tables = list(value_embed_layers), list(value_embed_tables)
         self.qk_norm = qk_norm
         self.attn_logit_softcapping, self.final_logit_softcapping = attn_logit_softcapping, final_logit_softcapping
+        self.sliding_window = sliding_window
+        self.layer_types = list(layer_types or ['full_attention'] * num_hidden_layers)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def key_owner(self, layer: int) -> int:

@@ -11,8 +11,10 @@ variants changes one thing, as in vrl/model/decoder.py:
 - what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended));
 - how block outputs combine into the next block's input (DenseFormer's depth weights).
 
-The recipe around them: QK-norm, and soft-capping (cap * tanh(x / cap)) of the attention logits and
-the final logits, Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`.
+The recipe around them: QK-norm, soft-capping (cap * tanh(x / cap)) of the attention logits and
+the final logits (Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`), and local
+layers (`layer_types` 'sliding_attention') whose queries see the `sliding_window` positions up to
+themselves; their cache entries keep every position, the mask keeps the window.
 
 The KV cache is transformers' DynamicCache with one entry per layer: keys and values, keys only
 (SVFormer's layers >= 2: their values are V_1, cached once by layer 1), or nothing (CLA layers
@@ -305,6 +307,10 @@ class VrlModel(VrlPreTrainedModel):
         causal_TxS = key_S[None, :] <= query_T[:, None]
         own_TxS = key_S[None, :] == query_T[:, None]  # a padding query sees itself: no empty softmax row
         mask_Bx1xTxS = (causal_TxS & (real_BxS[:, None, :] | own_TxS))[:, None]
+        masks = {'full_attention': mask_Bx1xTxS}
+        if self.config.sliding_window:  # a local layer's query sees the window up to itself
+            near_TxS = query_T[:, None] - key_S[None, :] < self.config.sliding_window
+            masks['sliding_attention'] = mask_Bx1xTxS & near_TxS
 
         h = self.embed_tokens(input_ids)
         blocks = [h]  # DenseFormer's B_0, B_1, ...
@@ -313,7 +319,8 @@ class VrlModel(VrlPreTrainedModel):
             lambdas = self.value_lambdas(layer) if self.value_lambdas is not None and layer > 0 else None
             table = self.config.value_embed_table(layer)
             value_embed = None if table is None else self.value_embeds[table](input_ids)
-            h, (k, v_n, v) = block(h, position_ids, mask_Bx1xTxS, v1, borrowed, lambdas, value_embed, cache)
+            mask = masks[self.config.layer_types[layer]]
+            h, (k, v_n, v) = block(h, position_ids, mask, v1, borrowed, lambdas, value_embed, cache)
             v1 = v if v1 is None else v1
             borrowed = (k, v)
             if block.depth_weights is not None:
