@@ -87,8 +87,8 @@ class KVCache(NamedTuple):
     A slot that only one local layer reads (cfg.ring_slot) is a ring buffer of its window,
     min(model.attention_window, S) positions, position p holding the latest token whose index is
     p modulo that size: its layer attends over it as it was before the step, then the step's
-    tokens, and writes them after. Every other slot holds every position (a local layer among
-    its readers masks the rest).
+    tokens (a copy of the window and the new rows, small beside a whole slot), and writes them
+    after. Every other slot holds every position (a local layer among its readers masks the rest).
     """
 
     k: tuple[Array, ...]
