@@ -128,6 +128,9 @@ def test_summary_command_prints_table_and_json():
     assert record['params'] == expected.params
     assert 'padded to 50304' in out and 'svformer' in out
     assert '1024 sequences x 2048 tokens = 2,097,152 tokens a step' in out
+    # SVFormer 468M: 24 K slots and V_1, 2,048 positions of 16 x 64 bf16-or-float32 values each
+    row = 16 * 64 * (4 if 'KV cache / token (float32)' in out else 2)
+    assert re.search(rf'^KV cache at seq 2048 +{25 * 2048 * row:,} B a sequence$', out, re.M), out
     assert re.search(r'step time, estimated \(\d+ cpu device\(s\)\) +[\d.e+]+ s at 40% MFU of', out), out
 
 

@@ -117,6 +117,11 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
             f'({acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token:.3f} of vanilla MHA, '
             f'{mha.kv_cache_bytes_per_token:,} B)',
         ),
+        (
+            f'KV cache at seq {config.data.seq_len}',
+            f'{accounting.kv_cache_bytes(m, config.data.seq_len):,} B a sequence'
+            + (f' (local layers keep {m.attention_window} positions)' if m.attention_window else ''),
+        ),
         ('batch', f'{config.data.batch_size} sequences x {config.data.seq_len} tokens = {tokens:,} tokens a step'),
         ('training', f'{config.train.steps:,} steps = {_human(config.train.steps * tokens)} tokens'),
     ]
