@@ -20,8 +20,13 @@ gathers the whole sequence's keys and values and every implementation attends wi
 share of the queries over them (`_context_parallel`).
 
 model.attn_logits_soft_cap caps q.k / sqrt(Dh) in the XLA path and in splash (its
-attn_logits_soft_cap). Value residual only changes V, so every variant runs on every implementation. Decoding (a KV
-cache) and vrl.experiments.analyze's attention statistics always take the XLA path, which works everywhere.
+attn_logits_soft_cap). A local layer (model.attention_window, `Causal.local`) keeps the keys within
+its window: in the XLA path's mask, splash's LocalMask (or a windowed `_StripedRows` on a split
+sequence), cuDNN's local_window_size; under the layer scan lax.cond picks each layer's kernel.
+
+Value residual only changes V, so every variant runs on every implementation. Decoding (a KV
+cache) and vrl.experiments.analyze's attention statistics always take the XLA path, which works
+everywhere.
 """
 
 from __future__ import annotations
