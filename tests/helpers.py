@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs import modern
 from vrl.core.config import ModelConfig
+from vrl.model import presets
 
 
 def small_model_config(**overrides) -> ModelConfig:
@@ -55,6 +57,33 @@ NAMED_VARIANTS = {
         attention='resformer', lambda_mode='learnable', value_embed_layers=(1, 2, 3), value_embed_tables=(0, 1, 0)
     ),
     'all-baselines': dict(attention='vanilla', neutreno=True, denseformer=True, kv_share=2, value_embed_layers=(3,)),
+}
+
+
+def modern_fields(variant: str) -> dict:
+    """configs/modern.py's model fields on a 4-layer small shape (layer 4 global), the window cut to 5
+    tokens and the final cap to 3 so that both bend what a test's short, random model computes."""
+    small = small_model_config(n_layers=4)
+    cfg = modern.modern(presets.apply(modern.PRESET[variant], small))
+    cfg = dataclasses.replace(cfg, attention_window=5, final_logits_soft_cap=3.0)
+    changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(small, f.name)}
+    return {name: getattr(cfg, name) for name in changed | {'n_layers'}}
+
+
+# What the export tests (Hugging Face, vLLM) check: the named variants, QK-norm on the one whose keys
+# are stacked apart (CLA) and whose V is V_1, soft caps that bend the logits (a final cap of 1 flattens
+# a random model's into float32 near-ties, which two correct implementations break apart), windows of 5
+# (layer 2 global) over longer sequences, and the modern recipe (all of these with value embeddings)
+# on ResFormer and SVFormer
+EXPORT_VARIANTS = {
+    **NAMED_VARIANTS,
+    'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True),
+    'resformer-soft_caps': dict(
+        attention='resformer', lambda_mode='learnable_plus', attn_logits_soft_cap=0.5, final_logits_soft_cap=3.0
+    ),
+    'svformer-windows': dict(attention='svformer', attention_window=5, global_layers=(2,)),
+    'modern-resformer': modern_fields('resformer'),
+    'modern-svformer': modern_fields('svformer'),
 }
 VARIANTS = list(NAMED_VARIANTS.values())
 VARIANT_IDS = list(NAMED_VARIANTS)

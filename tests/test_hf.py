@@ -27,12 +27,11 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from configs import modern
-from tests.helpers import FAST_TIER, NAMED_VARIANTS, randomize, rel_err, small_model_config, variant_params
+from tests.helpers import EXPORT_VARIANTS, FAST_TIER, randomize, rel_err, small_model_config, variant_params
 from tests.runs import SHARED_RUN_STEPS, cli_args, params_equal
 from vrl.data import pipeline
 from vrl.interop import hf
-from vrl.model import decode, presets
+from vrl.model import decode
 from vrl.model.decoder import Decoder
 from vrl.train import loop, start, trained
 from vrl.train.step import TrainSteps
@@ -179,34 +178,9 @@ def test_bad_directories_are_named(exported, tmp_path):
         start.initial_params(f'hf:{folder}', TrainSteps(config, run.trainer.mesh), config)
 
 
-def _modern_fields(variant: str) -> dict:
-    """configs/modern.py's model fields on a 4-layer small shape (layer 4 global), the window cut to 5
-    tokens and the final cap to 3 so that both bend what a test's short, random model computes."""
-    small = small_model_config(n_layers=4)
-    cfg = modern.modern(presets.apply(modern.PRESET[variant], small))
-    cfg = dataclasses.replace(cfg, attention_window=5, final_logits_soft_cap=3.0)
-    changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(small, f.name)}
-    return {name: getattr(cfg, name) for name in changed | {'n_layers'}}
-
-
-# the named variants, QK-norm on the one whose keys are stacked apart (CLA) and whose V is V_1, soft
-# caps low enough to bend most logits, windows of 5 (layer 2 global) over longer sequences, and the
-# modern recipe (all of these with value embeddings) on ResFormer and SVFormer
-HF_VARIANTS = {
-    **NAMED_VARIANTS,
-    'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True),
-    'resformer-soft_caps': dict(
-        attention='resformer', lambda_mode='learnable_plus', attn_logits_soft_cap=0.5, final_logits_soft_cap=1.0
-    ),
-    'svformer-windows': dict(attention='svformer', attention_window=5, global_layers=(2,)),
-    'modern-resformer': _modern_fields('resformer'),
-    'modern-svformer': _modern_fields('svformer'),
-}
-
-
 def _variant(name: str, tokenizer) -> tuple:
     """A random model of the named variant (the tokenizer's vocabulary) and its parameters."""
-    cfg = small_model_config(vocab_size=tokenizer.vocab_size, **HF_VARIANTS[name])
+    cfg = small_model_config(vocab_size=tokenizer.vocab_size, **EXPORT_VARIANTS[name])
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, seed=len(name))
     return cfg, model
@@ -311,6 +285,42 @@ def test_transformers_generate_matches_vrl_decoding(name, exported, tmp_path):
     with torch.no_grad():
         got = theirs.generate(ids, attention_mask=real, max_new_tokens=12, do_sample=False, eos_token_id=None)
     assert [_until_eos(row, eos) for row in got[:, P:].tolist()] == want
+
+
+@pytest.mark.parametrize('name', ['svformer-cla2', 'all-baselines', 'resformer-per_token', 'svformer-windows'])
+def test_sdpa_and_eager_attention_give_the_same_logits(name, exported, tmp_path):
+    """Attention goes through transformers' attention interface: its `sdpa` (the default) and vrl's
+    `eager` agree, on left-padded prompts and in cached decoding."""
+    run, _ = exported
+    cfg, model = _variant(name, run.tokenizer)
+    hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, 64, run.tokenizer, tmp_path)
+    tokens = torch.tensor(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 13)))
+    real = torch.ones_like(tokens)
+    real[0, :4] = 0
+    outputs = {}
+    for implementation in ('sdpa', 'eager'):
+        theirs = AutoModelForCausalLM.from_pretrained(
+            tmp_path, trust_remote_code=True, dtype=torch.float32, attn_implementation=implementation
+        ).eval()
+        assert theirs.config._attn_implementation == implementation
+        with torch.no_grad():
+            logits = theirs(tokens, attention_mask=real).logits.numpy()
+            generated = theirs.generate(tokens, attention_mask=real, max_new_tokens=8, do_sample=False).numpy()
+        outputs[implementation] = logits, generated
+    assert rel_err(outputs['sdpa'][0], outputs['eager'][0]) < 1e-5
+    np.testing.assert_array_equal(outputs['sdpa'][1], outputs['eager'][1])
+
+
+def test_a_soft_capped_model_attends_eagerly(exported, tmp_path):
+    """PyTorch's fused attention has no soft cap: a capped export loads with `eager` by default, and
+    transformers refuses `sdpa` for it, naming `eager`."""
+    run, _ = exported
+    cfg, model = _variant('resformer-soft_caps', run.tokenizer)
+    hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, 64, run.tokenizer, tmp_path)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32)
+    assert theirs.config._attn_implementation == 'eager'
+    with pytest.raises(ValueError, match='scaled_dot_product_attention'):
+        AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, attn_implementation='sdpa')
 
 
 def test_the_pytorch_svformer_cache_holds_values_once(exported, tmp_path):

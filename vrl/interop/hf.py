@@ -241,6 +241,7 @@ def hf_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dic
         'model_type': 'vrl',
         'auto_map': {
             'AutoConfig': 'configuration_vrl.VrlConfig',
+            'AutoModel': 'modeling_vrl.VrlModel',
             'AutoModelForCausalLM': 'modeling_vrl.VrlForCausalLM',
         },
         **config,

@@ -16,15 +16,19 @@ the final logits (Gemma 2's `attn_logit_softcapping` and `final_logit_softcappin
 layers (`layer_types` 'sliding_attention') whose queries see the `sliding_window` positions up to
 themselves; their cache entries keep every position, the mask keeps the window.
 
+The softmax attention itself goes through transformers' attention interface
+(`config._attn_implementation`): `sdpa`, PyTorch's fused attention, by default; `eager`
+(`eager_attention`, written out) for a soft-capped model, which sdpa cannot cap; and whatever an
+engine registers, as vLLM's Transformers backend does with its paged attention.
+
 The KV cache is transformers' DynamicCache with one entry per layer: keys and values, keys only
 (SVFormer's layers >= 2: their values are V_1, cached once by layer 1), or nothing (CLA layers
 that borrow their group's). Shapes: B batch, T new tokens, S cached + new tokens, D hidden,
 H heads, K kv heads, G = H // K, Dh head dim; per-head tensors are heads-major (B, K, T, Dh).
 
-Works with transformers 5.3 and later (vrl/interop/hf.py TRANSFORMERS): the cache comes in as `cache` (the name
-generate() passes
-from 5.24 on) or `past_key_values` (before), and goes out under the name the installed
-transformers' output class declares.
+Works with transformers 5.3 and later (vrl/interop/hf.py TRANSFORMERS): the cache comes in as
+`cache` (the name generate() passes from 5.24 on) or `past_key_values` (before), and goes out under
+the name the installed transformers' output class declares.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vrl import VrlConfig
 
@@ -46,16 +51,17 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return cap * torch.tanh(x / cap) if cap else x
 
 
-def attend(q, keys, values, mask_Bx1xTxS, logits_cap: float | None) -> torch.Tensor:
-    """Softmax attention (B, H, T, Dh) of q (B, H, T, Dh) over GQA keys and values (B, K, S, Dh):
-    PyTorch's fused attention, or with the logits soft-capped, written out (float32 softmax)."""
-    if not logits_cap:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_Bx1xTxS, enable_gqa=True)
+def eager_attention(
+    module: nn.Module, q, keys, values, mask_Bx1xTxS, dropout: float = 0.0, scaling: float = 1.0, softcap=None, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention written out, transformers' `eager` implementation: q (B, H, T, Dh) over GQA
+    keys and values (B, K, S, Dh) where the boolean mask is True, the logits soft-capped (float32
+    softmax); returns the output (B, T, H, Dh) and the probabilities (B, H, T, S)."""
     groups = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    logits = soft_cap((q @ keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5, logits_cap)
+    logits = soft_cap((q @ keys.transpose(-1, -2)).float() * scaling, softcap)
     probs = torch.softmax(logits.masked_fill(~mask_Bx1xTxS, float('-inf')), dim=-1)
-    return probs.to(values.dtype) @ values
+    return (probs.to(values.dtype) @ values).transpose(1, 2), probs
 
 
 # The field of transformers' model outputs that holds the cache: `cache` from 5.24 on, `past_key_values` before.
@@ -158,6 +164,11 @@ class VrlAttention(nn.Module):
         D, H, K, Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.layer, self.config = layer, config
         self.heads, self.kv_heads, self.head_dim = H, K, Dh
+        # what transformers' attention functions (and vLLM's, under --model-impl transformers) read
+        self.layer_idx, self.num_key_value_groups, self.is_causal = layer, H // K, True
+        self.scaling = Dh**-0.5
+        local = config.layer_types[layer] == 'sliding_attention'
+        self.sliding_window = config.sliding_window if local else None
         owns_kv = config.key_owner(layer) == layer
         self.q_proj = nn.Linear(D, H * Dh, bias=False)
         self.k_proj = nn.Linear(D, K * Dh, bias=False) if owns_kv else None
@@ -213,11 +224,24 @@ class VrlAttention(nn.Module):
             cache.update(k, v, self.layer)  # each entry keeps what its kind holds (shape_cache)
             keys = cache.layers[self.config.key_owner(self.layer)].keys
             values = cache.layers[self.config.value_owner(self.layer)].values
-        o = attend(q, keys, values, mask_Bx1xTxS, self.config.attn_logit_softcapping)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        o, _ = attention(  # (B, T, H, Dh); vLLM's (B * T, H * Dh)
+            self,
+            q,
+            keys,
+            values,
+            mask_Bx1xTxS,
+            dropout=0.0,
+            scaling=self.scaling,
+            softcap=self.config.attn_logit_softcapping,
+            sliding_window=self.sliding_window,
+        )
+        B, T, _ = x_BxTxD.shape
+        o_BxTxHxDh = o.reshape(B, T, self.heads, self.head_dim)
         if self.config.neutreno and v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V), per query head
-            o = o + self.config.neutreno_lambda * (v1 - v).repeat_interleave(self.heads // self.kv_heads, dim=1)
-        B, _, T, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), (k, v_n, v)
+            delta_BxHxTxDh = (v1 - v).repeat_interleave(self.num_key_value_groups, dim=1)
+            o_BxTxHxDh = o_BxTxHxDh + self.config.neutreno_lambda * delta_BxHxTxDh.transpose(1, 2)
+        return self.o_proj(o_BxTxHxDh.reshape(B, T, -1)), (k, v_n, v)
 
 
 class VrlMLP(nn.Module):
@@ -254,6 +278,12 @@ class VrlPreTrainedModel(PreTrainedModel):
     base_model_prefix = 'model'
     _no_split_modules = ['VrlDecoderLayer']
     _skip_keys_device_placement = ['cache', 'past_key_values']
+    _supports_attention_backend = True  # attention goes through transformers' interface (VrlAttention.forward)
+
+    @property
+    def _supports_sdpa(self) -> bool:
+        """PyTorch's fused attention (transformers' default) has no soft cap: a capped model runs eagerly."""
+        return not self.config.attn_logit_softcapping
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -277,33 +307,39 @@ class VrlModel(VrlPreTrainedModel):
 
     def forward(
         self,
-        input_ids: torch.LongTensor,
+        input_ids: torch.LongTensor | None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: DynamicCache | None = None,
         use_cache: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, DynamicCache | None]:
         """Final-normalised hidden states (B, T, D) of T new tokens after the cached ones, and the cache.
 
         attention_mask (B, S), 1 for real tokens, 0 for padding; positions then count real tokens.
+        inputs_embeds (B, T, D) may stand in for input_ids (B, T), except where value embeddings
+        look the ids up.
         """
+        if input_ids is None and self.value_embeds is not None:
+            raise ValueError(
+                'a model with value embeddings takes input_ids (its tables look them up), not inputs_embeds'
+            )
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         if cache is not None:
             cache = shape_cache(cache, self.config)
-        B, T = input_ids.shape
+        B, T, _ = h.shape
         past = cache.get_seq_length() if cache is not None else 0
         S = past + T
         real_BxS = (
-            torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
-            if attention_mask is None
-            else attention_mask.bool()
+            torch.ones(B, S, dtype=torch.bool, device=h.device) if attention_mask is None else attention_mask.bool()
         )
         if position_ids is None:
             position_ids = (real_BxS.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
-        query_T, key_S = torch.arange(past, S, device=input_ids.device), torch.arange(S, device=input_ids.device)
+        query_T, key_S = torch.arange(past, S, device=h.device), torch.arange(S, device=h.device)
         causal_TxS = key_S[None, :] <= query_T[:, None]
         own_TxS = key_S[None, :] == query_T[:, None]  # a padding query sees itself: no empty softmax row
         mask_Bx1xTxS = (causal_TxS & (real_BxS[:, None, :] | own_TxS))[:, None]
@@ -312,7 +348,6 @@ class VrlModel(VrlPreTrainedModel):
             near_TxS = query_T[:, None] - key_S[None, :] < self.config.sliding_window
             masks['sliding_attention'] = mask_Bx1xTxS & near_TxS
 
-        h = self.embed_tokens(input_ids)
         blocks = [h]  # DenseFormer's B_0, B_1, ...
         v1 = borrowed = None
         for layer, block in enumerate(self.layers):

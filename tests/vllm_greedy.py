@@ -1,0 +1,46 @@
+"""Greedy generations from vLLM, run by tests/test_vllm.py with vLLM's own environment's Python
+(.venv/vllm: vLLM, its torch and transformers, the vrl_vllm plugin; no JAX, no vrl).
+
+    python tests/vllm_greedy.py JOBS.json OUT.json
+
+JOBS.json: [{"name": NAME, "model": DIR, "prompts": [[token ids], ...], "max_tokens": N, "max_model_len": M,
+"model_impl": "vllm" (vLLM's own models: the plugin's) or "transformers" (vLLM's Transformers backend)}, ...].
+OUT.json: {NAME: [[N generated ids] per prompt]}. Every model in one process (the engine in it too),
+end of sequence ignored so that every row is N long.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(jobs_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tokens = {}
+    for job in json.loads(open(jobs_path).read()):
+        llm = LLM(
+            model=job['model'],
+            dtype='float32',
+            enforce_eager=True,
+            trust_remote_code=True,
+            max_model_len=job['max_model_len'],
+            kv_cache_memory_bytes=1 << 26,
+            model_impl=job['model_impl'],
+            seed=0,
+        )
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=prompt) for prompt in job['prompts']],
+            SamplingParams(temperature=0.0, max_tokens=job['max_tokens'], ignore_eos=True),
+            use_tqdm=False,
+        )
+        tokens[job['name']] = [list(o.outputs[0].token_ids) for o in outputs]
+        del llm
+    with open(out_path, 'w') as f:
+        json.dump(tokens, f)
+
+
+if __name__ == '__main__':  # vLLM starts processes by spawning: the work stays under this guard
+    main(*sys.argv[1:])
