@@ -28,13 +28,19 @@ INTERLEAVED_SHORT = (
     b'ranks is : 3\n3 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3\n'
 )
 
+RUN_TOGETHER = (
+    b'[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3[Gloo] '
+    b'Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n\n'
+)  # a pod's: one message into the next, both newlines after
+RUN_TOGETHER_SHORT = RUN_TOGETHER.replace(b'connected to 3', b'connected to 2', 1)
+
 _PROGRAM = f"""
 import os, signal, sys
 from vrl.core import native_lines
 native_lines.quiet()
 print('vrl line', sys.stdout.isatty(), flush=True)
 os.write(1, {GLOO!r} + b'native stdout\\n' + {GLOO_SHORT!r} + {INTERLEAVED!r})
-os.write(1, {INTERLEAVED_SHORT!r} + b'7\\n')
+os.write(1, {INTERLEAVED_SHORT!r} + b'7\\n' + {RUN_TOGETHER!r} + b'8\\n' + {RUN_TOGETHER_SHORT!r})
 os.write(2, {CREDENTIALS!r} + {NO_CREDENTIALS!r})
 print('vrl error line', file=sys.stderr, flush=True)
 os.write(2, b'last native bytes, no newline')
@@ -46,7 +52,15 @@ def test_native_noise_is_dropped_and_everything_else_arrives_even_after_a_crash(
     out = subprocess.run([sys.executable, '-c', _PROGRAM], cwd=ROOT, capture_output=True, timeout=60)
     assert out.returncode == -9  # killed
     assert sorted(out.stdout.splitlines(keepends=True)) == sorted(
-        [b'vrl line False\n', b'native stdout\n', GLOO_SHORT, *INTERLEAVED_SHORT.splitlines(keepends=True), b'7\n']
+        [
+            b'vrl line False\n',
+            b'native stdout\n',
+            GLOO_SHORT,
+            *INTERLEAVED_SHORT.splitlines(keepends=True),
+            b'7\n',
+            b'8\n',
+            *RUN_TOGETHER_SHORT.splitlines(keepends=True),
+        ]
     )
     assert sorted(out.stderr.splitlines(keepends=True)) == sorted(
         [NO_CREDENTIALS, b'vrl error line\n', b'last native bytes, no newline']

@@ -48,9 +48,11 @@ class Drop:
 class GlooLines:
     """Drops Gloo's connection lines. The ranks of one process (one per local device) connect on
     threads that write into one C stdio buffer a token at a time, so two ranks' lines can interleave
-    at any token, e.g. `[Gloo] Rank [Gloo] Rank 0 is connected ... : 3` then `1 is connected ... : 3`.
-    A run of lines made only of Gloo's tokens is held until every message begun in it has ended, then
-    dropped if every peer count in it (connected, expected) is the same number, else passed whole."""
+    at any token, e.g. `[Gloo] Rank [Gloo] Rank 0 is connected ... : 3` then `1 is connected ... : 3`,
+    or one whole message running into the next, whose two newlines follow (an empty line). A run of
+    lines made only of Gloo's tokens, and the empty lines that end its messages, is held until every
+    message begun in it has ended, then dropped if every peer count in it (connected, expected) is
+    the same number, else passed whole."""
 
     TOKENS = re.compile(
         rb'(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. '
@@ -65,7 +67,8 @@ class GlooLines:
 
     def feed(self, line: bytes) -> list[bytes]:
         starts = line.count(self.START)
-        if not self.TOKENS.fullmatch(line) or not (starts or self.held):
+        ends_one = not line and self.unended  # the newline of a message that ran into the next
+        if not ends_one and (not self.TOKENS.fullmatch(line) or not (starts or self.held)):
             return self.end() + [line]
         self.held.append(line)
         self.unended += starts - 1
