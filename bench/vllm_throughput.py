@@ -29,24 +29,21 @@ VLLM_PYTHON = ROOT / '.venv' / 'vllm' / 'bin' / 'python'
 
 def vllm_side(jobs_path: str, out_path: str) -> None:
     """Under vLLM's Python: each job's model, its prompts generated as one batch per batch size."""
-    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from tests.vllm_greedy import engine, greedy
 
     results = []
     for job in json.loads(Path(jobs_path).read_text()):
-        llm = LLM(
-            model=job['model'],
-            dtype='float32',
-            enforce_eager=True,
-            trust_remote_code=True,
-            max_model_len=job['max_model_len'],
-            kv_cache_memory_bytes=job['kv_cache_bytes'],
+        llm = engine(
+            job['model'],
+            job['max_model_len'],
+            job['kv_cache_bytes'],
             max_num_seqs=max(job['batches']),
             skip_tokenizer_init=True,
-            seed=0,
         )
         cache = llm.llm_engine.vllm_config.cache_config
-        params = SamplingParams(temperature=0.0, max_tokens=job['new_tokens'], ignore_eos=True)
+        params = greedy(job['new_tokens'])
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job['prompts']]
         llm.generate(prompts[:1], params, use_tqdm=False)  # the first call allocates and warms
         for batch in job['batches']:

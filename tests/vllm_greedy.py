@@ -1,5 +1,6 @@
 """Greedy generations from vLLM, run by tests/test_vllm.py with vLLM's own environment's Python
-(.venv/vllm: vLLM, its torch and transformers, the vrl_vllm plugin; no JAX, no vrl).
+(.venv/vllm: vLLM, its torch and transformers, the vrl_vllm plugin; no JAX, no vrl); `engine` and
+`greedy` are bench/vllm_throughput.py's too.
 
     python tests/vllm_greedy.py JOBS.json OUT.json
 
@@ -15,27 +16,38 @@ import json
 import sys
 
 
+def engine(model: str, max_model_len: int, kv_cache_bytes: int = 1 << 26, **settings):
+    """vLLM's offline engine on an export as the tests and bench/vllm_throughput.py run it: float32,
+    eager (no torch.compile), the export's code trusted, seed 0; `settings`: any other LLM argument."""
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        dtype='float32',
+        enforce_eager=True,
+        trust_remote_code=True,
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        seed=0,
+        **settings,
+    )
+
+
+def greedy(max_tokens: int):
+    """Greedy sampling of exactly max_tokens: end of sequence ignored."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
 def main(jobs_path: str, out_path: str) -> None:
-    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     tokens = {}
     for job in json.loads(open(jobs_path).read()):
-        llm = LLM(
-            model=job['model'],
-            dtype='float32',
-            enforce_eager=True,
-            trust_remote_code=True,
-            max_model_len=job['max_model_len'],
-            kv_cache_memory_bytes=1 << 26,
-            model_impl=job['model_impl'],
-            seed=0,
-        )
-        outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=prompt) for prompt in job['prompts']],
-            SamplingParams(temperature=0.0, max_tokens=job['max_tokens'], ignore_eos=True),
-            use_tqdm=False,
-        )
+        llm = engine(job['model'], job['max_model_len'], model_impl=job['model_impl'])
+        prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in job['prompts']]
+        outputs = llm.generate(prompts, greedy(job['max_tokens']), use_tqdm=False)
         tokens[job['name']] = [list(o.outputs[0].token_ids) for o in outputs]
         del llm
     with open(out_path, 'w') as f:
