@@ -133,6 +133,26 @@ def test_vllm_generates_what_vrl_generates(name, generations):
     assert got == want
 
 
+def test_tensor_parallel_vllm_generates_what_vrl_generates(tokenizer_and_prompts, tmp_path):
+    """Two ranks (vLLM's CPU workers), each with half the heads, half the kv heads and their columns
+    of the value-embedding table: the baselines together (NeuTRENO, DenseFormer, CLA, value
+    embeddings) still give vrl's tokens."""
+    tokenizer, prompts = tokenizer_and_prompts
+    cfg, model = export_variant('all-baselines', tokenizer, tmp_path / 'model')
+    job = {'name': 'tp2', 'model': str(tmp_path / 'model'), 'prompts': prompts, 'max_tokens': NEW_TOKENS}
+    job.update(max_model_len=MAX_POSITIONS, model_impl='vllm', settings={'tensor_parallel_size': 2})
+    (tmp_path / 'jobs.json').write_text(json.dumps([job]))
+    out = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / 'tests' / 'vllm_greedy.py'), str(tmp_path / 'jobs.json'), str(tmp_path / 'out')],
+        env=vllm_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-5000:]
+    assert json.loads((tmp_path / 'out').read_text())['tp2'] == vrl_greedy(cfg, model, prompts)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))

@@ -5,7 +5,8 @@
     python tests/vllm_greedy.py JOBS.json OUT.json
 
 JOBS.json: [{"name": NAME, "model": DIR, "prompts": [[token ids], ...], "max_tokens": N, "max_model_len": M,
-"model_impl": "vllm" (vLLM's own models: the plugin's) or "transformers" (vLLM's Transformers backend)}, ...].
+"model_impl": "vllm" (vLLM's own models: the plugin's) or "transformers" (vLLM's Transformers backend),
+"settings": {any other LLM argument} (optional)}, ...].
 OUT.json: {NAME: [[N generated ids] per prompt]}. Every model in one process (the engine in it too),
 end of sequence ignored so that every row is N long.
 """
@@ -45,7 +46,7 @@ def main(jobs_path: str, out_path: str) -> None:
 
     tokens = {}
     for job in json.loads(open(jobs_path).read()):
-        llm = engine(job['model'], job['max_model_len'], model_impl=job['model_impl'])
+        llm = engine(job['model'], job['max_model_len'], model_impl=job['model_impl'], **job.get('settings', {}))
         prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in job['prompts']]
         outputs = llm.generate(prompts, greedy(job['max_tokens']), use_tqdm=False)
         tokens[job['name']] = [list(o.outputs[0].token_ids) for o in outputs]
