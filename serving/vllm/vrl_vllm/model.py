@@ -4,8 +4,7 @@ vLLM's layers (tensor-parallel linears, paged attention, its RoPE, RMSNorm and l
 The same decoder as the export's modeling_vrl.py, whose config class (VrlConfig: which layer owns
 which keys and values, which value-embedding table a layer adds), ResFormer lambdas (ValueLambdas)
 and value-embedding gate scale this file takes from the exported directory, so the two cannot drift
-apart. Each
-variant changes one thing, all of it in `VrlAttention.values_of` and `VrlModel.forward`:
+apart. Each variant changes one thing, all of it in `VrlAttention` and `VrlModel.forward`:
 
 - the values a layer attends over: ResFormer lambda_2 V_n + lambda_1 V_1 (scalars per layer, or per
   token and kv head: mix_proj), SVFormer's layers >= 2 V_1, value embeddings + 2 sigmoid(x W) table[token];
@@ -25,6 +24,7 @@ Dh head dim, H and K per tensor-parallel rank; per-head tensors flat, (T, K * Dh
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
 
-def exported(name: str, vllm_config: VllmConfig):
+def exported(name: str, vllm_config: VllmConfig) -> Any:
     """`name` from the export's modeling_vrl.py (a class or a constant), loaded as transformers loads it."""
     return get_class_from_dynamic_module(f'modeling_vrl.{name}', vllm_config.model_config.model)
 
