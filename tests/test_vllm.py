@@ -90,6 +90,20 @@ def vrl_greedy(cfg, model, prompts: list[list[int]]) -> list[list[int]]:
     return generator.generate(prompts, decode.Sampling(max_new_tokens=NEW_TOKENS)).tokens
 
 
+def vllm_greedy(jobs: list[dict], folder: Path) -> dict[str, list[list[int]]]:
+    """{job name: vLLM's greedy tokens per prompt}: tests/vllm_greedy.py on `jobs`, under vLLM's Python."""
+    (folder / 'jobs.json').write_text(json.dumps(jobs))
+    out = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / 'tests' / 'vllm_greedy.py'), str(folder / 'jobs.json'), str(folder / 'out.json')],
+        env=vllm_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-5000:]
+    return json.loads((folder / 'out.json').read_text())
+
+
 @pytest.fixture(scope='module')
 def tokenizer_and_prompts(shared_runs):
     run = trained.load_trained(str(shared_runs('vanilla')))
@@ -110,16 +124,7 @@ def generations(tokenizer_and_prompts, tmp_path_factory) -> dict[str, tuple[list
         for impl in ('vllm', 'transformers') if name in THROUGH_TRANSFORMERS else ('vllm',):
             job = {'model': str(folder / name), 'prompts': prompts, 'max_tokens': NEW_TOKENS}
             jobs.append({**job, 'name': f'{name}/{impl}', 'max_model_len': MAX_POSITIONS, 'model_impl': impl})
-    (folder / 'jobs.json').write_text(json.dumps(jobs))
-    out = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / 'tests' / 'vllm_greedy.py'), str(folder / 'jobs.json'), str(folder / 'out.json')],
-        env=vllm_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-5000:]
-    got = json.loads((folder / 'out.json').read_text())
+    got = vllm_greedy(jobs, folder)
     return {job['name']: (want[job['name'].split('/')[0]], got.get(job['name'])) for job in jobs}
 
 
@@ -141,16 +146,7 @@ def test_tensor_parallel_vllm_generates_what_vrl_generates(tokenizer_and_prompts
     cfg, model = export_variant('all-baselines', tokenizer, tmp_path / 'model')
     job = {'name': 'tp2', 'model': str(tmp_path / 'model'), 'prompts': prompts, 'max_tokens': NEW_TOKENS}
     job.update(max_model_len=MAX_POSITIONS, model_impl='vllm', settings={'tensor_parallel_size': 2})
-    (tmp_path / 'jobs.json').write_text(json.dumps([job]))
-    out = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / 'tests' / 'vllm_greedy.py'), str(tmp_path / 'jobs.json'), str(tmp_path / 'out')],
-        env=vllm_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-5000:]
-    assert json.loads((tmp_path / 'out').read_text())['tp2'] == vrl_greedy(cfg, model, prompts)
+    assert vllm_greedy([job], tmp_path)['tp2'] == vrl_greedy(cfg, model, prompts)
 
 
 def _free_port() -> int:
