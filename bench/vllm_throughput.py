@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / '.venv' / 'vllm' / 'bin' / 'python'
 
 
 def vllm_side(jobs_path: str, out_path: str) -> None:
@@ -93,9 +92,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.vllm:
         return vllm_side(*args.vllm)
-    if not VLLM_PYTHON.exists():
-        sys.exit(f'no vLLM environment at {VLLM_PYTHON.parent.parent}: make it with bash serving/vllm/install')
-
     sys.path.insert(0, str(ROOT))
     import dataclasses
 
@@ -103,45 +99,50 @@ def main() -> None:
     from flax import nnx
 
     from configs import base
-    from tests.test_vllm import vllm_env
+    from tests.test_vllm import VLLM_PYTHON, vllm_env
     from vrl.core.config import Config, from_configdict
     from vrl.data import tokenizer as tokenizers
     from vrl.interop import hf
     from vrl.model import presets, resolve
     from vrl.model.decoder import Decoder
 
+    if not VLLM_PYTHON.exists():
+        sys.exit(f'no vLLM environment at {VLLM_PYTHON.parent.parent}: make it with bash serving/vllm/install')
     batches = [int(b) for b in args.batches.split(',')]
     max_len = args.prompt_tokens + args.new_tokens
     rng = np.random.default_rng(0)
-    folder = Path(tempfile.mkdtemp(prefix='vllm_bench_'))
-    # the prompts are token ids: the export's tokenizer files are only written (vLLM skips loading them)
-    words = [' '.join(f'w{i * j % 997}' for j in range(40)) for i in range(200)]
-    tokenizer = tokenizers.train(words, 273, str(folder / 'tokenizer.model'))
-    jobs, vrl_seconds = [], {}
-    for variant in args.variants.split(','):
-        cfg = presets.apply(variant, from_configdict(base.get_config(f'vanilla,{args.size}')).model)
-        cfg = resolve.execution(Config(model=dataclasses.replace(cfg, compute_dtype='float32')), 'cpu').model
-        model = Decoder(cfg, rngs=nnx.Rngs(0))
-        prompts = rng.integers(3, cfg.vocab_size, (max(batches), args.prompt_tokens)).tolist()
-        hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, max_len, tokenizer, folder / variant)
-        vrl_seconds[variant] = vrl_side(cfg, model, prompts, batches, args.new_tokens, max_len)
-        jobs.append(
-            {
-                'variant': variant,
-                'model': str(folder / variant),
-                'prompts': prompts,
-                'batches': batches,
-                'new_tokens': args.new_tokens,
-                'max_model_len': max_len,
-                'kv_cache_bytes': args.kv_cache_mib << 20,
-            }
+    with tempfile.TemporaryDirectory(prefix='vllm_bench_') as temp:  # the exports: ~330 MB each at 82M
+        folder = Path(temp)
+        # the prompts are token ids: the export's tokenizer files are only written (vLLM skips loading them)
+        words = [' '.join(f'w{i * j % 997}' for j in range(40)) for i in range(200)]
+        tokenizer = tokenizers.train(words, 273, str(folder / 'tokenizer.model'))
+        jobs, vrl_seconds = [], {}
+        for variant in args.variants.split(','):
+            cfg = presets.apply(variant, from_configdict(base.get_config(f'vanilla,{args.size}')).model)
+            cfg = resolve.execution(Config(model=dataclasses.replace(cfg, compute_dtype='float32')), 'cpu').model
+            model = Decoder(cfg, rngs=nnx.Rngs(0))
+            prompts = rng.integers(3, cfg.vocab_size, (max(batches), args.prompt_tokens)).tolist()
+            hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, max_len, tokenizer, folder / variant)
+            vrl_seconds[variant] = vrl_side(cfg, model, prompts, batches, args.new_tokens, max_len)
+            jobs.append(
+                {
+                    'variant': variant,
+                    'model': str(folder / variant),
+                    'prompts': prompts,
+                    'batches': batches,
+                    'new_tokens': args.new_tokens,
+                    'max_model_len': max_len,
+                    'kv_cache_bytes': args.kv_cache_mib << 20,
+                }
+            )
+        (folder / 'jobs.json').write_text(json.dumps(jobs))
+        env = {**vllm_env(), 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))}
+        subprocess.run(
+            [str(VLLM_PYTHON), __file__, '--vllm', str(folder / 'jobs.json'), str(folder / 'out.json')],
+            env=env,
+            check=True,
         )
-    (folder / 'jobs.json').write_text(json.dumps(jobs))
-    env = {**vllm_env(), 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))}
-    subprocess.run(
-        [str(VLLM_PYTHON), __file__, '--vllm', str(folder / 'jobs.json'), str(folder / 'out.json')], env=env, check=True
-    )
-    results = json.loads((folder / 'out.json').read_text())
+        results = json.loads((folder / 'out.json').read_text())
     print(
         f'{args.size}, float32 on {os.cpu_count()} CPU cores; {args.prompt_tokens} prompt tokens, {args.new_tokens} '
         f'generated per request; vLLM eager, KV cache budget {args.kv_cache_mib} MiB'
