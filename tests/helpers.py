@@ -57,6 +57,11 @@ NAMED_VARIANTS = {
         attention='resformer', lambda_mode='learnable', value_embed_layers=(1, 2, 3), value_embed_tables=(0, 1, 0)
     ),
     'all-baselines': dict(attention='vanilla', neutreno=True, denseformer=True, kv_share=2, value_embed_layers=(3,)),
+    'mudd-qkvr': dict(attention='vanilla', mudd='qkvr'),
+    'resformer-mudd-vr': dict(
+        attention='resformer', lambda_mode='per_token', mudd='vr', mudd_layers=(1, 3), value_embed_layers=(2,)
+    ),
+    'svformer-mudd-r': dict(attention='svformer', mudd='r', mudd_layers=(2,)),
 }
 
 
@@ -141,7 +146,7 @@ def piece_bytes(tok) -> np.ndarray:
 def module_matmul_params(cfg: ModelConfig) -> int:
     """The weights of `cfg`'s real Decoder that take part in a matmul per token, found by their
     parameter paths: every parameter but the norms' scales, ResFormer's lambdas, DenseFormer's
-    weights and the lookup tables (the input embedding, unless tied, when it is the head, and
+    weights, MUDD's static weights and the lookup tables (the input embedding, unless tied, when it is the head, and
     the value-embedding tables)."""
     from vrl.model.decoder import Decoder
 
@@ -150,7 +155,7 @@ def module_matmul_params(cfg: ModelConfig) -> int:
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(abstract, nnx.Param)):
         keys = [str(getattr(k, 'key', k)) for k in path]
         lookup = keys[0] == 'embed' and not cfg.tie_embeddings or 'tables' in keys
-        if not (lookup or 'scale' in keys or keys[0] in ('lambdas', 'depth_weights')):
+        if not (lookup or 'scale' in keys or keys[0] in ('lambdas', 'depth_weights') or 'static' in keys):
             total += leaf.size
     return total
 

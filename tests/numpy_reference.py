@@ -5,6 +5,8 @@ Parameters come as the model's pure dict (numpy float64); nothing here calls vrl
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 
@@ -88,6 +90,24 @@ def _np_depth_weights(cfg: ModelConfig, p: dict) -> np.ndarray:
     return alpha
 
 
+def _np_gelu(x):  # exact: 0.5 x (1 + erf(x / sqrt 2))
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2)))
+
+
+def _np_mudd(cfg: ModelConfig, p: dict, n: int, blocks: list) -> dict | None:
+    """MUDD's mixes after 0-based layer n, by way ('q', 'k', 'v', 'r'), or None without a connection
+    there. blocks: the embedding output and the block outputs 1..n+1, each (L, D)."""
+    connected = [m for m in range(cfg.n_layers) if not cfg.mudd_layers or m + 1 in cfg.mudd_layers]
+    if not cfg.mudd or n not in connected:
+        return None
+    ways = 'r' if n == cfg.n_layers - 1 else cfg.mudd
+    entry = connected.index(n)
+    w_in, w_out, static = (p['mudd'][name][entry] for name in ('w_in', 'w_out', 'static'))
+    newest = blocks[-1] / np.sqrt(np.mean(blocks[-1] ** 2, -1, keepdims=True) + cfg.norm_eps)
+    weights = (_np_gelu(newest @ w_in) @ w_out).reshape(-1, len(ways), n + 2) + static  # (L, ways, n + 2)
+    return {way: sum(weights[:, c, j, None] * b for j, b in enumerate(blocks)) for c, way in enumerate(ways)}
+
+
 def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = None) -> np.ndarray:
     """One sequence (L,) -> logits (L, vocab_size), straight from docs/paper.md's equations.
 
@@ -99,19 +119,25 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
     h = p['embed'][tokens]
     blocks = [h]
     v1 = group_kv = None
+    ways = {}  # MUDD: the q, k, v inputs that the last connection mixed
     layers = [p['first']] + [jax.tree.map(lambda x, i=i: x[i], p['layers']) for i in range(cfg.n_stacked)]
     for n, layer in enumerate(layers):
-        x = _np_rms(h, layer['attn_norm']['scale'], cfg.norm_eps)
+        x = _np_rms(ways.get('q', h), layer['attn_norm']['scale'], cfg.norm_eps)
+        # MUDD's k and v ways: every layer after the first normalises them with its own scale, mixed or not
+        xk, xv = (
+            _np_rms(ways.get(w, h), layer[f'{w}_input_norm']['scale'], cfg.norm_eps) if n and w in cfg.mudd else x
+            for w in 'kv'
+        )
         a = layer['attn']
         q = _np_qk_norm(np.einsum('ld,dnh->lnh', x, a['wq']), a.get('q_norm'), cfg.norm_eps)
         q = _np_rope(q, cfg.rope_theta)
         if n % cfg.kv_share == 0:  # the first layer of a CLA group projects K and V
             wk, wv, k_norm = _np_kv_weights(cfg, p, n, layer)
-            k = _np_rope(_np_qk_norm(np.einsum('ld,dkh->lkh', x, wk), k_norm, cfg.norm_eps), cfg.rope_theta)
-            v_n = v1 if wv is None else np.einsum('ld,dkh->lkh', x, wv)
+            k = _np_rope(_np_qk_norm(np.einsum('ld,dkh->lkh', xk, wk), k_norm, cfg.norm_eps), cfg.rope_theta)
+            v_n = v1 if wv is None else np.einsum('ld,dkh->lkh', xv, wv)
         else:  # the others attend with its keys and values
             k, v_n = group_kv
-        ve = _np_value_embedding(cfg, p, n, x, tokens)
+        ve = _np_value_embedding(cfg, p, n, xv, tokens)
         if ve is not None:
             v_n = v_n + ve[0] * ve[1]
         if n == 0:
@@ -119,7 +145,7 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
         elif cfg.attention == 'svformer':
             v = v1
         elif cfg.attention == 'resformer' and n % cfg.kv_share == 0:
-            lam1, lam2 = _np_lambdas(cfg, p, n - 1, x)
+            lam1, lam2 = _np_lambdas(cfg, p, n - 1, xv)
             v = lam2 * v_n + lam1 * v1
         else:
             v = v_n
@@ -139,9 +165,11 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
         m = layer['mlp']
         gate, up = x @ m['w_gate'], x @ m['w_up']
         h = h + (gate / (1 + np.exp(-gate)) * up) @ m['w_down']
+        blocks.append(h)
         if cfg.denseformer:
-            blocks.append(h)
             h = sum(w * b for w, b in zip(_np_depth_weights(cfg, p)[n], blocks))
+        ways = _np_mudd(cfg, p, n, blocks) or {'r': h}  # after a layer without a connection, h for every input
+        h = ways.pop('r')
         if trace is not None:
             trace.append((att, v, h, np.nan if ve is None else ve[0].mean()))
     x = _np_rms(h, p['final_norm']['scale'], cfg.norm_eps)

@@ -53,7 +53,9 @@ def test_first_and_rest_norms():
     np.testing.assert_allclose(rest, [np.mean(norms[0][1:]), np.mean(norms[1][1:])], rtol=1e-6)
 
 
-@pytest.mark.parametrize('variant', ['vanilla', 'resformer-learnable_plus', 'svformer-cla2', 'all-baselines'])
+@pytest.mark.parametrize(
+    'variant', ['vanilla', 'resformer-learnable_plus', 'svformer-cla2', 'all-baselines', 'resformer-mudd-vr']
+)
 def test_layer_stats_match_the_numpy_reference(variant):
     cfg = small_model_config(**NAMED_VARIANTS[variant])
     model = Decoder(cfg, rngs=nnx.Rngs(0))

@@ -263,6 +263,7 @@ def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
         'resformer-soft_caps',
         'svformer-windows',
         'modern-svformer',
+        'resformer-mudd-vr',
     ],
 )
 def test_transformers_generate_matches_vrl_decoding(name, exported, tmp_path):

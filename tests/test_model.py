@@ -221,6 +221,12 @@ def test_v1_is_not_detached():
         (dict(value_embed_layers=(1, 2), value_embed_tables=(0,)), 'model.value_embed_tables', 'one table id per'),
         (dict(value_embed_layers=(1, 2), value_embed_tables=(0, 2)), 'model.value_embed_tables', 'every id 0..T-1'),
         (dict(lambda_mode='per-token'), 'model.lambda_mode', "'per_token'"),
+        (dict(mudd='qkv'), 'model.mudd', "'', 'r', 'vr', 'qkvr'"),
+        (dict(mudd_layers=(2,)), 'model.mudd_layers', 'with model.mudd set'),
+        (dict(mudd='r', mudd_layers=(4,)), 'model.mudd_layers', 'in 1..3'),
+        (dict(mudd='r', denseformer=True), 'model.mudd', "'' with model.denseformer"),
+        (dict(attention='svformer', mudd='vr'), 'model.mudd', "'r' with model.attention='svformer'"),
+        (dict(kv_share=2, mudd='qkvr'), 'model.mudd', "'r' with model.kv_share=2"),
     ],
 )
 def test_bad_config_names_field_and_allowed_values(overrides, field, allowed):

@@ -58,8 +58,8 @@ def test_meshes_agree_with_one_device_and_shard_as_the_rules_say(small_corpus):
 
 
 # between them every kind of parameter the baselines add: the per-token mix, gates, value tables,
-# CLA's K/V stacked over the owning layers, DenseFormer's weights, NeuTRENO
-@pytest.mark.parametrize('variant', ['resformer-per_token', 'all-baselines'])
+# CLA's K/V stacked over the owning layers, DenseFormer's weights, NeuTRENO, MUDD's per-connection weights
+@pytest.mark.parametrize('variant', ['resformer-per_token', 'all-baselines', 'resformer-mudd-vr'])
 def test_every_baseline_trains_sharded_as_on_one_device(small_corpus, variant):
     """The new variants' parameters (gates, tables, shared K/V, averaging weights) shard by the rules
     and a (data, fsdp, tensor) = (2, 2, 2) mesh trains exactly as one device does."""
@@ -91,6 +91,7 @@ CONTEXT_MESHES = {
         ('all-baselines', 'two'),
         ('cla2', 'eight'),
         ('svformer-cla2', 'four'),
+        ('mudd-qkvr', 'two'),
     ],
 )
 def test_a_sequence_split_over_the_context_axis_trains_as_on_one_device(small_corpus, variant, mesh):

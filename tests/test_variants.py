@@ -3,6 +3,7 @@ savings they promise, their parameters, and the config checks that keep combinat
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -39,6 +40,44 @@ def test_denseformer_at_its_initialisation_is_vanilla(vanilla):
     assert rel_err(_logits(dense, tokens), _logits(vanilla, tokens)) < 1e-6
     randomize(dense, 5)
     assert rel_err(_logits(dense, tokens), _logits(vanilla, tokens)) > 1e-3
+
+
+@pytest.mark.parametrize('ways', ['qkvr', 'vr', 'r'])
+def test_mudd_at_its_initialisation_is_vanilla_and_learns(vanilla, ways):
+    """W_out = 0 and static weights on the newest output: every way is the block output, so with the k
+    and v ways' norms scaled as the query's, the model is vanilla; a gradient step on MUDD's weights
+    makes it another model."""
+    tokens = random_tokens(5)
+    mudd = Decoder(small_model_config(n_layers=4, mudd=ways), rngs=nnx.Rngs(2))
+    copy_params(vanilla, mudd)  # every weight but MUDD's, which stay at their init
+    for norm in (mudd.layers.k_input_norm, mudd.layers.v_input_norm):
+        if norm is not None:  # the random query norm's scale (theirs start at 1, as vanilla's does)
+            norm.scale[...] = vanilla.layers.attn_norm.scale[...]
+    assert rel_err(_logits(mudd, tokens), _logits(vanilla, tokens)) < 1e-6
+    grads = nnx.to_pure_dict(nnx.grad(lambda m: jnp.mean(_logits(m, tokens) ** 2))(mudd))
+    for name in ('w_out', 'static'):  # W_in's gradient is 0 until W_out moves
+        assert all(float(jnp.abs(g).max()) > 0 for g in grads['mudd'][name].values())
+    state = nnx.state(mudd, nnx.Param)
+    nnx.replace_by_pure_dict(
+        state, jax.tree.map(lambda p, g: p - 0.5 * g, nnx.to_pure_dict(state), grads, is_leaf=lambda x: x is None)
+    )
+    nnx.update(mudd, state)
+    assert rel_err(_logits(mudd, tokens), _logits(vanilla, tokens)) > 1e-3
+
+
+def test_mudd_parameters_have_the_authors_shapes():
+    """After 0-based layer i: W_in (D, H_i), W_out (H_i, ways (i + 2)), static (ways, i + 2), r alone
+    after the last layer, H_i the authors' JAX widths (rounded up past a multiple of 64, 4x on the last)."""
+    cfg = small_model_config(n_layers=4, mudd='qkvr', mudd_layers=(2, 4))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    shapes = jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(model.mudd, nnx.Param)))
+    D = cfg.d_model
+    assert shapes == {
+        'w_in': {0: (D, 64), 1: (D, 64)},  # 4 ways x 3 inputs = 12 -> 64; 1 way x 5 inputs x 4 = 20 -> 64
+        'w_out': {0: (64, 12), 1: (64, 5)},
+        'static': {0: (4, 3), 1: (1, 5)},
+    }
+    assert small_model_config(n_layers=16, mudd='qkvr').mudd_hidden(14) == 128  # 4 x 16 = 64 -> 128
 
 
 def test_neutreno_with_lambda_zero_is_vanilla(vanilla):

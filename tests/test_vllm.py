@@ -39,7 +39,7 @@ NEW_TOKENS = 64
 MAX_POSITIONS = 128
 TEXTS = ('ROMEO: What say', 'KING:', 'First Citizen:\nBefore we proceed any further, hear me speak.')
 # vanilla is served by vLLM's own Llama; the rest by the plugin: every ResFormer lambda mode, SVFormer,
-# the baselines (NeuTRENO, DenseFormer, CLA, value embeddings), QK-norm, soft caps, windows, the modern recipe
+# the baselines (NeuTRENO, DenseFormer, CLA, value embeddings), QK-norm, soft caps, windows, the modern recipe, MUDD
 SERVED = (
     'vanilla',
     'resformer-identity',
@@ -55,10 +55,12 @@ SERVED = (
     'resformer-soft_caps',
     'svformer-windows',
     'modern-svformer',
+    'mudd-qkvr',
+    'resformer-mudd-vr',
 )
 # also through vLLM's Transformers backend (--model-impl transformers), which runs the export's own
 # PyTorch modules with vLLM's attention in place of theirs (transformers' attention interface)
-THROUGH_TRANSFORMERS = ('svformer', 'resformer-per_token', 'all-baselines', 'modern-svformer')
+THROUGH_TRANSFORMERS = ('svformer', 'resformer-per_token', 'all-baselines', 'modern-svformer', 'mudd-qkvr')
 
 
 def vllm_env() -> dict[str, str]:

@@ -19,6 +19,7 @@ from vrl.core.errors import VrlError
 
 ATTENTION_VARIANTS = ('vanilla', 'resformer', 'svformer')
 LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse', 'per_token')
+MUDD_WAYS = ('', 'r', 'vr', 'qkvr')  # model.mudd: the inputs of a block that MUDD mixes (r: the residual)
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'auto')
 ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/model/attention.py; the last is
 # what splash becomes off TPU (Pallas' interpreter)
@@ -58,6 +59,8 @@ VARIANT_FIELDS = (
     'kv_share',
     'value_embed_layers',
     'value_embed_tables',
+    'mudd',
+    'mudd_layers',
 )
 EXECUTION_FIELDS = (
     'attention_chunks',
@@ -94,6 +97,12 @@ class ModelConfig:
     kv_share: int = 1  # CLA: this many adjacent layers share one K and V (2 = CLA2); the later ones own none
     value_embed_layers: tuple[int, ...] = ()  # 1-based layers whose V adds a gated token-embedding lookup
     value_embed_tables: tuple[int, ...] = ()  # the table of each of those layers (shared ids share); () = own
+    # MUDD (multiway dynamic dense connections): after a layer, each of the next block's inputs named here
+    # (q, k, v: its attention's; r: its residual) is its own mix of the embedding and every block output so
+    # far, weighted per position by a small MLP of the newest output plus static weights. 'r' alone is a
+    # dynamic DenseFormer; '' = off. After layer L only r is mixed (the final norm's input)
+    mudd: str = ''
+    mudd_layers: tuple[int, ...] = ()  # 1-based layers followed by a connection; () = every layer
     # QK-norm: each head's queries and keys RMS-normalised over head_dim with a learned scale (Dh,), before
     # RoPE, as Qwen3 and Gemma 3 do (nanochat's has no scale; OLMo-2 normalises all heads together)
     qk_norm: bool = False
@@ -208,6 +217,38 @@ class ModelConfig:
                 "False with model.attention='svformer' (its V_n is V_1, so V_1 - V_n is 0)",
             )
         self._check_value_embeddings()
+        self._check_mudd()
+
+    def _check_mudd(self) -> None:
+        _choice('model.mudd', self.mudd, MUDD_WAYS)
+        _require(
+            len(set(self.mudd_layers)) == len(self.mudd_layers)
+            and all(1 <= n <= self.n_layers for n in self.mudd_layers)
+            and (self.mudd or not self.mudd_layers),
+            'model.mudd_layers',
+            self.mudd_layers,
+            f'() or distinct 1-based layer indices in 1..{self.n_layers}, with model.mudd set',
+        )
+        if not self.mudd:
+            return
+        _require(
+            not self.denseformer,
+            'model.mudd',
+            self.mudd,
+            "'' with model.denseformer (both make each block's residual input a mix of all earlier outputs)",
+        )
+        _require(
+            'v' not in self.mudd or self.attention != 'svformer',
+            'model.mudd',
+            self.mudd,
+            "'r' with model.attention='svformer' (its layers >= 2 have no value projection to take a mixed input)",
+        )
+        _require(
+            'v' not in self.mudd or self.kv_share == 1,
+            'model.mudd',
+            self.mudd,
+            f"'r' with model.kv_share={self.kv_share} (CLA's borrowing layers project no keys or values)",
+        )
 
     def _check_value_embeddings(self) -> None:
         layers, tables = self.value_embed_layers, self.value_embed_tables
@@ -231,6 +272,18 @@ class ModelConfig:
             tables,
             f'() or one table id per value_embed_layers entry ({len(layers)}), using every id 0..T-1',
         )
+
+    def mudd_after(self, layer: int) -> str:
+        """The ways a MUDD connection after 0-based `layer` mixes, in order ('qkvr', 'vr', 'r'), or '' for none."""
+        if not self.mudd or (self.mudd_layers and layer + 1 not in self.mudd_layers):
+            return ''
+        return 'r' if layer == self.n_layers - 1 else self.mudd
+
+    def mudd_hidden(self, layer: int) -> int:
+        """The width of the MLP that weighs the mixes after 0-based `layer`, as the authors' JAX sizes it:
+        ways x (layer + 2) inputs, 4 times that after the last layer, rounded up past a multiple of 64."""
+        width = len(self.mudd_after(layer)) * (layer + 2) * (4 if layer == self.n_layers - 1 else 1)
+        return (width // 64 + 1) * 64 if width else 0
 
     @property
     def padded_vocab_size(self) -> int:
@@ -313,6 +366,9 @@ class ModelConfig:
                 f'value embeddings on layers {",".join(map(str, self.value_embed_layers))} '
                 f'({tables} table{"s" if tables > 1 else ""})'
             )
+        if self.mudd:
+            after = f' after layers {",".join(map(str, self.mudd_layers))}' if self.mudd_layers else ''
+            parts.append(f'MUDD-{self.mudd}{after}')
         if self.n_kv_heads != self.n_heads:
             parts.append('MQA' if self.n_kv_heads == 1 else f'GQA{self.n_heads // self.n_kv_heads}')
         if self.qk_norm:

@@ -22,6 +22,9 @@ is `first` for i = 0 and entry i - 1 of the stacked `layers` otherwise):
         -> each such layer's self_attn.value_embed_gate (K, D).
     ResFormer's lambdas (v1, vn, w, s) -> model.value_lambdas.*; DenseFormer's alpha -> each
         layer's depth_weights (i + 2,), row i of its depth matrix.
+    MUDD: w_in[n] (D, H), w_out[n] (H, C (i + 2)), static[n] (C, i + 2) of the n-th connection ->
+        its layer's mudd.proj_in (H, D), mudd.proj_out (C (i + 2), H), mudd.static; the stacked layers'
+        k_input_norm, v_input_norm scales -> their k_input_norm, v_input_norm.
 Both sides use rotate-half RoPE and x * rsqrt(mean(x^2) + eps) * weight: no permutation needed.
 """
 
@@ -89,6 +92,7 @@ def is_llama(cfg: ModelConfig) -> bool:
         cfg.attention != 'vanilla'
         or cfg.neutreno
         or cfg.denseformer
+        or cfg.mudd
         or cfg.kv_share > 1
         or cfg.value_embed_layers
         or cfg.qk_norm
@@ -110,6 +114,7 @@ def links(cfg: ModelConfig) -> list[Link]:
     owners = [layer for layer in range(1, cfg.n_layers) if cfg.owns_kv(layer)]
     ve_entry = {layer - 1: entry for entry, layer in enumerate(cfg.value_embed_layers)}
     depth_offset = 0
+    mudd_entry = {i: n for n, i in enumerate(i for i in range(cfg.n_layers) if cfg.mudd_after(i))}
     for i in range(cfg.n_layers):
         block, at = ('first', ()) if i == 0 else ('layers', (i - 1,))
         prefix = f'model.layers.{i}.'
@@ -141,6 +146,16 @@ def links(cfg: ModelConfig) -> list[Link]:
                 )
             )
             depth_offset += i + 2
+        if i > 0:
+            for way in cfg.mudd[:-1].replace('q', ''):
+                out.append(Link(f'{prefix}{way}_input_norm.weight', (block, f'{way}_input_norm', 'scale'), at, *_SAME))
+        if i in mudd_entry:
+            n = mudd_entry[i]
+            out += [
+                Link(prefix + 'mudd.proj_in.weight', ('mudd', 'w_in', n), (), *_TRANSPOSE),
+                Link(prefix + 'mudd.proj_out.weight', ('mudd', 'w_out', n), (), *_TRANSPOSE),
+                Link(prefix + 'mudd.static', ('mudd', 'static', n), (), *_SAME),
+            ]
     for table in sorted(set(cfg.value_embed_table_ids)):
         out.append(
             Link(f'model.value_embeds.{table}.weight', ('value_embeds', 'tables'), np.s_[table, :V], *_FLAT_ROWS)

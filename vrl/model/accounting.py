@@ -35,13 +35,19 @@ def _gate_matrices(cfg: ModelConfig) -> int:
     return (cfg.n_stacked if per_token else 0) + len(cfg.value_embed_layers)
 
 
+def _mudd_connections(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(inputs x ways, hidden width) of each MUDD connection: after 0-based layer i, (i + 2) len(ways)."""
+    return [((i + 2) * len(cfg.mudd_after(i)), cfg.mudd_hidden(i)) for i in range(cfg.n_layers) if cfg.mudd_after(i)]
+
+
 def _scalar_params(cfg: ModelConfig) -> int:
-    """ResFormer's learnable lambdas and DenseFormer's L (L + 3) / 2 averaging weights."""
+    """ResFormer's learnable lambdas, DenseFormer's L (L + 3) / 2 averaging weights and MUDD's static weights."""
     lambdas = 0
     if cfg.attention == 'resformer':
         lambdas = {'learnable': 2 * cfg.n_stacked, 'learnable_plus': 2 * cfg.n_stacked + 1}.get(cfg.lambda_mode, 0)
     L = cfg.n_layers
-    return lambdas + (L * (L + 3) // 2 if cfg.denseformer else 0)
+    mudd_static = sum(weights for weights, _ in _mudd_connections(cfg))
+    return lambdas + (L * (L + 3) // 2 if cfg.denseformer else 0) + mudd_static
 
 
 def _vocab_params(cfg: ModelConfig, vocab: int) -> int:
@@ -59,12 +65,15 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     the two attention matmuls (QK^T and AV), each 2 * Dh FLOPs per query-key pair per head,
     with the mask's pairs less half its diagonal per query: seq_len / 2 under the causal mask,
     W - 1/2 - W (W - 1) / (2 seq_len) in a local layer (W = min(model.attention_window, seq_len)).
-    Elementwise work (the value mixes, NeuTRENO, DenseFormer's averages) and lookups (value
-    embeddings) are not counted.
+    MUDD adds its W_in and W_out as matmul weights and its mixes, len(ways) (i + 2) D multiply-adds
+    per token after layer i, each 6 FLOPs in training like a weight's. Elementwise work (the value
+    mixes, NeuTRENO, DenseFormer's one average of the same kind) and lookups (value embeddings) are
+    not counted.
     """
     W, S = min(cfg.attention_window, seq_len), seq_len
     keys = sum(W - 0.5 - W * (W - 1) / (2 * S) if local else S / 2 for local in cfg.local_layers)
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_heads * cfg.head_dim * keys
+    mudd_mixes = sum(weights for weights, _ in _mudd_connections(cfg)) * cfg.d_model
+    return 6.0 * (matmul_params(cfg) + mudd_mixes) + 12.0 * cfg.n_heads * cfg.head_dim * keys
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -74,12 +83,13 @@ def matmul_params(cfg: ModelConfig) -> int:
         cfg.n_layers * per_layer
         + _kv_projections(cfg) * D * K * Dh
         + _gate_matrices(cfg) * D * K
+        + sum(hidden * (D + weights) for weights, hidden in _mudd_connections(cfg))  # MUDD's W_in, W_out
         + D * cfg.padded_vocab_size
     )
 
 
 def non_embedding_params(cfg: ModelConfig) -> int:
-    norms = (2 * cfg.n_layers + 1) * cfg.d_model
+    norms = (2 * cfg.n_layers + 1 + cfg.n_stacked * sum(way in cfg.mudd for way in 'kv')) * cfg.d_model
     if cfg.qk_norm:  # a query scale per layer, a key scale per layer that projects keys
         norms += (cfg.n_layers + sum(map(cfg.owns_kv, range(cfg.n_layers)))) * cfg.head_dim
     return matmul_params(cfg) - cfg.d_model * cfg.padded_vocab_size + norms + _scalar_params(cfg)
@@ -125,6 +135,8 @@ def vanilla_mha(cfg: ModelConfig) -> ModelConfig:
         kv_share=1,
         neutreno=False,
         denseformer=False,
+        mudd='',
+        mudd_layers=(),
         value_embed_layers=(),
         value_embed_tables=(),
     )

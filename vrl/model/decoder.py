@@ -15,7 +15,8 @@ in one place:
   embeddings): `Attention.values` and the value-embedding line of `Block.__call__`;
 - what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended)): `Block.__call__`;
 - which layer's K/V a layer uses (CLA): `Attention.keys_values`;
-- how block outputs combine into the next block's input (DenseFormer): `Decoder._layer`.
+- how block outputs combine into the next block's input (DenseFormer, MUDD): `Decoder._layer`;
+  MUDD's query, key and value inputs, each its own mix: `Block.attention_inputs`.
 
 QK-norm (model.qk_norm), beside the variants, normalises each head's queries and keys before RoPE:
 `head_rms_norm`, in `Attention.queries` and `Attention.keys_values`.
@@ -34,7 +35,7 @@ from vrl.core.config import ConfigError, ModelConfig
 from vrl.core.sharding import Axis, constrain, context_parts
 from vrl.model import attention, layer_stats, ops, params, variants
 from vrl.model.attention import Causal
-from vrl.model.variants import Lambdas, LayerKV, ValueEmbed
+from vrl.model.variants import Lambdas, LayerKV, MuddWeights, ValueEmbed
 
 Array = jax.Array
 
@@ -209,23 +210,24 @@ class Attention(nnx.Module):
 
     def keys_values(
         self,
-        x_BxLxD: Array,
+        xk_BxLxD: Array,
+        xv_BxLxD: Array,
         positions_BxL: Array,
         v1_BxLxKxDh: Array | None,
         kv: LayerKV | None,
         borrowed: tuple[Array, Array] | None,
     ) -> tuple[Array, Array]:
-        """Keys (with RoPE) and the layer's own values V_n: x W_V, or V_1 where the layer has no W_V.
+        """Keys (with RoPE) of xk and the layer's own values V_n: xv W_V, or V_1 where the layer has no W_V.
 
         CLA (kv given): only the first layer of a group projects; the others borrow its keys and
         the values it attended over (`kv.owns` is known when tracing: Decoder._stacked_layers).
         """
 
         def project(wk_DxKxDh: Array, wv_DxKxDh: Array | None, k_norm_Dh: Array | None) -> tuple[Array, Array]:
-            dtype = x_BxLxD.dtype
-            k = head_rms_norm(self.ops.project(x_BxLxD, wk_DxKxDh.astype(dtype), 1), k_norm_Dh, self.norm_eps)
+            dtype = xk_BxLxD.dtype
+            k = head_rms_norm(self.ops.project(xk_BxLxD, wk_DxKxDh.astype(dtype), 1), k_norm_Dh, self.norm_eps)
             k = rope(k, positions_BxL, self.rope_theta)
-            return k, v1_BxLxKxDh if wv_DxKxDh is None else self.ops.project(x_BxLxD, wv_DxKxDh.astype(dtype), 1)
+            return k, v1_BxLxKxDh if wv_DxKxDh is None else self.ops.project(xv_BxLxD, wv_DxKxDh.astype(dtype), 1)
 
         if kv is None:
             wv, k_norm = (None if w is None else w[...] for w in (self.wv, self.k_norm))
@@ -284,6 +286,7 @@ class LayerInputs(NamedTuple):
     kv: LayerKV | None  # CLA: the layer's W_K, W_V (zeros where it borrows) and whether it owns them
     value_embed: ValueEmbed | None  # value embeddings: the layer's lookup and gate weight (zeros: none)
     dense_row: Array | None  # DenseFormer: (L + 1,) weights over B_0..B_L, zero past this block
+    mudd: MuddWeights | None  # MUDD: the connection after this layer (identity where it has none)
 
 
 class Stream(NamedTuple):
@@ -293,15 +296,19 @@ class Stream(NamedTuple):
     v1: Array | None  # (B, L, K, Dh) V_1, once layer 1 has run
     copies: attention.Copies | None  # sequences split over `context`: shared keys and values made whole (Block.copies)
     kv: tuple[Array, Array] | None  # CLA: the current group's keys and attended values (B, L, K, Dh)
-    blocks: Array | None  # DenseFormer: (L + 1, B, L, D) the embedding output and the block outputs so far
+    blocks: Array | None  # DenseFormer, MUDD: (L + 1, B, L, D) the embedding output and the block outputs so far
     cache: KVCache | None  # decoding: every layer's keys and values
+    ways: Array | None = None  # MUDD: (E, B, L, D) the next block's mixed attention inputs, ways cfg.mudd[:-1]
 
 
 class Block(nnx.Module):
     """Pre-norm attention + SwiGLU. With `stack`, one module holds N layers' parameters."""
 
     def __init__(self, cfg: ModelConfig, *, first: bool, stack: int | None, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg, stack)
+        self.attn_norm = RMSNorm(cfg, stack)  # of the query input (with MUDD's q way, its mix)
+        mixed = '' if first else cfg.mudd[:-1]
+        self.k_input_norm = RMSNorm(cfg, stack) if 'k' in mixed else None  # MUDD's k and v ways: their own norms
+        self.v_input_norm = RMSNorm(cfg, stack) if 'v' in mixed else None
         self.attn = Attention(cfg, first=first, stack=stack, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, stack)
         self.mlp = MLP(cfg, stack=stack, rngs=rngs)
@@ -313,15 +320,15 @@ class Block(nnx.Module):
     ) -> tuple[Array, tuple[Array, Array], attention.Copies | None, KVCache | None, layer_stats.AttentionStats | None]:
         """The block's output (B, L, D), its keys and attended values for the L tokens, the copies it
         attended with (`copies`), the cache with them written and, when recording, its attention statistics."""
-        x_BxLxD = self.attn_norm(s.h)
+        x_BxLxD, xk_BxLxD, xv_BxLxD = self.attention_inputs(s)
         q_BxLxHxDh = self.attn.queries(x_BxLxD, positions_BxL)
-        k_BxLxKxDh, v_n = self.attn.keys_values(x_BxLxD, positions_BxL, s.v1, p.kv, s.kv)  # CLA
+        k_BxLxKxDh, v_n = self.attn.keys_values(xk_BxLxD, xv_BxLxD, positions_BxL, s.v1, p.kv, s.kv)  # CLA
         scale_BxLxKx1 = None
         if p.value_embed is not None:  # value embeddings: V_n + 2 sigmoid(x W_gate) * table[token]
-            gate_BxLxKx1 = variants.gate(x_BxLxD, p.value_embed.gate_w, self.attn.ops.project)
+            gate_BxLxKx1 = variants.gate(xv_BxLxD, p.value_embed.gate_w, self.attn.ops.project)
             scale_BxLxKx1 = variants.VALUE_EMBED_GATE_SCALE * gate_BxLxKx1
             v_n = v_n + (scale_BxLxKx1 * p.value_embed.e).astype(v_n.dtype)
-        v_BxLxKxDh = self.attn.values(x_BxLxD, v_n, s.v1, p.lambdas)  # ResFormer, SVFormer, per-token mix
+        v_BxLxKxDh = self.attn.values(xv_BxLxD, v_n, s.v1, p.lambdas)  # ResFormer, SVFormer, per-token mix
         local = self.cfg.is_local(p.layer) if isinstance(p.layer, int) else jnp.asarray(self.cfg.local_layers)[p.layer]
         if isinstance(mask, Causal) and self.cfg.attention_window:  # local/global attention
             mask = mask._replace(window=self.cfg.attention_window, local=local)
@@ -357,6 +364,15 @@ class Block(nnx.Module):
                 q_BxLxHxDh, keys, values, dense_BxLxS, scale_BxLxKx1, self.cfg.attn_logits_soft_cap
             )
         return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), copies, cache, stats
+
+    def attention_inputs(self, s: Stream) -> tuple[Array, Array, Array]:
+        """The normalised inputs (B, L, D) of the queries, the keys and the values: attn_norm(h) for all
+        three, except that each of MUDD's q, k and v ways is its own mix, normalised on its own."""
+        mixed = {} if s.ways is None else dict(zip(self.cfg.mudd[:-1], s.ways))
+        x_BxLxD = self.attn_norm(mixed.get('q', s.h))
+        xk_BxLxD = x_BxLxD if self.k_input_norm is None else self.k_input_norm(mixed['k'])
+        xv_BxLxD = x_BxLxD if self.v_input_norm is None else self.v_input_norm(mixed['v'])
+        return x_BxLxD, xk_BxLxD, xv_BxLxD
 
     def copies(
         self, s: Stream, p: LayerInputs, k_BxLxKxDh: Array, v_BxLxKxDh: Array, mask: Causal | CachedQueries
@@ -428,6 +444,7 @@ class Decoder(nnx.Module):
         self.shared_kv = variants.SharedKeyValues(cfg, rngs) if cfg.kv_share > 1 else None
         self.value_embeds = variants.ValueEmbeddings(cfg, rngs) if cfg.value_embed_layers else None
         self.depth_weights = variants.DepthWeights(cfg) if cfg.denseformer else None
+        self.mudd = variants.DenseConnections(cfg, rngs) if cfg.mudd else None
         self.final_norm = RMSNorm(cfg, None)
         self.head = None if cfg.tie_embeddings else params.normal(rngs, (D, V), (Axis.EMBED, Axis.VOCAB), cfg.init_std)
 
@@ -502,9 +519,10 @@ class Decoder(nnx.Module):
         dtype, L = self.compute_dtype, self.cfg.n_layers
         h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION if cache is None else _DECODING)
         blocks = None
-        if self.depth_weights is not None:
+        if self.depth_weights is not None or self.mudd is not None:
             blocks = jnp.zeros((L + 1, *h_BxLxD.shape), dtype).at[0].set(h_BxLxD)
         dense_LxL1 = None if self.depth_weights is None else self.depth_weights.matrix()
+        mudd = None if self.mudd is None else self.mudd.for_layers()
         ve = self.value_embeds
         first = LayerInputs(
             layer=0,
@@ -512,6 +530,7 @@ class Decoder(nnx.Module):
             kv=None,
             value_embed=None if ve is None else ve.for_first(tokens_BxL, dtype),
             dense_row=None if dense_LxL1 is None else dense_LxL1[0],
+            mudd=None if mudd is None else jax.tree.map(lambda x: x[0], mudd),
         )
         stacked = LayerInputs(
             layer=jnp.arange(1, L, dtype=jnp.int32),
@@ -519,6 +538,7 @@ class Decoder(nnx.Module):
             kv=None if self.shared_kv is None else self.shared_kv.for_stack(),
             value_embed=None if ve is None else ve.for_stack(tokens_BxL, dtype),
             dense_row=None if dense_LxL1 is None else dense_LxL1[1:],
+            mudd=None if mudd is None else jax.tree.map(lambda x: x[1:], mudd),
         )
         s, first_stats = self._layer(
             self.first, Stream(h_BxLxD, None, None, None, blocks, cache), first, positions_BxL, mask, record
@@ -543,15 +563,20 @@ class Decoder(nnx.Module):
     def _layer(
         self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries, record: bool
     ) -> tuple[Stream, layer_stats.LayerStats | None]:
-        """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average."""
+        """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average, MUDD's mixes."""
         h_BxLxD, kv, copies, cache, attention_stats = block(s, p, positions_BxL, mask, record)
-        blocks = s.blocks
-        if blocks is not None:  # DenseFormer: the next input is a learned average of B_0..B_layer+1
+        blocks, ways, activation = s.blocks, None, _ACTIVATION if cache is None else _DECODING
+        if blocks is not None:  # the next input is a learned mix of B_0..B_layer+1
             blocks = jax.lax.dynamic_update_index_in_dim(blocks, h_BxLxD, p.layer + 1, 0)
+        if p.dense_row is not None:  # DenseFormer: one average, static weights
             h_BxLxD = jnp.einsum('j,jbld->bld', p.dense_row.astype(blocks.dtype), blocks)
-        h_BxLxD = constrain(h_BxLxD, _ACTIVATION if cache is None else _DECODING)
+        if p.mudd is not None:  # MUDD: a mix per way (r last), weights per position
+            mixes_CxBxLxD = variants.mudd_mixes(h_BxLxD, blocks, p.mudd, self.cfg.norm_eps)
+            h_BxLxD, ways = mixes_CxBxLxD[-1], mixes_CxBxLxD[:-1] if len(self.cfg.mudd) > 1 else None
+            ways = None if ways is None else constrain(ways, (None, *activation))
+        h_BxLxD = constrain(h_BxLxD, activation)
         v1 = kv[1] if s.v1 is None else s.v1
-        s = Stream(h_BxLxD, v1, copies, kv if self.cfg.kv_share > 1 else None, blocks, cache)
+        s = Stream(h_BxLxD, v1, copies, kv if self.cfg.kv_share > 1 else None, blocks, cache, ways)
         return s, layer_stats.layer_stats(attention_stats, h_BxLxD) if record else None
 
     def _stacked_layers(

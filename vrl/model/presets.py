@@ -91,6 +91,26 @@ PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
             attention='resformer', lambda_mode='learnable_plus', value_embed_layers=tuple(range(1, cfg.n_layers + 1, 2))
         ),
     ),
+    'mudd': (
+        "MUDD: the q, k, v and residual inputs each a dynamic mix of all earlier outputs (the authors')",
+        lambda cfg: dict(attention='vanilla', mudd='qkvr'),
+    ),
+    'mudd:vr': (
+        'MUDD on the values and the residual only',
+        lambda cfg: dict(attention='vanilla', mudd='vr'),
+    ),
+    'mudd:r': (
+        'MUDD on the residual only: a DenseFormer with weights made per position',
+        lambda cfg: dict(attention='vanilla', mudd='r'),
+    ),
+    'mudd:vr_late': (
+        'MUDD on the values and the residual after the last 3/8 of the layers (modded-nanogpt)',
+        lambda cfg: dict(attention='vanilla', mudd='vr', mudd_layers=_late_layers(cfg)),
+    ),
+    'resformer+mudd': (
+        'ResFormer (learnable_plus) with MUDD (qkvr): V_1 mixed into values that are themselves a mix',
+        lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus', mudd='qkvr'),
+    ),
     'svformer+value_embeds': (
         'SVFormer with a value embedding on layer 1 (V_1, the values its layers >= 2 attend over)',
         lambda cfg: dict(attention='svformer', value_embed_layers=(1,)),

@@ -2,16 +2,19 @@
 vLLM's layers (tensor-parallel linears, paged attention, its RoPE, RMSNorm and logits processor).
 
 The same decoder as the export's modeling_vrl.py, whose config class (VrlConfig: which layer owns
-which keys and values, which value-embedding table a layer adds), ResFormer lambdas (ValueLambdas)
-and value-embedding gate scale this file takes from the exported directory, so the two cannot drift
-apart. Each variant changes one thing, all of it in `VrlAttention` and `VrlModel.forward`:
+which keys and values, which value-embedding table a layer adds), ResFormer lambdas (ValueLambdas),
+MUDD's connections (MuddConnection) and value-embedding gate scale this file takes from the exported
+directory, so the two cannot drift apart. Each variant changes one thing, all of it in `VrlAttention`,
+`VrlDecoderLayer.forward` and `VrlModel.forward`:
 
 - the values a layer attends over: ResFormer lambda_2 V_n + lambda_1 V_1 (scalars per layer, or per
   token and kv head: mix_proj), SVFormer's layers >= 2 V_1, value embeddings + 2 sigmoid(x W) table[token];
 - CLA: a layer that borrows its group's keys and values reads the owner's cache
   (vLLM's `kv_sharing_target_layer_name`) and writes none;
 - NeuTRENO: + lambda (V_1 - the values attended) on the attention output;
-- DenseFormer: the next block's input is the depth-weighted sum of the embedding and every block output.
+- DenseFormer: the next block's input is the depth-weighted sum of the embedding and every block output;
+- MUDD: the next block's residual (and, per its ways, query, key and value inputs) are each a per-token
+  weighted sum of the embedding and every block output.
 
 What the cache holds: vLLM gives every attention layer that owns its keys a paged cache of keys
 and values. SVFormer's layers >= 2 therefore store V_1 again beside their own keys (correct, but
@@ -139,32 +142,34 @@ class VrlAttention(nn.Module):
         T = v_TxKDh.shape[0]
         return (gate_TxKx1 * v_TxKDh.view(T, self.kv_heads, self.head_dim)).view(T, -1).to(v_TxKDh.dtype)
 
-    def values_of(self, x_TxD, v_n, v1, lambdas, value_embed_TxKDh) -> tuple[torch.Tensor, torch.Tensor]:
-        """V_n (with its value embedding) and the values (T, K * Dh) this layer attends over."""
+    def values_of(self, xv_TxD, v_n, v1, lambdas, value_embed_TxKDh) -> tuple[torch.Tensor, torch.Tensor]:
+        """V_n (with its value embedding) and the values (T, K * Dh) this layer attends over; the gates read
+        the values' input xv."""
         if value_embed_TxKDh is not None:
-            scale = self.value_embed_gate_scale * self.gate(self.value_embed_gate, x_TxD)
+            scale = self.value_embed_gate_scale * self.gate(self.value_embed_gate, xv_TxD)
             v_n = v_n + self.gated(scale, value_embed_TxKDh)
         if v1 is None or self.config.attention == 'vanilla':
             return v_n, v_n
         if self.config.attention == 'svformer':
             return v_n, v1
         if self.mix_proj is not None:
-            mix = self.gate(self.mix_proj, x_TxD)
+            mix = self.gate(self.mix_proj, xv_TxD)
             return v_n, self.gated(mix, v1) + self.gated(1 - mix, v_n)
         lambda_v1, lambda_vn = lambdas
         return v_n, lambda_vn * v_n + lambda_v1 * v1
 
-    def forward(self, positions_T, x_TxD, v1, borrowed, lambdas, value_embed_TxKDh):
-        """The attention output (T, D) and (keys, V_n, attended values) of this layer."""
+    def forward(self, positions_T, x_TxD, xk_TxD, xv_TxD, v1, borrowed, lambdas, value_embed_TxKDh):
+        """The attention output (T, D) and (keys, V_n, attended values) of this layer, whose queries, keys
+        and values read x, xk and xv (the same but for MUDD's k and v ways)."""
         q = self.per_head(self.q_norm, self.q_proj(x_TxD)[0])
         if self.k_proj is not None:
-            k = self.per_head(self.k_norm, self.k_proj(x_TxD)[0])
+            k = self.per_head(self.k_norm, self.k_proj(xk_TxD)[0])
             q, k = self.rotary_emb(positions_T, q, k)
-            v_n = v1 if self.v_proj is None else self.v_proj(x_TxD)[0]
+            v_n = v1 if self.v_proj is None else self.v_proj(xv_TxD)[0]
         else:  # CLA: the group's first layer's keys and attended values, read from its cache
             q, _ = self.rotary_emb(positions_T, q, None)
             k, v_n = borrowed
-        v_n, v = self.values_of(x_TxD, v_n, v1, lambdas, value_embed_TxKDh)
+        v_n, v = self.values_of(xv_TxD, v_n, v1, lambdas, value_embed_TxKDh)
         o = self.attn(q, k, v)
         if self.config.neutreno and v1 is not None:  # + lambda (V_1 - attended V), per query head
             T, groups = o.shape[0], self.heads // self.kv_heads
@@ -193,15 +198,25 @@ class VrlDecoderLayer(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         prefix = layer_prefix(model_prefix, layer)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # of the query input
+        mixed = config.mudd[:-1] if layer > 0 else ''  # MUDD's k and v ways: their own norms
+        self.k_input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if 'k' in mixed else None
+        self.v_input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if 'v' in mixed else None
         self.self_attn = VrlAttention(vllm_config, layer, f'{prefix}.self_attn', model_prefix)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = VrlMLP(vllm_config, f'{prefix}.mlp')
         # DenseFormer: the next block's input is sum_j w_j B_j over B_0 (the embedding) .. B_{layer+1}
         self.depth_weights = nn.Parameter(torch.empty(layer + 2), requires_grad=False) if config.denseformer else None
+        # MUDD: the next block's inputs, each a per-token mix of B_0 .. B_{layer+1} (small: every rank holds it)
+        mudd = config.mudd_after(layer) and exported('MuddConnection', vllm_config)(config, layer)
+        self.mudd = mudd.requires_grad_(False) if mudd else None
 
-    def forward(self, positions_T, h_TxD, *attention_inputs):
-        out, kv = self.self_attn(positions_T, self.input_layernorm(h_TxD), *attention_inputs)
+    def forward(self, positions_T, h_TxD, ways, *attention_inputs):
+        """ways: MUDD's mixed q, k, v inputs by letter (absent: h)."""
+        x = self.input_layernorm(ways.get('q', h_TxD))
+        norms = (self.k_input_norm, self.v_input_norm)
+        xk, xv = (x if norm is None else norm(ways.get(w, h_TxD)) for w, norm in zip('kv', norms))
+        out, kv = self.self_attn(positions_T, x, xk, xv, *attention_inputs)
         h_TxD = h_TxD + out
         return h_TxD + self.mlp(self.post_attention_layernorm(h_TxD)), kv
 
@@ -228,18 +243,21 @@ class VrlModel(nn.Module):
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
         """Final-normalised hidden states (T, D)."""
         h = self.embed_input_ids(input_ids_T)
-        blocks = [h]  # DenseFormer's B_0, B_1, ...
+        blocks, ways = [h], {}  # DenseFormer's and MUDD's B_0, B_1, ...; MUDD's q, k, v inputs
         v1 = borrowed = None
         for layer, block in enumerate(self.layers):
             lambdas = self.value_lambdas(layer) if self.value_lambdas is not None and layer > 0 else None
             table = self.config.value_embed_table(layer)
             value_embed = None if table is None else self.value_embeds[table](input_ids_T)
-            h, (k, v_n, v) = block(positions_T, h, v1, borrowed, lambdas, value_embed)
+            h, (k, v_n, v) = block(positions_T, h, ways, v1, borrowed, lambdas, value_embed)
             v1 = v if v1 is None else v1
             borrowed = (k, v)
-            if block.depth_weights is not None:
+            if self.config.denseformer or self.config.mudd:
                 blocks.append(h)
+            if block.depth_weights is not None:
                 h = torch.einsum('j,jtd->td', block.depth_weights.to(h.dtype), torch.stack(blocks))
+            ways = {} if block.mudd is None else block.mudd(blocks)
+            h = ways.pop('r', h)
         return self.norm(h)
 
 

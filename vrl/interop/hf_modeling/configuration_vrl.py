@@ -2,7 +2,8 @@
 
 Llama's fields for the decoder's shape, plus vrl's own (vrl/core/config.py's ModelConfig, same names):
 attention (vanilla | resformer | svformer), lambda_mode, lambda1, lambda2, sparse_layers,
-neutreno, neutreno_lambda, denseformer, kv_share, value_embed_layers, value_embed_tables, qk_norm; and
+neutreno, neutreno_lambda, denseformer, kv_share, value_embed_layers, value_embed_tables, mudd,
+mudd_layers, qk_norm; and
 the soft caps under Gemma 2's names, attn_logit_softcapping and final_logit_softcapping (None: off),
 and local/global attention under transformers' names: sliding_window (None: off) and layer_types
 ('sliding_attention' or 'full_attention' per layer).
@@ -42,6 +43,8 @@ class VrlConfig(PreTrainedConfig):
         kv_share: int = 1,
         value_embed_layers: tuple[int, ...] = (),
         value_embed_tables: tuple[int, ...] = (),
+        mudd: str = '',
+        mudd_layers: tuple[int, ...] = (),
         qk_norm: bool = False,
         attn_logit_softcapping: float | None = None,
         final_logit_softcapping: float | None = None,
@@ -62,6 +65,7 @@ class VrlConfig(PreTrainedConfig):
         self.neutreno, self.neutreno_lambda, self.denseformer = neutreno, neutreno_lambda, denseformer
         self.kv_share = kv_share
         self.value_embed_layers, self.value_embed_tables = list(value_embed_layers), list(value_embed_tables)
+        self.mudd, self.mudd_layers = mudd, list(mudd_layers)
         self.qk_norm = qk_norm
         self.attn_logit_softcapping, self.final_logit_softcapping = attn_logit_softcapping, final_logit_softcapping
         self.sliding_window = sliding_window
@@ -82,3 +86,16 @@ class VrlConfig(PreTrainedConfig):
             return None
         entry = self.value_embed_layers.index(layer + 1)
         return self.value_embed_tables[entry] if self.value_embed_tables else entry
+
+    def mudd_after(self, layer: int) -> str:
+        """The ways ('q', 'k', 'v', 'r': the next block's query, key, value and residual inputs) that a MUDD
+        connection after 0-based `layer` mixes, in order; '' for none. After the last layer, r alone."""
+        if not self.mudd or (self.mudd_layers and layer + 1 not in self.mudd_layers):
+            return ''
+        return 'r' if layer == self.num_hidden_layers - 1 else self.mudd
+
+    def mudd_hidden(self, layer: int) -> int:
+        """The hidden width of that connection's MLP: ways x (layer + 2), 4 times that after the last
+        layer, rounded up past a multiple of 64."""
+        width = len(self.mudd_after(layer)) * (layer + 2) * (4 if layer == self.num_hidden_layers - 1 else 1)
+        return (width // 64 + 1) * 64 if width else 0

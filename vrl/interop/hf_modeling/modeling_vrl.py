@@ -192,33 +192,47 @@ class VrlAttention(nn.Module):
         """sigmoid(x W) per token and kv head, (B, K, T, 1), in float32."""
         return torch.sigmoid(proj(x_BxTxD).float()).transpose(1, 2)[..., None]
 
-    def values_of(self, x_BxTxD, v_n, v1, lambdas, value_embed_BxTxKDh) -> tuple[torch.Tensor, torch.Tensor]:
-        """V_n (with its value embedding) and the values (B, K, T, Dh) this layer attends over."""
+    def values_of(self, xv_BxTxD, v_n, v1, lambdas, value_embed_BxTxKDh) -> tuple[torch.Tensor, torch.Tensor]:
+        """V_n (with its value embedding) and the values (B, K, T, Dh) this layer attends over; the gates
+        read the values' input xv."""
         if value_embed_BxTxKDh is not None:
-            scale = VALUE_EMBED_GATE_SCALE * self.gate(self.value_embed_gate, x_BxTxD)
+            scale = VALUE_EMBED_GATE_SCALE * self.gate(self.value_embed_gate, xv_BxTxD)
             v_n = v_n + (scale * self.heads_major(value_embed_BxTxKDh)).to(v_n.dtype)
         if v1 is None or self.config.attention == 'vanilla':
             return v_n, v_n
         if self.config.attention == 'svformer':
             return v_n, v1
         if self.mix_proj is not None:
-            mix = self.gate(self.mix_proj, x_BxTxD)
+            mix = self.gate(self.mix_proj, xv_BxTxD)
             return v_n, (mix * v1 + (1 - mix) * v_n).to(v_n.dtype)
         lambda_v1, lambda_vn = lambdas
         return v_n, lambda_vn * v_n + lambda_v1 * v1
 
-    def forward(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, v1, borrowed, lambdas, value_embed_BxTxKDh, cache):
-        """The attention output (B, T, D) and (keys, V_n, attended values) of the T new tokens."""
+    def forward(
+        self,
+        x_BxTxD,
+        xk_BxTxD,
+        xv_BxTxD,
+        positions_BxT,
+        mask_Bx1xTxS,
+        v1,
+        borrowed,
+        lambdas,
+        value_embed_BxTxKDh,
+        cache,
+    ):
+        """The attention output (B, T, D) and (keys, V_n, attended values) of the T new tokens, whose
+        queries, keys and values read x, xk and xv (the same but for MUDD's k and v ways)."""
         theta = self.config.rope_theta
         q = self.heads_major(self.q_proj(x_BxTxD))
         q = rope(q if self.q_norm is None else self.q_norm(q), positions_BxT, theta)
         if self.k_proj is not None:
-            k = self.heads_major(self.k_proj(x_BxTxD))
+            k = self.heads_major(self.k_proj(xk_BxTxD))
             k = rope(k if self.k_norm is None else self.k_norm(k), positions_BxT, theta)
-            v_n = v1 if self.v_proj is None else self.heads_major(self.v_proj(x_BxTxD))
+            v_n = v1 if self.v_proj is None else self.heads_major(self.v_proj(xv_BxTxD))
         else:  # CLA: the group's first layer's keys and attended values
             k, v_n = borrowed
-        v_n, v = self.values_of(x_BxTxD, v_n, v1, lambdas, value_embed_BxTxKDh)
+        v_n, v = self.values_of(xv_BxTxD, v_n, v1, lambdas, value_embed_BxTxKDh)
         keys, values = k, v
         if cache is not None:
             cache.update(k, v, self.layer)  # each entry keeps what its kind holds (shape_cache)
@@ -255,10 +269,36 @@ class VrlMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class MuddConnection(nn.Module):
+    """MUDD after 0-based `layer`: each way c (config.mudd_after) is sum_j w_cj B_j over B_0 (the embedding)
+    .. B_{layer+1}, w = GELU(RMSNorm(B_{layer+1}) W_in) W_out + static per position (RMSNorm without a scale,
+    exact GELU; the norm, GELU and weights in float32, the projections in the model's dtype)."""
+
+    def __init__(self, config: VrlConfig, layer: int):
+        super().__init__()
+        self.ways, inputs, hidden = config.mudd_after(layer), layer + 2, config.mudd_hidden(layer)
+        self.proj_in = nn.Linear(config.hidden_size, hidden, bias=False)
+        self.proj_out = nn.Linear(hidden, len(self.ways) * inputs, bias=False)
+        self.static = nn.Parameter(torch.eye(inputs)[-1:].repeat(len(self.ways), 1))  # all on the newest output
+        self.eps = config.rms_norm_eps
+
+    def forward(self, blocks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each way's mix (..., D) of the outputs so far, each (..., D), by its letter."""
+        dtype, newest = blocks[-1].dtype, blocks[-1].float()
+        x = (newest * torch.rsqrt(newest.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        hidden = F.gelu(self.proj_in(x).float()).to(dtype)  # the projections called (vLLM replaces them)
+        weights = self.proj_out(hidden).float().unflatten(-1, self.static.shape) + self.static.float()
+        stacked = torch.stack(blocks, -1)  # (..., D, inputs)
+        return {way: (stacked @ weights[..., c, :, None].to(dtype))[..., 0] for c, way in enumerate(self.ways)}
+
+
 class VrlDecoderLayer(nn.Module):
     def __init__(self, config: VrlConfig, layer: int):
         super().__init__()
-        self.input_layernorm = VrlRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = VrlRMSNorm(config.hidden_size, config.rms_norm_eps)  # of the query input
+        mixed = config.mudd[:-1] if layer > 0 else ''  # MUDD's k and v ways: their own norms
+        self.k_input_norm = VrlRMSNorm(config.hidden_size, config.rms_norm_eps) if 'k' in mixed else None
+        self.v_input_norm = VrlRMSNorm(config.hidden_size, config.rms_norm_eps) if 'v' in mixed else None
         self.self_attn = VrlAttention(config, layer)
         self.post_attention_layernorm = VrlRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = VrlMLP(config)
@@ -266,9 +306,14 @@ class VrlDecoderLayer(nn.Module):
         identity = torch.zeros(layer + 2)
         identity[-1] = 1.0
         self.depth_weights = nn.Parameter(identity) if config.denseformer else None
+        self.mudd = MuddConnection(config, layer) if config.mudd_after(layer) else None
 
-    def forward(self, h_BxTxD, *attention_inputs):
-        out, kv = self.self_attn(self.input_layernorm(h_BxTxD), *attention_inputs)
+    def forward(self, h_BxTxD, ways, *attention_inputs):
+        """ways: MUDD's mixed q, k, v inputs by letter (absent: h)."""
+        x = self.input_layernorm(ways.get('q', h_BxTxD))
+        norms = (self.k_input_norm, self.v_input_norm)
+        xk, xv = (x if norm is None else norm(ways.get(w, h_BxTxD)) for w, norm in zip('kv', norms))
+        out, kv = self.self_attn(x, xk, xv, *attention_inputs)
         h_BxTxD = h_BxTxD + out
         return h_BxTxD + self.mlp(self.post_attention_layernorm(h_BxTxD)), kv
 
@@ -348,19 +393,22 @@ class VrlModel(VrlPreTrainedModel):
             near_TxS = query_T[:, None] - key_S[None, :] < self.config.sliding_window
             masks['sliding_attention'] = mask_Bx1xTxS & near_TxS
 
-        blocks = [h]  # DenseFormer's B_0, B_1, ...
+        blocks, ways = [h], {}  # DenseFormer's and MUDD's B_0, B_1, ...; MUDD's q, k, v inputs
         v1 = borrowed = None
         for layer, block in enumerate(self.layers):
             lambdas = self.value_lambdas(layer) if self.value_lambdas is not None and layer > 0 else None
             table = self.config.value_embed_table(layer)
             value_embed = None if table is None else self.value_embeds[table](input_ids)
             mask = masks[self.config.layer_types[layer]]
-            h, (k, v_n, v) = block(h, position_ids, mask, v1, borrowed, lambdas, value_embed, cache)
+            h, (k, v_n, v) = block(h, ways, position_ids, mask, v1, borrowed, lambdas, value_embed, cache)
             v1 = v if v1 is None else v1
             borrowed = (k, v)
-            if block.depth_weights is not None:
+            if self.config.denseformer or self.config.mudd:
                 blocks.append(h)
+            if block.depth_weights is not None:
                 h = torch.einsum('j,jbtd->btd', block.depth_weights.to(h.dtype), torch.stack(blocks))
+            ways = {} if block.mudd is None else block.mudd(blocks)
+            h = ways.pop('r', h)
         return self.norm(h), cache
 
 
