@@ -20,6 +20,8 @@ says how close a step is to memory speed, and the stored bytes (`of bound`) say 
 `formula MiB`: vrl.model.accounting.kv_cache_bytes for the batch at the allocated length (context +
 new tokens), which the allocated `KV cache MiB` must equal: with --window, a slot that only one
 local layer reads is a ring buffer of the window (docs/variants.md, "Local and global layers").
+`history B/token`: what DenseFormer and MUDD hold per new token within a step beside the cache, the
+outputs of every layer (vrl.model.accounting.layer_history_bytes_per_token); nothing of it stays.
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ def main() -> None:
                 )
                 formula = batch * accounting.kv_cache_bytes(cfg, context + args.new_tokens)
                 measured = decode_tokens_per_sec(cfg, batch, context, args.new_tokens)
-                rows.append((variant, context, batch, formula, *measured))
+                history = accounting.layer_history_bytes_per_token(cfg)
+                rows.append((variant, context, batch, formula, history, *measured))
     bandwidth_after = memory_bandwidth(probe)
     bandwidth = max(bandwidth_before, bandwidth_after)  # a shared host's best moment in this run
     windows = f'; window {args.window}, global layers {args.global_layers or "none"}' if args.window else ''
@@ -123,14 +126,14 @@ def main() -> None:
     width = max(map(len, args.variants.split(',')))
     print(
         f'{"variant":>{width}} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"formula MiB":>11} | '
-        f'{"decode tok/s":>12} | {"of bound":>8} | {"of reads":>8}'
+        f'{"decode tok/s":>12} | {"of bound":>8} | {"of reads":>8} | {"history B/token":>15}'
     )
-    for variant, context, batch, formula, n_bytes, tokens_per_sec, (stored, read) in rows:
+    for variant, context, batch, formula, history, n_bytes, tokens_per_sec, (stored, read) in rows:
         steps_per_sec = tokens_per_sec / batch
         print(
             f'{variant:>{width}} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | {formula / 2**20:>11,.1f} | '
             f'{tokens_per_sec:>12,.1f} | {stored * steps_per_sec / bandwidth:>8.1%} | '
-            f'{read * steps_per_sec / bandwidth:>8.1%}'
+            f'{read * steps_per_sec / bandwidth:>8.1%} | {history:>15,}'
         )
 
 

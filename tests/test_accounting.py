@@ -244,3 +244,18 @@ def test_the_modern_recipe_sets_its_fields_for_each_variant(size):
     assert accounting.account(m, 2048).params == _real_param_count(m)
     with pytest.raises(ConfigError, match=r'configs/modern.py:mamba,82m is invalid: allowed VARIANT,SIZE'):
         modern.get_config('mamba,82m')
+
+
+@pytest.mark.parametrize('variant', ['vanilla', 'denseformer', 'mudd-qkvr', 'resformer-mudd-vr', 'svformer-mudd-r'])
+def test_layer_history_bytes_are_what_the_layer_scan_carries_beside_the_hidden_state(variant):
+    """accounting.layer_history_bytes_per_token against the real model: the layer scan's carry, less the
+    hidden state (B, T, D), per token of a traced forward."""
+    cfg = small_model_config(n_layers=4, compute_dtype='bfloat16', **NAMED_VARIANTS[variant])
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    B, T = 2, 7
+    jaxpr = jax.make_jaxpr(lambda tokens: model(tokens))(jnp.zeros((B, T), jnp.int32))
+    (scan,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == 'scan']
+    consts, carries = scan.params['num_consts'], scan.params['num_carry']
+    carry = [v.aval for v in scan.invars[consts : consts + carries]]
+    beside_h = sum(a.size * a.dtype.itemsize for a in carry) - B * T * cfg.d_model * 2
+    assert beside_h == B * T * accounting.layer_history_bytes_per_token(cfg)

@@ -121,6 +121,18 @@ def kv_cache_bytes(cfg: ModelConfig, context: int) -> int:
     return kv_cache_bytes_per_token(cfg) * context + ring
 
 
+def layer_history_bytes_per_token(cfg: ModelConfig) -> int:
+    """What a forward holds per token for the cross-layer mixes (DenseFormer, MUDD): the embedding
+    output and every block output, L + 1 vectors of D, and MUDD's mixed query, key and value inputs,
+    in the compute dtype; 0 for the other variants. Decoding holds it for a step's new tokens only
+    (the KV cache is unchanged); the training step's layer scan keeps it for the backward pass once
+    per stacked layer (docs/variants.md, "MUDD")."""
+    if not (cfg.denseformer or cfg.mudd):
+        return 0
+    vectors = cfg.n_layers + 1 + max(len(cfg.mudd) - 1, 0)
+    return vectors * cfg.d_model * jnp.dtype(resolve.local_compute_dtype(cfg)).itemsize
+
+
 def max_batch_for_cache(cfg: ModelConfig, context: int, memory_bytes: float) -> int:
     """The most sequences of `context` tokens whose KV cache fits in `memory_bytes`."""
     return int(memory_bytes // kv_cache_bytes(cfg, context))

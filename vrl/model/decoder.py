@@ -296,7 +296,9 @@ class Stream(NamedTuple):
     v1: Array | None  # (B, L, K, Dh) V_1, once layer 1 has run
     copies: attention.Copies | None  # sequences split over `context`: shared keys and values made whole (Block.copies)
     kv: tuple[Array, Array] | None  # CLA: the current group's keys and attended values (B, L, K, Dh)
-    blocks: Array | None  # DenseFormer, MUDD: (L + 1, B, L, D) the embedding output and the block outputs so far
+    # DenseFormer, MUDD: the embedding output and the block outputs so far, (L + 1, B, L, D) zero past the
+    # newest where the layers are scanned; where they are not, a tuple of (B, L, D), each output held once
+    blocks: Array | tuple[Array, ...] | None
     cache: KVCache | None  # decoding: every layer's keys and values
     ways: Array | None = None  # MUDD: (E, B, L, D) the next block's mixed attention inputs, ways cfg.mudd[:-1]
 
@@ -519,8 +521,9 @@ class Decoder(nnx.Module):
         dtype, L = self.compute_dtype, self.cfg.n_layers
         h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION if cache is None else _DECODING)
         blocks = None
-        if self.depth_weights is not None or self.mudd is not None:
-            blocks = jnp.zeros((L + 1, *h_BxLxD.shape), dtype).at[0].set(h_BxLxD)
+        if self.depth_weights is not None or self.mudd is not None:  # a buffer the scan carries, or a tuple
+            scanned = self.cfg.scan_layers and cache is None
+            blocks = jnp.zeros((L + 1, *h_BxLxD.shape), dtype).at[0].set(h_BxLxD) if scanned else (h_BxLxD,)
         dense_LxL1 = None if self.depth_weights is None else self.depth_weights.matrix()
         mudd = None if self.mudd is None else self.mudd.for_layers()
         ve = self.value_embeds
@@ -566,10 +569,12 @@ class Decoder(nnx.Module):
         """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average, MUDD's mixes."""
         h_BxLxD, kv, copies, cache, attention_stats = block(s, p, positions_BxL, mask, record)
         blocks, ways, activation = s.blocks, None, _ACTIVATION if cache is None else _DECODING
-        if blocks is not None:  # the next input is a learned mix of B_0..B_layer+1
+        if isinstance(blocks, tuple):  # the next input is a learned mix of B_0..B_layer+1
+            blocks = (*blocks, h_BxLxD)
+        elif blocks is not None:
             blocks = jax.lax.dynamic_update_index_in_dim(blocks, h_BxLxD, p.layer + 1, 0)
         if p.dense_row is not None:  # DenseFormer: one average, static weights
-            h_BxLxD = jnp.einsum('j,jbld->bld', p.dense_row.astype(blocks.dtype), blocks)
+            h_BxLxD = variants.weighted_sum(p.dense_row, blocks)
         if p.mudd is not None:  # MUDD: a mix per way (r last), weights per position
             mixes_CxBxLxD = variants.mudd_mixes(h_BxLxD, blocks, p.mudd, self.cfg.norm_eps)
             h_BxLxD, ways = mixes_CxBxLxD[-1], mixes_CxBxLxD[:-1] if len(self.cfg.mudd) > 1 else None
@@ -621,10 +626,15 @@ class Decoder(nnx.Module):
                 "model.remat='auto' is unresolved here: vrl.train.aot.resolve resolves it by compiling "
                 'for the devices (vrl.main and train.run do it).'
             )
-        if self.cfg.remat != 'none' and not decoding:
-            group = jax.checkpoint(
-                group, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False, static_argnums=(2,)
-            )
+
+        def rematted(in_scan: bool):
+            """`group`, recomputed in the backward pass under model.remat. Outside a scan, XLA's CSE would
+            merge the recomputation with the forward (keeping what remat frees) unless prevented."""
+            if self.cfg.remat == 'none' or decoding:
+                return group
+            policy = _REMAT_POLICIES[self.cfg.remat]
+            return jax.checkpoint(group, policy=policy, prevent_cse=not in_scan, static_argnums=(2,))
+
         s = s._replace(v1=None, copies=None)
         scan = self.cfg.scan_layers and not decoding
         layers = None if scan else self.split_layers() if layers is None else layers
@@ -637,7 +647,7 @@ class Decoder(nnx.Module):
                 p._replace(layer=start + i + 1) if decoding else p
                 for i, p in enumerate(_unstacked(inputs, start, size))
             ]
-            return group(s, (states, per_layer), start)
+            return rematted(in_scan=False)(s, (states, per_layer), start)
 
         s, lead_stats = unrolled(s, 0, lead)
         middle = []
@@ -650,7 +660,8 @@ class Decoder(nnx.Module):
                 )
             )
             per_layer = (lambda x: [x]) if G == 1 else (lambda x: _unstacked(x, 0, G))
-            s, stats = jax.lax.scan(lambda s, xs: group(s, tuple(map(per_layer, xs)), lead), s, grouped)
+            scanned = rematted(in_scan=True)
+            s, stats = jax.lax.scan(lambda s, xs: scanned(s, tuple(map(per_layer, xs)), lead), s, grouped)
             middle.append(None if stats is None else jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stats))
         elif not scan:
             for g in range(groups):

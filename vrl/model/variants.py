@@ -244,15 +244,27 @@ class DenseConnections(nnx.Module):
         return MuddWeights(w_in, w_out, static)
 
 
-def mudd_mixes(newest_BxLxD: Array, blocks_JxBxLxD: Array, w: MuddWeights, eps: float) -> Array:
-    """(C, B, L, D): each way's mix of the J = L + 1 outputs so far (zeros past the newest), weighted per
-    position by GELU(RMSNorm(newest) W_in) W_out + static, computed in float32 (exact GELU, as the
+def weighted_sum(weights: Array, blocks: Array | tuple[Array, ...]) -> Array:
+    """sum_j weights[..., j] B_j over the outputs so far: a (J, B, L, D) buffer (weights (J,), or
+    (B, L, J) per position), or a tuple of (B, L, D) outputs, each read where it lies (weights past
+    the tuple's end are zero and skipped). A buffer is what the layer scan carries; a tuple keeps
+    each output once for the backward pass, where the scan keeps its carry once per layer."""
+    per_position = weights.ndim == 3
+    if not isinstance(blocks, tuple):
+        return jnp.einsum('blj,jbld->bld' if per_position else 'j,jbld->bld', weights.astype(blocks.dtype), blocks)
+    scale = (lambda j: weights[..., j, None]) if per_position else (lambda j: weights[j])
+    return sum(scale(j).astype(b.dtype) * b for j, b in enumerate(blocks))
+
+
+def mudd_mixes(newest_BxLxD: Array, blocks: Array | tuple[Array, ...], w: MuddWeights, eps: float) -> Array:
+    """(C, B, L, D): each way's mix of the outputs so far (`weighted_sum`'s buffer or tuple), weighted
+    per position by GELU(RMSNorm(newest) W_in) W_out + static, computed in float32 (exact GELU, as the
     authors' PyTorch; their JAX uses the tanh approximation)."""
     x = newest_BxLxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     hidden_BxLxH = jax.nn.gelu(x @ w.w_in, approximate=False)
     weights_BxLxCxJ = jnp.einsum('blh,hcj->blcj', hidden_BxLxH, w.w_out) + w.static[None, None]
-    return jnp.einsum('blcj,jbld->cbld', weights_BxLxCxJ.astype(blocks_JxBxLxD.dtype), blocks_JxBxLxD)
+    return jnp.stack([weighted_sum(weights_BxLxCxJ[:, :, c], blocks) for c in range(weights_BxLxCxJ.shape[2])])
 
 
 def _newest(ways: int, inputs: int) -> np.ndarray:
