@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import base, modern
+from configs import base, modern, preset
 from tests.helpers import (
     NAMED_VARIANTS,
     VARIANT_IDS,
@@ -244,6 +244,18 @@ def test_the_modern_recipe_sets_its_fields_for_each_variant(size):
     assert accounting.account(m, 2048).params == _real_param_count(m)
     with pytest.raises(ConfigError, match=r'configs/modern.py:mamba,82m is invalid: allowed VARIANT,SIZE'):
         modern.get_config('mamba,82m')
+
+
+def test_any_preset_at_a_base_size_and_a_bad_one_named():
+    """configs/preset.py: a preset's fields on base.py's shape and recipe; an unknown preset or size names
+    what is allowed."""
+    config = from_configdict(preset.get_config('mudd:vr_late,468m'))
+    assert (config.model.mudd, config.model.mudd_layers) == ('vr', (16, 17, 18, 19, 20, 21, 22, 23, 24))
+    assert config.model.d_model == from_configdict(base.get_config('vanilla,468m')).model.d_model
+    with pytest.raises(ConfigError, match=r'configs/preset.py:mud,82m is invalid: .* PRESET one of vanilla, '):
+        preset.get_config('mud,82m')
+    with pytest.raises(ConfigError, match=r"size '8m' is invalid"):
+        preset.get_config('mudd,8m')
 
 
 @pytest.mark.parametrize('variant', ['vanilla', 'denseformer', 'mudd-qkvr', 'resformer-mudd-vr', 'svformer-mudd-r'])

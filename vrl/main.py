@@ -99,6 +99,13 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
         if m.padded_vocab_size != m.vocab_size
         else str(m.vocab_size)
     )
+    history_bytes = accounting.layer_history_bytes_per_token(m)  # DenseFormer's and MUDD's block outputs
+    history = [
+        (
+            f'layer history / token ({resolve.local_compute_dtype(m)})',
+            f'{history_bytes:,} B (kept once per scanned layer in training)',
+        )
+    ]
     return [
         ('variant', m.variant_name),
         ('layers', str(m.n_layers)),
@@ -122,6 +129,7 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
             f'{accounting.kv_cache_bytes(m, config.data.seq_len):,} B a sequence'
             + (f' (local layers keep {m.attention_window} positions)' if m.attention_window else ''),
         ),
+        *(history if history_bytes else []),
         ('batch', f'{config.data.batch_size} sequences x {config.data.seq_len} tokens = {tokens:,} tokens a step'),
         ('training', f'{config.train.steps:,} steps = {_human(config.train.steps * tokens)} tokens'),
     ]
