@@ -58,6 +58,7 @@ def test_shapes_dtypes_and_causality(variant):
             'learnable_plus-full': (dict(attention='resformer', lambda_mode='learnable_plus'), 'full'),
             'svformer-save_dots': (dict(attention='svformer'), 'save_dots'),
             'all-baselines-full': (NAMED_VARIANTS['all-baselines'], 'full'),
+            'mudd-qkvr-full': (NAMED_VARIANTS['mudd-qkvr'], 'full'),
         },
         ('resformer-learnable_plus', 'all-baselines', 'svformer-save_dots'),
     ),

@@ -33,7 +33,7 @@ from flax import nnx
 
 from vrl.core.config import ConfigError, ModelConfig
 from vrl.core.sharding import Axis, constrain, context_parts
-from vrl.model import attention, layer_stats, ops, params, variants
+from vrl.model import attention, history_scan, layer_stats, ops, params, variants
 from vrl.model.attention import Causal
 from vrl.model.variants import Lambdas, LayerKV, MuddWeights, ValueEmbed
 
@@ -601,9 +601,10 @@ class Decoder(nnx.Module):
         V_1, and the copies layer 1 made (Block.copies), are the same for every layer, so they are
         constants of the scan rather than part of its carry: the backward pass keeps a scan's carry
         once per scanned step (N copies of V_1), and a constant once (docs/performance.md, "Train-step
-        memory"). A CLA group's copies live within its step. Decoding always loops, so
-        that each layer's cache slots are known when tracing (KVCache: one buffer per slot), and
-        takes each layer's parameters from `layers` where given (`decode`).
+        memory"). A CLA group's copies live within its step. A depth history (DenseFormer, MUDD) must
+        be carried, so its scan is history_scan.scan, whose backward keeps the history once. Decoding
+        always loops, so that each layer's cache slots are known when tracing (KVCache: one buffer per
+        slot), and takes each layer's parameters from `layers` where given (`decode`).
         """
         graphdef, stacked_state = nnx.split(self.layers)
         v1, shared, decoding = s.v1, s.copies, s.cache is not None
@@ -661,7 +662,11 @@ class Decoder(nnx.Module):
             )
             per_layer = (lambda x: [x]) if G == 1 else (lambda x: _unstacked(x, 0, G))
             scanned = rematted(in_scan=True)
-            s, stats = jax.lax.scan(lambda s, xs: scanned(s, tuple(map(per_layer, xs)), lead), s, grouped)
+            if s.blocks is not None and not record:  # a depth history, kept once for the backward pass
+                step = lambda s, xs: scanned(s, tuple(map(per_layer, xs)), lead)[0]  # noqa: E731
+                s, stats = history_scan.scan(step, s, grouped, history_scan.History(lead + 2, G)), None
+            else:
+                s, stats = jax.lax.scan(lambda s, xs: scanned(s, tuple(map(per_layer, xs)), lead), s, grouped)
             middle.append(None if stats is None else jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stats))
         elif not scan:
             for g in range(groups):
