@@ -103,7 +103,7 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
     history = [
         (
             f'layer history / token ({resolve.local_compute_dtype(m)})',
-            f'{history_bytes:,} B (the layer scan keeps it once for the backward pass)',
+            f'{history_bytes:,} B (kept for the backward pass once under remat, once per layer without)',
         )
     ]
     return [

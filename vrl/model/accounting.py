@@ -125,8 +125,8 @@ def layer_history_bytes_per_token(cfg: ModelConfig) -> int:
     """What a forward holds per token for the cross-layer mixes (DenseFormer, MUDD): the embedding
     output and every block output, L + 1 vectors of D, and MUDD's mixed query, key and value inputs,
     in the compute dtype; 0 for the other variants. Decoding holds it for a step's new tokens only
-    (the KV cache is unchanged); the training step keeps it once for the backward pass
-    (vrl/model/history_scan.py)."""
+    (the KV cache is unchanged); the training step keeps it for the backward pass once under
+    model.remat (vrl/model/history_scan.py), once per stacked layer without."""
     if not (cfg.denseformer or cfg.mudd):
         return 0
     vectors = cfg.n_layers + 1 + max(len(cfg.mudd) - 1, 0)

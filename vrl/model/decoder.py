@@ -602,7 +602,8 @@ class Decoder(nnx.Module):
         constants of the scan rather than part of its carry: the backward pass keeps a scan's carry
         once per scanned step (N copies of V_1), and a constant once (docs/performance.md, "Train-step
         memory"). A CLA group's copies live within its step. A depth history (DenseFormer, MUDD) must
-        be carried, so its scan is history_scan.scan, whose backward keeps the history once. Decoding
+        be carried; under remat its scan is history_scan.scan, whose backward keeps the history once
+        and recomputes each layer (without remat, jax.lax.scan keeps every layer's). Decoding
         always loops, so that each layer's cache slots are known when tracing (KVCache: one buffer per
         slot), and takes each layer's parameters from `layers` where given (`decode`).
         """
@@ -662,7 +663,7 @@ class Decoder(nnx.Module):
             )
             per_layer = (lambda x: [x]) if G == 1 else (lambda x: _unstacked(x, 0, G))
             scanned = rematted(in_scan=True)
-            if s.blocks is not None and not record:  # a depth history, kept once for the backward pass
+            if s.blocks is not None and not record and self.cfg.remat != 'none':  # a history kept once
                 step = lambda s, xs: scanned(s, tuple(map(per_layer, xs)), lead)[0]  # noqa: E731
                 s, stats = history_scan.scan(step, s, grouped, history_scan.History(lead + 2, G)), None
             else:
