@@ -191,8 +191,9 @@ class DepthWeights(nnx.Module):
 
 
 class MuddWeights(NamedTuple):
-    """A MUDD connection's weights padded to the widest (zeros past its own), or N stacked layers'.
-    A layer without a connection has zero weights and a static one-hot on the newest output."""
+    """The MUDD connection after a layer, padded to the widest (zeros past its own), or those after
+    several layers (a leading axis). After a layer without one: zero weights and a static one-hot on
+    the newest output."""
 
     w_in: Array  # (D, Hmax): RMSNorm(newest output) -> the hidden layer (GELU)
     w_out: Array  # (Hmax, C, L + 1): the hidden layer -> per-position weights of each way over B_0..B_L
@@ -247,8 +248,8 @@ class DenseConnections(nnx.Module):
 def weighted_sum(weights: Array, blocks: Array | tuple[Array, ...]) -> Array:
     """sum_j weights[..., j] B_j over the outputs so far: a (J, B, L, D) buffer (weights (J,), or
     (B, L, J) per position), or a tuple of (B, L, D) outputs, each read where it lies (weights past
-    the tuple's end are zero and skipped). A buffer is what the layer scan carries; a tuple keeps
-    each output once for the backward pass, where the scan keeps its carry once per layer."""
+    the tuple's end are zero and skipped). A buffer is what the layer scan carries; unrolled layers
+    hand on a tuple, which keeps each output once for the backward pass."""
     per_position = weights.ndim == 3
     if not isinstance(blocks, tuple):
         return jnp.einsum('blj,jbld->bld' if per_position else 'j,jbld->bld', weights.astype(blocks.dtype), blocks)
