@@ -64,6 +64,31 @@ NAMED_VARIANTS = {
     'svformer-mudd-r': dict(attention='svformer', mudd='r', mudd_layers=(2,)),
 }
 
+# Hyper-connections (vrl/model/hyper.py), both kinds, static and dynamic, with other streams counts and on
+# the value-residual variants (checked by the tests of the model, decoding, accounting and sharding)
+HYPER_VARIANTS = {
+    'hc': dict(attention='vanilla', hyper_connections='hc'),
+    'mhc': dict(attention='vanilla', hyper_connections='mhc'),
+    'resformer-hc-static-3': dict(
+        attention='resformer',
+        lambda_mode='per_token',
+        hyper_connections='hc',
+        hyper_dynamic=False,
+        hyper_streams=3,
+        value_embed_layers=(2,),
+    ),
+    'svformer-cla2-mhc-2': dict(attention='svformer', kv_share=2, hyper_connections='mhc', hyper_streams=2),
+    'neutreno-mhc-3': dict(attention='vanilla', neutreno=True, hyper_connections='mhc', hyper_streams=3),
+}
+
+# The named variants whose code paths differ where a compiled program is checked (the scan against the
+# loop, bfloat16 gradients, cached decoding): the scalar lambda modes that learnable_plus's path runs
+# with other values, and the baselines that a composition runs too (CLA in svformer-cla2, NeuTRENO in
+# resformer-neutreno, value embeddings in resformer-value_embeds-shared), left out
+_RUN_BY_ANOTHER = {'resformer-identity', 'resformer-constant', 'resformer-learnable', 'resformer-sparse'}
+_RUN_BY_ANOTHER |= {'cla2', 'neutreno', 'value_embeds'}
+DISTINCT_PATHS = {name: fields for name, fields in NAMED_VARIANTS.items() if name not in _RUN_BY_ANOTHER}
+
 
 def modern_fields(variant: str) -> dict:
     """configs/modern.py's model fields on a 4-layer small shape (layer 4 global), the window cut to 5
@@ -79,7 +104,7 @@ def modern_fields(variant: str) -> dict:
 # are stacked apart (CLA) and whose V is V_1, soft caps that bend the logits (a final cap of 1 flattens
 # a random model's into float32 near-ties, which two correct implementations break apart), windows of 5
 # (layer 2 global) over longer sequences, and the modern recipe (all of these with value embeddings)
-# on ResFormer and SVFormer
+# on ResFormer and SVFormer, and the hyper-connected ones
 EXPORT_VARIANTS = {
     **NAMED_VARIANTS,
     'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True),
@@ -89,6 +114,7 @@ EXPORT_VARIANTS = {
     'svformer-windows': dict(attention='svformer', attention_window=5, global_layers=(2,)),
     'modern-resformer': modern_fields('resformer'),
     'modern-svformer': modern_fields('svformer'),
+    **HYPER_VARIANTS,
 }
 VARIANTS = list(NAMED_VARIANTS.values())
 VARIANT_IDS = list(NAMED_VARIANTS)
@@ -146,8 +172,8 @@ def piece_bytes(tok) -> np.ndarray:
 def module_matmul_params(cfg: ModelConfig) -> int:
     """The weights of `cfg`'s real Decoder that take part in a matmul per token, found by their
     parameter paths: every parameter but the norms' scales, ResFormer's lambdas, DenseFormer's
-    weights, MUDD's static weights and the lookup tables (the input embedding, unless tied, when it is the head, and
-    the value-embedding tables)."""
+    weights, MUDD's static weights, hyper-connections' weights (accounting counts their multiply-adds apart) and
+    the lookup tables (the input embedding, unless tied, when it is the head, and the value-embedding tables)."""
     from vrl.model.decoder import Decoder
 
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
@@ -155,7 +181,8 @@ def module_matmul_params(cfg: ModelConfig) -> int:
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(abstract, nnx.Param)):
         keys = [str(getattr(k, 'key', k)) for k in path]
         lookup = keys[0] == 'embed' and not cfg.tie_embeddings or 'tables' in keys
-        if not (lookup or 'scale' in keys or keys[0] in ('lambdas', 'depth_weights') or 'static' in keys):
+        hyper = any(k.endswith('_hyper') for k in keys)
+        if not (lookup or hyper or 'scale' in keys or keys[0] in ('lambdas', 'depth_weights') or 'static' in keys):
             total += leaf.size
     return total
 

@@ -108,6 +108,44 @@ def _np_mudd(cfg: ModelConfig, p: dict, n: int, blocks: list) -> dict | None:
     return {way: sum(weights[:, c, j, None] * b for j, b in enumerate(blocks)) for c, way in enumerate(ways)}
 
 
+def _np_sinkhorn(logits, iterations=20):  # exp, then rows and columns to sum 1 in turn
+    m = np.exp(logits - logits.max(axis=(-2, -1), keepdims=True))
+    for _ in range(iterations):
+        m = m / m.sum(-1, keepdims=True)
+        m = m / m.sum(-2, keepdims=True)
+    return m
+
+
+def _np_hyper(cfg: ModelConfig, c: dict | None, h: np.ndarray) -> tuple:
+    """A sublayer's input (L, D) and a function of its output giving the stream after it; h is (L, D), or
+    the n streams (n, L, D) with hyper-connections, whose weights per position are computed here
+    position by position from each paper's formulas."""
+    if c is None:
+        return h, lambda out: h + out
+    n, L, D = h.shape
+    inputs, remixes, posts = np.zeros((L, D)), np.zeros((L, n, n)), np.zeros((L, n))
+    for t in range(L):
+        pre, res, post = c['static_pre'].copy(), c['static_res'].copy(), c['static_post'].copy()  # res[dst, src]
+        if 'w' in c and cfg.hyper_connections == 'hc':  # each stream i: tanh(norm(h_i) W) = [pre_i, res[:, i], post_i]
+            for i in range(n):
+                d = np.tanh(_np_rms(h[i, t], c['norm'], cfg.norm_eps) @ c['w'])
+                pre[i] += c['gates'][0] * d[0]
+                res[:, i] += c['gates'][0] * d[1 : n + 1]
+                post[i] += c['gates'][1] * d[n + 1]
+        elif 'w' in c:  # the streams flattened into one vector of n D values
+            flat = h[:, t].reshape(-1)
+            normed = flat / np.sqrt(np.mean(flat**2) + cfg.norm_eps) * c['norm'].reshape(-1)
+            d = normed @ c['w'].reshape(n * D, -1)
+            pre += c['gates'][0] * d[:n]
+            post += c['gates'][1] * d[n : 2 * n]
+            res += c['gates'][2] * d[2 * n :].reshape(n, n)
+        if cfg.hyper_connections == 'mhc':
+            pre, post, res = _np_sigmoid(pre), 2 * _np_sigmoid(post), _np_sinkhorn(res)
+        inputs[t] = sum(pre[i] * h[i, t] for i in range(n))
+        remixes[t], posts[t] = res, post
+    return inputs, lambda out: np.einsum('tji,itd->jtd', remixes, h) + posts.T[:, :, None] * out[None]
+
+
 def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = None) -> np.ndarray:
     """One sequence (L,) -> logits (L, vocab_size), straight from docs/paper.md's equations.
 
@@ -118,11 +156,14 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
     G = cfg.n_heads // cfg.n_kv_heads
     h = p['embed'][tokens]
     blocks = [h]
+    if cfg.hyper_connections:
+        h = np.stack([h] * cfg.hyper_streams)  # the n streams (n, L, D)
     v1 = group_kv = None
     ways = {}  # MUDD: the q, k, v inputs that the last connection mixed
     layers = [p['first']] + [jax.tree.map(lambda x, i=i: x[i], p['layers']) for i in range(cfg.n_stacked)]
     for n, layer in enumerate(layers):
-        x = _np_rms(ways.get('q', h), layer['attn_norm']['scale'], cfg.norm_eps)
+        x, attention_added = _np_hyper(cfg, layer.get('attn_hyper'), h)
+        x = _np_rms(ways.get('q', x), layer['attn_norm']['scale'], cfg.norm_eps)
         # MUDD's k and v ways: every layer after the first normalises them with its own scale, mixed or not
         xk, xv = (
             _np_rms(ways.get(w, h), layer[f'{w}_input_norm']['scale'], cfg.norm_eps) if n and w in cfg.mudd else x
@@ -160,18 +201,19 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
         o = np.einsum('nij,jnh->inh', att, v_rep)
         if cfg.neutreno and n > 0:
             o = o + cfg.neutreno_lambda * np.repeat(v1 - v, G, axis=1)  # V_1 minus the values attended
-        h = h + np.einsum('inh,nhd->id', o, a['wo'])
-        x = _np_rms(h, layer['mlp_norm']['scale'], cfg.norm_eps)
+        h = attention_added(np.einsum('inh,nhd->id', o, a['wo']))
+        x, mlp_added = _np_hyper(cfg, layer.get('mlp_hyper'), h)
+        x = _np_rms(x, layer['mlp_norm']['scale'], cfg.norm_eps)
         m = layer['mlp']
         gate, up = x @ m['w_gate'], x @ m['w_up']
-        h = h + (gate / (1 + np.exp(-gate)) * up) @ m['w_down']
+        h = mlp_added((gate / (1 + np.exp(-gate)) * up) @ m['w_down'])
         blocks.append(h)
         if cfg.denseformer:
             h = sum(w * b for w, b in zip(_np_depth_weights(cfg, p)[n], blocks))
         ways = _np_mudd(cfg, p, n, blocks) or {'r': h}  # after a layer without a connection, h for every input
         h = ways.pop('r')
         if trace is not None:
-            trace.append((att, v, h, np.nan if ve is None else ve[0].mean()))
-    x = _np_rms(h, p['final_norm']['scale'], cfg.norm_eps)
+            trace.append((att, v, h if h.ndim == 2 else h.sum(0), np.nan if ve is None else ve[0].mean()))
+    x = _np_rms(h if h.ndim == 2 else h.sum(0), p['final_norm']['scale'], cfg.norm_eps)
     head = p['embed'].T if cfg.tie_embeddings else p['head']
     return _np_soft_cap((x @ head)[:, : cfg.vocab_size], cfg.final_logits_soft_cap)

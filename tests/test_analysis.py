@@ -16,7 +16,15 @@ from flax import nnx
 
 from tests import numpy_reference
 from tests.conftest import ROOT
-from tests.helpers import NAMED_VARIANTS, random_tokens, randomize, rel_err, small_model_config, tensorboard_scalars
+from tests.helpers import (
+    HYPER_VARIANTS,
+    NAMED_VARIANTS,
+    random_tokens,
+    randomize,
+    rel_err,
+    small_model_config,
+    tensorboard_scalars,
+)
 from tests.runs import SHARED_RUN_STEPS
 from vrl.model import layer_stats
 from vrl.model.decoder import Decoder
@@ -54,10 +62,10 @@ def test_first_and_rest_norms():
 
 
 @pytest.mark.parametrize(
-    'variant', ['vanilla', 'resformer-learnable_plus', 'svformer-cla2', 'all-baselines', 'resformer-mudd-vr']
+    'variant', ['vanilla', 'resformer-learnable_plus', 'svformer-cla2', 'all-baselines', 'resformer-mudd-vr', 'mhc']
 )
 def test_layer_stats_match_the_numpy_reference(variant):
-    cfg = small_model_config(**NAMED_VARIANTS[variant])
+    cfg = small_model_config(**(NAMED_VARIANTS | HYPER_VARIANTS)[variant])
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, 1)
     params = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(model, nnx.Param)))

@@ -10,7 +10,16 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from tests.helpers import FAST_TIER, NAMED_VARIANTS, cases, randomize, rel_err, small_model_config
+from tests.helpers import (
+    DISTINCT_PATHS,
+    FAST_TIER,
+    HYPER_VARIANTS,
+    NAMED_VARIANTS,
+    cases,
+    randomize,
+    rel_err,
+    small_model_config,
+)
 from vrl.core import sharding
 from vrl.core.config import MeshConfig
 from vrl.model import accounting, decode
@@ -25,7 +34,8 @@ def _model(seed=0, **overrides) -> Decoder:
 
 # every variant and lambda mode with GQA (2 kv heads for 4 query heads); MHA and MQA on two of them
 _CACHE_CASES = (
-    {f'{name}-gqa2': (v, 2) for name, v in NAMED_VARIANTS.items()}
+    {f'{name}-gqa2': (v, 2) for name, v in DISTINCT_PATHS.items()}
+    | {f'{n}-gqa2': (HYPER_VARIANTS[n], 2) for n in ('mhc', 'resformer-hc-static-3', 'svformer-cla2-mhc-2')}
     | {f'{a}-{n}': (dict(attention=a), k) for a in ('vanilla', 'svformer') for n, k in (('mha', 4), ('mqa', 1))}
     | {'svformer-cla2-qk_norm-gqa2': (dict(attention='svformer', kv_share=2, qk_norm=True), 2)}
     | {
@@ -52,7 +62,13 @@ _CACHE_CASES = (
     cases(
         _CACHE_CASES,
         [f'{name}-gqa2' for name in FAST_TIER[1:]]
-        + ['vanilla-mqa', 'svformer-cla2-qk_norm-gqa2', 'resformer-soft_caps-gqa2', 'svformer-windows-gqa2'],
+        + [
+            'vanilla-mqa',
+            'svformer-cla2-qk_norm-gqa2',
+            'resformer-soft_caps-gqa2',
+            'svformer-windows-gqa2',
+            'mhc-gqa2',
+        ],
     ),
 )
 def test_cached_decoding_equals_full_forward(variant, n_kv_heads):

@@ -11,7 +11,9 @@ from flax import nnx
 
 from tests import numpy_reference
 from tests.helpers import (
+    DISTINCT_PATHS,
     FAST_TIER,
+    HYPER_VARIANTS,
     NAMED_VARIANTS,
     cases,
     copy_params,
@@ -27,9 +29,13 @@ from vrl.model.decoder import Decoder
 from vrl.train import step
 
 
-def _loss(model: Decoder, tokens: jax.Array) -> jax.Array:
+def _loss_and_logits(model: Decoder, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     logits = model(tokens)[..., : model.cfg.vocab_size]
-    return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+    return -jnp.mean(jax.nn.log_softmax(logits)[..., 0]), logits
+
+
+def _loss(model: Decoder, tokens: jax.Array) -> jax.Array:
+    return _loss_and_logits(model, tokens)[0]
 
 
 @pytest.mark.parametrize('variant', variant_params())
@@ -54,11 +60,13 @@ def test_shapes_dtypes_and_causality(variant):
     'variant, remat',
     cases(
         {
-            **{name: (v, 'none') for name, v in NAMED_VARIANTS.items()},
+            **{name: (v, 'none') for name, v in DISTINCT_PATHS.items()},
             'learnable_plus-full': (dict(attention='resformer', lambda_mode='learnable_plus'), 'full'),
             'svformer-save_dots': (dict(attention='svformer'), 'save_dots'),
             'all-baselines-full': (NAMED_VARIANTS['all-baselines'], 'full'),
             'mudd-qkvr-full': (NAMED_VARIANTS['mudd-qkvr'], 'full'),
+            'hc': (HYPER_VARIANTS['hc'], 'none'),
+            'svformer-cla2-mhc-2-full': (HYPER_VARIANTS['svformer-cla2-mhc-2'], 'full'),
         },
         ('resformer-learnable_plus', 'all-baselines', 'svformer-save_dots'),
     ),
@@ -70,17 +78,20 @@ def test_scan_equals_loop(variant, remat):
     looped = Decoder(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(5))
     nnx.update(looped, nnx.state(scanned, nnx.Param))
     tokens = random_tokens(4)
-    assert rel_err(looped(tokens)[..., :97], scanned(tokens)[..., :97]) < 1e-5
-    g_scan = nnx.grad(_loss)(scanned, tokens)
-    g_loop = nnx.grad(_loss)(looped, tokens)
+    (_, scanned_logits), g_scan = nnx.value_and_grad(_loss_and_logits, has_aux=True)(scanned, tokens)
+    (_, looped_logits), g_loop = nnx.value_and_grad(_loss_and_logits, has_aux=True)(looped, tokens)
+    assert rel_err(looped_logits, scanned_logits) < 1e-5
     flat_scan = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g_scan)])
     flat_loop = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g_loop)])
     assert rel_err(flat_loop, flat_scan) < 1e-5
-    # per parameter too; a scalar like learnable_plus's s sums many terms in another order
+    # per parameter too; a scalar like learnable_plus's s sums many terms in another order. A gradient
+    # that is zero in exact arithmetic is rounding on both sides, compared against the largest: layer 1's
+    # hyper-connection input weights only scale the identical streams that its pre-norm normalises
+    largest = np.abs(flat_loop).max()
     for (path, a), (_, b) in zip(
         jax.tree_util.tree_leaves_with_path(g_scan), jax.tree_util.tree_leaves_with_path(g_loop)
     ):
-        assert rel_err(b, a) < 1e-4, path
+        assert rel_err(b, a) < 1e-4 or np.abs(np.asarray(b) - np.asarray(a)).max() < 1e-6 * largest, path
 
 
 def test_cla_groups_scan_whole_with_the_borrowers_of_layer_1_before_and_a_short_group_after():
@@ -143,8 +154,10 @@ WINDOWS = dict(attention_window=3, global_layers=(2,))
             'svformer-qk_norm-soft_caps': dict(CAPS, attention='svformer', qk_norm=True),
             'resformer-windows': dict(WINDOWS, attention='resformer', lambda_mode='learnable_plus'),
             'svformer-cla2-windows': dict(WINDOWS, attention='svformer', kv_share=2),
+            **HYPER_VARIANTS,
         },
-        FAST_TIER + ('vanilla-tied', 'svformer-cla2-qk_norm', 'svformer-qk_norm-soft_caps', 'svformer-cla2-windows'),
+        FAST_TIER
+        + ('vanilla-tied', 'svformer-cla2-qk_norm', 'svformer-qk_norm-soft_caps', 'svformer-cla2-windows', 'mhc'),
     ),
 )
 def test_matches_float64_numpy_reference(variant):
@@ -172,7 +185,9 @@ def test_learnable_lambdas_get_gradients_fixed_ones_are_not_parameters():
         assert 'lambdas' not in params, mode
 
 
-@pytest.mark.parametrize('variant', cases(NAMED_VARIANTS, ('resformer-learnable_plus', 'all-baselines')))
+@pytest.mark.parametrize(
+    'variant', cases(DISTINCT_PATHS | HYPER_VARIANTS, ('resformer-learnable_plus', 'all-baselines'))
+)
 def test_bfloat16_gradients_finite(variant):
     model = Decoder(small_model_config(compute_dtype='bfloat16', **variant), rngs=nnx.Rngs(0))
     loss, grads = nnx.value_and_grad(_loss)(model, random_tokens(14))
@@ -228,6 +243,15 @@ def test_v1_is_not_detached():
         (dict(mudd='r', denseformer=True), 'model.mudd', "'' with model.denseformer"),
         (dict(attention='svformer', mudd='vr'), 'model.mudd', "'r' with model.attention='svformer'"),
         (dict(kv_share=2, mudd='qkvr'), 'model.mudd', "'r' with model.kv_share=2"),
+        (dict(hyper_connections='mHC'), 'model.hyper_connections', "'', 'hc', 'mhc'"),
+        (dict(hyper_connections='hc', hyper_streams=0), 'model.hyper_streams', 'an integer >= 1'),
+        (dict(hyper_connections='hc', denseformer=True), 'model.hyper_connections', "'' with model.denseformer"),
+        (dict(hyper_connections='mhc', mudd='vr'), 'model.hyper_connections', "'' with model.mudd"),
+        (
+            dict(hyper_connections='mhc', hyper_dynamic=False),
+            'model.hyper_dynamic',
+            "True with model.hyper_connections='mhc'",
+        ),
     ],
 )
 def test_bad_config_names_field_and_allowed_values(overrides, field, allowed):

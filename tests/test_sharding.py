@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from tests.conftest import ROOT
-from tests.helpers import NAMED_VARIANTS
+from tests.helpers import HYPER_VARIANTS, NAMED_VARIANTS
 from tests.runs import TINY_MODEL, cli_args, host_xla_flags, tiny_config, train_losses, write_choice_task
 from vrl.core import sharding
 from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig
@@ -27,6 +27,7 @@ from vrl.train import aot
 from vrl.train.step import TrainSteps
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
+VARIANTS = NAMED_VARIANTS | HYPER_VARIANTS
 
 
 def _sharding_config(small_corpus, mesh: MeshConfig) -> Config:
@@ -58,14 +59,15 @@ def test_meshes_agree_with_one_device_and_shard_as_the_rules_say(small_corpus):
 
 
 # between them every kind of parameter the baselines add: the per-token mix, gates, value tables,
-# CLA's K/V stacked over the owning layers, DenseFormer's weights, NeuTRENO, MUDD's per-connection weights
-@pytest.mark.parametrize('variant', ['resformer-per_token', 'all-baselines', 'resformer-mudd-vr'])
+# CLA's K/V stacked over the owning layers, DenseFormer's weights, NeuTRENO, MUDD's per-connection weights,
+# mHC's stacked connections
+@pytest.mark.parametrize('variant', ['resformer-per_token', 'all-baselines', 'resformer-mudd-vr', 'mhc'])
 def test_every_baseline_trains_sharded_as_on_one_device(small_corpus, variant):
     """The new variants' parameters (gates, tables, shared K/V, averaging weights) shard by the rules
     and a (data, fsdp, tensor) = (2, 2, 2) mesh trains exactly as one device does."""
     _, tokenizer = small_corpus
     config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1))
-    model = dataclasses.replace(config.model, n_layers=4, **{'lambda_mode': 'identity', **NAMED_VARIANTS[variant]})
+    model = dataclasses.replace(config.model, n_layers=4, **{'lambda_mode': 'identity', **VARIANTS[variant]})
     config = dataclasses.replace(config, model=model)
     iterator = iter(pipeline.train_dataset(config.data, tokenizer))
     batches = [next(iterator) for _ in range(2)]
@@ -89,7 +91,7 @@ CONTEXT_MESHES = {
         ('resformer-learnable_plus', 'two'),
         ('svformer', 'four'),
         ('all-baselines', 'two'),
-        ('cla2', 'eight'),
+        ('mhc', 'eight'),
         ('svformer-cla2', 'four'),
         ('mudd-qkvr', 'two'),
     ],
@@ -97,13 +99,14 @@ CONTEXT_MESHES = {
 def test_a_sequence_split_over_the_context_axis_trains_as_on_one_device(small_corpus, variant, mesh):
     """mesh.context = 2, 4 and 8, beside the other axes, each for two variants (between them every
     variant kind: the all-baselines one has the per-token mix, value tables, CLA's shared K/V,
-    DenseFormer and NeuTRENO): with document masking (segment ids and per-document RoPE positions
-    across the parts) a split sequence trains exactly as on one device; so do the whole-sequence
-    copies of what layers share (SVFormer's V_1, a CLA group's K and V)."""
+    DenseFormer and NeuTRENO; mhc widens the stream that crosses the layers): with document masking
+    (segment ids and per-document RoPE positions across the parts) a split sequence trains exactly as
+    on one device; so do the whole-sequence copies of what layers share (SVFormer's V_1, a CLA group's
+    K and V)."""
     _, tokenizer = small_corpus
     config = _sharding_config(small_corpus, MeshConfig(data=1, fsdp=1, tensor=1))
     model = dataclasses.replace(
-        config.model, n_layers=4, attention_impl='xla', **{'lambda_mode': 'identity', **NAMED_VARIANTS[variant]}
+        config.model, n_layers=4, attention_impl='xla', **{'lambda_mode': 'identity', **VARIANTS[variant]}
     )
     config = dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, document_masking=True))
     iterator = iter(pipeline.train_dataset(config.data, tokenizer))

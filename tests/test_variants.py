@@ -80,6 +80,43 @@ def test_mudd_parameters_have_the_authors_shapes():
     assert small_model_config(n_layers=16, mudd='qkvr').mudd_hidden(14) == 128  # 4 x 16 = 64 -> 128
 
 
+@pytest.mark.parametrize(
+    'kind, dynamic, streams', [('hc', True, 4), ('hc', False, 3), ('mhc', True, 4), ('mhc', True, 2)]
+)
+def test_hyper_connections_at_their_initialisation_are_vanilla_and_learn(kind, dynamic, streams):
+    """At init every sublayer adds its output to identical streams (hc: reading one of them; mhc: half of
+    each), so with norms' eps negligible the model is vanilla (mhc's dynamic terms shut by their gates,
+    which start at 0.01); a gradient step on the connections' weights makes it another model. (mhc's
+    remix of identical streams is the identity, so its bias learns once the streams differ.)"""
+    cfg = small_model_config(n_layers=4, norm_eps=1e-12)
+    vanilla = Decoder(cfg, rngs=nnx.Rngs(0))
+    randomize(vanilla, 1)
+    tokens = random_tokens(10)
+    hyper = Decoder(
+        dataclasses.replace(cfg, hyper_connections=kind, hyper_dynamic=dynamic, hyper_streams=streams),
+        rngs=nnx.Rngs(2),
+    )
+    copy_params(vanilla, hyper)  # every weight but the connections', which stay at their init
+    connections = (hyper.first.attn_hyper, hyper.first.mlp_hyper, hyper.layers.attn_hyper, hyper.layers.mlp_hyper)
+    if kind == 'mhc':
+        assert rel_err(_logits(hyper, tokens), _logits(vanilla, tokens)) > 1e-4
+        for c in connections:
+            c.gates[...] = jnp.zeros_like(c.gates[...])
+    assert rel_err(_logits(hyper, tokens), _logits(vanilla, tokens)) < 1e-6
+    grads = nnx.to_pure_dict(nnx.grad(lambda m: jnp.mean(_logits(m, tokens) ** 2))(hyper))
+    # the dynamic terms learn through W where it starts at zero (hc), through the gates where they are shut
+    learned = ('static_post', 'w', 'static_res') if kind == 'hc' else ('static_post', 'gates')
+    learned = learned if dynamic else ('static_post', 'static_res')
+    for name in learned:
+        assert float(jnp.abs(grads['layers']['attn_hyper'][name]).max()) > 0, name
+    state = nnx.state(hyper, nnx.Param)
+    nnx.replace_by_pure_dict(
+        state, jax.tree.map(lambda p, g: p - 0.5 * g, nnx.to_pure_dict(state), grads, is_leaf=lambda x: x is None)
+    )
+    nnx.update(hyper, state)
+    assert rel_err(_logits(hyper, tokens), _logits(vanilla, tokens)) > 1e-3
+
+
 def test_neutreno_with_lambda_zero_is_vanilla(vanilla):
     tokens = random_tokens(6)
     assert rel_err(_logits(_like(vanilla, neutreno=True, neutreno_lambda=0.0), tokens), _logits(vanilla, tokens)) < 1e-6

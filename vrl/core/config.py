@@ -20,6 +20,7 @@ from vrl.core.errors import VrlError
 ATTENTION_VARIANTS = ('vanilla', 'resformer', 'svformer')
 LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse', 'per_token')
 MUDD_WAYS = ('', 'r', 'vr', 'qkvr')  # model.mudd: the inputs of a block that MUDD mixes (r: the residual)
+HYPER_CONNECTIONS = ('', 'hc', 'mhc')  # model.hyper_connections: vrl/model/hyper.py
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'auto')
 ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/model/attention.py; the last is
 # what splash becomes off TPU (Pallas' interpreter)
@@ -61,6 +62,9 @@ VARIANT_FIELDS = (
     'value_embed_tables',
     'mudd',
     'mudd_layers',
+    'hyper_connections',
+    'hyper_streams',
+    'hyper_dynamic',
 )
 EXECUTION_FIELDS = (
     'attention_chunks',
@@ -103,6 +107,13 @@ class ModelConfig:
     # dynamic DenseFormer; '' = off. After layer L only r is mixed (the final norm's input)
     mudd: str = ''
     mudd_layers: tuple[int, ...] = ()  # 1-based layers followed by a connection; () = every layer
+    # hyper-connections: the residual stream widened to hyper_streams streams; before each attention and MLP
+    # their weighted sum is the sublayer's input, after it the streams are remixed and each adds the output
+    # with its own weight. 'hc': Zhu et al.'s weights (static + tanh-gated dynamic); 'mhc': DeepSeek's
+    # manifold-constrained ones (sigmoid input and output weights, a doubly stochastic remix); '' = off
+    hyper_connections: str = ''
+    hyper_streams: int = 4  # the expansion rate n
+    hyper_dynamic: bool = True  # False (hc only): the weights are learned constants, the same at every position
     # QK-norm: each head's queries and keys RMS-normalised over head_dim with a learned scale (Dh,), before
     # RoPE, as Qwen3 and Gemma 3 do (nanochat's has no scale; OLMo-2 normalises all heads together)
     qk_norm: bool = False
@@ -218,6 +229,7 @@ class ModelConfig:
             )
         self._check_value_embeddings()
         self._check_mudd()
+        self._check_hyper_connections()
 
     def _check_mudd(self) -> None:
         _choice('model.mudd', self.mudd, MUDD_WAYS)
@@ -249,6 +261,25 @@ class ModelConfig:
             self.mudd,
             f"'r' with model.kv_share={self.kv_share} (CLA's borrowing layers project no keys or values)",
         )
+
+    def _check_hyper_connections(self) -> None:
+        _choice('model.hyper_connections', self.hyper_connections, HYPER_CONNECTIONS)
+        _require(self.hyper_streams >= 1, 'model.hyper_streams', self.hyper_streams, 'an integer >= 1 (4 = the papers)')
+        _require(
+            self.hyper_dynamic or self.hyper_connections != 'mhc',
+            'model.hyper_dynamic',
+            self.hyper_dynamic,
+            "True with model.hyper_connections='mhc' (its biases start alike for every stream and a doubly "
+            'stochastic remix of identical streams is the identity, so without the dynamic terms the streams '
+            'never differ)',
+        )
+        for field, on in (('denseformer', self.denseformer), ('mudd', bool(self.mudd))):
+            _require(
+                not (on and self.hyper_connections),
+                'model.hyper_connections',
+                self.hyper_connections,
+                f"'' with model.{field} (both rewrite the residual stream between layers)",
+            )
 
     def _check_value_embeddings(self) -> None:
         layers, tables = self.value_embed_layers, self.value_embed_tables
@@ -369,6 +400,9 @@ class ModelConfig:
         if self.mudd:
             after = f' after layers {",".join(map(str, self.mudd_layers))}' if self.mudd_layers else ''
             parts.append(f'MUDD-{self.mudd}{after}')
+        if self.hyper_connections:
+            static = '' if self.hyper_dynamic else ' static'
+            parts.append(f'{self.hyper_connections.upper()} x{self.hyper_streams}{static}')
         if self.n_kv_heads != self.n_heads:
             parts.append('MQA' if self.n_kv_heads == 1 else f'GQA{self.n_heads // self.n_kv_heads}')
         if self.qk_norm:

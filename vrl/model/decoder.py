@@ -8,7 +8,7 @@ Layer 1 runs on its own and creates V_1 (its value projection of its normalised 
 before GQA grouping, not detached). Layers 2..L are one stacked `Block` whose parameters
 carry a leading `layers` axis; `jax.lax.scan` walks them (decoding: a Python loop) carrying
 a `Stream`: the hidden state, V_1, and what the baselines need (CLA's shared K/V,
-DenseFormer's block outputs, the KV cache). Every variant changes one of four things, each
+DenseFormer's block outputs, the KV cache). Every variant changes one of five things, each
 in one place:
 
 - the values a layer attends over (ResFormer, SVFormer, the per-token mix, value
@@ -16,7 +16,9 @@ in one place:
 - what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended)): `Block.__call__`;
 - which layer's K/V a layer uses (CLA): `Attention.keys_values`;
 - how block outputs combine into the next block's input (DenseFormer, MUDD): `Decoder._layer`;
-  MUDD's query, key and value inputs, each its own mix: `Block.attention_inputs`.
+  MUDD's query, key and value inputs, each its own mix: `Block.attention_inputs`;
+- the residual stream itself (hyper-connections: n streams, each sublayer reading their weighted
+  sum and adding its output to their remix): `hyper.enter` and `hyper.add` in `Block`.
 
 QK-norm (model.qk_norm), beside the variants, normalises each head's queries and keys before RoPE:
 `head_rms_norm`, in `Attention.queries` and `Attention.keys_values`.
@@ -33,7 +35,7 @@ from flax import nnx
 
 from vrl.core.config import ConfigError, ModelConfig
 from vrl.core.sharding import Axis, constrain, context_parts
-from vrl.model import attention, history_scan, layer_stats, ops, params, variants
+from vrl.model import attention, history_scan, hyper, layer_stats, ops, params, variants
 from vrl.model.attention import Causal
 from vrl.model.variants import Lambdas, LayerKV, MuddWeights, ValueEmbed
 
@@ -292,7 +294,7 @@ class LayerInputs(NamedTuple):
 class Stream(NamedTuple):
     """What each layer hands the next: the layer scan's carry."""
 
-    h: Array  # (B, L, D) the next block's input
+    h: Array  # (B, L, D) the next block's input; with hyper-connections its n streams (n, B, L, D)
     v1: Array | None  # (B, L, K, Dh) V_1, once layer 1 has run
     copies: attention.Copies | None  # sequences split over `context`: shared keys and values made whole (Block.copies)
     kv: tuple[Array, Array] | None  # CLA: the current group's keys and attended values (B, L, K, Dh)
@@ -314,15 +316,19 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, first=first, stack=stack, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, stack)
         self.mlp = MLP(cfg, stack=stack, rngs=rngs)
+        connected = cfg.hyper_connections != ''
+        self.attn_hyper = hyper.HyperConnection(cfg, sublayer=0, stack=stack, rngs=rngs) if connected else None
+        self.mlp_hyper = hyper.HyperConnection(cfg, sublayer=1, stack=stack, rngs=rngs) if connected else None
         self.cfg = cfg
         self.neutreno_lambda = cfg.neutreno_lambda if cfg.neutreno else None
 
     def __call__(
         self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries, record: bool
     ) -> tuple[Array, tuple[Array, Array], attention.Copies | None, KVCache | None, layer_stats.AttentionStats | None]:
-        """The block's output (B, L, D), its keys and attended values for the L tokens, the copies it
-        attended with (`copies`), the cache with them written and, when recording, its attention statistics."""
-        x_BxLxD, xk_BxLxD, xv_BxLxD = self.attention_inputs(s)
+        """The block's output (B, L, D) (with hyper-connections, the n streams (n, B, L, D)), its keys and
+        attended values for the L tokens, the copies it attended with (`copies`), the cache with them
+        written and, when recording, its attention statistics."""
+        x_BxLxD, xk_BxLxD, xv_BxLxD, into_attention = self.attention_inputs(s)
         q_BxLxHxDh = self.attn.queries(x_BxLxD, positions_BxL)
         k_BxLxKxDh, v_n = self.attn.keys_values(xk_BxLxD, xv_BxLxD, positions_BxL, s.v1, p.kv, s.kv)  # CLA
         scale_BxLxKx1 = None
@@ -356,8 +362,9 @@ class Block(nnx.Module):
             o_BxLxHxDh = ops.attend_cache(q_BxLxHxDh, keys, values, mask, self.cfg.attn_logits_soft_cap)
         if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V)
             o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_BxLxKxDh), o_BxLxHxDh.shape)
-        h_BxLxD = s.h + self.attn.output(o_BxLxHxDh)
-        h_BxLxD = h_BxLxD + self.mlp(self.mlp_norm(h_BxLxD))
+        h = hyper.add(into_attention, s.h, self.attn.output(o_BxLxHxDh))
+        x_BxLxD, into_mlp = hyper.enter(self.mlp_hyper, h)
+        h = hyper.add(into_mlp, h, self.mlp(self.mlp_norm(x_BxLxD)))
         stats = None
         if record:
             B, L = q_BxLxHxDh.shape[:2]
@@ -365,16 +372,18 @@ class Block(nnx.Module):
             stats = layer_stats.attention_stats(
                 q_BxLxHxDh, keys, values, dense_BxLxS, scale_BxLxKx1, self.cfg.attn_logits_soft_cap
             )
-        return h_BxLxD, (k_BxLxKxDh, v_BxLxKxDh), copies, cache, stats
+        return h, (k_BxLxKxDh, v_BxLxKxDh), copies, cache, stats
 
-    def attention_inputs(self, s: Stream) -> tuple[Array, Array, Array]:
+    def attention_inputs(self, s: Stream) -> tuple[Array, Array, Array, hyper.Coefficients | None]:
         """The normalised inputs (B, L, D) of the queries, the keys and the values: attn_norm(h) for all
-        three, except that each of MUDD's q, k and v ways is its own mix, normalised on its own."""
+        three, except that each of MUDD's q, k and v ways is its own mix, normalised on its own; with
+        hyper-connections h is the streams' weighted sum, and the weights to add the output with come too."""
+        x_BxLxD, into_attention = hyper.enter(self.attn_hyper, s.h)
         mixed = {} if s.ways is None else dict(zip(self.cfg.mudd[:-1], s.ways))
-        x_BxLxD = self.attn_norm(mixed.get('q', s.h))
+        x_BxLxD = self.attn_norm(mixed.get('q', x_BxLxD))
         xk_BxLxD = x_BxLxD if self.k_input_norm is None else self.k_input_norm(mixed['k'])
         xv_BxLxD = x_BxLxD if self.v_input_norm is None else self.v_input_norm(mixed['v'])
-        return x_BxLxD, xk_BxLxD, xv_BxLxD
+        return x_BxLxD, xk_BxLxD, xv_BxLxD, into_attention
 
     def copies(
         self, s: Stream, p: LayerInputs, k_BxLxKxDh: Array, v_BxLxKxDh: Array, mask: Causal | CachedQueries
@@ -520,6 +529,7 @@ class Decoder(nnx.Module):
         per-layer statistics when recording."""
         dtype, L = self.compute_dtype, self.cfg.n_layers
         h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION if cache is None else _DECODING)
+        h = hyper.widened(h_BxLxD, self.cfg)
         blocks = None
         if self.depth_weights is not None or self.mudd is not None:  # a buffer the scan carries, or a tuple
             scanned = self.cfg.scan_layers and cache is None
@@ -544,10 +554,10 @@ class Decoder(nnx.Module):
             mudd=None if mudd is None else jax.tree.map(lambda x: x[1:], mudd),
         )
         s, first_stats = self._layer(
-            self.first, Stream(h_BxLxD, None, None, None, blocks, cache), first, positions_BxL, mask, record
+            self.first, Stream(h, None, None, None, blocks, cache), first, positions_BxL, mask, record
         )
         s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask, record, layers)
-        h_BxLxD = self.final_norm(s.h)
+        h_BxLxD = self.final_norm(hyper.merged(s.h))
         cache = None if cache is None else s.cache._replace(index=cache.index + tokens_BxL.shape[1])
         if not record:
             return h_BxLxD, cache, None
@@ -566,23 +576,24 @@ class Decoder(nnx.Module):
     def _layer(
         self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries, record: bool
     ) -> tuple[Stream, layer_stats.LayerStats | None]:
-        """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average, MUDD's mixes."""
-        h_BxLxD, kv, copies, cache, attention_stats = block(s, p, positions_BxL, mask, record)
+        """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average, MUDD's mixes
+        (a hyper-connected block remixes its streams itself)."""
+        h, kv, copies, cache, attention_stats = block(s, p, positions_BxL, mask, record)
         blocks, ways, activation = s.blocks, None, _ACTIVATION if cache is None else _DECODING
         if isinstance(blocks, tuple):  # the next input is a learned mix of B_0..B_layer+1
-            blocks = (*blocks, h_BxLxD)
+            blocks = (*blocks, h)
         elif blocks is not None:
-            blocks = jax.lax.dynamic_update_index_in_dim(blocks, h_BxLxD, p.layer + 1, 0)
+            blocks = jax.lax.dynamic_update_index_in_dim(blocks, h, p.layer + 1, 0)
         if p.dense_row is not None:  # DenseFormer: one average, static weights
-            h_BxLxD = variants.weighted_sum(p.dense_row, blocks)
+            h = variants.weighted_sum(p.dense_row, blocks)
         if p.mudd is not None:  # MUDD: a mix per way (r last), weights per position
-            mixes_CxBxLxD = variants.mudd_mixes(h_BxLxD, blocks, p.mudd, self.cfg.norm_eps)
-            h_BxLxD, ways = mixes_CxBxLxD[-1], mixes_CxBxLxD[:-1] if len(self.cfg.mudd) > 1 else None
+            mixes_CxBxLxD = variants.mudd_mixes(h, blocks, p.mudd, self.cfg.norm_eps)
+            h, ways = mixes_CxBxLxD[-1], mixes_CxBxLxD[:-1] if len(self.cfg.mudd) > 1 else None
             ways = None if ways is None else constrain(ways, (None, *activation))
-        h_BxLxD = constrain(h_BxLxD, activation)
+        h = constrain(h, activation if h.ndim == 3 else (None, *activation))  # hyper-connections' streams lead
         v1 = kv[1] if s.v1 is None else s.v1
-        s = Stream(h_BxLxD, v1, copies, kv if self.cfg.kv_share > 1 else None, blocks, cache, ways)
-        return s, layer_stats.layer_stats(attention_stats, h_BxLxD) if record else None
+        s = Stream(h, v1, copies, kv if self.cfg.kv_share > 1 else None, blocks, cache, ways)
+        return s, layer_stats.layer_stats(attention_stats, hyper.merged(h)) if record else None
 
     def _stacked_layers(
         self,

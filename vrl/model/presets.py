@@ -111,6 +111,22 @@ PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
         'ResFormer (learnable_plus) with MUDD (qkvr): V_1 mixed into values that are themselves a mix',
         lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus', mudd='qkvr'),
     ),
+    'hc': (
+        'hyper-connections: 4 residual streams, static + dynamic (tanh) weights per sublayer (Zhu et al.)',
+        lambda cfg: dict(attention='vanilla', hyper_connections='hc'),
+    ),
+    'hc:static': (
+        "hyper-connections with learned constant weights only (the paper's SHC)",
+        lambda cfg: dict(attention='vanilla', hyper_connections='hc', hyper_dynamic=False),
+    ),
+    'mhc': (
+        'manifold-constrained hyper-connections: 4 streams, doubly stochastic remix (DeepSeek)',
+        lambda cfg: dict(attention='vanilla', hyper_connections='mhc'),
+    ),
+    'resformer+mhc': (
+        'ResFormer (learnable_plus) with mHC: V_1 beside a widened residual stream',
+        lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus', hyper_connections='mhc'),
+    ),
     'svformer+value_embeds': (
         'SVFormer with a value embedding on layer 1 (V_1, the values its layers >= 2 attend over)',
         lambda cfg: dict(attention='svformer', value_embed_layers=(1,)),
