@@ -99,11 +99,12 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
         if m.padded_vocab_size != m.vocab_size
         else str(m.vocab_size)
     )
-    history_bytes = accounting.layer_history_bytes_per_token(m)  # DenseFormer's and MUDD's block outputs
+    history_bytes = accounting.layer_history_bytes_per_token(m)  # block outputs, or hyper-connections' streams
+    kept = 'once per layer, as the hidden state' if m.hyper_connections else 'once under remat, once per layer without'
     history = [
         (
             f'layer history / token ({resolve.local_compute_dtype(m)})',
-            f'{history_bytes:,} B (kept for the backward pass once under remat, once per layer without)',
+            f'{history_bytes:,} B (kept for the backward pass {kept})',
         )
     ]
     return [

@@ -40,6 +40,27 @@ def _mudd_connections(cfg: ModelConfig) -> list[tuple[int, int]]:
     return [((i + 2) * len(cfg.mudd_after(i)), cfg.mudd_hidden(i)) for i in range(cfg.n_layers) if cfg.mudd_after(i)]
 
 
+def _hyper_params(cfg: ModelConfig) -> int:
+    """Hyper-connections, per sublayer (2 L): static pre (n), post (n) and res (n, n); dynamic, hc: a norm
+    scale (D), W (D, n + 2) and 2 gates; mhc: a norm scale (n D), phi (n D, 2 n + n^2) and 3 gates."""
+    n, D = cfg.hyper_streams, cfg.d_model
+    if not cfg.hyper_connections:
+        return 0
+    dynamic = {'hc': D + D * (n + 2) + 2, 'mhc': n * D + n * D * (2 * n + n * n) + 3}[cfg.hyper_connections]
+    return 2 * cfg.n_layers * (2 * n + n * n + (dynamic if cfg.hyper_dynamic else 0))
+
+
+def _hyper_macs(cfg: ModelConfig) -> int:
+    """Hyper-connections' multiply-adds per token, per sublayer: the dynamic weights (hc: W on each of the
+    n streams, n D (n + 2); mhc: phi once, n D (2 n + n^2)) and the mixes: the input (n D), the remix
+    (n^2 D) and the output added to each stream (n D)."""
+    n, D = cfg.hyper_streams, cfg.d_model
+    if not cfg.hyper_connections:
+        return 0
+    dynamic = {'hc': n * D * (n + 2), 'mhc': n * D * (2 * n + n * n)}[cfg.hyper_connections]
+    return 2 * cfg.n_layers * ((dynamic if cfg.hyper_dynamic else 0) + (n * n + 2 * n) * D)
+
+
 def _scalar_params(cfg: ModelConfig) -> int:
     """ResFormer's learnable lambdas, DenseFormer's L (L + 3) / 2 averaging weights and MUDD's static weights."""
     lambdas = 0
@@ -66,14 +87,15 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     with the mask's pairs less half its diagonal per query: seq_len / 2 under the causal mask,
     W - 1/2 - W (W - 1) / (2 seq_len) in a local layer (W = min(model.attention_window, seq_len)).
     MUDD adds its W_in and W_out as matmul weights and its mixes, len(ways) (i + 2) D multiply-adds
-    per token after layer i, each 6 FLOPs in training like a weight's. Elementwise work (the value
-    mixes, NeuTRENO, DenseFormer's one average of the same kind) and lookups (value embeddings) are
+    per token after layer i, and hyper-connections their weights and mixes (`_hyper_macs`), each
+    multiply-add 6 FLOPs in training like a weight's. Elementwise work (the value mixes, NeuTRENO,
+    DenseFormer's one average of the same kind, norms, Sinkhorn) and lookups (value embeddings) are
     not counted.
     """
     W, S = min(cfg.attention_window, seq_len), seq_len
     keys = sum(W - 0.5 - W * (W - 1) / (2 * S) if local else S / 2 for local in cfg.local_layers)
     mudd_mixes = sum(weights for weights, _ in _mudd_connections(cfg)) * cfg.d_model
-    return 6.0 * (matmul_params(cfg) + mudd_mixes) + 12.0 * cfg.n_heads * cfg.head_dim * keys
+    return 6.0 * (matmul_params(cfg) + mudd_mixes + _hyper_macs(cfg)) + 12.0 * cfg.n_heads * cfg.head_dim * keys
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -92,7 +114,8 @@ def non_embedding_params(cfg: ModelConfig) -> int:
     norms = (2 * cfg.n_layers + 1 + cfg.n_stacked * sum(way in cfg.mudd for way in 'kv')) * cfg.d_model
     if cfg.qk_norm:  # a query scale per layer, a key scale per layer that projects keys
         norms += (cfg.n_layers + sum(map(cfg.owns_kv, range(cfg.n_layers)))) * cfg.head_dim
-    return matmul_params(cfg) - cfg.d_model * cfg.padded_vocab_size + norms + _scalar_params(cfg)
+    hyper = _hyper_params(cfg)
+    return matmul_params(cfg) - cfg.d_model * cfg.padded_vocab_size + norms + _scalar_params(cfg) + hyper
 
 
 def _ring_slots(cfg: ModelConfig) -> int:
@@ -122,14 +145,19 @@ def kv_cache_bytes(cfg: ModelConfig, context: int) -> int:
 
 
 def layer_history_bytes_per_token(cfg: ModelConfig) -> int:
-    """What a forward holds per token for the cross-layer mixes (DenseFormer, MUDD): the embedding
-    output and every block output, L + 1 vectors of D, and MUDD's mixed query, key and value inputs,
-    in the compute dtype; 0 for the other variants. Decoding holds it for a step's new tokens only
-    (the KV cache is unchanged); the training step keeps it for the backward pass once under
-    model.remat (vrl/model/history_scan.py), once per stacked layer without."""
-    if not (cfg.denseformer or cfg.mudd):
+    """What a forward holds per token beside the hidden state for the cross-layer mixes (DenseFormer,
+    MUDD, hyper-connections): the embedding output and every block output, L + 1 vectors of D, and
+    MUDD's mixed query, key and value inputs; or hyper-connections' n - 1 streams beyond one; in the
+    compute dtype; 0 for the other variants. Decoding holds it for a step's new tokens only (the KV
+    cache is unchanged). The training step keeps DenseFormer's and MUDD's for the backward pass once
+    under model.remat (vrl/model/history_scan.py), once per stacked layer without; hyper-connections'
+    streams once per layer, as every variant's hidden state."""
+    if cfg.hyper_connections:
+        vectors = cfg.hyper_streams - 1
+    elif cfg.denseformer or cfg.mudd:
+        vectors = cfg.n_layers + 1 + max(len(cfg.mudd) - 1, 0)
+    else:
         return 0
-    vectors = cfg.n_layers + 1 + max(len(cfg.mudd) - 1, 0)
     return vectors * cfg.d_model * jnp.dtype(resolve.local_compute_dtype(cfg)).itemsize
 
 
@@ -149,6 +177,7 @@ def vanilla_mha(cfg: ModelConfig) -> ModelConfig:
         denseformer=False,
         mudd='',
         mudd_layers=(),
+        hyper_connections='',
         value_embed_layers=(),
         value_embed_tables=(),
     )
