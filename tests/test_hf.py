@@ -197,6 +197,9 @@ def _variant(name: str, tokenizer) -> tuple:
         'svformer-windows',
         'modern-resformer',
         'modern-svformer',
+        'mhc',
+        'resformer-hc-static-3',
+        'svformer-cla2-mhc-2',
     ],
 )
 def test_every_variant_exports_and_comes_back(name, exported, tmp_path):
@@ -264,6 +267,8 @@ def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
         'svformer-windows',
         'modern-svformer',
         'resformer-mudd-vr',
+        'hc',
+        'neutreno-mhc-3',
     ],
 )
 def test_transformers_generate_matches_vrl_decoding(name, exported, tmp_path):

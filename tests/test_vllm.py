@@ -39,7 +39,8 @@ NEW_TOKENS = 64
 MAX_POSITIONS = 128
 TEXTS = ('ROMEO: What say', 'KING:', 'First Citizen:\nBefore we proceed any further, hear me speak.')
 # vanilla is served by vLLM's own Llama; the rest by the plugin: every ResFormer lambda mode, SVFormer,
-# the baselines (NeuTRENO, DenseFormer, CLA, value embeddings), QK-norm, soft caps, windows, the modern recipe, MUDD
+# the baselines (NeuTRENO, DenseFormer, CLA, value embeddings), QK-norm, soft caps, windows, the modern recipe, MUDD,
+# hyper-connections
 SERVED = (
     'vanilla',
     'resformer-identity',
@@ -57,10 +58,12 @@ SERVED = (
     'modern-svformer',
     'mudd-qkvr',
     'resformer-mudd-vr',
+    'mhc',
+    'resformer-hc-static-3',
 )
 # also through vLLM's Transformers backend (--model-impl transformers), which runs the export's own
 # PyTorch modules with vLLM's attention in place of theirs (transformers' attention interface)
-THROUGH_TRANSFORMERS = ('svformer', 'resformer-per_token', 'all-baselines', 'modern-svformer', 'mudd-qkvr')
+THROUGH_TRANSFORMERS = ('svformer', 'resformer-per_token', 'all-baselines', 'modern-svformer', 'mudd-qkvr', 'mhc')
 
 
 def vllm_env() -> dict[str, str]:

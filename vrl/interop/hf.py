@@ -25,6 +25,8 @@ is `first` for i = 0 and entry i - 1 of the stacked `layers` otherwise):
     MUDD: w_in[n] (D, H), w_out[n] (H, C (i + 2)), static[n] (C, i + 2) of the n-th connection ->
         its layer's mudd.proj_in (H, D), mudd.proj_out (C (i + 2), H), mudd.static; the stacked layers'
         k_input_norm, v_input_norm scales -> their k_input_norm, v_input_norm.
+    Hyper-connections: each layer's attn_hyper and mlp_hyper (static_pre, static_post, static_res, norm,
+        w, gates) -> its attn_hyper.*, mlp_hyper.*, same names and shapes.
 Both sides use rotate-half RoPE and x * rsqrt(mean(x^2) + eps) * weight: no permutation needed.
 """
 
@@ -86,6 +88,9 @@ _BLOCK_WEIGHTS = [  # (Hugging Face name within a layer, vrl (module, weight) wi
 ]
 
 
+HYPER_WEIGHTS = ('static_pre', 'static_post', 'static_res', 'norm', 'w', 'gates')  # the static ones first
+
+
 def is_llama(cfg: ModelConfig) -> bool:
     """Whether the model is a plain Llama decoder: vanilla attention, none of the baselines, no QK-norm."""
     return not (
@@ -93,6 +98,7 @@ def is_llama(cfg: ModelConfig) -> bool:
         or cfg.neutreno
         or cfg.denseformer
         or cfg.mudd
+        or cfg.hyper_connections
         or cfg.kv_share > 1
         or cfg.value_embed_layers
         or cfg.qk_norm
@@ -149,6 +155,9 @@ def links(cfg: ModelConfig) -> list[Link]:
         if i > 0:
             for way in cfg.mudd[:-1].replace('q', ''):
                 out.append(Link(f'{prefix}{way}_input_norm.weight', (block, f'{way}_input_norm', 'scale'), at, *_SAME))
+        for sublayer in ('attn_hyper', 'mlp_hyper') if cfg.hyper_connections else ():
+            names = HYPER_WEIGHTS if cfg.hyper_dynamic else HYPER_WEIGHTS[:3]
+            out += [Link(f'{prefix}{sublayer}.{name}', (block, sublayer, name), at, *_SAME) for name in names]
         if i in mudd_entry:
             n = mudd_entry[i]
             out += [

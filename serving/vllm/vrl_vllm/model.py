@@ -3,7 +3,8 @@ vLLM's layers (tensor-parallel linears, paged attention, its RoPE, RMSNorm and l
 
 The same decoder as the export's modeling_vrl.py, whose config class (VrlConfig: which layer owns
 which keys and values, which value-embedding table a layer adds), ResFormer lambdas (ValueLambdas),
-MUDD's connections (MuddConnection) and value-embedding gate scale this file takes from the exported
+MUDD's connections (MuddConnection), hyper-connections (HyperConnection, enter, add) and value-embedding
+gate scale this file takes from the exported
 directory, so the two cannot drift apart. Each variant changes one thing, all of it in `VrlAttention`,
 `VrlDecoderLayer.forward` and `VrlModel.forward`:
 
@@ -14,7 +15,9 @@ directory, so the two cannot drift apart. Each variant changes one thing, all of
 - NeuTRENO: + lambda (V_1 - the values attended) on the attention output;
 - DenseFormer: the next block's input is the depth-weighted sum of the embedding and every block output;
 - MUDD: the next block's residual (and, per its ways, query, key and value inputs) are each a per-token
-  weighted sum of the embedding and every block output.
+  weighted sum of the embedding and every block output;
+- hyper-connections: the residual stream is n streams (n, T, D); each sublayer reads their weighted sum
+  and adds its output to their remix.
 
 What the cache holds: vLLM gives every attention layer that owns its keys a paged cache of keys
 and values. SVFormer's layers >= 2 therefore store V_1 again beside their own keys (correct, but
@@ -210,15 +213,24 @@ class VrlDecoderLayer(nn.Module):
         # MUDD: the next block's inputs, each a per-token mix of B_0 .. B_{layer+1} (small: every rank holds it)
         mudd = config.mudd_after(layer) and exported('MuddConnection', vllm_config)(config, layer)
         self.mudd = mudd.requires_grad_(False) if mudd else None
+        # hyper-connections: each sublayer's weights of the n streams (small: every rank holds them)
+        hyper = config.hyper_connections and exported('HyperConnection', vllm_config)
+        self.attn_hyper, self.mlp_hyper = (
+            hyper(config, layer, i).requires_grad_(False) if hyper else None for i in (0, 1)
+        )
+        self.enter, self.add = exported('enter', vllm_config), exported('add', vllm_config)
 
-    def forward(self, positions_T, h_TxD, ways, *attention_inputs):
-        """ways: MUDD's mixed q, k, v inputs by letter (absent: h)."""
-        x = self.input_layernorm(ways.get('q', h_TxD))
+    def forward(self, positions_T, h, ways, *attention_inputs):
+        """h: (T, D), or hyper-connections' streams (n, T, D); ways: MUDD's mixed q, k, v inputs by letter
+        (absent: h)."""
+        x, into_attention = self.enter(self.attn_hyper, h)
+        x = self.input_layernorm(ways.get('q', x))
         norms = (self.k_input_norm, self.v_input_norm)
-        xk, xv = (x if norm is None else norm(ways.get(w, h_TxD)) for w, norm in zip('kv', norms))
+        xk, xv = (x if norm is None else norm(ways.get(w, h)) for w, norm in zip('kv', norms))
         out, kv = self.self_attn(positions_T, x, xk, xv, *attention_inputs)
-        h_TxD = h_TxD + out
-        return h_TxD + self.mlp(self.post_attention_layernorm(h_TxD)), kv
+        h = self.add(into_attention, h, out)
+        x, into_mlp = self.enter(self.mlp_hyper, h)
+        return self.add(into_mlp, h, self.mlp(self.post_attention_layernorm(x))), kv
 
 
 class VrlModel(nn.Module):
@@ -244,6 +256,8 @@ class VrlModel(nn.Module):
         """Final-normalised hidden states (T, D)."""
         h = self.embed_input_ids(input_ids_T)
         blocks, ways = [h], {}  # DenseFormer's and MUDD's B_0, B_1, ...; MUDD's q, k, v inputs
+        if self.config.hyper_connections:  # n copies of the embedding output
+            h = h.expand(self.config.hyper_streams, *h.shape)
         v1 = borrowed = None
         for layer, block in enumerate(self.layers):
             lambdas = self.value_lambdas(layer) if self.value_lambdas is not None and layer > 0 else None
@@ -258,7 +272,7 @@ class VrlModel(nn.Module):
                 h = torch.einsum('j,jtd->td', block.depth_weights.to(h.dtype), torch.stack(blocks))
             ways = {} if block.mudd is None else block.mudd(blocks)
             h = ways.pop('r', h)
-        return self.norm(h)
+        return self.norm(h.sum(0) if self.config.hyper_connections else h)
 
 
 class VrlForCausalLM(nn.Module):

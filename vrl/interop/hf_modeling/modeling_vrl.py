@@ -9,7 +9,8 @@ variants changes one thing, as in vrl/model/decoder.py:
   embeddings add 2 sigmoid(x W_gate) * table[token] to V_n: `VrlAttention.values_of`;
 - which layer's K and V a layer uses (CLA: the first of each group of kv_share layers);
 - what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended));
-- how block outputs combine into the next block's input (DenseFormer's depth weights).
+- how block outputs combine into the next block's input (DenseFormer's depth weights, MUDD);
+- the residual stream itself (hyper-connections: n streams (n, ..., D), `HyperConnection`).
 
 The recipe around them: QK-norm, soft-capping (cap * tanh(x / cap)) of the attention logits and
 the final logits (Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`), and local
@@ -292,6 +293,77 @@ class MuddConnection(nn.Module):
         return {way: (stacked @ weights[..., c, :, None].to(dtype))[..., 0] for c, way in enumerate(self.ways)}
 
 
+def sinkhorn(logits: torch.Tensor, iterations: int = 20) -> torch.Tensor:
+    """A doubly stochastic matrix over the last two axes: exp, then rows and columns scaled to 1 in turn."""
+    m = torch.exp(logits - logits.amax((-2, -1), keepdim=True))
+    for _ in range(iterations):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    return m
+
+
+class HyperConnection(nn.Module):
+    """One sublayer's hyper-connection (vrl/model/hyper.py) over n streams h (n, ..., D): the sublayer's
+    input sum_i pre_i h_i, and after it h'_j = sum_i res[j, i] h_i + post_j output. hc: learned constants
+    plus gated tanh(norm(h_i) w) per stream, w (D, n + 2) = [pre, remix row, post]; mhc: the streams
+    normalised together, w (n, D, 2n + n^2) = [pre, post, remix] logits times gates plus biases, then
+    sigmoid, 2 sigmoid and Sinkhorn. The weights in float32."""
+
+    def __init__(self, config: VrlConfig, layer: int, sublayer: int):
+        super().__init__()
+        n, D, hc = config.hyper_streams, config.hidden_size, config.hyper_connections == 'hc'
+        self.kind, self.eps = config.hyper_connections, config.rms_norm_eps
+        self.static_pre = nn.Parameter(torch.eye(n)[(2 * layer + sublayer) % n] if hc else torch.zeros(n))
+        self.static_post = nn.Parameter(torch.ones(n) if hc else torch.zeros(n))
+        self.static_res = nn.Parameter(torch.eye(n) if hc else torch.zeros(n, n))
+        dynamic = config.hyper_dynamic
+        self.norm = nn.Parameter(torch.ones(D) if hc else torch.ones(n, D)) if dynamic else None
+        self.w = nn.Parameter(torch.zeros(D, n + 2) if hc else torch.zeros(n, D, 2 * n + n * n)) if dynamic else None
+        self.gates = nn.Parameter(torch.full((2 if hc else 3,), 0.01)) if dynamic else None
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The sublayer's input (..., D) and the weights `add` takes: post (..., n), res (..., n, n)."""
+        x, n = h.float(), h.shape[0]
+        pre, post, res = (
+            p.float().expand(*h.shape[1:-1], *p.shape) for p in (self.static_pre, self.static_post, self.static_res)
+        )
+        if self.w is not None:
+            gates = self.gates.float()
+            if self.kind == 'hc':  # each stream's own [pre, remix row, post]
+                normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.float()
+                d = torch.tanh(normed @ self.w.float()).movedim(0, -2)  # (..., n streams, n + 2)
+                pre = pre + gates[0] * d[..., 0]
+                res = res + gates[0] * d[..., 1 : n + 1].transpose(-1, -2)
+                post = post + gates[1] * d[..., n + 1]
+            else:  # all streams together
+                scale = self.norm.float().reshape(n, *[1] * (h.ndim - 2), -1)
+                normed = x * torch.rsqrt(x.pow(2).mean((0, -1), keepdim=True) + self.eps) * scale
+                d = torch.einsum('n...d,ndk->...k', normed, self.w.float())
+                pre = pre + gates[0] * d[..., :n]
+                post = post + gates[1] * d[..., n : 2 * n]
+                res = res + gates[2] * d[..., 2 * n :].unflatten(-1, (n, n))
+        if self.kind == 'mhc':
+            pre, post, res = torch.sigmoid(pre), 2 * torch.sigmoid(post), sinkhorn(res)
+        return torch.einsum('...n,n...d->...d', pre, x).to(h.dtype), (post, res)
+
+    @staticmethod
+    def add(weights: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The streams (n, ..., D) after the sublayer's output (..., D) is added with `forward`'s weights."""
+        post, res = weights
+        remixed = torch.einsum('...ji,i...d->j...d', res, h.float())
+        return (remixed + post.movedim(-1, 0)[..., None] * out.float()).to(h.dtype)
+
+
+def enter(connection: HyperConnection | None, h: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+    """A sublayer's input before its norm and the weights to add its output with (h itself and None
+    without hyper-connections)."""
+    return (h, None) if connection is None else connection(h)
+
+
+def add(weights: tuple | None, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return h + out if weights is None else HyperConnection.add(weights, h, out)
+
+
 class VrlDecoderLayer(nn.Module):
     def __init__(self, config: VrlConfig, layer: int):
         super().__init__()
@@ -307,15 +379,21 @@ class VrlDecoderLayer(nn.Module):
         identity[-1] = 1.0
         self.depth_weights = nn.Parameter(identity) if config.denseformer else None
         self.mudd = MuddConnection(config, layer) if config.mudd_after(layer) else None
+        connected = bool(config.hyper_connections)
+        self.attn_hyper = HyperConnection(config, layer, 0) if connected else None
+        self.mlp_hyper = HyperConnection(config, layer, 1) if connected else None
 
-    def forward(self, h_BxTxD, ways, *attention_inputs):
-        """ways: MUDD's mixed q, k, v inputs by letter (absent: h)."""
-        x = self.input_layernorm(ways.get('q', h_BxTxD))
+    def forward(self, h, ways, *attention_inputs):
+        """h: (B, T, D), or hyper-connections' streams (n, B, T, D); ways: MUDD's mixed q, k, v inputs by
+        letter (absent: h)."""
+        x, into_attention = enter(self.attn_hyper, h)
+        x = self.input_layernorm(ways.get('q', x))
         norms = (self.k_input_norm, self.v_input_norm)
-        xk, xv = (x if norm is None else norm(ways.get(w, h_BxTxD)) for w, norm in zip('kv', norms))
+        xk, xv = (x if norm is None else norm(ways.get(w, h)) for w, norm in zip('kv', norms))
         out, kv = self.self_attn(x, xk, xv, *attention_inputs)
-        h_BxTxD = h_BxTxD + out
-        return h_BxTxD + self.mlp(self.post_attention_layernorm(h_BxTxD)), kv
+        h = add(into_attention, h, out)
+        x, into_mlp = enter(self.mlp_hyper, h)
+        return add(into_mlp, h, self.mlp(self.post_attention_layernorm(x))), kv
 
 
 class VrlPreTrainedModel(PreTrainedModel):
@@ -394,6 +472,8 @@ class VrlModel(VrlPreTrainedModel):
             masks['sliding_attention'] = mask_Bx1xTxS & near_TxS
 
         blocks, ways = [h], {}  # DenseFormer's and MUDD's B_0, B_1, ...; MUDD's q, k, v inputs
+        if self.config.hyper_connections:  # n copies of the embedding output
+            h = h.expand(self.config.hyper_streams, *h.shape)
         v1 = borrowed = None
         for layer, block in enumerate(self.layers):
             lambdas = self.value_lambdas(layer) if self.value_lambdas is not None and layer > 0 else None
@@ -409,7 +489,7 @@ class VrlModel(VrlPreTrainedModel):
                 h = torch.einsum('j,jbtd->btd', block.depth_weights.to(h.dtype), torch.stack(blocks))
             ways = {} if block.mudd is None else block.mudd(blocks)
             h = ways.pop('r', h)
-        return self.norm(h), cache
+        return self.norm(h.sum(0) if self.config.hyper_connections else h), cache
 
 
 class VrlForCausalLM(VrlPreTrainedModel, GenerationMixin):
