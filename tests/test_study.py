@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from etils import epath
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, saved_steps, tiny_config
@@ -397,6 +398,19 @@ def test_another_base_config_is_refused_and_nothing_is_overwritten(studied, smal
     assert refused.returncode != 0 and 'Traceback' not in refused.stderr
     assert 'holds a study of another config: train.steps was 4 there and is 5 now' in refused.stderr
     assert _hashes(studied.workdir) == before
+
+
+def test_a_record_from_before_a_field_existed_reads_it_as_its_default(tmp_path):
+    """A study directory written before vrl had a config field is the same study while the field keeps
+    its default, and another one once it does not."""
+    directory = grid.GridDirectory(epath.Path(tmp_path), 'study.json', 'study')
+    record = {'base_config': dataclasses.asdict(Config())}
+    del record['base_config']['model']['hyper_connections']
+    (tmp_path / 'study.json').write_text(json.dumps(record))
+    directory.check_same_base(Config())
+    wider = Config(model=ModelConfig(hyper_connections='mhc'))
+    with pytest.raises(GridError, match="model.hyper_connections was None there and is 'mhc' now"):
+        directory.check_same_base(wider)
 
 
 def test_a_ladder_of_one_size_reports_without_a_fit(small_corpus, tmp_path):

@@ -117,12 +117,14 @@ def as_json(config: Config) -> dict[str, Any]:
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
-    """'section.field' -> [old, new] for each field of `new` (an as_json config) that differs in `old`."""
+    """'section.field' -> [old, new] for each field of `new` (an as_json config) that differs in `old`.
+    A field that `old` lacks (a record from before vrl had it) counts as its default."""
+    defaults = as_json(Config())
     return {
         f'{section}.{key}': [old.get(section, {}).get(key), value]
         for section, values in new.items()
         for key, value in values.items()
-        if old.get(section, {}).get(key) != value
+        if old.get(section, {}).get(key, defaults[section].get(key)) != value
     }
 
 
