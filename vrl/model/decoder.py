@@ -48,8 +48,7 @@ class RMSNorm(nnx.Module):
         self.eps = cfg.norm_eps
 
     def __call__(self, x_BxLxD: Array) -> Array:
-        x = x_BxLxD.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        x = ops.rms_normalized(x_BxLxD, self.eps)
         return (x * self.scale[...][None, None, :]).astype(x_BxLxD.dtype)
 
 
@@ -58,8 +57,7 @@ def head_rms_norm(x_BxLxNxDh: Array, scale_Dh: Array | None, eps: float) -> Arra
     where the model has none (scale None)."""
     if scale_Dh is None:
         return x_BxLxNxDh
-    x = x_BxLxNxDh.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    x = ops.rms_normalized(x_BxLxNxDh, eps)
     return (x * scale_Dh[None, None, None, :]).astype(x_BxLxNxDh.dtype)
 
 

@@ -40,7 +40,7 @@ from flax import nnx
 
 from vrl.core.config import ModelConfig
 from vrl.core.sharding import Axis
-from vrl.model import params
+from vrl.model import ops, params
 
 Array = jax.Array
 
@@ -71,11 +71,6 @@ def sinkhorn(logits_NxN: Array, iterations: int = SINKHORN_ITERATIONS) -> Array:
         m = m / jnp.sum(m, axis=-1, keepdims=True)
         m = m / jnp.sum(m, axis=-2, keepdims=True)
     return m
-
-
-def _rms_normed(x: Array, axes: tuple[int, ...], eps: float) -> Array:
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=True) + eps)
 
 
 class HyperConnection(nnx.Module):
@@ -118,13 +113,13 @@ class HyperConnection(nnx.Module):
         if self.w is not None:
             w, scale, gates = self.w[...], self.norm[...], self.gates[...]
             if self.kind == 'hc':  # per stream: (B, L, n, n + 2) = [input weight, remix row, output weight]
-                normed_NxBxLxD = _rms_normed(h_NxBxLxD, (-1,), self.eps) * scale[None, None, None]
+                normed_NxBxLxD = ops.rms_normalized(h_NxBxLxD, self.eps) * scale[None, None, None]
                 d_BxLxNxK = jnp.tanh(jnp.einsum('nbld,dk->blnk', normed_NxBxLxD, w))
                 pre_BxLxN = pre_BxLxN + gates[0] * d_BxLxNxK[..., 0]
                 res_BxLxNxN = res_BxLxNxN + gates[0] * jnp.swapaxes(d_BxLxNxK[..., 1 : n + 1], -1, -2)
                 post_BxLxN = post_BxLxN + gates[1] * d_BxLxNxK[..., n + 1]
             else:  # all streams together: (B, L, 2n + n^2) = [input, output, remix logits]
-                normed_NxBxLxD = _rms_normed(h_NxBxLxD, (0, -1), self.eps) * scale[:, None, None]
+                normed_NxBxLxD = ops.rms_normalized(h_NxBxLxD, self.eps, (0, -1)) * scale[:, None, None]
                 d_BxLxK = jnp.einsum('nbld,ndk->blk', normed_NxBxLxD, w)
                 pre_BxLxN = pre_BxLxN + gates[0] * d_BxLxK[..., :n]
                 post_BxLxN = post_BxLxN + gates[1] * d_BxLxK[..., n : 2 * n]

@@ -57,6 +57,12 @@ Array = jax.Array
 _MASKED = -1e30  # the logit of a key a query may not see
 
 
+def rms_normalized(x: Array, eps: float, axes: tuple[int, ...] = (-1,)) -> Array:
+    """x / sqrt(mean(x^2 over `axes`) + eps) in float32, unscaled: every RMSNorm of the model."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=axes, keepdims=True) + eps)
+
+
 def soft_cap(logits: Array, cap: float) -> Array:
     """cap * tanh(logits / cap), elementwise; the logits as they are for cap 0 (off)."""
     return cap * jnp.tanh(logits / cap) if cap else logits

@@ -25,7 +25,7 @@ from flax import nnx
 
 from vrl.core.config import ModelConfig
 from vrl.core.sharding import Axis
-from vrl.model import params
+from vrl.model import ops, params
 
 Array = jax.Array
 
@@ -261,8 +261,7 @@ def mudd_mixes(newest_BxLxD: Array, blocks: Array | tuple[Array, ...], w: MuddWe
     """(C, B, L, D): each way's mix of the outputs so far (`weighted_sum`'s buffer or tuple), weighted
     per position by GELU(RMSNorm(newest) W_in) W_out + static, computed in float32 (exact GELU, as the
     authors' PyTorch; their JAX uses the tanh approximation)."""
-    x = newest_BxLxD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    x = ops.rms_normalized(newest_BxLxD, eps)
     hidden_BxLxH = jax.nn.gelu(x @ w.w_in, approximate=False)
     weights_BxLxCxJ = jnp.einsum('blh,hcj->blcj', hidden_BxLxH, w.w_out) + w.static[None, None]
     return jnp.stack([weighted_sum(weights_BxLxCxJ[:, :, c], blocks) for c in range(weights_BxLxCxJ.shape[2])])
