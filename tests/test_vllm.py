@@ -38,16 +38,13 @@ pytestmark = [
 NEW_TOKENS = 64
 MAX_POSITIONS = 128
 TEXTS = ('ROMEO: What say', 'KING:', 'First Citizen:\nBefore we proceed any further, hear me speak.')
-# vanilla is served by vLLM's own Llama; the rest by the plugin: every ResFormer lambda mode, SVFormer,
-# the baselines (NeuTRENO, DenseFormer, CLA, value embeddings), QK-norm, soft caps, windows, the modern recipe, MUDD,
-# hyper-connections
+# vanilla is served by vLLM's own Llama; the rest by the plugin: ResFormer's scalar lambdas (every scalar
+# mode is the export's ValueLambdas, which tests/test_hf.py checks mode by mode) and per-token ones,
+# SVFormer, the baselines (NeuTRENO, DenseFormer, CLA, value embeddings), QK-norm, soft caps, windows,
+# the modern recipe, MUDD, hyper-connections
 SERVED = (
     'vanilla',
-    'resformer-identity',
-    'resformer-constant',
-    'resformer-learnable',
     'resformer-learnable_plus',
-    'resformer-sparse',
     'resformer-per_token',
     'svformer',
     'all-baselines',
@@ -62,8 +59,10 @@ SERVED = (
     'resformer-hc-static-3',
 )
 # also through vLLM's Transformers backend (--model-impl transformers), which runs the export's own
-# PyTorch modules with vLLM's attention in place of theirs (transformers' attention interface)
-THROUGH_TRANSFORMERS = ('svformer', 'resformer-per_token', 'all-baselines', 'modern-svformer', 'mudd-qkvr', 'mhc')
+# PyTorch modules with vLLM's attention in place of theirs (transformers' attention interface): the
+# variants whose attention differs (V_1 for every layer; CLA's borrowed keys and values, value tables
+# and NeuTRENO; windows and caps; MUDD's per-way inputs)
+THROUGH_TRANSFORMERS = ('svformer', 'all-baselines', 'modern-svformer', 'mudd-qkvr')
 
 
 def vllm_env() -> dict[str, str]:
