@@ -307,13 +307,13 @@ def test_auto_fit_picks_the_fewest_microbatches_that_fit():
     reason='libtpu is not installed (pip install "jax[tpu]"), so no TPU topology can be described',
 )
 def test_auto_context_splits_sequences_only_when_whole_ones_do_not_fit():
-    """mesh.context=0 with one 2,048-token sequence per v5e chip, against a memory limit below what a
+    """mesh.context=0 with one 512-token sequence per v5e chip, against a memory limit below what a
     whole sequence per chip needs: context 1 is compiled and refused; context 2 with 2 microbatches
     (half a sequence per chip at a time) fits, and the mesh's fsdp axis gives up the devices."""
     config = from_configdict(tiny.get_config())
     config = dataclasses.replace(
         config,
-        data=dataclasses.replace(config.data, batch_size=4, seq_len=2048),
+        data=dataclasses.replace(config.data, batch_size=4, seq_len=512),
         model=dataclasses.replace(config.model, remat='none', attention_impl='xla', n_layers=2),
     )
     devices, _ = aot.tpu_devices('v5e:2x2')  # one host of 4 chips: context 1, 2 or 4
