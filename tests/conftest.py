@@ -49,25 +49,25 @@ import pytest  # noqa: E402
 # loadfile` a worker takes the next module as it frees up, so starting the long ones first leaves the
 # short ones for the end, and no worker idles while another runs a long module alone.
 LONGEST_FIRST = (
-    'test_model.py',
     'test_sharding.py',
+    'test_model.py',
     'test_object_store.py',
-    'test_attention.py',
-    'test_train.py',
-    'test_hf.py',
-    'test_compare.py',
-    'test_group.py',
     'test_vllm.py',
-    'test_evaluate.py',
+    'test_train.py',
     'test_decode.py',
-    'test_device_check.py',
+    'test_hf.py',
+    'test_group.py',
+    'test_attention.py',
+    'test_evaluate.py',
+    'test_compare.py',
     'test_pod.py',
-    'test_workdir.py',
+    'test_device_check.py',
     'test_study.py',
-    'test_analysis.py',
     'test_peers.py',
-    'test_passes.py',
-    'test_first_use.py',
+    'test_workdir.py',
+    'test_variants.py',
+    'test_analysis.py',
+    'test_notebook.py',
 )
 
 
