@@ -9,9 +9,12 @@ left out. The result goes to the workers (and the tests' subprocesses) through V
 which also overrides the whole set.
 """
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 DEVICES = '--xla_force_host_platform_device_count=8'
@@ -36,14 +39,25 @@ for _name in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE'):  # lm-eval's `datasets` 
 # Strict, as nanodo's tests are: an implicit rank promotion (a broadcast not written out) raises, in
 # the test process and the commands it starts.
 os.environ.setdefault('JAX_NUMPY_RANK_PROMOTION', 'raise')
-# No persistent compilation cache in the test process: writing an executable to it can abort the
-# process (jax's compilation_cache.put_executable_and_time, under tests/test_train.py); the
-# `python -m vrl.main` subprocesses keep vrl's own default cache.
+# The commands the tests start (`python -m vrl.main`, the experiments, the benchmarks) share one
+# persistent compilation cache per run of the suite, every program kept (the tiny steps compile in
+# well under vrl's usual 1 s threshold, and many tests start the same ones): 5% of their CPU time
+# (docs/contributing.md). Its own folder, not the user's ~/.cache/vrl/jax_cache, removed at the end by
+# the pytest that made it. The test processes themselves keep none: writing an executable can abort
+# the process (jax's compilation_cache.put_executable_and_time, under tests/test_train.py).
+if 'VRL_TEST_JAX_CACHE' not in os.environ:
+    os.environ['VRL_TEST_JAX_CACHE'] = tempfile.mkdtemp(prefix='vrl-test-jax-cache-')
+    atexit.register(shutil.rmtree, os.environ['VRL_TEST_JAX_CACHE'], ignore_errors=True)
+os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ['VRL_TEST_JAX_CACHE']
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+jax.config.update('jax_compilation_cache_dir', None)  # this process: none (above)
 
 # The modules that take longest, longest first (`--durations`, docs/performance.md): with `-n 3 --dist
 # loadfile` a worker takes the next module as it frees up, so starting the long ones first leaves the
