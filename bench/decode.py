@@ -1,6 +1,6 @@
 """KV-cache bytes and decode tokens/s per variant, at a given filled context, for the 82M config.
 
-    python bench/decode.py [--size 82m] [--contexts 512,2048,8192] [--batches 1,8] [--new_tokens 16]
+    python bench/decode.py [--size 82m] [--layers N] [--contexts 512,2048,8192] [--batches 1,8] [--new_tokens 16]
                            [--variants vanilla,resformer,svformer]   (vrl/model/presets.py names)
                            [--window 1024 --global_layers 4,8]       (local/global attention)
 
@@ -97,6 +97,7 @@ def main() -> None:
     parser.add_argument('--probe_mib', type=int, default=1024, help='the bandwidth probe copy (a real one: 1 GiB)')
     parser.add_argument('--window', type=int, default=0, help='model.attention_window of every variant (0: off)')
     parser.add_argument('--global_layers', default='', help='model.global_layers with --window, e.g. 4,8')
+    parser.add_argument('--layers', type=int, default=0, help="n_layers instead of the size's (0: the size's)")
     args = parser.parse_args()
     probe = args.probe_mib * 2**20
     bandwidth_before = memory_bandwidth(probe)
@@ -108,6 +109,7 @@ def main() -> None:
                 cfg = dataclasses.replace(
                     cfg,
                     compute_dtype='float32' if jax.default_backend() == 'cpu' else 'bfloat16',
+                    n_layers=args.layers or cfg.n_layers,
                     attention_window=args.window,
                     global_layers=tuple(int(n) for n in args.global_layers.split(',') if n),
                 )

@@ -156,6 +156,8 @@ PARTS = (
             'bench/decode.py',
             '--size',
             '82m',
+            '--layers',
+            '2',
             '--contexts',
             '64',
             '--batches',
@@ -193,7 +195,7 @@ PARTS = (
         "a 4-seed group's step against one run's (goal <= 2x)",
         ('bench/group_runs.py', '--seeds', '4', '--time_only'),
         50,
-        ('bench/group_runs.py', '--seeds', '2', '--time_only', '--rounds', '1'),
+        ('bench/group_runs.py', '--seeds', '2', '--time_only', '--rounds', '1', '--layers', '2'),
     ),
 )
 

@@ -2,7 +2,7 @@
 another and against one run, at the CPU reproduction config: step time and total time.
 
     python bench/group_runs.py [--variant vanilla] [--seeds 4] [--steps 400] [--workdir runs/bench_group_runs]
-                               [--time_only] [--rounds 20]
+                               [--time_only] [--rounds 20] [--layers N]
 
 Step time: the single-run step and the group's step in alternating rounds in one process on one
 batch (a shared host drifts over minutes), each round two steps of each with the second timed (the
@@ -38,8 +38,12 @@ from vrl.train import metrics  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 
 
-def config_for(variant: str, steps: int) -> Config:
+def config_for(variant: str, steps: int, layers: int = 0) -> Config:
+    """The CPU reproduction config for `variant` and `steps`, with `layers` layers (0: its own)."""
     config = from_configdict(reproduce_cpu.get_config())
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, n_layers=layers or config.model.n_layers)
+    )
     optimizer = dataclasses.replace(config.optimizer, decay_steps=steps)
     return dataclasses.replace(
         config,
@@ -93,9 +97,10 @@ def main() -> None:
     parser.add_argument('--workdir', default='runs/bench_group_runs')
     parser.add_argument('--time_only', action='store_true', help='Step times only.')
     parser.add_argument('--rounds', type=int, default=20, help='Timed rounds of the step times.')
+    parser.add_argument('--layers', type=int, default=0, help="n_layers instead of the config's (0: the config's)")
     args = parser.parse_args()
     cli.enable_compilation_cache()
-    config = config_for(args.variant, args.steps)
+    config = config_for(args.variant, args.steps, args.layers)
     one_ms, group_ms = step_ms(config, args.seeds, args.rounds)
     gflop = (
         accounting.account(config.model, config.data.seq_len).flops_per_token
