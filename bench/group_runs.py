@@ -41,13 +41,11 @@ from vrl.train.step import TrainSteps  # noqa: E402
 def config_for(variant: str, steps: int, layers: int = 0) -> Config:
     """The CPU reproduction config for `variant` and `steps`, with `layers` layers (0: its own)."""
     config = from_configdict(reproduce_cpu.get_config())
-    config = dataclasses.replace(
-        config, model=dataclasses.replace(config.model, n_layers=layers or config.model.n_layers)
-    )
+    model = dataclasses.replace(config.model, n_layers=layers or config.model.n_layers)
     optimizer = dataclasses.replace(config.optimizer, decay_steps=steps)
     return dataclasses.replace(
         config,
-        model=presets.apply(variant, config.model),
+        model=presets.apply(variant, model),
         optimizer=optimizer,
         train=dataclasses.replace(config.train, steps=steps, log_every=1, sample_tokens=0),
     )
