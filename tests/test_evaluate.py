@@ -157,6 +157,7 @@ def test_the_command_runs_a_local_task_and_its_scores_are_the_models(lm, workdir
     assert '|toy_choice|' in out.stdout
     results = json.loads(next((workdir / 'lm_eval').glob('results_*.json')).read_text())
     assert results['vrl']['step'] == SHARED_RUN_STEPS
+    assert results['pretty_env_info'].startswith('jax: ')  # JAX's report, not PyTorch's
     samples = [json.loads(line) for line in next((workdir / 'lm_eval').glob('samples_toy_choice_*.jsonl')).open()]
     assert len(samples) == len(CHOICE_DOCS)
     correct = []
