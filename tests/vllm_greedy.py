@@ -13,15 +13,19 @@ end of sequence ignored so that every row is N long.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
 
 def engine(model: str, max_model_len: int, kv_cache_bytes: int = 1 << 26, **settings):
     """vLLM's offline engine on an export as the tests and bench/vllm_throughput.py run it: float32,
-    eager (no torch.compile), the export's code trusted, seed 0; `settings`: any other LLM argument."""
+    eager (no torch.compile), the export's code trusted, seed 0; `settings`: any other LLM argument.
+    What is alive before it (torch, transformers, vLLM's modules) is frozen out of the garbage
+    collector's passes, which vLLM's start runs several times (0.5 s each over the whole heap)."""
     from vllm import LLM
 
+    gc.freeze()
     return LLM(
         model=model,
         dtype='float32',
