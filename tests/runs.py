@@ -44,7 +44,11 @@ def host_xla_flags(devices: int) -> str:
 
 def tiny_config(small_corpus, attention='resformer', **train_fields) -> Config:
     data_cfg, _ = small_corpus
-    train_cfg = dict(steps=12, log_every=4, eval_every=0, eval_batches=2, checkpoint_every=4, sample_tokens=0)
+    # MFU against a stated peak: the CPU's matmul probe (a second of both cores per process) has its
+    # own tests (tests/test_hooks.py, tests/test_first_use.py)
+    train_cfg = dict(
+        steps=12, log_every=4, eval_every=0, eval_batches=2, checkpoint_every=4, sample_tokens=0, peak_flops=1e11
+    )
     train_cfg.update(train_fields)
     return Config(
         model=ModelConfig(attention=attention, lambda_mode='learnable', **TINY_MODEL),
