@@ -204,8 +204,7 @@ def _jax_environment() -> Iterator[None]:
     cores, a pause in every in-training score)."""
 
     def add_env_info(results: dict) -> None:
-        results['pretty_env_info'] = jax.print_environment_info(return_string=True)
-        results['lm_eval_version'] = importlib.metadata.version('lm_eval')
+        results.update(_environment())
 
     report = lm_eval.evaluator.add_env_info
     lm_eval.evaluator.add_env_info = add_env_info
@@ -213,6 +212,16 @@ def _jax_environment() -> Iterator[None]:
         yield
     finally:
         lm_eval.evaluator.add_env_info = report
+
+
+@functools.cache
+def _environment() -> dict[str, str]:
+    """JAX's environment report and lm-eval's version: one process's, taken once (on a GPU host the
+    report runs nvidia-smi)."""
+    return {
+        'pretty_env_info': jax.print_environment_info(return_string=True),
+        'lm_eval_version': importlib.metadata.version('lm_eval'),
+    }
 
 
 @contextlib.contextmanager
