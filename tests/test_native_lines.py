@@ -104,3 +104,11 @@ def test_the_abort_of_a_process_whose_job_failed_is_one_line_naming_why_and_othe
     assert [kept for line in never_joined for kept in alone.feed(line)] + alone.end() == [
         native_lines.JaxAbort.NOT_JOINED
     ]
+    given_up = [  # process 0 stopped waiting for the job, and its service went, while this process joined
+        abort[0],
+        b'Additional GRPC error information from remote target coordination_service while calling '
+        b'/xla.coordination.CoordinationService/RegisterTask:',
+        *abort[1:],
+    ]
+    alone = native_lines.NOISE['stderr']()
+    assert [kept for line in given_up for kept in alone.feed(line)] + alone.end() == [native_lines.JaxAbort.NOT_JOINED]

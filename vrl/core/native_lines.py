@@ -125,10 +125,10 @@ class JaxAbort:
 
     def _line(self) -> bytes:
         cause = b' '.join(self.cause or [])
+        if b'RegisterTask' in cause:  # the join's call: its deadline passed, or process 0 gave up first
+            return self.NOT_JOINED
         if b'Failed to send RPC to coordination service' in cause:
             return self.LEADER_LOST
-        if b'RegisterTask' in cause:
-            return self.NOT_JOINED
         return b'error: the JAX distributed service stopped this process: ' + b' '.join(cause.split())[:300]
 
     def end(self) -> list[bytes]:
