@@ -74,20 +74,38 @@ def test_restart_once_and_malloc_asks_for_huge_pages():
     assert _malloc_advice({'VRL_HUGE_PAGES': '0'}) == ['started', 'not-advised']
 
 
-def test_a_command_asking_for_huge_pages_runs_after_the_restart():
+def test_a_training_command_restarts_before_its_imports():
+    """`python -m vrl.main` restarts when `vrl` is imported: jax is imported once, after the restart
+    (vrl.core.host_memory twice, once per start); with VRL_HUGE_PAGES=0 it starts once."""
     modes = host_memory.THP_MODE_FILE.read_text() if host_memory.THP_MODE_FILE.exists() else ''
     if host_memory.tunables_with_huge_pages({}, platform.libc_ver(), modes) is None:
         pytest.skip(f'huge-page malloc does not apply here (libc {platform.libc_ver()}, THP "{modes.strip()}")')
     env = {k: v for k, v in os.environ.items() if k not in ('GLIBC_TUNABLES', 'VRL_HUGE_PAGES')}
-    command = (
-        'import os\nfrom vrl.core import cli\nprint("started", flush=True)\n'
-        'cli.run(lambda args: print(os.environ.get("GLIBC_TUNABLES")), dict, huge_pages=%s)'
-    )
-    for huge_pages, expected in (
-        (True, ['started', 'started', 'glibc.malloc.hugetlb=1']),
-        (False, ['started', 'None']),
-    ):
-        out = subprocess.run(
-            [sys.executable, '-c', command % huge_pages], cwd=ROOT, env=env, capture_output=True, text=True, check=True
-        ).stdout.split()
-        assert out == expected, (huge_pages, out)
+    for extra, starts in (({}, 2), ({'VRL_HUGE_PAGES': '0'}, 1)):
+        said = subprocess.run(
+            [sys.executable, '-X', 'importtime', '-m', 'vrl.main', '--config=no_such_config.py'],
+            cwd=ROOT,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+        ).stderr
+        imported = [line.rsplit('|', 1)[1].strip() for line in said.splitlines() if line.startswith('import time:')]
+        assert imported.count('vrl.core.host_memory') == starts and imported.count('jax') == 1, (extra, said[-2000:])
+        assert 'no_such_config.py' in said.splitlines()[-1], said[-2000:]
+
+
+@pytest.mark.parametrize(
+    'argv, expected',
+    [
+        (['python', '-m', 'vrl.main', '--config=c.py'], 'vrl.main'),
+        (['python', '-u', '-X', 'importtime', '-mvrl.tools.generate'], 'vrl.tools.generate'),
+        (['python', '-W', 'ignore', '-m', 'vrl.data', 'prepare'], 'vrl.data'),
+        (['/venv/bin/python', '/venv/bin/vrl-study', '--grid=g.py'], 'vrl.experiments.study'),
+        (['/venv/bin/python', '/venv/bin/vrl-evaluate'], None),
+        (['python', '-c', 'import vrl.main'], None),
+        (['python', 'bench/decode.py'], None),
+        (['python'], None),
+    ],
+)
+def test_the_command_a_process_runs_is_read_off_its_command_line(argv, expected):
+    assert host_memory.command(argv) == expected

@@ -7,6 +7,9 @@ what lives where.
 
 WINGS = ('core', 'model', 'data', 'interop', 'train', 'tools', 'experiments')
 
-from vrl.core import backend  # noqa: E402
+import sys  # noqa: E402
 
+from vrl.core import backend, host_memory  # noqa: E402
+
+host_memory.restart_command(sys.orig_argv)  # a training or decoding command: before anything is imported
 backend.skip_absent_tpu()  # before anything imports jax

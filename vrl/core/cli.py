@@ -2,7 +2,6 @@
 
     if __name__ == '__main__':
         cli.run(main, _define_flags)            # main(args)
-        cli.run(main, _define_flags, huge_pages=True)  # after a restart with huge-page malloc
         cli.run(main, _define_flags, ('prepare', 'stats'))  # main(args, command)
 
 Flags are defined only when the command runs (other modules and the notebook import its
@@ -26,7 +25,7 @@ from typing import Callable
 
 from absl import app, flags, logging
 
-from vrl.core import host_memory, multihost, native_lines, peers
+from vrl.core import multihost, native_lines, peers
 from vrl.core.config import Config
 from vrl.core.errors import VrlError
 
@@ -37,13 +36,8 @@ def run(
     main: Callable[..., None],
     define_flags: Callable[[], Args],
     commands: tuple[str, ...] = (),
-    huge_pages: bool = False,
 ) -> None:
-    """Runs `main(args)`, or `main(args, command)` when the command takes one of `commands` first.
-    `huge_pages`: first restart with glibc's huge-page malloc (vrl/core/host_memory.py), for the commands
-    whose XLA:CPU steps it speeds up (training, decoding; docs/training.md has the figures)."""
-    if huge_pages:
-        host_memory.use_huge_pages()
+    """Runs `main(args)`, or `main(args, command)` when the command takes one of `commands` first."""
     args = define_flags()
 
     def entry(argv: list[str]) -> None:

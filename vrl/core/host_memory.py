@@ -8,7 +8,9 @@ malloc asks the kernel for 2 MiB transparent huge pages for those mappings (whic
 default 'madvise' mode grants): about 1,300 faults and 0.3 s.
 
 glibc reads GLIBC_TUNABLES once, when a process starts, so `use_huge_pages` restarts the Python
-process with it (os.execve: same pid, same command line). VRL_HUGE_PAGES=0 leaves it alone.
+process with it (os.execve: same pid, same command line). VRL_HUGE_PAGES=0 leaves it alone. The
+commands in COMMANDS restart when `vrl` is imported (`restart_command`), before anything else is: a
+restart after the command's own imports (jax, flax, the model) doubled their 2 CPU seconds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,15 @@ from pathlib import Path
 
 TUNABLE = 'glibc.malloc.hugetlb=1'
 THP_MODE_FILE = Path('/sys/kernel/mm/transparent_hugepage/enabled')
+# The commands whose XLA:CPU steps huge pages speed up (training, decoding; docs/training.md has the
+# figures), by module and by console script. Scoring with lm-eval is not one (about 5% slower).
+COMMANDS = {
+    'vrl.main': 'vrl-train',
+    'vrl.tools.generate': 'vrl-generate',
+    'vrl.experiments.compare': 'vrl-compare',
+    'vrl.experiments.study': 'vrl-study',
+}
+PYTHON_OPTIONS_WITH_VALUES = ('-W', '-X', '--check-hash-based-pycs')
 
 
 def tunables_with_huge_pages(environ: dict[str, str], libc: tuple[str, str], thp_modes: str) -> str | None:
@@ -52,3 +63,26 @@ def use_huge_pages() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, {**os.environ, 'GLIBC_TUNABLES': tunables})
+
+
+def command(argv: list[str]) -> str | None:
+    """The command module that `argv` (a process's `sys.orig_argv`) runs, `python [options] -m <module>`
+    or a console script of COMMANDS; None for anything else (`-c`, another script, the REPL)."""
+    options = iter(argv[1:])
+    for arg in options:
+        if arg in PYTHON_OPTIONS_WITH_VALUES:
+            next(options, None)
+        elif arg.startswith('-m'):
+            return arg[2:] or next(options, None)
+        elif arg == '-c' or arg == '-':
+            return None
+        elif not arg.startswith('-'):
+            return next((module for module, script in COMMANDS.items() if script == Path(arg).name), None)
+    return None
+
+
+def restart_command(argv: list[str]) -> None:
+    """Restarts a process that runs one of COMMANDS with huge-page malloc (`use_huge_pages`); returns
+    in any other."""
+    if command(argv) in COMMANDS:
+        use_huge_pages()

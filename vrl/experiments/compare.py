@@ -172,7 +172,7 @@ def main(args: cli.Args) -> None:
 
 def cli_main() -> None:
     """`vrl-compare` (pyproject.toml's scripts): `python -m vrl.experiments.compare` by another name."""
-    cli.run(main, _define_flags, huge_pages=True)
+    cli.run(main, _define_flags)
 
 
 if __name__ == '__main__':

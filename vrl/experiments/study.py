@@ -323,7 +323,7 @@ def main(args: cli.Args) -> None:
 
 def cli_main() -> None:
     """`vrl-study` (pyproject.toml's scripts): `python -m vrl.experiments.study` by another name."""
-    cli.run(main, _define_flags, huge_pages=True)
+    cli.run(main, _define_flags)
 
 
 if __name__ == '__main__':

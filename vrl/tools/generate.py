@@ -107,7 +107,7 @@ def main(args: cli.Args) -> None:
 
 def cli_main() -> None:
     """`vrl-generate` (pyproject.toml's scripts): `python -m vrl.tools.generate` by another name."""
-    cli.run(main, _define_flags, huge_pages=True)
+    cli.run(main, _define_flags)
 
 
 if __name__ == '__main__':
