@@ -40,7 +40,13 @@ def _unigram_entropy(small_corpus) -> float:
 
 def test_end_to_end_loss_falls_and_artifacts_written(small_corpus, tmp_path, capsys):
     config = tiny_config(
-        small_corpus, steps=200, eval_every=100, sample_prompt='HAMLET.', sample_tokens=8, log_every=50
+        small_corpus,
+        steps=200,
+        eval_every=100,
+        sample_prompt='HAMLET.',
+        sample_tokens=8,
+        log_every=50,
+        checkpoint_every=100,
     )
     result = loop.run(config, str(tmp_path))
     assert result.step == 200 and not result.preempted
