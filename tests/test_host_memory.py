@@ -4,6 +4,7 @@ import os
 import platform
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -109,3 +110,9 @@ def test_a_training_command_restarts_before_its_imports():
 )
 def test_the_command_a_process_runs_is_read_off_its_command_line(argv, expected):
     assert host_memory.command(argv) == expected
+
+
+def test_the_commands_console_scripts_are_pyprojects():
+    scripts = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['scripts']
+    for module, script in host_memory.COMMANDS.items():
+        assert scripts[script] == f'{module}:cli_main', (script, scripts.get(script))

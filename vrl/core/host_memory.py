@@ -9,8 +9,9 @@ default 'madvise' mode grants): about 1,300 faults and 0.3 s.
 
 glibc reads GLIBC_TUNABLES once, when a process starts, so `use_huge_pages` restarts the Python
 process with it (os.execve: same pid, same command line). VRL_HUGE_PAGES=0 leaves it alone. The
-commands in COMMANDS restart when `vrl` is imported (`restart_command`), before anything else is: a
-restart after the command's own imports (jax, flax, the model) doubled their 2 CPU seconds.
+commands in COMMANDS restart when `vrl` is imported (`restart_command`), before anything else is, so
+the restart costs an interpreter's start, not the command's imports (jax, flax, the model: about 2 CPU
+seconds).
 """
 
 from __future__ import annotations
