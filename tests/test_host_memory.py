@@ -67,10 +67,14 @@ def _malloc_advice(extra_env: dict[str, str]) -> list[str]:
     ).stdout.split()
 
 
-def test_restart_once_and_malloc_asks_for_huge_pages():
+def _skip_unless_huge_pages_apply() -> None:
     modes = host_memory.THP_MODE_FILE.read_text() if host_memory.THP_MODE_FILE.exists() else ''
     if host_memory.tunables_with_huge_pages({}, platform.libc_ver(), modes) is None:
         pytest.skip(f'huge-page malloc does not apply here (libc {platform.libc_ver()}, THP "{modes.strip()}")')
+
+
+def test_restart_once_and_malloc_asks_for_huge_pages():
+    _skip_unless_huge_pages_apply()
     assert _malloc_advice({}) == ['started', 'started', 'advised']
     assert _malloc_advice({'VRL_HUGE_PAGES': '0'}) == ['started', 'not-advised']
 
@@ -78,9 +82,7 @@ def test_restart_once_and_malloc_asks_for_huge_pages():
 def test_a_training_command_restarts_before_its_imports():
     """`python -m vrl.main` restarts when `vrl` is imported: jax is imported once, after the restart
     (vrl.core.host_memory twice, once per start); with VRL_HUGE_PAGES=0 it starts once."""
-    modes = host_memory.THP_MODE_FILE.read_text() if host_memory.THP_MODE_FILE.exists() else ''
-    if host_memory.tunables_with_huge_pages({}, platform.libc_ver(), modes) is None:
-        pytest.skip(f'huge-page malloc does not apply here (libc {platform.libc_ver()}, THP "{modes.strip()}")')
+    _skip_unless_huge_pages_apply()
     env = {k: v for k, v in os.environ.items() if k not in ('GLIBC_TUNABLES', 'VRL_HUGE_PAGES')}
     for extra, starts in (({}, 2), ({'VRL_HUGE_PAGES': '0'}, 1)):
         said = subprocess.run(
