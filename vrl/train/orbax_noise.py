@@ -10,6 +10,17 @@ import sys
 import traceback
 from typing import Any
 
+_ORBAX = f'{os.sep}orbax{os.sep}'
+
+
+def _is_orbax_error(error: BaseException) -> bool:
+    """An error raised in Orbax's code, or by a tensorstore future that Orbax awaited (its only frame is
+    asyncio's; tensorstore's errors carry the spec they were raised for): vrl uses tensorstore only
+    through Orbax."""
+    if "[tensorstore_spec='" in str(error):
+        return True
+    return any(_ORBAX in frame.filename for frame in traceback.extract_tb(error.__traceback__))
+
 
 class _OrbaxFailureLogs(logging.Filter):
     """Drops the multi-line error logs of a failed Orbax read or write (Orbax's own, and asyncio's
@@ -18,12 +29,11 @@ class _OrbaxFailureLogs(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
-        orbax = f'{os.sep}orbax{os.sep}'
-        if orbax in record.pathname:
+        if _ORBAX in record.pathname:
             return False
         error = record.exc_info[1] if record.exc_info else None
         while error is not None:
-            if any(orbax in frame.filename for frame in traceback.extract_tb(error.__traceback__)):
+            if _is_orbax_error(error):
                 return False
             error = error.__cause__ or error.__context__
         return True
@@ -49,7 +59,7 @@ def _is_async_leftover(value: BaseException | None, obj: Any = None) -> bool:
     if isinstance(value, RuntimeError) and str(value) == 'Event loop is closed':
         return True
     code = getattr(obj, 'cr_code', None)
-    return code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename
+    return code is not None and _ORBAX in code.co_filename
 
 
 def _quiet_async_leftovers() -> None:
