@@ -59,28 +59,27 @@ import pytest  # noqa: E402
 
 jax.config.update('jax_compilation_cache_dir', None)  # this process: none (above)
 
-# The modules that take longest, longest first (docs/contributing.md's table): with `-n 3 --dist
+# The modules that take longest, longest first (docs/contributing.md's table): with `-n 2 --dist
 # loadfile` a worker takes the next module as it frees up, so starting the long ones first leaves the
 # short ones for the end, and no worker idles while another runs a long module alone.
 LONGEST_FIRST = (
-    'test_model.py',
     'test_sharding.py',
-    'test_vllm.py',
+    'test_model.py',
     'test_object_store.py',
     'test_train.py',
+    'test_vllm.py',
     'test_hf.py',
+    'test_pod.py',
+    'test_peers.py',
     'test_decode.py',
     'test_group.py',
-    'test_evaluate.py',
     'test_attention.py',
-    'test_variants.py',
-    'test_workdir.py',
-    'test_pod.py',
-    'test_compare.py',
-    'test_peers.py',
+    'test_evaluate.py',
     'test_device_check.py',
+    'test_variants.py',
+    'test_compare.py',
     'test_study.py',
-    'test_analysis.py',
+    'test_workdir.py',
     'test_notebook.py',
 )
 
