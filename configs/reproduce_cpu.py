@@ -1,4 +1,4 @@
-"""The CPU-scale reproduction of the paper's claims (docs/reproduction.md): 8 layers, about 45
+"""The CPU-scale reproduction of the paper's claims (docs/reproduction.md): 8 layers, about 27
 minutes for 6 variants x 2 seeds on 2 CPU cores with `python -m vrl.experiments.compare`.
 
 Why this size: the paper's effects grow with depth (V_1 matters more the more layers sit above

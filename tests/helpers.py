@@ -282,3 +282,24 @@ def assert_resumes_exactly(make: Callable[[], Iterator[dict]], uninterrupted: li
         assert got.keys() == want.keys()
         for key in want:
             np.testing.assert_array_equal(got[key], want[key])
+
+
+def hiding(folder, *packages: str) -> dict[str, str]:
+    """An environment for a subprocess in which `packages` (importable names) cannot be imported, as
+    where requirements-extra.txt is not installed: a sitecustomize.py in `folder`, on PYTHONPATH,
+    puts a finder before every other that refuses them."""
+    import os
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / 'sitecustomize.py').write_text(
+        'import sys\n\n\n'
+        'class _Hidden:\n'
+        f'    names = {set(packages)!r}\n\n'
+        '    def find_spec(self, name, path=None, target=None):\n'
+        "        if name.split('.')[0] in self.names:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n\n\n"
+        'sys.meta_path.insert(0, _Hidden())\n'
+    )
+    return {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [str(folder), os.environ.get('PYTHONPATH')]))}

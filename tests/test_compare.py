@@ -4,6 +4,7 @@ finished runs, and bad input refused before anything is written."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,14 @@ def test_summary_pairs_seeds_with_vanilla():
     assert vanilla['eval_loss'] == pytest.approx(3.1) and vanilla['delta_vs_vanilla'] == 0
     assert resformer['delta_vs_vanilla'] == pytest.approx(-0.15)
     assert resformer['delta_spread'] == pytest.approx(np.std([-0.1, -0.2], ddof=1))
+    # |-0.15| against the larger of the seed spreads (vanilla's 0.1414) and the paired one (0.0707)
+    assert resformer['judgement'] == 'exceeds the spread 0.1414 (2 seeds)' and vanilla['judgement'] == ''
+
+
+def test_a_difference_within_the_spread_or_on_one_seed_is_not_a_finding():
+    assert curves.judge([3.0, 3.1], [3.05, 3.1], [-0.05, 0.0]) == 'within the spread 0.0707 (2 seeds): not a finding'
+    assert curves.judge([2.5, 2.6, 2.55], [3.0, 3.1, 3.0], [-0.5, -0.5, -0.45]) == 'exceeds the spread 0.0577 (3 seeds)'
+    assert curves.judge([2.0], [3.0], [-1.0]) == 'no spread known (1 seed): not a finding'
 
 
 def _compare_args(small_corpus, workdir, *args: str, steps: int = 4) -> list[str]:
@@ -95,6 +104,12 @@ def test_compare_writes_report_results_and_plots(compared):
         assert sorted(run['diagnostics']) == ['2', '4'] and len(run['diagnostics']['4']['entropy']) == 3
     resformer = results['table'][1]
     assert resformer['params'] > results['table'][0]['params']  # learnable_plus adds 2 N + 1 scalars
+    # the console says what ± is and judges each difference against the spread, as report.md's table does
+    assert 'final eval loss, mean ± standard deviation over seeds 0,1:' in first.stdout
+    assert re.search(
+        r'^resformer:learnable_plus: .* \((exceeds|within) the spread [\d.]+ \(2 seeds\)', first.stdout, re.M
+    )
+    assert f'| {resformer["judgement"]} |' in (workdir / 'report.md').read_text()
     report = (workdir / 'report.md').read_text()
     # a row in the main table and one in the downstream table
     assert report.count('| vanilla |') == 2 and report.count('| resformer:learnable_plus |') == 2
@@ -214,13 +229,15 @@ def test_one_seed_is_reported_as_one_seed_not_as_zero_spread():
         eval_loss_spread=float('nan'),
         delta_vs_vanilla=-0.1,
         delta_spread=float('nan'),
+        judgement=curves.judge([3.5], [3.6], [-0.1]),
         params=10,
         kv_cache_bytes_per_token=4,
         tokens_per_sec=1.0,
         downstream={},
     )
     report = compare_report.report([row], [], Config(), [0])
-    assert '| 3.5000 (1 seed) | -0.1000 (1 seed) |' in report and '±' not in report.split('|---|')[-1]
+    assert '| 3.5000 (1 seed) | -0.1000 (1 seed) | no spread known (1 seed): not a finding |' in report
+    assert '±' not in report.split('|---|')[-1] and curves.JUDGEMENT_RULE in report
 
 
 def test_list_variants():

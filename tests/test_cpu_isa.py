@@ -76,3 +76,63 @@ def test_each_isa_path_computes_the_float32_loss_and_gradients(monkeypatch, isa,
     assert rel_err(loss, ref_loss) < tolerance
     flat = [np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]) for g in (grads, ref_grads)]
     assert rel_err(*flat) < tolerance
+
+
+SAPPHIRE_RAPIDS = ZEN4 + ' amx_tile amx_bf16 amx_int8'
+
+
+def test_onednn_is_on_where_the_cpu_has_amx_and_off_elsewhere(tmp_path):
+    """XLA:CPU's oneDNN custom call (backend.ONEDNN_FLAG) joins XLA_FLAGS on an AMX CPU only; VRL_CPU_ONEDNN
+    decides either way, and an XLA_FLAGS that names the flag stands."""
+    amx, zen4 = _cpuinfo(tmp_path, SAPPHIRE_RAPIDS), _cpuinfo(tmp_path, ZEN4)
+    assert backend.host_cpu_isa(amx) == 'AMX'
+    environ = {'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
+    backend.choose_cpu_options(environ, amx)
+    assert environ['XLA_FLAGS'] == f'--xla_force_host_platform_device_count=8 {backend.ONEDNN_FLAG}=true'
+    assert backend.cpu_matmul_path(environ) == 'onednn'
+    for off in ({}, {'XLA_FLAGS': '--xla_cpu_max_isa=AVX512_BF16'}):  # no AMX, or XLA limited below it
+        environ = dict(off)
+        backend.choose_cpu_options(environ, zen4 if not off else amx)
+        assert environ == off and backend.cpu_matmul_path(environ) == 'xla'
+    forced = {backend.ONEDNN_ENV: '1'}
+    backend.choose_cpu_options(forced, zen4)
+    assert forced['XLA_FLAGS'] == f'{backend.ONEDNN_FLAG}=true'
+    refused = {backend.ONEDNN_ENV: '0'}
+    backend.choose_cpu_options(refused, amx)
+    assert 'XLA_FLAGS' not in refused
+    given = {'XLA_FLAGS': f'{backend.ONEDNN_FLAG}=false', backend.ONEDNN_ENV: '1'}
+    backend.choose_cpu_options(given, amx)
+    assert given['XLA_FLAGS'] == f'{backend.ONEDNN_FLAG}=false'
+    assert backend.onednn_choice(given, amx) == (False, f'XLA_FLAGS sets {backend.ONEDNN_FLAG}')
+
+
+def test_this_host_runs_xlas_own_kernels_unless_it_has_amx():
+    """What `import vrl` chose in this process: oneDNN exactly where this CPU reports AMX."""
+    import os
+
+    on = backend.cpu_isa() in backend.ONEDNN_ISAS and os.environ.get(backend.ONEDNN_ENV) != '0'
+    assert backend.cpu_matmul_path() == ('onednn' if on else 'xla')
+    assert (f'{backend.ONEDNN_FLAG}=true' in os.environ.get('XLA_FLAGS', '')) == on
+
+
+def test_this_jax_starts_its_cpu_client_with_the_onednn_flag():
+    """On an AMX host every vrl process starts with backend.ONEDNN_FLAG: a jax whose XLA no longer knows
+    it would abort them all, so it is checked here on any host (forced on through VRL_CPU_ONEDNN), with a
+    bf16 matmul's value that of float32 to bf16's rounding."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    script = (
+        'import vrl, os, jax, jax.numpy as jnp, numpy as np\n'
+        'a = jax.random.normal(jax.random.key(0), (64, 64))\n'
+        'low = jnp.dot(a.astype(jnp.bfloat16), a.astype(jnp.bfloat16), preferred_element_type=jnp.float32)\n'
+        'print(os.environ["XLA_FLAGS"].split()[-1], float(jnp.linalg.norm(low - a @ a) / jnp.linalg.norm(a @ a)))\n'
+    )
+    env = {**os.environ, backend.ONEDNN_ENV: '1', 'XLA_FLAGS': ''}
+    out = subprocess.run([sys.executable, '-c', script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    flag, error = out.stdout.split()
+    assert flag == f'{backend.ONEDNN_FLAG}=true' and 0 < float(error) < 1e-2, out.stdout

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,17 @@ def test_export_overwrites_nothing_it_did_not_write(exported, shared_runs, tmp_p
     assert replaced.returncode == 0, replaced.stderr[-3000:]
     assert not (mine / 'notes.txt').exists() and (mine / 'model.safetensors').exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ['mine']
+
+
+def test_an_export_is_readable_as_any_file_its_user_writes(exported):
+    """The export's folder and every file in it carry the modes the umask gives a new folder and file
+    (0755 / 0644 under 022), not mkdtemp's 0700 or safetensors' 0600: another user, or a serving
+    container under one, can read it."""
+    _, folder = exported
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [folder, *folder.iterdir()]}
+    assert modes == {folder.name: 0o777 & ~umask, **{p.name: 0o666 & ~umask for p in folder.iterdir()}}, modes
 
 
 def test_an_interrupted_export_leaves_the_old_directory_and_no_half_one(tmp_path):
@@ -531,6 +543,31 @@ def test_an_import_trains_with_the_tokenizer_its_weights_came_with(exported, tmp
         start.hf_tokenizer(config, f'hf:{bare}', tmp_path)
 
 
+def test_init_from_an_export_of_another_variant_is_one_line_and_leaves_no_workdir(exported, tmp_path):
+    """`--init_from=hf:` an export of vanilla into SVFormer: one line naming the tensors it has no place
+    for and the fix, exit 1, and no workdir (not even the tokenizer the run would have copied in)."""
+    run, folder = exported
+    config = dataclasses.replace(
+        run.config,
+        model=dataclasses.replace(run.config.model, attention='svformer'),
+        data=dataclasses.replace(run.config.data, tokenizer=''),
+    )
+    out = subprocess.run(
+        [*cli_args(config, tmp_path / 'run'), f'--init_from=hf:{folder}'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 1 and out.stderr.count('\n') == 1, out.stderr[-3000:]
+    assert re.fullmatch(
+        r"error: the Hugging Face weights have 'model.layers.1.self_attn.v_proj.weight'.*, which svformer \+ MQA "
+        r'has no place for; train the variant and shapes the weights were made with .*\n',
+        out.stderr,
+    ), out.stderr
+    assert not (tmp_path / 'run').exists()
+
+
 def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, tmp_path):
     """`--init_from=hf:DIR --config.train.steps=0`: a step-0 checkpoint of the imported weights, with
     the export's tokenizer kept in the workdir; its evaluation and its export equal the original's,
@@ -552,6 +589,7 @@ def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, 
     log = out.stdout + out.stderr
     assert f'initialised from hf:{folder} (' in log and f'tokenizer {tmp_path / "run" / "tokenizer.model"}' in log
     assert 'train.steps=0: saved the initial parameters as step 0' in log
+    assert 'compiling the train step' not in log  # a conversion trains no step
     assert (tmp_path / 'run' / 'tokenizer.model').read_bytes() == (folder / 'tokenizer.model').read_bytes()
     recorded = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
     eval_loss = next(r['eval_loss'] for r in recorded if 'eval_loss' in r)

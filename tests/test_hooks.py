@@ -1,7 +1,9 @@
 """The train loop's hooks outside a run: what a first and a second Ctrl-C do; how tokens/s and MFU count time."""
 
 import os
+import re
 import signal
+import time
 
 import pytest
 
@@ -107,6 +109,31 @@ def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hook
         assert logged[step]['mfu'] == pytest.approx(1e6 * tokens / 8.0 / 1e9)
 
 
+def test_a_run_that_records_every_step_but_prints_later_says_its_first_step(small_corpus):
+    """compare and study record every step (train.log_every=1) and print every train.print_every: the
+    first step's line still says how long the compile took, and which steps the log follows."""
+    import types
+
+    import numpy as np
+
+    from tests.runs import tiny_config
+
+    config = tiny_config(small_corpus, steps=8, log_every=1, print_every=4)
+    logged, said = {}, []
+    writer = types.SimpleNamespace(write=lambda step, record: logged.update({step: record}), print=said.append)
+    member = types.SimpleNamespace(config=config, label='[vanilla-s0] ', writer=writer)
+    group = types.SimpleNamespace(member=lambda tree, i: tree)
+    host = hooks.HostMetrics(config, group, [member], 1e6, 1e9, train_tokens={'plays': 1}, start_step=0)
+    for step in range(1, 9):
+        metrics = {'loss': np.float32(3.0), 'lr': np.float32(1e-3), 'grad_norm': np.float32(1.0), 'finite': True}
+        host.take(hooks.StepRecord(step, metrics, None, np.array([step]), step == 8, False, {}))
+    host.settle()
+    assert sorted(logged) == list(range(1, 9))
+    assert len(said) == 1 and re.fullmatch(
+        r'step 1: compiled and trained in \d+ s \(loss 3.0000\); the log follows every 4 steps', said[0]
+    ), said
+
+
 def test_the_terminal_prints_training_lines_at_print_every_and_at_the_last_step(capsys):
     """compare and study record every step (their curves need each loss) and print at the config's
     log_every: TerminalTracker's print_every."""
@@ -122,42 +149,69 @@ def test_the_terminal_prints_training_lines_at_print_every_and_at_the_last_step(
     )
 
 
-def test_the_cpu_peak_is_the_best_this_host_has_shown_and_shared_by_its_devices(monkeypatch, tmp_path):
-    """MFU on a CPU is over this host's matmul rate: a probe taken beside other work reads low, so the
-    best rate this CPU has shown is kept (~/.cache/vrl/cpu_peak.json) and used; a lower kept figure
-    is replaced by the probe's. The 8 CPU devices of the suite share the host's cores: the job's peak
-    is one host's, not eight."""
+def test_the_cpu_peak_is_measured_once_idle_kept_and_shared_by_the_hosts_devices(monkeypatch, tmp_path):
+    """MFU on a CPU is over a property of the machine: the first probe taken with the cores idle is kept
+    (~/.cache/vrl/cpu_peak.json, per CPU model, cores, dtype and matmul kernels) and every later run
+    reads it, whatever a later probe would say. The suite's 8 CPU devices share one host's cores: the
+    job's peak is one host's, not eight."""
     import json
 
     import jax
 
+    from vrl.core import backend
     from vrl.train import metrics
 
     monkeypatch.setenv('HOME', str(tmp_path))
     monkeypatch.setattr(metrics, 'PROBE_SECONDS', 0.0)
+    monkeypatch.setattr(metrics, '_cores_busy_seconds', lambda: 0.0)  # nothing else ran meanwhile
 
-    def probe() -> float:
+    def probe() -> metrics.Peak:
         metrics.host_matmul_peak.cache_clear()
         return metrics.host_matmul_peak('float32', n=256)
 
-    def keep(flops: float) -> None:
-        metrics.cpu_peak_file().write_text(json.dumps({key: flops}))
-
     try:
         first = probe()
-        ((key, kept),) = json.loads((tmp_path / '.cache/vrl/cpu_peak.json').read_text()).items()
-        assert kept == first > 1e8 and key.endswith('cores | float32'), (key, kept)
-        keep(first * 100)  # a quieter moment's figure
-        assert probe() == first * 100
-        keep(1e3)  # a figure from a probe beside heavy work
-        again = probe()
-        assert 1e8 < again < first * 100 and json.loads(metrics.cpu_peak_file().read_text()) == {key: again}
-        peak = metrics.peak_flops(0.0, 'float32')  # its own probe (n = 1024), kept under the same key
-        assert len(jax.devices()) == 8 and peak.flops == metrics.host_matmul_peak('float32') >= again
-        assert str(peak) == (
-            f"{peak.flops / 1e9:,.3g} GFLOP/s (this host's best measured float32 matmul rate, kept in "
-            f'{tmp_path}/.cache/vrl/cpu_peak.json)'
+        ((key, kept),) = json.loads(metrics.cpu_peak_file().read_text()).items()
+        assert key.endswith(f'cores | float32 | {backend.cpu_matmul_path()}') and kept['flops'] == first.flops > 1e8
+        assert kept['measured'] == time.strftime('%Y-%m-%d') and kept['others_busy'] == 0.0
+        assert first.source == (
+            f"this host's float32 matmul rate on {backend.describe_cpu_isa()} with {backend.cpu_matmul_path()} "
+            f'kernels, measured idle now, kept in {tmp_path}/.cache/vrl/cpu_peak.json'
         )
+        metrics.cpu_peak_file().write_text(json.dumps({key: {**kept, 'flops': 3e10, 'measured': '2026-11-30'}}))
+        again = probe()  # the reference stands: no probe replaces it
+        assert again.flops == 3e10 and 'measured idle on 2026-11-30' in again.source
+        assert json.loads(metrics.cpu_peak_file().read_text())[key]['flops'] == 3e10
+        peak = metrics.peak_flops(0.0, 'float32')
+        assert len(jax.devices()) == 8 and peak == again
+        assert str(peak).startswith("30 GFLOP/s (this host's float32 matmul rate on ")
         assert metrics.peak_flops(2e9, 'float32').flops == 16e9  # train.peak_flops: per device
     finally:
         metrics.host_matmul_peak.cache_clear()
+
+
+def test_a_cpu_peak_probed_beside_other_work_is_not_kept(monkeypatch, tmp_path):
+    """Two processes spinning on this host's cores while the probe runs: /proc/stat shows their CPU
+    time, the figure is not kept as the reference, and the run's line says its MFU is provisional."""
+    import subprocess
+    import sys
+
+    from vrl.train import metrics
+
+    monkeypatch.setenv('HOME', str(tmp_path))
+    monkeypatch.setattr(metrics, 'PROBE_SECONDS', 1.0)
+    spinners = [
+        subprocess.Popen([sys.executable, '-c', 'import time\nend = time.time() + 20\nwhile time.time() < end: pass'])
+        for _ in range(2)
+    ]
+    try:
+        time.sleep(0.5)
+        metrics.host_matmul_peak.cache_clear()
+        peak = metrics.host_matmul_peak('float32', n=256)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+        metrics.host_matmul_peak.cache_clear()
+    assert re.search(r'measured now, provisional: other work took \d+% of the cores meanwhile', peak.source), peak
+    assert not metrics.cpu_peak_file().exists()

@@ -1,6 +1,7 @@
 """vrl/core/native_lines.py: the native libraries' empty lines are dropped, everything else arrives,
 Python's streams keep their terminal, and a crash's last bytes are not lost."""
 
+import re
 import subprocess
 import sys
 
@@ -112,3 +113,31 @@ def test_the_abort_of_a_process_whose_job_failed_is_one_line_naming_why_and_othe
     ]
     alone = native_lines.NOISE['stderr']()
     assert [kept for line in given_up for kept in alone.feed(line)] + alone.end() == [native_lines.JaxAbort.NOT_JOINED]
+
+
+_WARNS = """
+from absl import logging
+from vrl.core import cli
+
+def main(args):
+    logging.warning('clearing an unfinished build of %s', 'plays')
+    logging.info('not shown')
+    print('done')
+
+cli.run(main, lambda: {})
+"""
+
+
+def test_a_commands_warning_is_a_plain_line_and_verbosity_brings_absls_format_back():
+    """Without --verbosity a command's warning reads `warning: MESSAGE` (not absl's `W1201 04:25:26...
+    file.py:312]` line) and INFO is off; --verbosity=0 shows absl's own lines."""
+    plain = subprocess.run([sys.executable, '-c', _WARNS], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and plain.stdout == 'done\n', plain.stderr
+    assert plain.stderr == 'warning: clearing an unfinished build of plays\n'
+    verbose = subprocess.run(
+        [sys.executable, '-c', _WARNS, '--verbosity=0'], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert verbose.returncode == 0 and re.search(
+        r'^W\d{4} [\d:.]+ +\d+ <string>:\d+\] clearing an unfinished build of plays$', verbose.stderr, re.M
+    ), verbose.stderr
+    assert 'not shown' in verbose.stderr

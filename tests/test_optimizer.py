@@ -382,3 +382,26 @@ def test_the_schedule_follows_train_steps_unless_its_length_is_set():
     assert opt.decay_steps == 400 and 'set --config.optimizer.decay_steps=40' in optimizer.schedule_note(opt, 40)
     with pytest.raises(ValueError, match='decay_steps=0 stands for train.steps'):
         optimizer.learning_rate(short.optimizer)
+
+
+def test_a_wsd_run_shorter_than_its_warmup_is_refused_naming_the_warmup_that_fits():
+    """modern.py's wsd recipe at train.steps=30 (warmup 120, decay over the last 0.4): the refusal names
+    train.steps and the warmup, not decay_fraction that the user never set, and the warmup it offers runs."""
+    from configs import modern
+    from vrl.core.config import ConfigError, from_configdict
+    from vrl.model import resolve
+
+    config = from_configdict(modern.get_config('svformer,82m'))
+    short = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=30))
+    assert short.optimizer.schedule == 'wsd' and short.optimizer.decay_steps == 0
+    warmup, fraction = short.optimizer.warmup_steps, short.optimizer.decay_fraction
+    with pytest.raises(ConfigError) as refused:
+        resolve.execution(short, 'cpu', say=lambda line: None)
+    assert str(refused.value) == (
+        f'train.steps=30 is too short for optimizer.warmup_steps={warmup}: the wsd schedule decays over the last '
+        f'{fraction:g} of the run, from step {30 - round(fraction * 30)}, inside the warmup; set '
+        '--config.optimizer.warmup_steps=7 (or more train.steps)'
+    )
+    fitted = dataclasses.replace(short, optimizer=dataclasses.replace(short.optimizer, warmup_steps=7))
+    opt = resolve.execution(fitted, 'cpu', say=lambda line: None).optimizer
+    assert opt.decay_steps == 30 and float(optimizer.learning_rate(opt)(30)) == pytest.approx(opt.final_lr, rel=1e-6)

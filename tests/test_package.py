@@ -131,3 +131,42 @@ def test_installed_commands_run_outside_a_checkout_with_the_presets(wheel, tmp_p
         timeout=300,
     )
     assert usage.returncode != 0 and 'usage: vrl-data prepare|tokenize|stats [--flags]' in usage.stderr, usage.stderr
+    helped = subprocess.run(
+        [sys.executable, str(target / 'bin/vrl-train'), '--help'],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert 'flags of vrl-train:' in helped.stdout and '\n  --init_from: ' in helped.stdout, helped.stdout
+
+
+def _scripts() -> dict[str, str]:
+    """pyproject.toml's console scripts: name -> module."""
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['scripts']
+    return {name: target.split(':')[0] for name, target in scripts.items()}
+
+
+@pytest.mark.parametrize('script', sorted(_scripts()))
+def test_help_lists_the_commands_own_flags_and_exits_0(script):
+    """`python -m MODULE --help` for every command: its docstring, then each of its own flags (not
+    absl's or JAX's), exit 0; --helpfull adds every other flag, exit 0 too."""
+    module = _scripts()[script]
+    helped = subprocess.run(
+        [sys.executable, '-m', module, '--help'], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    doc = sys.modules.get(module) or __import__(module, fromlist=['_'])
+    assert helped.stdout.startswith(doc.__doc__.strip().splitlines()[0]), helped.stdout[:500]
+    listed = re.findall(r'^  --(?:\[no\])?(\w+): ', helped.stdout, re.M)
+    assert listed and 'verbosity' not in listed and 'jax_platforms' not in listed, helped.stdout
+    assert f'flags of python -m {module.removesuffix(".__main__")}:' in helped.stdout
+    full = subprocess.run(
+        [sys.executable, '-m', module, '--helpfull'], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert full.returncode == 0 and '--verbosity' in full.stdout
+    assert all(re.search(rf'--(\[no\])?{f}: ', full.stdout) for f in listed), full.stdout

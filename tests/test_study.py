@@ -5,6 +5,7 @@ overwritten."""
 import dataclasses
 import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import NamedTuple
@@ -365,8 +366,16 @@ def test_study_writes_report_results_and_plots(studied):
     assert set(results['fits']['variants']) == {'vanilla', 'svformer'}
     assert set(results['data_saved']) == {'d32', 'd48'} and set(results['critical_steps']) == {'d32', 'd48'}
     report = (studied.workdir / 'study.md').read_text()
-    for section in ('## Learning rate', '## Loss vs parameters', '## Data saved', '## The critical step'):
+    for section in ('## Learning rate', '## Against vanilla', '## Loss vs parameters', '## Data saved'):
         assert section in report
+    assert '## The critical step' in report
+    # each size's difference from vanilla, judged against the spread: one seed here, so no finding
+    for size in ('d32', 'd48'):
+        assert re.search(
+            rf'^\| {size} \| \d+ \| svformer \| [+-]\d\.\d{{4}} \| no spread known \(1 seed\): not a finding \|$',
+            report,
+            re.M,
+        ), report
     assert report.count('at the edge of the sweep') == sum(r['at_edge'] for r in results['best_lr'])
     for name in (
         'loss_vs_params',

@@ -21,7 +21,7 @@ from tests.runs import logged_steps, params_equal, saved_steps, start_run, tiny_
 from vrl.core import sharding
 from vrl.data import corpus, pipeline
 from vrl.model import accounting
-from vrl.train import checkpoint, loop
+from vrl.train import checkpoint, loop, start
 from vrl.train.step import TrainSteps
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
@@ -372,6 +372,25 @@ def test_init_from_checks_shapes(small_corpus, tmp_path):
         checkpoint.CheckpointMismatchError, match='has parameter (lambdas|layers).* that the config does not'
     ):
         checkpoint.restore_params(str(tmp_path), abstract)
+
+
+def test_an_init_from_that_does_not_fit_is_one_error_naming_the_fix_and_leaves_no_workdir(small_corpus, tmp_path):
+    """--init_from a run of another shape, or a folder with no checkpoint, into a new workdir: the cause
+    and the fix in one error, and the workdir the run made (with its checkpoints/ folder) gone."""
+    source = tmp_path / 'source'
+    loop.run(tiny_config(small_corpus, steps=1, checkpoint_every=1), str(source))
+    config = tiny_config(small_corpus, steps=2)
+    deeper = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=3))
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError,
+        match=rf'^--init_from={source}: checkpoint .* has shape \(1,.* needs \(2,.*' + re.escape(start.INIT_FROM_FIX),
+    ):
+        loop.run(deeper, str(tmp_path / 'deeper'), init_from=str(source))
+    assert not (tmp_path / 'deeper').exists()
+    (tmp_path / 'empty').mkdir()
+    with pytest.raises(checkpoint.NoCheckpointError, match=f'no checkpoint in {tmp_path / "empty"}: .*train one'):
+        loop.run(config, str(tmp_path / 'new'), init_from=str(tmp_path / 'empty'))
+    assert not (tmp_path / 'new').exists()
 
 
 def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, monkeypatch):

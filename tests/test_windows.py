@@ -207,3 +207,25 @@ def test_auto_shuffles_in_windows_only_a_pretokenized_copy_on_a_store(windowed, 
         dataclasses.replace(auto, data_dir='gs://bucket/tfds'), on_the_fly.source, 'plays train'
     )
     assert corpus.split_info('plays', cfg.data_dir, 'train').documents == blocks.documents
+
+
+def test_settings_that_do_nothing_in_this_run_are_noted_in_one_line_each():
+    """data.block_tokens / window_blocks where every dataset is read by document, and a local window
+    at least as long as the sequence: a note each (the run still starts); nothing where they act."""
+    from vrl.core.config import Config, ModelConfig
+    from vrl.train import plan
+
+    by_document = {'plays': {'shuffle': 'by document'}}
+    in_windows = {'plays': {'shuffle': 'in windows of 64 blocks of ~1,000 tokens'}}
+    config = Config(
+        model=ModelConfig(attention_window=100_000),
+        data=DataConfig(name='plays', seq_len=128, block_tokens=100_000_000),
+    )
+    assert plan.idle_settings(config, by_document) == [
+        'note: data.block_tokens=100000000 does nothing here: the training data is read by document '
+        "(data.shuffle='auto'; 'auto' reads windows of blocks from an object store only, 'windows' everywhere)",
+        'note: model.attention_window=100000 covers the whole sequence (data.seq_len=128): every layer attends '
+        'to all positions in this run; local layers differ at longer sequences only',
+    ]
+    acting = Config(model=ModelConfig(attention_window=64), data=DataConfig(name='plays', seq_len=128, block_tokens=9))
+    assert plan.idle_settings(acting, in_windows) == [] and plan.idle_settings(Config(), by_document) == []

@@ -13,3 +13,4 @@ from vrl.core import backend, host_memory  # noqa: E402
 
 host_memory.restart_command(sys.orig_argv)  # a training or decoding command: before anything is imported
 backend.skip_absent_tpu()  # before anything imports jax
+backend.choose_cpu_options()  # likewise: XLA reads XLA_FLAGS once, when its CPU client starts

@@ -17,7 +17,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from vrl.core import cli, multihost, peers
+from vrl.core import cli, extras, multihost, peers
 from vrl.core.config import Config, ConfigError, from_configdict
 from vrl.model import accounting, resolve
 
@@ -201,6 +201,16 @@ def _compile_only(config: Config, topology: str | None, num_slices: int) -> None
         )
 
 
+def _require_extras(config: Config, init_from: str | None) -> None:
+    """The packages of requirements-extra.txt that this run will need, checked before any work."""
+    if init_from and init_from.startswith('hf:'):
+        extras.require('--init_from=hf:DIR', 'safetensors')
+    if config.train.wandb_project:
+        extras.require('train.wandb_project (Weights & Biases)', 'wandb')
+    if config.train.task_names:
+        extras.require('train.downstream_tasks (lm-evaluation-harness)', 'lm_eval')
+
+
 def main(args: cli.Args) -> None:
     if not args['topology'].value:
         cli.enable_compilation_cache()
@@ -224,6 +234,7 @@ def main(args: cli.Args) -> None:
     if args['compile_only'].value:
         _compile_only(config, args['topology'].value, args['num_slices'].value)
         return
+    _require_extras(config, args['init_from'].value)
     multihost.initialize(args)
     cli.require(args, 'workdir')
     from vrl.train import checkpoint, loop  # here, so that --summary needs no data stack

@@ -1,4 +1,5 @@
-"""Which JAX platforms a vrl process starts: no TPU runtime where there is no TPU.
+"""Which JAX platforms a vrl process starts, and with which CPU options: no TPU runtime where there
+is no TPU; oneDNN's matmul kernels where the CPU has AMX.
 
 With libtpu installed (requirements-tpu.txt, for ahead-of-time TPU compiles) JAX also starts the
 TPU runtime on machines without TPU chips; it fails, prints `Failed to find host bounds...` and
@@ -8,6 +9,12 @@ that can start instead (GPU plugins that are installed, then CPU) when libtpu is
 TPU chip is on the PCI bus and JAX_PLATFORMS is not set already. On a TPU VM nothing changes.
 Describing a TPU slice for an ahead-of-time compile starts libtpu on purpose: `name_absent_tpu_host`
 keeps that quiet too.
+
+`choose_cpu_options`, called when `vrl` is imported too, adds XLA:CPU's oneDNN custom call
+(ONEDNN_FLAG) to XLA_FLAGS on a CPU with AMX tiles, where oneDNN's bf16 matmuls run at the tiles'
+rate and XLA's own kernels do not (docs/performance.md, "bfloat16 on AMX"); elsewhere it stays
+off. VRL_CPU_ONEDNN=1 or 0 decides instead, and an XLA_FLAGS that names the flag is left as it is.
+The train step, decoding and scoring all run under the process's XLA_FLAGS.
 """
 
 from __future__ import annotations
@@ -98,3 +105,35 @@ def describe_cpu_isa(environ: os._Environ | dict = os.environ) -> str:
     """e.g. 'CPU ISA AVX2 (host AVX512_BF16, limited by --xla_cpu_max_isa=AVX2)'."""
     host, isa, limit = host_cpu_isa(), cpu_isa(environ), xla_max_isa(environ)
     return f'CPU ISA {isa or "unknown"}' + (f' (host {host}, limited by --xla_cpu_max_isa={limit})' if limit else '')
+
+
+ONEDNN_FLAG = '--xla_cpu_experimental_onednn_custom_call'  # XLA:CPU matmuls (and convolutions) through oneDNN
+ONEDNN_ISAS = ('AMX', 'AMX_FP16')  # where oneDNN's bf16 matmuls use AMX tiles and XLA's kernels do not
+ONEDNN_ENV = 'VRL_CPU_ONEDNN'  # '1' or '0': on or off whatever the CPU
+
+
+def onednn_choice(environ: os._Environ | dict = os.environ, cpuinfo: Path = Path('/proc/cpuinfo')) -> tuple[bool, str]:
+    """(whether XLA:CPU runs its matmuls through oneDNN, why): as XLA_FLAGS sets ONEDNN_FLAG, else as
+    VRL_CPU_ONEDNN says, else on for a CPU ISA of ONEDNN_ISAS."""
+    given = re.search(rf'{ONEDNN_FLAG}=(\w+)', environ.get('XLA_FLAGS', ''))
+    if given:
+        return given.group(1).lower() in ('true', '1'), f'XLA_FLAGS sets {ONEDNN_FLAG}'
+    if environ.get(ONEDNN_ENV) in ('0', '1'):
+        return environ[ONEDNN_ENV] == '1', f'{ONEDNN_ENV}={environ[ONEDNN_ENV]}'
+    isa = cpu_isa(environ, cpuinfo)
+    if isa in ONEDNN_ISAS:
+        return True, f'CPU ISA {isa}: oneDNN runs bf16 matmuls on its AMX tiles'
+    return False, f"CPU ISA {isa or 'unknown'} has no AMX: XLA's own kernels"
+
+
+def choose_cpu_options(environ: os._Environ | dict = os.environ, cpuinfo: Path = Path('/proc/cpuinfo')) -> None:
+    """Adds ONEDNN_FLAG=true to XLA_FLAGS where `onednn_choice` is on and XLA_FLAGS does not name it
+    (before jax starts its CPU client: XLA reads the flags once)."""
+    on, _ = onednn_choice(environ, cpuinfo)
+    if on and ONEDNN_FLAG not in environ.get('XLA_FLAGS', ''):
+        environ['XLA_FLAGS'] = f'{environ.get("XLA_FLAGS", "")} {ONEDNN_FLAG}=true'.strip()
+
+
+def cpu_matmul_path(environ: os._Environ | dict = os.environ) -> str:
+    """'onednn' or 'xla': whose kernels run this process's CPU matmuls (a peak is measured for each)."""
+    return 'onednn' if onednn_choice(environ)[0] else 'xla'

@@ -7,8 +7,8 @@
 Flags are defined only when the command runs (other modules and the notebook import its
 functions); a bad `--config` file or override is one line naming it; library INFO logging (absl,
 TFDS) and the native libraries' lines that say nothing (vrl/core/native_lines.py) are off unless
-`--verbosity` is given; a `VrlError` ends the command with one line,
-`error: <message>`, and exit status 1.
+`--verbosity` is given, and warnings read `warning: <message>`; a `VrlError` ends the command with
+one line, `error: <message>`, and exit status 1; `--help` lists the command's own flags, exit 0.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import logging as pylogging
 import os
 import re
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -39,6 +41,7 @@ def run(
 ) -> None:
     """Runs `main(args)`, or `main(args, command)` when the command takes one of `commands` first."""
     args = define_flags()
+    sys.stdout.reconfigure(line_buffering=True)  # a pipe or a log keeps the lines in the order printed
 
     def entry(argv: list[str]) -> None:
         positional = argv[1:]
@@ -48,6 +51,7 @@ def run(
             raise app.UsageError(f'unexpected arguments: {positional}')
         if not flags.FLAGS['verbosity'].present:
             logging.set_verbosity(logging.WARNING)
+            logging.get_absl_handler().setFormatter(_PlainFormatter())
             native_lines.quiet()
         try:
             main(args, *positional)
@@ -59,7 +63,15 @@ def run(
                 sys.exit(f'error: {e}')
             raise
 
-    app.run(entry, flags_parser=_parse_flags)
+    app.run(entry, flags_parser=functools.partial(_parse_flags, functools.partial(_help, main, args)))
+
+
+class _PlainFormatter(pylogging.Formatter):
+    """A log record as a user reads the command's other lines: `warning: MESSAGE`, without absl's
+    `W1201 04:25:26.123 123 file.py:312]` prefix (--verbosity brings that back)."""
+
+    def format(self, record: pylogging.LogRecord) -> str:
+        return f'{record.levelname.lower()}: {record.getMessage()}'
 
 
 def compilation_cache_dir() -> str:
@@ -83,8 +95,34 @@ def require(args: Args, *names: str) -> None:
         raise app.UsageError(f'{" and ".join(missing)} {"is" if len(missing) == 1 else "are"} required')
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, with config errors (unknown key, missing or broken file) as one clear line."""
+HELP_FLAGS = ('--help', '-help', '--helpshort', '-h', '-?')
+
+
+def _help(main: Callable[..., None], args: Args, full: bool) -> str:
+    """The command's usage: its module's docstring, then its own flags (`full`: every flag absl holds)."""
+    doc = (sys.modules[main.__module__].__doc__ or '').strip()
+    if full:
+        return f'{doc}\n\n{flags.FLAGS.get_help()}'
+    lines = []
+    for name in sorted(args):
+        flag = flags.FLAGS[args[name].name]
+        shown = f'--[no]{flag.name}' if flag.boolean else f'--{flag.name}'
+        default = '' if flag.default is None else f' (default: {flag.default_as_str})'
+        lines.append(textwrap.fill(f'{shown}: {flag.help}{default}', 100, subsequent_indent='    '))
+    return (
+        f'{doc}\n\nflags of {_command()}:\n'
+        + textwrap.indent('\n'.join(lines), '  ')
+        + ('\n\n--helpfull lists every flag (absl, JAX and the libraries too).')
+    )
+
+
+def _parse_flags(usage: Callable[[bool], str], argv: list[str]) -> list[str]:
+    """absl's parser, with config errors (unknown key, missing or broken file) as one clear line;
+    --help (or -h, --helpshort) prints `usage(False)` and --helpfull `usage(True)`, each with exit 0."""
+    given = argv[1 : argv.index('--')] if '--' in argv else argv[1:]
+    if '--helpfull' in given or any(arg in HELP_FLAGS for arg in given):
+        print(usage('--helpfull' in given))
+        sys.exit(0)
     try:
         return flags.FLAGS([_preset(arg) for arg in argv])
     except flags.Error as e:

@@ -16,7 +16,7 @@ import json
 from absl import flags
 from etils import epath
 
-from vrl.core import cli, storage
+from vrl.core import cli, extras, storage
 from vrl.core.errors import VrlError
 from vrl.experiments import plots
 from vrl.model import layer_stats
@@ -111,6 +111,7 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
 
 def main(args: cli.Args) -> None:
     cli.require(args, 'workdir', 'out')
+    extras.require('the analysis figures', 'matplotlib')
     workdirs = args['workdir'].value
     out = storage.path(args['out'].value)
     storage.check_writable(out.parent, '--out')  # before any work; out itself only once there are results

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import jax
 from absl import flags, logging
 from etils import epath
 from ml_collections import config_flags
 
-from vrl.core import cli, storage
+from vrl.core import cli, extras, storage
 from vrl.core.config import Config, from_configdict
 from vrl.experiments import compare_report, curves, grid
 from vrl.experiments.grid import BASELINE, Downstream, Run
@@ -142,11 +141,9 @@ def main(args: cli.Args) -> None:
         return
     cli.require(args, 'config', 'workdir')
     cli.enable_compilation_cache()
+    extras.require("the comparison's figures", 'matplotlib')
     if args['tasks'].value:
-        try:
-            from vrl.tools import evaluate  # noqa: F401 - lm-eval: requirements-extra.txt
-        except ImportError as e:
-            sys.exit(f'error: --tasks {e}')
+        extras.require('--tasks (lm-evaluation-harness)', 'lm_eval')
     workdir = storage.path(args['workdir'].value)
     downstream = (
         Downstream(args['tasks'].value, args['task_limit'].value, args['include_path'].value)
@@ -162,10 +159,11 @@ def main(args: cli.Args) -> None:
         downstream,
         args['group_runs'].value,
     )
+    print(f'final eval loss, mean ± standard deviation over seeds {",".join(args["seeds"].value)}:')
     for r in rows:
         print(
             f'{r["variant"]}: eval loss {curves.plus_minus(r["eval_loss"], r["eval_loss_spread"])}, '
-            f'vs vanilla {r["delta_vs_vanilla"]:+.4f}'
+            f'vs vanilla {r["delta_vs_vanilla"]:+.4f}' + (f' ({r["judgement"]})' if r['judgement'] else '')
         )
     print(f'report: {workdir / "report.md"}')
 

@@ -25,6 +25,11 @@ def summarize(results: list[dict], variants: list[str]) -> list[dict]:
         loss, loss_spread = curves.mean_and_spread([r['eval_loss'] for r in runs])
         deltas = [r['eval_loss'] - baseline[r['seed']] for r in runs if r['seed'] in baseline]
         delta, delta_spread = curves.mean_and_spread(deltas) if deltas else (math.nan, math.nan)
+        judgement = (
+            curves.judge([r['eval_loss'] for r in runs], list(baseline.values()), deltas)
+            if deltas and variant != BASELINE
+            else ''
+        )
         rows.append(
             {
                 'variant': variant,
@@ -34,6 +39,7 @@ def summarize(results: list[dict], variants: list[str]) -> list[dict]:
                 'eval_loss_spread': loss_spread,
                 'delta_vs_vanilla': delta,
                 'delta_spread': delta_spread,
+                'judgement': judgement,
                 'params': runs[0]['params'],
                 'kv_cache_bytes_per_token': runs[0]['kv_cache_bytes_per_token'],
                 'tokens_per_sec': float(np.mean([r['tokens_per_sec'] for r in runs])),
@@ -55,19 +61,35 @@ def _mean_downstream(per_run: list[dict[str, dict[str, float]]]) -> dict[str, di
     }
 
 
+def _with_seed_band(variant: str, seeds: list[dict], color: int) -> plots.Line:
+    """The mean of the seeds' curves ({step: value}) over the steps all have, labelled with the seed count,
+    ± one standard deviation over seeds shaded (no band for one seed)."""
+    steps = sorted(set.intersection(*(set(c) for c in seeds)), key=int)
+    spread = [curves.mean_and_spread([c[s] for c in seeds]) for s in steps]
+    mean = [m for m, _ in spread]
+    band = ([m - d for m, d in spread], [m + d for m, d in spread]) if len(seeds) > 1 else None
+    label = f'{variant} ({len(seeds)} seed{"s" * (len(seeds) > 1)})'
+    return plots.Line(label, [int(s) for s in steps], mean, '-', color, band)
+
+
 def write_plots(results: list[dict], variants: list[str], workdir: epath.Path) -> list[epath.Path]:
     by_variant = {v: [r for r in results if r['variant'] == v] for v in variants}
     eval_lines, relative_lines = [], []
     train_curves = {v: curves.mean_curve([r['train_loss'] for r in runs]) for v, runs in by_variant.items()}
     window = curves.smoothing_window(max(r['step'] for r in results))
     for color, (variant, runs) in enumerate(by_variant.items()):
-        curve = curves.mean_curve([r['eval_curve'] for r in runs])
-        eval_lines.append(plots.Line(variant, list(curve), list(curve.values()), '-', color))
+        eval_lines.append(_with_seed_band(variant, [r['eval_curve'] for r in runs], color))
         if BASELINE in train_curves:
             steps, relative = curves.relative_loss(train_curves[variant], train_curves[BASELINE], window)
             relative_lines.append(plots.Line(variant, steps, relative, '-', color))
     written = [
-        plots.line_plot(workdir / 'eval_loss.png', 'Validation loss', 'step', 'eval loss (mean over seeds)', eval_lines)
+        plots.line_plot(
+            workdir / 'eval_loss.png',
+            'Validation loss',
+            'step',
+            'eval loss (mean; shaded: ± one standard deviation over seeds)',
+            eval_lines,
+        )
     ]
     if relative_lines:
         written.append(
@@ -140,20 +162,7 @@ def downstream_plots(by_variant: dict[str, list[dict]], workdir: epath.Path, whe
             seeds = [r['downstream_curves'][name] for r in runs if name in r.get('downstream_curves', {})]
             if not seeds:
                 continue
-            steps = sorted(set.intersection(*(set(c) for c in seeds)), key=int)
-            spread = [curves.mean_and_spread([c[s] for c in seeds]) for s in steps]
-            mean = [m for m, _ in spread]
-            band = ([m - d for m, d in spread], [m + d for m, d in spread]) if len(seeds) > 1 else None
-            lines.append(
-                plots.Line(
-                    f'{variant} ({len(seeds)} seed{"s" * (len(seeds) > 1)})',
-                    [int(s) for s in steps],
-                    mean,
-                    '-',
-                    color,
-                    band,
-                )
-            )
+            lines.append(_with_seed_band(variant, seeds, color))
         file = 'downstream_' + ''.join(c if c.isalnum() or c in '-.' else '_' for c in name) + where + '.png'
         written.append(
             plots.line_plot(
@@ -178,12 +187,13 @@ def report(rows: list[dict], figures: list[epath.Path], base: Config, seeds: lis
         f'{base.model.d_model}; optimizer {base.optimizer.name} (peak LR {base.optimizer.peak_lr:g}, '
         f'{base.optimizer.schedule} schedule). Eval loss: mean ± standard deviation over seeds; the delta '
         'pairs each seed with '
-        "vanilla's run of the same seed. Train tokens/s: the median of the logged rates on this machine as it was "
-        "while the run trained (shared with whatever else ran), not a measure of the variant's speed; "
+        f"vanilla's run of the same seed. {curves.JUDGEMENT_RULE} Train tokens/s: the median of the logged "
+        'rates on this machine as it was while the run trained (shared with whatever else ran), not a measure '
+        "of the variant's speed; "
         '`python bench/train_throughput.py` measures that.',
         '',
-        '| variant | model | final eval loss | Δ vs vanilla | params | KV cache B/token | train tokens/s |',
-        '|---|---|---|---|---|---|---|',
+        '| variant | model | final eval loss | Δ vs vanilla | judgement | params | KV cache B/token | train tokens/s |',
+        '|---|---|---|---|---|---|---|---|',
     ]
     for r in rows:
         delta = (
@@ -193,7 +203,8 @@ def report(rows: list[dict], figures: list[epath.Path], base: Config, seeds: lis
         )
         lines.append(
             f'| {r["variant"]} | {r["model"]} | {curves.plus_minus(r["eval_loss"], r["eval_loss_spread"])} | '
-            f'{delta} | {r["params"]:,} | {r["kv_cache_bytes_per_token"]:,} | {r["tokens_per_sec"]:,.0f} |'
+            f'{delta} | {r["judgement"] or "—"} | {r["params"]:,} | {r["kv_cache_bytes_per_token"]:,} | '
+            f'{r["tokens_per_sec"]:,.0f} |'
         )
     columns = sorted({(task, metric) for r in rows for task, metrics in r['downstream'].items() for metric in metrics})
     if columns:

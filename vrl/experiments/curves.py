@@ -46,6 +46,25 @@ def plus_minus(mean: float, spread: float, digits: int = 4) -> str:
     return f'{mean:.{digits}f} (1 seed)' if math.isnan(spread) else f'{mean:.{digits}f} ± {spread:.{digits}f}'
 
 
+JUDGEMENT_RULE = (
+    'A difference counts as a finding only where it exceeds the seed-to-seed spread: the larger of the '
+    "two variants' standard deviations of the final loss over seeds and the standard deviation of the "
+    'seed-paired differences; with one seed no spread is known, and nothing is a finding.'
+)
+
+
+def judge(variant_losses: Sequence[float], baseline_losses: Sequence[float], deltas: Sequence[float]) -> str:
+    """Whether the mean of `deltas` (a variant's loss minus the baseline's, paired by seed) is a finding
+    by JUDGEMENT_RULE, and how many seeds it rests on: e.g. 'exceeds the spread 0.0123 (3 seeds)'."""
+    seeds = f'{len(deltas)} seed{"s" * (len(deltas) != 1)}'
+    if len(deltas) < 2 or len(variant_losses) < 2 or len(baseline_losses) < 2:
+        return f'no spread known ({seeds}): not a finding'
+    spread = max(mean_and_spread(v)[1] for v in (variant_losses, baseline_losses, deltas))
+    size = abs(float(np.mean(deltas)))
+    verdict = 'exceeds' if size > spread else 'within'
+    return f'{verdict} the spread {spread:.4f} ({seeds})' + ('' if size > spread else ': not a finding')
+
+
 def mean_curve(curves: Sequence[dict]) -> dict[int, float]:
     """The mean of several curves over the steps all of them have (keys may be ints or strings)."""
     steps = set.intersection(*(set(c) for c in curves))

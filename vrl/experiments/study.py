@@ -45,7 +45,7 @@ from absl import flags
 from etils import epath
 from ml_collections import config_flags
 
-from vrl.core import cli, storage
+from vrl.core import cli, extras, storage
 from vrl.core.config import Config, ModelConfig, from_configdict
 from vrl.experiments import grid, study_report
 from vrl.experiments.compare import parse_seeds
@@ -304,6 +304,10 @@ def main(args: cli.Args) -> None:
     cli.require(args, 'config', 'workdir')
     cli.enable_compilation_cache()
     base = from_configdict(args['config'].value)
+    if not args['list'].value:
+        extras.require("the study's figures", 'matplotlib')
+        if base.train.task_names:
+            extras.require('train.downstream_tasks (lm-evaluation-harness)', 'lm_eval')
     axes = Axes(
         args['variants'].value,
         args['sizes'].value,

@@ -372,6 +372,7 @@ def report(points: Points, summary: dict, shapes: dict[str, ModelConfig], intro:
             + _table(['variant', 'size'] + [f'LR {lr:g}' for lr in sorted(axes.lrs)] + ['best LR'], rows)
             + ['']
         )
+    lines += _against_baseline_section(points)
     lines += _fit_section(summary['fits'], axes)
     lines += _downstream_section(points, summary['fits']['seq_len'])
     lines += ['', '## Data saved', '']
@@ -422,6 +423,41 @@ def report(points: Points, summary: dict, shapes: dict[str, ModelConfig], intro:
         lines.append('Needs vanilla among --variants.')
     lines += ['', '## Figures', ''] + [f'![{f.stem}]({f.name})' for f in figures]
     return '\n'.join(lines) + '\n'
+
+
+def _against_baseline_section(points: Points) -> list[str]:
+    """Each variant's final eval loss minus vanilla's, each at its best LR, paired by seed, and whether the
+    difference is a finding (curves.judge); [] without vanilla among the variants."""
+    axes = points.axes
+    if BASELINE not in axes.variants or not points.others():
+        return []
+    rows = []
+    for size, seq_len, variant in itertools.product(axes.sizes, axes.seq_lens, points.others()):
+        mine = {r['seed']: r['eval_loss'] for r in points.at_best(variant, size, seq_len)}
+        theirs = {r['seed']: r['eval_loss'] for r in points.at_best(BASELINE, size, seq_len)}
+        deltas = [mine[seed] - theirs[seed] for seed in sorted(mine) if seed in theirs]
+        if deltas:
+            mean, spread = curves.mean_and_spread(deltas)
+            judged = curves.judge(list(mine.values()), list(theirs.values()), deltas)
+            rows.append(
+                [
+                    size,
+                    str(seq_len),
+                    variant,
+                    f'{mean:+.4f}' + ('' if math.isnan(spread) else f' ± {spread:.4f}'),
+                    judged,
+                ]
+            )
+    return (
+        [
+            '## Against vanilla',
+            '',
+            f"Final eval loss minus vanilla's, each at its best LR, paired by seed. {curves.JUDGEMENT_RULE}",
+            '',
+        ]
+        + _table(['size', 'seq_len', 'variant', 'Δ eval loss', 'judgement'], rows)
+        + ['']
+    )
 
 
 def _fit_section(fit: dict, axes: Axes) -> list[str]:

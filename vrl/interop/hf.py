@@ -189,6 +189,12 @@ def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     }
 
 
+_FIT_FIX = (
+    "train the variant and shapes the weights were made with (their config.json's architecture and sizes), "
+    'or leave --init_from out to start at random.'
+)
+
+
 def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, shapes: dict) -> dict:
     """Hugging Face tensors -> vrl parameters shaped like `shapes` (a pure dict of shapes; what no
     tensor fills, the vocabulary's padding, is zero). HFError names a missing, misshapen or unused tensor."""
@@ -199,16 +205,18 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, shapes: dict) -> d
     if unused:
         raise HFError(
             f'the Hugging Face weights have {", ".join(map(repr, unused[:5]))}'
-            f'{" and more" if len(unused) > 5 else ""}, which {cfg.variant_name} has no place for.'
+            f'{" and more" if len(unused) > 5 else ""}, which {cfg.variant_name} has no place for; {_FIT_FIX}'
         )
     for link in expected:
         target = _at(params, link.path)
         shape = target[link.index].shape
         hf_shape = link.to_hf(np.zeros(shape, np.float32)).shape
         if link.name not in tensors:
-            raise HFError(f'the Hugging Face weights have no {link.name!r} ({cfg.variant_name} needs it).')
+            raise HFError(f'the Hugging Face weights have no {link.name!r} ({cfg.variant_name} needs it); {_FIT_FIX}')
         if tensors[link.name].shape != hf_shape:
-            raise HFError(f'{link.name} has shape {tensors[link.name].shape} but this config needs {hf_shape}.')
+            raise HFError(
+                f'{link.name} has shape {tensors[link.name].shape} but this config needs {hf_shape}; {_FIT_FIX}'
+            )
         target[link.index] = link.from_hf(tensors[link.name].astype(np.float32), shape)
     return params
 

@@ -22,7 +22,7 @@ from typing import Callable
 import jax
 
 from vrl.core import backend
-from vrl.core.config import Config, ModelConfig
+from vrl.core.config import Config, ConfigError, ModelConfig, OptimizerConfig
 from vrl.model import attention, ops
 
 Say = Callable[[str], None]
@@ -65,9 +65,24 @@ def execution(config: Config, platform: str, say: Say = logging.info) -> Config:
         old = getattr(config.model, field)
         if new != old or why != 'as configured':  # a change, or an explicit value with a note
             say(f'model.{field}={new} ({old} on {platform}: {why})')
-    optimizer = config.optimizer
-    if not optimizer.decay_steps:  # the schedule ends with the run (after its warmup, at least)
-        optimizer = dataclasses.replace(optimizer, decay_steps=max(config.train.steps, optimizer.warmup_steps + 1))
     return dataclasses.replace(
-        config, model=dataclasses.replace(model, attention_impl=impl, hand_vjp=hand_vjp), optimizer=optimizer
+        config,
+        model=dataclasses.replace(model, attention_impl=impl, hand_vjp=hand_vjp),
+        optimizer=_schedule_with_run(config.optimizer, config.train.steps),
     )
+
+
+def _schedule_with_run(optimizer: OptimizerConfig, steps: int) -> OptimizerConfig:
+    """optimizer.decay_steps=0 as train.steps (after the warmup, at least). A wsd run too short for its
+    warmup is a ConfigError naming train.steps, the warmup and the warmup that fits."""
+    if optimizer.decay_steps:
+        return optimizer
+    decay_start = steps - round(optimizer.decay_fraction * steps)
+    if optimizer.schedule == 'wsd' and 0 < steps and decay_start < optimizer.warmup_steps:
+        raise ConfigError(
+            f'train.steps={steps} is too short for optimizer.warmup_steps={optimizer.warmup_steps}: the wsd '
+            f'schedule decays over the last {optimizer.decay_fraction:g} of the run, from step {decay_start}, '
+            f'inside the warmup; set --config.optimizer.warmup_steps={min(steps // 4, decay_start)} (or more '
+            'train.steps)'
+        )
+    return dataclasses.replace(optimizer, decay_steps=max(steps, optimizer.warmup_steps + 1))

@@ -4,10 +4,9 @@
         [--batch_size=B] [--include_path=DIR] [--log_samples]
 
 The workdir's latest checkpoint is scored in this process, sharded by the run's mesh over this
-machine's devices, by vrl/train/lm_eval_model.py's `VrlLM` (lm-eval's model `vrl`, which importing this
-module registers too). Writes lm-eval's results JSON and its table to
-WORKDIR/lm_eval/results_<time>.{json,md} (with --log_samples, also samples_<task>_<time>.jsonl,
-one scored request per line).
+machine's devices, by vrl/train/lm_eval_model.py's `VrlLM` (lm-eval's model `vrl`, registered when scoring starts).
+Writes lm-eval's results JSON and its table to WORKDIR/lm_eval/results_<time>.{json,md} (with
+--log_samples, also samples_<task>_<time>.jsonl, one scored request per line).
 """
 
 from __future__ import annotations
@@ -16,22 +15,16 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from absl import flags
 from etils import epath
 
-try:
-    from lm_eval.tasks import TaskManager
-    from lm_eval.utils import handle_non_serializable, make_table
-except ImportError as e:
-    raise ImportError(
-        f'vrl.tools.evaluate needs lm-evaluation-harness ({e}): pip install -r requirements-extra.txt'
-    ) from e
-
-from vrl.core import cli, storage
+from vrl.core import cli, extras, storage
 from vrl.train import checkpoint
-from vrl.train.lm_eval_model import VrlLM, run_tasks
-from vrl.train.lm_eval_tasks import task_manager_for
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
 
 
 @dataclasses.dataclass
@@ -54,6 +47,10 @@ def evaluate(
     """Runs lm-eval's tasks on the workdir's latest checkpoint and writes WORKDIR/lm_eval/results_<time>.*
     (limit: examples per task, or a fraction below 1; task_manager: one from task_manager_for, to share
     among several workdirs)."""
+    extras.require('vrl.tools.evaluate (lm-evaluation-harness)', 'lm_eval')
+    from vrl.train.lm_eval_model import VrlLM, run_tasks  # registers lm-eval's model `vrl`
+    from vrl.train.lm_eval_tasks import task_manager_for
+
     checkpoint.step_folder(workdir)  # no checkpoint: say so before indexing thousands of tasks
     task_manager = task_manager or task_manager_for(tasks, include_path)
     model = VrlLM(workdir, batch_size)
@@ -62,6 +59,8 @@ def evaluate(
 
 
 def _write(out: epath.Path, results: dict, step: int | None) -> EvalOutputs:
+    from lm_eval.utils import handle_non_serializable, make_table
+
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime('%Y%m%d-%H%M%S')
     samples = results.pop('samples', None) or {}
@@ -96,6 +95,7 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
 
 def main(args: cli.Args) -> None:
     cli.require(args, 'workdir')
+    extras.require('vrl.tools.evaluate (lm-evaluation-harness)', 'lm_eval')
     outputs = evaluate(
         args['workdir'].value,
         args['tasks'].value,

@@ -14,6 +14,7 @@ model is a plain LlamaForCausalLM and needs no remote code) and `AutoTokenizer.f
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -68,6 +69,7 @@ def publish(out: epath.Path, source: dict, overwrite: bool, write: Callable[[Pat
     try:
         write(staging)
         (staging / MARKER).write_text(json.dumps(source, indent=2))
+        _permissions_as_umask(staging)
         if not local:
             if held:
                 storage.delete(out / MARKER)  # the old export is incomplete from here on
@@ -82,6 +84,17 @@ def publish(out: epath.Path, source: dict, overwrite: bool, write: Callable[[Pat
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return sorted(p.name for p in out.iterdir())
+
+
+def _permissions_as_umask(folder: Path) -> None:
+    """The modes a plain `mkdir` and `open` give under the process's umask, for `folder` and its files
+    (mkdtemp makes 0700, safetensors writes 0600): others on a shared machine, or a serving container
+    under another user, can read an export wherever they can read a file this user writes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob('*'):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _define_flags() -> dict[str, flags.FlagHolder]:

@@ -3,7 +3,7 @@ the settings that make it fit.
 
     python -m vrl.main --config=configs/svformer_468m.py --compile_only --topology=v5e:4x4
 
-With `libtpu` installed (`pip install "jax[tpu]"`), `jax.experimental.topologies` describes a
+With `libtpu` installed (`pip install -r requirements-tpu.txt`), `jax.experimental.topologies` describes a
 TPU slice on any machine, so the step is compiled for that slice's devices and mesh without a
 TPU, and XLA's memory analysis says whether it fits each chip's HBM.
 
@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from vrl.core import backend, sharding
+from vrl.core import backend, extras, sharding
 from vrl.core.config import Config, ConfigError
 from vrl.core.errors import VrlError
 from vrl.model import accounting
@@ -57,6 +57,9 @@ TPU_GENERATIONS = {
 }
 
 
+TPU_FILE = 'requirements-tpu.txt'  # libtpu, which describes a TPU slice for an ahead-of-time compile
+
+
 class CompileError(VrlError, ValueError):
     """A topology that cannot be described, or a step that does not fit."""
 
@@ -71,6 +74,7 @@ def tpu_devices(topology: str, num_slices: int = 1) -> tuple[Sequence[jax.Device
             f'--topology={topology!r} is invalid: allowed GENERATION:SHAPE with GENERATION '
             f'one of {sorted(TPU_GENERATIONS)}, e.g. v5e:4x4 or v5p:2x2x2.'
         )
+    extras.require(f'--topology={topology} (describing a TPU slice; no TPU needed)', 'libtpu', requirements=TPU_FILE)
     dims = [int(d) for d in shape.split('x')]
     # describing a slice claims no chip: no need for libtpu's one-process lockfile, so several
     # compiles (processes, test workers) may run side by side
@@ -90,7 +94,7 @@ def tpu_devices(topology: str, num_slices: int = 1) -> tuple[Sequence[jax.Device
     except Exception as e:  # libtpu missing or the shape unknown to it
         raise CompileError(
             f'cannot describe TPU topology {topology!r}: {str(e).splitlines()[0]}. '
-            'Install libtpu with `pip install "jax[tpu]==<your jax version>"`.'
+            f'libtpu comes with `pip install -r {TPU_FILE}`.'
         ) from e
     return description.devices, generation.hbm_bytes
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 
 from etils import epath
 
@@ -79,14 +80,15 @@ def hold(guard: Guard) -> None:
 
 
 def release(guard: Guard) -> None:
-    """Releases the guard; a workdir that `hold` created and that holds nothing else is removed (a
-    run refused before it wrote anything leaves no trace)."""
+    """Releases the guard; a workdir that `hold` created and that holds no file but the guard's is
+    removed, with the empty folders made in it (Orbax's `checkpoints/`): a run refused before it wrote
+    anything leaves no trace."""
     guard.release()
     workdir = guard.path.parent
     if guard.created and set(storage.files(workdir)) <= {guard.path.name}:
         storage.delete(guard.path)
         if not storage.is_remote(workdir):
-            workdir.rmdir()
+            shutil.rmtree(workdir)
         guard.created = False
 
 

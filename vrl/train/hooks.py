@@ -32,6 +32,7 @@ from vrl.train import checkpoint
 from vrl.train import guard as guard_lib
 from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState
+from vrl.train.trackers import terminal
 from vrl.train.trackers.composite import Trackers
 
 SILENT_WAIT_SECONDS = 2.0  # a wait longer than this is said on the terminal
@@ -208,17 +209,19 @@ class HostMetrics:
                 **{f'tokens/{name}': n for name, n in read.items()},
                 **{f'epoch/{name}': n / max(self._train_tokens[name], 1) for name, n in read.items()},
             }
-        first = step == self._start_step + 1 and not logging_now  # what the silent minutes before it were
+        printed = logging_now and terminal.prints_at(step, config.train.print_every, config.train.steps)
+        first = step == self._start_step + 1 and not printed  # what the silent minutes before it were
         for i, m in enumerate(self.members):
             mine = self.group.member(host, i)
             self._check_finite(i, step, bool(mine['finite']))
             self.losses[i][step] = float(mine['loss'])
             if logging_now:
                 m.writer.write(step, {'loss': mine['loss'], 'lr': mine['lr'], 'grad_norm': mine['grad_norm'], **shared})
-            elif first:
+            if first:
                 m.writer.print(
                     f'step {step}: compiled and trained in {time.perf_counter() - self._interval_start:.0f} s '
-                    f'(loss {float(mine["loss"]):.4f}); the log follows every {config.train.log_every} steps'
+                    f'(loss {float(mine["loss"]):.4f}); the log follows every '
+                    f'{config.train.print_every or config.train.log_every} steps'
                 )
         if logging_now:
             self._interval_start, self._interval_steps, self._paused = time.perf_counter(), 0, 0.0

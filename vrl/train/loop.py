@@ -175,8 +175,6 @@ def _run(
         for path, label, member_config in zip(settled.paths, settled.labels, settled.member_configs):
             if request.fresh:
                 say(label + workdir_lib.start_over(path, member_config, checkpoint.latest_step(path)))
-        if settled.tokenizer_copy:
-            say(workdir_lib.copy_tokenizer(settled.paths[0], *settled.tokenizer_copy))
     multihost.sync('vrl workdir ready')
     for guard, epoch in zip(guards, multihost.summed(np.array([g.epoch if is_writer else 0 for g in guards]))):
         guard.epoch = int(epoch)  # process 0 took the guards: every process names its saves by their epochs
@@ -191,6 +189,8 @@ def _run(
             start.decide(trainer, c, path, manager, data_iterator, request, lambda line, label=label: say(label + line))
             for c, path, manager, label in zip(settled.member_configs, settled.paths, managers, settled.labels)
         ]
+        if is_writer and settled.tokenizer_copy:  # once the start is known to load: a refused one leaves nothing
+            say(workdir_lib.copy_tokenizer(settled.paths[0], *settled.tokenizer_copy))
         reads = {'data': pipeline.provenance(settled.config.data, settled.tokenizer)}
         for path, c, label, guard in zip(settled.paths, settled.member_configs, settled.labels, guards):
             writers.append(
@@ -404,6 +404,8 @@ def _announce(
             f'tokenizer {settled.tokenizer.path} ({settled.tokenizer.vocab_size:,} pieces); writing to {m.path}'
         )
         m.writer.print(f'MFU against {settled.peak}')
+        for note in plan.idle_settings(config, reads['datasets']):
+            m.writer.print(note)
         if not is_writer:
             tell_every_host(
                 [m],
@@ -416,7 +418,7 @@ def _announce(
             m.writer.print(note)
         if start_step >= config.train.steps and (config.train.steps or begun.origin == start.Origin.RESUMED):
             m.writer.print(f'nothing to train: the checkpoint is at step {start_step} = train.steps')
-        elif m is members[0]:
+        elif m is members[0] and config.train.steps:  # train.steps=0 saves the initial weights, no step
             m.writer.print('compiling the train step ...')
 
 

@@ -8,12 +8,15 @@ import json
 import logging
 import os
 import platform
+import resource
 import time
 from pathlib import Path
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+
+from vrl.core import backend
 
 # Dense bf16 peak FLOP/s per chip (vendor figures); matched on jax's device_kind, first hit wins.
 PEAK_FLOPS = (
@@ -49,7 +52,7 @@ def peak_flops(
 ) -> Peak:
     """The peak of `devices` (default: every device of the job): `configured` (train.peak_flops, per
     device) if set, else each accelerator's dense bf16 figure from PEAK_FLOPS, else on CPU each
-    host's matmul rate (`host_matmul_peak`: the CPU devices of one host share its cores)."""
+    host's reference matmul rate (`host_matmul_peak`: the CPU devices of one host share its cores)."""
     devices = list(jax.devices() if devices is None else devices)
     kind = devices[0].device_kind
     if configured:
@@ -60,53 +63,109 @@ def peak_flops(
     if devices[0].platform == 'cpu':
         hosts = len({d.process_index for d in devices})
         host = host_matmul_peak(compute_dtype)
-        each = f"{hosts} hosts x {_si(host)}FLOP/s: each host's" if hosts > 1 else "this host's"
-        return Peak(host * hosts, f'{each} best measured {compute_dtype} matmul rate, kept in {cpu_peak_file()}')
+        if hosts == 1:
+            return host
+        return Peak(
+            host.flops * hosts,
+            f'{hosts} hosts x {_si(host.flops)}FLOP/s, ' + host.source.replace("this host's", "each host's"),
+        )
     logging.warning('no peak FLOP/s known for device kind %r: set train.peak_flops for MFU', kind)
     return Peak(float('nan'), f'unknown for {kind}: set train.peak_flops')
 
 
 def cpu_peak_file() -> Path:
-    """Where the best matmul rates measured on this machine are kept."""
+    """Where each CPU's reference matmul rates are kept, measured once on an idle machine."""
     return Path.home() / '.cache' / 'vrl' / 'cpu_peak.json'
 
 
+BUSY_LIMIT = 0.1  # the share of its cores other work may take while a reference rate is measured
+
+
 @functools.cache
-def host_matmul_peak(compute_dtype: str = 'float32', n: int = 1024) -> float:
-    """This host's matmul FLOP/s in `compute_dtype` (accumulating in float32): the best of a jitted
-    n x n matmul repeated for PROBE_SECONDS, or the best this CPU (model and core count) has shown
-    before, kept in `cpu_peak_file()`. A probe taken while other work shares the cores reads low;
-    keeping the best keeps MFU from reading high on a busy host."""
+def host_matmul_peak(compute_dtype: str = 'float32', n: int = 1024) -> Peak:
+    """This host's reference matmul FLOP/s in `compute_dtype` (accumulating in float32), a property of
+    the machine: for each (CPU model, cores this process may use, dtype, matmul kernels), the best of
+    a jitted n x n matmul repeated for PROBE_SECONDS, measured the first time with the cores idle and
+    kept in `cpu_peak_file()`; later runs read it and never replace it (remove the file to measure
+    again). A probe during which other work took more than BUSY_LIMIT of the cores reads low and is
+    not kept: that run's MFU is against it, said to be provisional."""
+    key = f'{_cpu_model()} | {len(os.sched_getaffinity(0))} cores | {compute_dtype} | {backend.cpu_matmul_path()}'
+    where = f'on {backend.describe_cpu_isa()} with {backend.cpu_matmul_path()} kernels'
+    kept = _read_kept()
+    if key in kept:
+        reference = kept[key]
+        return Peak(
+            reference['flops'],
+            f"this host's {compute_dtype} matmul rate {where}, measured idle on {reference['measured']}, kept in "
+            f'{cpu_peak_file()}',
+        )
+    flops, others = _probe(compute_dtype, n)
+    if others > BUSY_LIMIT:
+        return Peak(
+            flops,
+            f"this host's {compute_dtype} matmul rate {where}, measured now, provisional: other work took "
+            f'{others:.0%} of the cores meanwhile, so it is not kept as the reference and MFU may read high',
+        )
+    kept[key] = {'flops': flops, 'measured': time.strftime('%Y-%m-%d'), 'others_busy': round(others, 3)}
+    try:
+        path = cpu_peak_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f'{path.name}.{os.getpid()}')
+        temporary.write_text(json.dumps(kept, indent=1, sort_keys=True))
+        temporary.replace(path)
+    except OSError:  # a read-only home: this probe's figure alone
+        pass
+    return Peak(flops, f"this host's {compute_dtype} matmul rate {where}, measured idle now, kept in {cpu_peak_file()}")
+
+
+def _probe(compute_dtype: str, n: int) -> tuple[float, float]:
+    """(the best FLOP/s of an n x n matmul over PROBE_SECONDS and at least 8 repeats, the share of this
+    process's cores that other work took meanwhile)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(compute_dtype)
     matmul = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
     matmul(a).block_until_ready()
-    best, started, repeats = float('inf'), time.perf_counter(), 0
+    busy_before, own_before, started = _cores_busy_seconds(), _own_cpu_seconds(), time.perf_counter()
+    best, repeats = float('inf'), 0
     while repeats < 8 or time.perf_counter() - started < PROBE_SECONDS:
         start = time.perf_counter()
         matmul(a).block_until_ready()
         best, repeats = min(best, time.perf_counter() - start), repeats + 1
-    measured = 2 * n**3 / best
-    key = f'{_cpu_model()} | {len(os.sched_getaffinity(0))} cores | {compute_dtype}'
-    kept = _read_kept()
-    if measured > kept.get(key, 0.0):
-        kept[key] = measured
-        try:
-            path = cpu_peak_file()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_name(f'{path.name}.{os.getpid()}')
-            temporary.write_text(json.dumps(kept, indent=1, sort_keys=True))
-            temporary.replace(path)
-        except OSError:  # a read-only home: this probe's figure alone
-            pass
-    return kept[key]
+    wall = time.perf_counter() - started
+    others = (_cores_busy_seconds() - busy_before) - (_own_cpu_seconds() - own_before)
+    return 2 * n**3 / best, max(others, 0.0) / (wall * len(os.sched_getaffinity(0)))
 
 
-def _read_kept() -> dict[str, float]:
+def _cores_busy_seconds(stat: Path = Path('/proc/stat')) -> float:
+    """CPU seconds spent so far on the cores this process may use, by anyone (user, system, interrupts,
+    and time a hypervisor gave to other machines: steal); 0 where /proc/stat is not there."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return 0.0
+    mine, ticks = {f'cpu{i}' for i in os.sched_getaffinity(0)}, os.sysconf('SC_CLK_TCK')
+    busy = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name in mine:  # user nice system idle iowait irq softirq steal ...
+            values = [int(v) for v in fields[:8]]
+            busy += sum(values) - values[3] - values[4]
+    return busy / ticks
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _read_kept() -> dict[str, dict]:
+    """The kept references, {key: {'flops', 'measured', 'others_busy'}}; records of another form are not read."""
     try:
         kept = json.loads(cpu_peak_file().read_text())
     except (OSError, ValueError):
         return {}
-    return {k: float(v) for k, v in kept.items() if isinstance(v, (int, float))} if isinstance(kept, dict) else {}
+    if not isinstance(kept, dict):
+        return {}
+    return {k: v for k, v in kept.items() if isinstance(v, dict) and isinstance(v.get('flops'), (int, float))}
 
 
 def _cpu_model() -> str:

@@ -15,7 +15,7 @@ from etils import epath
 from jax.sharding import Mesh
 
 from vrl.core import multihost, sharding
-from vrl.core.config import Config
+from vrl.core.config import Config, DataConfig
 from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer
 from vrl.model import resolve
@@ -78,3 +78,26 @@ def settle(
         # before the data's workers start: a CPU's matmul probe must not share the cores with them
         peak=metrics.peak_flops(config.train.peak_flops, resolve.local_compute_dtype(config.model)),
     )
+
+
+def idle_settings(config: Config, datasets: dict[str, dict[str, Any]]) -> list[str]:
+    """Notes for settings that change nothing in this run as it reads and trains here, though they may
+    on another machine or at another shape: the windows' block settings where every dataset is read
+    by document (`datasets`: pipeline.provenance's), and a local attention window that covers the
+    whole sequence."""
+    notes, data, defaults = [], config.data, DataConfig()
+    by_document = all(d['shuffle'] == 'by document' for d in datasets.values())
+    for name in ('block_tokens', 'window_blocks'):
+        if by_document and getattr(data, name) != getattr(defaults, name):
+            notes.append(
+                f'note: data.{name}={getattr(data, name)} does nothing here: the training data is read by document '
+                f"(data.shuffle={data.shuffle!r}; 'auto' reads windows of blocks from an object store only, "
+                "'windows' everywhere)"
+            )
+    window = config.model.attention_window
+    if window and window >= data.seq_len:
+        notes.append(
+            f'note: model.attention_window={window} covers the whole sequence (data.seq_len={data.seq_len}): '
+            'every layer attends to all positions in this run; local layers differ at longer sequences only'
+        )
+    return notes

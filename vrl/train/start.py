@@ -106,9 +106,24 @@ def decide(
     return Start(Origin.FRESH, trainer.init_state(config.train.seed)._replace(params=params))
 
 
+INIT_FROM_FIX = (
+    '--init_from loads weights into a model of the same variant and shapes: train with the model '
+    "settings of the run they came from (its config.json's model section), or leave --init_from out to "
+    'start at random.'
+)
+
+
 def initial_params(init_from: str, trainer: TrainSteps, config: Config) -> tuple[Any, str]:
     """--init_from: another run's checkpoint (any model whose shapes match), or `hf:DIR`, a Hugging
-    Face Llama directory (vrl/interop/hf.py), placed in the training layout; and what to log about it."""
+    Face Llama directory (vrl/interop/hf.py), placed in the training layout; and what to log about it.
+    A source that does not fit is a CheckpointMismatchError naming the flag, the cause and the fix."""
+    try:
+        return _initial_params(init_from, trainer, config)
+    except checkpoint.CheckpointMismatchError as e:
+        raise checkpoint.CheckpointMismatchError(f'--init_from={init_from}: {e} {INIT_FROM_FIX}') from None
+
+
+def _initial_params(init_from: str, trainer: TrainSteps, config: Config) -> tuple[Any, str]:
     if not init_from.startswith('hf:'):
         return checkpoint.restore_params(init_from, trainer.abstract_state.params), ''
     from vrl.interop import hf  # safetensors: requirements-extra.txt

@@ -9,6 +9,12 @@ from typing import Any
 from vrl.train.trackers.tracker import Tracker
 
 
+def prints_at(step: int, print_every: int, total_steps: int) -> bool:
+    """Whether a training record of `step` is a line on the terminal: multiples of `print_every` (0:
+    every record) and the last step."""
+    return not print_every or step % print_every == 0 or step == total_steps
+
+
 class TerminalTracker(Tracker):
     def __init__(self, total_steps: int, start_step: int, label: str, print_every: int = 0):
         """`label` starts every line (a run trained in a group: its folder's name); a training record is
@@ -65,7 +71,7 @@ class TerminalTracker(Tracker):
         if self._bar is not None:
             self._bar.set_postfix_str(short, refresh=False)
             self._bar.update(step - self._bar.n)
-        elif not self.print_every or step % self.print_every == 0 or step == self.total_steps:
+        elif prints_at(step, self.print_every, self.total_steps):
             eta = (self.total_steps - step) * record['step_time']
             self.print(f'step {step}/{self.total_steps}  {short}  eta {eta / 60:.1f} min')
 
