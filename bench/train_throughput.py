@@ -11,8 +11,9 @@ and vanilla's own row is the median over all its steps.
 MFU counts model FLOPs only: 6 x (weight-matmul parameters, the output head included) per token
 plus the causal attention matmuls (vrl.model.accounting.training_flops_per_token). The peak is this
 host's matmul FLOP/s in the compute dtype (`--dtype`: float32 by default on CPU, bfloat16 on
-accelerators): the best a jitted 1024^3 matmul has run at on this CPU (vrl.train.metrics.peak_flops,
-named in the table's first line); on an accelerator, the device's bf16 peak.
+accelerators): this CPU's reference rate of a jitted 1024^3 matmul, measured once with its cores idle
+and kept (vrl.train.metrics.host_matmul_peak; the table's first line names it, with the CPU's ISA and
+whose matmul kernels ran: XLA's, or oneDNN's on an AMX CPU); on an accelerator, the device's bf16 peak.
 Step time is the median of the timed steps; `GiB` is the compiled step's memory per device as
 XLA plans it (arguments, outputs and temporaries, less what they alias), read from the same
 program through the compilation cache. `--context N` splits each sequence over N devices

@@ -67,8 +67,8 @@ def test_a_ctrl_c_that_lands_inside_a_print_is_said_after_it(capsys):
 
 def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hooks(monkeypatch, small_corpus):
     """On a clock the test moves: 4 steps of 2 s, then a 100 s evaluation, then 4 more steps of 2 s.
-    Each logged interval reports 4 x batch x seq_len tokens over 8 s (the evaluation left out), and
-    MFU is FLOPs per token x tokens/s over the peak."""
+    The second logged interval reports 4 x batch x seq_len tokens over 8 s (the evaluation left out),
+    MFU being FLOPs per token x tokens/s over the peak; the first leaves out step 1, the compile."""
     import types
 
     import numpy as np
@@ -99,14 +99,15 @@ def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hook
             now[0] += 100.0  # the hooks due at step 4: an evaluation
             host.pause(100.0)
     host.settle()
-    tokens = 4 * config.data.batch_size * config.data.seq_len
+    per_step = config.data.batch_size * config.data.seq_len
     assert sorted(logged) == [4, 8]
     assert said == [
         'step 1: compiled and trained in 4 s (loss 3.0000); the log follows every 4 steps'
     ]  # read a step late
-    for step in (4, 8):
-        assert logged[step]['tokens_per_sec'] == pytest.approx(tokens / 8.0) and logged[step]['step_time'] == 2.0
-        assert logged[step]['mfu'] == pytest.approx(1e6 * tokens / 8.0 / 1e9)
+    # the first interval starts where step 1 (its compile) is read, at 4 s: steps 2-4 by 8 s
+    assert logged[4]['tokens_per_sec'] == pytest.approx(3 * per_step / 4.0) and logged[4]['step_time'] == 4.0 / 3
+    assert logged[8]['tokens_per_sec'] == pytest.approx(4 * per_step / 8.0) and logged[8]['step_time'] == 2.0
+    assert logged[8]['mfu'] == pytest.approx(1e6 * 4 * per_step / 8.0 / 1e9)
 
 
 def test_a_run_that_records_every_step_but_prints_later_says_its_first_step(small_corpus):

@@ -525,3 +525,25 @@ def test_bits_per_byte_counts_the_original_text_whatever_the_normaliser(small_co
         len(t.encode('utf-8')) for t in held_out
     )
     assert all(not b['target_bytes'][b['loss_mask'] == 0].any() for b in batches)
+
+
+@pytest.mark.parametrize('damaged', ['.tokens', '.offsets.npy'])
+def test_a_truncated_shard_is_named_before_anything_reads_it(pretokenized, hf_tokenizer, tmp_path, damaged):
+    """A shard's tokens (or offsets) cut to half their size, an even size that numpy would read: the
+    copy is refused in one line naming the shard, its size, what its index says and the fix."""
+    cfg, folder = pretokenized
+    data_dir = tmp_path / 'data'
+    shutil.copytree(Path(cfg.data_dir) / 'plays', data_dir / 'plays')
+    copy = data_dir / Path(folder).relative_to(cfg.data_dir)
+    info = json.loads((copy / tokens.MARKER).read_text())
+    shard = copy / f'{info["splits"]["train"]["shards"][3]}{damaged}'
+    size = shard.stat().st_size
+    assert tokens.find('plays', str(data_dir), 'train', hf_tokenizer) is not None  # intact: read
+    shard.write_bytes(shard.read_bytes()[: size // 2 // 2 * 2])
+    with pytest.raises(corpus.DataError) as refused:
+        tokens.find('plays', str(data_dir), 'train', hf_tokenizer)
+    said = str(refused.value)
+    assert (
+        said.startswith(f'{shard} holds {size // 2 // 2 * 2:,} bytes') and 'the pre-tokenized copy is damaged' in said
+    )
+    assert said.endswith('--overwrite`, or tokenize on the fly: data.pretokenized=false.'), said

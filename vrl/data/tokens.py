@@ -133,7 +133,40 @@ def find(name: str, data_dir: str, split: str, tokenizer: Tokenizer, text_field:
     )
     shards = [str(where / shard) for shard in entry['shards']]
     documents = entry.get('shard_documents') or _shard_documents(shards)
+    _check_sizes(where, entry['shards'], np.dtype(info['dtype']), documents, entry['tokens'], make)
     return TokenSource(shards, info['dtype'], documents, entry['tokens'])
+
+
+def _check_sizes(
+    where: epath.Path, names: list[str], dtype: np.dtype, documents: list[int], total: int, make: str
+) -> None:
+    """DataError naming the first shard whose files are not the size their index says (a truncated or
+    overwritten copy): its .offsets.npy holds documents + 1 int64 offsets after a header of a multiple
+    of 64 bytes, and the split's .tokens files hold `total` tokens of `dtype`, each shard its last
+    offset's worth. One listing; each shard's last offset is read only when the sum is off."""
+    sizes = storage.files(where)
+    fix = f'make it again with `{make} --overwrite`, or tokenize on the fly: data.pretokenized=false.'
+    for name, n in zip(names, documents):
+        offsets = sizes.get(f'{name}.offsets.npy', 0)
+        header = offsets - 8 * (n + 1)
+        if header <= 0 or header % 64:
+            raise corpus.DataError(
+                f'{where / name}.offsets.npy holds {offsets:,} bytes, not a header and the {n + 1:,} offsets '
+                f'of its {n:,} documents: the pre-tokenized copy is damaged; {fix}'
+            )
+    if sum(sizes.get(f'{name}.tokens', 0) for name in names) == total * dtype.itemsize:
+        return
+    for name, n in zip(names, documents):
+        expected = Shard(str(where / name), dtype, n).token_count() * dtype.itemsize
+        if sizes.get(f'{name}.tokens', 0) != expected:
+            raise corpus.DataError(
+                f'{where / name}.tokens holds {sizes.get(f"{name}.tokens", 0):,} bytes, but its offsets end '
+                f'at {expected // dtype.itemsize:,} {dtype.name} tokens ({expected:,} bytes): the pre-tokenized '
+                f'copy is damaged (truncated or overwritten); {fix}'
+            )
+    raise corpus.DataError(
+        f"{where}: the shards' tokens add up to another count than its {MARKER} records ({total:,}): {fix}"
+    )
 
 
 def _stale(info: dict, entry: dict, dataset_fingerprint: str, documents: int, text_field: str) -> str:

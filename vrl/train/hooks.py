@@ -156,7 +156,8 @@ class HostMetrics:
     """The host side of each step, one step late: train.nan_policy, the loss record, and every
     train.log_every steps the log line (with the tokens read from each dataset, summed over the
     processes); at the end, a run that skipped most of its steps is an error. tokens/s and MFU are
-    the interval's tokens over its wall time less the hooks' (`pause`)."""
+    the interval's tokens over its wall time less the hooks' (`pause`); the first step (its compile)
+    is in no interval but its own."""
 
     def __init__(
         self,
@@ -223,7 +224,7 @@ class HostMetrics:
                     f'(loss {float(mine["loss"]):.4f}); the log follows every '
                     f'{config.train.print_every or config.train.log_every} steps'
                 )
-        if logging_now:
+        if logging_now or step == self._start_step + 1:  # the first interval leaves the compile out
             self._interval_start, self._interval_steps, self._paused = time.perf_counter(), 0, 0.0
 
     def check_skipped(self, step: int) -> None:
