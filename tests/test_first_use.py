@@ -125,10 +125,14 @@ TINY = f'--config={ROOT / "configs/tiny.py"}'
         (
             'matplotlib',
             ['vrl.experiments.compare', TINY, '--variants=vanilla', '--workdir=out'],
-            "comparison's figures",
+            'compare (for its figures)',
         ),
-        ('matplotlib', ['vrl.experiments.study', TINY, '--variants=vanilla', '--workdir=out'], "study's figures"),
-        ('matplotlib', ['vrl.experiments.analyze', '--workdir=runs/a', '--out=out'], 'the analysis figures'),
+        (
+            'matplotlib',
+            ['vrl.experiments.study', TINY, '--variants=vanilla', '--workdir=out'],
+            'study (for its figures)',
+        ),
+        ('matplotlib', ['vrl.experiments.analyze', '--workdir=runs/a', '--out=out'], 'analyze (for its figures)'),
         ('lm_eval', ['vrl.tools.evaluate', '--workdir=runs/a', '--tasks=piqa'], 'vrl.tools.evaluate'),
         (
             'lm_eval',

@@ -2,7 +2,7 @@
 command does any work:
 a comparison that would train for an hour and then fail to draw its figures stops at its first line.
 
-    extras.require('the report's figures', 'matplotlib')
+    extras.require('vrl.experiments.compare (for its figures)', 'matplotlib')
 
 Each check looks the packages up without importing them (importlib.util.find_spec).
 """

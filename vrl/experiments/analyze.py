@@ -111,7 +111,7 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
 
 def main(args: cli.Args) -> None:
     cli.require(args, 'workdir', 'out')
-    extras.require('the analysis figures', 'matplotlib')
+    extras.require('vrl.experiments.analyze (for its figures)', 'matplotlib')
     workdirs = args['workdir'].value
     out = storage.path(args['out'].value)
     storage.check_writable(out.parent, '--out')  # before any work; out itself only once there are results

@@ -141,7 +141,7 @@ def main(args: cli.Args) -> None:
         return
     cli.require(args, 'config', 'workdir')
     cli.enable_compilation_cache()
-    extras.require("the comparison's figures", 'matplotlib')
+    extras.require('vrl.experiments.compare (for its figures)', 'matplotlib')
     if args['tasks'].value:
         extras.require('--tasks (lm-evaluation-harness)', 'lm_eval')
     workdir = storage.path(args['workdir'].value)

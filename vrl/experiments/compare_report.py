@@ -87,7 +87,7 @@ def write_plots(results: list[dict], variants: list[str], workdir: epath.Path) -
             workdir / 'eval_loss.png',
             'Validation loss',
             'step',
-            'eval loss (mean; shaded: ± one standard deviation over seeds)',
+            'eval loss (mean; shaded: ±1 s.d. of seeds)',
             eval_lines,
         )
     ]

@@ -305,7 +305,7 @@ def main(args: cli.Args) -> None:
     cli.enable_compilation_cache()
     base = from_configdict(args['config'].value)
     if not args['list'].value:
-        extras.require("the study's figures", 'matplotlib')
+        extras.require('vrl.experiments.study (for its figures)', 'matplotlib')
         if base.train.task_names:
             extras.require('train.downstream_tasks (lm-evaluation-harness)', 'lm_eval')
     axes = Axes(

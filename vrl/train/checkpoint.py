@@ -379,7 +379,8 @@ def check_model(saved: dict | None, model: ModelConfig, where: str) -> None:
             raise CheckpointMismatchError(
                 f'{where} was trained with model.{name}={_normalized(value)!r} but the config has '
                 f'model.{name}={_normalized(current[name])!r}; a different model cannot resume this run '
-                '(start it from these weights in a new --workdir with --init_from).'
+                '(train it in a new --workdir: from these weights with --init_from where its parameter '
+                'shapes are the same (another attention_window, say), else from scratch).'
             )
 
 
