@@ -263,3 +263,54 @@ def test_each_taking_is_a_new_epoch_and_a_lost_holder_commits_nothing(gcs):
     again.acquire()
     assert again.epoch == 3
     again.release()
+
+
+@pytest.mark.parametrize('damage', ['deleted', 'garbled'])
+def test_a_lost_lease_record_is_recovered_from_the_workdir_not_reset(gcs, damage):
+    """The .lock deleted (or overwritten with what is not a lease) under a fenced workdir: the next run
+    writes in an epoch above every one the workdir's objects are named for, with the step folders that
+    carry Orbax's marker as committed and the metrics files as logged, and says so; nothing of epoch 1
+    is written over."""
+    fs = bucket_fs()
+    holder = _lease(f'lost-{damage}')
+    holder.acquire()
+    for step in (10, 20):
+        fs.pipe_file(f'vrl/leases/lost-{damage}/checkpoints/{step}.e1/state/a', b'x')
+        fs.pipe_file(f'vrl/leases/lost-{damage}/checkpoints/{step}.e1/commit_success.txt', b'')
+        holder.commit(step=step)
+    fs.pipe_file(f'vrl/leases/lost-{damage}/checkpoints/30.e1/state/a', b'half')  # a save that never finished
+    fs.pipe_file(f'vrl/leases/lost-{damage}/metrics.e1.jsonl', b'{"step": 1}\n' * 41)
+    holder.release()
+    if damage == 'deleted':
+        fs.rm(f'vrl/leases/lost-{damage}/.lock')
+    else:
+        fs.pipe_file(f'vrl/leases/lost-{damage}/.lock', b'\x00 not json')
+    said = []
+    workdir = storage.path(f'gs://vrl/leases/lost-{damage}')
+    assert lease_lib.read_fence(workdir) == lease_lib.Fence(1, {10: 1, 20: 1}, {1: 41 * 12})  # what readers see
+    taker = lease_lib.Lease(workdir, stale_after=STALE, say=said.append)
+    taker.acquire()
+    try:
+        assert (taker.epoch, taker.committed, taker.logged) == (2, {10: 1, 20: 1}, {1: 41 * 12})
+        why = 'missing' if damage == 'deleted' else 'not a lease record'
+        assert said == [
+            f'the lease {workdir}/.lock was {why}, but the workdir holds objects of lease epochs up to 1: this '
+            'run writes in epoch 2, with the steps whose folders carry commit_success.txt as committed ([10, 20])'
+        ]
+        assert lease_lib.read_fence(workdir) == lease_lib.Fence(2, {10: 1, 20: 1}, {1: 41 * 12})
+    finally:
+        taker.release()
+
+
+def test_a_run_moved_aside_on_a_bucket_reads_without_its_lease(gcs):
+    """--fresh moves a fenced run's step folders to previous_runs/T and leaves the lease behind: its
+    committed steps are still readable there, by their folders' markers (export, --branch_from)."""
+    from vrl.train import checkpoint
+
+    fs = bucket_fs()
+    moved = 'vrl/leases/moved/previous_runs/20261202-101010'
+    fs.pipe_file(f'{moved}/checkpoints/10.e1/commit_success.txt', b'')
+    fs.pipe_file(f'{moved}/checkpoints/20.e2/commit_success.txt', b'')
+    fs.pipe_file(f'{moved}/checkpoints/30.e2/state/a', b'unfinished')
+    readable = checkpoint.readable_steps(storage.path(f'gs://{moved}/checkpoints'))
+    assert {s: m.path.name for s, m in readable.items()} == {10: '10.e1', 20: '20.e2'}

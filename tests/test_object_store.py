@@ -169,6 +169,36 @@ def test_a_second_writer_is_refused_and_a_stale_lease_taken_over(gcs, bucket_con
     assert 'taking it over in' not in forced.stdout
 
 
+def test_a_deleted_lease_does_not_make_the_run_start_over(gcs, bucket_config, tmp_path):
+    """A run on the bucket to step 4, its .lock then deleted: the same command with more steps resumes
+    at step 4 in epoch 2 (recovered from the step folders' markers) and leaves every object of epoch 1
+    as it was; the metrics keep epoch 1's steps before epoch 2's."""
+    from vrl.core import storage
+    from vrl.train.trackers import stored
+
+    short = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=4))
+    first = _run(short, 'gs://vrl/unleased', gcs, tmp_path / 'host')
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = _objects('vrl/unleased/')
+    assert 'vrl/unleased/checkpoints/4.e1/commit_success.txt' in before
+    bucket_fs().rm('vrl/unleased/.lock')
+    again = _run(bucket_config, 'gs://vrl/unleased', gcs, tmp_path / 'host2')
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert 'resumed at step 4' in again.stdout and 'fresh start' not in again.stdout, again.stdout
+    assert 'the lease gs://vrl/unleased/.lock was missing, but the workdir holds objects of lease epochs up to 1' in (
+        again.stdout
+    )
+    after = _objects('vrl/unleased/')
+    restarted = {'vrl/unleased/.lock', 'vrl/unleased/config.json'}  # every start records itself in config.json
+    assert {k: v for k, v in after.items() if k in before and k not in restarted} == {
+        k: v for k, v in before.items() if k not in restarted
+    }
+    assert 'vrl/unleased/checkpoints/8.e2/commit_success.txt' in after
+    assert [r['step'] for r in stored.read_metrics(storage.path('gs://vrl/unleased')) if 'loss' in r] == list(
+        range(1, 9)
+    )
+
+
 def _objects(prefix: str) -> dict[str, int]:
     """Every object under `prefix` and its generation (which any rewrite changes)."""
     return {name: int(info['generation']) for name, info in bucket_fs().find(prefix, detail=True).items()}

@@ -43,6 +43,7 @@ from vrl.core.errors import CheckpointError, VrlError
 from vrl.train import guard as guard_lib
 from vrl.train import lease, orbax_noise
 from vrl.train import workdir as workdir_lib
+from vrl.train.workdir import COMMITTED, step_of
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
@@ -124,12 +125,6 @@ def step_path(workdir: epath.Path, step: int, epoch: int) -> epath.Path:
     folder = workdir / 'checkpoints'
     names = _step_names(folder, epoch)
     return folder / (names.build_name(step) if names else str(step))
-
-
-def step_of(name: str) -> tuple[int, int] | None:
-    """(step, epoch) of a step folder's name: STEP (epoch 0) or STEP.eEPOCH; None for another name."""
-    step, _, epoch = name.partition('.e')
-    return (int(step), int(epoch or 0)) if step.isdigit() and (not epoch or epoch.isdigit()) else None
 
 
 def readable_steps(folder: epath.Path) -> dict[int, step_lib.Metadata]:
@@ -287,9 +282,6 @@ def _remove_partials(folder: epath.Path, epoch: int, tries: int = 10) -> None:
         for partial in partials:
             partial.rmtree(missing_ok=True)
         time.sleep(PARTIAL_QUIET_SECONDS)
-
-
-COMMITTED = 'commit_success.txt'  # the object Orbax writes last into a step saved on an object store
 
 
 def _unfinished(folder: epath.Path, epoch: int) -> list[epath.Path]:

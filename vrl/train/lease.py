@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -20,7 +21,9 @@ from typing import Any, Callable
 from etils import epath
 
 from vrl.core import peers, storage
-from vrl.train.workdir import WorkdirError, step_name, steps_in
+from vrl.train.workdir import COMMITTED, WorkdirError, step_name, step_of, steps_in
+
+NOT_A_LEASE = 'not_a_lease'  # marks the record `Lease._read` stands in for a .lock that is not a lease
 
 
 def holder_line() -> str:
@@ -101,12 +104,14 @@ class Lease:
             return None
         try:
             return json.loads(found[0]), found[1]
-        except ValueError:  # not a lease (a local workdir's flock file, copied up with it): free
-            return {'holder': 'a .lock that is not a lease', 'token': '', 'released': True}, found[1]
+        except ValueError:  # not a lease (a local workdir's flock file, copied up, or a damaged record): free
+            return {'holder': 'a .lock that is not a lease', 'token': '', 'released': True, NOT_A_LEASE: True}, found[1]
 
     def _succeed(self, held: dict[str, Any] | None) -> None:
-        """This run's epoch and readable objects, taking over from record `held` (None: the first)."""
-        fence = read_fence_record(held or {})
+        """This run's epoch and readable objects, taking over from record `held`; where there is none, or
+        it is not a lease, from what the workdir's objects say (`recover_fence`), so that no step or
+        metrics file of an earlier epoch is written over."""
+        fence = read_fence_record(held) if held and not held.get(NOT_A_LEASE) else recover_fence(self.path.parent)
         self.epoch, self.committed, self.logged = fence.epoch + 1, fence.committed, fence.logged
 
     def _write(self, generation: int) -> bool:
@@ -126,11 +131,14 @@ class Lease:
             self._succeed(found and found[0])
             if found is None:
                 if self._write(0):
+                    self._say_recovered('missing')
                     break
                 continue  # created by another run meanwhile: read it
             held, generation = found
             if held.get('released'):
                 if self._write(generation):
+                    if held.get(NOT_A_LEASE):
+                        self._say_recovered('not a lease record')
                     break
                 continue
             if not self.take_over:
@@ -150,6 +158,15 @@ class Lease:
             return line
         self._start_renewing()
         return ''
+
+    def _say_recovered(self, why: str) -> None:
+        """Tells the user that the fence of a workdir with earlier epochs came from its objects."""
+        if self.epoch > 1:
+            self.say(
+                f'the lease {self.path} was {why}, but the workdir holds objects of lease epochs up to '
+                f'{self.epoch - 1}: this run writes in epoch {self.epoch}, with the steps whose folders carry '
+                f'{COMMITTED} as committed ({sorted(self.committed) or "none"})'
+            )
 
     def _wait_out(self, held: dict[str, Any], generation: int) -> None:
         """Returns once `generation` has stayed the live one for stale_after seconds; WorkdirError as
@@ -304,14 +321,33 @@ def read_fence_record(record: dict[str, Any]) -> Fence:
 
 
 def read_fence(workdir: epath.Path) -> Fence:
-    """The fence of the lease at `workdir` (a remote workdir's; none elsewhere or before a run)."""
+    """The fence of the lease at `workdir` (a remote workdir's; none elsewhere); where its lease is gone
+    or is not a lease record (a run moved aside by --fresh, whose lease stays behind; a deleted or
+    damaged .lock), what the workdir's objects say (`recover_fence`)."""
     if not storage.is_remote(workdir):
         return Fence()
     found = storage.read_versioned(workdir / '.lock') if str(workdir).startswith(('gs://', 'gcs://')) else None
     try:
-        return read_fence_record(json.loads(found[0])) if found else Fence()
-    except (ValueError, AttributeError):  # a local flock file copied up: no lease
-        return Fence()
+        return read_fence_record(json.loads(found[0])) if found else recover_fence(workdir)
+    except (ValueError, AttributeError):  # a local flock file copied up, or a damaged record
+        return recover_fence(workdir)
+
+
+def recover_fence(workdir: epath.Path) -> Fence:
+    """A remote workdir's fence from its objects alone (one listing): the newest epoch any step folder
+    (checkpoints/STEP.eEPOCH) or metrics file (metrics.eEPOCH.jsonl) is named for, each step's newest
+    folder that carries Orbax's COMMITTED marker, and each epoch's metrics file whole."""
+    epochs, committed, logged = [0], {}, {}
+    for relative, size in (storage.files(workdir) if storage.is_remote(workdir) else {}).items():
+        parts = relative.split('/')
+        if len(parts) >= 3 and parts[0] == 'checkpoints' and (named := step_of(parts[1])) and named[1]:
+            epochs.append(named[1])
+            if parts[2:] == [COMMITTED] and named[1] >= committed.get(named[0], 0):
+                committed[named[0]] = named[1]
+        elif len(parts) == 1 and (metrics := re.fullmatch(r'metrics\.e(\d+)\.jsonl', relative)):
+            epochs.append(int(metrics.group(1)))
+            logged[int(metrics.group(1))] = size
+    return Fence(max(epochs), dict(sorted(committed.items())), logged)
 
 
 def elapsed_seconds() -> float:

@@ -42,6 +42,15 @@ def step_name(step: int | str, epoch: int | str) -> str:
     return f'{step}.e{epoch}'
 
 
+def step_of(name: str) -> tuple[int, int] | None:
+    """(step, epoch) of a step folder's name: STEP (epoch 0) or STEP.eEPOCH; None for another name."""
+    step, _, epoch = name.partition('.e')
+    return (int(step), int(epoch or 0)) if step.isdigit() and (not epoch or epoch.isdigit()) else None
+
+
+COMMITTED = 'commit_success.txt'  # the object Orbax writes last into a step saved on an object store
+
+
 def metrics_file(epoch: int | str) -> str:
     """The metrics file of a run of lease `epoch` in an object-store workdir ('*': a glob of them all)."""
     return f'metrics.e{epoch}.jsonl'
