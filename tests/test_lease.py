@@ -314,3 +314,37 @@ def test_a_run_moved_aside_on_a_bucket_reads_without_its_lease(gcs):
     fs.pipe_file(f'{moved}/checkpoints/30.e2/state/a', b'unfinished')
     readable = checkpoint.readable_steps(storage.path(f'gs://{moved}/checkpoints'))
     assert {s: m.path.name for s, m in readable.items()} == {10: '10.e1', 20: '20.e2'}
+
+
+def test_a_long_lived_reader_sees_steps_saved_since_its_last_listing(gcs):
+    """A notebook that keeps its process (and gcsfs's listing cache) reads the step a writer in another
+    process committed after the reader last listed the folder."""
+    import gcsfs
+
+    from vrl.train import checkpoint
+
+    fs = bucket_fs()
+    fs.pipe_file('vrl/leases/reader/checkpoints/4/commit_success.txt', b'')
+    folder = storage.path('gs://vrl/leases/reader/checkpoints')
+    assert list(checkpoint.readable_steps(folder)) == [4]
+    elsewhere = gcsfs.GCSFileSystem(skip_instance_cache=True)  # another process's client: this one's cache stays
+    elsewhere.pipe_file('vrl/leases/reader/checkpoints/8/commit_success.txt', b'')
+    assert list(checkpoint.readable_steps(folder)) == [4, 8]
+
+
+def test_of_two_take_overs_one_after_the_other_the_second_does_not_take_from_the_first(gcs):
+    """--take_over_lease twice on a dead holder's lease, the second reading it just after the first took
+    it: the first's record is a taking not yet renewed, so the second waits it out, sees the first renew,
+    and is refused; exactly one wins, and it keeps its lease."""
+    _dead_holder('twice')
+    workdir, said = storage.path('gs://vrl/leases/twice'), []
+    first = lease_lib.Lease(workdir, stale_after=4 * STALE, take_over=True, say=lambda line: None)  # renews after 1 s
+    first.acquire()
+    second = lease_lib.Lease(workdir, stale_after=4 * STALE, take_over=True, say=said.append)
+    try:
+        with pytest.raises(workdir_lib.WorkdirError, match='it renewed its lease while this one waited'):
+            second.acquire()
+        assert 'that lease was taken moments ago and not yet renewed' in said[0]
+        first.confirm()  # still its own
+    finally:
+        first.release()

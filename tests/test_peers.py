@@ -263,3 +263,28 @@ def test_a_run_whose_process_1_fails_stops_in_seconds_and_releases_its_lease(gcs
     assert 'Traceback' not in said_zero and 'Check failure' not in said_zero + said_one
     lease = json.loads(bucket_fs().cat('vrl/peers_run/.lock'))
     assert lease.get('released') is True, lease
+
+
+def test_the_roll_call_listens_at_the_coordinators_address_only():
+    """Process 0's roll call takes the coordinator's host: reachable there (127.0.0.1), not at another
+    address of the same machine (127.0.0.2, also loopback), where a listener on every interface would be."""
+    from vrl.core import roll_call
+
+    with socket.socket() as probe:  # a free port pair: P for the coordinator, P + 1 for the roll call
+        probe.bind(('127.0.0.1', 0))
+        port = probe.getsockname()[1]
+    said: list[str] = []
+    end = roll_call.start(f'127.0.0.1:{port}', 2, 0, 60.0, said.append)
+    try:
+        for _ in range(50):  # the listener's thread is up within a moment
+            try:
+                socket.create_connection(('127.0.0.1', port + 1), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError(f'no roll call at 127.0.0.1:{port + 1}: {said}')
+        with pytest.raises(OSError):
+            socket.create_connection(('127.0.0.2', port + 1), timeout=1).close()
+    finally:
+        end()

@@ -547,3 +547,29 @@ def test_a_truncated_shard_is_named_before_anything_reads_it(pretokenized, hf_to
         said.startswith(f'{shard} holds {size // 2 // 2 * 2:,} bytes') and 'the pre-tokenized copy is damaged' in said
     )
     assert said.endswith('--overwrite`, or tokenize on the fly: data.pretokenized=false.'), said
+
+
+def test_token_ids_beyond_the_vocabulary_are_named_not_read_as_a_bad_lr(
+    pretokenized, hf_tokenizer, small_corpus, tmp_path
+):
+    """A pre-tokenized copy whose shards are overwritten with 0xFF bytes (the sizes still right): the
+    run stops at its first batch naming the id, the vocabulary and the two causes, not with a
+    non-finite loss and advice to lower the LR."""
+    from tests.runs import tiny_config
+    from vrl.train import loop
+
+    cfg, folder = pretokenized
+    data_dir = tmp_path / 'data'
+    shutil.copytree(Path(cfg.data_dir) / 'plays', data_dir / 'plays')
+    copy = data_dir / Path(folder).relative_to(cfg.data_dir)
+    for name in json.loads((copy / tokens.MARKER).read_text())['splits']['train']['shards']:
+        shard = copy / f'{name}.tokens'
+        shard.write_bytes(b'\xff' * shard.stat().st_size)
+    config = tiny_config(small_corpus, steps=2, checkpoint_every=2)
+    config = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, vocab_size=hf_tokenizer.vocab_size),
+        data=dataclasses.replace(config.data, data_dir=str(data_dir), tokenizer=hf_tokenizer.path),
+    )
+    with pytest.raises(corpus.DataError, match=r'the training data holds token id 65,535, beyond model.vocab_size='):
+        loop.run(config, str(tmp_path / 'run'))

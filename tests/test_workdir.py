@@ -86,6 +86,25 @@ def _delete_a_folder(step_dir: Path) -> None:
     shutil.rmtree(next((step_dir / 'state').glob('ocdbt.process_*')))
 
 
+def test_a_live_runs_lock_removed_by_hand_stops_it_before_a_second_writes_beside_it(small_corpus, tmp_path):
+    """Deleting a running run's .lock lets a second run lock a new file: the first notices at its next
+    step (the path no longer names the file it holds) and stops in one line, exit 1, writing no
+    checkpoint; the second holds the workdir alone."""
+    config = tiny_config(small_corpus, steps=100_000, log_every=1, checkpoint_every=100_000)
+    workdir = tmp_path / 'run'
+    first = start_run(config, workdir)
+    wait_for(lambda: logged_steps(workdir) >= 2, 180, first)
+    (workdir / '.lock').unlink()
+    output, _ = first.communicate(timeout=120)
+    assert first.returncode == 1, output
+    assert output.rstrip().splitlines()[-1] == (
+        f'error: the lock file {workdir / ".lock"} was removed or replaced while this run held it, so another one '
+        'may be writing in the workdir: this one stopped without writing more; its last checkpoint is intact (never '
+        'delete the .lock of a live run).'
+    ), output[-2000:]
+    assert 'Traceback' not in output and saved_steps(workdir) == []
+
+
 def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(small_corpus, tmp_path, capsys):
     """Steps 12, 9 and 6 damaged three ways: each is named in one line and set aside, with its
     reason; the run resumes from step 3 and retraces the first run's losses exactly."""

@@ -1,6 +1,6 @@
 """Who has come, while a job of several processes forms. jax.distributed's join is one barrier that
 says nothing until its timeout, and then not who was missing; the roll call is a side channel that
-does. Process 0 listens on the port after the coordinator's (coordinator port + 1), every other
+does. Process 0 listens at the coordinator's address, on the port after its (coordinator port + 1), every other
 process connects to it and gives its index. While some have not come, process 0 says which, and
 a process that cannot reach process 0 says that, each every `every_s` seconds (30 s, or a quarter
 of --join_timeout_s if that is shorter), until jax.distributed's join returns or times out.
@@ -33,13 +33,17 @@ def _port_after(coordinator: str) -> tuple[str, int]:
     return host.strip('[]'), int(port) + 1
 
 
-def _listen(port: int, num_processes: int, every_s: float, done: threading.Event, say: Callable[[str], None]) -> None:
+def _listen(
+    host: str, port: int, num_processes: int, every_s: float, done: threading.Event, say: Callable[[str], None]
+) -> None:
+    """Listens at the coordinator's address only (the one the other processes connect to), not on every
+    interface of process 0's host."""
     try:
-        server = socket.create_server(('', port), reuse_port=False)
+        server = socket.create_server((host, port), family=_family(host), reuse_port=False)
     except OSError as e:
         say(
-            f'process 0 of {num_processes}: no roll call (port {port} is not free: {e.strerror}); the join goes on, '
-            'without saying who is missing'
+            f'process 0 of {num_processes}: no roll call ({host}:{port} cannot be listened at: {e.strerror}); the '
+            'join goes on, without saying who is missing'
         )
         return
     server.settimeout(_RETRY_S)
@@ -63,6 +67,11 @@ def _listen(port: int, num_processes: int, every_s: float, done: threading.Event
                     f'{_numbers(missing)} to join (here: {_numbers(sorted(came))})'
                 )
                 next_report += every_s
+
+
+def _family(host: str) -> socket.AddressFamily:
+    """IPv6 for an address written with colons ([::1] in a coordinator address), else IPv4."""
+    return socket.AF_INET6 if ':' in host else socket.AF_INET
 
 
 def _answer(
@@ -100,7 +109,7 @@ def start(
     host, port = _port_after(coordinator)
     done = threading.Event()
     if process_id == 0:
-        target, arguments = _listen, (port, num_processes, every_s, done, say)
+        target, arguments = _listen, (host, port, num_processes, every_s, done, say)
     else:
         target, arguments = _answer, (host, port, process_id, num_processes, every_s, done, say)
     thread = threading.Thread(target=target, args=arguments, name='vrl-roll-call', daemon=True)

@@ -209,6 +209,19 @@ def files(folder: epath.Path) -> dict[str, int]:
     )
 
 
+def names(folder: epath.Path) -> set[str]:
+    """The names of the entries of `folder` (none if it is not there), on an object store listed anew:
+    a long-lived reader (a notebook) sees what was written since its last listing."""
+    if not is_remote(folder):
+        return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    fs, inner = _filesystem(folder)
+    fs.invalidate_cache(inner)
+    try:
+        return {entry.rstrip('/').rsplit('/', 1)[-1] for entry in fs.ls(inner, detail=False)}
+    except FileNotFoundError:
+        return set()
+
+
 def _listing(folder: epath.Path) -> dict[str, dict]:
     """Every object under remote `folder` (a path relative to it, sorted) and what the store says of
     it (size, generation, ...): one listing, never cached."""

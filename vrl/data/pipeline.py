@@ -706,12 +706,22 @@ def eval_batches(
     return EvalSets(cfg, tokenizer).batches(max_batches, process_index, process_count, name, split)
 
 
-def next_batch(iterator: Iterator[Batch], finite: bool) -> Batch | None:
+def next_batch(iterator: Iterator[Batch], finite: bool, vocab_size: int = 0) -> Batch | None:
     """The next training batch; None once a finite pass (data.num_epochs) has ended on any process,
     on every process at the same step: the processes' shares hold different numbers of batches, and
     one that stopped alone would leave the others waiting in the step's collectives. Endless data
-    asks no other process."""
+    asks no other process. A token id at or above `vocab_size` (the model's; 0: unchecked) is a
+    DataError: the model would train on garbage and read as a non-finite loss."""
     batch = next(iterator, None)
+    if batch is not None and vocab_size:
+        top = max(int(batch['inputs'].max(initial=0)), int(batch['targets'].max(initial=0)))
+        if top >= vocab_size:
+            raise corpus.DataError(
+                f'the training data holds token id {top:,}, beyond model.vocab_size={vocab_size:,}: its ids are '
+                'not of this tokenizer and model (check data.tokenizer and model.vocab_size), or a pre-tokenized '
+                'shard is damaged (make the copy again with `python -m vrl.data tokenize ... --overwrite`, or '
+                'train with data.pretokenized=false).'
+            )
     if finite:
         return batch if multihost.every_process(batch is not None) else None
     if batch is None:

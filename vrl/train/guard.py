@@ -18,7 +18,7 @@ import shutil
 from etils import epath
 
 from vrl.core import storage
-from vrl.train.lease import Lease, holder_line
+from vrl.train.lease import Lease, LeaseLostError, holder_line
 from vrl.train.workdir import WorkdirError
 
 
@@ -28,7 +28,7 @@ class Lock:
     def __init__(self, workdir: epath.Path, holder_kind: str = 'run'):
         self.path = workdir / '.lock'
         self.holder_kind = holder_kind  # what holds it, for the refusal: 'run', 'comparison', 'study'
-        self.lost = ''  # a flock is never lost while its holder lives
+        self._lost = ''  # see `lost`
         self.created = False  # whether `hold` made the workdir
         self.epoch = 0  # a flock is its own fence: step folders keep Orbax's plain names
         self._fd: int | None = None
@@ -49,8 +49,29 @@ class Lock:
         os.fsync(fd)
         self._fd = fd
 
+    @property
+    def lost(self) -> str:
+        """Why this run no longer holds its workdir ('' while it does): the kernel holds a flock for its
+        holder's life, but only on the file it was taken on; once `.lock` is removed or replaced (by
+        hand), a second run can lock the new one. Read at every step (hooks.Leases) and before writes."""
+        if self._lost or self._fd is None:
+            return self._lost
+        try:
+            same = os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            self._lost = (
+                f'the lock file {self.path} was removed or replaced while this {self.holder_kind} held it, so '
+                'another one may be writing in the workdir: this one stopped without writing more; its last '
+                'checkpoint is intact (never delete the .lock of a live run).'
+            )
+        return self._lost
+
     def confirm(self) -> None:
-        """The kernel holds a flock for its holder's life: nothing to check before a write."""
+        """LeaseLostError (before the write that would follow) once the lock is `lost`."""
+        if self.lost:
+            raise LeaseLostError(self.lost)
 
     def commit(self, step: int | None = None, logged_bytes: int | None = None) -> None:
         """Nothing to record: only a live holder writes, and Orbax's rename commits a step."""

@@ -81,6 +81,7 @@ class Lease:
         self.created = False  # whether `guard.hold` made the workdir
         self._generation = 0  # of the lease object as this run last wrote it
         self._renewed_at = 0.0  # when (self._clock) the last successful renewal was sent
+        self._writes = 0  # of this run's record since it took the lease
         self._lock = threading.Lock()  # one conditional write at a time
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -95,6 +96,7 @@ class Lease:
                 'epoch': self.epoch,
                 'committed': self.committed,
                 'logged': self.logged,
+                'renewals': self._writes,  # 0: the taking itself, not yet renewed
             }
         ).encode()
 
@@ -120,7 +122,7 @@ class Lease:
         written = storage.write_if(self.path, self._record(), generation)
         if written is None:
             return False
-        self._generation, self._renewed_at = written, sent
+        self._generation, self._renewed_at, self._writes = written, sent, self._writes + 1
         return True
 
     def acquire(self) -> str:
@@ -141,7 +143,7 @@ class Lease:
                         self._say_recovered('not a lease record')
                     break
                 continue
-            if not self.take_over:
+            if not self.take_over or not held.get('renewals', 1):  # a taking not yet renewed may be live
                 self._wait_out(held, generation)
             if not self._write(generation):
                 raise WorkdirError(
@@ -170,12 +172,18 @@ class Lease:
 
     def _wait_out(self, held: dict[str, Any], generation: int) -> None:
         """Returns once `generation` has stayed the live one for stale_after seconds; WorkdirError as
-        soon as it changes (its holder renewed it, or another run took it)."""
+        soon as it changes (its holder renewed it, or another run took it). With take_over, only a
+        lease just taken and not yet renewed is waited out: of two runs taking over at once, the one
+        that came second must not take the lease from the first."""
         deadline = self._clock() + self.stale_after
         self.say(
             f'workdir {self.path.parent} is leased by {held.get("holder")}: taking it over in '
             f'{self.stale_after:.0f} s unless its holder renews it (train.lease_stale_seconds; '
-            '--take_over_lease if that run is surely gone)'
+            + (
+                '--take_over_lease waits too: that lease was taken moments ago and not yet renewed)'
+                if self.take_over
+                else '--take_over_lease if that run is surely gone)'
+            )
         )
         said = self._clock()
         while (left := deadline - self._clock()) > 0:

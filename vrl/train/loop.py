@@ -300,7 +300,7 @@ def _loop(
 ) -> tuple[TrainState, int, bool]:
     """Steps until train.steps, the end of finite data or a preemption: (the state, its step, preempted)."""
     while step < config.train.steps:
-        batch = pipeline.next_batch(data_iterator, finite=config.data.num_epochs > 0)
+        batch = pipeline.next_batch(data_iterator, config.data.num_epochs > 0, config.model.vocab_size)
         if batch is None:
             _data_ended(config, step, state, host, step_hooks)
             break

@@ -57,8 +57,8 @@ def metrics_file(epoch: int | str) -> str:
 
 
 def steps_in(folder: epath.Path) -> set[str]:
-    """The names of the entries of checkpoint folder `folder` (none if it is not there yet)."""
-    return {p.name for p in folder.iterdir()} if folder.exists() else set()
+    """The names of the entries of checkpoint folder `folder` (none if it is not there yet), listed anew."""
+    return storage.names(folder)
 
 
 def _read_record(workdir: epath.Path) -> dict[str, Any] | None:
