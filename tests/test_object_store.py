@@ -876,3 +876,26 @@ def test_two_hosts_prepare_into_the_bucket_what_one_machine_makes(gcs, bucket_co
     source = tokens.find('web', 'gs://vrl/tfds5', 'train', tokenizer)
     assert len(texts) == len(source) > 400
     assert all(source[i].tolist() == tokenizer.encode(texts[i]).tolist() for i in range(0, len(texts), 7))
+
+
+def test_a_truncated_shard_in_the_bucket_is_named_in_one_line(gcs, small_corpus, tmp_path):
+    """A pre-tokenized copy in the bucket with one .tokens object cut to half: refused when the split is
+    opened, naming the object and its sizes (one listing), instead of a ranged read's HTTP 416 traceback
+    mid-training."""
+    import shutil
+
+    from vrl.core import storage
+    from vrl.data import corpus, tokens
+
+    cfg, tokenizer = small_corpus
+    local_dir = tmp_path / 'tfds'
+    shutil.copytree(Path(cfg.data_dir) / 'plays', local_dir / 'plays')
+    made = Path(tokens.tokenize('plays', str(local_dir), tokenizer, workers=1))
+    storage.copy_tree(storage.path(str(local_dir)), storage.path('gs://vrl/truncated'))
+    name = json.loads((made / tokens.MARKER).read_text())['splits']['train']['shards'][0]
+    shard = f'vrl/truncated/{made.relative_to(local_dir)}/{name}.tokens'
+    whole = bucket_fs().cat(shard)
+    bucket_fs().pipe_file(shard, whole[: len(whole) // 4 * 2])
+    with pytest.raises(corpus.DataError) as refused:
+        tokens.find('plays', 'gs://vrl/truncated', 'train', tokenizer)
+    assert str(refused.value).startswith(f'gs://{shard} holds {len(whole) // 4 * 2:,} bytes, but its offsets end at')

@@ -393,6 +393,36 @@ def test_an_init_from_that_does_not_fit_is_one_error_naming_the_fix_and_leaves_n
     assert not (tmp_path / 'new').exists()
 
 
+def test_a_step_removed_while_a_reader_reads_it_is_read_again_from_the_newest(small_corpus, tmp_path, monkeypatch):
+    """The writer's garbage collection removes the step a reader (export, generate, a notebook's
+    load_trained) is restoring: the reader resolves the newest step again and reads that one, labelled
+    with its own step; a step folder read alone says it was removed, in one line."""
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    from vrl.train import trained
+
+    workdir = tmp_path / 'run'
+    loop.run(tiny_config(small_corpus, steps=4, checkpoint_every=2), str(workdir))
+    real, calls = ocp.PyTreeCheckpointer.restore, []
+
+    def collected_meanwhile(self, directory, *args, **kwargs):
+        calls.append(str(directory))
+        if len(calls) == 1:  # the first read: its step goes, as the writer's collection would take it
+            shutil.rmtree(directory.parent)
+            raise FileNotFoundError(f'NOT_FOUND: {directory}/params/.zarray')
+        return real(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, 'restore', collected_meanwhile)
+    run = trained.load_trained(str(workdir))
+    assert run.step == 2 and calls == [str(workdir / 'checkpoints/4/state'), str(workdir / 'checkpoints/2/state')]
+    shutil.copytree(workdir / 'checkpoints/2', tmp_path / 'alone/2')
+    calls.clear()
+    with pytest.raises(checkpoint.StepRemovedError, match=r'checkpoint .*/alone/2 was removed while it was read'):
+        checkpoint.restore_params(str(tmp_path / 'alone/2'), run.trainer.abstract_state.params)
+
+
 def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     source = loop.run(tiny_config(small_corpus, steps=4), 'runs/source')

@@ -58,6 +58,10 @@ class CorruptCheckpointError(CheckpointError, RuntimeError):
     """A checkpoint step cannot be read, or its arrays are not the ones saved."""
 
 
+class StepRemovedError(CheckpointError, FileNotFoundError):
+    """The step being read was removed meanwhile (the run that writes it keeps only its newest)."""
+
+
 class NoCheckpointError(CheckpointError, FileNotFoundError):
     """There is no checkpoint where one was asked for; the message says where vrl looked."""
 
@@ -567,10 +571,18 @@ def restore_params(path: str, abstract_params: Any, model: ModelConfig | None = 
         ocp.PyTreeCheckpointHandler().metadata(root / 'state')['params'], abstract_params, f'checkpoint {root}'
     )
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), abstract_params)
-    restored = checkpointer.restore(
-        root / 'state',
-        args=ocp.args.PyTreeRestore(
-            item={'params': abstract_params}, restore_args={'params': restore_args}, partial_restore=True
-        ),
-    )
+    try:
+        restored = checkpointer.restore(
+            root / 'state',
+            args=ocp.args.PyTreeRestore(
+                item={'params': abstract_params}, restore_args={'params': restore_args}, partial_restore=True
+            ),
+        )
+    except Exception:
+        if storage.exists(root / 'state', 'the checkpoint'):
+            raise
+        raise StepRemovedError(
+            f'checkpoint {root} was removed while it was read (its run keeps train.keep_checkpoints of them '
+            'and saved a newer one): read the workdir again for its newest step.'
+        ) from None
     return restored['params']

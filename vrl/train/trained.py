@@ -53,12 +53,19 @@ def load_trained(workdir: str, context: int = 1) -> TrainedRun:
     sequence is split: mesh.context is `context`, what decoding splits a KV cache's positions over
     (vrl/model/decode.py), its devices taken from the mesh axis at -1."""
     config, tokenizer = load_run(workdir)
-    _, step = checkpoint.step_folder(workdir)
     here = dataclasses.replace(
         config,
         model=dataclasses.replace(config.model, attention_impl='auto', hand_vjp='auto'),
         mesh=dataclasses.replace(sharding.without_context(config.mesh), context=context),
     )
     trainer = TrainSteps(here, sharding.make_mesh(here.mesh))
-    params = checkpoint.restore_params(workdir, trainer.abstract_state.params, config.model)
-    return TrainedRun(trainer.config, tokenizer, trainer, params, step)
+
+    def newest() -> TrainedRun:  # the step resolved once, and that folder read
+        folder, step = checkpoint.step_folder(workdir)
+        params = checkpoint.restore_params(str(folder), trainer.abstract_state.params, config.model)
+        return TrainedRun(trainer.config, tokenizer, trainer, params, step)
+
+    try:
+        return newest()
+    except checkpoint.StepRemovedError:  # a newer step replaced it while it was read: that one
+        return newest()
