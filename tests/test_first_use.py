@@ -166,3 +166,24 @@ def test_a_missing_extra_is_said_before_any_work(tmp_path, missing, args, messag
         out.stderr,
     ), out.stderr
     assert not list((tmp_path / 'work').iterdir())
+
+
+def test_an_error_after_the_info_lines_comes_after_them_in_a_log(tmp_path):
+    """stdout and stderr into one file (a log, CI): the run's info lines, then the refusal, in the order
+    they were said (a block-buffered stdout used to put the error first)."""
+    log = tmp_path / 'log'
+    with log.open('w') as out:
+        done = subprocess.run(
+            [
+                *[sys.executable, '-m', 'vrl.main', TINY, f'--workdir={tmp_path / "run"}'],
+                *['--config.train.steps=20', '--config.optimizer.schedule=wsd'],
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+            env={**os.environ, 'PYTHONPATH': str(ROOT)},
+        )
+    lines = log.read_text().splitlines()
+    assert done.returncode == 1 and lines[-1].startswith('error: train.steps=20 is too short'), lines
+    assert lines[0].startswith('model.'), lines
