@@ -87,8 +87,11 @@ def test_cached_decoding_equals_full_forward(variant, n_kv_heads):
         step_logits, cache = model.decode(tokens[:, t : t + 1], pad_B, cache)
         cached.append(np.asarray(step_logits))
     cached = np.concatenate(cached, axis=1)[..., : cfg.vocab_size]
+    # float32 both ways, its sums in another order (a query against the cache, not the whole sequence):
+    # about 1e-6; resformer-mudd-vr's per-token mix reaches 1.5e-5 at one position on an AVX512_BF16 host
+    # (2026-12-02), the positions after it back at 1e-6: rounding, where a wrong cache would persist
     for t in range(L):
-        assert rel_err(cached[:, t], full[:, t]) < 1e-5, t
+        assert rel_err(cached[:, t], full[:, t]) < 3e-5, t
     assert int(cache.index) == pad + L
 
 

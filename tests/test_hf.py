@@ -70,6 +70,13 @@ def _export(workdir: Path, out: Path, *flags: str) -> subprocess.CompletedProces
     )
 
 
+def _train_from(config, workdir: Path, folder: Path) -> subprocess.CompletedProcess:
+    """`python -m vrl.main` on `config` in `workdir`, its weights from the export in `folder` (hf:)."""
+    return subprocess.run(
+        [*cli_args(config, workdir), f'--init_from=hf:{folder}'], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+
+
 def _hashes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
@@ -552,13 +559,7 @@ def test_init_from_an_export_of_another_variant_is_one_line_and_leaves_no_workdi
         model=dataclasses.replace(run.config.model, attention='svformer'),
         data=dataclasses.replace(run.config.data, tokenizer=''),
     )
-    out = subprocess.run(
-        [*cli_args(config, tmp_path / 'run'), f'--init_from=hf:{folder}'],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = _train_from(config, tmp_path / 'run', folder)
     assert out.returncode == 1 and out.stderr.count('\n') == 1, out.stderr[-3000:]
     assert re.fullmatch(
         r"error: the Hugging Face weights have 'model.layers.1.self_attn.v_proj.weight'.*, which svformer \+ MQA "
@@ -578,13 +579,7 @@ def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, 
         train=dataclasses.replace(run.config.train, steps=0),
         data=dataclasses.replace(run.config.data, tokenizer=''),
     )
-    out = subprocess.run(
-        [*cli_args(config, tmp_path / 'run'), f'--init_from=hf:{folder}'],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = _train_from(config, tmp_path / 'run', folder)
     assert out.returncode == 0, out.stderr[-3000:]
     log = out.stdout + out.stderr
     assert f'initialised from hf:{folder} (' in log and f'tokenizer {tmp_path / "run" / "tokenizer.model"}' in log
@@ -607,13 +602,7 @@ def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, 
     # the converted workdir trains on: the same command with more steps resumes step 0 (--init_from is then
     # ignored, said), with the tokenizer its weights came with
     longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2, checkpoint_every=2))
-    on = subprocess.run(
-        [*cli_args(longer, tmp_path / 'run'), f'--init_from=hf:{folder}'],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    on = _train_from(longer, tmp_path / 'run', folder)
     assert on.returncode == 0, on.stderr[-3000:]
     assert 'resumed at step 0' in on.stdout and 'the workdir keeps the one its run trained with' in on.stdout, on.stdout
     assert f'\ntokenizer {tmp_path / "run" / "tokenizer.model"} (' in on.stdout  # it reads the workdir's copy

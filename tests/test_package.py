@@ -101,44 +101,22 @@ def test_installed_commands_run_outside_a_checkout_with_the_presets(wheel, tmp_p
     elsewhere = tmp_path / 'elsewhere'
     elsewhere.mkdir()
     env = {**os.environ, 'PYTHONPATH': str(target), 'HOME': str(tmp_path / 'home')}
-    summary = subprocess.run(
-        [sys.executable, str(target / 'bin/vrl-train'), '--config=configs/svformer_468m.py', '--summary'],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def run(*args: str) -> subprocess.CompletedProcess:  # from elsewhere, with the installed copy only
+        return subprocess.run(
+            [sys.executable, *args], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
+        )
+
+    summary = run(str(target / 'bin/vrl-train'), '--config=configs/svformer_468m.py', '--summary')
     assert summary.returncode == 0, summary.stderr[-3000:]
     assert re.search(r'^variant +svformer$', summary.stdout, re.M) and 'step time, estimated' in summary.stdout, (
         summary.stdout
     )
-    found = subprocess.run(
-        [sys.executable, '-c', 'import vrl, configs; print(vrl.__file__, configs.__file__)'],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    found = run('-c', 'import vrl, configs; print(vrl.__file__, configs.__file__)')
     assert found.stdout.split() == [str(target / 'vrl/__init__.py'), str(target / 'configs/__init__.py')]
-    usage = subprocess.run(
-        [sys.executable, str(target / 'bin/vrl-data')],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    usage = run(str(target / 'bin/vrl-data'))
     assert usage.returncode != 0 and 'usage: vrl-data prepare|tokenize|stats [--flags]' in usage.stderr, usage.stderr
-    helped = subprocess.run(
-        [sys.executable, str(target / 'bin/vrl-train'), '--help'],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    helped = run(str(target / 'bin/vrl-train'), '--help')
     assert helped.returncode == 0, helped.stderr[-3000:]
     assert 'flags of vrl-train:' in helped.stdout and '\n  --init_from: ' in helped.stdout, helped.stdout
 
