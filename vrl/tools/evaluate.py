@@ -95,7 +95,6 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
 
 def main(args: cli.Args) -> None:
     cli.require(args, 'workdir')
-    extras.require('vrl.tools.evaluate (lm-evaluation-harness)', 'lm_eval')
     outputs = evaluate(
         args['workdir'].value,
         args['tasks'].value,
