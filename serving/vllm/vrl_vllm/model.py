@@ -20,8 +20,8 @@ directory, so the two cannot drift apart. Each variant changes one thing, all of
   and adds its output to their remix.
 
 What the cache holds: vLLM gives every attention layer that owns its keys a paged cache of keys
-and values. SVFormer's layers >= 2 therefore store V_1 again beside their own keys (correct, but
-not the (L + 1) / (2 L) of vanilla's bytes that vrl's own decoding gets); docs/interop.md says why.
+and values, and CLA's borrowing layers none. SVFormer's layers keep keys only, and V_1 is stored once
+(shared_values.py): (L + 1) / (2 L) of vanilla's bytes, as in vrl's own decoding.
 
 Shapes: T tokens of the batch laid end to end (vLLM's layout), D hidden, H heads, K kv heads and
 Dh head dim, H and K per tensor-parallel rank; per-head tensors flat, (T, K * Dh).
@@ -30,6 +30,7 @@ Dh head dim, H and K per tensor-parallel rank; per-head tensors flat, (T, K * Dh
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,6 +46,8 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.utils import AutoWeightsLoader
+
+from vrl_vllm.shared_values import SharedValueAttention
 
 
 def exported(name: str, vllm_config: VllmConfig) -> Any:
@@ -115,13 +118,18 @@ class VrlAttention(nn.Module):
         )
         local = config.layer_types[layer] == 'sliding_attention'
         owner = config.key_owner(layer)
-        self.attn = Attention(
+        cache = dict(num_kv_heads=self.kv_heads, cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config)
+        attention = Attention
+        if config.attention == 'svformer':  # V_1 stored once: shared_values.py
+            values_name = f'{layer_prefix(model_prefix, 0)}.self_attn.values'
+            attention = partial(SharedValueAttention, values_name=values_name)
+            if layer == 0:  # the page that holds V_1
+                self.values = attention(self.heads, Dh, Dh**-0.5, **cache, prefix=values_name)
+        self.attn = attention(
             self.heads,
             Dh,
             Dh**-0.5,
-            num_kv_heads=self.kv_heads,
-            cache_config=vllm_config.cache_config,
-            quant_config=vllm_config.quant_config,
+            **cache,
             logits_soft_cap=config.attn_logit_softcapping,
             per_layer_sliding_window=config.sliding_window if local else None,
             kv_sharing_target_layer_name=None
