@@ -32,6 +32,7 @@ Both sides use rotate-half RoPE and x * rsqrt(mean(x^2) + eps) * weight: no perm
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -332,6 +333,7 @@ def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokeni
     tensors = to_hf(params, cfg)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / 'model.safetensors'), metadata={'format': 'pt'})
+    write_checksums(out, ['model.safetensors'])
     (out / 'config.json').write_text(json.dumps(hf_config(cfg, max_positions, tokenizer), indent=2))
     (out / 'generation_config.json').write_text(
         json.dumps(
@@ -344,6 +346,16 @@ def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokeni
     write_tokenizer(tokenizer, out)
     (out / 'README.md').write_text(model_card(cfg))
     return sorted(out.iterdir())
+
+
+def write_checksums(out: Path, names: list[str]) -> None:
+    """SHA256SUMS in sha256sum's format (`sha256sum -c SHA256SUMS` verifies it), which the vLLM plugin's
+    check reads before serving."""
+    lines = []
+    for name in names:
+        with (out / name).open('rb') as f:
+            lines.append(f'{hashlib.file_digest(f, "sha256").hexdigest()}  {name}\n')
+    (out / 'SHA256SUMS').write_text(''.join(lines))
 
 
 def model_card(cfg: ModelConfig) -> str:
