@@ -393,6 +393,38 @@ def test_an_init_from_that_does_not_fit_is_one_error_naming_the_fix_and_leaves_n
     assert not (tmp_path / 'new').exists()
 
 
+def _named(params) -> dict[str, np.ndarray]:
+    return {checkpoint.path_name(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def test_init_from_a_vanilla_run_uptrains_svformer_and_resformer(small_corpus, tmp_path, capsys):
+    """--init_from a vanilla run into SVFormer and into ResFormer (learnable lambdas): every parameter both
+    have is the run's, ResFormer's lambdas are the new run's own initialisation, SVFormer has no value
+    projection in layers >= 2, and the log line says which were read, new and left out; a vanilla run
+    from the SVFormer one is refused in one line (its W_V of layers >= 2 was never learned)."""
+    source = loop.run(tiny_config(small_corpus, attention='vanilla', steps=2, checkpoint_every=2), str(tmp_path / 'v'))
+    trained = _named(source.state.params)
+    for attention in ('svformer', 'resformer'):
+        config = tiny_config(small_corpus, attention=attention, steps=0, seed=5)
+        params = _named(loop.run(config, str(tmp_path / attention), init_from=str(tmp_path / 'v')).state.params)
+        fresh = _named(TrainSteps(config, sharding.make_mesh(config.mesh)).init_state(5).params)
+        for name, value in params.items():
+            np.testing.assert_array_equal(value, trained[name] if name in trained else fresh[name], err_msg=name)
+        assert set(trained) - set(params) == ({'layers.attn.wv'} if attention == 'svformer' else set())
+    said = capsys.readouterr().out
+    assert re.search(
+        r'uptraining into svformer: (\d+) of its \1 parameters read; new, .*: none; left out: layers.attn.wv', said
+    )
+    lambdas = 'new, at their initialisation: lambdas.v1, lambdas.vn; left out: none'
+    assert re.search(r'uptraining into resformer \(learnable\): \d+ of its \d+ parameters read; ' + lambdas, said)
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError, match='the source has no parameter layers.attn.wv, which vanilla'
+    ):
+        back = tiny_config(small_corpus, attention='vanilla', steps=1)
+        loop.run(back, str(tmp_path / 'back'), init_from=str(tmp_path / 'svformer'))
+    assert not (tmp_path / 'back').exists()
+
+
 def test_a_step_removed_while_a_reader_reads_it_is_read_again_from_the_newest(small_corpus, tmp_path, monkeypatch):
     """The writer's garbage collection removes the step a reader (export, generate, a notebook's
     load_trained) is restoring: the reader resolves the newest step again and reads that one, labelled

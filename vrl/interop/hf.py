@@ -438,6 +438,23 @@ class Imported(NamedTuple):
     note: str  # '' or why the tensors alone cannot tell which variant they were trained as
 
 
+def plain_llama_for(path: str, cfg: ModelConfig) -> bool:
+    """Whether DIR is a plain Llama (a vanilla model's tensors, model_type 'llama') and `cfg` another
+    variant whose tensors differ: a start by uptraining (vrl/train/start.py) rather than a load."""
+    folder = Path(path)
+    config_file = folder / 'config.json'
+    if not config_file.is_file() or json.loads(config_file.read_text()).get('model_type') != 'llama':
+        return False
+    from safetensors import safe_open
+
+    names = set()
+    for file in folder.glob('*.safetensors'):
+        with safe_open(str(file), 'np') as f:
+            names.update(name for name in f.keys() if not name.endswith(_IGNORED_SUFFIXES))
+    wanted = {link.name for link in links(cfg)}
+    return names != wanted and names == {link.name for link in links(cfg.as_vanilla())}
+
+
 def load_params(path: str, cfg: ModelConfig, shapes: dict) -> Imported:
     """A Hugging Face directory's weights as vrl parameters for `cfg`; HFError names what differs.
 

@@ -76,6 +76,10 @@ PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
         lambda cfg: dict(attention='vanilla', denseformer=True),
     ),
     'cla2': ('cross-layer attention: layer pairs share K and V', lambda cfg: dict(attention='vanilla', kv_share=2)),
+    'svformer+cla2': (
+        'SVFormer with CLA2: V_1 once, layer pairs share keys',
+        lambda cfg: dict(attention='svformer', kv_share=2),
+    ),
     'gqa4': (
         'grouped-query attention, 4 query heads per kv head',
         lambda cfg: dict(attention='vanilla', **_gqa(4)(cfg)),

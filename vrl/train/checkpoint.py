@@ -204,7 +204,7 @@ _fingerprints = jax.jit(lambda tree: jax.tree.map(_leaf_fingerprint, tree))
 def fingerprint(tree: Any) -> dict[str, list[int]]:
     """Per array of `tree` (by path name), two uint32 checksums computed where the array lies."""
     host = jax.device_get(_fingerprints(tree))
-    return {_path_name(p): [int(v) for v in np.asarray(x)] for p, x in jax.tree_util.tree_leaves_with_path(host)}
+    return {path_name(p): [int(v) for v in np.asarray(x)] for p, x in jax.tree_util.tree_leaves_with_path(host)}
 
 
 def save(
@@ -325,28 +325,28 @@ def check_committed(workdir: epath.Path) -> None:
         )
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
     return '.'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
 
 
-def check_compatible(saved: Any, expected: Any, where: str) -> None:
-    """Raises CheckpointMismatchError naming the first parameter whose presence or shape differs."""
-    saved_leaves = {_path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(saved)}
-    expected_leaves = {_path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+def check_compatible(saved: Any, expected: Any, where: str, subset: bool = False) -> None:
+    """Raises CheckpointMismatchError naming the first parameter whose presence or shape differs
+    (`subset`: parameters saved beyond the expected ones are allowed)."""
+    saved_leaves, expected_leaves = param_shapes(saved), param_shapes(expected)
     for name, want in expected_leaves.items():
         if name not in saved_leaves:
             raise CheckpointMismatchError(
-                f'{where} has no parameter {name} (shape {tuple(want.shape)}) that '
+                f'{where} has no parameter {name} (shape {want}) that '
                 'the config needs: it was written for another model config.'
             )
-        got = tuple(saved_leaves[name].shape)
-        if got != tuple(want.shape):
+        got = saved_leaves[name]
+        if got != want:
             raise CheckpointMismatchError(
                 f'{where}: parameter {name} has shape {got} but the config '
-                f'needs {tuple(want.shape)}; it was written for another model config.'
+                f'needs {want}; it was written for another model config.'
             )
     extra = sorted(set(saved_leaves) - set(expected_leaves))
-    if extra:
+    if extra and not subset:
         raise CheckpointMismatchError(
             f'{where} has parameter {extra[0]} that the config does not: it was written for another model config.'
         )
@@ -389,8 +389,8 @@ def check_optimizer(saved: dict | None, optimizer: str, saved_state: Any, expect
             'its optimizer state cannot continue under another optimizer (start from its weights in a new '
             '--workdir with --init_from).'
         )
-    saved_names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved_state)}
-    expected_names = {_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected_state)}
+    saved_names = {path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved_state)}
+    expected_names = {path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(expected_state)}
     if saved_names != expected_names:
         first = sorted(saved_names ^ expected_names)[0]
         side = 'only the checkpoint' if first in saved_names else 'only the config'
@@ -558,18 +558,29 @@ def restore_branch(
         manager.close()
 
 
-def restore_params(path: str, abstract_params: Any, model: ModelConfig | None = None) -> Any:
+def param_shapes(params: Any) -> dict[str, tuple[int, ...]]:
+    """{parameter name (its path, dotted): shape} of a parameter tree, concrete or abstract."""
+    return {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def saved_param_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """param_shapes of a workdir's latest step (or a step folder), from its metadata."""
+    root, _ = step_folder(path)
+    return param_shapes(ocp.PyTreeCheckpointHandler().metadata(root / 'state')['params'])
+
+
+def restore_params(path: str, abstract_params: Any, model: ModelConfig | None = None, *, subset: bool = False) -> Any:
     """Parameters only, from a workdir (its latest step) or a step folder: for --init_from (any
-    model whose shapes match) and for decoding (`model` given: the saved model config must match)."""
+    model whose shapes match) and for decoding (`model` given: the saved model config must match).
+    `subset`: the checkpoint may hold parameters that abstract_params leaves out (not read)."""
     root, _ = step_folder(path)
     if model is not None:
         check_model(_read_meta(root), model, f'checkpoint {root}')
     checkpointer = ocp.PyTreeCheckpointer()
     # the handler's metadata: the checkpointer's also looks for step metadata, which the manager
     # writes one folder up, and logs a warning that it is missing
-    check_compatible(
-        ocp.PyTreeCheckpointHandler().metadata(root / 'state')['params'], abstract_params, f'checkpoint {root}'
-    )
+    saved = ocp.PyTreeCheckpointHandler().metadata(root / 'state')['params']
+    check_compatible(saved, abstract_params, f'checkpoint {root}', subset=subset)
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), abstract_params)
     try:
         restored = checkpointer.restore(

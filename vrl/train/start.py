@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from vrl.core import storage
-from vrl.core.config import Config
+from vrl.core.config import Config, ModelConfig
 from vrl.core.errors import VrlError
 from vrl.train import checkpoint
 from vrl.train.step import TrainState, TrainSteps
@@ -101,35 +101,107 @@ def decide(
         return Start(Origin.BRANCHED, state)
     if not request.init_from:
         return Start(Origin.FRESH, None)
-    params, note = initial_params(request.init_from, trainer, config)
+    state = trainer.init_state(config.train.seed)
+    params, note = initial_params(request.init_from, trainer, config, state.params)
     say(f'initialised from {request.init_from}{note}')
-    return Start(Origin.FRESH, trainer.init_state(config.train.seed)._replace(params=params))
+    return Start(Origin.FRESH, state._replace(params=params))
 
 
 INIT_FROM_FIX = (
-    '--init_from loads weights into a model of the same variant and shapes: train with the model '
-    "settings of the run they came from (its config.json's model section), or leave --init_from out to "
-    'start at random.'
+    '--init_from loads weights into a model of the same shapes (the same variant, or another one '
+    "uptrained from them): train with the model shape of the run they came from (its config.json's model "
+    'section), or leave --init_from out to start at random.'
 )
 
 
-def initial_params(init_from: str, trainer: TrainSteps, config: Config) -> tuple[Any, str]:
-    """--init_from: another run's checkpoint (any model whose shapes match), or `hf:DIR`, a Hugging
-    Face Llama directory (vrl/interop/hf.py), placed in the training layout; and what to log about it.
-    A source that does not fit is a CheckpointMismatchError naming the flag, the cause and the fix."""
+def initial_params(init_from: str, trainer: TrainSteps, config: Config, fresh: Any) -> tuple[Any, str]:
+    """--init_from: another run's checkpoint (any model whose shapes match, or another variant of them:
+    `uptrained`), or `hf:DIR`, a Hugging Face Llama directory (vrl/interop/hf.py), placed in the
+    training layout; and what to log about it. `fresh`: the run's initial parameters. A source that
+    does not fit is a CheckpointMismatchError naming the flag, the cause and the fix."""
     try:
-        return _initial_params(init_from, trainer, config)
+        return _initial_params(init_from, trainer, config, fresh)
     except checkpoint.CheckpointMismatchError as e:
         raise checkpoint.CheckpointMismatchError(f'--init_from={init_from}: {e} {INIT_FROM_FIX}') from None
 
 
-def _initial_params(init_from: str, trainer: TrainSteps, config: Config) -> tuple[Any, str]:
+def uptrained(saved: dict, read: Callable[[Any], Any], abstract: Any, fresh: Any, config: Config) -> tuple[Any, str]:
+    """Another variant's parameters (`saved`: their shapes by name; `read`: the subset of them an abstract
+    tree names) as the start of this run (docs/training.md, "Uptraining"): the parameters both have, read;
+    this variant's own (ResFormer's lambdas, gates, connections) at their initialisation in `fresh`; the
+    source's that this variant lacks (SVFormer's value projections in layers >= 2) left out. Refused: a
+    parameter both have in other shapes (check_compatible), and one that vanilla has too and the source
+    lacks (a weight it never learned, such as the W_V of layers >= 2 for a vanilla model from SVFormer)."""
+    wanted = checkpoint.param_shapes(abstract)
+    vanilla = checkpoint.param_shapes(_abstract_params(config.model.as_vanilla()))
+    missing = sorted((wanted.keys() - saved.keys()) & vanilla.keys())
+    if missing:
+        raise checkpoint.CheckpointMismatchError(
+            f'the source has no parameter {missing[0]}, which {config.model.variant_name} needs: a weight of '
+            'the vanilla model, not one that a variant adds, so it cannot start at its initialisation.'
+        )
+    kept = {name for name in wanted if name in saved}
+    restored = read(_only(abstract, kept))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: _leaf(restored, path) if checkpoint.path_name(path) in kept else x, fresh
+    )
+    new, dropped = sorted(wanted.keys() - kept), sorted(saved.keys() - kept)
+    return params, (
+        f'uptraining into {config.model.variant_name}: {len(kept)} of its {len(wanted)} parameters read; '
+        f'new, at their initialisation: {", ".join(new) or "none"}; left out: {", ".join(dropped) or "none"}'
+    )
+
+
+def _abstract_params(model: ModelConfig) -> dict:
+    """`model`'s parameters as a pure dict of shapes and dtypes (an abstract init: nothing allocated)."""
+    from flax import nnx
+
+    from vrl.model.decoder import Decoder
+
+    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Decoder(model, rngs=nnx.Rngs(0))), nnx.Param))
+
+
+def _only(tree: dict, names: set[str], prefix: tuple = ()) -> dict:
+    """The nested dict `tree` with only the leaves named in `names`."""
+    kept = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            if sub := _only(value, names, (*prefix, key)):
+                kept[key] = sub
+        elif '.'.join(map(str, (*prefix, key))) in names:
+            kept[key] = value
+    return kept
+
+
+def _leaf(tree: dict, path) -> Any:
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
+def _initial_params(init_from: str, trainer: TrainSteps, config: Config, fresh: Any) -> tuple[Any, str]:
+    abstract = trainer.abstract_state.params
     if not init_from.startswith('hf:'):
-        return checkpoint.restore_params(init_from, trainer.abstract_state.params), ''
+        saved = checkpoint.saved_param_shapes(init_from)
+        if saved.keys() == checkpoint.param_shapes(abstract).keys():
+            return checkpoint.restore_params(init_from, abstract), ''
+        params, note = uptrained(
+            saved, lambda subset: checkpoint.restore_params(init_from, subset, subset=True), abstract, fresh, config
+        )
+        return params, f' ({note})'
     from vrl.interop import hf  # safetensors: requirements-extra.txt
 
-    shapes = jax.tree.map(lambda a: a.shape, trainer.abstract_state.params)
-    imported = hf.load_params(_hf_dir(init_from), config.model, shapes)
+    folder = _hf_dir(init_from)
+    shapes = jax.tree.map(lambda a: a.shape, abstract)
+    if hf.plain_llama_for(folder, config.model):  # a Llama checkpoint into another variant: uptraining
+        vanilla_shapes = jax.tree.map(lambda a: a.shape, _abstract_params(config.model.as_vanilla()))
+        vanilla = hf.load_params(folder, config.model.as_vanilla(), vanilla_shapes)
+        params, note = uptrained(
+            checkpoint.param_shapes(vanilla.params), lambda subset: vanilla.params, abstract, fresh, config
+        )
+        note = f' ({vanilla.tensors} tensors, tokenizer {config.data.tokenizer}; {note})'
+        return jax.device_put(params, trainer.param_shardings), note
+    imported = hf.load_params(folder, config.model, shapes)
     note = f' ({imported.tensors} tensors), tokenizer {config.data.tokenizer}'
     return jax.device_put(imported.params, trainer.param_shardings), note + (
         f'; {imported.note}' if imported.note else ''
