@@ -10,8 +10,10 @@ sequence, against the XLA path); what `auto` chooses for the 468M and its memory
 (`vrl.main --compile_only`); the bf16 train step of vanilla, ResFormer and SVFormer at 2,048 tokens
 for the 82M and the 468M (tokens/s, step time, peak memory, MFU against the chip's bf16 peak;
 bench/train_throughput.py); decoding at 8K and 32K of context, vanilla against SVFormer
-(bench/decode.py); the in-training downstream scoring's cost (bench/downstream_cost.py); and a
-4-seed group's step against one run's (bench/group_runs.py).
+(bench/decode.py); the in-training downstream scoring's cost (bench/downstream_cost.py); SVFormer's
+cache in vLLM on FlashAttention (bench/vllm_throughput.py --requests; only where vLLM's GPU build and
+serving/vllm are installed, which the wheels a command carries cannot bring); and a 4-seed group's
+step against one run's (bench/group_runs.py).
 
 The parts' time boxes add up to under 8 minutes (BUDGET_S; a part that could end past it is left for
 the next command). A part whose `<part>.json` in OUT, or in `--state` (a folder that outlives OUT:
@@ -53,6 +55,8 @@ class Part:
     dry: tuple[str, ...]
     gpu_env: tuple[tuple[str, str], ...] = ()
     needs: str = ''  # a module the part imports that the wheels may not bring: without it the part is skipped
+    elsewhere: str = ''  # an interpreter (from the repository root) that has `needs` when this one does not
+    install: str = ''  # how to install `needs`, said when the part is skipped
 
 
 PARTS = (
@@ -189,7 +193,22 @@ PARTS = (
             '1',
         ),
         needs='lm_eval',
+        install='here: pip install -r requirements-extra.txt; on a lent machine: send device_wheels_eval/, '
+        'made by `python bench/device_wheels.py --eval`',
     ),  # lm-eval and its dependencies are 45 MiB more wheels than a command carries
+    Part(
+        'vllm_svformer',
+        "vLLM on FlashAttention: SVFormer's cache (V_1 once) against vanilla's where the cache binds",
+        ('bench/vllm_throughput.py', '--variants', 'vanilla,svformer,svformer+cla2', '--requests', '96')
+        + ('--prompt_tokens', '2048', '--new_tokens', '128', '--kv_cache_mib', '2048', '--dtype', 'bfloat16'),
+        90,
+        ('bench/vllm_throughput.py', '--size', '82m', '--variants', 'vanilla,svformer', '--requests', '2')
+        + ('--prompt_tokens', '64', '--new_tokens', '2', '--kv_cache_mib', '16'),
+        needs='vllm',
+        elsewhere='.venv/vllm/bin/python',
+        install="here: bash serving/vllm/install; on a GPU machine: vllm of requirements-vllm.txt's release and "
+        'pip install -e serving/vllm',
+    ),  # vLLM's GPU build is not among the wheels a command carries: where it is installed
     Part(
         'group',
         "a 4-seed group's step against one run's (goal <= 2x)",
@@ -303,7 +322,8 @@ def main() -> None:
             records.append(before)
             print(f'{part.name}: passed before, kept', flush=True)
             continue
-        if part.needs and importlib.util.find_spec(part.needs) is None:
+        elsewhere = part.elsewhere and (ROOT / part.elsewhere).exists()
+        if part.needs and importlib.util.find_spec(part.needs) is None and not elsewhere:
             print(f'{part.name}: skipped, {part.needs} is not installed', flush=True)
             records.append(
                 {
@@ -312,8 +332,7 @@ def main() -> None:
                     'seconds': 0.0,
                     'command': '',
                     'output': '',
-                    'status': f'skipped: needs {part.needs} (here: pip install -r requirements-extra.txt; on a lent '
-                    'machine: send device_wheels_eval/, made by `python bench/device_wheels.py --eval`)',
+                    'status': f'skipped: needs {part.needs} ({part.install})',
                 }
             )
             continue

@@ -1,9 +1,17 @@
 """Generation throughput in vLLM (the vrl_vllm plugin) against vrl's own decoding, per variant and
 batch size, for the 82M shape with random weights; and how many tokens vLLM's KV cache holds in a
-fixed budget (what SVFormer's shared V would change).
+fixed budget.
 
     python bench/vllm_throughput.py [--size 82m] [--variants vanilla,resformer,svformer] [--batches 1,8,32]
                                     [--prompt_tokens 128] [--new_tokens 128] [--kv_cache_mib 256]
+
+`--requests N` instead measures what a smaller cache buys where the cache binds (vLLM's side only):
+N requests at once, long prompts (`--prompt_tokens 2048`), a budget that holds a few dozen of them;
+per variant the tokens the cache holds, the sequences it fits at once by vLLM's count, the most that
+ran at once (read from the scheduler after each engine step), and the tokens/s of the whole workload.
+
+    python bench/vllm_throughput.py --variants vanilla,svformer,cla2,svformer+cla2 --requests 64 \
+        --prompt_tokens 2048 --new_tokens 128 --kv_cache_mib 1024
 
 Needs vLLM's environment (bash serving/vllm/install .venv/vllm); this script runs in vrl's, exports
 each variant, times vrl's `decode.Generator` on the same prompts, and runs itself again under
@@ -15,6 +23,7 @@ vrl's compile excluded: a first call warms it), and vLLM runs eagerly (no torch.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,8 +35,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def all_at_once(llm, prompts: list, params) -> dict:
+    """Every prompt submitted at once, the engine stepped until all are done: seconds, tokens generated and
+    the most requests the scheduler ran at once (its `running` list, in this process with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    generated, most = 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        generated += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        most = max(most, len(scheduler.running))
+    return {'seconds': time.perf_counter() - start, 'tokens': generated, 'most_running': most}
+
+
 def vllm_side(jobs_path: str, out_path: str) -> None:
-    """Under vLLM's Python: each job's model, its prompts generated as one batch per batch size."""
+    """Under vLLM's Python: each job's model, its prompts generated as one batch per batch size, or
+    (`requests`) all at once."""
     from vllm.inputs import TokensPrompt
 
     from tests.vllm_greedy import engine, greedy
@@ -38,13 +64,22 @@ def vllm_side(jobs_path: str, out_path: str) -> None:
             job['model'],
             job['max_model_len'],
             job['kv_cache_bytes'],
+            job['dtype'],
             max_num_seqs=max(job['batches']),
             skip_tokenizer_init=True,
         )
         cache = llm.llm_engine.vllm_config.cache_config
         params = greedy(job['new_tokens'])
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job['prompts']]
-        llm.generate(prompts[:1], params, use_tqdm=False)  # the first call allocates and warms
+        llm.generate(prompts[:1], greedy(2), use_tqdm=False)  # the first call allocates and warms
+        if job['requests']:
+            per_sequence = -(-job['max_model_len'] // cache.block_size)  # blocks
+            row = all_at_once(llm, prompts, params)
+            fits = cache.num_gpu_blocks // per_sequence
+            results.append({'variant': job['variant'], 'cache_tokens': cache.num_gpu_blocks * cache.block_size} | row)
+            results[-1]['fits'] = fits
+            del llm
+            continue
         for batch in job['batches']:
             start = time.perf_counter()
             outputs = llm.generate(prompts[:batch], params, use_tqdm=False)
@@ -88,6 +123,8 @@ def main() -> None:
     parser.add_argument('--prompt_tokens', type=int, default=128)
     parser.add_argument('--new_tokens', type=int, default=128)
     parser.add_argument('--kv_cache_mib', type=int, default=256)
+    parser.add_argument('--requests', type=int, default=0, help='N requests at once, vLLM only (see above)')
+    parser.add_argument('--dtype', default='float32', help="vLLM's dtype: bfloat16 on GPUs (FlashAttention)")
     parser.add_argument('--vllm', nargs=2, metavar=('JOBS', 'OUT'), help='(internal) the vLLM side')
     args = parser.parse_args()
     if args.vllm:
@@ -106,9 +143,13 @@ def main() -> None:
     from vrl.model import presets, resolve
     from vrl.model.decoder import Decoder
 
-    if not VLLM_PYTHON.exists():
+    # vLLM's own environment (.venv/vllm, on a CPU), else this one (a GPU machine with vllm and the plugin)
+    vllm_python = (
+        VLLM_PYTHON if VLLM_PYTHON.exists() else Path(sys.executable) if importlib.util.find_spec('vllm') else None
+    )
+    if vllm_python is None:
         sys.exit(f'no vLLM environment at {VLLM_PYTHON.parent.parent}: make it with bash serving/vllm/install')
-    batches = [int(b) for b in args.batches.split(',')]
+    batches = [args.requests] if args.requests else [int(b) for b in args.batches.split(',')]
     max_len = args.prompt_tokens + args.new_tokens
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix='vllm_bench_') as temp:  # the exports: ~330 MB each at 82M
@@ -123,7 +164,8 @@ def main() -> None:
             model = Decoder(cfg, rngs=nnx.Rngs(0))
             prompts = rng.integers(3, cfg.vocab_size, (max(batches), args.prompt_tokens)).tolist()
             hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, max_len, tokenizer, folder / variant)
-            vrl_seconds[variant] = vrl_side(cfg, model, prompts, batches, args.new_tokens, max_len)
+            if not args.requests:
+                vrl_seconds[variant] = vrl_side(cfg, model, prompts, batches, args.new_tokens, max_len)
             jobs.append(
                 {
                     'variant': variant,
@@ -133,16 +175,20 @@ def main() -> None:
                     'new_tokens': args.new_tokens,
                     'max_model_len': max_len,
                     'kv_cache_bytes': args.kv_cache_mib << 20,
+                    'requests': args.requests,
+                    'dtype': args.dtype,
                 }
             )
         (folder / 'jobs.json').write_text(json.dumps(jobs))
         env = {**vllm_env(), 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))}
         subprocess.run(
-            [str(VLLM_PYTHON), __file__, '--vllm', str(folder / 'jobs.json'), str(folder / 'out.json')],
+            [str(vllm_python), __file__, '--vllm', str(folder / 'jobs.json'), str(folder / 'out.json')],
             env=env,
             check=True,
         )
         results = json.loads((folder / 'out.json').read_text())
+    if args.requests:
+        return print_cache_bound(args, results)
     print(
         f'{args.size}, float32 on {os.cpu_count()} CPU cores; {args.prompt_tokens} prompt tokens, {args.new_tokens} '
         f'generated per request; vLLM eager, KV cache budget {args.kv_cache_mib} MiB'
@@ -157,6 +203,20 @@ def main() -> None:
         print(
             f'{row["variant"]:>{width}} | {row["batch"]:>5} | {row["batch"] / row["seconds"]:>10.2f} | '
             f'{row["tokens"] / row["seconds"]:>10,.1f} | {ours:>9,.1f} | {row["cache_tokens"]:>17,}'
+        )
+
+
+def print_cache_bound(args, results: list[dict]) -> None:
+    print(
+        f'{args.size}, vLLM {args.dtype}, eager, {os.cpu_count()} CPU cores; {args.requests} requests at once, '
+        f'{args.prompt_tokens} prompt tokens and {args.new_tokens} generated each; KV cache {args.kv_cache_mib} MiB'
+    )
+    width = max(map(len, args.variants.split(',')))
+    print(f'{"variant":>{width}} | cache tokens | fits at once | most running | gen tok/s | seconds')
+    for row in results:
+        print(
+            f'{row["variant"]:>{width}} | {row["cache_tokens"]:>12,} | {row["fits"]:>12} | {row["most_running"]:>12} | '
+            f'{row["tokens"] / row["seconds"]:>9,.1f} | {row["seconds"]:>7.1f}'
         )
 
 

@@ -21,9 +21,10 @@ import json
 import sys
 
 
-def engine(model: str, max_model_len: int, kv_cache_bytes: int = 1 << 26, **settings):
-    """vLLM's offline engine on an export as the tests and bench/vllm_throughput.py run it: float32,
-    eager (no torch.compile), the export's code trusted, seed 0; `settings`: any other LLM argument.
+def engine(model: str, max_model_len: int, kv_cache_bytes: int = 1 << 26, dtype: str = 'float32', **settings):
+    """vLLM's offline engine on an export as the tests and bench/vllm_throughput.py run it: float32 (on
+    GPUs bfloat16: FlashAttention's), eager (no torch.compile), the export's code trusted, seed 0;
+    `settings`: any other LLM argument.
     What is alive before it (torch, transformers, vLLM's modules) is frozen out of the garbage
     collector's passes, which vLLM's start runs several times (0.5 s each over the whole heap)."""
     from vllm import LLM
@@ -31,7 +32,7 @@ def engine(model: str, max_model_len: int, kv_cache_bytes: int = 1 << 26, **sett
     gc.freeze()
     return LLM(
         model=model,
-        dtype='float32',
+        dtype=dtype,
         enforce_eager=True,
         trust_remote_code=True,
         max_model_len=max_model_len,
