@@ -65,8 +65,8 @@ SERVED = (
 # and NeuTRENO; windows and caps; MUDD's per-way inputs)
 THROUGH_TRANSFORMERS = ('svformer', 'all-baselines', 'modern-svformer', 'mudd-qkvr')
 # also on two tensor-parallel ranks: the baselines together, whose heads, kv heads and value-table
-# columns the ranks split
-TENSOR_PARALLEL = 'all-baselines'
+# columns the ranks split, and SVFormer + CLA2, whose keys pages and V_1 page the ranks split by kv head
+TENSOR_PARALLEL = ('all-baselines', 'svformer-cla2-qk_norm')
 
 
 def vllm_env() -> dict[str, str]:
@@ -142,7 +142,7 @@ def generations(tokenizer_and_prompts, tmp_path_factory) -> dict[str, tuple[list
         jobs.append({**job, 'name': f'{name}/vllm', 'model_impl': 'vllm'})
         if name in THROUGH_TRANSFORMERS:
             jobs.append({**job, 'name': f'{name}/transformers', 'model_impl': 'transformers'})
-        if name == TENSOR_PARALLEL:
+        if name in TENSOR_PARALLEL:
             jobs.append({**job, 'name': f'{name}/tp2', 'model_impl': 'vllm', 'settings': {'tensor_parallel_size': 2}})
     got = vllm_greedy(jobs, folder)
     return {job['name']: (want[job['name'].split('/')[0]], got[job['name']]['tokens']) for job in jobs}
@@ -158,11 +158,12 @@ def test_vllm_generates_what_vrl_generates(name, generations):
     assert got == want
 
 
-def test_tensor_parallel_vllm_generates_what_vrl_generates(generations):
+@pytest.mark.parametrize('name', TENSOR_PARALLEL)
+def test_tensor_parallel_vllm_generates_what_vrl_generates(name, generations):
     """Two ranks (vLLM's CPU workers), each with half the heads, half the kv heads and their columns
-    of the value-embedding table: the baselines together (NeuTRENO, DenseFormer, CLA, value
-    embeddings) still give vrl's tokens."""
-    want, got = generations[f'{TENSOR_PARALLEL}/tp2']
+    of the value-embedding table (and SVFormer's keys and V_1 pages): the baselines together (NeuTRENO,
+    DenseFormer, CLA, value embeddings) and SVFormer + CLA2 still give vrl's tokens."""
+    want, got = generations[f'{name}/tp2']
     assert got == want
 
 
@@ -285,8 +286,9 @@ def _check(*args: str, module: str = 'vrl_vllm.check') -> subprocess.CompletedPr
 
 def test_what_vllm_cannot_serve_is_one_line_before_the_engine_starts(shared_runs, tokenizer_and_prompts, tmp_path):
     """vrl_vllm.serve (and vrl_vllm.check) on a training workdir, a cut-short weights file, a changed byte
-    in the weights, and a missing folder: one `error:` line naming the path and the fix, exit 2, and no
-    vLLM engine started; an intact export passes."""
+    in the weights, an export whose modeling_vrl.py predates the plugin, and a missing folder: one
+    `error:` line naming the path and the fix, exit 2, and no vLLM engine started; an intact export
+    passes."""
     tokenizer, _ = tokenizer_and_prompts
     export_variant('svformer', tokenizer, tmp_path / 'good')
     assert _check(str(tmp_path / 'good')).returncode == 0
@@ -300,12 +302,17 @@ def test_what_vllm_cannot_serve_is_one_line_before_the_engine_starts(shared_runs
     weights = bytearray((changed / 'model.safetensors').read_bytes())
     weights[-7] ^= 0x40
     (changed / 'model.safetensors').write_bytes(bytes(weights))
+    old = tmp_path / 'old'
+    export_variant('svformer', tokenizer, old)
+    modeling = (old / 'modeling_vrl.py').read_text()
+    (old / 'modeling_vrl.py').write_text(modeling.replace('def layer_loop(', 'def loop_before_2026_12_02('))
     cases = {
         workdir: 'is a vrl training workdir, not a Hugging Face export: make one with '
         f'`python -m vrl.tools.export --workdir={workdir}',
         cut: f'{cut / "model.safetensors"} is damaged: cut short',
         changed: f'{changed / "model.safetensors"} is damaged: its SHA-256 differs',
         tmp_path / 'missing': 'is not a directory',
+        old: f'{old / "modeling_vrl.py"} is missing or older than this plugin',
     }
     for folder, reason in cases.items():
         out = _check('--model', str(folder), '--port', '0', module='vrl_vllm.serve')

@@ -5,7 +5,8 @@ starting and then fails inside a worker:
     python -m vrl_vllm.serve --model DIR [vLLM's server flags]   # the check, then vLLM's OpenAI server
 
 What it refuses: a path that is not a directory; a vrl training workdir (it says how to export it); a
-config.json that is missing, not JSON or without a model_type; no *.safetensors; a weights file that is
+config.json that is missing, not JSON or without a model_type; a VrlForCausalLM export whose
+modeling_vrl.py is missing or older than the plugin; no *.safetensors; a weights file that is
 cut short or whose header does not parse; a weights file whose SHA-256 differs from the one the export
 recorded in SHA256SUMS.
 """
@@ -43,6 +44,11 @@ def check(path: str | Path) -> None:
                 'and serve that'
             )
         raise NotServable(f'{config} has no model_type: not a Hugging Face model directory')
+    modeling = folder / 'modeling_vrl.py'
+    if record['model_type'] == 'vrl' and (not modeling.is_file() or 'def layer_loop(' not in modeling.read_text()):
+        raise NotServable(
+            f'{modeling} is missing or older than this plugin (it has no layer_loop): export the model again'
+        )
     weights = sorted(folder.glob('*.safetensors'))
     if not weights:
         raise NotServable(f'no *.safetensors in {folder}: export the model again')

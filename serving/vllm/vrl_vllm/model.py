@@ -3,10 +3,10 @@ vLLM's layers (tensor-parallel linears, paged attention, its RoPE, RMSNorm and l
 
 The same decoder as the export's modeling_vrl.py, whose config class (VrlConfig: which layer owns
 which keys and values, which value-embedding table a layer adds), ResFormer lambdas (ValueLambdas),
-MUDD's connections (MuddConnection), hyper-connections (HyperConnection, enter, add) and value-embedding
-gate scale this file takes from the exported
-directory, so the two cannot drift apart. Each variant changes one thing, all of it in `VrlAttention`,
-`VrlDecoderLayer.forward` and `VrlModel.forward`:
+MUDD's connections (MuddConnection), hyper-connections (HyperConnection, enter, add), value-embedding
+gate scale and loop over the layers (layer_loop) this file takes from the exported directory, so the
+two cannot drift apart. Each variant changes one thing, all of it in `VrlAttention`,
+`VrlDecoderLayer.forward` and the export's `layer_loop`:
 
 - the values a layer attends over: ResFormer lambda_2 V_n + lambda_1 V_1 (scalars per layer, or per
   token and kv head: mix_proj), SVFormer's layers >= 2 V_1, value embeddings + 2 sigmoid(x W) table[token];
@@ -118,7 +118,9 @@ class VrlAttention(nn.Module):
         )
         local = config.layer_types[layer] == 'sliding_attention'
         owner = config.key_owner(layer)
-        cache = dict(num_kv_heads=self.kv_heads, cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config)
+        cache = dict(
+            num_kv_heads=self.kv_heads, cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config
+        )
         attention = Attention
         if config.attention == 'svformer':  # V_1 stored once: shared_values.py
             values_name = f'{layer_prefix(model_prefix, 0)}.self_attn.values'
@@ -256,6 +258,7 @@ class VrlModel(nn.Module):
         kv_heads = config.num_key_value_heads // get_tensor_model_parallel_world_size()
         tables = set(config.value_embed_tables or range(len(config.value_embed_layers)))
         self.value_embeds = nn.ModuleList(KvHeadColumns(config.vocab_size, kv_heads, config.head_dim) for _ in tables)
+        self.layer_loop = exported('layer_loop', vllm_config)  # the export's loop over the layers
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -263,24 +266,11 @@ class VrlModel(nn.Module):
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
         """Final-normalised hidden states (T, D)."""
         h = self.embed_input_ids(input_ids_T)
-        blocks, ways = [h], {}  # DenseFormer's and MUDD's B_0, B_1, ...; MUDD's q, k, v inputs
-        if self.config.hyper_connections:  # n copies of the embedding output
-            h = h.expand(self.config.hyper_streams, *h.shape)
-        v1 = borrowed = None
-        for layer, block in enumerate(self.layers):
-            lambdas = self.value_lambdas(layer) if self.value_lambdas is not None and layer > 0 else None
-            table = self.config.value_embed_table(layer)
-            value_embed = None if table is None else self.value_embeds[table](input_ids_T)
-            h, (k, v_n, v) = block(positions_T, h, ways, v1, borrowed, lambdas, value_embed)
-            v1 = v if v1 is None else v1
-            borrowed = (k, v)
-            if self.config.denseformer or self.config.mudd:
-                blocks.append(h)
-            if block.depth_weights is not None:
-                h = torch.einsum('j,jtd->td', block.depth_weights.to(h.dtype), torch.stack(blocks))
-            ways = {} if block.mudd is None else block.mudd(blocks)
-            h = ways.pop('r', h)
-        return self.norm(h.sum(0) if self.config.hyper_connections else h)
+
+        def run(layer, block, h, ways, *values):
+            return block(positions_T, h, ways, *values)
+
+        return self.layer_loop(self, h, input_ids_T, run)
 
 
 class VrlForCausalLM(nn.Module):

@@ -43,7 +43,9 @@ class CpuSharedValueImpl(CPUAttentionBackendImpl):
             key, value, kv_cache, values_cache(layer), slot_mapping, layer.isa, kv_cache_dtype=self.kv_cache_dtype
         )
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         if attn_metadata is None:  # vLLM's warm-up
             return output
         tokens = attn_metadata.num_actual_tokens
@@ -89,7 +91,9 @@ def flash_backend() -> type:
             keys, values = kv_cache.transpose(1, 2), values_cache(layer).transpose(1, 2)
             reshape_and_cache_flash(key, value, keys, values, slot_mapping, 'auto', layer._k_scale, layer._v_scale)
 
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
+        def forward(
+            self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+        ):
             if attn_metadata is None:  # vLLM's profiling run
                 return output.fill_(0)
             if self.dcp_world_size > 1 or getattr(attn_metadata, 'use_cascade', False):

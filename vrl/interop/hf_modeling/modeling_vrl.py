@@ -34,6 +34,8 @@ the name the installed transformers' output class declares.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -415,6 +417,33 @@ class VrlPreTrainedModel(PreTrainedModel):
             module.weight.normal_(0.0, std)
 
 
+def layer_loop(model: nn.Module, h: torch.Tensor, input_ids: torch.Tensor, run: Callable) -> torch.Tensor:
+    """The decoder's layers over the embedding output h, final-normalised: this VrlModel's and vLLM's
+    (serving/vllm), which differ only in how a layer attends. Per layer: ResFormer's lambdas, the value
+    embedding, V_1 and CLA's borrowed keys and values from the layers before, DenseFormer's and MUDD's block
+    outputs, hyper-connections' n streams. `run(layer, block, h, ways, v1, borrowed, lambdas, value_embed)`
+    calls one VrlDecoderLayer with the caller's positions, masks and cache, and returns (h, (k, V_n, V))."""
+    config = model.config
+    blocks, ways = [h], {}  # DenseFormer's and MUDD's B_0, B_1, ...; MUDD's q, k, v inputs
+    if config.hyper_connections:  # n copies of the embedding output
+        h = h.expand(config.hyper_streams, *h.shape)
+    v1 = borrowed = None
+    for layer, block in enumerate(model.layers):
+        lambdas = model.value_lambdas(layer) if model.value_lambdas is not None and layer > 0 else None
+        table = config.value_embed_table(layer)
+        value_embed = None if table is None else model.value_embeds[table](input_ids)
+        h, (k, v_n, v) = run(layer, block, h, ways, v1, borrowed, lambdas, value_embed)
+        v1 = v if v1 is None else v1
+        borrowed = (k, v)
+        if config.denseformer or config.mudd:
+            blocks.append(h)
+        if block.depth_weights is not None:
+            h = torch.einsum('j,j...->...', block.depth_weights.to(h.dtype), torch.stack(blocks))
+        ways = {} if block.mudd is None else block.mudd(blocks)
+        h = ways.pop('r', h)
+    return model.norm(h.sum(0) if config.hyper_connections else h)
+
+
 class VrlModel(VrlPreTrainedModel):
     def __init__(self, config: VrlConfig):
         super().__init__(config)
@@ -471,25 +500,11 @@ class VrlModel(VrlPreTrainedModel):
             near_TxS = query_T[:, None] - key_S[None, :] < self.config.sliding_window
             masks['sliding_attention'] = mask_Bx1xTxS & near_TxS
 
-        blocks, ways = [h], {}  # DenseFormer's and MUDD's B_0, B_1, ...; MUDD's q, k, v inputs
-        if self.config.hyper_connections:  # n copies of the embedding output
-            h = h.expand(self.config.hyper_streams, *h.shape)
-        v1 = borrowed = None
-        for layer, block in enumerate(self.layers):
-            lambdas = self.value_lambdas(layer) if self.value_lambdas is not None and layer > 0 else None
-            table = self.config.value_embed_table(layer)
-            value_embed = None if table is None else self.value_embeds[table](input_ids)
+        def run(layer, block, h, ways, *values):
             mask = masks[self.config.layer_types[layer]]
-            h, (k, v_n, v) = block(h, ways, position_ids, mask, v1, borrowed, lambdas, value_embed, cache)
-            v1 = v if v1 is None else v1
-            borrowed = (k, v)
-            if self.config.denseformer or self.config.mudd:
-                blocks.append(h)
-            if block.depth_weights is not None:
-                h = torch.einsum('j,jbtd->btd', block.depth_weights.to(h.dtype), torch.stack(blocks))
-            ways = {} if block.mudd is None else block.mudd(blocks)
-            h = ways.pop('r', h)
-        return self.norm(h.sum(0) if self.config.hyper_connections else h), cache
+            return block(h, ways, position_ids, mask, *values, cache)
+
+        return layer_loop(self, h, input_ids, run), cache
 
 
 class VrlForCausalLM(VrlPreTrainedModel, GenerationMixin):
