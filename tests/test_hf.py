@@ -187,14 +187,8 @@ def test_bad_directories_are_named(exported, tmp_path):
         start.initial_params(copy(drop='model.layers.1.mlp.up_proj.weight'), trainer, run.config)
     with pytest.raises(hf.HFError, match=r'num_key_value_heads=2 but the config has model.n_kv_heads=1'):
         start.initial_params(copy({'num_key_value_heads': 2}), trainer, run.config)
-    with pytest.raises(hf.HFError, match=r"no 'model.value_lambdas.v1' \(resformer \(learnable\) \+ MQA needs it\)"):
-        config = dataclasses.replace(
-            run.config, model=dataclasses.replace(run.config.model, attention='resformer', lambda_mode='learnable')
-        )
-        start.initial_params(f'hf:{folder}', TrainSteps(config, run.trainer.mesh), config)
-    with pytest.raises(hf.HFError, match=r"'model.layers.1.self_attn.v_proj.weight'.*svformer \+ MQA has no place for"):
-        config = dataclasses.replace(run.config, model=dataclasses.replace(run.config.model, attention='svformer'))
-        start.initial_params(f'hf:{folder}', TrainSteps(config, run.trainer.mesh), config)
+    # a plain Llama into another variant (ResFormer's lambdas, SVFormer's missing v_proj) is uptraining:
+    # test_init_from_a_llama_export_uptrains_another_variant_and_refuses_another_shape
 
 
 def _variant(name: str, tokenizer) -> tuple:

@@ -114,10 +114,11 @@ INIT_FROM_FIX = (
 )
 
 
-def initial_params(init_from: str, trainer: TrainSteps, config: Config, fresh: Any) -> tuple[Any, str]:
+def initial_params(init_from: str, trainer: TrainSteps, config: Config, fresh: Any = None) -> tuple[Any, str]:
     """--init_from: another run's checkpoint (any model whose shapes match, or another variant of them:
     `uptrained`), or `hf:DIR`, a Hugging Face Llama directory (vrl/interop/hf.py), placed in the
-    training layout; and what to log about it. `fresh`: the run's initial parameters. A source that
+    training layout; and what to log about it. `fresh`: the run's initial parameters (None: made here
+    where uptraining needs them). A source that
     does not fit is a CheckpointMismatchError naming the flag, the cause and the fix."""
     try:
         return _initial_params(init_from, trainer, config, fresh)
@@ -181,6 +182,8 @@ def _leaf(tree: dict, path) -> Any:
 
 def _initial_params(init_from: str, trainer: TrainSteps, config: Config, fresh: Any) -> tuple[Any, str]:
     abstract = trainer.abstract_state.params
+    if fresh is None:
+        fresh = trainer.init_state(config.train.seed).params
     if not init_from.startswith('hf:'):
         saved = checkpoint.saved_param_shapes(init_from)
         if saved.keys() == checkpoint.param_shapes(abstract).keys():
