@@ -163,13 +163,19 @@ def main() -> None:
             cfg = resolve.execution(Config(model=dataclasses.replace(cfg, compute_dtype='float32')), 'cpu').model
             model = Decoder(cfg, rngs=nnx.Rngs(0))
             prompts = rng.integers(3, cfg.vocab_size, (max(batches), args.prompt_tokens)).tolist()
-            hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, max_len, tokenizer, folder / variant)
+            hf.export(
+                nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                cfg,
+                max_len,
+                tokenizer,
+                folder / variant.replace('+', '_'),
+            )
             if not args.requests:
                 vrl_seconds[variant] = vrl_side(cfg, model, prompts, batches, args.new_tokens, max_len)
             jobs.append(
                 {
                     'variant': variant,
-                    'model': str(folder / variant),
+                    'model': str(folder / variant.replace('+', '_')),
                     'prompts': prompts,
                     'batches': batches,
                     'new_tokens': args.new_tokens,
