@@ -195,7 +195,6 @@ def _initial_params(init_from: str, trainer: TrainSteps, config: Config, fresh: 
     from vrl.interop import hf  # safetensors: requirements-extra.txt
 
     folder = _hf_dir(init_from)
-    shapes = jax.tree.map(lambda a: a.shape, abstract)
     if hf.plain_llama_for(folder, config.model):  # a Llama checkpoint into another variant: uptraining
         vanilla_shapes = jax.tree.map(lambda a: a.shape, _abstract_params(config.model.as_vanilla()))
         vanilla = hf.load_params(folder, config.model.as_vanilla(), vanilla_shapes)
@@ -204,7 +203,7 @@ def _initial_params(init_from: str, trainer: TrainSteps, config: Config, fresh: 
         )
         note = f' ({vanilla.tensors} tensors, tokenizer {config.data.tokenizer}; {note})'
         return jax.device_put(params, trainer.param_shardings), note
-    imported = hf.load_params(folder, config.model, shapes)
+    imported = hf.load_params(folder, config.model, jax.tree.map(lambda a: a.shape, abstract))
     note = f' ({imported.tensors} tensors), tokenizer {config.data.tokenizer}'
     return jax.device_put(imported.params, trainer.param_shardings), note + (
         f'; {imported.note}' if imported.note else ''
