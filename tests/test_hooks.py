@@ -5,6 +5,7 @@ import re
 import signal
 import time
 
+import numpy as np
 import pytest
 
 from vrl.train import hooks
@@ -104,10 +105,67 @@ def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hook
     assert said == [
         'step 1: compiled and trained in 4 s (loss 3.0000); the log follows every 4 steps'
     ]  # read a step late
-    # the first interval starts where step 1 (its compile) is read, at 4 s: steps 2-4 by 8 s
-    assert logged[4]['tokens_per_sec'] == pytest.approx(3 * per_step / 4.0) and logged[4]['step_time'] == 4.0 / 3
+    # the first interval starts where step 1 (its compile) is read, at 4 s, when step 2 has also run
+    # (this clock runs each step as it is sent): steps 3-4 by 8 s
+    assert logged[4]['tokens_per_sec'] == pytest.approx(2 * per_step / 4.0) and logged[4]['step_time'] == 2.0
     assert logged[8]['tokens_per_sec'] == pytest.approx(4 * per_step / 8.0) and logged[8]['step_time'] == 2.0
     assert logged[8]['mfu'] == pytest.approx(1e6 * 4 * per_step / 8.0 / 1e9)
+
+
+class _Finishing:
+    """A device value of a step that finishes at `at` on the test's clock `now`: reading it waits."""
+
+    def __init__(self, value, at: float, now: list[float]):
+        self.value, self.at, self.now = value, at, now
+
+    def block_until_ready(self):
+        self.now[0] = max(self.now[0], self.at)
+        return self
+
+    def __float__(self):
+        return float(self.block_until_ready().value)
+
+    def __bool__(self):
+        return bool(self.block_until_ready().value)
+
+
+@pytest.mark.parametrize('device', ['runs-when-sent', 'runs-after-sent'])
+def test_tokens_per_second_at_log_every_1_are_each_steps_rate_beside_saves_and_evaluations(
+    monkeypatch, small_corpus, device
+):
+    """Steps of 2 s of device time at train.log_every=1, with 10 s of hooks at every even step (which
+    reads its step early, before it saves or evaluates): every line says 2 s a step, whether the
+    device runs a step while it is sent (a CPU, often) or after (an accelerator's queue). Reading a
+    step one late made the even steps' interval nearly empty: tokens/s 100x too high."""
+    import types
+
+    from tests.runs import tiny_config
+
+    config = tiny_config(small_corpus, steps=8, log_every=1)
+    now = [0.0]
+    monkeypatch.setattr(hooks.time, 'perf_counter', lambda: now[0])
+    logged = {}
+    writer = types.SimpleNamespace(write=lambda step, record: logged.update({step: record}), print=lambda line: None)
+    member = types.SimpleNamespace(config=config, label='', writer=writer)
+    group = types.SimpleNamespace(member=lambda tree, i: tree)
+    host = hooks.HostMetrics(config, group, [member], 1e6, 1e9, train_tokens={'plays': 1}, start_step=0)
+    finished = 0.0
+    for step in range(1, 9):
+        finished = max(finished, now[0]) + 2.0  # the step starts when the one before it has finished
+        if device == 'runs-when-sent':
+            now[0] = finished
+        metrics = {
+            name: _Finishing(value, finished, now)
+            for name, value in {'loss': 3.0, 'lr': 1e-3, 'grad_norm': 1.0, 'finite': True}.items()
+        }
+        host.take(hooks.StepRecord(step, metrics, None, np.array([step]), step == 8, False, {}))
+        if step % 2 == 0:
+            host.settle()
+            now[0] += 10.0
+            host.pause(10.0)
+    host.settle()
+    assert sorted(logged) == list(range(1, 9))
+    assert {step: logged[step]['step_time'] for step in range(2, 9)} == dict.fromkeys(range(2, 9), 2.0)
 
 
 def test_a_run_that_records_every_step_but_prints_later_says_its_first_step(small_corpus):

@@ -156,8 +156,12 @@ class HostMetrics:
     """The host side of each step, one step late: train.nan_policy, the loss record, and every
     train.log_every steps the log line (with the tokens read from each dataset, summed over the
     processes); at the end, a run that skipped most of its steps is an error. tokens/s and MFU are
-    the interval's tokens over its wall time less the hooks' (`pause`); the first step (its compile)
-    is in no interval but its own."""
+    an interval's tokens over its wall time less the hooks' (`pause`). An interval ends where every
+    step sent to the device so far has finished (the log line waits for the newest), so its steps
+    and its time agree whether the device ran a step while it was sent (a CPU often does) or later;
+    a logged step that the last interval already timed (a step read early for its hooks, the last
+    step) repeats that interval's figures. The first step (its compile) is in no interval but its
+    own."""
 
     def __init__(
         self,
@@ -176,7 +180,9 @@ class HostMetrics:
         self._skipped = [0] * len(members)
         self._skipped_in_a_row = [0] * len(members)
         self._pending: StepRecord | None = None
-        self._interval_start, self._interval_steps, self._paused = time.perf_counter(), 0, 0.0
+        self._newest: StepRecord | None = None  # the last step sent to the device
+        self._interval_start, self._interval_from, self._paused = time.perf_counter(), start_step, 0.0
+        self._rates: dict[str, float] = {}  # the last interval's figures
 
     def pause(self, seconds: float) -> None:
         """`seconds` of the current interval went to the hooks (an evaluation, downstream scores, a
@@ -185,6 +191,7 @@ class HostMetrics:
 
     def take(self, record: StepRecord) -> None:
         """Reads the step before `record`'s, and holds `record`'s for the next step."""
+        self._newest = record
         self.settle()
         self._pending = record
 
@@ -197,16 +204,23 @@ class HostMetrics:
     def _read(self, record: StepRecord) -> None:
         config, step = self.config, record.step
         host = jax.device_get(record.metrics)
-        self._interval_steps += 1
         logging_now = step % config.train.log_every == 0 or step == config.train.steps
+        interval_ends = logging_now or step == self._start_step + 1  # the first interval leaves the compile out
+        if interval_ends:
+            jax.block_until_ready(self._newest.metrics)
+            now, newest = time.perf_counter(), self._newest.step
         if logging_now:
-            elapsed = time.perf_counter() - self._interval_start - self._paused
-            tokens_per_sec = self._interval_steps * config.data.batch_size * config.data.seq_len / elapsed
+            if newest > self._interval_from:
+                elapsed = now - self._interval_start - self._paused
+                tokens_per_sec = (newest - self._interval_from) * config.data.batch_size * config.data.seq_len / elapsed
+                self._rates = {
+                    'tokens_per_sec': tokens_per_sec,
+                    'step_time': elapsed / (newest - self._interval_from),
+                    'mfu': self._flops_per_token * tokens_per_sec / self._peak,
+                }
             read = dict(zip(self._train_tokens, multihost.summed(record.tokens_read).tolist()))
             shared = {
-                'tokens_per_sec': tokens_per_sec,
-                'step_time': elapsed / self._interval_steps,
-                'mfu': self._flops_per_token * tokens_per_sec / self._peak,
+                **self._rates,
                 **{f'tokens/{name}': n for name, n in read.items()},
                 **{f'epoch/{name}': n / max(self._train_tokens[name], 1) for name, n in read.items()},
             }
@@ -224,8 +238,8 @@ class HostMetrics:
                     f'(loss {float(mine["loss"]):.4f}); the log follows every '
                     f'{config.train.print_every or config.train.log_every} steps'
                 )
-        if logging_now or step == self._start_step + 1:  # the first interval leaves the compile out
-            self._interval_start, self._interval_steps, self._paused = time.perf_counter(), 0, 0.0
+        if interval_ends:
+            self._interval_start, self._interval_from, self._paused = now, newest, 0.0
 
     def check_skipped(self, step: int) -> None:
         for m, skipped in zip(self.members, self._skipped):
