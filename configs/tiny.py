@@ -9,25 +9,28 @@ import ml_collections
 from vrl.core import config as vrl_config
 
 
-def get_config(attention: str = 'vanilla') -> ml_collections.ConfigDict:
-    return vrl_config.to_configdict(
-        vrl_config.Config(
-            model=vrl_config.ModelConfig(
-                attention=attention,
-                vocab_size=1024,
-                vocab_pad_multiple=128,
-                n_layers=4,
-                d_model=128,
-                n_heads=4,
-                n_kv_heads=4,
-                head_dim=32,
-                d_ff=384,
-                compute_dtype='float32',
-            ),
-            data=vrl_config.DataConfig(name='shakespeare', seq_len=128, batch_size=32),
-            optimizer=vrl_config.OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=30),
-            train=vrl_config.TrainConfig(
-                steps=400, log_every=20, eval_every=200, eval_batches=8, checkpoint_every=200, sample_tokens=48
-            ),
-        )
+def config(attention: str = 'vanilla') -> vrl_config.Config:
+    """The tiny demo's config (configs/reproduce_cpu.py builds on it)."""
+    return vrl_config.Config(
+        model=vrl_config.ModelConfig(
+            attention=attention,
+            vocab_size=1024,
+            vocab_pad_multiple=128,
+            n_layers=4,
+            d_model=128,
+            n_heads=4,
+            n_kv_heads=4,
+            head_dim=32,
+            d_ff=384,
+            compute_dtype='float32',
+        ),
+        data=vrl_config.DataConfig(name='shakespeare', seq_len=128, batch_size=32),
+        optimizer=vrl_config.OptimizerConfig(peak_lr=3e-3, final_lr=3e-4, warmup_steps=30),
+        train=vrl_config.TrainConfig(
+            steps=400, log_every=20, eval_every=200, eval_batches=8, checkpoint_every=200, sample_tokens=48
+        ),
     )
+
+
+def get_config(attention: str = 'vanilla') -> ml_collections.ConfigDict:
+    return vrl_config.to_configdict(config(attention))
