@@ -56,8 +56,11 @@ def machine_env(url: str, home: Path) -> dict[str, str]:
     commands), so that a test's hosts do not each compile the same programs from nothing."""
     home.mkdir(parents=True, exist_ok=True)
     (home / 'tmp').mkdir(exist_ok=True)
+    # TensorStore's curl timeouts, which this process's vrl set from its VRL_STORE_TIMEOUT_S: the
+    # machine's vrl sets them from its own
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith('TENSORSTORE_CURL_')}
     return {
-        **os.environ,
+        **inherited,
         **environment(url),
         'HOME': str(home),
         'TMPDIR': str(home / 'tmp'),
@@ -227,6 +230,61 @@ class RefusingStore:
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class MetadataServer:
+    """A Cloud VM's metadata server on 127.0.0.1 (what GCE_METADATA_HOST/IP/ROOT point a client at):
+    it says "a VM with service account vm@vrl-test" and answers token requests with a token that
+    expires at once (so that each request of a client asks again), until `hold_tokens`: from then on
+    every token request is held open without a byte until `stop`, as a token endpoint that stopped
+    answering holds its callers."""
+
+    EMAIL = 'vm@vrl-test.iam.gserviceaccount.com'
+
+    def __init__(self):
+        self.token_requests = 0
+        self._holding, self._stopped = threading.Event(), threading.Event()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if '/token' in self.path:
+                    server.token_requests += 1
+                    if server._holding.is_set():
+                        server._stopped.wait()
+                        return
+                    body = {'access_token': 'vm-token', 'expires_in': 1, 'token_type': 'Bearer'}
+                elif 'service-accounts' in self.path:
+                    body = {'email': MetadataServer.EMAIL, 'aliases': ['default'], 'scopes': ['cloud-platform']}
+                else:
+                    body = 'vrl-test'
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header('Metadata-Flavor', 'Google')
+                self.send_header('Content-Type', 'application/json')
+                self.send_header('Content-Length', str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+        self._server.daemon_threads = True
+        self.address = f'127.0.0.1:{self._server.server_address[1]}'
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def hold_tokens(self) -> None:
+        self._holding.set()
+
+    def environment(self) -> dict[str, str]:
+        """The variables that send gcsfs's (google-auth's) and TensorStore's metadata look-ups here."""
+        return {'GCE_METADATA_HOST': self.address, 'GCE_METADATA_IP': self.address, 'GCE_METADATA_ROOT': self.address}
+
+    def stop(self) -> None:
+        self._stopped.set()
         self._server.shutdown()
         self._server.server_close()
 

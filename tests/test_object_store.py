@@ -736,6 +736,106 @@ def test_a_store_that_stops_answering_ends_the_run_within_three_timeouts_in_one_
     assert ended < 3 * timeout_s + 5, ended
 
 
+def _on_a_vm(gcs: str, home: Path, metadata, gcsfs_token: str) -> dict[str, str]:
+    """A machine whose credentials come from `metadata` (a MetadataServer): TensorStore's always,
+    gcsfs's where `gcsfs_token` is 'google_default' (google-auth's look-up) rather than 'anon'."""
+    env = {
+        **machine_env(gcs, home),
+        **metadata.environment(),
+        'FSSPEC_GCS_TOKEN': gcsfs_token,
+        'VRL_STORE_TIMEOUT_S': '2',
+    }
+    env.pop('NO_GCE_CHECK')  # google-auth asks the metadata server only without it
+    return env
+
+
+@pytest.mark.parametrize('client', ['gcsfs', 'tensorstore'])
+def test_a_token_endpoint_that_never_answers_refuses_the_start_in_one_line(gcs, bucket_config, tmp_path, client):
+    """A Cloud VM whose metadata server holds every token request: the run refuses its gs:// workdir
+    within 3 VRL_STORE_TIMEOUT_S of asking, in one line naming the workdir and where credentials
+    come from, and writes nothing. gcsfs's own retries took 214 s at VRL_STORE_TIMEOUT_S=5;
+    TensorStore's (the checkpoints' writer, which fetches its own token) held the first save ~15
+    minutes."""
+    from tests.gcs_emulator import MetadataServer
+
+    metadata = MetadataServer()
+    metadata.hold_tokens()
+    workdir = f'gs://vrl/no_token_{client}'
+    env = _on_a_vm(gcs, tmp_path / 'host', metadata, 'google_default' if client == 'gcsfs' else 'anon')
+    try:
+        run = subprocess.run(
+            cli_args(bucket_config, workdir), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+    finally:
+        metadata.stop()
+    lines = (run.stdout + run.stderr).splitlines()
+    errors = [line for line in lines if line.startswith('error')]
+    assert run.returncode != 0 and len(errors) == 1, lines[-20:]
+    if client == 'gcsfs':
+        expected = (
+            rf'error: cannot write to --workdir {workdir} \(no answer in 6 s from the object store or from the '
+            r'token endpoint of its credentials: .*GOOGLE_APPLICATION_CREDENTIALS.*metadata server.*\)'
+        )
+    else:
+        expected = (
+            rf'error: cannot write checkpoints to --workdir {workdir}: TensorStore, the checkpoints\' array '
+            r'writer, failed \(no answer in 6 s\)\. It reads its credentials from GOOGLE_APPLICATION_CREDENTIALS.*'
+        )
+    assert re.fullmatch(expected, errors[0]), errors
+    assert metadata.token_requests >= 1 and not [line for line in lines if 'Traceback' in line], lines[-20:]
+    assert not bucket_fs().exists(workdir.removeprefix('gs://'))
+
+
+def test_a_token_endpoint_that_stops_answering_mid_run_ends_the_save_in_one_line(gcs, bucket_config, tmp_path):
+    """TensorStore's token requests held from step 1 on: the first save (step 4) gives up after its 6
+    tries (each ended after VRL_STORE_TIMEOUT_S=2 s without a byte) and the run ends in one line
+    naming the step and the workdir, instead of after TensorStore's own 32 tries up to 32 s apart
+    (~15 minutes)."""
+    import threading
+
+    from tests.gcs_emulator import MetadataServer
+
+    metadata = MetadataServer()
+    env = _on_a_vm(gcs, tmp_path / 'host', metadata, 'anon')
+    try:
+        run = subprocess.Popen(
+            cli_args(bucket_config, 'gs://vrl/token_lost'),
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        lines, stepping = [], threading.Event()
+
+        def read() -> None:
+            for line in run.stdout:
+                lines.append(line.rstrip('\n'))
+                if line.startswith('step 1/'):
+                    stepping.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert stepping.wait(300), lines
+        metadata.hold_tokens()
+        held = time.monotonic()
+        try:
+            run.wait(timeout=200)
+        except subprocess.TimeoutExpired:
+            pytest.fail('the run did not end in 200 s:\n' + '\n'.join(lines[-30:]))
+        ended = time.monotonic() - held
+        reader.join(10)
+    finally:
+        run.kill()
+        metadata.stop()
+    errors = [line for line in lines if line.startswith('error')]
+    assert run.returncode == 1 and len(errors) == 1, lines[-30:]
+    assert errors[0].startswith('error: saving a checkpoint in gs://vrl/token_lost/checkpoints failed'), errors
+    assert 'token_lost/checkpoints/4.e1/' in errors[0] and 'All 6 retry attempts failed' in errors[0], errors
+    assert not [line for line in lines if 'Traceback' in line], lines[-30:]
+    assert ended < 120, ended
+
+
 def test_two_hosts_tokenize_into_the_bucket_what_one_machine_makes(gcs, bucket_config, small_corpus, tmp_path):
     """`python -m vrl.data tokenize` on two hosts joined by jax.distributed, sharing nothing but the
     bucket: each writes its share of the shards straight into it, and the folder equals what one

@@ -14,7 +14,8 @@ file, lock one, rename a folder cheaply) is asked of this module:
 - `append(p, data, new)`: a file that grows costs what it grew (GCS: the new bytes composed onto
   the object server-side);
 - every request to an object store gives up after `request_timeout_s()` without an answer,
-  retried by the client with backoff (gcsfs: 6 tries; TensorStore: its own);
+  retried by the client with backoff (6 tries: gcsfs's own, and `tensorstore_retries()` for
+  TensorStore);
 - `exists(p, what)` and `check_writable(p, what)`: one clear line (StorageError) for a bucket that
   does not exist, no credentials, permission denied or an unreachable endpoint, before anything
   else is read or written;
@@ -373,17 +374,75 @@ def exists(p: epath.Path, what: str) -> bool:
         raise StorageError(f'cannot read {what} {p} ({explain(e, p)})') from None
 
 
-def check_writable(p: epath.Path, what: str) -> None:
+def check_writable(p: epath.Path, what: str, arrays: bool = False) -> None:
     """Creates folder `p` and proves it writable with a probe object, or raises StorageError in one
-    line naming `what` (e.g. '--workdir'), the path and what to do."""
-    probe = p / f'.vrl_write_test.{uuid.uuid4().hex[:8]}'
-    try:
+    line naming `what` (e.g. '--workdir'), the path and what to do. On an object store the probe is
+    given up after `probe_timeout_s()` (a credential whose token never comes would keep gcsfs's
+    retries going for minutes); `arrays`: TensorStore, Orbax's array writer, which fetches its own
+    credentials, writes a probe too."""
+
+    def probe() -> None:
         _check_reachable(p)
         p.mkdir(parents=True, exist_ok=True)
-        probe.write_text('ok')
-        probe.unlink()
+        written = p / f'.vrl_write_test.{uuid.uuid4().hex[:8]}'
+        written.write_text('ok')
+        written.unlink()
+
+    try:
+        within(probe_timeout_s(), probe) if is_remote(p) else probe()
     except Exception as e:  # noqa: BLE001 - every client raises its own kinds; each becomes one line
         raise StorageError(f'cannot write to {what} {p} ({explain(e, p)})') from None
+    if arrays and str(p).startswith(('gs://', 'gcs://')):
+        _check_tensorstore(p, what)
+
+
+def _check_tensorstore(p: epath.Path, what: str) -> None:
+    """A probe object written and removed by TensorStore under gs:// folder `p`, or StorageError."""
+    import tensorstore as ts
+
+    bucket, _, folder = str(p).split('://', 1)[1].partition('/')
+    key = posixpath.join(folder, f'.vrl_write_test.{uuid.uuid4().hex[:8]}')
+    context = ts.Context({'gcs_request_retries': {**tensorstore_retries(), 'max_retries': 2}})
+
+    def probe() -> None:
+        store = ts.KvStore.open({'driver': 'gcs', 'bucket': bucket}, context=context).result()
+        store.write(key, b'ok').result()
+        store.delete_range(ts.KvStore.KeyRange(key, key + '\0')).result()
+
+    try:
+        within(probe_timeout_s(), probe)
+    except Exception as e:  # noqa: BLE001 - TensorStore's errors are ValueErrors with a status in the text
+        cause = ' '.join(str(e).split())[:200]
+        raise StorageError(
+            f"cannot write checkpoints to {what} {p}: TensorStore, the checkpoints' array writer, failed "
+            f"({cause}). It reads its credentials from GOOGLE_APPLICATION_CREDENTIALS, gcloud's "
+            'application-default login or, on a Cloud VM, the metadata server (GCE_METADATA_ROOT): check '
+            f'that the one in use answers (VRL_STORE_TIMEOUT_S={request_timeout_s():g} s a request)'
+        ) from None
+
+
+def probe_timeout_s() -> float:
+    """Seconds a probe of the store (a write, a read, a lease renewal) may take in all, its client's
+    retries and credential look-ups included: 3 x request_timeout_s()."""
+    return 3 * request_timeout_s()
+
+
+def _bound_orbax_retries() -> None:
+    """Orbax opens every array with a TensorStore context made from its own defaults (tensorstore_utils'
+    base contexts; no option passes one in): tensorstore_retries() goes into those defaults."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    for defaults in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+        defaults.setdefault('gcs_request_retries', tensorstore_retries())
+
+
+def tensorstore_retries() -> dict[str, int | str]:
+    """TensorStore's retry policy for GCS requests, its credential's token fetch among them: as
+    gcsfs's, 6 tries, with backoff from 1 s to request_timeout_s() (each try ends after
+    request_timeout_s() without a byte), so a request that never gets an answer fails within about
+    12 request_timeout_s(). TensorStore's default, 32 tries up to 32 s apart, held a first save ~15
+    minutes on a token endpoint that never answered."""
+    return {'max_retries': 6, 'initial_delay': '1s', 'max_delay': f'{request_timeout_s():g}s'}
 
 
 def _check_reachable(p: epath.Path) -> None:
@@ -414,6 +473,12 @@ def explain(e: BaseException, p: epath.Path) -> str:
     if not is_remote(p):
         return f'{getattr(e, "strerror", None) or text}; choose a writable path'
     bucket = str(p).split('://', 1)[1].split('/', 1)[0]
+    if isinstance(e, TimeoutError) and text.startswith('no answer in'):  # `within`'s: nothing came back
+        return (
+            f'{text} from the object store or from the token endpoint of its credentials: check the network, '
+            'STORAGE_EMULATOR_HOST and the credentials in use (GOOGLE_APPLICATION_CREDENTIALS, '
+            '`gcloud auth application-default login`, or on a Cloud VM its metadata server)'
+        )
     lowered = text.lower()
     status = {int(code) for code in re.findall(r'\b(40[134])\b', text)}  # not a port that holds the digits
     if 'credentials' in lowered or 'refresh' in lowered or 'unauthenticated' in lowered or 401 in status:
@@ -500,6 +565,7 @@ def _configure_clients() -> None:
     for name in ('TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS', 'TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS'):
         os.environ.setdefault(name, seconds)
     os.environ.setdefault('TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES', '1')
+    _bound_orbax_retries()
     gcs = fsspec.config.conf.setdefault('gcs', {})
     gcs.setdefault(
         'requests_timeout', aiohttp.ClientTimeout(total=5 * timeout_s, sock_connect=timeout_s, sock_read=timeout_s)

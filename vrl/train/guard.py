@@ -93,7 +93,7 @@ def hold(guard: Guard) -> None:
     over is said on stdout."""
     workdir = guard.path.parent
     existed = storage.is_remote(workdir) or workdir.exists()  # a bucket has no folders: empty is new
-    storage.check_writable(workdir, '--workdir')
+    storage.check_writable(workdir, '--workdir', arrays=True)
     created = not existed or (storage.is_remote(workdir) and not storage.files(workdir))
     if taken_over := guard.acquire():
         print(taken_over, flush=True)
