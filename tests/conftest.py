@@ -3,10 +3,10 @@ for compile time rather than run time.
 
 The suite's programs are tiny models whose compile takes far longer than their run, so its XLA:CPU
 skips the LLVM optimisations and the newer fusion emitters (the same HLO, the same numerics up to
-rounding; docs/performance.md has the suite's times with and without). A jax whose XLA no longer knows
-a flag would abort on it, so the flags are probed once, in a subprocess, and the ones it rejects are
-left out. The result goes to the workers (and the tests' subprocesses) through VRL_TEST_XLA_FLAGS,
-which also overrides the whole set.
+rounding; a small model's scanned gradient compiles in 1.9 s with these flags, 6.9 s without). A jax
+whose XLA no longer knows a flag would abort on it, so the flags are probed once, in a subprocess,
+and the ones it rejects are left out. The result goes to the workers (and the tests' subprocesses)
+through VRL_TEST_XLA_FLAGS, which also overrides the whole set.
 """
 
 import atexit
