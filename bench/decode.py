@@ -42,6 +42,7 @@ from configs import base  # noqa: E402
 from vrl.core import host_memory  # noqa: E402
 from vrl.core.config import Config, from_configdict  # noqa: E402
 from vrl.model import accounting, decode, presets, resolve  # noqa: E402
+from vrl.model import cache as cache_lib  # noqa: E402
 from vrl.model.decoder import Decoder  # noqa: E402
 
 
@@ -84,7 +85,7 @@ def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tup
     start = time.perf_counter()
     jax.block_until_ready(loop(generator.params, fresh, logits, pad, jax.random.key(0)))
     tokens_per_sec = batch * new_tokens / (time.perf_counter() - start)
-    return decode.cache_bytes(cache), tokens_per_sec, bytes_per_step(cfg, generator.params, batch, context)
+    return cache_lib.cache_bytes(cache), tokens_per_sec, bytes_per_step(cfg, generator.params, batch, context)
 
 
 def main() -> None:

@@ -193,13 +193,13 @@ def test_each_variant_changes_the_count_by_its_formula():
 
 @pytest.mark.parametrize('variant', variant_params())
 def test_max_batch_for_cache_is_the_largest_allocated_cache_that_fits(variant):
-    from vrl.model import decode
+    from vrl.model import cache as cache_lib
 
     cfg = small_model_config(**variant)
     context, memory = 40, 3_000_000
 
     def allocated(batch: int) -> int:
-        shapes = jax.eval_shape(lambda: decode.init_cache(cfg, batch, context))
+        shapes = jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch, context))
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes) if x.ndim > 1)
 
     batch = accounting.max_batch_for_cache(cfg, context, memory)

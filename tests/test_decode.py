@@ -23,6 +23,7 @@ from tests.helpers import (
 from vrl.core import sharding
 from vrl.core.config import MeshConfig
 from vrl.model import accounting, decode
+from vrl.model import cache as cache_lib
 from vrl.model.decoder import Decoder
 
 
@@ -80,7 +81,7 @@ def test_cached_decoding_equals_full_forward(variant, n_kv_heads):
     # left-pad by `pad` garbage tokens that must be invisible
     padded = jnp.concatenate([jnp.full((B, pad), 5, jnp.int32), tokens], axis=1)
     pad_B = jnp.full((B,), pad, jnp.int32)
-    cache = decode.init_cache(cfg, B, pad + L)
+    cache = cache_lib.init_cache(cfg, B, pad + L)
     logits, cache = model.decode(padded[:, : pad + prompt], pad_B, cache)
     cached = [np.asarray(logits[:, pad:])]
     for t in range(prompt, L):
@@ -106,7 +107,7 @@ def test_cache_bytes_realise_the_savings():
         'svformer_gqa4': dict(attention='svformer', n_heads=8, n_kv_heads=2),
     }.items():
         cfg = small_model_config(n_layers=L, **({'n_heads': 8, 'n_kv_heads': 8} | overrides))
-        sizes[name] = decode.cache_bytes(decode.init_cache(cfg, batch=3, max_len=32))
+        sizes[name] = cache_lib.cache_bytes(cache_lib.init_cache(cfg, batch=3, max_len=32))
     assert sizes['svformer'] / sizes['vanilla'] == (L + 1) / (2 * L)
     assert sizes['resformer'] == sizes['vanilla']
     assert sizes['vanilla_gqa4'] * 4 == sizes['vanilla']
@@ -121,9 +122,9 @@ def test_a_local_layers_cache_holds_only_its_window(attention):
     cfg = small_model_config(n_layers=6, attention=attention, attention_window=4, global_layers=(2,))
     row = 3 * cfg.n_kv_heads * cfg.head_dim * 4  # 3 sequences, float32
     rings = {'vanilla': 10, 'svformer': 5}[attention]
-    cache = decode.init_cache(cfg, batch=3, max_len=32)
+    cache = cache_lib.init_cache(cfg, batch=3, max_len=32)
     assert sorted(x.shape[1] for x in (*cache.k, *cache.v)) == [4] * rings + [32, 32]
-    assert decode.cache_bytes(cache) == row * (2 * 32 + rings * 4) == 3 * accounting.kv_cache_bytes(cfg, 32)
+    assert cache_lib.cache_bytes(cache) == row * (2 * 32 + rings * 4) == 3 * accounting.kv_cache_bytes(cfg, 32)
 
 
 def _generator(model: Decoder, max_len=40, eos_id=1) -> decode.Generator:
@@ -209,17 +210,17 @@ def test_bad_prompts():
 def test_cache_is_sharded_like_training():
     cfg = small_model_config(n_heads=4, n_kv_heads=2)
     mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    cache = decode.init_cache(cfg, batch=4, max_len=8)
-    placed = jax.device_put(cache, decode.cache_shardings(cache, 4, mesh))
+    cache = cache_lib.init_cache(cfg, batch=4, max_len=8)
+    placed = jax.device_put(cache, cache_lib.cache_shardings(cache, 4, mesh))
     assert len(placed.k) == len(placed.v) == cfg.n_layers
     for x in (*placed.k, *placed.v):  # (B * K, S, Dh): batch over data x fsdp, then kv heads over tensor
         assert x.sharding.spec == PartitionSpec(('data', 'fsdp', 'tensor'), None, None)
         assert len(x.addressable_shards) == 8
         assert x.addressable_shards[0].data.shape == (1, 8, cfg.head_dim)
-    single = decode.init_cache(cfg, batch=1, max_len=8)  # a batch the mesh does not divide stays whole
-    assert decode.cache_shardings(single, 1, mesh).k[0].spec == PartitionSpec(('tensor',), None, None)
-    odd = decode.init_cache(cfg, batch=3, max_len=8)
-    assert decode.cache_shardings(odd, 3, mesh).v[0].spec == PartitionSpec(None, None, None)
+    single = cache_lib.init_cache(cfg, batch=1, max_len=8)  # a batch the mesh does not divide stays whole
+    assert cache_lib.cache_shardings(single, 1, mesh).k[0].spec == PartitionSpec(('tensor',), None, None)
+    odd = cache_lib.init_cache(cfg, batch=3, max_len=8)
+    assert cache_lib.cache_shardings(odd, 3, mesh).v[0].spec == PartitionSpec(None, None, None)
 
 
 @pytest.mark.parametrize('variant', cases({v: v for v in ('vanilla', 'svformer-cla2')}, ['svformer-cla2']))

@@ -10,7 +10,8 @@ from flax import nnx
 
 from tests.helpers import copy_params, random_tokens, randomize, rel_err, small_model_config
 from vrl.core.config import ConfigError
-from vrl.model import accounting, decode, presets, variants
+from vrl.model import accounting, presets, variants
+from vrl.model import cache as cache_lib
 from vrl.model.decoder import Decoder
 
 
@@ -161,7 +162,7 @@ def test_value_embeddings_gates_and_tables_learn():
 def test_cla2_halves_the_allocated_cache_and_composes_with_gqa_and_svformer():
     def cache_bytes(**overrides) -> int:
         cfg = small_model_config(n_layers=6, n_heads=8, **({'n_kv_heads': 8} | overrides))
-        return decode.cache_bytes(decode.init_cache(cfg, batch=3, max_len=32))
+        return cache_lib.cache_bytes(cache_lib.init_cache(cfg, batch=3, max_len=32))
 
     vanilla = cache_bytes()
     assert cache_bytes(kv_share=2) * 2 == vanilla

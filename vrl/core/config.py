@@ -345,18 +345,6 @@ class ModelConfig:
         """Layers 2..L, the ones the scan walks."""
         return self.n_layers - 1
 
-    def owns_kv(self, layer: int) -> bool:
-        """Whether 0-based `layer` projects its own K (and V): the first of each CLA group does."""
-        return layer % self.kv_share == 0
-
-    def key_slot(self, layer):
-        """The KV-cache slot of 0-based `layer`'s keys: one per CLA group. Works on traced ints."""
-        return layer // self.kv_share
-
-    def value_slot(self, layer):
-        """The KV-cache slot of the values `layer` attends over: SVFormer's are all V_1 (slot 0)."""
-        return 0 * layer if self.attention == 'svformer' else layer // self.kv_share
-
     def is_local(self, layer: int) -> bool:
         """Whether 0-based `layer` attends within model.attention_window (a local layer)."""
         return self.attention_window > 0 and layer + 1 not in self.global_layers
@@ -365,21 +353,6 @@ class ModelConfig:
     def local_layers(self) -> tuple[bool, ...]:
         """`is_local` of every layer, in order."""
         return tuple(self.is_local(layer) for layer in range(self.n_layers))
-
-    def ring_slot(self, kind: str, slot: int) -> bool:
-        """Whether the KV-cache slot `slot` of `kind` ('k' or 'v') holds only a window (a ring buffer):
-        one local layer reads it and no other (a slot shared by a CLA group or SVFormer's V_1 stays whole)."""
-        slot_of = self.key_slot if kind == 'k' else self.value_slot
-        readers = [layer for layer in range(self.n_layers) if slot_of(layer) == slot]
-        return len(readers) == 1 and self.is_local(readers[0])
-
-    @property
-    def n_key_slots(self) -> int:
-        return self.key_slot(self.n_layers - 1) + 1
-
-    @property
-    def n_value_slots(self) -> int:
-        return self.value_slot(self.n_layers - 1) + 1
 
     @property
     def variant_name(self) -> str:

@@ -43,6 +43,7 @@ import numpy as np
 from vrl.core.config import VARIANT_FIELDS, ModelConfig
 from vrl.core.errors import CheckpointError
 from vrl.data.tokenizer import SentencePieceTokenizer, Tokenizer
+from vrl.model.cache import layout_of
 
 try:
     from safetensors.numpy import load_file, save_file
@@ -118,7 +119,8 @@ def links(cfg: ModelConfig) -> list[Link]:
     ]
     if not cfg.tie_embeddings:
         out.append(Link('lm_head.weight', ('head',), np.s_[:, :V], *_TRANSPOSE))
-    owners = [layer for layer in range(1, cfg.n_layers) if cfg.owns_kv(layer)]
+    owns_kv = layout_of(cfg).owns_kv
+    owners = [layer for layer in range(1, cfg.n_layers) if owns_kv(layer)]
     ve_entry = {layer - 1: entry for entry, layer in enumerate(cfg.value_embed_layers)}
     depth_offset = 0
     mudd_entry = {i: n for n, i in enumerate(i for i in range(cfg.n_layers) if cfg.mudd_after(i))}
@@ -126,7 +128,7 @@ def links(cfg: ModelConfig) -> list[Link]:
         block, at = ('first', ()) if i == 0 else ('layers', (i - 1,))
         prefix = f'model.layers.{i}.'
         out += [Link(prefix + name, (block, *path), at, *fns) for name, path, fns in _BLOCK_WEIGHTS]
-        if cfg.owns_kv(i):  # CLA keeps the stacked owners' W_K, W_V apart; SVFormer's layers >= 2 have no W_V
+        if owns_kv(i):  # CLA keeps the stacked owners' W_K, W_V apart; SVFormer's layers >= 2 have no W_V
             path, kv_at = ((block, 'attn'), at) if i == 0 or cfg.kv_share == 1 else (('shared_kv',), (owners.index(i),))
             out.append(Link(prefix + 'self_attn.k_proj.weight', (*path, 'wk'), kv_at, *_INTO_LINEAR))
             if cfg.qk_norm:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from vrl.core.config import ModelConfig
 from vrl.model import resolve
+from vrl.model.cache import layout_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,8 @@ class ModelAccount:
 
 def _kv_projections(cfg: ModelConfig) -> int:
     """W_K and W_V matrices: one per cache slot (CLA shares them per group, SVFormer has one W_V)."""
-    return cfg.n_key_slots + cfg.n_value_slots
+    slots = layout_of(cfg)
+    return slots.n_key_slots + slots.n_value_slots
 
 
 def _gate_matrices(cfg: ModelConfig) -> int:
@@ -113,15 +115,16 @@ def matmul_params(cfg: ModelConfig) -> int:
 def non_embedding_params(cfg: ModelConfig) -> int:
     norms = (2 * cfg.n_layers + 1 + cfg.n_stacked * sum(way in cfg.mudd for way in 'kv')) * cfg.d_model
     if cfg.qk_norm:  # a query scale per layer, a key scale per layer that projects keys
-        norms += (cfg.n_layers + sum(map(cfg.owns_kv, range(cfg.n_layers)))) * cfg.head_dim
+        norms += (cfg.n_layers + sum(map(layout_of(cfg).owns_kv, range(cfg.n_layers)))) * cfg.head_dim
     hyper = _hyper_params(cfg)
     return matmul_params(cfg) - cfg.d_model * cfg.padded_vocab_size + norms + _scalar_params(cfg) + hyper
 
 
 def _ring_slots(cfg: ModelConfig) -> int:
-    """The KV-cache slots that hold only a local layer's window (cfg.ring_slot)."""
-    keys = sum(cfg.ring_slot('k', slot) for slot in range(cfg.n_key_slots))
-    return keys + sum(cfg.ring_slot('v', slot) for slot in range(cfg.n_value_slots))
+    """The KV-cache slots that hold only a local layer's window (CacheLayout.ring_slot)."""
+    slots = layout_of(cfg)
+    keys = sum(slots.ring_slot('k', slot) for slot in range(slots.n_key_slots))
+    return keys + sum(slots.ring_slot('v', slot) for slot in range(slots.n_value_slots))
 
 
 def _slot_row_bytes(cfg: ModelConfig) -> int:
@@ -132,7 +135,7 @@ def _slot_row_bytes(cfg: ModelConfig) -> int:
 
 def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
     """What each position adds to one sequence's cache: a vector per slot that holds every position,
-    cfg.n_key_slots + cfg.n_value_slots of them less the ring buffers of local layers (whose window
+    the layout's n_key_slots + n_value_slots of them less the ring buffers of local layers (whose window
     is a fixed size: `kv_cache_bytes`)."""
     return (_kv_projections(cfg) - _ring_slots(cfg)) * _slot_row_bytes(cfg)
 

@@ -2,7 +2,7 @@
 
 Prompts of different lengths are left-padded to one length P, so every sequence writes the
 same cache position each step; padding is masked out and RoPE positions count real tokens
-only. The cache (vrl.model.decoder.KVCache) holds a key array and a value array, a slot, per layer that
+only. The cache (vrl/model/cache.py) holds a key array and a value array, a slot, per layer that
 owns them: SVFormer's layers >= 2 all read layer 1's V ((L + 1) / (2L) of vanilla's bytes),
 CLA's groups share one slot of each (half with CLA2).
 """
@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from vrl.core import sharding
 from vrl.core.config import ModelConfig
 from vrl.core.errors import VrlError
-from vrl.core.sharding import Axis
-from vrl.model.decoder import Decoder, KVCache
+from vrl.model.cache import KVCache, cache_bytes, cache_shardings, init_cache
+from vrl.model.decoder import Decoder
 
 
 class DecodeError(VrlError, ValueError):
@@ -54,49 +54,6 @@ class Sampling:
     def check_vocab(self, vocab_size: int) -> None:
         if self.top_k > vocab_size:
             raise DecodeError(f'top_k={self.top_k} is invalid: allowed 0..{vocab_size} (the vocabulary).')
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    """Zeros in the compute dtype: cfg.n_key_slots key and cfg.n_value_slots value arrays, each
-    (B * K, S, Dh), S = max_len, or min(model.attention_window, max_len) for a ring buffer
-    (cfg.ring_slot; vrl.model.decoder.KVCache)."""
-
-    def slots(kind: str, n: int) -> tuple[jax.Array, ...]:
-        def length(slot: int) -> int:
-            return min(cfg.attention_window, max_len) if cfg.ring_slot(kind, slot) else max_len
-
-        shape = (batch * cfg.n_kv_heads, cfg.head_dim)
-        return tuple(jnp.zeros((shape[0], length(i), shape[1]), cfg.resolved_compute_dtype) for i in range(n))
-
-    return KVCache(k=slots('k', cfg.n_key_slots), v=slots('v', cfg.n_value_slots), index=jnp.zeros((), jnp.int32))
-
-
-def cache_bytes(cache: KVCache) -> int:
-    """Bytes of the allocated key/value arrays."""
-    return sum(x.nbytes for x in (*cache.k, *cache.v))
-
-
-def cache_shardings(cache: KVCache, batch: int, mesh: Mesh) -> KVCache:
-    """A slot's rows (B * K, sequence-major) split as training splits batch and kv heads: over
-    ('data', 'fsdp') then 'tensor' (vrl/core/sharding.py's rules); a part the mesh does not divide
-    stays whole (a batch of 1 keeps only the kv-head split, an undivided larger batch neither). Its
-    positions are split over 'context' (a long prompt's cache over several devices: each attends
-    over its positions and the softmax's sums are reduced across them), where the mesh divides them;
-    a ring buffer's window (shorter than the others) stays whole."""
-
-    def mesh_axes(logical: str, size: int) -> tuple[str, ...]:
-        return sharding.spec_axes(sharding.fitted_sharding(mesh, (logical,), (size,)).spec[0])
-
-    batch_axes = mesh_axes(Axis.BATCH, batch)
-    rows = batch_axes + mesh_axes(Axis.KV_HEADS, cache.k[0].shape[0] // batch) if batch_axes or batch == 1 else ()
-    longest = max(slot.shape[1] for slot in (*cache.k, *cache.v))
-
-    def spec(slot: jax.Array) -> NamedSharding:
-        split = slot.shape[1] == longest
-        positions = tuple(a for a in mesh_axes(Axis.LENGTH, slot.shape[1]) if mesh.shape[a] > 1) if split else ()
-        return NamedSharding(mesh, PartitionSpec(rows or None, positions or None, None))
-
-    return KVCache(k=tuple(map(spec, cache.k)), v=tuple(map(spec, cache.v)), index=sharding.replicated(mesh))
 
 
 def sample(logits_BxV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:

@@ -37,6 +37,7 @@ from vrl.core.config import ConfigError, ModelConfig
 from vrl.core.sharding import Axis, constrain, context_parts
 from vrl.model import attention, history_scan, hyper, layer_stats, ops, params, variants
 from vrl.model.attention import Causal
+from vrl.model.cache import KVCache, layout_of
 from vrl.model.variants import Lambdas, LayerKV, MuddWeights, ValueEmbed
 
 Array = jax.Array
@@ -70,93 +71,6 @@ def rope(x_BxLxNxDh: Array, positions_BxL: Array, theta: float) -> Array:
     x1, x2 = jnp.split(x_BxLxNxDh.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxNxDh.dtype)
-
-
-class KVCache(NamedTuple):
-    """Cached keys and attended values: one (B * K, S, Dh) array per slot, row b * K + k holding
-    sequence b's kv head k, positions before head dims as attention reads them. Each slot is its
-    own buffer: a step writes its new position in place and the attention matmuls read the slot
-    where it lies. (XLA:CPU copies a slice of a stacked array before a matmul reads it, and copies
-    or transposes a (B, K, S, Dh) slot whose batch of 1 it drops; either made a step move about
-    three times the cache's bytes.)
-
-    Layer n uses slots cfg.key_slot(n) and cfg.value_slot(n): one per layer for vanilla and
-    ResFormer (which caches its mixed values), one per group for CLA, and a single value slot,
-    V_1, for SVFormer. Only the first layer of a slot writes it: the layers after it would
-    write the same rows (V_1, CLA's borrowed K/V), and a second write made XLA copy the slot.
-
-    A slot that only one local layer reads (cfg.ring_slot) is a ring buffer of its window,
-    min(model.attention_window, S) positions, position p holding the latest token whose index is
-    p modulo that size: its layer attends over it as it was before the step, then the step's
-    tokens (a copy of the window and the new rows, small beside a whole slot), and writes them
-    after. Every other slot holds every position (a local layer among its readers masks the rest).
-    """
-
-    k: tuple[Array, ...]
-    v: tuple[Array, ...]
-    index: Array  # int32 scalar: cache positions [0, index) are filled
-
-    def update(
-        self, cfg: ModelConfig, layer: int, k_BxTxKxDh: Array, v_BxTxKxDh: Array
-    ) -> tuple[Array, Array, Array, KVCache]:
-        """Writes T new keys and values of the slots `layer` owns, in place; returns the (B * K, S', Dh)
-        keys and values the layer attends over, each key's token index (S',) (negative: none yet), and
-        the cache."""
-        k_slot, v_slot = cfg.key_slot(layer), cfg.value_slot(layer)
-        k_ring, v_ring = cfg.ring_slot('k', k_slot), cfg.ring_slot('v', v_slot)
-        assert k_ring or not v_ring, 'a ring of values is read by one local layer, which also owns its keys'
-        T = k_BxTxKxDh.shape[1]
-        new_index_T = self.index + jnp.arange(T, dtype=jnp.int32)
-        if k_ring:  # the window before this step, then the step's tokens
-            R = self.k[k_slot].shape[1]
-            ring_index_R = self.index - 1 - jnp.mod(self.index - 1 - jnp.arange(R, dtype=jnp.int32), R)
-            key_index = jnp.concatenate([ring_index_R, new_index_T])
-            keys = jnp.concatenate([self.k[k_slot], _rows(k_BxTxKxDh, self.k[k_slot].dtype)], axis=1)
-            values = None
-            if v_ring:
-                values = jnp.concatenate([self.v[v_slot], _rows(v_BxTxKxDh, self.v[v_slot].dtype)], axis=1)
-        cache = self._written(cfg, layer, k_BxTxKxDh, v_BxTxKxDh)
-        if not k_ring:
-            return cache.k[k_slot], cache.v[v_slot], jnp.arange(cache.k[k_slot].shape[1], dtype=jnp.int32), cache
-        if values is None:  # V_1 (SVFormer), whole: the positions of the window's keys
-            values = jnp.take(cache.v[v_slot], jnp.maximum(key_index, 0), axis=1)
-        return keys, values, key_index, cache
-
-    def _written(self, cfg: ModelConfig, layer: int, k_BxTxKxDh: Array, v_BxTxKxDh: Array) -> KVCache:
-        """The cache with T new keys and values in the slots `layer` owns: at [index, index + T), or
-        in a ring buffer at their indices modulo its size."""
-
-        def write(slots: tuple[Array, ...], slot: int, new_BxTxKxDh: Array, ring: bool) -> tuple[Array, ...]:
-            T = new_BxTxKxDh.shape[1]
-            new_NxTxDh = _rows(new_BxTxKxDh, slots[slot].dtype)
-            if ring:  # the last R of the new tokens, each at its index modulo R
-                R = slots[slot].shape[1]
-                kept = min(T, R)
-                at_R = jnp.mod(self.index + T - kept + jnp.arange(kept), R)
-                written = slots[slot].at[:, at_R].set(new_NxTxDh[:, T - kept :])
-            elif T > 1 and context_parts() > 1:  # positions split over devices: each writes its own (a window
-                # written as a slice could straddle two devices' positions, and XLA gathered the slot)
-                offset_S = jnp.arange(slots[slot].shape[1]) - self.index
-                new_NxSxDh = jnp.take(new_NxTxDh, jnp.clip(offset_S, 0, T - 1), axis=1)
-                written = jnp.where(((offset_S >= 0) & (offset_S < T))[None, :, None], new_NxSxDh, slots[slot])
-            else:
-                zero = jnp.zeros((), jnp.int32)
-                written = jax.lax.dynamic_update_slice(slots[slot], new_NxTxDh, (zero, self.index, zero))
-            return (*slots[:slot], written, *slots[slot + 1 :])
-
-        def owns(slot_of) -> bool:  # the first layer of a slot writes it; the rest hold the same rows
-            return layer == 0 or slot_of(layer - 1) != slot_of(layer)
-
-        k_slot, v_slot = cfg.key_slot(layer), cfg.value_slot(layer)
-        k = write(self.k, k_slot, k_BxTxKxDh, cfg.ring_slot('k', k_slot)) if owns(cfg.key_slot) else self.k
-        v = write(self.v, v_slot, v_BxTxKxDh, cfg.ring_slot('v', v_slot)) if owns(cfg.value_slot) else self.v
-        return KVCache(k, v, self.index)
-
-
-def _rows(x_BxTxKxDh: Array, dtype: jnp.dtype) -> Array:
-    """(B, T, K, Dh) -> a slot's (B * K, T, Dh) rows."""
-    B, T, K, Dh = x_BxTxKxDh.shape
-    return x_BxTxKxDh.transpose(0, 2, 1, 3).reshape(B * K, T, Dh).astype(dtype)
 
 
 class CachedQueries(NamedTuple):
@@ -341,7 +255,7 @@ class Block(nnx.Module):
         copies = self.copies(s, p, k_BxLxKxDh, v_BxLxKxDh, mask)
         keys, values, cache = k_BxLxKxDh, v_BxLxKxDh, s.cache
         if cache is not None:
-            keys, values, key_index_S, cache = cache.update(self.cfg, p.layer, k_BxLxKxDh, v_BxLxKxDh)
+            keys, values, key_index_S, cache = cache.update(layout_of(self.cfg), p.layer, k_BxLxKxDh, v_BxLxKxDh)
             mask = mask.over(key_index_S, self.cfg.attention_window if local else 0)
         keys, values = keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype)
         if cache is None:  # training's causal mask: vrl/model/attention.py decides how
@@ -627,7 +541,7 @@ class Decoder(nnx.Module):
             s, outputs = s._replace(v1=v1, copies=shared), []
             for i, (layer_state, p) in enumerate(zip(*per_layer)):
                 if p.kv is not None:
-                    p = p._replace(kv=p.kv._replace(owns=self.cfg.owns_kv(1 + start + i)))
+                    p = p._replace(kv=p.kv._replace(owns=layout_of(self.cfg).owns_kv(1 + start + i)))
                 s, stats = self._layer(nnx.merge(graphdef, layer_state), s, p, positions_BxL, mask, record)
                 outputs.append(stats)
             return s._replace(v1=None, copies=None), None if not record else _stacked(outputs)

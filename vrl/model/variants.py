@@ -26,6 +26,7 @@ from flax import nnx
 from vrl.core.config import ModelConfig
 from vrl.core.sharding import Axis
 from vrl.model import ops, params
+from vrl.model.cache import layout_of
 
 Array = jax.Array
 
@@ -157,7 +158,7 @@ class SharedKeyValues(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         D, K, Dh, std = cfg.d_model, cfg.n_kv_heads, cfg.head_dim, cfg.init_std
-        self.owned = tuple(cfg.owns_kv(layer) for layer in range(1, cfg.n_layers))  # static, layers 2..L
+        self.owned = tuple(layout_of(cfg).owns_kv(layer) for layer in range(1, cfg.n_layers))  # static, layers 2..L
         owners = sum(self.owned)
         self.wk = params.normal(rngs, (D, K, Dh), (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM), std, owners)
         self.wv = (
