@@ -108,11 +108,11 @@ def _np_mudd(cfg: ModelConfig, p: dict, n: int, blocks: list) -> dict | None:
     return {way: sum(weights[:, c, j, None] * b for j, b in enumerate(blocks)) for c, way in enumerate(ways)}
 
 
-def _np_sinkhorn(logits, iterations=20):  # exp, then rows and columns to sum 1 in turn
+def _np_sinkhorn(logits, iterations=20):  # [dst, src]: exp, then columns and rows to sum 1 in turn (mHC Eq. 9)
     m = np.exp(logits - logits.max(axis=(-2, -1), keepdims=True))
     for _ in range(iterations):
-        m = m / m.sum(-1, keepdims=True)
         m = m / m.sum(-2, keepdims=True)
+        m = m / m.sum(-1, keepdims=True)
     return m
 
 

@@ -63,13 +63,15 @@ class Coefficients(NamedTuple):
 
 
 def sinkhorn(logits_NxN: Array, iterations: int = SINKHORN_ITERATIONS) -> Array:
-    """A doubly stochastic matrix from logits over the last two axes: exp, then `iterations` times
-    rows and then columns scaled to sum to 1."""
+    """A doubly stochastic matrix [destination, source] from logits over the last two axes, as the mHC
+    paper's Eq. 9 makes it: exp, then `iterations` times columns and then rows scaled to sum to 1
+    (M_t = T_r(T_c(M_{t-1}))), so each destination's weights (a row) sum to 1 exactly and each
+    source's to 1 within what the iterations leave."""
     # the shift cancels in the first normalisation, so it carries no gradient
     m = jnp.exp(logits_NxN - jax.lax.stop_gradient(jnp.max(logits_NxN, axis=(-2, -1), keepdims=True)))
     for _ in range(iterations):
-        m = m / jnp.sum(m, axis=-1, keepdims=True)
         m = m / jnp.sum(m, axis=-2, keepdims=True)
+        m = m / jnp.sum(m, axis=-1, keepdims=True)
     return m
 
 

@@ -296,11 +296,12 @@ class MuddConnection(nn.Module):
 
 
 def sinkhorn(logits: torch.Tensor, iterations: int = 20) -> torch.Tensor:
-    """A doubly stochastic matrix over the last two axes: exp, then rows and columns scaled to 1 in turn."""
+    """A doubly stochastic matrix [destination, source] over the last two axes: exp, then columns and
+    rows scaled to 1 in turn (the mHC paper's Eq. 9: each destination's weights sum to 1 exactly)."""
     m = torch.exp(logits - logits.amax((-2, -1), keepdim=True))
     for _ in range(iterations):
-        m = m / m.sum(-1, keepdim=True)
         m = m / m.sum(-2, keepdim=True)
+        m = m / m.sum(-1, keepdim=True)
     return m
 
 
