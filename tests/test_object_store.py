@@ -681,11 +681,44 @@ def test_a_run_on_a_pretokenized_bucket_copies_no_text_to_its_host(gcs, bucket_c
     assert text_bytes > 0.5 * token_bytes and metadata < 0.02 * token_bytes, sorted(on_host.items())
 
 
+def _broken_at(
+    args: list[str], env: dict[str, str], cwd: Path, at: str, fault, timeout_s: float
+) -> tuple[subprocess.Popen, list[str], float]:
+    """Runs `args` until it prints a line starting with `at`, then calls `fault()`; returns the ended
+    process, its lines (stdout and stderr) and the seconds it took to end after the fault. A run that
+    does not end within `timeout_s` of the fault fails the test with its last lines."""
+    import threading
+
+    run = subprocess.Popen(args, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines, reached = [], threading.Event()
+
+    def read() -> None:
+        for line in run.stdout:
+            lines.append(line.rstrip('\n'))
+            if line.startswith(at):
+                reached.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert reached.wait(300), lines
+        fault()
+        broken = time.monotonic()
+        try:
+            run.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f'the run did not end in {timeout_s:g} s:\n' + '\n'.join(lines[-30:]))
+        ended = time.monotonic() - broken
+        reader.join(10)
+    finally:
+        run.kill()
+    return run, lines, ended
+
+
 def test_a_store_that_stops_answering_ends_the_run_within_three_timeouts_in_one_line(gcs, bucket_config, tmp_path):
     """Every byte to and from the bucket held, mid-run: the run ends within ~3 VRL_STORE_TIMEOUT_S
     (the lease's renewals, each given up after one timeout, fail for two), with one line naming
     the operation, the object and the cause, and no traceback."""
-    import threading
 
     from tests.slow_store import SlowStore
 
@@ -698,30 +731,9 @@ def test_a_store_that_stops_answering_ends_the_run_within_three_timeouts_in_one_
     timeout_s = 3
     with SlowStore(gcs, latency_s=0.001) as store:
         env = {**machine_env(store.url, tmp_path / 'host'), 'VRL_STORE_TIMEOUT_S': str(timeout_s)}
-        run = subprocess.Popen(
-            cli_args(config, 'gs://vrl/held_store'),
-            cwd=tmp_path,
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+        run, lines, ended = _broken_at(
+            cli_args(config, 'gs://vrl/held_store'), env, tmp_path, 'step 3/', store.hold, 120
         )
-        lines, stepping = [], threading.Event()
-
-        def read() -> None:
-            for line in run.stdout:
-                lines.append(line.rstrip('\n'))
-                if line.startswith('step 3/'):
-                    stepping.set()
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        assert stepping.wait(300), lines
-        store.hold()
-        held = time.monotonic()
-        run.wait(timeout=120)
-        ended = time.monotonic() - held
-        reader.join(10)
         store.release()
     after = lines[next(i for i, line in enumerate(lines) if line.startswith('step 3/')) + 1 :]
     errors = [line for line in after if line.startswith('error')]
@@ -791,42 +803,15 @@ def test_a_token_endpoint_that_stops_answering_mid_run_ends_the_save_in_one_line
     tries (each ended after VRL_STORE_TIMEOUT_S=2 s without a byte) and the run ends in one line
     naming the step and the workdir, instead of after TensorStore's own 32 tries up to 32 s apart
     (~15 minutes)."""
-    import threading
 
     from tests.gcs_emulator import MetadataServer
 
     metadata = MetadataServer()
     env = _on_a_vm(gcs, tmp_path / 'host', metadata, 'anon')
     try:
-        run = subprocess.Popen(
-            cli_args(bucket_config, 'gs://vrl/token_lost'),
-            cwd=tmp_path,
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        lines, stepping = [], threading.Event()
-
-        def read() -> None:
-            for line in run.stdout:
-                lines.append(line.rstrip('\n'))
-                if line.startswith('step 1/'):
-                    stepping.set()
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        assert stepping.wait(300), lines
-        metadata.hold_tokens()
-        held = time.monotonic()
-        try:
-            run.wait(timeout=200)
-        except subprocess.TimeoutExpired:
-            pytest.fail('the run did not end in 200 s:\n' + '\n'.join(lines[-30:]))
-        ended = time.monotonic() - held
-        reader.join(10)
+        args = cli_args(bucket_config, 'gs://vrl/token_lost')
+        run, lines, ended = _broken_at(args, env, tmp_path, 'step 1/', metadata.hold_tokens, 200)
     finally:
-        run.kill()
         metadata.stop()
     errors = [line for line in lines if line.startswith('error')]
     assert run.returncode == 1 and len(errors) == 1, lines[-30:]
