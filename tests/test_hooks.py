@@ -168,6 +168,30 @@ def test_tokens_per_second_at_log_every_1_are_each_steps_rate_beside_saves_and_e
     assert {step: logged[step]['step_time'] for step in range(2, 9)} == dict.fromkeys(range(2, 9), 2.0)
 
 
+def test_a_two_step_run_logs_its_last_step_with_the_interval_that_timed_it(monkeypatch, small_corpus):
+    """train.steps=2 at log_every=4: step 1's read (in step 2's take) ends the first interval where step
+    2 has also finished, so the last step, logged at the end, repeats that interval's figures (the
+    compile among them) rather than logging none."""
+    import types
+
+    from tests.runs import tiny_config
+
+    config = tiny_config(small_corpus, steps=2, log_every=4)
+    now = [0.0]
+    monkeypatch.setattr(hooks.time, 'perf_counter', lambda: now[0])
+    logged = {}
+    writer = types.SimpleNamespace(write=lambda step, record: logged.update({step: record}), print=lambda line: None)
+    member = types.SimpleNamespace(config=config, label='', writer=writer)
+    group = types.SimpleNamespace(member=lambda tree, i: tree)
+    host = hooks.HostMetrics(config, group, [member], 1e6, 1e9, train_tokens={'plays': 1}, start_step=0)
+    for step in (1, 2):
+        now[0] += 3.0
+        metrics = {'loss': np.float32(3.0), 'lr': np.float32(1e-3), 'grad_norm': np.float32(1.0), 'finite': True}
+        host.take(hooks.StepRecord(step, metrics, None, np.array([step]), step == 2, False, {}))
+    host.settle()
+    assert sorted(logged) == [2] and logged[2]['step_time'] == 3.0, logged
+
+
 def test_a_run_that_records_every_step_but_prints_later_says_its_first_step(small_corpus):
     """compare and study record every step (train.log_every=1) and print every train.print_every: the
     first step's line still says how long the compile took, and which steps the log follows."""

@@ -160,8 +160,8 @@ class HostMetrics:
     step sent to the device so far has finished (the log line waits for the newest), so its steps
     and its time agree whether the device ran a step while it was sent (a CPU often does) or later;
     a logged step that the last interval already timed (a step read early for its hooks, the last
-    step) repeats that interval's figures. The first step (its compile) is in no interval but its
-    own."""
+    step) repeats that interval's figures. The first interval, which holds the compile, ends with
+    the first step's read: its figures are logged only for a step it timed."""
 
     def __init__(
         self,
@@ -209,7 +209,6 @@ class HostMetrics:
         if interval_ends:
             jax.block_until_ready(self._newest.metrics)
             now, newest = time.perf_counter(), self._newest.step
-        if logging_now:
             if newest > self._interval_from:
                 elapsed = now - self._interval_start - self._paused
                 tokens_per_sec = (newest - self._interval_from) * config.data.batch_size * config.data.seq_len / elapsed
@@ -218,6 +217,7 @@ class HostMetrics:
                     'step_time': elapsed / (newest - self._interval_from),
                     'mfu': self._flops_per_token * tokens_per_sec / self._peak,
                 }
+        if logging_now:
             read = dict(zip(self._train_tokens, multihost.summed(record.tokens_read).tolist()))
             shared = {
                 **self._rates,
