@@ -66,26 +66,31 @@ def test_a_ctrl_c_that_lands_inside_a_print_is_said_after_it(capsys):
     assert lines[0] == 'step 7/100  loss 5.1234' and lines[1].startswith('Ctrl-C: the run saves a checkpoint'), lines
 
 
-def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hooks(monkeypatch, small_corpus):
-    """On a clock the test moves: 4 steps of 2 s, then a 100 s evaluation, then 4 more steps of 2 s.
-    The second logged interval reports 4 x batch x seq_len tokens over 8 s (the evaluation left out),
-    MFU being FLOPs per token x tokens/s over the peak; the first leaves out step 1, the compile."""
+def _host_on_a_clock(monkeypatch, config, label: str = ''):
+    """HostMetrics of one run on a clock the test moves (`now[0]`, seconds): (host, now, the records
+    written by step, the lines printed)."""
     import types
 
-    import numpy as np
-
-    from tests.runs import tiny_config
-
-    config = tiny_config(small_corpus, steps=8, log_every=4)
     now = [0.0]
     monkeypatch.setattr(hooks.time, 'perf_counter', lambda: now[0])
     logged, said = {}, []
     writer = types.SimpleNamespace(write=lambda step, record: logged.update({step: record}), print=said.append)
-    member = types.SimpleNamespace(config=config, label='', writer=writer)
+    member = types.SimpleNamespace(config=config, label=label, writer=writer)
     group = types.SimpleNamespace(member=lambda tree, i: tree)
     host = hooks.HostMetrics(
         config, group, [member], flops_per_token=1e6, peak_flops=1e9, train_tokens={'plays': 1}, start_step=0
     )
+    return host, now, logged, said
+
+
+def test_tokens_per_second_count_the_training_time_of_each_interval_not_the_hooks(monkeypatch, small_corpus):
+    """On a clock the test moves: 4 steps of 2 s, then a 100 s evaluation, then 4 more steps of 2 s.
+    The second logged interval reports 4 x batch x seq_len tokens over 8 s (the evaluation left out),
+    MFU being FLOPs per token x tokens/s over the peak; the first leaves out step 1, the compile."""
+    from tests.runs import tiny_config
+
+    config = tiny_config(small_corpus, steps=8, log_every=4)
+    host, now, logged, said = _host_on_a_clock(monkeypatch, config)
     for step in range(1, 9):
         now[0] += 2.0
         metrics = {
@@ -137,18 +142,10 @@ def test_tokens_per_second_at_log_every_1_are_each_steps_rate_beside_saves_and_e
     reads its step early, before it saves or evaluates): every line says 2 s a step, whether the
     device runs a step while it is sent (a CPU, often) or after (an accelerator's queue). Reading a
     step one late made the even steps' interval nearly empty: tokens/s 100x too high."""
-    import types
-
     from tests.runs import tiny_config
 
     config = tiny_config(small_corpus, steps=8, log_every=1)
-    now = [0.0]
-    monkeypatch.setattr(hooks.time, 'perf_counter', lambda: now[0])
-    logged = {}
-    writer = types.SimpleNamespace(write=lambda step, record: logged.update({step: record}), print=lambda line: None)
-    member = types.SimpleNamespace(config=config, label='', writer=writer)
-    group = types.SimpleNamespace(member=lambda tree, i: tree)
-    host = hooks.HostMetrics(config, group, [member], 1e6, 1e9, train_tokens={'plays': 1}, start_step=0)
+    host, now, logged, _ = _host_on_a_clock(monkeypatch, config)
     finished = 0.0
     for step in range(1, 9):
         finished = max(finished, now[0]) + 2.0  # the step starts when the one before it has finished
@@ -172,18 +169,10 @@ def test_a_two_step_run_logs_its_last_step_with_the_interval_that_timed_it(monke
     """train.steps=2 at log_every=4: step 1's read (in step 2's take) ends the first interval where step
     2 has also finished, so the last step, logged at the end, repeats that interval's figures (the
     compile among them) rather than logging none."""
-    import types
-
     from tests.runs import tiny_config
 
     config = tiny_config(small_corpus, steps=2, log_every=4)
-    now = [0.0]
-    monkeypatch.setattr(hooks.time, 'perf_counter', lambda: now[0])
-    logged = {}
-    writer = types.SimpleNamespace(write=lambda step, record: logged.update({step: record}), print=lambda line: None)
-    member = types.SimpleNamespace(config=config, label='', writer=writer)
-    group = types.SimpleNamespace(member=lambda tree, i: tree)
-    host = hooks.HostMetrics(config, group, [member], 1e6, 1e9, train_tokens={'plays': 1}, start_step=0)
+    host, now, logged, _ = _host_on_a_clock(monkeypatch, config)
     for step in (1, 2):
         now[0] += 3.0
         metrics = {'loss': np.float32(3.0), 'lr': np.float32(1e-3), 'grad_norm': np.float32(1.0), 'finite': True}
@@ -192,22 +181,15 @@ def test_a_two_step_run_logs_its_last_step_with_the_interval_that_timed_it(monke
     assert sorted(logged) == [2] and logged[2]['step_time'] == 3.0, logged
 
 
-def test_a_run_that_records_every_step_but_prints_later_says_its_first_step(small_corpus):
+def test_a_run_that_records_every_step_but_prints_later_says_its_first_step(monkeypatch, small_corpus):
     """compare and study record every step (train.log_every=1) and print every train.print_every: the
     first step's line still says how long the compile took, and which steps the log follows."""
-    import types
-
-    import numpy as np
-
     from tests.runs import tiny_config
 
     config = tiny_config(small_corpus, steps=8, log_every=1, print_every=4)
-    logged, said = {}, []
-    writer = types.SimpleNamespace(write=lambda step, record: logged.update({step: record}), print=said.append)
-    member = types.SimpleNamespace(config=config, label='[vanilla-s0] ', writer=writer)
-    group = types.SimpleNamespace(member=lambda tree, i: tree)
-    host = hooks.HostMetrics(config, group, [member], 1e6, 1e9, train_tokens={'plays': 1}, start_step=0)
+    host, now, logged, said = _host_on_a_clock(monkeypatch, config, label='[vanilla-s0] ')
     for step in range(1, 9):
+        now[0] += 1.0
         metrics = {'loss': np.float32(3.0), 'lr': np.float32(1e-3), 'grad_norm': np.float32(1.0), 'finite': True}
         host.take(hooks.StepRecord(step, metrics, None, np.array([step]), step == 8, False, {}))
     host.settle()

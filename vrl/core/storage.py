@@ -422,8 +422,8 @@ def _check_tensorstore(p: epath.Path, what: str) -> None:
 
 
 def probe_timeout_s() -> float:
-    """Seconds a probe of the store (a write, a read, a lease renewal) may take in all, its client's
-    retries and credential look-ups included: 3 x request_timeout_s()."""
+    """Seconds `check_writable`'s probe of a store may take in all, its client's retries and
+    credential look-ups included: 3 x request_timeout_s()."""
     return 3 * request_timeout_s()
 
 
