@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 
 from bench.train_throughput import Stepper, bench_config  # noqa: E402
 from vrl.core import backend, host_memory  # noqa: E402
-from vrl.core.config import Config  # noqa: E402
+from vrl.train.config import Config  # noqa: E402
 
 try:
     import torch

@@ -17,8 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import base  # noqa: E402
-from vrl.core.config import from_configdict  # noqa: E402
 from vrl.model import accounting, presets  # noqa: E402
+from vrl.train.config import from_configdict  # noqa: E402
 
 
 def main() -> None:

@@ -21,9 +21,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from vrl.core.config import Config, ModelConfig  # noqa: E402
-from vrl.model import resolve  # noqa: E402
+from vrl.model.config import ModelConfig  # noqa: E402
 from vrl.model.decoder import Decoder  # noqa: E402
+from vrl.train import aot  # noqa: E402
+from vrl.train.config import Config  # noqa: E402
 
 
 def build_seconds(cfg: ModelConfig) -> float:
@@ -63,7 +64,7 @@ def main() -> None:
         d_ff=4 * args.d_model,
         compute_dtype='float32',
     )
-    base = resolve.execution(Config(model=base), jax.default_backend()).model
+    base = aot.execution(Config(model=base), jax.default_backend()).model
     tiny = dataclasses.replace(base, n_layers=2, d_model=32, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64)
     first, other = build_seconds(tiny), build_seconds(dataclasses.replace(tiny, d_model=48, d_ff=96))
     print(

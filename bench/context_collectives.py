@@ -39,8 +39,10 @@ import numpy as np  # noqa: E402
 
 from configs import base, tiny  # noqa: E402
 from vrl.core import sharding  # noqa: E402
-from vrl.core.config import MeshConfig, from_configdict  # noqa: E402
-from vrl.model import presets, resolve  # noqa: E402
+from vrl.core.sharding import MeshConfig  # noqa: E402
+from vrl.model import presets  # noqa: E402
+from vrl.train import aot  # noqa: E402
+from vrl.train.config import from_configdict  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 
 BYTES = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'pred': 1, 's8': 1, 'u8': 1, 'f64': 8, 's64': 8}
@@ -133,7 +135,7 @@ def least_bytes(config, mesh_shape: dict[str, int]) -> int:
 
 def measure(config) -> tuple[dict[str, int], int]:
     """`count` of the train step compiled for `config` on this process' devices, and `least_bytes`."""
-    config = resolve.execution(config, jax.devices()[0].platform, say=lambda line: None)
+    config = aot.execution(config, jax.devices()[0].platform, say=lambda line: None)
     mesh = sharding.make_mesh(config.mesh)
     trainer = TrainSteps(config, mesh)
     shape = (config.data.batch_size, config.data.seq_len)

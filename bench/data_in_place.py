@@ -42,8 +42,8 @@ from tests.gcs_emulator import PINNED, serving  # noqa: E402
 
 os.environ.update(PINNED)  # before gcsfs is imported: it reads some (no bucket-type probe over gRPC) then
 from vrl.core import storage  # noqa: E402
-from vrl.core.config import DataConfig  # noqa: E402
 from vrl.data import pipeline, shards, tokens  # noqa: E402
+from vrl.data.config import DataConfig  # noqa: E402
 from vrl.data.tokenizer import Tokenizer, train  # noqa: E402
 
 VOCAB = 32_768

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vrl.core.config import DataConfig  # noqa: E402
 from vrl.data import build, corpus, pipeline, sources, tokens  # noqa: E402
+from vrl.data.config import DataConfig  # noqa: E402
 from vrl.data.tokenizer import train as train_tokenizer  # noqa: E402
 
 

@@ -40,10 +40,11 @@ from flax import nnx  # noqa: E402
 
 from configs import base  # noqa: E402
 from vrl.core import host_memory  # noqa: E402
-from vrl.core.config import Config, from_configdict  # noqa: E402
-from vrl.model import accounting, decode, presets, resolve  # noqa: E402
+from vrl.model import accounting, decode, presets  # noqa: E402
 from vrl.model import cache as cache_lib  # noqa: E402
 from vrl.model.decoder import Decoder  # noqa: E402
+from vrl.train import aot  # noqa: E402
+from vrl.train.config import Config, from_configdict  # noqa: E402
 
 
 def memory_bandwidth(n_bytes: int = 2**30, repeats: int = 5) -> float:
@@ -69,7 +70,7 @@ def bytes_per_step(cfg, params, batch: int, context: int) -> tuple[int, int]:
 
 
 def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tuple[int, float, tuple[int, int]]:
-    cfg = resolve.execution(Config(model=cfg), jax.default_backend()).model  # this platform's ops
+    cfg = aot.execution(Config(model=cfg), jax.default_backend()).model  # this platform's ops
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     generator = decode.Generator(cfg, graphdef, nnx.to_pure_dict(state), max_len=context + new_tokens, eos_id=-1)

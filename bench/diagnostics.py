@@ -23,8 +23,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.train_throughput import Stepper, bench_config  # noqa: E402
-from vrl.core.config import TrainConfig  # noqa: E402
 from vrl.train import diagnostics  # noqa: E402
+from vrl.train.config import TrainConfig  # noqa: E402
 
 
 def main() -> None:

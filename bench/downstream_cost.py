@@ -32,9 +32,9 @@ import numpy as np  # noqa: E402
 
 from configs import base, tiny  # noqa: E402
 from vrl.core import sharding  # noqa: E402
-from vrl.core.config import from_configdict  # noqa: E402
 from vrl.data import corpus, pipeline  # noqa: E402
-from vrl.train import lm_eval_model, lm_eval_tasks  # noqa: E402
+from vrl.train import aot, lm_eval_model, lm_eval_tasks  # noqa: E402
+from vrl.train.config import from_configdict  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 from vrl.train.trained import TrainedRun  # noqa: E402
 
@@ -122,7 +122,9 @@ def main() -> None:
     config = dataclasses.replace(
         config, model=model, data=data, train=dataclasses.replace(config.train, microbatches=1)
     )
-    trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
+    trainer = TrainSteps(
+        aot.execution(config, jax.default_backend(), lambda line: None), sharding.make_mesh(config.mesh)
+    )
     tokenizer = pipeline.load_tokenizer(tokenizer_config.data, model.vocab_size)
     run = TrainedRun(config, tokenizer, trainer, trainer.init_state(0).params, 0)
     lm = lm_eval_model.VrlLM(run, batch_size=args.rows)

@@ -31,10 +31,10 @@ import numpy as np  # noqa: E402
 
 from configs import reproduce_cpu  # noqa: E402
 from vrl.core import cli, host_memory, sharding  # noqa: E402
-from vrl.core.config import Config, from_configdict  # noqa: E402
 from vrl.experiments import grid  # noqa: E402
 from vrl.model import accounting, presets  # noqa: E402
-from vrl.train import metrics  # noqa: E402
+from vrl.train import aot, metrics  # noqa: E402
+from vrl.train.config import Config, from_configdict  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 
 
@@ -53,7 +53,9 @@ def config_for(variant: str, steps: int, layers: int = 0) -> Config:
 
 def step_ms(config: Config, members: int, steps: int = 20) -> tuple[float, float]:
     """Median milliseconds per step of one run and of a group of `members`, in alternating rounds."""
-    trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
+    trainer = TrainSteps(
+        aot.execution(config, jax.default_backend(), lambda line: None), sharding.make_mesh(config.mesh)
+    )
     group = trainer.group(members)
     tokens = (
         np.random.default_rng(0)

@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from configs import base  # noqa: E402
-from vrl.core.config import HAND_VJP_OPS, from_configdict  # noqa: E402
+from vrl.model.config import HAND_VJP_OPS  # noqa: E402
 from vrl.train import aot  # noqa: E402
+from vrl.train.config import from_configdict  # noqa: E402
 
 
 def settings(attention_impl: str, autodiff: list[str]) -> list[str]:
@@ -75,7 +76,7 @@ def main() -> None:
     print('|---|---|---|---|---|')
     for hand_vjp in settings(args.attention_impl, args.autodiff.split(',')):
         setting = dataclasses.replace(config, model=dataclasses.replace(config.model, hand_vjp=hand_vjp))
-        report = aot.compile_train_step(setting, devices, hbm)
+        report = aot.compile_train_step(aot.execution(setting, devices[0].platform, lambda line: None), devices, hbm)
         print(
             f'| {label(hand_vjp)} | {report.total_bytes / aot.GiB:.2f} | {report.temp_bytes / aot.GiB:.2f} | '
             f'{report.hlo_flops / 1e12:.2f} | {report.hlo_bytes_accessed / 1e9:.1f} |',

@@ -25,9 +25,9 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from configs import base, tiny  # noqa: E402
 from vrl.core import sharding  # noqa: E402
-from vrl.core.config import from_configdict  # noqa: E402
 from vrl.data import corpus, pipeline  # noqa: E402
 from vrl.train import aot  # noqa: E402
+from vrl.train.config import from_configdict  # noqa: E402
 from vrl.train.lm_eval_model import VrlLM  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 from vrl.train.trained import TrainedRun  # noqa: E402
@@ -67,7 +67,9 @@ def main() -> None:
         config = tiny_config if name == 'tiny' else from_configdict(base.get_config(f'vanilla,{name}'))
         if jax.default_backend() == 'cpu':
             config = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype='float32'))
-        config = aot.auto_fit(config, jax.devices(), aot.local_hbm_bytes())[0]  # named configs: microbatches=0
+        config = aot.resolve(config, jax.devices(), aot.local_hbm_bytes(), lambda line: None)[
+            0
+        ]  # named configs: microbatches=0
         trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
         run = TrainedRun(config, tokenizer, trainer, trainer.init_state(0).params, None)
         for batch in map(int, args.batches.split(',')):

@@ -24,8 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import base  # noqa: E402
-from vrl.core.config import ConfigError, from_configdict  # noqa: E402
+from vrl.core.config import ConfigError  # noqa: E402
 from vrl.train import aot  # noqa: E402
+from vrl.train.config import from_configdict  # noqa: E402
 
 
 def main() -> None:
@@ -72,7 +73,7 @@ def main() -> None:
                 )
                 row = f'| {size} | {seq} | {impl} | {context} |'
                 try:
-                    fitted, report = aot.auto_fit(config, devices, hbm, say=lambda line: None)
+                    fitted, report = aot.resolve(config, devices, hbm, say=lambda line: None)
                 except (aot.CompileError, ConfigError) as e:
                     print(f'{row} - | - | - | - | no: {" ".join(str(e).split())[:120]} |', flush=True)
                     continue

@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from vrl.core.config import ModelConfig  # noqa: E402
+from vrl.model.config import ModelConfig  # noqa: E402
 from vrl.model.decoder import Decoder  # noqa: E402
 
 try:

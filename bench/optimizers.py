@@ -25,9 +25,10 @@ import numpy as np  # noqa: E402
 
 from configs import reproduce_cpu  # noqa: E402
 from vrl.core import sharding  # noqa: E402
-from vrl.core.config import Config, from_configdict  # noqa: E402
 from vrl.experiments import curves, grid  # noqa: E402
 from vrl.model import presets  # noqa: E402
+from vrl.train import aot  # noqa: E402
+from vrl.train.config import Config, from_configdict  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 
 OPTIMIZERS = ('adamw', 'muon')
@@ -43,6 +44,9 @@ def config_for(name: str, variant: str, seed: int = 0) -> Config:
 def step_ms(variant: str, steps: int = 20) -> dict[str, float]:
     """Median milliseconds per train step under each optimizer, their steps alternating on one batch."""
     configs = {name: config_for(name, variant) for name in OPTIMIZERS}
+    configs = {
+        name: aot.execution(config, jax.default_backend(), lambda line: None) for name, config in configs.items()
+    }
     trainers = {name: TrainSteps(config, sharding.make_mesh(config.mesh)) for name, config in configs.items()}
     data = configs['adamw'].data
     tokens = np.random.default_rng(0).integers(0, 1024, (data.batch_size, data.seq_len + 1)).astype(np.int32)

@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vrl.core.config import DataConfig  # noqa: E402
 from vrl.data import corpus, pipeline, tokens  # noqa: E402
+from vrl.data.config import DataConfig  # noqa: E402
 
 
 def final_eval_loss(workdir: Path) -> float:

@@ -39,9 +39,9 @@ import numpy as np  # noqa: E402
 
 from configs import base, reproduce_cpu, tiny  # noqa: E402
 from vrl.core import backend, cli, host_memory, sharding  # noqa: E402
-from vrl.core.config import Config, from_configdict  # noqa: E402
 from vrl.model import accounting, presets  # noqa: E402
 from vrl.train import aot, metrics  # noqa: E402
+from vrl.train.config import Config, from_configdict  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 
 NAMED = {'tiny': tiny.get_config, 'reproduce_cpu': reproduce_cpu.get_config}
@@ -60,7 +60,9 @@ def bench_config(
     )
     mesh = dataclasses.replace(config.mesh, context=context)
     config = dataclasses.replace(config, model=model, data=data, mesh=mesh)
-    return aot.auto_fit(config, jax.devices(), aot.local_hbm_bytes())[0]  # the named configs' microbatches=0
+    return aot.resolve(config, jax.devices(), aot.local_hbm_bytes(), lambda line: None)[
+        0
+    ]  # the named configs' microbatches=0
 
 
 class Stepper:

@@ -137,11 +137,12 @@ def main() -> None:
 
     from configs import base
     from tests.test_vllm import VLLM_PYTHON, vllm_env
-    from vrl.core.config import Config, from_configdict
     from vrl.data import tokenizer as tokenizers
     from vrl.interop import hf
-    from vrl.model import presets, resolve
+    from vrl.model import presets
     from vrl.model.decoder import Decoder
+    from vrl.train import aot
+    from vrl.train.config import Config, from_configdict
 
     # vLLM's own environment (.venv/vllm, on a CPU), else this one (a GPU machine with vllm and the plugin)
     vllm_python = (
@@ -160,7 +161,7 @@ def main() -> None:
         jobs, vrl_seconds = [], {}
         for variant in args.variants.split(','):
             cfg = presets.apply(variant, from_configdict(base.get_config(f'vanilla,{args.size}')).model)
-            cfg = resolve.execution(Config(model=dataclasses.replace(cfg, compute_dtype='float32')), 'cpu').model
+            cfg = aot.execution(Config(model=dataclasses.replace(cfg, compute_dtype='float32')), 'cpu').model
             model = Decoder(cfg, rngs=nnx.Rngs(0))
             prompts = rng.integers(3, cfg.vocab_size, (max(batches), args.prompt_tokens)).tolist()
             hf.export(

@@ -15,7 +15,7 @@ import dataclasses
 
 import ml_collections
 
-from vrl.core import config as vrl_config
+from vrl.train import config as vrl_config
 from vrl.train import optimizer
 
 SIZES = {

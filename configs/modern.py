@@ -17,8 +17,8 @@ import dataclasses
 import ml_collections
 
 from configs import base
-from vrl.core import config as vrl_config
 from vrl.model import presets
+from vrl.train import config as vrl_config
 
 WINDOW = 512
 GLOBAL_EVERY = 4  # every fourth layer is global

@@ -10,8 +10,8 @@ import dataclasses
 import ml_collections
 
 from configs import base
-from vrl.core import config as vrl_config
 from vrl.model import presets
+from vrl.train import config as vrl_config
 
 
 def get_config(arg: str = 'mudd,82m') -> ml_collections.ConfigDict:

@@ -20,7 +20,7 @@ import dataclasses
 import ml_collections
 
 from configs import modern, tiny
-from vrl.core import config as vrl_config
+from vrl.train import config as vrl_config
 from vrl.train import optimizer
 
 

@@ -6,7 +6,7 @@ minutes on 2 CPU cores; the tokenizer and the TFDS dataset are built on first us
 
 import ml_collections
 
-from vrl.core import config as vrl_config
+from vrl.train import config as vrl_config
 
 
 def config(attention: str = 'vanilla') -> vrl_config.Config:

@@ -125,8 +125,8 @@ def plays_dir(tmp_path_factory) -> Path:
 def small_corpus(plays_dir, tmp_path_factory):
     """(DataConfig, Tokenizer) over the four plays, one document per speech: a real TFDS build
     and a real 512-piece sentencepiece model, in a temp dir."""
-    from vrl.core.config import DataConfig
     from vrl.data import build, corpus
+    from vrl.data.config import DataConfig
     from vrl.data.tokenizer import train as train_tokenizer
 
     data_dir = str(tmp_path_factory.mktemp('tfds'))

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from configs import modern
-from vrl.core.config import ModelConfig
 from vrl.model import presets
+from vrl.model.config import ModelConfig
 
 
 def small_model_config(**overrides) -> ModelConfig:
@@ -303,3 +303,12 @@ def hiding(folder, *packages: str) -> dict[str, str]:
         'sys.meta_path.insert(0, _Hidden())\n'
     )
     return {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [str(folder), os.environ.get('PYTHONPATH')]))}
+
+
+def train_steps(config: Any, mesh: Any) -> Any:
+    """A TrainSteps for `config` on `mesh`, its per-platform autos resolved first (vrl.train.aot's
+    `execution`, what a run's resolve does before it fits what needs a compile)."""
+    from vrl.train import aot
+    from vrl.train.step import TrainSteps
+
+    return TrainSteps(aot.execution(config, mesh.devices.flat[0].platform, lambda line: None), mesh)

@@ -10,7 +10,7 @@ import math
 import jax
 import numpy as np
 
-from vrl.core.config import ModelConfig
+from vrl.model.config import ModelConfig
 
 
 def _np_rms(x, scale, eps):

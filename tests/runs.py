@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from vrl.core.config import Config, ModelConfig, OptimizerConfig, TrainConfig
+from vrl.model.config import ModelConfig
+from vrl.train.config import Config, OptimizerConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,10 +87,10 @@ def shared_run(small_corpus, folder: Path, attention: str) -> Path:
 
 def train_losses(config: Config, devices, batches: list[dict]) -> tuple[list[float], Any]:
     """The loss of each step of a fresh seed-0 state over `batches` on a mesh of `devices`, and the final state."""
+    from tests.helpers import train_steps
     from vrl.core import sharding
-    from vrl.train.step import TrainSteps
 
-    trainer = TrainSteps(config, sharding.make_mesh(config.mesh, devices))
+    trainer = train_steps(config, sharding.make_mesh(config.mesh, devices))
     state = trainer.init_state(0)
     losses = []
     for batch in batches:  # as the loop does, the tokens read stay on the host

@@ -22,9 +22,10 @@ from tests.helpers import (
     small_model_config,
     variant_params,
 )
-from vrl.core.config import ConfigError, from_configdict
+from vrl.core.config import ConfigError
 from vrl.model import accounting, hyper
 from vrl.model.decoder import Decoder
+from vrl.train.config import from_configdict
 
 
 def _real_param_count(cfg) -> int:

@@ -18,10 +18,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from configs import base, tiny
 from tests.helpers import NAMED_VARIANTS, cases, randomize, rel_err, small_model_config
 from vrl.core import sharding
-from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, from_configdict
-from vrl.model import attention, ops, resolve
+from vrl.core.config import ConfigError, unresolved
+from vrl.core.sharding import MeshConfig
+from vrl.data.config import DataConfig
+from vrl.model import attention, ops
+from vrl.model import cache as cache_lib
 from vrl.model.decoder import Decoder
 from vrl.train import aot
+from vrl.train.config import Config, TrainConfig, from_configdict
+from vrl.train.step import TrainSteps
 
 L = 128  # one splash block of the TPU's 128 lanes
 
@@ -196,8 +201,8 @@ def test_auto_picks_each_platforms_kernel_and_says_why_not():
         config = Config(
             model=dataclasses.replace(model, **fields), data=DataConfig(seq_len=seq_len, document_masking=masking)
         )
-        out = resolve.execution(config, platform, said.append)
-        assert resolve.execution(out, platform, said.append) == out  # idempotent, and silent the second time
+        out = aot.execution(config, platform, said.append)
+        assert aot.execution(out, platform, said.append) == out  # idempotent, and silent the second time
         return out.model.attention_impl, said
 
     assert resolved('cpu')[0] == 'xla' and resolved('tpu', masking=True)[0] == 'splash'
@@ -222,17 +227,35 @@ def test_auto_picks_each_platforms_kernel_and_says_why_not():
     )
 
 
-def test_code_that_uses_a_setting_refuses_auto_by_name():
-    q = jnp.ones((1, 8, 2, 4))
-    with pytest.raises(
-        ConfigError, match=r"model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution"
-    ):
-        attention.attention('auto', q, q, q, attention.Causal(None), causal_chunks=1)
-    with pytest.raises(ConfigError, match=r"model.hand_vjp='auto' is unresolved here"):
-        ops.hand_vjp_ops('auto')
-    model = Decoder(small_model_config(remat='auto'), rngs=nnx.Rngs(0))  # building (for shapes) is fine
-    with pytest.raises(ConfigError, match=r"model.remat='auto' is unresolved here: vrl.train.aot.resolve"):
+def test_a_model_runs_on_concrete_values_only_which_one_resolve_makes():
+    """Every auto names itself where a model, a cache, a mesh or a train step would start on it; the
+    run plan's one resolve leaves none (vrl.core.config.unresolved), and the model then runs."""
+    autos = dict(attention_impl='auto', hand_vjp='auto', compute_dtype='auto', remat='auto')
+    model = Decoder(small_model_config(**autos), rngs=nnx.Rngs(0))  # building (for shapes) is fine
+    with pytest.raises(ConfigError) as refused:
         model(jnp.ones((1, 8), jnp.int32))
+    assert str(refused.value).startswith(
+        'model.attention_impl=auto, model.hand_vjp=auto, model.compute_dtype=auto, model.remat=auto unresolved: '
+        'a Decoder that runs takes concrete values. vrl.train.aot.resolve resolves'
+    )
+    with pytest.raises(ConfigError, match=r'^model.attention_impl=auto, .* unresolved: a KV cache takes'):
+        cache_lib.init_cache(model.cfg, 1, 8)
+    config = Config(model=model.cfg, data=DataConfig(seq_len=8, batch_size=2), train=TrainConfig(microbatches=0))
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, context=0))
+    assert unresolved(config, '') == [
+        'model.attention_impl=auto',
+        'model.hand_vjp=auto',
+        'model.compute_dtype=auto',
+        'model.remat=auto',
+        'train.microbatches=0',
+        'mesh.context=0',
+    ]
+    with pytest.raises(ConfigError, match=r'^model.attention_impl=auto, .*, mesh.context=0 unresolved: a TrainSteps'):
+        TrainSteps(config, sharding.make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    resolved, _ = aot.resolve(config, jax.devices()[:1], None, lambda line: None)
+    assert unresolved(resolved, '') == []
+    model = Decoder(resolved.model, rngs=nnx.Rngs(0))
+    assert model(jnp.ones((1, 8), jnp.int32)).shape == (1, 8, resolved.model.padded_vocab_size)
 
 
 def test_an_explicit_choice_that_cannot_run_is_refused():
@@ -284,6 +307,7 @@ def test_auto_fit_picks_the_fewest_microbatches_that_fit():
         model=dataclasses.replace(config.model, remat='none'),
     )
     devices, _ = aot.tpu_devices('v5e:2x2')  # 8 sequences per chip: counts 1, 2, 4, 8
+    config = aot.execution(config, 'tpu', lambda line: None)
     whole = aot.compile_train_step(config, devices, None).total_bytes  # one step at once
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=0))
     hbm = int(0.6 * whole / aot.FIT_MARGIN)
@@ -317,7 +341,7 @@ def test_auto_context_splits_sequences_only_when_whole_ones_do_not_fit():
         model=dataclasses.replace(config.model, remat='none', attention_impl='xla', n_layers=2),
     )
     devices, _ = aot.tpu_devices('v5e:2x2')  # one host of 4 chips: context 1, 2 or 4
-    whole = aot.compile_train_step(config, devices, None).total_bytes  # a whole sequence per chip
+    whole = aot.compile_train_step(aot.execution(config, 'tpu', lambda line: None), devices, None).total_bytes
     hbm = int(0.9 * whole / aot.FIT_MARGIN)  # fits 90% of a whole sequence's need
     auto = dataclasses.replace(
         config,

@@ -14,8 +14,8 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, saved_steps, tiny_config, wait_for, write_choice_task
-from vrl.core.config import Config
 from vrl.experiments import compare_report, curves
+from vrl.train.config import Config
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 

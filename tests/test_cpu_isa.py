@@ -12,9 +12,11 @@ from flax import nnx
 from tests.helpers import rel_err, small_model_config
 from tests.test_model import _loss
 from vrl.core import backend
-from vrl.core.config import Config, ConfigError
+from vrl.core.config import ConfigError
 from vrl.model import resolve
 from vrl.model.decoder import Decoder
+from vrl.train import aot
+from vrl.train.config import Config
 
 ZEN3 = 'fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2'  # AVX2, no AVX-512
 ZEN4 = ZEN3 + ' avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni avx512_bf16'
@@ -54,7 +56,7 @@ def test_auto_compute_dtype_follows_the_bf16_dot_instructions():
     assert resolve.compute_dtype(auto, 'tpu')[0] == 'bfloat16'
     dtype, why = resolve.compute_dtype(dataclasses.replace(auto, compute_dtype='bfloat16'), 'cpu', 'AVX2')
     assert dtype == 'bfloat16' and 'no bf16 dot instructions' in why  # an explicit choice stands, with a note
-    with pytest.raises(ConfigError, match="compute_dtype='auto' is unresolved"):
+    with pytest.raises(ConfigError, match='^model.compute_dtype=auto unresolved: a Decoder that runs'):
         Decoder(auto, rngs=nnx.Rngs(0))(jnp.zeros((1, 4), jnp.int32))
 
 
@@ -64,7 +66,7 @@ def test_each_isa_path_computes_the_float32_loss_and_gradients(monkeypatch, isa,
     the chosen path's loss and gradients are the float32 model's (bfloat16 to its rounding)."""
     monkeypatch.setattr(backend, 'cpu_isa', lambda *_: isa)
     lines = []
-    config = resolve.execution(Config(model=small_model_config(compute_dtype='auto')), 'cpu', lines.append)
+    config = aot.execution(Config(model=small_model_config(compute_dtype='auto')), 'cpu', lines.append)
     assert config.model.compute_dtype == dtype
     assert any(line.startswith(f'model.compute_dtype={dtype} (auto on cpu: CPU ISA {isa}') for line in lines)
     reference = Decoder(small_model_config(), rngs=nnx.Rngs(0))

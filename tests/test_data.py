@@ -456,7 +456,7 @@ def test_a_collective_called_from_what_process_0_runs_alone_is_refused(tmp_path)
     build part of a dataset alone): refused on any number of processes, before anything is written;
     the built-in corpus builds on every process instead (pipeline.build_built_ins)."""
     from vrl.core import multihost
-    from vrl.core.config import DataConfig
+    from vrl.data.config import DataConfig
 
     with pytest.raises(
         multihost.AloneError,

@@ -21,7 +21,7 @@ from tests.helpers import (
     small_model_config,
 )
 from vrl.core import sharding
-from vrl.core.config import MeshConfig
+from vrl.core.sharding import MeshConfig
 from vrl.model import accounting, decode
 from vrl.model import cache as cache_lib
 from vrl.model.decoder import Decoder

@@ -47,7 +47,7 @@ def commands() -> list[tuple[str, str, list[str]]]:
 CHECK = r"""
 import json, sys
 from absl import flags
-from vrl.core.config import from_configdict
+from vrl.train.config import from_configdict
 import importlib
 results = []
 for page, module, args in json.loads(sys.stdin.read()):

@@ -17,8 +17,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.runs import not_for_users
 from vrl.core import cli
-from vrl.core.config import DataConfig
 from vrl.data import pipeline
+from vrl.data.config import DataConfig
 from vrl.data.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier

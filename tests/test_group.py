@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers import rel_err
+from tests.helpers import rel_err, train_steps
 from tests.runs import cli_args, saved_steps, tiny_config, wait_for
 from vrl.core import sharding
 from vrl.experiments import compare, grid
 from vrl.train import checkpoint, loop
-from vrl.train.step import TrainSteps
 
 pytestmark = pytest.mark.slow  # trains real runs and starts processes: outside the edit loop's tier
 
@@ -36,7 +35,7 @@ def test_a_group_step_is_each_runs_step(small_corpus, attention):
     """The vmapped step, 3 steps over one batch stream, groups of 2 and 3: each member's losses and
     parameters are the ones its run gets alone (on one device; the next test trains a group on 8, fsdp)."""
     config = _config(small_corpus, attention, 0)
-    trainer = TrainSteps(config, sharding.make_mesh(config.mesh, jax.devices()[:1]))
+    trainer = train_steps(config, sharding.make_mesh(config.mesh, jax.devices()[:1]))
     rng = np.random.default_rng(0)
     tokens = [rng.integers(0, config.model.vocab_size, (8, 33)) for _ in range(3)]
     batches = [{'inputs': t[:, :-1], 'targets': t[:, 1:], 'loss_mask': np.ones((8, 32), np.int32)} for t in tokens]

@@ -181,7 +181,7 @@ def test_a_store_without_generations_is_refused_in_one_line(small_corpus):
 def test_the_lease_is_renewed_every_quarter_of_its_stale_time_or_every_store_timeout(monkeypatch):
     """The renewer's wait: stale/4, or VRL_STORE_TIMEOUT_S when shorter (a dead store is noticed by
     the renewals); 2 s at the smallest stale time a config takes (8 s), 60 s by default."""
-    from vrl.core.config import MIN_LEASE_STALE_SECONDS
+    from vrl.train.config import MIN_LEASE_STALE_SECONDS
 
     class Waits:
         def __init__(self):

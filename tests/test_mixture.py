@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import assert_resumes_exactly
+from tests.helpers import assert_resumes_exactly, train_steps
 from tests.runs import tiny_config
 from vrl.core import sharding
-from vrl.core.config import ConfigError, DataConfig
+from vrl.core.config import ConfigError
 from vrl.data import build, corpus, pipeline
 from vrl.data import tokenizer as tokenizer_lib
+from vrl.data.config import DataConfig
 from vrl.data.tokenizer import EOS_ID
 from vrl.train import loop
-from vrl.train.step import TrainSteps
 
 ALPHA = 'x x x x x x x x x x x x x x x x x x x x x x x x'  # one domain's documents: x runs, then a number
 BETA = 'z z z z z z z z z z z z z z z z z z z z z z z ž'  # the other's: z runs (and a 2-byte character)
@@ -218,7 +218,7 @@ def test_eval_reports_each_domain_and_their_unweighted_mean(domains, tmp_path):
     result = loop.run(config, str(tmp_path / 'run'))
     records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
     final = [r for r in records if 'eval_loss' in r][-1]
-    trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
+    trainer = train_steps(config, sharding.make_mesh(config.mesh))
     by_hand = {}
     for name in ('slim_alpha', 'slim_beta_set'):  # each validation split alone, as a single-dataset run
         alone = dataclasses.replace(config, data=dataclasses.replace(config.data, mixture='', name=name))
@@ -255,7 +255,7 @@ def test_data_eval_evaluates_the_sets_it_names_each_by_name(domains, tmp_path):
     final = [r for r in records if 'eval_loss' in r][-1]
     names = ('slim_alpha', 'slim_beta_set', 'slim_alpha:train')
     assert {k for k in final if k.startswith('eval_loss/')} == {f'eval_loss/{n}' for n in names}
-    trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
+    trainer = train_steps(config, sharding.make_mesh(config.mesh))
     for name in names:
         alone = dataclasses.replace(config, data=dataclasses.replace(config.data, eval=name))
         ((loss, _),) = loop.validate(trainer, result.state.params, alone, tokenizer).domains.values()

@@ -16,8 +16,11 @@ from configs import base as base_configs
 from configs import reproduce_cpu
 from tests.helpers import NAMED_VARIANTS, small_model_config
 from tests.runs import params_equal, tiny_config, train_losses
-from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, OptimizerConfig, TrainConfig, from_configdict
+from vrl.core.config import ConfigError
+from vrl.core.sharding import MeshConfig
+from vrl.data.config import DataConfig
 from vrl.train import checkpoint, loop, optimizer
+from vrl.train.config import Config, OptimizerConfig, TrainConfig, from_configdict
 from vrl.train.step import abstract_model
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic Newton-Schulz iteration's (a, b, c)
@@ -362,23 +365,23 @@ def test_the_schedule_follows_train_steps_unless_its_length_is_set():
     """decay_steps=0 (the default, and the presets') ends the schedule with the run: a 20-step smoke
     run of the tiny config ends at final_lr, and says nothing; one set explicitly stays, with its note."""
     from configs import tiny
-    from vrl.core.config import from_configdict
-    from vrl.model import resolve
+    from vrl.train import aot
+    from vrl.train.config import from_configdict
 
     short = from_configdict(tiny.get_config())
     short = dataclasses.replace(short, train=dataclasses.replace(short.train, steps=40))
     assert short.optimizer.decay_steps == 0
-    opt = resolve.execution(short, 'cpu', say=lambda line: None).optimizer
+    opt = aot.execution(short, 'cpu', say=lambda line: None).optimizer
     assert opt.decay_steps == 40 and optimizer.schedule_note(opt, 40) == ''
     assert float(optimizer.learning_rate(opt)(40)) == pytest.approx(short.optimizer.final_lr, rel=1e-6)
     smoke = dataclasses.replace(short, train=dataclasses.replace(short.train, steps=20))  # inside the warmup of 30
-    opt = resolve.execution(smoke, 'cpu', say=lambda line: None).optimizer
+    opt = aot.execution(smoke, 'cpu', say=lambda line: None).optimizer
     assert opt.decay_steps == 31 and optimizer.schedule_note(opt, 20).endswith(
         'it stops inside the warmup (optimizer.warmup_steps=30): set --config.optimizer.warmup_steps=5 to decay '
         'within the run'
     )
     fixed = dataclasses.replace(short, optimizer=dataclasses.replace(short.optimizer, decay_steps=400))
-    opt = resolve.execution(fixed, 'cpu', say=lambda line: None).optimizer
+    opt = aot.execution(fixed, 'cpu', say=lambda line: None).optimizer
     assert opt.decay_steps == 400 and 'set --config.optimizer.decay_steps=40' in optimizer.schedule_note(opt, 40)
     with pytest.raises(ValueError, match='decay_steps=0 stands for train.steps'):
         optimizer.learning_rate(short.optimizer)
@@ -388,20 +391,21 @@ def test_a_wsd_run_shorter_than_its_warmup_is_refused_naming_the_warmup_that_fit
     """modern.py's wsd recipe at train.steps=30 (warmup 120, decay over the last 0.4): the refusal names
     train.steps and the warmup, not decay_fraction that the user never set, and the warmup it offers runs."""
     from configs import modern
-    from vrl.core.config import ConfigError, from_configdict
-    from vrl.model import resolve
+    from vrl.core.config import ConfigError
+    from vrl.train import aot
+    from vrl.train.config import from_configdict
 
     config = from_configdict(modern.get_config('svformer,82m'))
     short = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=30))
     assert short.optimizer.schedule == 'wsd' and short.optimizer.decay_steps == 0
     warmup, fraction = short.optimizer.warmup_steps, short.optimizer.decay_fraction
     with pytest.raises(ConfigError) as refused:
-        resolve.execution(short, 'cpu', say=lambda line: None)
+        aot.execution(short, 'cpu', say=lambda line: None)
     assert str(refused.value) == (
         f'train.steps=30 is too short for optimizer.warmup_steps={warmup}: the wsd schedule decays over the last '
         f'{fraction:g} of the run, from step {30 - round(fraction * 30)}, inside the warmup; set '
         '--config.optimizer.warmup_steps=7 (or more train.steps)'
     )
     fitted = dataclasses.replace(short, optimizer=dataclasses.replace(short.optimizer, warmup_steps=7))
-    opt = resolve.execution(fitted, 'cpu', say=lambda line: None).optimizer
+    opt = aot.execution(fitted, 'cpu', say=lambda line: None).optimizer
     assert opt.decay_steps == 30 and float(optimizer.learning_rate(opt)(30)) == pytest.approx(opt.final_lr, rel=1e-6)

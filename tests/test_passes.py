@@ -25,7 +25,7 @@ import jax
 jax.config.update('jax_cpu_collectives_implementation', 'gloo')
 address, count, index, config = sys.argv[1:]
 jax.distributed.initialize(address, int(count), int(index))
-from vrl.core.config import DataConfig
+from vrl.data.config import DataConfig
 from vrl.core import multihost
 from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer

@@ -18,13 +18,16 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from tests.conftest import ROOT
-from tests.helpers import HYPER_VARIANTS, NAMED_VARIANTS
+from tests.helpers import HYPER_VARIANTS, NAMED_VARIANTS, train_steps
 from tests.runs import TINY_MODEL, cli_args, host_xla_flags, tiny_config, train_losses, write_choice_task
 from vrl.core import sharding
-from vrl.core.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig
+from vrl.core.config import ConfigError
+from vrl.core.sharding import MeshConfig
 from vrl.data import pipeline
+from vrl.data.config import DataConfig
+from vrl.model.config import ModelConfig
 from vrl.train import aot
-from vrl.train.step import TrainSteps
+from vrl.train.config import Config, check_fits_mesh
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 VARIANTS = NAMED_VARIANTS | HYPER_VARIANTS
@@ -186,7 +189,7 @@ def test_what_does_not_split_over_the_mesh_is_named(small_corpus, mesh, batch, d
         model=dataclasses.replace(config.model, d_model=d_model),
     )
     with pytest.raises(ConfigError, match=message):
-        sharding.check_fits_mesh(config, sharding.mesh_shape(mesh, jax.device_count()))
+        check_fits_mesh(config, sharding.mesh_shape(mesh, jax.device_count()))
 
 
 def test_context_parallelism_takes_each_platforms_kernel_and_the_tools_split_no_sequence():
@@ -226,7 +229,7 @@ def test_context_parallelism_takes_each_platforms_kernel_and_the_tools_split_no_
     }
     # context 0 (auto): picked by compiling (tests/test_attention.py), never a mesh as it stands
     assert sharding.without_context(MeshConfig(data=2, fsdp=-1, tensor=1, context=0)) == MeshConfig(2, -1, 1)
-    with pytest.raises(ConfigError, match=r'mesh.context=0 \(auto\) is unresolved here: vrl.train.aot.resolve'):
+    with pytest.raises(ConfigError, match=r'^mesh.context=0 unresolved: a mesh takes concrete values. vrl.train.aot'):
         sharding.mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=1, context=0), 8)
     with pytest.raises(
         ConfigError,
@@ -609,10 +612,10 @@ def test_two_slices_compile_and_only_data_parallelism_crosses_them():
     assert dict(mesh.shape) == {'data': 2, 'fsdp': 4, 'context': 1, 'tensor': 1}
     for i in range(2):
         assert {d.slice_index for d in mesh.devices[i].flat} == {i}
-    report = aot.compile_train_step(config, devices, hbm)
+    report = aot.compile_train_step(aot.execution(config, 'tpu', lambda line: None), devices, hbm)
     assert report.fits and report.devices == 8
     assert report.hlo_flops > 0 and report.hlo_bytes_accessed > report.argument_bytes  # XLA's cost analysis
-    specs = jax.tree.leaves(TrainSteps(config, mesh).state_shardings, is_leaf=lambda x: hasattr(x, 'spec'))
+    specs = jax.tree.leaves(train_steps(config, mesh).state_shardings, is_leaf=lambda x: hasattr(x, 'spec'))
     assert specs and not any('data' in jax.tree.leaves(tuple(s.spec)) for s in specs)
     assert 'data' in jax.tree.leaves(tuple(sharding.batch_sharding(mesh).spec))
     with pytest.raises(ConfigError, match=r'mesh.slices=1 is invalid: the devices span 2 slices'):

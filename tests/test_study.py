@@ -16,9 +16,11 @@ from etils import epath
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, saved_steps, tiny_config
-from vrl.core.config import Config, DataConfig, ModelConfig, OptimizerConfig, TrainConfig
+from vrl.data.config import DataConfig
 from vrl.experiments import curves, grid, scaling, study, study_report
 from vrl.experiments.grid import GridError
+from vrl.model.config import ModelConfig
+from vrl.train.config import Config, OptimizerConfig, TrainConfig
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 

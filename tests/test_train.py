@@ -16,13 +16,12 @@ import optax
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers import module_matmul_params, rel_err
+from tests.helpers import module_matmul_params, rel_err, train_steps
 from tests.runs import logged_steps, params_equal, saved_steps, start_run, tiny_config, wait_for
 from vrl.core import sharding
 from vrl.data import corpus, pipeline
 from vrl.model import accounting
 from vrl.train import checkpoint, loop, start
-from vrl.train.step import TrainSteps
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -194,7 +193,7 @@ def test_gradient_accumulation_equals_one_big_batch(small_corpus):
     results = []
     for k in (1, 4):
         cfg = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=k))
-        trainer = TrainSteps(cfg, mesh)
+        trainer = train_steps(cfg, mesh)
         state, step_metrics = trainer.train_step(trainer.init_state(0), trainer.device_batch(batch))
         results.append((jax.device_get(state.params), float(step_metrics['loss'])))
     (p1, loss1), (p4, loss4) = results
@@ -217,7 +216,7 @@ def test_non_finite_step_stops_or_is_skipped(small_corpus, tmp_path, capfd):
     # steps 2, 3, 4 are skipped: the run saves step 4, then ends with an error, since most of it was skipped
     with pytest.raises(loop.TrainingError, match=r'3 of the 4 steps this run took were non-finite and skipped'):
         loop.run(skipping, str(tmp_path / 'skip'))
-    abstract_params = TrainSteps(skipping, sharding.make_mesh(skipping.mesh)).abstract_state.params
+    abstract_params = train_steps(skipping, sharding.make_mesh(skipping.mesh)).abstract_state.params
     after_step_1 = checkpoint.restore_params(str(tmp_path / 'error'), abstract_params)
     assert saved_steps(tmp_path / 'skip')[-1] == 4
     # the skip run's step program is another compile of step 1 (it also selects), so equal up to rounding
@@ -241,7 +240,7 @@ def test_update_that_overflows_is_not_finite(small_corpus):
     config = dataclasses.replace(
         config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e34, init_lr=1e34, final_lr=1e34)
     )
-    trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
+    trainer = train_steps(config, sharding.make_mesh(config.mesh))
     state = trainer.init_state(0)
 
     def extreme_moments(opt_state):
@@ -361,13 +360,13 @@ def test_init_from_checks_shapes(small_corpus, tmp_path):
     loop.run(tiny_config(small_corpus, steps=1, checkpoint_every=1), str(tmp_path))
     config = tiny_config(small_corpus)
     wider = dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=96))
-    abstract = TrainSteps(wider, sharding.make_mesh(wider.mesh)).abstract_state.params
+    abstract = train_steps(wider, sharding.make_mesh(wider.mesh)).abstract_state.params
     with pytest.raises(
         checkpoint.CheckpointMismatchError, match=r'mlp.w_down has shape \(64, 32\) but the config needs \(96, 32\)'
     ):
         checkpoint.restore_params(str(tmp_path), abstract)
     svformer = tiny_config(small_corpus, attention='svformer')
-    abstract = TrainSteps(svformer, sharding.make_mesh(svformer.mesh)).abstract_state.params
+    abstract = train_steps(svformer, sharding.make_mesh(svformer.mesh)).abstract_state.params
     with pytest.raises(
         checkpoint.CheckpointMismatchError, match='has parameter (lambdas|layers).* that the config does not'
     ):
@@ -407,7 +406,7 @@ def test_init_from_a_vanilla_run_uptrains_svformer_and_resformer(small_corpus, t
     for attention in ('svformer', 'resformer'):
         config = tiny_config(small_corpus, attention=attention, steps=0, seed=5)
         params = _named(loop.run(config, str(tmp_path / attention), init_from=str(tmp_path / 'v')).state.params)
-        fresh = _named(TrainSteps(config, sharding.make_mesh(config.mesh)).init_state(5).params)
+        fresh = _named(train_steps(config, sharding.make_mesh(config.mesh)).init_state(5).params)
         for name, value in params.items():
             np.testing.assert_array_equal(value, trained[name] if name in trained else fresh[name], err_msg=name)
         assert set(trained) - set(params) == ({'layers.attn.wv'} if attention == 'svformer' else set())
@@ -460,7 +459,7 @@ def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, mo
     source = loop.run(tiny_config(small_corpus, steps=4), 'runs/source')
     config = tiny_config(small_corpus, steps=1)
     mesh = sharding.make_mesh(config.mesh)
-    restored = checkpoint.restore_params('runs/source', TrainSteps(config, mesh).abstract_state.params)
+    restored = checkpoint.restore_params('runs/source', train_steps(config, mesh).abstract_state.params)
     assert params_equal(restored, source.state.params)
 
 
@@ -523,7 +522,7 @@ def test_config_file_with_a_syntax_error(tmp_path):
 def test_eval_bits_per_byte_is_the_loss_over_the_bytes(small_corpus):
     config = tiny_config(small_corpus, eval_batches=3)
     _, tokenizer = small_corpus
-    trainer = TrainSteps(config, sharding.make_mesh(config.mesh))
+    trainer = train_steps(config, sharding.make_mesh(config.mesh))
     params = trainer.init_state(0).params
     evaluation = loop.validate(trainer, params, config, tokenizer)
     tokens = n_bytes = 0

@@ -187,7 +187,7 @@ def test_cla_later_layers_have_no_key_or_value_projection():
 @pytest.mark.parametrize('size', ['tiny', '82m'])
 def test_every_preset_builds_on_the_shipped_shapes(size):
     from configs import base, tiny
-    from vrl.core.config import from_configdict
+    from vrl.train.config import from_configdict
 
     config = from_configdict(tiny.get_config() if size == 'tiny' else base.get_config(f'vanilla,{size}'))
     models = {name: presets.apply(name, config.model) for name in presets.PRESETS}

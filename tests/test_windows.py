@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_resumes_exactly
-from vrl.core.config import ConfigError, DataConfig
+from vrl.core.config import ConfigError
 from vrl.data import corpus, pipeline, tokens, windows
+from vrl.data.config import DataConfig
 from vrl.data.sources import DataError
 
 
@@ -212,8 +213,9 @@ def test_auto_shuffles_in_windows_only_a_pretokenized_copy_on_a_store(windowed, 
 def test_settings_that_do_nothing_in_this_run_are_noted_in_one_line_each():
     """data.block_tokens / window_blocks where every dataset is read by document, and a local window
     at least as long as the sequence: a note each (the run still starts); nothing where they act."""
-    from vrl.core.config import Config, ModelConfig
+    from vrl.model.config import ModelConfig
     from vrl.train import plan
+    from vrl.train.config import Config
 
     by_document = {'plays': {'shuffle': 'by document'}}
     in_windows = {'plays': {'shuffle': 'in windows of 64 blocks of ~1,000 tokens'}}

@@ -21,7 +21,7 @@ import tensorstore as ts
 
 from tests.conftest import ROOT
 from tests.runs import cli_args, logged_steps, saved_steps, start_run, tiny_config, wait_for
-from vrl.core.config import MeshConfig
+from vrl.core.sharding import MeshConfig
 from vrl.train import checkpoint, loop, trained
 from vrl.train.workdir import WorkdirError
 

@@ -18,8 +18,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from vrl.core import cli, extras, multihost, peers
-from vrl.core.config import Config, ConfigError, from_configdict
+from vrl.core.config import ConfigError
 from vrl.model import accounting, resolve
+from vrl.train.config import Config, from_configdict
 
 
 def _define_flags() -> cli.Args:
@@ -267,7 +268,7 @@ def main(args: cli.Args) -> None:
 
 def cli_main() -> None:
     """`vrl-train` (pyproject.toml's scripts): `python -m vrl.main` by another name."""
-    cli.run(main, _define_flags)
+    cli.run(main, _define_flags, schema=Config)
 
 
 if __name__ == '__main__':

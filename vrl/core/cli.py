@@ -28,7 +28,6 @@ from typing import Callable
 from absl import app, flags, logging
 
 from vrl.core import multihost, native_lines, peers
-from vrl.core.config import Config
 from vrl.core.errors import VrlError
 
 Args = dict[str, flags.FlagHolder]
@@ -38,8 +37,11 @@ def run(
     main: Callable[..., None],
     define_flags: Callable[[], Args],
     commands: tuple[str, ...] = (),
+    schema: type | None = None,
 ) -> None:
-    """Runs `main(args)`, or `main(args, command)` when the command takes one of `commands` first."""
+    """Runs `main(args)`, or `main(args, command)` when the command takes one of `commands` first;
+    `schema`: the config dataclass (vrl.train.config.Config) of a command that takes `--config`, whose
+    sections and fields a bad override is told."""
     args = define_flags()
     sys.stdout.reconfigure(line_buffering=True)  # a pipe or a log keeps the lines in the order printed
 
@@ -63,7 +65,7 @@ def run(
                 sys.exit(f'error: {e}')
             raise
 
-    app.run(entry, flags_parser=functools.partial(_parse_flags, functools.partial(_help, main, args)))
+    app.run(entry, flags_parser=functools.partial(_parse_flags, functools.partial(_help, main, args), schema))
 
 
 class _PlainFormatter(pylogging.Formatter):
@@ -116,7 +118,7 @@ def _help(main: Callable[..., None], args: Args, full: bool) -> str:
     )
 
 
-def _parse_flags(usage: Callable[[bool], str], argv: list[str]) -> list[str]:
+def _parse_flags(usage: Callable[[bool], str], schema: type | None, argv: list[str]) -> list[str]:
     """absl's parser, with config errors (unknown key, missing or broken file) as one clear line;
     --help (or -h, --helpshort) prints `usage(False)` and --helpfull `usage(True)`, each with exit 0."""
     given = argv[1 : argv.index('--')] if '--' in argv else argv[1:]
@@ -133,17 +135,19 @@ def _parse_flags(usage: Callable[[bool], str], argv: list[str]) -> list[str]:
     except SyntaxError as e:
         sys.exit(f'error: the config file {e.filename} does not parse: {e.msg} (line {e.lineno})')
     except KeyError as e:  # --config.SECTION.x=... with an unknown SECTION
+        if schema is None:
+            raise
         text = str(e.args[0]) if e.args else '?'
         key = re.split(r"['\\\n]", text.strip("'"), maxsplit=1)[0]
         given = next((a.split('=')[0] for a in argv if a.startswith(f'--config.{key}.')), f'--config.{key}')
         hint = re.search(r'Did you mean "(\w+)"', text)
         sys.exit(
             f'error: {given}: {key!r} is not a config section; allowed: '
-            + ', '.join(f.name for f in dataclasses.fields(Config))
+            + ', '.join(f.name for f in dataclasses.fields(schema))
             + (f' (did you mean {hint.group(1)!r}?)' if hint else '')
         )
     except (AttributeError, TypeError, ValueError, OSError) as e:  # raised by --config.x=...
-        unknown = _unknown_field(e, argv) if isinstance(e, AttributeError) else None
+        unknown = _unknown_field(e, argv, schema) if isinstance(e, AttributeError) and schema else None
         if unknown:
             sys.exit(f'error: {unknown}')
         message = ' '.join(str(e.args[0] if e.args else e).replace("\\'", "'").replace('\\n', ' ').split())
@@ -162,7 +166,7 @@ def _preset(arg: str) -> str:
     return f'--config={installed}{colon}{argument}' if installed.exists() else arg
 
 
-def _unknown_field(e: AttributeError, argv: list[str]) -> str | None:
+def _unknown_field(e: AttributeError, argv: list[str], schema: type) -> str | None:
     """`--config.SECTION.FIELD=...` naming no field of SECTION: which override, and the section's fields."""
     inner = e.args[0] if e.args else ''
     text = str(inner.args[0] if isinstance(inner, KeyError) and inner.args else inner).strip('"\'')
@@ -170,7 +174,7 @@ def _unknown_field(e: AttributeError, argv: list[str]) -> str | None:
     for arg in argv:
         parts = arg.split('=', 1)[0].removeprefix('--config.').split('.')
         if arg.startswith('--config.') and len(parts) == 2 and parts[1] == key:
-            section = getattr(Config(), parts[0], None)
+            section = getattr(schema(), parts[0], None)
             if dataclasses.is_dataclass(section):
                 allowed = ', '.join(f.name for f in dataclasses.fields(section))
                 return f'{arg.split("=", 1)[0]}: {key!r} is not a field of {parts[0]}; allowed: {allowed}' + (

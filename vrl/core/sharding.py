@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 import numpy as np
@@ -21,10 +21,40 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from vrl.core.config import Config, ConfigError, MeshConfig
+from vrl.core.config import ConfigError, require, require_resolved
 
 MESH_AXES = ('data', 'fsdp', 'context', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes; -1 = all remaining devices (at most one axis)."""
+
+    AUTOS: ClassVar[dict] = {'context': 0}  # resolved once per run: vrl/train/aot.py
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    slices: int = 1  # TPU slices joined over the data-center network: the outer part of `data`
+    context: int = 1  # devices each sequence is split over (context parallelism), within a slice; 0 = auto
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        require(
+            all(s == -1 or s >= 1 for s in sizes) and sizes.count(-1) <= 1,
+            'mesh',
+            sizes,
+            'sizes >= 1 with at most one -1',
+        )
+        require(self.slices >= 1, 'mesh.slices', self.slices, 'an integer >= 1')
+        require(
+            self.context >= 1 or (self.context == 0 and -1 in sizes),
+            'mesh.context',
+            self.context,
+            'an integer >= 1, or 0 (auto: vrl/train/aot.py picks it) with one of mesh.data, mesh.fsdp, '
+            'mesh.tensor at -1 to take the rest',
+        )
 
 
 class Axis:
@@ -62,11 +92,7 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
     sizes multiply to the device count; `data` spans all cfg.slices slices (slices x cfg.data)."""
     if n_devices % cfg.slices:
         raise ConfigError(f'mesh.slices={cfg.slices} is invalid: it must divide the {n_devices} devices.')
-    if cfg.context == 0:
-        raise ConfigError(
-            'mesh.context=0 (auto) is unresolved here: vrl.train.aot.resolve picks it by compiling '
-            'for the devices (vrl.main and train.run do it).'
-        )
+    require_resolved(cfg, 'mesh', 'a mesh')
     per_slice = n_devices // cfg.slices
     sizes = [getattr(cfg, axis) for axis in MESH_AXES]
     known = math.prod(s for s in sizes if s != -1)
@@ -92,33 +118,6 @@ def without_context(cfg: MeshConfig) -> MeshConfig:
     if cfg.context in (0, 1):
         return dataclasses.replace(cfg, context=1)
     return dataclasses.replace(cfg, context=1, fsdp=-1 if cfg.fsdp == -1 else cfg.fsdp * cfg.context)
-
-
-def check_fits_mesh(config: Config, shape: dict[str, int]) -> None:
-    """ConfigError naming the field if a parameter, the batch or a sequence cannot split evenly over
-    the mesh (`shape`: each mesh axis' size)."""
-    data, fsdp, context, tensor = (shape[axis] for axis in MESH_AXES)
-    model = config.model
-    for field in ('n_heads', 'n_kv_heads', 'd_ff'):
-        if getattr(model, field) % tensor:
-            raise ConfigError(f'mesh.tensor={tensor} is invalid: it must divide model.{field}={getattr(model, field)}.')
-    if model.d_model % fsdp:
-        raise ConfigError(
-            f'mesh.fsdp={fsdp} is invalid: it must divide model.d_model={model.d_model} '
-            '(parameters are sharded over fsdp on d_model).'
-        )
-    batch, parts = config.data.batch_size, max(config.train.microbatches, 1)  # 0 = auto: vrl/train/aot.py picks
-    if (batch // parts) % (data * fsdp):
-        raise ConfigError(
-            f'data.batch_size={batch} is invalid: each of its train.microbatches={parts} '
-            f'part(s) is split over mesh data x fsdp = {data * fsdp} devices; use a multiple '
-            f'of {parts * data * fsdp}.'
-        )
-    if config.data.seq_len % context:
-        raise ConfigError(
-            f'mesh.context={context} is invalid: it must divide data.seq_len={config.data.seq_len} '
-            '(each device holds every context-th token of each sequence).'
-        )
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

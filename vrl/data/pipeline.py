@@ -32,8 +32,9 @@ import tqdm
 from absl import flags
 
 from vrl.core import multihost, storage
-from vrl.core.config import ConfigError, DataConfig
+from vrl.core.config import ConfigError
 from vrl.data import corpus, layout, tokens, windows
+from vrl.data.config import DataConfig
 from vrl.data.tokenizer import Tokenizer, TokenizerError
 from vrl.data.tokenizer import train as train_tokenizer
 

@@ -34,10 +34,10 @@ from etils import epath
 from ml_collections import config_flags
 
 from vrl.core import cli, extras, storage
-from vrl.core.config import Config, from_configdict
 from vrl.experiments import compare_report, curves, grid
 from vrl.experiments.grid import BASELINE, Downstream, Run
 from vrl.model import presets
+from vrl.train.config import Config, from_configdict
 
 
 def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:
@@ -170,7 +170,7 @@ def main(args: cli.Args) -> None:
 
 def cli_main() -> None:
     """`vrl-compare` (pyproject.toml's scripts): `python -m vrl.experiments.compare` by another name."""
-    cli.run(main, _define_flags)
+    cli.run(main, _define_flags, schema=Config)
 
 
 if __name__ == '__main__':

@@ -11,9 +11,9 @@ import math
 import numpy as np
 from etils import epath
 
-from vrl.core.config import Config
 from vrl.experiments import analyze, curves, plots
 from vrl.experiments.grid import BASELINE
+from vrl.train.config import Config
 
 
 def summarize(results: list[dict], variants: list[str]) -> list[dict]:

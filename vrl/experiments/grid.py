@@ -22,13 +22,13 @@ import numpy as np
 from etils import epath
 
 from vrl.core import multihost, storage
-from vrl.core.config import Config
 from vrl.core.errors import VrlError
 from vrl.experiments import analyze
 from vrl.model import accounting
 from vrl.train import checkpoint, loop
 from vrl.train import guard as guard_lib
 from vrl.train import workdir as workdir_lib
+from vrl.train.config import Config
 from vrl.train.trackers import stored
 
 BASELINE = 'vanilla'  # what every statistic of a comparison or study is measured against

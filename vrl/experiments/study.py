@@ -46,13 +46,14 @@ from etils import epath
 from ml_collections import config_flags
 
 from vrl.core import cli, extras, storage
-from vrl.core.config import Config, ModelConfig, from_configdict
 from vrl.experiments import grid, study_report
 from vrl.experiments.compare import parse_seeds
 from vrl.experiments.grid import GridError, Run
 from vrl.experiments.study_report import BASELINE, Axes
 from vrl.model import accounting, presets, resolve
+from vrl.model.config import ModelConfig
 from vrl.train import checkpoint, metrics
+from vrl.train.config import Config, from_configdict
 
 BUDGETS = ('steps', 'params')
 _SIZE = re.compile(r'(?:d(\d+))?(?:l(\d+))?')
@@ -327,7 +328,7 @@ def main(args: cli.Args) -> None:
 
 def cli_main() -> None:
     """`vrl-study` (pyproject.toml's scripts): `python -m vrl.experiments.study` by another name."""
-    cli.run(main, _define_flags)
+    cli.run(main, _define_flags, schema=Config)
 
 
 if __name__ == '__main__':

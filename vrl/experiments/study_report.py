@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from vrl.core.config import ModelConfig
 from vrl.experiments import compare_report, curves, plots, scaling
 from vrl.experiments.grid import BASELINE, GridError
+from vrl.model.config import ModelConfig
 
 _STYLES = ('-', '--', ':', '-.')
 

@@ -40,10 +40,10 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from vrl.core.config import VARIANT_FIELDS, ModelConfig
 from vrl.core.errors import CheckpointError
 from vrl.data.tokenizer import SentencePieceTokenizer, Tokenizer
 from vrl.model.cache import layout_of
+from vrl.model.config import VARIANT_FIELDS, ModelConfig
 
 try:
     from safetensors.numpy import load_file, save_file

@@ -10,9 +10,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from vrl.core.config import ModelConfig
 from vrl.model import resolve
 from vrl.model.cache import layout_of
+from vrl.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

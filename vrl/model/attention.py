@@ -42,9 +42,10 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec
 
-from vrl.core.config import ATTENTION_IMPLS, ConfigError, ModelConfig
+from vrl.core.config import ConfigError
 from vrl.core.sharding import Axis, context_parts, logical_spec
 from vrl.model import ops
+from vrl.model.config import ATTENTION_IMPLS, ModelConfig
 
 Array = jax.Array
 
@@ -172,11 +173,6 @@ def attention(
     values (made once for the layers that share them) stand in for gathering them. The logits
     q.k / sqrt(Dh) are soft-capped at `logits_cap` (0: not capped; cudnn takes none)."""
     attend = functools.partial(xla_attention, logits_cap=logits_cap) if logits_cap else xla_attention
-    if impl == 'auto' and isinstance(mask, Causal):
-        raise ConfigError(
-            "model.attention_impl='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
-            'platform (a TrainSteps does it itself).'
-        )
     if isinstance(mask, Causal) and context_parts() > 1:  # the sequence split over devices
         assert mask.order is not None, 'a split sequence comes in balanced_order (Decoder.hidden)'
         return _context_parallel(

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vrl.core import sharding
-from vrl.core.config import ModelConfig
+from vrl.core.config import require_resolved
 from vrl.core.sharding import Axis, context_parts
+from vrl.model.config import ModelConfig
 
 Array = jax.Array
 
@@ -160,6 +161,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     """Zeros in the compute dtype: the layout's n_key_slots key and n_value_slots value arrays, each
     (B * K, S, Dh), S = max_len, or min(model.attention_window, max_len) for a ring buffer
     (CacheLayout.ring_slot)."""
+    require_resolved(cfg, 'model', 'a KV cache')
     slots_of = layout_of(cfg)
 
     def slots(kind: str, n: int) -> tuple[jax.Array, ...]:
@@ -167,7 +169,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
             return min(cfg.attention_window, max_len) if slots_of.ring_slot(kind, slot) else max_len
 
         shape = (batch * cfg.n_kv_heads, cfg.head_dim)
-        return tuple(jnp.zeros((shape[0], length(i), shape[1]), cfg.resolved_compute_dtype) for i in range(n))
+        return tuple(jnp.zeros((shape[0], length(i), shape[1]), cfg.compute_dtype) for i in range(n))
 
     keys, values = slots('k', slots_of.n_key_slots), slots('v', slots_of.n_value_slots)
     return KVCache(k=keys, v=values, index=jnp.zeros((), jnp.int32))

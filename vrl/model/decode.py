@@ -21,9 +21,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from vrl.core import sharding
-from vrl.core.config import ModelConfig
 from vrl.core.errors import VrlError
 from vrl.model.cache import KVCache, cache_bytes, cache_shardings, init_cache
+from vrl.model.config import ModelConfig
 from vrl.model.decoder import Decoder
 
 

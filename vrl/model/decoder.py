@@ -33,11 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vrl.core.config import ConfigError, ModelConfig
+from vrl.core.config import require_resolved
 from vrl.core.sharding import Axis, constrain, context_parts
 from vrl.model import attention, history_scan, hyper, layer_stats, ops, params, variants
 from vrl.model.attention import Causal
 from vrl.model.cache import KVCache, layout_of
+from vrl.model.config import ModelConfig
 from vrl.model.variants import Lambdas, LayerKV, MuddWeights, ValueEmbed
 
 Array = jax.Array
@@ -373,7 +374,7 @@ class Decoder(nnx.Module):
 
     @property
     def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.cfg.resolved_compute_dtype)
+        return jnp.dtype(self.cfg.compute_dtype)
 
     def __call__(
         self, tokens_BxL: Array, positions_BxL: Array | None = None, segment_ids_BxL: Array | None = None
@@ -439,6 +440,7 @@ class Decoder(nnx.Module):
     ) -> tuple[Array, KVCache | None, layer_stats.LayerStats | None]:
         """The final-normalised hidden states (B, L, D), the updated cache when decoding, and the
         per-layer statistics when recording."""
+        require_resolved(self.cfg, 'model', 'a Decoder that runs')
         dtype, L = self.compute_dtype, self.cfg.n_layers
         h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION if cache is None else _DECODING)
         h = hyper.widened(h_BxLxD, self.cfg)
@@ -545,12 +547,6 @@ class Decoder(nnx.Module):
                 s, stats = self._layer(nnx.merge(graphdef, layer_state), s, p, positions_BxL, mask, record)
                 outputs.append(stats)
             return s._replace(v1=None, copies=None), None if not record else _stacked(outputs)
-
-        if self.cfg.remat == 'auto' and not decoding:
-            raise ConfigError(
-                "model.remat='auto' is unresolved here: vrl.train.aot.resolve resolves it by compiling "
-                'for the devices (vrl.main and train.run do it).'
-            )
 
         def rematted(in_scan: bool):
             """`group`, recomputed in the backward pass under model.remat. Outside a scan, XLA's CSE would

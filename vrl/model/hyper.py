@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vrl.core.config import ModelConfig
 from vrl.core.sharding import Axis
 from vrl.model import ops, params
+from vrl.model.config import ModelConfig
 
 Array = jax.Array
 

@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vrl.core.config import HAND_VJP_OPS, ConfigError
 from vrl.core.sharding import Axis, constrain, context_parts
+from vrl.model.config import HAND_VJP_OPS
 
 Array = jax.Array
 
@@ -482,11 +482,6 @@ def choose_hand_vjp(setting: str, platform: str) -> tuple[str, str]:
 @functools.cache
 def hand_vjp_ops(hand_vjp: str) -> HandVjpOps:
     """The ops for a resolved model.hand_vjp value ('all', 'none' or a comma list)."""
-    if hand_vjp == 'auto':
-        raise ConfigError(
-            "model.hand_vjp='auto' is unresolved here: vrl.model.resolve.execution resolves it for a "
-            'platform (a TrainSteps does it itself).'
-        )
     names = () if hand_vjp == 'none' else HAND_VJP_OPS if hand_vjp == 'all' else hand_vjp.split(',')
     return HandVjpOps(
         project=project if 'project' in names else plain_project,

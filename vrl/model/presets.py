@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from vrl.core.config import ConfigError, ModelConfig
+from vrl.core.config import ConfigError
+from vrl.model.config import ModelConfig
 
 
 def _late_layers(cfg: ModelConfig) -> tuple[int, ...]:

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vrl.core.config import ModelConfig
 from vrl.core.sharding import Axis
 from vrl.model import ops, params
 from vrl.model.cache import layout_of
+from vrl.model.config import ModelConfig
 
 Array = jax.Array
 

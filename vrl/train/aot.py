@@ -18,6 +18,7 @@ first, and keeps the first at which the step fits.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -27,10 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from vrl.core import backend, extras, sharding
-from vrl.core.config import Config, ConfigError
+from vrl.core.config import ConfigError
 from vrl.core.errors import VrlError
 from vrl.model import accounting
 from vrl.model import resolve as model_resolve
+from vrl.train.config import Config, OptimizerConfig, check_fits_mesh
 from vrl.train.step import TrainSteps
 
 GiB = 1 << 30
@@ -146,7 +148,7 @@ class CompileReport:
 def compile_train_step(config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None) -> CompileReport:
     """Lowers and compiles the real train step for `devices` (no arrays are allocated)."""
     mesh = sharding.make_mesh(config.mesh, devices)
-    sharding.check_fits_mesh(config, dict(mesh.shape))
+    check_fits_mesh(config, dict(mesh.shape))
     trainer = TrainSteps(config, mesh)
     shape = (config.data.batch_size, config.data.seq_len)
     batch = {
@@ -253,6 +255,32 @@ def fit_line(fitted: Config, report: CompileReport | None) -> str:
     return f'auto fit: train.microbatches={fitted.train.microbatches}, model.remat={fitted.model.remat} ({memory})'
 
 
+def execution(config: Config, platform: str, say: Callable[[str], None] = logging.info) -> Config:
+    """The autos that need no compile, for `platform`: the model's (vrl/model/resolve.py) for the
+    run's sequences, and optimizer.decay_steps=0 as train.steps."""
+    data = config.data
+    model = model_resolve.execution(
+        config.model, platform, data.seq_len, data.document_masking, config.mesh.context, say
+    )
+    return dataclasses.replace(config, model=model, optimizer=_schedule_with_run(config.optimizer, config.train.steps))
+
+
+def _schedule_with_run(optimizer: OptimizerConfig, steps: int) -> OptimizerConfig:
+    """optimizer.decay_steps=0 as train.steps (after the warmup, at least). A wsd run too short for its
+    warmup is a ConfigError naming train.steps, the warmup and the warmup that fits."""
+    if optimizer.decay_steps:
+        return optimizer
+    decay_start = steps - round(optimizer.decay_fraction * steps)
+    if optimizer.schedule == 'wsd' and 0 < steps and decay_start < optimizer.warmup_steps:
+        raise ConfigError(
+            f'train.steps={steps} is too short for optimizer.warmup_steps={optimizer.warmup_steps}: the wsd '
+            f'schedule decays over the last {optimizer.decay_fraction:g} of the run, from step {decay_start}, '
+            f'inside the warmup; set --config.optimizer.warmup_steps={min(steps // 4, decay_start)} (or more '
+            'train.steps)'
+        )
+    return dataclasses.replace(optimizer, decay_steps=max(steps, optimizer.warmup_steps + 1))
+
+
 def resolve(
     config: Config, devices: Sequence[jax.Device], hbm_bytes: int | None, say: Callable[[str], None] = print
 ) -> tuple[Config, CompileReport | None]:
@@ -260,7 +288,7 @@ def resolve(
     if unknown), each choice said; and the chosen step's compile report where one was compiled."""
     if config.mesh.context == 0:
         return fit_context(config, devices, hbm_bytes, say)
-    config = model_resolve.execution(config, devices[0].platform, say)
+    config = execution(config, devices[0].platform, say)
     if config.train.microbatches and config.model.remat != 'auto':
         return config, None
     fitted, report = auto_fit(config, devices, hbm_bytes, say)
@@ -281,7 +309,7 @@ def fit_context(
     for context in sizes[:1] if hbm_bytes is None else sizes:
         candidate = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, context=context))
         try:
-            sharding.check_fits_mesh(candidate, sharding.mesh_shape(candidate.mesh, len(devices)))
+            check_fits_mesh(candidate, sharding.mesh_shape(candidate.mesh, len(devices)))
             fitted, report = resolve(candidate, devices, hbm_bytes, say)
             if hbm_bytes is not None:
                 report = report or compile_train_step(fitted, devices, hbm_bytes)

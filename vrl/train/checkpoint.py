@@ -38,11 +38,12 @@ from orbax.checkpoint import step as step_lib
 from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
 from vrl.core import multihost, storage
-from vrl.core.config import EXECUTION_FIELDS, Config, ModelConfig
 from vrl.core.errors import CheckpointError, VrlError
+from vrl.model.config import EXECUTION_FIELDS, ModelConfig
 from vrl.train import guard as guard_lib
 from vrl.train import lease, orbax_noise
 from vrl.train import workdir as workdir_lib
+from vrl.train.config import Config
 from vrl.train.workdir import COMMITTED, step_of
 
 

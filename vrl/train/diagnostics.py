@@ -20,11 +20,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from vrl.core import sharding
-from vrl.core.config import Config
 from vrl.core.errors import VrlError
 from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer
 from vrl.model import layer_stats
+from vrl.train.config import Config
 from vrl.train.step import TrainSteps
 
 STATISTICS = layer_stats.LayerStats._fields

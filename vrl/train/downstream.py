@@ -20,8 +20,8 @@ from typing import Any
 import jax
 
 from vrl.core import multihost
-from vrl.core.config import Config, TrainConfig
 from vrl.data.tokenizer import Tokenizer
+from vrl.train.config import Config, TrainConfig
 from vrl.train.hooks import Member, Scoring, StepRecord
 from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState, TrainSteps

@@ -25,11 +25,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from vrl.core import multihost
-from vrl.core.config import Config
 from vrl.data import pipeline
 from vrl.model import decode
 from vrl.train import checkpoint
 from vrl.train import guard as guard_lib
+from vrl.train.config import Config
 from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState
 from vrl.train.trackers import terminal

@@ -25,12 +25,12 @@ import numpy as np
 from etils import epath
 
 from vrl.core import multihost, peers, storage
-from vrl.core.config import Config
 from vrl.data import pipeline
 from vrl.model import accounting
 from vrl.train import checkpoint, diagnostics, downstream, hooks, optimizer, plan, start
 from vrl.train import guard as guard_lib
 from vrl.train import workdir as workdir_lib
+from vrl.train.config import Config
 from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState, TrainSteps
 from vrl.train.trackers.composite import Trackers

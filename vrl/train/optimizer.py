@@ -25,7 +25,8 @@ import jax
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from vrl.core.config import ConfigError, OptimizerConfig
+from vrl.core.config import ConfigError
+from vrl.train.config import OptimizerConfig
 
 GROUPS = ('matrix', 'embed', 'head', 'scalar')
 _MATRICES = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_up', 'w_down')

@@ -15,12 +15,13 @@ from etils import epath
 from jax.sharding import Mesh
 
 from vrl.core import multihost, sharding
-from vrl.core.config import Config, DataConfig
 from vrl.data import pipeline
+from vrl.data.config import DataConfig
 from vrl.data.tokenizer import Tokenizer
 from vrl.model import resolve
 from vrl.train import aot, downstream, metrics, start
 from vrl.train import workdir as workdir_lib
+from vrl.train.config import Config, check_fits_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ def settle(
     """The plan of the runs `configs` in `paths` (they differ only in train.seed)."""
     given = configs[0].mesh  # a bad mesh fails here, before the data and the compiles (context 0, auto: as 1)
     early = sharding.make_mesh(sharding.without_context(given) if given.context == 0 else given)
-    sharding.check_fits_mesh(configs[0], dict(early.shape))
+    check_fits_mesh(configs[0], dict(early.shape))
     config, tokenizer_source, tokenizer_line = start.hf_tokenizer(configs[0], request.init_from, paths[0])
     # a new run's copy of an hf: tokenizer is made in the workdir once the plan is settled: until then its
     # source stands in for it

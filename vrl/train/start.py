@@ -14,9 +14,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from vrl.core import storage
-from vrl.core.config import Config, ModelConfig
 from vrl.core.errors import VrlError
+from vrl.model.config import ModelConfig
 from vrl.train import checkpoint
+from vrl.train.config import Config
 from vrl.train.step import TrainState, TrainSteps
 
 

@@ -19,10 +19,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vrl.core import sharding
-from vrl.core.config import Config, ConfigError, ModelConfig
-from vrl.model import ops, resolve
+from vrl.core.config import require_resolved
+from vrl.model import ops
+from vrl.model.config import ModelConfig
 from vrl.model.decoder import Decoder
 from vrl.train import optimizer as vrl_optimizer
+from vrl.train.config import Config
 
 Batch = dict[str, jax.Array]  # (B, L) int32: inputs, targets, loss_mask [, segment_ids, positions]
 Metrics = dict[str, jax.Array]  # scalars
@@ -123,12 +125,7 @@ class TrainSteps:
     """Builds the sharded initial state and the jitted steps for one config on one mesh."""
 
     def __init__(self, config: Config, mesh: Mesh):
-        if config.train.microbatches == 0 or config.model.remat == 'auto':
-            raise ConfigError(
-                'train.microbatches=0 and model.remat=auto must be resolved before a TrainSteps is '
-                'built: vrl.train.aot.resolve does it (vrl.main and train.run call it).'
-            )
-        config = resolve.execution(config, mesh.devices.flat[0].platform)
+        require_resolved(config, '', 'a TrainSteps')
         self.config, self.mesh = config, mesh
         self.graphdef, abstract_params = abstract_model(config.model)
         self.tx = vrl_optimizer.make(config.optimizer, vrl_optimizer.param_axes(abstract_params))

@@ -10,11 +10,11 @@ from typing import Any, NamedTuple
 import ml_collections
 
 from vrl.core import sharding, storage
-from vrl.core.config import Config, from_configdict
 from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer
-from vrl.train import checkpoint
+from vrl.train import aot, checkpoint
 from vrl.train import workdir as workdir_lib
+from vrl.train.config import Config, from_configdict
 from vrl.train.step import TrainSteps
 
 
@@ -58,7 +58,8 @@ def load_trained(workdir: str, context: int = 1) -> TrainedRun:
         model=dataclasses.replace(config.model, attention_impl='auto', hand_vjp='auto'),
         mesh=dataclasses.replace(sharding.without_context(config.mesh), context=context),
     )
-    trainer = TrainSteps(here, sharding.make_mesh(here.mesh))
+    mesh = sharding.make_mesh(here.mesh)
+    trainer = TrainSteps(aot.execution(here, mesh.devices.flat[0].platform), mesh)
 
     def newest() -> TrainedRun:  # the step resolved once, and that folder read
         folder, step = checkpoint.step_folder(workdir)

@@ -20,8 +20,8 @@ from typing import Any
 from etils import epath
 
 from vrl.core import storage
-from vrl.core.config import Config
 from vrl.core.errors import VrlError
+from vrl.train.config import Config
 
 # the tokenizer a run started from Hugging Face weights came with (with a tokenizer.json, its config)
 TOKENIZER_FILES = ('tokenizer.model', 'tokenizer.json', 'tokenizer_config.json')

@@ -1,6 +1,6 @@
 """The configuration of vrl's models in the Hugging Face format (written by `python -m vrl.tools.export`).
 
-Llama's fields for the decoder's shape, plus vrl's own (vrl/core/config.py's ModelConfig, same names):
+Llama's fields for the decoder's shape, plus vrl's own (vrl/model/config.py's ModelConfig, same names):
 attention (vanilla | resformer | svformer), lambda_mode, lambda1, lambda2, sparse_layers,
 neutreno, neutreno_lambda, denseformer, kv_share, value_embed_layers, value_embed_tables, mudd,
 mudd_layers, hyper_connections, hyper_streams, hyper_dynamic, qk_norm; and

@@ -16,10 +16,10 @@ from typing import Any
 from etils import epath
 
 from vrl.core import storage
-from vrl.core.config import Config
 from vrl.core.errors import VrlError
 from vrl.model import layer_stats
 from vrl.train import workdir as workdir_lib
+from vrl.train.config import Config
 from vrl.train.trackers.tracker import Tracker
 
 
