@@ -33,8 +33,9 @@ import numpy as np  # noqa: E402
 from configs import base, tiny  # noqa: E402
 from vrl.core import sharding  # noqa: E402
 from vrl.data import corpus, pipeline  # noqa: E402
-from vrl.train import aot, lm_eval_model, lm_eval_tasks  # noqa: E402
+from vrl.train import aot  # noqa: E402
 from vrl.train.config import from_configdict  # noqa: E402
+from vrl.train.scoring import lm_eval_model, lm_eval_tasks  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 from vrl.train.trained import TrainedRun  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""lm-eval adapter throughput: loglikelihood requests/s through vrl.train.lm_eval_model.VrlLM.
+"""lm-eval adapter throughput: loglikelihood requests/s through vrl.train.scoring.lm_eval_model.VrlLM.
 
     python bench/lm_eval_throughput.py [--configs tiny,82m] [--batches 1,32] [--requests 64]
 
@@ -28,7 +28,7 @@ from vrl.core import sharding  # noqa: E402
 from vrl.data import corpus, pipeline  # noqa: E402
 from vrl.train import aot  # noqa: E402
 from vrl.train.config import from_configdict  # noqa: E402
-from vrl.train.lm_eval_model import VrlLM  # noqa: E402
+from vrl.train.scoring.lm_eval_model import VrlLM  # noqa: E402
 from vrl.train.step import TrainSteps  # noqa: E402
 from vrl.train.trained import TrainedRun  # noqa: E402
 

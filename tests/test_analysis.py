@@ -206,7 +206,8 @@ def test_training_logs_the_diagnostics_that_analyze_computes_on_its_checkpoint(s
 
     from tests.runs import tiny_config
     from vrl.experiments import analyze
-    from vrl.train import checkpoint, loop
+    from vrl.train import loop
+    from vrl.train.rundir import checkpoint
 
     config = tiny_config(
         small_corpus,

@@ -17,7 +17,8 @@ from tests.runs import tiny_config as tiny  # noqa: E402
 from tests.runs import write_choice_task, write_text_task  # noqa: E402
 from vrl.experiments.grid import read_metrics  # noqa: E402
 from vrl.tools import evaluate  # noqa: E402
-from vrl.train import lm_eval_tasks, loop, scorer  # noqa: E402
+from vrl.train import loop  # noqa: E402
+from vrl.train.scoring import lm_eval_tasks, scorer  # noqa: E402
 from vrl.train.start import TrainingError  # noqa: E402
 
 

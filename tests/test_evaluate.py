@@ -22,7 +22,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from tests.helpers import piece_bytes
 from tests.runs import CHOICE_DOCS, SHARED_RUN_STEPS, write_choice_task
 from vrl.tools import evaluate
-from vrl.train import lm_eval_model, scorer
+from vrl.train.scoring import lm_eval_model, scorer
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 

@@ -16,7 +16,8 @@ from tests.helpers import rel_err, train_steps
 from tests.runs import cli_args, saved_steps, tiny_config, wait_for
 from vrl.core import sharding
 from vrl.experiments import compare, grid
-from vrl.train import checkpoint, loop
+from vrl.train import loop
+from vrl.train.rundir import checkpoint
 
 pytestmark = pytest.mark.slow  # trains real runs and starts processes: outside the edit loop's tier
 

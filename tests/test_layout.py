@@ -108,6 +108,32 @@ def test_imports_run_downward_between_wings_and_never_in_a_circle():
     assert not circles(graph)
 
 
+SHARED_ROOMS = ('vrl.train.config', 'vrl.train.trained', 'vrl.train.rundir', 'vrl.train.scoring')
+
+
+def reaches_past_shared_rooms(graph: dict[str, set[str]], importers: tuple[str, ...]) -> list[str]:
+    """Imports of vrl.train by the modules under `importers` that are not of SHARED_ROOMS."""
+    return sorted(
+        f'{module} imports {target}'
+        for module, targets in graph.items()
+        if module.startswith(importers)
+        for target in targets
+        if target.startswith('vrl.train') and target != 'vrl.train' and not target.startswith(SHARED_ROOMS)
+    )
+
+
+def test_the_tools_and_trains_shared_rooms_reach_no_further_into_train():
+    """The workdir's ownership (vrl/train/rundir) and scoring (vrl/train/scoring) are rooms of their own:
+    they, and the tools that read a trained run, import of vrl.train only the config, a trained run read
+    back and each other, never the loop's modules (loop, hooks, plan, start, downstream)."""
+    graph = import_graph(modules())
+    assert not reaches_past_shared_rooms(graph, ('vrl.tools', 'vrl.train.rundir', 'vrl.train.scoring'))
+    leaky = dict(graph, **{'vrl.train.scoring.scorer': graph['vrl.train.scoring.scorer'] | {'vrl.train.hooks'}})
+    assert reaches_past_shared_rooms(leaky, ('vrl.train.scoring',)) == [
+        'vrl.train.scoring.scorer imports vrl.train.hooks'
+    ]
+
+
 def test_the_checks_catch_an_upward_import_and_a_circle():
     graph = {
         'vrl.model.decoder': {'vrl.train.step'},

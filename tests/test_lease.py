@@ -1,4 +1,4 @@
-"""The workdir's lease on a bucket (vrl/train/lease.py) against the GCS emulator on
+"""The workdir's lease on a bucket (vrl/train/rundir/lease.py) against the GCS emulator on
 127.0.0.1: one writer at a time, proven by object generations, whatever the clocks say."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from tests.gcs_emulator import bucket_fs
 from vrl.core import storage
-from vrl.train import lease as lease_lib
-from vrl.train import workdir as workdir_lib
+from vrl.train.rundir import lease as lease_lib
+from vrl.train.rundir import workdir as workdir_lib
 
 STALE = 1.0  # seconds: the tests' lease goes stale fast (a run's is at least MIN_LEASE_STALE_SECONDS)
 
@@ -305,7 +305,7 @@ def test_a_lost_lease_record_is_recovered_from_the_workdir_not_reset(gcs, damage
 def test_a_run_moved_aside_on_a_bucket_reads_without_its_lease(gcs):
     """--fresh moves a fenced run's step folders to previous_runs/T and leaves the lease behind: its
     committed steps are still readable there, by their folders' markers (export, --branch_from)."""
-    from vrl.train import checkpoint
+    from vrl.train.rundir import checkpoint
 
     fs = bucket_fs()
     moved = 'vrl/leases/moved/previous_runs/20261202-101010'
@@ -321,7 +321,7 @@ def test_a_long_lived_reader_sees_steps_saved_since_its_last_listing(gcs):
     process committed after the reader last listed the folder."""
     import gcsfs
 
-    from vrl.train import checkpoint
+    from vrl.train.rundir import checkpoint
 
     fs = bucket_fs()
     fs.pipe_file('vrl/leases/reader/checkpoints/4/commit_success.txt', b'')

@@ -138,7 +138,7 @@ def test_a_second_writer_is_refused_and_a_stale_lease_taken_over(gcs, bucket_con
     over once unchanged for train.lease_stale_seconds (said while waiting), or at once with
     --take_over_lease; a finished run leaves its lease released."""
     from vrl.core import storage
-    from vrl.train import lease as lease_lib
+    from vrl.train.rundir import lease as lease_lib
 
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=0, eval_batches=1))
     live = lease_lib.Lease(storage.path('gs://vrl/held'), stale_after=config.train.lease_stale_seconds)
@@ -215,7 +215,7 @@ def test_a_holder_held_mid_write_never_changes_what_its_successor_committed(gcs,
     (the committed steps and the metrics) is what they saw before the release."""
     from tests.slow_store import Fault, SlowStore
     from vrl.core import storage
-    from vrl.train import checkpoint
+    from vrl.train.rundir import checkpoint
     from vrl.train.trackers import stored
 
     config = dataclasses.replace(
@@ -309,7 +309,7 @@ def test_checkpoints_without_their_commit_marker_are_refused_and_partial_steps_c
     markers added it resumes, and the folder of a save that
     never finished (no marker, no commit in its metadata) is ignored and then removed."""
     from vrl.core import storage
-    from vrl.train import checkpoint
+    from vrl.train.rundir import checkpoint
 
     config = dataclasses.replace(bucket_config, train=dataclasses.replace(bucket_config.train, steps=4))
     local = _run(config, str(tmp_path / 'local_run'), gcs, tmp_path / 'host')

@@ -19,8 +19,9 @@ from tests.runs import params_equal, tiny_config, train_losses
 from vrl.core.config import ConfigError
 from vrl.core.sharding import MeshConfig
 from vrl.data.config import DataConfig
-from vrl.train import checkpoint, loop, optimizer
+from vrl.train import loop, optimizer
 from vrl.train.config import Config, OptimizerConfig, TrainConfig, from_configdict
+from vrl.train.rundir import checkpoint
 from vrl.train.step import abstract_model
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic Newton-Schulz iteration's (a, b, c)

@@ -131,7 +131,8 @@ def test_every_process_runs_the_same_number_of_batches_in_a_finite_pass(small_co
 
 @pytest.mark.slow  # trains a run
 def test_a_run_whose_data_ends_first_says_so_saved_and_evaluated(small_corpus, tmp_path, capsys):
-    from vrl.train import checkpoint, loop
+    from vrl.train import loop
+    from vrl.train.rundir import checkpoint
 
     config = tiny_config(small_corpus, steps=10_000, checkpoint_every=1000, log_every=1000)
     config = dataclasses.replace(

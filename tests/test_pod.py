@@ -17,8 +17,8 @@ from tests.gcs_emulator import bucket_fs, free_port, machine_env
 from tests.runs import ROOT, cli_args, host_xla_flags, not_for_users, tiny_config
 from tests.slow_store import Fault, SlowStore
 from vrl.core import storage
-from vrl.train import lease as lease_lib
 from vrl.train.config import Config
+from vrl.train.rundir import lease as lease_lib
 from vrl.train.trackers import stored
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier

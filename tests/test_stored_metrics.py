@@ -10,7 +10,7 @@ import numpy as np
 from tests.gcs_emulator import bucket_fs, clients_through
 from tests.helpers import tensorboard_scalars
 from vrl.core import storage
-from vrl.train import lease as lease_lib
+from vrl.train.rundir import lease as lease_lib
 from vrl.train.trackers import stored
 from vrl.train.trackers.composite import Trackers
 

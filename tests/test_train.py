@@ -21,7 +21,8 @@ from tests.runs import logged_steps, params_equal, saved_steps, start_run, tiny_
 from vrl.core import sharding
 from vrl.data import corpus, pipeline
 from vrl.model import accounting
-from vrl.train import checkpoint, loop, start
+from vrl.train import loop, start
+from vrl.train.rundir import checkpoint
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 

@@ -22,8 +22,9 @@ import tensorstore as ts
 from tests.conftest import ROOT
 from tests.runs import cli_args, logged_steps, saved_steps, start_run, tiny_config, wait_for
 from vrl.core.sharding import MeshConfig
-from vrl.train import checkpoint, loop, trained
-from vrl.train.workdir import WorkdirError
+from vrl.train import loop, trained
+from vrl.train.rundir import checkpoint
+from vrl.train.rundir.workdir import WorkdirError
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
 
@@ -364,7 +365,7 @@ def test_a_damaged_checkpoint_is_one_line_on_the_command_line(small_corpus, tmp_
 _UNRETRIEVED_TASK_ERROR = """
 import asyncio, gc, sys
 import tensorstore as ts
-from vrl.train import orbax_noise
+from vrl.train.rundir import orbax_noise
 
 async def plain_failure():
     raise ValueError('a failure of something else')

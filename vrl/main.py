@@ -238,8 +238,9 @@ def main(args: cli.Args) -> None:
     _require_extras(config, args['init_from'].value)
     multihost.initialize(args)
     cli.require(args, 'workdir')
-    from vrl.train import checkpoint, loop  # here, so that --summary needs no data stack
-    from vrl.train.lease import LeaseLostError
+    from vrl.train import loop  # here, so that --summary needs no data stack
+    from vrl.train.rundir import checkpoint  # here, so that --summary needs no data stack
+    from vrl.train.rundir.lease import LeaseLostError
 
     try:
         loop.run(

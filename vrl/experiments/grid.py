@@ -25,10 +25,11 @@ from vrl.core import multihost, storage
 from vrl.core.errors import VrlError
 from vrl.experiments import analyze
 from vrl.model import accounting
-from vrl.train import checkpoint, loop
-from vrl.train import guard as guard_lib
-from vrl.train import workdir as workdir_lib
+from vrl.train import loop
 from vrl.train.config import Config
+from vrl.train.rundir import checkpoint
+from vrl.train.rundir import guard as guard_lib
+from vrl.train.rundir import workdir as workdir_lib
 from vrl.train.trackers import stored
 
 BASELINE = 'vanilla'  # what every statistic of a comparison or study is measured against
@@ -64,7 +65,7 @@ class Downstream:
 
     def index(self) -> Any:
         """lm-eval's TaskManager for the tasks, built once; EvaluateError names an unknown task."""
-        from vrl.train import lm_eval_tasks  # lm-eval: requirements-extra.txt
+        from vrl.train.scoring import lm_eval_tasks  # lm-eval: requirements-extra.txt
 
         if self._task_manager is None:
             self._task_manager = lm_eval_tasks.task_manager_for(self.tasks, self.include_path)
@@ -73,7 +74,7 @@ class Downstream:
     def metrics(self, run_dir: epath.Path, tasks: list[str]) -> dict[str, dict[str, float]]:
         """{requested task: {metric: value}} on the run's latest checkpoint (lm_eval_tasks.task_metrics)."""
         from vrl.tools import evaluate  # lm-eval: requirements-extra.txt
-        from vrl.train import lm_eval_tasks
+        from vrl.train.scoring import lm_eval_tasks
 
         results = evaluate.evaluate(str(run_dir), tasks, limit=self.limit, task_manager=self.index()).results
         return lm_eval_tasks.task_metrics(results, tasks)

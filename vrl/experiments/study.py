@@ -52,8 +52,9 @@ from vrl.experiments.grid import GridError, Run
 from vrl.experiments.study_report import BASELINE, Axes
 from vrl.model import accounting, presets, resolve
 from vrl.model.config import ModelConfig
-from vrl.train import checkpoint, metrics
+from vrl.train import metrics
 from vrl.train.config import Config, from_configdict
+from vrl.train.rundir import checkpoint
 
 BUDGETS = ('steps', 'params')
 _SIZE = re.compile(r'(?:d(\d+))?(?:l(\d+))?')

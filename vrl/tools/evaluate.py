@@ -4,7 +4,8 @@
         [--batch_size=B] [--include_path=DIR] [--log_samples]
 
 The workdir's latest checkpoint is scored in this process, sharded by the run's mesh over this
-machine's devices, by vrl/train/lm_eval_model.py's `VrlLM` (lm-eval's model `vrl`, registered when scoring starts).
+machine's devices, by vrl/train/scoring/lm_eval_model.py's `VrlLM` (lm-eval's model `vrl`, registered
+when scoring starts).
 Writes lm-eval's results JSON and its table to WORKDIR/lm_eval/results_<time>.{json,md} (with
 --log_samples, also samples_<task>_<time>.jsonl, one scored request per line).
 """
@@ -21,7 +22,7 @@ from absl import flags
 from etils import epath
 
 from vrl.core import cli, extras, storage
-from vrl.train import checkpoint
+from vrl.train.rundir import checkpoint
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
@@ -48,8 +49,8 @@ def evaluate(
     (limit: examples per task, or a fraction below 1; task_manager: one from task_manager_for, to share
     among several workdirs)."""
     extras.require('vrl.tools.evaluate (lm-evaluation-harness)', 'lm_eval')
-    from vrl.train.lm_eval_model import VrlLM, run_tasks  # registers lm-eval's model `vrl`
-    from vrl.train.lm_eval_tasks import task_manager_for
+    from vrl.train.scoring.lm_eval_model import VrlLM, run_tasks  # registers lm-eval's model `vrl`
+    from vrl.train.scoring.lm_eval_tasks import task_manager_for
 
     checkpoint.step_folder(workdir)  # no checkpoint: say so before indexing thousands of tasks
     task_manager = task_manager or task_manager_for(tasks, include_path)

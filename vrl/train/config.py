@@ -16,7 +16,7 @@ from vrl.data.config import DataConfig
 from vrl.model.config import ModelConfig
 
 NAN_POLICIES = ('error', 'skip')
-MIN_LEASE_STALE_SECONDS = 8  # vrl/train/lease.py's Lease renews every quarter of it
+MIN_LEASE_STALE_SECONDS = 8  # vrl/train/rundir/lease.py's Lease renews every quarter of it
 OPTIMIZERS = ('adamw', 'muon')  # vrl/train/optimizer.py
 SCHEDULES = ('cosine', 'wsd')
 DECAY_SHAPES = ('linear', 'sqrt')  # wsd's decay: linear, or 1 - sqrt
@@ -120,8 +120,9 @@ class TrainConfig:
     sample_prompt: str = ''
     sample_tokens: int = 48
     peak_flops: float = 0.0  # per device, for MFU; 0 = device table, or a matmul probe on CPU
-    # a workdir on an object store: a writer's lease not renewed for this long is taken over (vrl/train/lease.py);
-    # at least MIN_LEASE_STALE_SECONDS, as it is renewed every quarter of it and GCS takes one write a second per object
+    # a workdir on an object store: a writer's lease not renewed for this long is taken over
+    # (vrl/train/rundir/lease.py); at least MIN_LEASE_STALE_SECONDS, as it is renewed every quarter of it and GCS
+    # takes one write a second per object
     lease_stale_seconds: int = 300
     # per-layer attention diagnostics (vrl/train/diagnostics.py) on the first diagnostics_sequences full validation
     # sequences, every this many steps, into metrics.jsonl and TensorBoard; 0 = off

@@ -2,7 +2,7 @@
 parameters every train.downstream_every steps and at the end, with no checkpoint written or read.
 
 The tasks are indexed and their data loaded at start-up, before anything compiles, so a task that
-cannot be loaded stops the run in one line then. Scoring is vrl/train/lm_eval_model.py's (`VrlLM`: the
+cannot be loaded stops the run in one line then. Scoring is vrl/train/scoring/lm_eval_model.py's (`VrlLM`: the
 requests packed into rows, data.batch_size / train.microbatches sequences' worth of tokens at a
 time, the same tasks one compiled program for the whole run) and gives the numbers
 vrl.tools.evaluate gives for a checkpoint of the same step. On a pod every process runs lm-eval on the same requests;
@@ -37,7 +37,7 @@ def load(train: TrainConfig) -> Any:
 
     def index() -> Any:
         try:
-            from vrl.train import lm_eval_tasks, scorer
+            from vrl.train.scoring import lm_eval_tasks, scorer
         except ImportError as e:
             raise TrainingError(f'train.downstream_tasks={train.downstream_tasks!r}: {e}') from None
         try:
@@ -63,7 +63,9 @@ class Downstream(Scoring):
         tokenizer: Tokenizer,
         task_manager: Any,
     ):
-        from vrl.train import lm_eval_model  # lm-eval: requirements-extra.txt, present since `load` found the tasks
+        from vrl.train.scoring import (
+            lm_eval_model,
+        )  # lm-eval: requirements-extra.txt, present since `load` found the tasks
 
         self.config, self.group, self.members, self.task_manager = config, group, members, task_manager
         rows = config.data.batch_size // config.train.microbatches
@@ -76,7 +78,7 @@ class Downstream(Scoring):
         return (bool(every and record.step % every == 0) and not record.preempted) or record.at_end
 
     def score(self, step: int, state: TrainState) -> None:
-        from vrl.train import lm_eval_model, lm_eval_tasks
+        from vrl.train.scoring import lm_eval_model, lm_eval_tasks
 
         train = self.config.train
         for i, m in enumerate(self.members):

@@ -27,9 +27,9 @@ from etils import epath
 from vrl.core import multihost
 from vrl.data import pipeline
 from vrl.model import decode
-from vrl.train import checkpoint
-from vrl.train import guard as guard_lib
 from vrl.train.config import Config
+from vrl.train.rundir import checkpoint
+from vrl.train.rundir import guard as guard_lib
 from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState
 from vrl.train.trackers import terminal

@@ -4,7 +4,7 @@ lease; a sample at the end). What a run depends on is settled before it, once (v
 
 SIGTERM (what Cloud TPU sends before preemption, seen at every step on every host) and a first
 Ctrl-C finish the current step, save, wait for the save to be durable and return normally (a
-second Ctrl-C aborts). Process 0 holds the workdir's guard for the whole run (vrl/train/guard.py);
+second Ctrl-C aborts). Process 0 holds the workdir's guard for the whole run (vrl/train/rundir/guard.py);
 where a run starts from is vrl/train/start.py's decision.
 
 `run_group` trains runs that differ only in seed with one step over a run axis (vrl/train/step.py's
@@ -27,10 +27,11 @@ from etils import epath
 from vrl.core import multihost, peers, storage
 from vrl.data import pipeline
 from vrl.model import accounting
-from vrl.train import checkpoint, diagnostics, downstream, hooks, optimizer, plan, start
-from vrl.train import guard as guard_lib
-from vrl.train import workdir as workdir_lib
+from vrl.train import diagnostics, downstream, hooks, optimizer, plan, start
 from vrl.train.config import Config
+from vrl.train.rundir import checkpoint
+from vrl.train.rundir import guard as guard_lib
+from vrl.train.rundir import workdir as workdir_lib
 from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState, TrainSteps
 from vrl.train.trackers.composite import Trackers
@@ -109,7 +110,7 @@ def run(
     take_over_lease: bool = False,
 ) -> RunResult:
     """Trains `config` in `workdir`, resuming from its latest intact checkpoint; `fresh` starts over,
-    moving the old run aside (vrl/train/workdir.py). A workdir without a checkpoint starts from `init_from`'s
+    moving the old run aside (vrl/train/rundir/workdir.py). A workdir without a checkpoint starts from `init_from`'s
     parameters, or from `branch_from`'s whole state (a step folder of another run), or at random.
     WorkdirError if another run holds the workdir (`take_over_lease`: a workdir on a bucket is taken
     from a holder known to be gone, at once)."""

@@ -20,8 +20,8 @@ from vrl.data.config import DataConfig
 from vrl.data.tokenizer import Tokenizer
 from vrl.model import resolve
 from vrl.train import aot, downstream, metrics, start
-from vrl.train import workdir as workdir_lib
 from vrl.train.config import Config, check_fits_mesh
+from vrl.train.rundir import workdir as workdir_lib
 
 
 @dataclasses.dataclass(frozen=True)

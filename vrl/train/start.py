@@ -16,8 +16,8 @@ from etils import epath
 from vrl.core import storage
 from vrl.core.errors import VrlError
 from vrl.model.config import ModelConfig
-from vrl.train import checkpoint
 from vrl.train.config import Config
+from vrl.train.rundir import checkpoint
 from vrl.train.step import TrainState, TrainSteps
 
 

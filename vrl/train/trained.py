@@ -12,9 +12,10 @@ import ml_collections
 from vrl.core import sharding, storage
 from vrl.data import pipeline
 from vrl.data.tokenizer import Tokenizer
-from vrl.train import aot, checkpoint
-from vrl.train import workdir as workdir_lib
+from vrl.train import aot
 from vrl.train.config import Config, from_configdict
+from vrl.train.rundir import checkpoint
+from vrl.train.rundir import workdir as workdir_lib
 from vrl.train.step import TrainSteps
 
 

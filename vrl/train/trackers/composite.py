@@ -15,8 +15,8 @@ import numpy as np
 from etils import epath
 
 from vrl.core import storage
-from vrl.train import guard as guard_lib
 from vrl.train.config import Config
+from vrl.train.rundir import guard as guard_lib
 from vrl.train.trackers.jsonl import JsonlTracker
 from vrl.train.trackers.stored import StoredLog
 from vrl.train.trackers.tensorboard import TensorBoardTracker

@@ -1,7 +1,7 @@
 """A workdir on an object store: metrics.jsonl and the TensorBoard events are written in local
 scratch, and `flush` sends each file's growth since the last flush (storage.append: the bytes
 uploaded over a run are what it logged), in one background upload at a time, so that the step does
-not wait on the store, and only while the run still holds the workdir (vrl/train/workdir.py). A
+not wait on the store, and only while the run still holds the workdir (vrl/train/rundir/workdir.py). A
 hard kill loses at most the records since the last flush, all of them after the last checkpoint,
 which the resumed run logs again.
 
@@ -22,9 +22,9 @@ from etils import epath
 
 from vrl.core import storage
 from vrl.core.errors import VrlError
-from vrl.train import guard as guard_lib
-from vrl.train import lease
-from vrl.train.workdir import metrics_file
+from vrl.train.rundir import guard as guard_lib
+from vrl.train.rundir import lease
+from vrl.train.rundir.workdir import metrics_file
 
 
 class StoredLog:

@@ -18,8 +18,8 @@ from etils import epath
 from vrl.core import storage
 from vrl.core.errors import VrlError
 from vrl.model import layer_stats
-from vrl.train import workdir as workdir_lib
 from vrl.train.config import Config
+from vrl.train.rundir import workdir as workdir_lib
 from vrl.train.trackers.tracker import Tracker
 
 

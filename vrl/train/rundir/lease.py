@@ -1,8 +1,8 @@
 """A workdir on GCS is kept by a lease (`Lease`): the object `WORKDIR/.lock`, written only on the
 generation its writer read, renewed by its holder, and taken over once it has not changed for
 train.lease_stale_seconds. Its record is also the run's fence (`Fence`): the epoch whose names the
-holder writes in (vrl/train/workdir.py's `step_name`, `metrics_file`) and what it committed.
-vrl/train/guard.py picks it or a local lock for a workdir.
+holder writes in (vrl/train/rundir/workdir.py's `step_name`, `metrics_file`) and what it committed.
+vrl/train/rundir/guard.py picks it or a local lock for a workdir.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Callable
 from etils import epath
 
 from vrl.core import peers, storage
-from vrl.train.workdir import COMMITTED, WorkdirError, step_name, step_of, steps_in
+from vrl.train.rundir.workdir import COMMITTED, WorkdirError, step_name, step_of, steps_in
 
 NOT_A_LEASE = 'not_a_lease'  # marks the record `Lease._read` stands in for a .lock that is not a lease
 
@@ -56,7 +56,7 @@ class Lease:
     one), in whose names the holder writes (checkpoint steps STEP.eEPOCH, metrics.eEPOCH.jsonl), and
     `commit` adds what became readable (`committed`: step -> epoch; `logged`: epoch -> bytes of its
     metrics) by the same conditional rewrite: a holder that lost the lease can still write bytes in its
-    own names, but never commit them, so no reader (vrl/train/checkpoint.py, `read_metrics`) sees them.
+    own names, but never commit them, so no reader (vrl/train/rundir/checkpoint.py, `read_metrics`) sees them.
     """
 
     def __init__(

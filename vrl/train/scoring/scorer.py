@@ -1,5 +1,5 @@
 """Sums of log-probabilities of chosen tokens under a trained vrl model, sequences packed into rows
-(`Scorer`): what lm-eval's loglikelihood requests cost (vrl/train/lm_eval_model.py) without lm-eval
+(`Scorer`): what lm-eval's loglikelihood requests cost (vrl/train/scoring/lm_eval_model.py) without lm-eval
 itself."""
 
 from __future__ import annotations

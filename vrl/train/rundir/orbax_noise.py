@@ -1,5 +1,5 @@
 """Orbax's failure noise, reduced to vrl's one line: a failed checkpoint read or write is reported
-by vrl/train/checkpoint.py as one error; these filters drop the multi-line logs and the leftover
+by vrl/train/rundir/checkpoint.py as one error; these filters drop the multi-line logs and the leftover
 tracebacks of Orbax's asynchronous machinery that would follow it. Process-wide, installed once."""
 
 from __future__ import annotations

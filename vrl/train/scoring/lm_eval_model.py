@@ -1,7 +1,7 @@
 """lm-evaluation-harness's model interface over a vrl model: `VrlLM`, registered in lm-eval as `vrl`
-(after `import vrl.train.lm_eval_model`, `lm_eval.simple_evaluate(model='vrl', model_args='workdir=DIR',
+(after `import vrl.train.scoring.lm_eval_model`, `lm_eval.simple_evaluate(model='vrl', model_args='workdir=DIR',
 tasks=[...])` works), and `run_tasks`, which vrl.tools.evaluate (on a checkpoint) and vrl/train/downstream.py (on a
-training run's live parameters) share; the tasks themselves: vrl/train/lm_eval_tasks.py.
+training run's live parameters) share; the tasks themselves: vrl/train/scoring/lm_eval_tasks.py.
 
 VrlLM serves lm-eval's three request types in this process, sharded by the run's mesh:
 
@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 # isort: off
-from vrl.train import lm_eval_tasks  # first: without lm-eval, one line naming its install
+from vrl.train.scoring import lm_eval_tasks  # first: without lm-eval, one line naming its install
 
 # isort: on
 import datasets  # lm-eval's own dependency
@@ -43,7 +43,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from vrl.data import pipeline
 from vrl.model import decode
-from vrl.train.scorer import EvaluateError, Scorer, Sequence
+from vrl.train.scoring.scorer import EvaluateError, Scorer, Sequence
 from vrl.train.trained import TrainedRun, load_trained
 
 # a task's data is loaded by Hugging Face datasets, whose progress bars would land on vrl's lines

@@ -1,6 +1,6 @@
 """A workdir's run record: starting over keeps the old run, restarts are recorded, a tokenizer
 that came with Hugging Face weights is kept beside the run. (Who may write a workdir:
-vrl/train/guard.py.)
+vrl/train/rundir/guard.py.)
 
 - `start_over`: what `--fresh` does. The old run (checkpoints, metrics, config.json,
   TensorBoard) moves to `WORKDIR/previous_runs/<time>/`; nothing is deleted. A run that

@@ -1,7 +1,7 @@
 """One writer per workdir: its guard, taken by process 0 of a run (all processes of one run share
 the workdir). A local workdir: `Lock`, an exclusive `flock` on `WORKDIR/.lock`, which the kernel
 drops when the holder dies (kill -9, a lost VM), so a stale lock never blocks. A workdir on an
-object store, where nothing can be locked: a `Lease` (vrl/train/lease.py). Either names the holder
+object store, where nothing can be locked: a `Lease` (vrl/train/rundir/lease.py). Either names the holder
 in the refusal; `confirm()` before each write stops a holder that lost it.
 
 - `make(workdir)`: the guard for a workdir;
@@ -18,8 +18,8 @@ import shutil
 from etils import epath
 
 from vrl.core import storage
-from vrl.train.lease import Lease, LeaseLostError, holder_line
-from vrl.train.workdir import WorkdirError
+from vrl.train.rundir.lease import Lease, LeaseLostError, holder_line
+from vrl.train.rundir.workdir import WorkdirError
 
 
 class Lock:

@@ -20,7 +20,7 @@ except ImportError as e:
         f'lm-evaluation-harness ({e}): pip install -r requirements-extra.txt'
     ) from e
 
-from vrl.train.scorer import EvaluateError
+from vrl.train.scoring.scorer import EvaluateError
 
 
 def check_tasks(task_manager: TaskManager, tasks: list[str], include_path: str | None = None) -> None:

@@ -5,7 +5,7 @@ complete, so a process killed mid-save leaves the previous step restorable. The 
 iterator state is one JSON file per process (grain's handler). `meta` (JSON) holds the
 model config the step was trained with and a fingerprint of every array of the state.
 
-On an object store, where a run's lease fences it (vrl/train/lease.py), each step is
+On an object store, where a run's lease fences it (vrl/train/rundir/lease.py), each step is
 written to `checkpoints/STEP.eEPOCH` (the lease's epoch) and is readable only once the lease record
 commits it (`_FencedSteps`), which Orbax asks for after the step's files and before its own commit
 marker; a step must have both. A run that lost its lease can still finish writing its own folders,
@@ -40,11 +40,11 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as preserva
 from vrl.core import multihost, storage
 from vrl.core.errors import CheckpointError, VrlError
 from vrl.model.config import EXECUTION_FIELDS, ModelConfig
-from vrl.train import guard as guard_lib
-from vrl.train import lease, orbax_noise
-from vrl.train import workdir as workdir_lib
 from vrl.train.config import Config
-from vrl.train.workdir import COMMITTED, step_of
+from vrl.train.rundir import guard as guard_lib
+from vrl.train.rundir import lease, orbax_noise
+from vrl.train.rundir import workdir as workdir_lib
+from vrl.train.rundir.workdir import COMMITTED, step_of
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
