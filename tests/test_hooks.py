@@ -1,4 +1,5 @@
-"""The train loop's hooks outside a run: what a first and a second Ctrl-C do; how tokens/s and MFU count time."""
+"""The train loop's hooks outside a run: the steps the registry runs each at; what a first and a second Ctrl-C
+do; how tokens/s and MFU count time."""
 
 import os
 import re
@@ -9,6 +10,51 @@ import numpy as np
 import pytest
 
 from vrl.train import hooks
+
+
+class _Said(hooks.Hook):
+    def __init__(self, name: str, said: list):
+        self.name, self.said = name, said
+
+    def on_step(self, record: hooks.StepRecord) -> None:
+        self.said.append((self.name, record.step))
+
+
+def _record(step: int, at_end: bool = False, preempted: bool = False, **agreed: bool) -> hooks.StepRecord:
+    return hooks.StepRecord(step, {}, None, None, at_end, preempted, {'lease_lost': False, **agreed})
+
+
+def test_the_registry_runs_each_hook_at_its_cadences_steps_once_a_step():
+    """Counts, the end, a flag the processes agreed on, a preemption a scoring hook skips, and the end of
+    the data at a step a hook already ran at: each hook runs where its cadence says, in registration
+    order, once a step."""
+    said, registry = [], hooks.Registry()
+    registry.add(_Said('lease', said), hooks.Cadence(when=lambda r: r.agreed['lease_lost']))
+    registry.add(_Said('save', said), hooks.Cadence(every=4, at_end=True, when=lambda r: r.preempted))
+    registry.add(_Said('score', said), hooks.Cadence(every=2, at_end=True, skip_preempted=True))
+    registry.add(_Said('diagnose', said), hooks.Cadence(every=3))
+    registry.add(_Said('sample', said))  # at no step
+    for record in [_record(s) for s in range(1, 7)] + [_record(7, lease_lost=True), _record(8, preempted=True)]:
+        registry.run(registry.due(record), record)
+    assert said == [
+        ('score', 2),
+        ('diagnose', 3),
+        ('save', 4),
+        ('score', 4),
+        ('score', 6),
+        ('diagnose', 6),
+        ('lease', 7),
+        ('save', 8),  # preempted at a step both would run at: the save only
+    ]
+    said.clear()
+    registry.run(registry.due(_record(10)), _record(10))
+    ended = hooks.StepRecord.end_of_data(10, None)  # the data ended after step 10, which the score ran at
+    registry.run(registry.due(ended), ended)
+    assert said == [('score', 10), ('save', 10)]
+    said.clear()
+    last = _record(11, at_end=True, preempted=True)  # a preemption at train.steps: the end's hooks all run
+    registry.run(registry.due(last), last)
+    assert said == [('save', 11), ('score', 11)]
 
 
 def test_a_first_ctrl_c_asks_for_a_save_and_a_second_aborts(capsys):

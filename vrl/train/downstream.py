@@ -22,7 +22,7 @@ import jax
 from vrl.core import multihost
 from vrl.data.tokenizer import Tokenizer
 from vrl.train.config import Config, TrainConfig
-from vrl.train.hooks import Member, Scoring, StepRecord
+from vrl.train.hooks import Member, Scoring
 from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup, TrainState, TrainSteps
 from vrl.train.trained import TrainedRun
@@ -52,7 +52,7 @@ def load(train: TrainConfig) -> Any:
 
 
 class Downstream(Scoring):
-    """train.downstream_tasks every train.downstream_every steps and at the end, for each run of a group."""
+    """train.downstream_tasks scored for each run of a group."""
 
     def __init__(
         self,
@@ -63,19 +63,12 @@ class Downstream(Scoring):
         tokenizer: Tokenizer,
         task_manager: Any,
     ):
-        from vrl.train.scoring import (
-            lm_eval_model,
-        )  # lm-eval: requirements-extra.txt, present since `load` found the tasks
+        # lm-eval: requirements-extra.txt, present since `load` found the tasks
+        from vrl.train.scoring import lm_eval_model
 
         self.config, self.group, self.members, self.task_manager = config, group, members, task_manager
         rows = config.data.batch_size // config.train.microbatches
         self.model = lm_eval_model.VrlLM(TrainedRun(config, tokenizer, trainer, None, None), batch_size=rows)
-
-    def due(self, record: StepRecord) -> bool:
-        """Every train.downstream_every steps and at train.steps; not at a preemption, whose notice
-        leaves time to save, not to score (the resumed run scores the next due step)."""
-        every = self.config.train.downstream_every
-        return (bool(every and record.step % every == 0) and not record.preempted) or record.at_end
 
     def score(self, step: int, state: TrainState) -> None:
         from vrl.train.scoring import lm_eval_model, lm_eval_tasks

@@ -2,10 +2,11 @@
 (read one step late, so the device never waits on logging), checkpoints, evaluation, diagnostics,
 the lease, and the sample at the end.
 
-The loop (vrl/train/loop.py) hands each hook a `StepRecord`; a hook whose `due` says so runs. Hooks
-that must see a step pass the NaN policy first (`checks_step`: a checkpoint or an evaluation of a
-non-finite step) make the loop read that step's metrics at once. A group of runs (seeds trained
-in one step) is the `Member`s a hook serves: each hook splits a record per run.
+Each hook is registered with its `Cadence` in a `Registry` (the loop's `_hooks`); the loop hands the
+registry a `StepRecord` after every step and it runs the hooks due then, each once a step. Before any
+hook runs, the step passes the NaN policy (the loop reads its metrics at once): a checkpoint or an
+evaluation never sees a non-finite step. A group of runs (seeds trained in one step) is the `Member`s
+a hook serves: each hook splits a record per run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from vrl.model import decode
 from vrl.train.config import Config
 from vrl.train.rundir import checkpoint
 from vrl.train.rundir import guard as guard_lib
-from vrl.train.start import TrainingError
+from vrl.train.start import Start, TrainingError
 from vrl.train.step import RunGroup, TrainState
 from vrl.train.trackers import terminal
 from vrl.train.trackers.composite import Trackers
@@ -40,9 +41,9 @@ SILENT_WAIT_SECONDS = 2.0  # a wait longer than this is said on the terminal
 
 @dataclasses.dataclass(frozen=True)
 class Member:
-    """One run of a group, host side: its config, workdir, the guard that keeps it (process 0's), the
-    label before its lines, its checkpoint manager and its metrics writer (whose `print` is how the
-    run's lines reach the terminal)."""
+    """One run of a group (or the run alone), host side: its config, workdir, the guard that keeps it
+    (process 0's), the label before its lines, its checkpoint manager, its metrics writer (whose
+    `print` is how the run's lines reach the terminal) and where it starts."""
 
     config: Config
     path: epath.Path
@@ -50,6 +51,7 @@ class Member:
     label: str
     manager: ocp.CheckpointManager
     writer: Trackers
+    start: Start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,17 +63,22 @@ class StepRecord:
     step: int
     metrics: dict[str, jax.Array]
     state: TrainState
-    tokens_read: np.ndarray
-    at_end: bool
+    tokens_read: np.ndarray | None
+    at_end: bool  # the run's last step: train.steps, or the last step of data that ended early
     preempted: bool
     agreed: dict[str, bool]
+    data_ended: bool = False  # no new step: data.num_epochs passes ended after `step`, before train.steps
+
+    @classmethod
+    def end_of_data(cls, step: int, state: TrainState) -> StepRecord:
+        """The run's last step when its data ended early (the hooks saw its own record already), for
+        the hooks due at the end."""
+        return cls(step, {}, state, None, at_end=True, preempted=False, agreed={}, data_ended=True)
 
 
 class Hook:
-    """Something done around steps on its own schedule; a new one is a subclass in the loop's
-    `step_hooks`, touching no other hook."""
-
-    checks_step = False  # the step passes the NaN policy before this runs
+    """Something done at the steps its registration's `Cadence` picks; a new one is a subclass and
+    one `Registry.add` in the loop, touching no other hook."""
 
     def flags(self) -> dict[str, bool]:
         """Local conditions that every process must agree on (gathered every train.log_every steps)."""
@@ -80,20 +87,71 @@ class Hook:
     def poll(self) -> None:
         """Every step, right after it is dispatched."""
 
-    def due(self, record: StepRecord) -> bool:
-        return False
-
-    def __call__(self, record: StepRecord) -> None:
-        """Runs at a step `due` chose."""
-
-    def data_ended(self, step: int, state: TrainState) -> None:
-        """data.num_epochs passes ended after `step`, before train.steps: the run ends there."""
+    def on_step(self, record: StepRecord) -> None:
+        """At a step the hook's cadence picked."""
 
     def end(self, step: int, state: TrainState) -> None:
         """After the last step, also a preemption's: what is in flight is finished."""
 
     def finish(self, step: int, state: TrainState) -> None:
         """After `end`, when the run trained to its last step or to the end of its data (not preempted)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cadence:
+    """The steps a registered hook runs at: every `every` steps (0: none by count), the run's last step
+    (`at_end`), and the steps `when` picks (an agreed flag, a schedule's turn, a preemption).
+    `skip_preempted`: not at a preemption's step (unless it is the last), whose notice leaves time to
+    save, not to score."""
+
+    every: int = 0
+    at_end: bool = False
+    when: Callable[[StepRecord], bool] | None = None
+    skip_preempted: bool = False
+
+    def due(self, record: StepRecord) -> bool:
+        if record.at_end and self.at_end:
+            return True
+        if (record.preempted and self.skip_preempted) or record.data_ended:
+            return False
+        return (bool(self.every) and record.step % self.every == 0) or bool(self.when and self.when(record))
+
+
+class Registry:
+    """A run's hooks, each with its cadence, in the order they run: the loop's one way to them. A hook
+    runs at most once a step (a step both due by count and the end of the data runs it once)."""
+
+    def __init__(self):
+        self._cadences: dict[Hook, Cadence] = {}
+        self._ran_at: dict[Hook, int] = {}
+
+    def add(self, hook: Hook, cadence: Cadence = Cadence()) -> None:
+        self._cadences[hook] = cadence
+
+    def flags(self) -> dict[str, bool]:
+        """Every hook's local flags, for the processes to agree on."""
+        return {name: flag for hook in self._cadences for name, flag in hook.flags().items()}
+
+    def poll(self) -> None:
+        for hook in self._cadences:
+            hook.poll()
+
+    def due(self, record: StepRecord) -> list[Hook]:
+        return [h for h, c in self._cadences.items() if c.due(record) and self._ran_at.get(h) != record.step]
+
+    def run(self, hooks: list[Hook], record: StepRecord) -> None:
+        """`hooks` (what `due` chose for `record`), in registration order."""
+        for hook in hooks:
+            self._ran_at[hook] = record.step
+            hook.on_step(record)
+
+    def end(self, step: int, state: TrainState) -> None:
+        for hook in self._cadences:
+            hook.end(step, state)
+
+    def finish(self, step: int, state: TrainState) -> None:
+        for hook in self._cadences:
+            hook.finish(step, state)
 
 
 class Preemption:
@@ -330,19 +388,26 @@ class Leases(Hook):
     def flags(self) -> dict[str, bool]:
         return {'lease_lost': any(m.guard.lost for m in self.members)}
 
-    def due(self, record: StepRecord) -> bool:
-        return record.agreed['lease_lost']
-
-    def __call__(self, record: StepRecord) -> None:
+    def on_step(self, record: StepRecord) -> None:
         self.confirm()
 
 
-class Checkpoints(Hook):
-    """Saves every train.checkpoint_every steps, every train.checkpoint_minutes, at the end, at a
-    preemption and at the end of WSD's stable phase (a run to extend from); a failed asynchronous
-    save stops the run at the next step."""
+def save_steps(config: Config) -> Cadence:
+    """When a run saves: every train.checkpoint_every steps, at the end, at a preemption, after
+    train.checkpoint_minutes without a save (the agreed `timed_save`) and at the end of WSD's stable
+    phase (a run to extend from)."""
+    opt = config.optimizer
+    stable_end = opt.decay_start if opt.schedule == 'wsd' else None
 
-    checks_step = True
+    def also(record: StepRecord) -> bool:
+        return record.preempted or record.step == stable_end or record.agreed['timed_save']
+
+    return Cadence(every=config.train.checkpoint_every, at_end=True, when=also)
+
+
+class Checkpoints(Hook):
+    """Saves the runs' state at the steps of its cadence (`save_steps`); a failed asynchronous save
+    stops the run at the next step."""
 
     def __init__(
         self,
@@ -366,19 +431,9 @@ class Checkpoints(Hook):
         for m in self.members:
             check_saves(m.manager, m.guard)
 
-    def due(self, record: StepRecord) -> bool:
-        train, opt = self.config.train, self.config.optimizer
-        stable_end = opt.schedule == 'wsd' and record.step == opt.decay_start
-        return (
-            record.step % train.checkpoint_every == 0
-            or record.preempted
-            or record.at_end
-            or stable_end
-            or record.agreed['timed_save']
-        )
-
-    def __call__(self, record: StepRecord) -> None:
-        self.save(record.step, record.state, force=record.preempted or record.at_end)
+    def on_step(self, record: StepRecord) -> None:
+        if record.step != self.last_saved:  # a resumed run whose data ended at its first step has it saved
+            self.save(record.step, record.state, force=record.preempted or record.at_end)
 
     def save(self, step: int, state: TrainState, force: bool) -> None:
         self.leases.confirm()
@@ -405,26 +460,18 @@ class Checkpoints(Hook):
             ):
                 check_saves(m.manager, m.guard, wait=True)
 
-    def data_ended(self, step: int, state: TrainState) -> None:
-        if self.last_saved != step:
-            self.save(step, state, force=True)
-
     def end(self, step: int, state: TrainState) -> None:
         self.wait()
 
 
 class Scoring(Hook):
-    """A hook that scores the parameters at the steps it is due (validation, downstream tasks), and
-    at the last step of data that ends early: `evaluate` scores a step once."""
+    """A hook that scores the parameters at the steps it is due (validation, downstream tasks):
+    `evaluate` scores a step once."""
 
-    checks_step = True
     scored_at: int | None = None
 
-    def __call__(self, record: StepRecord) -> None:
+    def on_step(self, record: StepRecord) -> None:
         self.evaluate(record.step, record.state)
-
-    def data_ended(self, step: int, state: TrainState) -> None:
-        self.evaluate(step, state)
 
     def evaluate(self, step: int, state: TrainState) -> None:
         if step != self.scored_at:
@@ -436,14 +483,11 @@ class Scoring(Hook):
 
 
 class Evaluation(Scoring):
-    """Validation every train.eval_every steps and at the end, each run's record written."""
+    """Validation of each run, its record written."""
 
-    def __init__(self, config: Config, members: list[Member], validate: Callable[[Any], list[Any]]):
-        self.config, self.members, self._validate = config, members, validate
+    def __init__(self, members: list[Member], validate: Callable[[Any], list[Any]]):
+        self.members, self._validate = members, validate
         self.eval_losses: list[float | None] = [None] * len(members)  # per member: its last validation loss
-
-    def due(self, record: StepRecord) -> bool:
-        return bool(self.config.train.eval_every and record.step % self.config.train.eval_every == 0) or record.at_end
 
     def score(self, step: int, state: TrainState) -> None:
         for i, (m, evaluation) in enumerate(zip(self.members, self._validate(state.params))):
@@ -453,15 +497,12 @@ class Evaluation(Scoring):
 
 
 class Diagnostics(Hook):
-    """The attention and value statistics every train.diagnostics_every steps (vrl/train/diagnostics.py)."""
+    """The attention and value statistics of each run (vrl/train/diagnostics.py)."""
 
-    def __init__(self, config: Config, group: RunGroup, members: list[Member], diagnose: Callable[[Any], dict]):
-        self.every, self.group, self.members, self._diagnose = config.train.diagnostics_every, group, members, diagnose
+    def __init__(self, group: RunGroup, members: list[Member], diagnose: Callable[[Any], dict]):
+        self.group, self.members, self._diagnose = group, members, diagnose
 
-    def due(self, record: StepRecord) -> bool:
-        return record.step % self.every == 0
-
-    def __call__(self, record: StepRecord) -> None:
+    def on_step(self, record: StepRecord) -> None:
         for i, m in enumerate(self.members):
             m.writer.write_diagnostics(record.step, self._diagnose(self.group.member(record.state.params, i)))
 
@@ -503,8 +544,3 @@ class Sample(Hook):
             completion = generator.generate([prompt], sampling).tokens[0]
             continuation = self.tokenizer.decode(completion).rstrip()  # not the blank lines a tiny model ends on
             m.writer.print(f'sample (greedy): [{text}]{continuation}')
-
-
-def collect_flags(hooks: list[Hook]) -> dict[str, bool]:
-    """Every hook's local flags, for the processes to agree on."""
-    return {name: flag for hook in hooks for name, flag in hook.flags().items()}

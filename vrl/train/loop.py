@@ -14,14 +14,14 @@ RunGroup), each in its own workdir with its own checkpoints, metrics and evals, 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from etils import epath
 
 from vrl.core import multihost, peers, storage
@@ -167,63 +167,71 @@ def _run(
     took a workdir) and everything is closed."""
     is_writer = jax.process_index() == 0
     say = print if is_writer else (lambda line: None)
-    settled = plan.settle(configs, paths, request, say)
+    settled = plan.settle(configs, paths, guards, request, say)
     trainer = TrainSteps(settled.config, settled.mesh)
     group = trainer.group(len(configs))
     dataset = settled.train_data.dataset(*settled.row_share)
     hooks.confirm(guards)  # the compile may have taken long
-    if is_writer:
-        for path, label, member_config in zip(settled.paths, settled.labels, settled.member_configs):
-            if request.fresh:
-                say(label + workdir_lib.start_over(path, member_config, checkpoint.latest_step(path)))
+    if is_writer and request.fresh:
+        for run in settled.runs:
+            say(run.label + workdir_lib.start_over(run.path, run.config, checkpoint.latest_step(run.path)))
     multihost.sync('vrl workdir ready')
     for guard, epoch in zip(guards, multihost.summed(np.array([g.epoch if is_writer else 0 for g in guards]))):
         guard.epoch = int(epoch)  # process 0 took the guards: every process names its saves by their epochs
-    managers = [
-        checkpoint.make_manager(str(path), c, guard)
-        for path, c, guard in zip(settled.paths, settled.member_configs, guards)
-    ]
-    writers: list[Trackers] = []
+    reads = {'data': pipeline.provenance(settled.config.data, settled.tokenizer)}
+    members: list[hooks.Member] = []
     data_iterator = iter(dataset)
     try:
-        starts = [
-            start.decide(trainer, c, path, manager, data_iterator, request, lambda line, label=label: say(label + line))
-            for c, path, manager, label in zip(settled.member_configs, settled.paths, managers, settled.labels)
-        ]
+        for run in settled.runs:
+            members.append(_open(run, trainer, data_iterator, request, reads, is_writer, say))
         if is_writer and settled.tokenizer_copy:  # once the start is known to load: a refused one leaves nothing
-            say(workdir_lib.copy_tokenizer(settled.paths[0], *settled.tokenizer_copy))
-        reads = {'data': pipeline.provenance(settled.config.data, settled.tokenizer)}
-        for path, c, label, guard in zip(settled.paths, settled.member_configs, settled.labels, guards):
-            writers.append(
-                Trackers.open(
-                    path,
-                    c.train.steps,
-                    starts[0].step(),
-                    is_writer,
-                    label,
-                    guard,
-                    (c, reads) if c.train.wandb_project else None,
-                    c.train.print_every,
-                )
-            )
-        members = [
-            hooks.Member(*member)
-            for member in zip(settled.member_configs, settled.paths, guards, settled.labels, managers, writers)
-        ]
-        return _train(settled, trainer, group, members, starts, reads['data'], data_iterator, request, preemption)
+            say(workdir_lib.copy_tokenizer(settled.runs[0].path, *settled.tokenizer_copy))
+        return _train(settled, trainer, group, members, reads['data'], data_iterator, request, preemption)
     finally:
         if not any(guard.lost for guard in guards):  # else another run holds a workdir: add nothing there
             try:
-                for manager, guard in zip(managers, guards):
-                    hooks.check_saves(manager, guard, wait=True)
+                for m in members:
+                    hooks.check_saves(m.manager, m.guard, wait=True)
             finally:
-                for manager, guard, writer in itertools.zip_longest(managers, guards, writers):
-                    try:
-                        checkpoint.close(manager, guard.epoch)
-                    finally:
-                        if writer is not None:
-                            writer.close()
+                for m in members:
+                    _close(m.manager, m.guard, m.writer)
         getattr(data_iterator, 'close', lambda: None)()
+
+
+def _open(
+    run: plan.PlannedRun,
+    trainer: TrainSteps,
+    data_iterator: grain.DatasetIterator,
+    request: start.Request,
+    reads: dict[str, Any],
+    is_writer: bool,
+    say: Callable[[str], None],
+) -> hooks.Member:
+    """`run`'s workdir opened: its checkpoint manager, where it starts (vrl/train/start.py) and its
+    metrics writer; a start that is refused closes what was opened for it."""
+    manager, writer = checkpoint.make_manager(str(run.path), run.config, run.guard), None
+    try:
+        begun = start.decide(
+            trainer, run.config, run.path, manager, data_iterator, request, lambda line: say(run.label + line)
+        )
+        train = run.config.train
+        wandb = (run.config, reads) if train.wandb_project else None
+        writer = Trackers.open(
+            run.path, train.steps, begun.step(), is_writer, run.label, run.guard, wandb, train.print_every
+        )
+        return hooks.Member(run.config, run.path, run.guard, run.label, manager, writer, begun)
+    except BaseException:
+        _close(manager, run.guard, writer)
+        raise
+
+
+def _close(manager: ocp.CheckpointManager, guard: guard_lib.Guard, writer: Trackers | None) -> None:
+    """A run's checkpoint manager closed (vrl/train/rundir/checkpoint.py's `close`), then its writer."""
+    try:
+        checkpoint.close(manager, guard.epoch)
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 def _train(
@@ -231,7 +239,6 @@ def _train(
     trainer: TrainSteps,
     group: RunGroup,
     members: list[hooks.Member],
-    starts: list[start.Start],
     reads: dict[str, Any],
     data_iterator: grain.DatasetIterator,
     request: start.Request,
@@ -239,41 +246,42 @@ def _train(
 ) -> list[RunResult]:
     """The start lines, the hooks, then the loop and the end of the run."""
     config = settled.config
-    state, start_step = _initial_state(trainer, group, members, starts)
+    state, start_step = _initial_state(trainer, group, members)
     leases = hooks.Leases(members)
     leases.confirm()
     account = accounting.account(config.model, config.data.seq_len)
-    _announce(settled, trainer, group, members, starts, reads, request, account)
+    _announce(settled, trainer, group, members, reads, request, account)
     train_tokens = {name: d['train_tokens'] for name, d in reads['datasets'].items()}
     host = hooks.HostMetrics(
         config, group, members, account.flops_per_token, settled.peak.flops, train_tokens, start_step
     )
     checkpoints = hooks.Checkpoints(config, group, members, leases, data_iterator, start_step)
     eval_sets = pipeline.EvalSets(config.data, settled.tokenizer)  # opened at the first evaluation, then kept
-    evaluation = hooks.Evaluation(config, members, lambda params: _validations(group, params, config, eval_sets))
-    step_hooks: list[hooks.Hook] = [leases, checkpoints, evaluation]
-    every = config.train.diagnostics_every
-    if every and every <= config.train.steps:
+    evaluation = hooks.Evaluation(members, lambda params: _validations(group, params, config, eval_sets))
+    train, step_hooks = config.train, hooks.Registry()  # each hook with the steps it runs at, in their order
+    step_hooks.add(leases, hooks.Cadence(when=lambda record: record.agreed['lease_lost']))
+    step_hooks.add(checkpoints, hooks.save_steps(config))
+    step_hooks.add(evaluation, hooks.Cadence(every=train.eval_every, at_end=True))
+    if train.diagnostics_every and train.diagnostics_every <= train.steps:
         diagnose = diagnostics.TrainingDiagnostics(trainer, settled.tokenizer)
-        step_hooks.append(hooks.Diagnostics(config, group, members, diagnose))
+        step_hooks.add(hooks.Diagnostics(group, members, diagnose), hooks.Cadence(every=train.diagnostics_every))
     if settled.task_manager is not None:
-        step_hooks.append(
-            downstream.Downstream(config, trainer, group, members, settled.tokenizer, settled.task_manager)
+        step_hooks.add(
+            downstream.Downstream(config, trainer, group, members, settled.tokenizer, settled.task_manager),
+            hooks.Cadence(every=train.downstream_every, at_end=True, skip_preempted=True),
         )
-    if config.train.sample_tokens:
-        step_hooks.append(
+    if train.sample_tokens:  # at the end of a run that trained (`finish`), at no step
+        step_hooks.add(
             hooks.Sample(config, group, members, trainer.graphdef, trainer.mesh, settled.tokenizer, start_step)
         )
-    if config.train.steps == 0 and starts[0].origin != start.Origin.RESUMED:  # a conversion: the initial weights
+    if config.train.steps == 0 and members[0].start.origin != start.Origin.RESUMED:  # a conversion: the initial weights
         _save_initial(config, state, members, checkpoints, evaluation)
     state, step, preempted = _loop(config, group, data_iterator, state, start_step, host, step_hooks, preemption)
     if not preempted:
         host.settle()
-        for hook in step_hooks:
-            hook.end(step, state)
+        step_hooks.end(step, state)
         host.check_skipped(step)
-        for hook in step_hooks:
-            hook.finish(step, state)
+        step_hooks.finish(step, state)
         if step > start_step:
             tell_every_host(
                 members,
@@ -296,7 +304,7 @@ def _loop(
     state: TrainState,
     step: int,
     host: hooks.HostMetrics,
-    step_hooks: list[hooks.Hook],
+    step_hooks: hooks.Registry,
     preemption: hooks.Preemption,
 ) -> tuple[TrainState, int, bool]:
     """Steps until train.steps, the end of finite data or a preemption: (the state, its step, preempted)."""
@@ -308,21 +316,18 @@ def _loop(
         tokens_read = batch.pop('tokens_read').max(axis=0)  # rows count up; padding rows are 0
         state, step_metrics = group.train_step(state, group.device_batch(batch))
         step += 1
-        for hook in step_hooks:
-            hook.poll()
-        preempted, agreed = preemption.agree(step, config.train.log_every, **hooks.collect_flags(step_hooks))
+        step_hooks.poll()
+        preempted, agreed = preemption.agree(step, config.train.log_every, **step_hooks.flags())
         record = hooks.StepRecord(step, step_metrics, state, tokens_read, step == config.train.steps, preempted, agreed)
         host.take(record)
-        due = [hook for hook in step_hooks if hook.due(record)]
+        due = step_hooks.due(record)
         if due:
             host.settle()  # the NaN policy sees a step before it is saved or evaluated; its time is training's
         hooks_began = time.perf_counter()
-        for hook in due:
-            hook(record)
+        step_hooks.run(due, record)
         host.pause(time.perf_counter() - hooks_began)
         if preempted and not record.at_end:
-            for hook in step_hooks:
-                hook.end(step, state)  # the saves in flight are durable
+            step_hooks.end(step, state)  # the saves in flight are durable
             tell_every_host(
                 host.members,
                 [f'preempted: saved step {step} in {m.path}; run the same command to resume' for m in host.members],
@@ -342,22 +347,20 @@ def tell_every_host(members: list[hooks.Member], lines: list[str]) -> None:
             print(f'process {jax.process_index()} of {jax.process_count()}: {m.label}{line}', flush=True)
 
 
-def _initial_state(
-    trainer: TrainSteps, group: RunGroup, members: list[hooks.Member], starts: list[start.Start]
-) -> tuple[TrainState, int]:
+def _initial_state(trainer: TrainSteps, group: RunGroup, members: list[hooks.Member]) -> tuple[TrainState, int]:
     """The group's state to train on and its step; every member must start at the same step."""
-    steps = [s.step() for s in starts]
+    steps = [m.start.step() for m in members]
     if len(set(steps)) > 1:
         raise TrainingError(
             'runs trained together must start at the same step, but their checkpoints are at '
-            + ', '.join(f'{m.path.name}: {s}' for m, s in zip(members, steps))
+            + ', '.join(f'{m.path.name}: {m.start.step()}' for m in members)
             + '; train them apart.'
         )
-    if all(s.state is None for s in starts):
+    if all(m.start.state is None for m in members):
         return group.init_state([m.config.train.seed for m in members]), steps[0]
     # a checkpoint of step 0 beside a fresh member (train.steps=0): the fresh one's own init
     return group.stack(
-        [trainer.init_state(m.config.train.seed) if s.state is None else s.state for m, s in zip(members, starts)]
+        [trainer.init_state(m.config.train.seed) if m.start.state is None else m.start.state for m in members]
     ), steps[0]
 
 
@@ -366,7 +369,6 @@ def _announce(
     trainer: TrainSteps,
     group: RunGroup,
     members: list[hooks.Member],
-    starts: list[start.Start],
     reads: dict[str, Any],
     request: start.Request,
     account: accounting.ModelAccount,
@@ -375,9 +377,10 @@ def _announce(
     and the start lines."""
     config, is_writer = settled.config, jax.process_index() == 0
     epoch_rates = pipeline.epochs_per_step(reads, config.data.batch_size * config.data.seq_len)
-    opt, start_step = config.optimizer, starts[0].step()
+    opt, start_step = config.optimizer, members[0].start.step()
     together = f', trained with {group.members - 1} other seed(s) in one step' if group.members > 1 else ''
-    for m, begun in zip(members, starts):
+    for m in members:
+        begun = m.start
         if begun.origin == start.Origin.RESUMED:
             multihost.on_process_0(lambda: _check_reads(m, reads, config.data.allow_data_change))
         if is_writer:
@@ -454,13 +457,13 @@ def _save_initial(
 
 
 def _data_ended(
-    config: Config, step: int, state: TrainState, host: hooks.HostMetrics, step_hooks: list[hooks.Hook]
+    config: Config, step: int, state: TrainState, host: hooks.HostMetrics, step_hooks: hooks.Registry
 ) -> None:
-    """data.num_epochs passes ended before train.steps: each hook's `data_ended` (the last step saved,
-    then scored by validation and the downstream tasks unless they scored it already), said."""
+    """data.num_epochs passes ended before train.steps: the hooks due at the end run at the last step
+    (it is saved, then scored by validation and the downstream tasks, unless they ran there), said."""
     host.settle()
-    for hook in step_hooks:
-        hook.data_ended(step, state)
+    record = hooks.StepRecord.end_of_data(step, state)
+    step_hooks.run(step_hooks.due(record), record)
     for m in host.members:
         m.writer.print(
             f'the data ended after step {step}: data.num_epochs={config.data.num_epochs} passes over '

@@ -8,7 +8,7 @@ members and the hooks once from it (vrl/train/loop.py)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 from etils import epath
@@ -21,19 +21,28 @@ from vrl.data.tokenizer import Tokenizer
 from vrl.model import resolve
 from vrl.train import aot, downstream, metrics, start
 from vrl.train.config import Config, check_fits_mesh
+from vrl.train.rundir import guard as guard_lib
 from vrl.train.rundir import workdir as workdir_lib
+
+
+class PlannedRun(NamedTuple):
+    """One run of a plan: its config (the plan's but for train.seed), its workdir, the guard that keeps
+    it and the label before its lines ('[WORKDIR NAME] ' in a group, '' for a run alone)."""
+
+    config: Config
+    path: epath.Path
+    guard: guard_lib.Guard
+    label: str
 
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
     """What a run's setup settled. `config` is resolved (auto choices made; an hf: start's tokenizer
-    named) and is each member's but for train.seed (`member_configs`); `train_data` reads from a
-    tokenizer's source where the tokenizer is copied into the workdir later."""
+    named) and is each run's but for train.seed (`runs`: one for a run alone, a group's members);
+    `train_data` reads from a tokenizer's source where the tokenizer is copied into the workdir later."""
 
     config: Config
-    member_configs: tuple[Config, ...]
-    paths: tuple[epath.Path, ...]
-    labels: tuple[str, ...]  # '[WORKDIR NAME] ' before a group member's lines, '' for a run alone
+    runs: tuple[PlannedRun, ...]
     mesh: Mesh
     row_share: tuple[int, int]  # (which share, how many) of every batch's rows this process supplies
     train_data: pipeline.TrainData  # the training datasets, opened
@@ -44,9 +53,13 @@ class RunPlan:
 
 
 def settle(
-    configs: list[Config], paths: list[epath.Path], request: start.Request, say: Callable[[str], None]
+    configs: list[Config],
+    paths: list[epath.Path],
+    guards: list[guard_lib.Guard],
+    request: start.Request,
+    say: Callable[[str], None],
 ) -> RunPlan:
-    """The plan of the runs `configs` in `paths` (they differ only in train.seed)."""
+    """The plan of the runs `configs` in `paths`, kept by `guards` (they differ only in train.seed)."""
     given = configs[0].mesh  # a bad mesh fails here, before the data and the compiles (context 0, auto: as 1)
     early = sharding.make_mesh(sharding.without_context(given) if given.context == 0 else given)
     check_fits_mesh(configs[0], dict(early.shape))
@@ -65,11 +78,15 @@ def settle(
     mesh = sharding.make_mesh(config.mesh)
     return RunPlan(
         config=config,
-        member_configs=tuple(
-            dataclasses.replace(config, train=dataclasses.replace(config.train, seed=c.train.seed)) for c in configs
+        runs=tuple(
+            PlannedRun(
+                dataclasses.replace(config, train=dataclasses.replace(config.train, seed=c.train.seed)),
+                path,
+                guard,
+                f'[{path.name}] ' if len(paths) > 1 else '',
+            )
+            for c, path, guard in zip(configs, paths, guards)
         ),
-        paths=tuple(paths),
-        labels=tuple(f'[{path.name}] ' if len(paths) > 1 else '' for path in paths),
         mesh=mesh,
         row_share=sharding.row_share(mesh),
         train_data=train_data,
