@@ -60,7 +60,7 @@ def test_hc_equals_the_hyper_connections_package(streams, sublayer):
     h_NxBxTxD = rng.standard_normal((n, B, T, D)).astype(np.float32)
     branch_DxD = (rng.standard_normal((D, D)) / np.sqrt(D)).astype(np.float32)  # a sublayer: tanh(x M)
     x_BxTxD, coefficients = hyper.enter(ours, jnp.asarray(h_NxBxTxD))
-    ours_after = hyper.add(coefficients, jnp.asarray(h_NxBxTxD), jnp.tanh(x_BxTxD @ branch_DxD))
+    ours_after = coefficients.add(jnp.asarray(h_NxBxTxD), jnp.tanh(x_BxTxD @ branch_DxD))
 
     folded = torch.tensor(h_NxBxTxD.transpose(1, 0, 2, 3).reshape(B * n, T, D))  # (b s) t d
     with torch.no_grad():

@@ -56,6 +56,25 @@ def test_shapes_dtypes_and_causality(variant):
     assert not np.allclose(np.asarray(a[:, t:, :97]), np.asarray(b[:, t:, :97]))
 
 
+def test_a_remat_policy_keeps_the_tensors_it_names():
+    """model.remat=save_qkv keeps each rematted layer's queries, keys and attended values (the names
+    Block gives them with checkpoint_name) for the backward pass, and no other named tensor of theirs;
+    model.remat=full keeps none of them (layers unrolled, so their residuals are the function's)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    tokens = random_tokens(4)
+
+    def kept_names(remat: str) -> list[str]:
+        model = Decoder(small_model_config(attention='resformer', remat=remat, scan_layers=False), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        kept = saved_residuals(lambda state: jnp.sum(nnx.merge(graphdef, state)(tokens)[..., :97] ** 2), state)
+        names = (where.split("'")[1] for _, where in kept if where.startswith('named '))
+        return sorted(name for name in names if name != 'v1')  # layer 1 runs outside remat: its V_1 is kept
+
+    assert kept_names('save_qkv') == ['keys', 'keys', 'queries', 'queries', 'values', 'values']  # layers 2 and 3
+    assert kept_names('full') == []
+
+
 @pytest.mark.parametrize(
     'variant, remat',
     cases(
@@ -63,6 +82,7 @@ def test_shapes_dtypes_and_causality(variant):
             **{name: (v, 'none') for name, v in DISTINCT_PATHS.items()},
             'learnable_plus-full': (dict(attention='resformer', lambda_mode='learnable_plus'), 'full'),
             'svformer-save_dots': (dict(attention='svformer'), 'save_dots'),
+            'resformer-save_qkv': (dict(attention='resformer', lambda_mode='learnable'), 'save_qkv'),
             'all-baselines-full': (NAMED_VARIANTS['all-baselines'], 'full'),
             'mudd-qkvr-full': (NAMED_VARIANTS['mudd-qkvr'], 'full'),
             'hc': (HYPER_VARIANTS['hc'], 'none'),

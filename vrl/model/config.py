@@ -13,7 +13,7 @@ ATTENTION_VARIANTS = ('vanilla', 'resformer', 'svformer')
 LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse', 'per_token')
 MUDD_WAYS = ('', 'r', 'vr', 'qkvr')  # model.mudd: the inputs of a block that MUDD mixes (r: the residual)
 HYPER_CONNECTIONS = ('', 'hc', 'mhc')  # model.hyper_connections: vrl/model/hyper.py
-REMAT_POLICIES = ('none', 'full', 'save_dots', 'auto')
+REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_qkv', 'auto')
 ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/model/attention.py; the last is
 # what splash becomes off TPU (Pallas' interpreter)
 HAND_VJP_OPS = ('project', 'attention', 'swiglu', 'cross_entropy')  # vrl/model/ops.py's hand-written backwards
@@ -127,7 +127,8 @@ class ModelConfig:
     hand_vjp: str = 'auto'  # auto | all | none | some of HAND_VJP_OPS, comma-separated: vrl/model/ops.py's
     # ops that run their hand-written backward (the others autodiff); auto: what suits the platform
     scan_layers: bool = True
-    remat: str = 'none'  # none | full | save_dots | auto (the cheapest that fits: vrl/train/aot.py)
+    # none | full | save_dots | save_qkv (vrl/model/decoder.py) | auto (the cheapest that fits: vrl/train/aot.py)
+    remat: str = 'none'
     # auto | float32 | bfloat16; parameters are always float32. auto: bfloat16 on accelerators and on CPUs
     # with bf16 dot instructions (AVX512_BF16, AMX), float32 on other CPUs (vrl/model/resolve.py)
     compute_dtype: str = 'auto'

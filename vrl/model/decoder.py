@@ -12,13 +12,19 @@ DenseFormer's block outputs, the KV cache). Every variant changes one of five th
 in one place:
 
 - the values a layer attends over (ResFormer, SVFormer, the per-token mix, value
-  embeddings): `Attention.values` and the value-embedding line of `Block.__call__`;
+  embeddings): `Block.keys_values`, through `Attention.values`;
 - what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended)): `Block.__call__`;
 - which layer's K/V a layer uses (CLA): `Attention.keys_values`;
 - how block outputs combine into the next block's input (DenseFormer, MUDD): `Decoder._layer`;
   MUDD's query, key and value inputs, each its own mix: `Block.attention_inputs`;
 - the residual stream itself (hyper-connections: n streams, each sublayer reading their weighted
-  sum and adding its output to their remix): `hyper.enter` and `hyper.add` in `Block`.
+  sum and adding its output to their remix): `hyper.enter` and the residual adds in `Block.__call__`.
+
+`Block.__call__` reads as a pre-norm block: its inputs normalised, the queries, the keys and the
+values, attention (training's `attend` over the L tokens or decoding's `attend_cached` over the KV
+cache), then each sublayer's output added to the stream. The tensors a remat policy may keep are
+named with `checkpoint_name` ('queries', 'keys', 'v1', 'values', 'attention_out'); model.remat=save_qkv
+keeps the first four.
 
 QK-norm (model.qk_norm), beside the variants, normalises each head's queries and keys before RoPE:
 `head_rms_norm`, in `Attention.queries` and `Attention.keys_values`.
@@ -32,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from vrl.core.config import require_resolved
 from vrl.core.sharding import Axis, constrain, context_parts
@@ -241,8 +248,37 @@ class Block(nnx.Module):
         """The block's output (B, L, D) (with hyper-connections, the n streams (n, B, L, D)), its keys and
         attended values for the L tokens, the copies it attended with (`copies`), the cache with them
         written and, when recording, its attention statistics."""
-        x_BxLxD, xk_BxLxD, xv_BxLxD, into_attention = self.attention_inputs(s)
-        q_BxLxHxDh = self.attn.queries(x_BxLxD, positions_BxL)
+        x_BxLxD, xk_BxLxD, xv_BxLxD, into_attention = self.attention_inputs(s)  # the pre-norms (MUDD: its ways)
+        q_BxLxHxDh = checkpoint_name(self.attn.queries(x_BxLxD, positions_BxL), 'queries')
+        k_BxLxKxDh, v_BxLxKxDh, gate_BxLxKx1 = self.keys_values(s, p, xk_BxLxD, xv_BxLxD, positions_BxL)  # the V
+        if isinstance(mask, Causal):  # training: the L tokens
+            mask = (
+                mask._replace(window=self.cfg.attention_window, local=self.local(p))
+                if self.cfg.attention_window
+                else mask
+            )
+            copies = self.copies(s, p, k_BxLxKxDh, v_BxLxKxDh, mask)
+            o_BxLxHxDh, cache = self.attend(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask, copies), None
+            attended = (k_BxLxKxDh, v_BxLxKxDh, mask)
+        else:  # decoding: the new tokens over the cache
+            copies = None
+            o_BxLxHxDh, cache, attended = self.attend_cached(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask, s.cache, p)
+        if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V)
+            o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_BxLxKxDh), o_BxLxHxDh.shape)
+        attn_out_BxLxD = checkpoint_name(self.attn.output(o_BxLxHxDh), 'attention_out')
+        h = s.h + attn_out_BxLxD if into_attention is None else into_attention.add(s.h, attn_out_BxLxD)  # residual
+        x_BxLxD, into_mlp = hyper.enter(self.mlp_hyper, h)
+        mlp_out_BxLxD = self.mlp(self.mlp_norm(x_BxLxD))
+        h = h + mlp_out_BxLxD if into_mlp is None else into_mlp.add(h, mlp_out_BxLxD)  # residual
+        stats = self.attention_stats(q_BxLxHxDh, *attended, gate_BxLxKx1) if record else None
+        return h, (k_BxLxKxDh, v_BxLxKxDh), copies, cache, stats
+
+    def keys_values(
+        self, s: Stream, p: LayerInputs, xk_BxLxD: Array, xv_BxLxD: Array, positions_BxL: Array
+    ) -> tuple[Array, Array, Array | None]:
+        """The keys and the values (B, L, K, Dh) this layer attends over, where the variants change V:
+        CLA's borrowed K and V, value embeddings added to V_n (and their gate (B, L, K, 1), scaled),
+        then ResFormer's mix with V_1 or SVFormer's V_1 (Attention.values)."""
         k_BxLxKxDh, v_n = self.attn.keys_values(xk_BxLxD, xv_BxLxD, positions_BxL, s.v1, p.kv, s.kv)  # CLA
         scale_BxLxKx1 = None
         if p.value_embed is not None:  # value embeddings: V_n + 2 sigmoid(x W_gate) * table[token]
@@ -250,42 +286,64 @@ class Block(nnx.Module):
             scale_BxLxKx1 = variants.VALUE_EMBED_GATE_SCALE * gate_BxLxKx1
             v_n = v_n + (scale_BxLxKx1 * p.value_embed.e).astype(v_n.dtype)
         v_BxLxKxDh = self.attn.values(xv_BxLxD, v_n, s.v1, p.lambdas)  # ResFormer, SVFormer, per-token mix
-        local = self.cfg.is_local(p.layer) if isinstance(p.layer, int) else jnp.asarray(self.cfg.local_layers)[p.layer]
-        if isinstance(mask, Causal) and self.cfg.attention_window:  # local/global attention
-            mask = mask._replace(window=self.cfg.attention_window, local=local)
-        copies = self.copies(s, p, k_BxLxKxDh, v_BxLxKxDh, mask)
-        keys, values, cache = k_BxLxKxDh, v_BxLxKxDh, s.cache
-        if cache is not None:
-            keys, values, key_index_S, cache = cache.update(layout_of(self.cfg), p.layer, k_BxLxKxDh, v_BxLxKxDh)
-            mask = mask.over(key_index_S, self.cfg.attention_window if local else 0)
-        keys, values = keys.astype(q_BxLxHxDh.dtype), values.astype(q_BxLxHxDh.dtype)
-        if cache is None:  # training's causal mask: vrl/model/attention.py decides how
-            o_BxLxHxDh = attention.attention(
-                self.cfg.attention_impl,
-                q_BxLxHxDh,
-                keys,
-                values,
-                mask,
-                self.cfg.attention_chunks,
-                self.attn.ops.attention,
-                copies,
-                self.cfg.attn_logits_soft_cap,
-            )
-        else:  # the cache's (B * K, S, Dh) slots as they lie
-            o_BxLxHxDh = ops.attend_cache(q_BxLxHxDh, keys, values, mask, self.cfg.attn_logits_soft_cap)
-        if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V)
-            o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_BxLxKxDh), o_BxLxHxDh.shape)
-        h = hyper.add(into_attention, s.h, self.attn.output(o_BxLxHxDh))
-        x_BxLxD, into_mlp = hyper.enter(self.mlp_hyper, h)
-        h = hyper.add(into_mlp, h, self.mlp(self.mlp_norm(x_BxLxD)))
-        stats = None
-        if record:
-            B, L = q_BxLxHxDh.shape[:2]
-            dense_BxLxS = mask.dense(B, L) if isinstance(mask, Causal) else mask
-            stats = layer_stats.attention_stats(
-                q_BxLxHxDh, keys, values, dense_BxLxS, scale_BxLxKx1, self.cfg.attn_logits_soft_cap
-            )
-        return h, (k_BxLxKxDh, v_BxLxKxDh), copies, cache, stats
+        names = ('keys', 'v1' if s.v1 is None else 'values')  # what a remat policy may save (REMAT_POLICIES)
+        return checkpoint_name(k_BxLxKxDh, names[0]), checkpoint_name(v_BxLxKxDh, names[1]), scale_BxLxKx1
+
+    def local(self, p: LayerInputs) -> bool | Array:
+        """Whether this layer attends within model.attention_window (local/global layers)."""
+        return self.cfg.is_local(p.layer) if isinstance(p.layer, int) else jnp.asarray(self.cfg.local_layers)[p.layer]
+
+    def attend(
+        self, q_BxLxHxDh: Array, k_BxLxKxDh: Array, v_BxLxKxDh: Array, mask: Causal, copies: attention.Copies | None
+    ) -> Array:
+        """Training's causal attention over the L tokens; vrl/model/attention.py decides how."""
+        dtype = q_BxLxHxDh.dtype
+        return attention.attention(
+            self.cfg.attention_impl,
+            q_BxLxHxDh,
+            k_BxLxKxDh.astype(dtype),
+            v_BxLxKxDh.astype(dtype),
+            mask,
+            self.cfg.attention_chunks,
+            self.attn.ops.attention,
+            copies,
+            self.cfg.attn_logits_soft_cap,
+        )
+
+    def attend_cached(
+        self,
+        q_BxTxHxDh: Array,
+        k_BxTxKxDh: Array,
+        v_BxTxKxDh: Array,
+        queries: CachedQueries,
+        cache: KVCache,
+        p: LayerInputs,
+    ) -> tuple[Array, KVCache, tuple[Array, Array, Array]]:
+        """Decoding: the T new tokens' keys and values written into the layer's cache slots, then the
+        queries attend over the slots as they lie ((B * K, S, Dh)); also what they attended (the keys,
+        the values and the (B, T, S) mask) for the statistics."""
+        layout = layout_of(self.cfg)
+        keys, values, key_index_S, cache = cache.update(layout, p.layer, k_BxTxKxDh, v_BxTxKxDh)
+        mask_BxTxS = queries.over(key_index_S, self.cfg.attention_window if self.local(p) else 0)
+        keys, values = keys.astype(q_BxTxHxDh.dtype), values.astype(q_BxTxHxDh.dtype)
+        o_BxTxHxDh = ops.attend_cache(q_BxTxHxDh, keys, values, mask_BxTxS, self.cfg.attn_logits_soft_cap)
+        return o_BxTxHxDh, cache, (keys, values, mask_BxTxS)
+
+    def attention_stats(
+        self, q_BxLxHxDh: Array, keys: Array, values: Array, mask: Causal | Array, gate_BxLxKx1: Array | None
+    ) -> layer_stats.AttentionStats:
+        """vrl/model/layer_stats.py's statistics of what the queries attended."""
+        B, L = q_BxLxHxDh.shape[:2]
+        dense_BxLxS = mask.dense(B, L) if isinstance(mask, Causal) else mask
+        dtype = q_BxLxHxDh.dtype
+        return layer_stats.attention_stats(
+            q_BxLxHxDh,
+            keys.astype(dtype),
+            values.astype(dtype),
+            dense_BxLxS,
+            gate_BxLxKx1,
+            self.cfg.attn_logits_soft_cap,
+        )
 
     def attention_inputs(self, s: Stream) -> tuple[Array, Array, Array, hyper.Coefficients | None]:
         """The normalised inputs (B, L, D) of the queries, the keys and the values: attn_norm(h) for all
@@ -353,6 +411,9 @@ _DECODING = (Axis.BATCH, None, Axis.ACT_EMBED)
 _REMAT_POLICIES = {
     'full': None,
     'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # each layer's projections and attended values (Block's checkpoint_names): the backward recomputes
+    # the norms, the attention and the MLP from them
+    'save_qkv': jax.checkpoint_policies.save_only_these_names('queries', 'keys', 'v1', 'values'),
 }
 
 

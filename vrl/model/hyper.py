@@ -141,11 +141,6 @@ def enter(connection: HyperConnection | None, h: Array) -> tuple[Array, Coeffici
     return jnp.einsum('bln,nbld->bld', c.pre_BxLxN.astype(h.dtype), h), c
 
 
-def add(c: Coefficients | None, h: Array, out_BxLxD: Array) -> Array:
-    """The stream after a sublayer: h + output, or the remixed streams each plus its share of it."""
-    return h + out_BxLxD if c is None else c.add(h, out_BxLxD)
-
-
 def widened(h_BxLxD: Array, cfg: ModelConfig) -> Array:
     """The embedding output as the stream: n copies (n, B, L, D) with hyper-connections."""
     return jnp.broadcast_to(h_BxLxD, (cfg.hyper_streams, *h_BxLxD.shape)) if cfg.hyper_connections else h_BxLxD
