@@ -34,7 +34,7 @@ from vrl.data import pipeline
 from vrl.interop import hf
 from vrl.model import decode
 from vrl.model.decoder import Decoder
-from vrl.train import loop, start, trained
+from vrl.train import start, trained, validation
 from vrl.train.step import TrainSteps
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
@@ -583,7 +583,7 @@ def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, 
     assert (tmp_path / 'run' / 'tokenizer.model').read_bytes() == (folder / 'tokenizer.model').read_bytes()
     recorded = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
     eval_loss = next(r['eval_loss'] for r in recorded if 'eval_loss' in r)
-    expected = loop.validate(run.trainer, run.params, run.config, run.tokenizer).loss
+    expected = validation.validate(run.trainer, run.params, run.config, run.tokenizer).loss
     assert abs(eval_loss - expected) < 1e-5 * expected
     again = _export(tmp_path / 'run', tmp_path / 'hf')
     assert again.returncode == 0, again.stderr[-3000:]

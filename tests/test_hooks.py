@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from vrl.train import hooks
+from vrl.train import hooks, host_metrics
+from vrl.train import preemption as preemption_lib
 
 
 class _Said(hooks.Hook):
@@ -59,7 +60,7 @@ def test_the_registry_runs_each_hook_at_its_cadences_steps_once_a_step():
 
 def test_a_first_ctrl_c_asks_for_a_save_and_a_second_aborts(capsys):
     before = signal.getsignal(signal.SIGINT)
-    preemption = hooks.Preemption()
+    preemption = preemption_lib.Preemption()
     try:
         assert preemption.agree(1, 1, lease_lost=False) == (False, {'lease_lost': False})
         os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before the next bytecode
@@ -83,7 +84,7 @@ def test_a_ctrl_c_that_lands_inside_a_print_is_said_after_it(capsys):
     import sys
 
     before = signal.getsignal(signal.SIGINT)
-    preemption = hooks.Preemption()
+    preemption = preemption_lib.Preemption()
 
     class Interrupted(io.RawIOBase):  # a terminal at which a Ctrl-C arrives while a line is written
         def __init__(self):
@@ -118,12 +119,12 @@ def _host_on_a_clock(monkeypatch, config, label: str = ''):
     import types
 
     now = [0.0]
-    monkeypatch.setattr(hooks.time, 'perf_counter', lambda: now[0])
+    monkeypatch.setattr(host_metrics.time, 'perf_counter', lambda: now[0])
     logged, said = {}, []
     writer = types.SimpleNamespace(write=lambda step, record: logged.update({step: record}), print=said.append)
     member = types.SimpleNamespace(config=config, label=label, writer=writer)
     group = types.SimpleNamespace(member=lambda tree, i: tree)
-    host = hooks.HostMetrics(
+    host = host_metrics.HostMetrics(
         config, group, [member], flops_per_token=1e6, peak_flops=1e9, train_tokens={'plays': 1}, start_step=0
     )
     return host, now, logged, said

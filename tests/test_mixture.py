@@ -20,7 +20,7 @@ from vrl.data import build, corpus, pipeline
 from vrl.data import tokenizer as tokenizer_lib
 from vrl.data.config import DataConfig
 from vrl.data.tokenizer import EOS_ID
-from vrl.train import loop
+from vrl.train import loop, validation
 
 ALPHA = 'x x x x x x x x x x x x x x x x x x x x x x x x'  # one domain's documents: x runs, then a number
 BETA = 'z z z z z z z z z z z z z z z z z z z z z z z ž'  # the other's: z runs (and a 2-byte character)
@@ -222,7 +222,7 @@ def test_eval_reports_each_domain_and_their_unweighted_mean(domains, tmp_path):
     by_hand = {}
     for name in ('slim_alpha', 'slim_beta_set'):  # each validation split alone, as a single-dataset run
         alone = dataclasses.replace(config, data=dataclasses.replace(config.data, mixture='', name=name))
-        by_hand[name] = loop.validate(trainer, result.state.params, alone, tokenizer).domains[name]
+        by_hand[name] = validation.validate(trainer, result.state.params, alone, tokenizer).domains[name]
         assert final[f'eval_loss/{name}'] == pytest.approx(by_hand[name][0], rel=1e-6)
         assert final[f'eval_bpb/{name}'] == pytest.approx(by_hand[name][1], rel=1e-6)
         # bits per byte from the split's own texts: every document's tokens and its EOS are targets
@@ -258,7 +258,7 @@ def test_data_eval_evaluates_the_sets_it_names_each_by_name(domains, tmp_path):
     trainer = train_steps(config, sharding.make_mesh(config.mesh))
     for name in names:
         alone = dataclasses.replace(config, data=dataclasses.replace(config.data, eval=name))
-        ((loss, _),) = loop.validate(trainer, result.state.params, alone, tokenizer).domains.values()
+        ((loss, _),) = validation.validate(trainer, result.state.params, alone, tokenizer).domains.values()
         assert final[f'eval_loss/{name}'] == pytest.approx(loss, rel=1e-6)
     assert final['eval_loss'] == pytest.approx(np.mean([final[f'eval_loss/{n}'] for n in names]), rel=1e-6)
     with pytest.raises(ConfigError, match=r"data.eval='a,,b' is invalid: .*NAME or NAME:SPLIT"):

@@ -21,7 +21,7 @@ from tests.runs import logged_steps, params_equal, saved_steps, start_run, tiny_
 from vrl.core import sharding
 from vrl.data import corpus, pipeline
 from vrl.model import accounting
-from vrl.train import loop, start
+from vrl.train import loop, start, validation
 from vrl.train.rundir import checkpoint
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
@@ -525,7 +525,7 @@ def test_eval_bits_per_byte_is_the_loss_over_the_bytes(small_corpus):
     _, tokenizer = small_corpus
     trainer = train_steps(config, sharding.make_mesh(config.mesh))
     params = trainer.init_state(0).params
-    evaluation = loop.validate(trainer, params, config, tokenizer)
+    evaluation = validation.validate(trainer, params, config, tokenizer)
     tokens = n_bytes = 0
     for batch in pipeline.eval_batches(config.data, tokenizer, 3):
         mask = batch['loss_mask'] > 0

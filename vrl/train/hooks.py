@@ -1,8 +1,8 @@
-"""What happens around training steps, each on its own schedule: the host side of a step's metrics
-(read one step late, so the device never waits on logging), checkpoints, evaluation, diagnostics,
-the lease, and the sample at the end.
+"""What happens around training steps, each at the steps of its cadence: checkpoints, evaluation,
+diagnostics, the lease, and the sample at the end (the step's metrics: vrl/train/host_metrics.py; a
+preemption: vrl/train/preemption.py).
 
-Each hook is registered with its `Cadence` in a `Registry` (the loop's `_hooks`); the loop hands the
+Each hook is registered with its `Cadence` in a `Registry` (the loop's `step_hooks`); the loop hands the
 registry a `StepRecord` after every step and it runs the hooks due then, each once a step. Before any
 hook runs, the step passes the NaN policy (the loop reads its metrics at once): a checkpoint or an
 evaluation never sees a non-finite step. A group of runs (seeds trained in one step) is the `Member`s
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
-import signal
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -31,9 +29,8 @@ from vrl.model import decode
 from vrl.train.config import Config
 from vrl.train.rundir import checkpoint
 from vrl.train.rundir import guard as guard_lib
-from vrl.train.start import Start, TrainingError
+from vrl.train.start import Start
 from vrl.train.step import RunGroup, TrainState
-from vrl.train.trackers import terminal
 from vrl.train.trackers.composite import Trackers
 
 SILENT_WAIT_SECONDS = 2.0  # a wait longer than this is said on the terminal
@@ -152,183 +149,6 @@ class Registry:
     def finish(self, step: int, state: TrainState) -> None:
         for hook in self._cadences:
             hook.finish(step, state)
-
-
-class Preemption:
-    """SIGTERM (what Cloud TPU sends before preemption) and a first Ctrl-C: the run stops after a step,
-    saved. With several processes, JAX's preemption service catches SIGTERM on any host and agrees,
-    through the coordination service, on the step at which every host saves: checked at every step
-    (a local read). A Ctrl-C, and the hooks' flags (a lost lease, a timed save due), are agreed
-    every `every` steps (an all-gather)."""
-
-    def __init__(self):
-        self.requested = False
-        self._telling: threading.Thread | None = None  # the thread that says a signal's line
-        self._service = multihost.preemption_service()
-        self._previous = {
-            sig: signal.signal(sig, self._handle)
-            for sig in ((signal.SIGINT,) if self._service else (signal.SIGTERM, signal.SIGINT))
-        }
-
-    def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.requested:
-            raise KeyboardInterrupt  # the second Ctrl-C aborts
-        name = 'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'
-        line = (
-            f'{name}: the run saves a checkpoint at the next step that checks for it (within train.log_every '
-            'steps; the steps already sent to the device finish first), then exits'
-            + ('; Ctrl-C again aborts without saving' if signum == signal.SIGINT else '')
-        )
-        # said from another thread: the signal may have stopped this one inside a print, and printing
-        # here would re-enter its stream; the other thread waits for the stream to be free
-        self._telling = threading.Thread(target=print, args=(line,), kwargs={'flush': True}, daemon=True)
-        self._telling.start()
-        self.requested = True
-
-    def agree(self, step: int, every: int, **local: bool) -> tuple[bool, dict[str, bool]]:
-        """(preempted, each of `local`'s flags: whether it holds on any process), the same on every
-        process; with several, the flags are gathered every `every` steps and False between. A
-        signal's line is out before it returns."""
-        if self._telling is not None:
-            self._telling.join()
-        if jax.process_count() == 1:
-            return self.requested, local
-        from jax.experimental import multihost_utils
-
-        noticed = self._service and multihost_utils.reached_preemption_sync_point(step)
-        if noticed:
-            print(
-                f'a preemption notice (SIGTERM) reached this pod: every host saves step {step}, then exits', flush=True
-            )
-        if step % every:
-            return noticed, dict.fromkeys(local, False)
-        agreed = multihost.summed(np.array([self.requested, *local.values()], np.int32)) > 0
-        return noticed or bool(agreed[0]), {name: bool(flag) for name, flag in zip(local, agreed[1:])}
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-class HostMetrics:
-    """The host side of each step, one step late: train.nan_policy, the loss record, and every
-    train.log_every steps the log line (with the tokens read from each dataset, summed over the
-    processes); at the end, a run that skipped most of its steps is an error. tokens/s and MFU are
-    an interval's tokens over its wall time less the hooks' (`pause`). An interval ends where every
-    step sent to the device so far has finished (the log line waits for the newest), so its steps
-    and its time agree whether the device ran a step while it was sent (a CPU often does) or later;
-    a logged step that the last interval already timed (a step read early for its hooks, the last
-    step) repeats that interval's figures. The first interval, which holds the compile, ends with
-    the first step's read: its figures are logged only for a step it timed."""
-
-    def __init__(
-        self,
-        config: Config,
-        group: RunGroup,
-        members: list[Member],
-        flops_per_token: float,
-        peak_flops: float,
-        train_tokens: dict[str, int],
-        start_step: int,
-    ):
-        self.config, self.group, self.members = config, group, members
-        self._flops_per_token, self._peak, self._train_tokens = flops_per_token, peak_flops, train_tokens
-        self._start_step = start_step
-        self.losses: list[dict[int, float]] = [{} for _ in members]  # per member: every step's loss
-        self._skipped = [0] * len(members)
-        self._skipped_in_a_row = [0] * len(members)
-        self._pending: StepRecord | None = None
-        self._newest: StepRecord | None = None  # the last step sent to the device
-        self._interval_start, self._interval_from, self._paused = time.perf_counter(), start_step, 0.0
-        self._rates: dict[str, float] = {}  # the last interval's figures
-
-    def pause(self, seconds: float) -> None:
-        """`seconds` of the current interval went to the hooks (an evaluation, downstream scores, a
-        save), not to training: tokens/s and MFU leave them out."""
-        self._paused += seconds
-
-    def take(self, record: StepRecord) -> None:
-        """Reads the step before `record`'s, and holds `record`'s for the next step."""
-        self._newest = record
-        self.settle()
-        self._pending = record
-
-    def settle(self) -> None:
-        """Reads the held step now."""
-        if self._pending is not None:
-            self._read(self._pending)
-            self._pending = None
-
-    def _read(self, record: StepRecord) -> None:
-        config, step = self.config, record.step
-        host = jax.device_get(record.metrics)
-        logging_now = step % config.train.log_every == 0 or step == config.train.steps
-        interval_ends = logging_now or step == self._start_step + 1  # the first interval leaves the compile out
-        if interval_ends:
-            jax.block_until_ready(self._newest.metrics)
-            now, newest = time.perf_counter(), self._newest.step
-            if newest > self._interval_from:
-                elapsed = now - self._interval_start - self._paused
-                tokens_per_sec = (newest - self._interval_from) * config.data.batch_size * config.data.seq_len / elapsed
-                self._rates = {
-                    'tokens_per_sec': tokens_per_sec,
-                    'step_time': elapsed / (newest - self._interval_from),
-                    'mfu': self._flops_per_token * tokens_per_sec / self._peak,
-                }
-        if logging_now:
-            read = dict(zip(self._train_tokens, multihost.summed(record.tokens_read).tolist()))
-            shared = {
-                **self._rates,
-                **{f'tokens/{name}': n for name, n in read.items()},
-                **{f'epoch/{name}': n / max(self._train_tokens[name], 1) for name, n in read.items()},
-            }
-        printed = logging_now and terminal.prints_at(step, config.train.print_every, config.train.steps)
-        first = step == self._start_step + 1 and not printed  # what the silent minutes before it were
-        for i, m in enumerate(self.members):
-            mine = self.group.member(host, i)
-            self._check_finite(i, step, bool(mine['finite']))
-            self.losses[i][step] = float(mine['loss'])
-            if logging_now:
-                m.writer.write(step, {'loss': mine['loss'], 'lr': mine['lr'], 'grad_norm': mine['grad_norm'], **shared})
-            if first:
-                m.writer.print(
-                    f'step {step}: compiled and trained in {time.perf_counter() - self._interval_start:.0f} s '
-                    f'(loss {float(mine["loss"]):.4f}); the log follows every '
-                    f'{config.train.print_every or config.train.log_every} steps'
-                )
-        if interval_ends:
-            self._interval_start, self._interval_from, self._paused = now, newest, 0.0
-
-    def check_skipped(self, step: int) -> None:
-        for m, skipped in zip(self.members, self._skipped):
-            if 2 * skipped > step - self._start_step:
-                raise TrainingError(
-                    f'{m.label}{skipped} of the {step - self._start_step} steps this run took were '
-                    'non-finite and skipped (train.nan_policy=skip): the run is not learning; lower '
-                    f'the LR. The checkpoint of step {step} holds the weights of the last finite step.'
-                )
-
-    def _check_finite(self, i: int, step: int, finite: bool) -> None:
-        """train.nan_policy for one step of member i: stop ('error', or too many skipped) or count the skip."""
-        m, train_cfg = self.members[i], self.config.train
-        if finite:
-            self._skipped_in_a_row[i] = 0
-            return
-        if train_cfg.nan_policy == 'error':
-            raise TrainingError(
-                f'{m.label}non-finite loss, gradients or weights at step {step}; no checkpoint '
-                f'of it was written (latest saved: {m.manager.latest_step()}). Lower the LR or set '
-                'train.nan_policy=skip.'
-            )
-        self._skipped_in_a_row[i] += 1
-        self._skipped[i] += 1
-        if self._skipped_in_a_row[i] > train_cfg.max_skipped_steps:
-            raise TrainingError(
-                f'{m.label}{self._skipped_in_a_row[i]} steps in a row up to step {step} were '
-                f'non-finite and skipped (train.max_skipped_steps={train_cfg.max_skipped_steps}): '
-                'the run is not learning; lower the LR.'
-            )
-        logging.warning('%sstep %d: non-finite loss, gradients or weights; update skipped', m.label, step)
 
 
 def confirm(guards: list[guard_lib.Guard]) -> None:

@@ -14,7 +14,6 @@ RunGroup), each in its own workdir with its own checkpoints, metrics and evals, 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any, Callable
 
@@ -27,7 +26,8 @@ from etils import epath
 from vrl.core import multihost, peers, storage
 from vrl.data import pipeline
 from vrl.model import accounting
-from vrl.train import diagnostics, downstream, hooks, optimizer, plan, start
+from vrl.train import diagnostics, downstream, hooks, host_metrics, optimizer, plan, start, validation
+from vrl.train import preemption as preemption_lib
 from vrl.train.config import Config
 from vrl.train.rundir import checkpoint
 from vrl.train.rundir import guard as guard_lib
@@ -44,61 +44,6 @@ class RunResult:
     eval_loss: float | None
     state: TrainState
     preempted: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Validation:
-    """Per evaluation set (data.eval's, or the eval_split of data.name or of each dataset of
-    data.mixture), named NAME, or NAME:SPLIT for another split: (nats per target token,
-    bits per byte = summed token losses / ln 2 / UTF-8 bytes of the text they stand for)."""
-
-    domains: dict[str, tuple[float, float]]
-
-    @property
-    def loss(self) -> float:
-        """The unweighted mean over the validation sets (the paper's metric for SlimPajama's 7 domains)."""
-        return float(np.mean([loss for loss, _ in self.domains.values()]))
-
-    @property
-    def bits_per_byte(self) -> float:
-        return float(np.mean([bpb for _, bpb in self.domains.values()]))
-
-    def record(self) -> dict[str, float]:
-        record = {
-            'eval_loss': self.loss,
-            'eval_perplexity': math.exp(min(self.loss, 50)),
-            'eval_bpb': self.bits_per_byte,
-        }
-        if len(self.domains) > 1:
-            for name, (loss, bpb) in self.domains.items():
-                record |= {f'eval_loss/{name}': loss, f'eval_bpb/{name}': bpb}
-        return record
-
-
-def validate(trainer: TrainSteps, params: Any, config: Config, tokenizer) -> Validation:
-    """train.eval_batches batches of each validation set."""
-    return _validations(trainer, params, config, pipeline.EvalSets(config.data, tokenizer))[0]
-
-
-def _validations(
-    stepper: TrainSteps | RunGroup, params: Any, config: Config, sets: pipeline.EvalSets
-) -> list[Validation]:
-    """One Validation per run: `params` are one TrainSteps's run's, or a RunGroup's (a leading run axis)."""
-    domains: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for name, split in config.data.evaluated():
-        loss_sum = tokens = n_bytes = np.zeros(1)
-        for batch in sets.batches(config.train.eval_batches, *stepper.row_share, name, split):
-            out = jax.device_get(stepper.eval_step(params, stepper.device_batch(batch)))
-            loss_sum, tokens, n_bytes = (loss_sum + out['loss_sum'], tokens + out['tokens'], n_bytes + out['bytes'])
-        domains[name if split == config.data.eval_split else f'{name}:{split}'] = (
-            loss_sum / np.maximum(tokens, 1.0),
-            loss_sum / math.log(2) / np.maximum(n_bytes, 1.0),
-        )
-    runs = len(next(iter(domains.values()))[0])
-    return [
-        Validation({name: (float(loss[i]), float(bpb[i])) for name, (loss, bpb) in domains.items()})
-        for i in range(runs)
-    ]
 
 
 def run(
@@ -142,7 +87,7 @@ def run_group(
     guards = [
         guard_lib.make(path, 'run', c.train.lease_stale_seconds, take_over_lease) for path, c in zip(paths, configs)
     ]
-    preemption = hooks.Preemption()  # from here on, a signal during setup or the first compile saves too
+    preemption = preemption_lib.Preemption()  # from here on, a signal during setup or the first compile saves too
     # another process's failure ends this one from a watcher thread: the lease goes with it
     forget = peers.on_stop(lambda: [guard_lib.release(guard) for guard in guards])
     try:  # process 0 writes the runs' shared files; every process stops if it cannot
@@ -160,7 +105,7 @@ def _run(
     paths: list[epath.Path],
     guards: list[guard_lib.Guard],
     request: start.Request,
-    preemption: hooks.Preemption,
+    preemption: preemption_lib.Preemption,
 ) -> list[RunResult]:
     """The runs' plan (vrl/train/plan.py), then their compiled step, data and workdirs; each member's
     start, then `_train`; whatever ends it, the saves in flight are waited for (unless another run
@@ -242,7 +187,7 @@ def _train(
     reads: dict[str, Any],
     data_iterator: grain.DatasetIterator,
     request: start.Request,
-    preemption: hooks.Preemption,
+    preemption: preemption_lib.Preemption,
 ) -> list[RunResult]:
     """The start lines, the hooks, then the loop and the end of the run."""
     config = settled.config
@@ -252,12 +197,12 @@ def _train(
     account = accounting.account(config.model, config.data.seq_len)
     _announce(settled, trainer, group, members, reads, request, account)
     train_tokens = {name: d['train_tokens'] for name, d in reads['datasets'].items()}
-    host = hooks.HostMetrics(
+    host = host_metrics.HostMetrics(
         config, group, members, account.flops_per_token, settled.peak.flops, train_tokens, start_step
     )
     checkpoints = hooks.Checkpoints(config, group, members, leases, data_iterator, start_step)
     eval_sets = pipeline.EvalSets(config.data, settled.tokenizer)  # opened at the first evaluation, then kept
-    evaluation = hooks.Evaluation(members, lambda params: _validations(group, params, config, eval_sets))
+    evaluation = hooks.Evaluation(members, lambda params: validation.validations(group, params, config, eval_sets))
     train, step_hooks = config.train, hooks.Registry()  # each hook with the steps it runs at, in their order
     step_hooks.add(leases, hooks.Cadence(when=lambda record: record.agreed['lease_lost']))
     step_hooks.add(checkpoints, hooks.save_steps(config))
@@ -303,9 +248,9 @@ def _loop(
     data_iterator: grain.DatasetIterator,
     state: TrainState,
     step: int,
-    host: hooks.HostMetrics,
+    host: host_metrics.HostMetrics,
     step_hooks: hooks.Registry,
-    preemption: hooks.Preemption,
+    preemption: preemption_lib.Preemption,
 ) -> tuple[TrainState, int, bool]:
     """Steps until train.steps, the end of finite data or a preemption: (the state, its step, preempted)."""
     while step < config.train.steps:
@@ -457,7 +402,7 @@ def _save_initial(
 
 
 def _data_ended(
-    config: Config, step: int, state: TrainState, host: hooks.HostMetrics, step_hooks: hooks.Registry
+    config: Config, step: int, state: TrainState, host: host_metrics.HostMetrics, step_hooks: hooks.Registry
 ) -> None:
     """data.num_epochs passes ended before train.steps: the hooks due at the end run at the last step
     (it is saved, then scored by validation and the downstream tasks, unless they ran there), said."""
