@@ -64,6 +64,17 @@ NAMED_VARIANTS = {
     'svformer-mudd-r': dict(attention='svformer', mudd='r', mudd_layers=(2,)),
 }
 
+# SkipV1Former (model.skip_v1: V_1 gives layers >= 2 their last value head of the small config's 2), alone
+# and with the variants it composes with: ResFormer's mix, CLA, layer 1's value embedding, QK-norm; the
+# export tests do not take them yet (vrl/interop/hf.py refuses them)
+SKIP_V1_VARIANTS = {
+    'skipv1': dict(attention='vanilla', skip_v1=1),
+    'skipv1-resformer': dict(attention='resformer', lambda_mode='learnable', skip_v1=1),
+    'skipv1-cla2-value_embeds-qk_norm': dict(
+        attention='vanilla', skip_v1=1, kv_share=2, value_embed_layers=(1,), qk_norm=True
+    ),
+}
+
 # Hyper-connections (vrl/model/hyper.py), both kinds, static and dynamic, with other streams counts and on
 # the value-residual variants (checked by the tests of the model, decoding, accounting and sharding)
 HYPER_VARIANTS = {
@@ -171,7 +182,7 @@ def piece_bytes(tok) -> np.ndarray:
 
 def module_matmul_params(cfg: ModelConfig) -> int:
     """The weights of `cfg`'s real Decoder that take part in a matmul per token, found by their
-    parameter paths: every parameter but the norms' scales, ResFormer's lambdas, DenseFormer's
+    parameter paths: every parameter but the norms' scales (QK-norm's too), ResFormer's lambdas, DenseFormer's
     weights, MUDD's static weights, hyper-connections' weights (accounting counts their multiply-adds apart) and
     the lookup tables (the input embedding, unless tied, when it is the head, and the value-embedding tables)."""
     from vrl.model.decoder import Decoder
@@ -182,7 +193,8 @@ def module_matmul_params(cfg: ModelConfig) -> int:
         keys = [str(getattr(k, 'key', k)) for k in path]
         lookup = keys[0] == 'embed' and not cfg.tie_embeddings or 'tables' in keys
         hyper = any(k.endswith('_hyper') for k in keys)
-        if not (lookup or hyper or 'scale' in keys or keys[0] in ('lambdas', 'depth_weights') or 'static' in keys):
+        norm = 'scale' in keys or 'q_norm' in keys or 'k_norm' in keys
+        if not (lookup or hyper or norm or keys[0] in ('lambdas', 'depth_weights') or 'static' in keys):
             total += leaf.size
     return total
 

@@ -175,7 +175,7 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
         if n % cfg.kv_share == 0:  # the first layer of a CLA group projects K and V
             wk, wv, k_norm = _np_kv_weights(cfg, p, n, layer)
             k = _np_rope(_np_qk_norm(np.einsum('ld,dkh->lkh', xk, wk), k_norm, cfg.norm_eps), cfg.rope_theta)
-            v_n = v1 if wv is None else np.einsum('ld,dkh->lkh', xv, wv)
+            v_n = v1 if wv is None else np.einsum('ld,dkh->lkh', xv, wv)  # SkipV1Former's: its first heads
         else:  # the others attend with its keys and values
             k, v_n = group_kv
         ve = _np_value_embedding(cfg, p, n, xv, tokens)
@@ -187,9 +187,11 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
             v = v1
         elif cfg.attention == 'resformer' and n % cfg.kv_share == 0:
             lam1, lam2 = _np_lambdas(cfg, p, n - 1, xv)
-            v = lam2 * v_n + lam1 * v1
+            v = lam2 * v_n + lam1 * v1[:, : v_n.shape[1]]
         else:
             v = v_n
+        if n and cfg.skip_v1 and n % cfg.kv_share == 0:  # SkipV1Former: V_1's last skip_v1 heads, as they are
+            v = np.concatenate([v, v1[:, cfg.n_kv_heads - cfg.skip_v1 :]], axis=1)
         group_kv = (k, v) if n % cfg.kv_share == 0 else group_kv
         k_rep, v_rep = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # GQA by repetition here
         s = _np_soft_cap(np.einsum('inh,jnh->nij', q, k_rep) / np.sqrt(cfg.head_dim), cfg.attn_logits_soft_cap)

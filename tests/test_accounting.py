@@ -16,6 +16,7 @@ from configs import base, modern, preset
 from tests.helpers import (
     HYPER_VARIANTS,
     NAMED_VARIANTS,
+    SKIP_V1_VARIANTS,
     VARIANT_IDS,
     VARIANTS,
     module_matmul_params,
@@ -76,8 +77,8 @@ def test_svformer_82m_saves_1_84m_params():
 
 @pytest.mark.parametrize(
     'variant',
-    VARIANTS + [dict(attention='svformer', tie_embeddings=True), HYPER_VARIANTS['mhc']],
-    ids=VARIANT_IDS + ['svformer-tied', 'mhc'],
+    VARIANTS + [dict(attention='svformer', tie_embeddings=True), HYPER_VARIANTS['mhc'], *SKIP_V1_VARIANTS.values()],
+    ids=VARIANT_IDS + ['svformer-tied', 'mhc', *SKIP_V1_VARIANTS],
 )
 def test_matmul_weights_are_the_modules(variant):
     """The weights FLOPs are counted for are the real module's matmul weights, by parameter path."""

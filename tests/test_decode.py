@@ -15,6 +15,7 @@ from tests.helpers import (
     FAST_TIER,
     HYPER_VARIANTS,
     NAMED_VARIANTS,
+    SKIP_V1_VARIANTS,
     cases,
     randomize,
     rel_err,
@@ -39,6 +40,8 @@ _CACHE_CASES = (
     | {f'{n}-gqa2': (HYPER_VARIANTS[n], 2) for n in ('mhc', 'resformer-hc-static-3', 'svformer-cla2-mhc-2')}
     | {f'{a}-{n}': (dict(attention=a), k) for a in ('vanilla', 'svformer') for n, k in (('mha', 4), ('mqa', 1))}
     | {'svformer-cla2-qk_norm-gqa2': (dict(attention='svformer', kv_share=2, qk_norm=True), 2)}
+    | {f'{name}-gqa2': (v, 2) for name, v in SKIP_V1_VARIANTS.items()}
+    | {'skipv1-mha': (dict(attention='vanilla', skip_v1=2), 4)}
     | {
         'resformer-soft_caps-gqa2': (
             dict(attention='resformer', attn_logits_soft_cap=0.5, final_logits_soft_cap=1.0),
@@ -53,6 +56,7 @@ _CACHE_CASES = (
             ('resformer', dict(attention='resformer', lambda_mode='learnable_plus')),
             ('svformer', dict(attention='svformer')),
             ('svformer-cla2', dict(attention='svformer', kv_share=2)),
+            ('skipv1', dict(attention='vanilla', skip_v1=1)),
         )
     }
 )
@@ -69,6 +73,8 @@ _CACHE_CASES = (
             'resformer-soft_caps-gqa2',
             'svformer-windows-gqa2',
             'mhc-gqa2',
+            'skipv1-cla2-value_embeds-qk_norm-gqa2',
+            'skipv1-windows-gqa2',
         ],
     ),
 )
@@ -105,6 +111,8 @@ def test_cache_bytes_realise_the_savings():
         'resformer': dict(attention='resformer'),
         'vanilla_gqa4': dict(attention='vanilla', n_heads=8, n_kv_heads=2),
         'svformer_gqa4': dict(attention='svformer', n_heads=8, n_kv_heads=2),
+        'skipv1': dict(attention='vanilla', skip_v1=4),
+        'skipv1_gqa4': dict(attention='vanilla', n_heads=8, n_kv_heads=2, skip_v1=1),
     }.items():
         cfg = small_model_config(n_layers=L, **({'n_heads': 8, 'n_kv_heads': 8} | overrides))
         sizes[name] = cache_lib.cache_bytes(cache_lib.init_cache(cfg, batch=3, max_len=32))
@@ -112,6 +120,12 @@ def test_cache_bytes_realise_the_savings():
     assert sizes['resformer'] == sizes['vanilla']
     assert sizes['vanilla_gqa4'] * 4 == sizes['vanilla']
     assert sizes['svformer_gqa4'] * 4 == sizes['svformer']
+    # SkipV1Former: half of the value heads of layers 2..L from V_1, 1 - (L - 1) / (4 L) of vanilla's
+    assert sizes['skipv1'] / sizes['vanilla'] == 1 - (L - 1) / (4 * L)
+    assert sizes['skipv1_gqa4'] * 4 == sizes['skipv1']
+    assert sizes['skipv1'] == 3 * 32 * accounting.kv_cache_bytes_per_token(
+        small_model_config(n_layers=L, n_heads=8, n_kv_heads=8, skip_v1=4)
+    )
 
 
 @pytest.mark.parametrize('attention', ['vanilla', 'svformer'])

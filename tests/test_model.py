@@ -15,6 +15,7 @@ from tests.helpers import (
     FAST_TIER,
     HYPER_VARIANTS,
     NAMED_VARIANTS,
+    SKIP_V1_VARIANTS,
     cases,
     copy_params,
     random_tokens,
@@ -167,6 +168,8 @@ WINDOWS = dict(attention_window=3, global_layers=(2,))
     cases(
         {
             **NAMED_VARIANTS,
+            **SKIP_V1_VARIANTS,
+            'skipv1-windows': dict(WINDOWS, attention='vanilla', skip_v1=1),
             'vanilla-tied': dict(attention='vanilla', tie_embeddings=True),
             'resformer-qk_norm': dict(attention='resformer', lambda_mode='learnable_plus', qk_norm=True),
             'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True),
@@ -177,7 +180,14 @@ WINDOWS = dict(attention_window=3, global_layers=(2,))
             **HYPER_VARIANTS,
         },
         FAST_TIER
-        + ('vanilla-tied', 'svformer-cla2-qk_norm', 'svformer-qk_norm-soft_caps', 'svformer-cla2-windows', 'mhc'),
+        + (
+            'skipv1-cla2-value_embeds-qk_norm',
+            'vanilla-tied',
+            'svformer-cla2-qk_norm',
+            'svformer-qk_norm-soft_caps',
+            'svformer-cla2-windows',
+            'mhc',
+        ),
     ),
 )
 def test_matches_float64_numpy_reference(variant):
@@ -190,6 +200,37 @@ def test_matches_float64_numpy_reference(variant):
     logits = np.asarray(model(jnp.asarray(tokens)))[..., : cfg.vocab_size]
     for b in range(2):
         assert rel_err(logits[b], numpy_reference.forward(cfg, params, tokens[b])) < 1e-4
+
+
+@pytest.mark.parametrize('variant', cases(SKIP_V1_VARIANTS, ('skipv1-resformer',)))
+def test_gradients_match_the_float64_reference_along_a_random_direction(variant):
+    """The model's gradient of the next-token loss (float32, autodiff and the hand-written backwards)
+    along a random direction over every parameter equals the float64 NumPy forward's central
+    difference along it: the new variants' backward is checked against an independent forward."""
+    cfg = small_model_config(**variant)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    randomize(model, 21)
+    tokens = np.asarray(random_tokens(22, B=1, L=9))[0]
+
+    def reference_loss(params: dict) -> float:
+        logits = numpy_reference.forward(cfg, params, tokens[:-1])
+        top = logits.max(-1, keepdims=True)
+        log_z = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
+        return float(np.mean(log_z - logits[np.arange(len(tokens) - 1), tokens[1:]]))
+
+    def loss(m: Decoder) -> jax.Array:
+        logits = m(jnp.asarray(tokens[None, :-1]))[0, :, : cfg.vocab_size]
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[jnp.arange(len(tokens) - 1), tokens[1:]])
+
+    grads = nnx.to_pure_dict(nnx.grad(loss)(model))
+    params = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    rng = np.random.default_rng(23)
+    direction = jax.tree.map(lambda x: rng.standard_normal(x.shape), params)
+    along = sum(float(np.sum(np.asarray(g, np.float64) * u)) for g, u in zip(*map(jax.tree.leaves, (grads, direction))))
+    h = 1e-5
+    step = lambda sign: jax.tree.map(lambda x, u: x + sign * h * u, params, direction)  # noqa: E731
+    difference = (reference_loss(step(1)) - reference_loss(step(-1))) / (2 * h)
+    assert abs(along - difference) < 1e-3 * abs(difference), (along, difference)
 
 
 def test_learnable_lambdas_get_gradients_fixed_ones_are_not_parameters():
@@ -254,6 +295,10 @@ def test_v1_is_not_detached():
         # combinations of variants that mean nothing
         (dict(attention='resformer', kv_share=2), 'model.kv_share', "1 with model.attention='resformer'"),
         (dict(kv_share=0), 'model.kv_share', 'an integer >= 1'),
+        (dict(skip_v1=2), 'model.skip_v1', 'a number of value heads below model.n_kv_heads=2'),
+        (dict(attention='svformer', skip_v1=1), 'model.skip_v1', "0 with model.attention='svformer'"),
+        (dict(skip_v1=1, value_embed_layers=(1, 2)), 'model.skip_v1', '0 with value embeddings beyond layer 1'),
+        (dict(attention='resformer', lambda_mode='per_token', skip_v1=1), 'model.skip_v1', 'or the per-token mix'),
         (dict(attention='svformer', neutreno=True), 'model.neutreno', "False with model.attention='svformer'"),
         (dict(value_embed_layers=(0, 2)), 'model.value_embed_layers', 'in 1..3'),
         (dict(value_embed_layers=(2, 2)), 'model.value_embed_layers', 'distinct'),

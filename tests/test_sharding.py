@@ -30,7 +30,7 @@ from vrl.train import aot
 from vrl.train.config import Config, check_fits_mesh
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
-VARIANTS = NAMED_VARIANTS | HYPER_VARIANTS
+VARIANTS = NAMED_VARIANTS | HYPER_VARIANTS | {'skipv1': dict(attention='vanilla', skip_v1=2)}  # 2 of 4 kv heads
 
 
 def _sharding_config(small_corpus, mesh: MeshConfig) -> Config:
@@ -97,6 +97,7 @@ CONTEXT_MESHES = {
         ('mhc', 'two'),
         ('svformer-cla2', 'four'),
         ('mudd-qkvr', 'two'),
+        ('skipv1', 'two'),
     ],
 )
 def test_a_sequence_split_over_the_context_axis_trains_as_on_one_device(small_corpus, variant, mesh):
@@ -179,14 +180,23 @@ def test_bad_mesh_sizes(mesh, message):
         ),
         (MeshConfig(1, 8, 1), 8, 36, 64, 'mesh.fsdp=8 is invalid: it must divide model.d_model=36'),
         (MeshConfig(1, 2, 1, context=4), 8, 32, 66, 'mesh.context=4 is invalid: it must divide data.seq_len=66'),
+        (
+            MeshConfig(1, 4, 2),
+            8,
+            32,
+            64,
+            'mesh.tensor=2 is invalid: it must divide the value heads a layer >= 2 projects, model.n_kv_heads - '
+            'model.skip_v1 = 3',
+        ),
     ],
 )
 def test_what_does_not_split_over_the_mesh_is_named(small_corpus, mesh, batch, d_model, seq_len, message):
     config = _sharding_config(small_corpus, mesh)
+    skip_v1 = 1 if 'skip_v1' in message else 0  # 1 of the 4 kv heads from V_1: 3 projected
     config = dataclasses.replace(
         config,
         data=dataclasses.replace(config.data, batch_size=batch, seq_len=seq_len),
-        model=dataclasses.replace(config.model, d_model=d_model),
+        model=dataclasses.replace(config.model, d_model=d_model, skip_v1=skip_v1),
     )
     with pytest.raises(ConfigError, match=message):
         check_fits_mesh(config, sharding.mesh_shape(mesh, jax.device_count()))

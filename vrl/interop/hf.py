@@ -332,6 +332,12 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
 
 def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer, out: Path) -> list[Path]:
     """Writes the Hugging Face directory; returns its files."""
+    if cfg.skip_v1:
+        raise HFError(
+            f'{cfg.variant_name} has no Hugging Face export yet: the exported PyTorch model and the vLLM plugin '
+            "do not read a layer's value heads from V_1 (model.skip_v1); sample and score it in vrl "
+            '(python -m vrl.tools.generate, python -m vrl.tools.evaluate).'
+        )
     tensors = to_hf(params, cfg)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / 'model.safetensors'), metadata={'format': 'pt'})

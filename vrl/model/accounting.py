@@ -25,10 +25,14 @@ class ModelAccount:
     kv_cache_bytes_per_token: int  # one sequence, all layers, compute dtype
 
 
-def _kv_projections(cfg: ModelConfig) -> int:
-    """W_K and W_V matrices: one per cache slot (CLA shares them per group, SVFormer has one W_V)."""
+def _slot_heads(cfg: ModelConfig, ring: bool | None = None) -> int:
+    """The kv heads of every cache slot (those that are ring buffers, or not, where `ring` says): also
+    W_K's and W_V's heads, one projection per slot (CLA shares them per group, SVFormer has one W_V,
+    SkipV1Former's later W_V project K - model.skip_v1 heads)."""
     slots = layout_of(cfg)
-    return slots.n_key_slots + slots.n_value_slots
+    heads = [(slots.kv_heads, slots.ring_slot('k', slot)) for slot in range(slots.n_key_slots)]
+    heads += [(slots.value_heads(slot), slots.ring_slot('v', slot)) for slot in range(slots.n_value_slots)]
+    return sum(n for n, is_ring in heads if ring is None or is_ring == ring)
 
 
 def _gate_matrices(cfg: ModelConfig) -> int:
@@ -105,7 +109,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     per_layer = 2 * D * H * Dh + 3 * D * F  # W_Q, W_O, SwiGLU
     return (
         cfg.n_layers * per_layer
-        + _kv_projections(cfg) * D * K * Dh
+        + _slot_heads(cfg) * D * Dh
         + _gate_matrices(cfg) * D * K
         + sum(hidden * (D + weights) for weights, hidden in _mudd_connections(cfg))  # MUDD's W_in, W_out
         + D * cfg.padded_vocab_size
@@ -120,30 +124,22 @@ def non_embedding_params(cfg: ModelConfig) -> int:
     return matmul_params(cfg) - cfg.d_model * cfg.padded_vocab_size + norms + _scalar_params(cfg) + hyper
 
 
-def _ring_slots(cfg: ModelConfig) -> int:
-    """The KV-cache slots that hold only a local layer's window (CacheLayout.ring_slot)."""
-    slots = layout_of(cfg)
-    keys = sum(slots.ring_slot('k', slot) for slot in range(slots.n_key_slots))
-    return keys + sum(slots.ring_slot('v', slot) for slot in range(slots.n_value_slots))
-
-
-def _slot_row_bytes(cfg: ModelConfig) -> int:
-    """One position of one slot: K vectors of Dh in the compute dtype (`auto`: as it resolves on this
-    process's backend)."""
-    return cfg.n_kv_heads * cfg.head_dim * jnp.dtype(resolve.local_compute_dtype(cfg)).itemsize
+def _head_row_bytes(cfg: ModelConfig) -> int:
+    """One position of one kv head: Dh in the compute dtype (`auto`: as it resolves on this process's
+    backend)."""
+    return cfg.head_dim * jnp.dtype(resolve.local_compute_dtype(cfg)).itemsize
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
-    """What each position adds to one sequence's cache: a vector per slot that holds every position,
-    the layout's n_key_slots + n_value_slots of them less the ring buffers of local layers (whose window
-    is a fixed size: `kv_cache_bytes`)."""
-    return (_kv_projections(cfg) - _ring_slots(cfg)) * _slot_row_bytes(cfg)
+    """What each position adds to one sequence's cache: a vector per kv head of each slot that holds
+    every position (the ring buffers of local layers hold a fixed window: `kv_cache_bytes`)."""
+    return _slot_heads(cfg, ring=False) * _head_row_bytes(cfg)
 
 
 def kv_cache_bytes(cfg: ModelConfig, context: int) -> int:
     """One sequence's cache at `context` positions: the whole slots' `context` positions and each ring
     buffer's min(model.attention_window, context)."""
-    ring = _ring_slots(cfg) * min(cfg.attention_window, context) * _slot_row_bytes(cfg)
+    ring = _slot_heads(cfg, ring=True) * min(cfg.attention_window, context) * _head_row_bytes(cfg)
     return kv_cache_bytes_per_token(cfg) * context + ring
 
 
@@ -171,19 +167,7 @@ def max_batch_for_cache(cfg: ModelConfig, context: int, memory_bytes: float) -> 
 
 def vanilla_mha(cfg: ModelConfig) -> ModelConfig:
     """The same shape as plain multi-head attention: the reference for cache and parameter ratios."""
-    return dataclasses.replace(
-        cfg,
-        attention='vanilla',
-        n_kv_heads=cfg.n_heads,
-        kv_share=1,
-        neutreno=False,
-        denseformer=False,
-        mudd='',
-        mudd_layers=(),
-        hyper_connections='',
-        value_embed_layers=(),
-        value_embed_tables=(),
-    )
+    return dataclasses.replace(cfg.as_vanilla(), n_kv_heads=cfg.n_heads)
 
 
 def account(cfg: ModelConfig, seq_len: int) -> ModelAccount:

@@ -2,8 +2,9 @@
 
 A slot is one (B * K, S, Dh) array of keys or of attended values. Vanilla and ResFormer (which caches
 its mixed values) have one of each per layer; CLA one of each per group of model.kv_share layers;
-SVFormer one value slot for every layer, V_1's, so its cache holds (L + 1) / (2L) of vanilla's bytes.
-A slot only one local layer reads keeps its window (a ring buffer).
+SVFormer one value slot for every layer, V_1's, so its cache holds (L + 1) / (2L) of vanilla's bytes;
+SkipV1Former's value slots after V_1's hold only the heads a layer projects (K - model.skip_v1 of K),
+the others read from V_1's slot. A slot only one local layer reads keeps its window (a ring buffer).
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ class CacheLayout:
     kv_share: int  # model.kv_share: CLA's group size (1: every layer its own K/V)
     shared_values: bool  # SVFormer: every layer attends over V_1
     local: tuple[bool, ...]  # per layer: attends within model.attention_window
+    kv_heads: int  # model.n_kv_heads
+    borrowed_heads: int = 0  # SkipV1Former (model.skip_v1): the last value heads layers >= 2 read from V_1
+
+    def value_heads(self, slot: int) -> int:
+        """The kv heads value slot `slot` holds: V_1's slot all of them, a later one those its layers
+        project (SkipV1Former's own heads)."""
+        return self.kv_heads - (self.borrowed_heads if slot else 0)
 
     def owns_kv(self, layer: int) -> bool:
         """Whether `layer` projects its own K (and V): the first of each CLA group does."""
@@ -58,7 +66,8 @@ class CacheLayout:
         and no other (a slot shared by a CLA group or SVFormer's V_1 stays whole)."""
         slot_of = self.key_slot if kind == 'k' else self.value_slot
         readers = [layer for layer in range(self.n_layers) if slot_of(layer) == slot]
-        return len(readers) == 1 and self.local[readers[0]]
+        borrowed_from = kind == 'v' and slot == 0 and self.borrowed_heads  # every layer reads V_1's heads
+        return len(readers) == 1 and self.local[readers[0]] and not borrowed_from
 
     @property
     def n_key_slots(self) -> int:
@@ -72,7 +81,9 @@ class CacheLayout:
 @functools.cache
 def layout_of(cfg: ModelConfig) -> CacheLayout:
     """`cfg`'s cache layout."""
-    return CacheLayout(cfg.n_layers, cfg.kv_share, cfg.attention == 'svformer', cfg.local_layers)
+    return CacheLayout(
+        cfg.n_layers, cfg.kv_share, cfg.attention == 'svformer', cfg.local_layers, cfg.n_kv_heads, cfg.skip_v1
+    )
 
 
 class KVCache(NamedTuple):
@@ -106,6 +117,19 @@ class KVCache(NamedTuple):
         k_slot, v_slot = layout.key_slot(layer), layout.value_slot(layer)
         k_ring, v_ring = layout.ring_slot('k', k_slot), layout.ring_slot('v', v_slot)
         assert k_ring or not v_ring, 'a ring of values is read by one local layer, which also owns its keys'
+        own = layout.value_heads(v_slot)
+        keys, values, key_index, cache = self._own(layout, layer, k_BxTxKxDh, v_BxTxKxDh[:, :, :own])
+        if own == layout.kv_heads:
+            return keys, values, key_index, cache
+        borrowed = cache.v[0] if not k_ring else jnp.take(cache.v[0], jnp.maximum(key_index, 0), axis=1)
+        return keys, _heads_joined(values, borrowed, own), key_index, cache
+
+    def _own(
+        self, layout: CacheLayout, layer: int, k_BxTxKxDh: Array, v_BxTxKxDh: Array
+    ) -> tuple[Array, Array, Array, KVCache]:
+        """`update` for the heads `layer`'s slots hold (all but SkipV1Former's borrowed value heads)."""
+        k_slot, v_slot = layout.key_slot(layer), layout.value_slot(layer)
+        k_ring, v_ring = layout.ring_slot('k', k_slot), layout.ring_slot('v', v_slot)
         T = k_BxTxKxDh.shape[1]
         new_index_T = self.index + jnp.arange(T, dtype=jnp.int32)
         if k_ring:  # the window before this step, then the step's tokens
@@ -151,6 +175,16 @@ class KVCache(NamedTuple):
         return KVCache(k, v, self.index)
 
 
+def _heads_joined(own_NxSxDh: Array, v1_MxSxDh: Array, own: int) -> Array:
+    """A layer's (B * K, S, Dh) values from the `own` heads of its slot (B * own rows) and the rest of
+    V_1's slot (B * K rows): each sequence's own heads, then V_1's heads own..K-1."""
+    S, Dh = own_NxSxDh.shape[1:]
+    B = own_NxSxDh.shape[0] // own
+    K = v1_MxSxDh.shape[0] // B
+    joined = jnp.concatenate([own_NxSxDh.reshape(B, own, S, Dh), v1_MxSxDh.reshape(B, K, S, Dh)[:, own:]], axis=1)
+    return joined.reshape(B * K, S, Dh)
+
+
 def _rows(x_BxTxKxDh: Array, dtype: jnp.dtype) -> Array:
     """(B, T, K, Dh) -> a slot's (B * K, T, Dh) rows."""
     B, T, K, Dh = x_BxTxKxDh.shape
@@ -159,8 +193,8 @@ def _rows(x_BxTxKxDh: Array, dtype: jnp.dtype) -> Array:
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     """Zeros in the compute dtype: the layout's n_key_slots key and n_value_slots value arrays, each
-    (B * K, S, Dh), S = max_len, or min(model.attention_window, max_len) for a ring buffer
-    (CacheLayout.ring_slot)."""
+    (B * heads, S, Dh): K heads, or a SkipV1Former value slot's own (CacheLayout.value_heads); S =
+    max_len, or min(model.attention_window, max_len) for a ring buffer (CacheLayout.ring_slot)."""
     require_resolved(cfg, 'model', 'a KV cache')
     slots_of = layout_of(cfg)
 
@@ -168,8 +202,10 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
         def length(slot: int) -> int:
             return min(cfg.attention_window, max_len) if slots_of.ring_slot(kind, slot) else max_len
 
-        shape = (batch * cfg.n_kv_heads, cfg.head_dim)
-        return tuple(jnp.zeros((shape[0], length(i), shape[1]), cfg.compute_dtype) for i in range(n))
+        def heads(slot: int) -> int:
+            return slots_of.kv_heads if kind == 'k' else slots_of.value_heads(slot)
+
+        return tuple(jnp.zeros((batch * heads(i), length(i), cfg.head_dim), cfg.compute_dtype) for i in range(n))
 
     keys, values = slots('k', slots_of.n_key_slots), slots('v', slots_of.n_value_slots)
     return KVCache(k=keys, v=values, index=jnp.zeros((), jnp.int32))

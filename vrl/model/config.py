@@ -32,6 +32,7 @@ VARIANT_FIELDS = (
     'neutreno_lambda',
     'denseformer',
     'kv_share',
+    'skip_v1',
     'value_embed_layers',
     'value_embed_tables',
     'mudd',
@@ -80,6 +81,9 @@ class ModelConfig:
     neutreno_lambda: float = 0.4  # the paper's value; 0.2 when stacked on ResFormer
     denseformer: bool = False  # DenseFormer: each block's input is a learned average of all earlier outputs
     kv_share: int = 1  # CLA: this many adjacent layers share one K and V (2 = CLA2); the later ones own none
+    # SkipV1Former: layers >= 2 take their last skip_v1 value heads (of n_kv_heads) from layer 1's values V_1 and
+    # project the others; 0 = off; the paper's preset is half (vrl/model/presets.py 'skipv1')
+    skip_v1: int = 0
     value_embed_layers: tuple[int, ...] = ()  # 1-based layers whose V adds a gated token-embedding lookup
     value_embed_tables: tuple[int, ...] = ()  # the table of each of those layers (shared ids share); () = own
     # MUDD (multiway dynamic dense connections): after a layer, each of the next block's inputs named here
@@ -199,6 +203,26 @@ class ModelConfig:
                 'model.kv_share',
                 self.kv_share,
                 "1 with model.attention='resformer' (CLA's later layers have no W_V to mix with V_1)",
+            )
+        require(
+            0 <= self.skip_v1 < self.n_kv_heads,
+            'model.skip_v1',
+            self.skip_v1,
+            f'0 (off) or a number of value heads below model.n_kv_heads={self.n_kv_heads} (all of them: SVFormer)',
+        )
+        if self.skip_v1:  # layers >= 2 read V_1's last heads as layer 1 attended them
+            require(
+                self.attention != 'svformer',
+                'model.skip_v1',
+                self.skip_v1,
+                "0 with model.attention='svformer' (every value head is V_1's already)",
+            )
+            require(
+                self.value_embed_layers in ((), (1,)) and not self.per_token_mix,
+                'model.skip_v1',
+                self.skip_v1,
+                '0 with value embeddings beyond layer 1 or the per-token mix (a gate over every value head of '
+                "a later layer: V_1's heads there are layer 1's as they are)",
             )
         if self.neutreno:
             require(
@@ -334,6 +358,8 @@ class ModelConfig:
             parts.append('DenseFormer')
         if self.kv_share > 1:
             parts.append(f'CLA{self.kv_share}')
+        if self.skip_v1:
+            parts.append(f'SkipV1 {self.skip_v1}/{self.n_kv_heads}')
         if self.value_embed_layers:
             tables = max(self.value_embed_table_ids) + 1
             parts.append(

@@ -106,8 +106,9 @@ class Attention(nnx.Module):
         self.wq = params.normal(rngs, (D, H, Dh), (Axis.EMBED, Axis.HEADS, Axis.HEAD_DIM), std, stack)
         kv_axes = (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM)
         self.wk = params.normal(rngs, (D, K, Dh), kv_axes, std, stack) if owns_kv else None
+        own_values = K if first else K - cfg.skip_v1  # SkipV1Former: the rest are V_1's
         self.wv = (
-            params.normal(rngs, (D, K, Dh), kv_axes, std, stack)
+            params.normal(rngs, (D, own_values, Dh), kv_axes, std, stack)
             if owns_kv and (first or cfg.attention != 'svformer')
             else None
         )
@@ -139,7 +140,8 @@ class Attention(nnx.Module):
         kv: LayerKV | None,
         borrowed: tuple[Array, Array] | None,
     ) -> tuple[Array, Array]:
-        """Keys (with RoPE) of xk and the layer's own values V_n: xv W_V, or V_1 where the layer has no W_V.
+        """Keys (with RoPE) of xk and the layer's own values V_n: xv W_V, or V_1 where the layer has no W_V
+        (SkipV1Former's W_V projects its first K - model.skip_v1 heads: V_n has those).
 
         CLA (kv given): only the first layer of a group projects; the others borrow its keys and
         the values it attended over (`kv.owns` is known when tracing: Decoder._stacked_layers).
@@ -278,14 +280,19 @@ class Block(nnx.Module):
     ) -> tuple[Array, Array, Array | None]:
         """The keys and the values (B, L, K, Dh) this layer attends over, where the variants change V:
         CLA's borrowed K and V, value embeddings added to V_n (and their gate (B, L, K, 1), scaled),
-        then ResFormer's mix with V_1 or SVFormer's V_1 (Attention.values)."""
+        then ResFormer's mix with V_1 or SVFormer's V_1 (Attention.values); SkipV1Former's last heads
+        are V_1's as layer 1 attended them (the mix acts on the layer's own heads)."""
         k_BxLxKxDh, v_n = self.attn.keys_values(xk_BxLxD, xv_BxLxD, positions_BxL, s.v1, p.kv, s.kv)  # CLA
         scale_BxLxKx1 = None
         if p.value_embed is not None:  # value embeddings: V_n + 2 sigmoid(x W_gate) * table[token]
             gate_BxLxKx1 = variants.gate(xv_BxLxD, p.value_embed.gate_w, self.attn.ops.project)
             scale_BxLxKx1 = variants.VALUE_EMBED_GATE_SCALE * gate_BxLxKx1
             v_n = v_n + (scale_BxLxKx1 * p.value_embed.e).astype(v_n.dtype)
-        v_BxLxKxDh = self.attn.values(xv_BxLxD, v_n, s.v1, p.lambdas)  # ResFormer, SVFormer, per-token mix
+        own = v_n.shape[2]  # SkipV1Former: K - model.skip_v1 heads projected, V_1 gives the rest
+        v1_own = None if s.v1 is None else s.v1[:, :, :own]
+        v_BxLxKxDh = self.attn.values(xv_BxLxD, v_n, v1_own, p.lambdas)  # ResFormer, SVFormer, per-token mix
+        if own < self.cfg.n_kv_heads:
+            v_BxLxKxDh = jnp.concatenate([v_BxLxKxDh, s.v1[:, :, own:].astype(v_BxLxKxDh.dtype)], axis=2)
         names = ('keys', 'v1' if s.v1 is None else 'values')  # what a remat policy may save (REMAT_POLICIES)
         return checkpoint_name(k_BxLxKxDh, names[0]), checkpoint_name(v_BxLxKxDh, names[1]), scale_BxLxKx1
 

@@ -30,6 +30,12 @@ def _gqa(group: int) -> Callable[[ModelConfig], dict]:
     return overrides
 
 
+def _half_of_the_value_heads(cfg: ModelConfig) -> dict:
+    if cfg.n_kv_heads % 2:
+        raise ConfigError(f'skipv1 takes half of the value heads: model.n_kv_heads must be even, not {cfg.n_kv_heads}.')
+    return dict(skip_v1=cfg.n_kv_heads // 2)
+
+
 # name -> (what it is, the model fields it sets, given the base model config)
 PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
     'vanilla': ('Llama-style baseline', lambda cfg: dict(attention='vanilla')),
@@ -80,6 +86,10 @@ PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
     'svformer+cla2': (
         'SVFormer with CLA2: V_1 once, layer pairs share keys',
         lambda cfg: dict(attention='svformer', kv_share=2),
+    ),
+    'skipv1': (
+        "SkipV1Former: layers >= 2 take half of their value heads from layer 1's (the paper's)",
+        lambda cfg: dict(attention='vanilla', **_half_of_the_value_heads(cfg)),
     ),
     'gqa4': (
         'grouped-query attention, 4 query heads per kv head',

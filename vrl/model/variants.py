@@ -164,8 +164,8 @@ class SharedKeyValues(nnx.Module):
         self.wv = (
             None
             if cfg.attention == 'svformer'
-            else params.normal(rngs, (D, K, Dh), (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM), std, owners)
-        )
+            else params.normal(rngs, (D, K - cfg.skip_v1, Dh), (Axis.EMBED, Axis.KV_HEADS, Axis.HEAD_DIM), std, owners)
+        )  # SkipV1Former: the own value heads (the rest are V_1's)
         self.k_norm = params.constant(np.ones(Dh), (Axis.HEAD_DIM,), owners) if cfg.qk_norm else None
 
     def for_stack(self) -> LayerKV:

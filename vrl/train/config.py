@@ -211,6 +211,12 @@ def check_fits_mesh(config: Config, shape: dict[str, int]) -> None:
     for field in ('n_heads', 'n_kv_heads', 'd_ff'):
         if getattr(model, field) % tensor:
             raise ConfigError(f'mesh.tensor={tensor} is invalid: it must divide model.{field}={getattr(model, field)}.')
+    own_values = model.n_kv_heads - model.skip_v1  # SkipV1Former's later W_V
+    if own_values % tensor:
+        raise ConfigError(
+            f'mesh.tensor={tensor} is invalid: it must divide the value heads a layer >= 2 projects, '
+            f'model.n_kv_heads - model.skip_v1 = {own_values}.'
+        )
     if model.d_model % fsdp:
         raise ConfigError(
             f'mesh.fsdp={fsdp} is invalid: it must divide model.d_model={model.d_model} '
