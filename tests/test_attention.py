@@ -240,6 +240,11 @@ def test_a_model_runs_on_concrete_values_only_which_one_resolve_makes():
     )
     with pytest.raises(ConfigError, match=r'^model.attention_impl=auto, .* unresolved: a KV cache takes'):
         cache_lib.init_cache(model.cfg, 1, 8)
+    decoding = Decoder(small_model_config(remat='auto'), rngs=nnx.Rngs(0))  # decoding never reads model.remat
+    logits, _ = decoding.decode(
+        jnp.ones((1, 3), jnp.int32), jnp.zeros((1,), jnp.int32), cache_lib.init_cache(decoding.cfg, 1, 8)
+    )
+    assert logits.shape == (1, 3, decoding.cfg.padded_vocab_size)
     config = Config(model=model.cfg, data=DataConfig(seq_len=8, batch_size=2), train=TrainConfig(microbatches=0))
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, context=0))
     assert unresolved(config, '') == [

@@ -71,10 +71,11 @@ def unresolved(section: Any, name: str) -> list[str]:
     return left
 
 
-def require_resolved(section: Any, name: str, user: str) -> None:
-    """A ConfigError naming every `auto` left in `section` (see `unresolved`): `user` takes concrete
-    values only, which a run's plan resolves once (vrl.train.aot.resolve)."""
-    left = unresolved(section, name)
+def require_resolved(section: Any, name: str, user: str, unused: tuple[str, ...] = ()) -> None:
+    """A ConfigError naming every `auto` left in `section` (see `unresolved`) but the `unused` fields
+    ('model.remat': what `user` never reads): `user` takes concrete values only, which a run's plan
+    resolves once (vrl.train.aot.resolve)."""
+    left = [entry for entry in unresolved(section, name) if entry.split('=')[0] not in unused]
     if left:
         raise ConfigError(
             f'{", ".join(left)} unresolved: {user} takes concrete values. vrl.train.aot.resolve resolves a '

@@ -195,7 +195,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     """Zeros in the compute dtype: the layout's n_key_slots key and n_value_slots value arrays, each
     (B * heads, S, Dh): K heads, or a SkipV1Former value slot's own (CacheLayout.value_heads); S =
     max_len, or min(model.attention_window, max_len) for a ring buffer (CacheLayout.ring_slot)."""
-    require_resolved(cfg, 'model', 'a KV cache')
+    require_resolved(cfg, 'model', 'a KV cache', unused=('model.remat',))  # decoding recomputes nothing
     slots_of = layout_of(cfg)
 
     def slots(kind: str, n: int) -> tuple[jax.Array, ...]:

@@ -508,7 +508,7 @@ class Decoder(nnx.Module):
     ) -> tuple[Array, KVCache | None, layer_stats.LayerStats | None]:
         """The final-normalised hidden states (B, L, D), the updated cache when decoding, and the
         per-layer statistics when recording."""
-        require_resolved(self.cfg, 'model', 'a Decoder that runs')
+        require_resolved(self.cfg, 'model', 'a Decoder that runs', unused=('model.remat',) if cache is not None else ())
         dtype, L = self.compute_dtype, self.cfg.n_layers
         h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION if cache is None else _DECODING)
         h = hyper.widened(h_BxLxD, self.cfg)
