@@ -93,6 +93,20 @@ def test_layer_stats_match_the_numpy_reference(variant):
             assert _close(got, expected[name], 1e-4), name
 
 
+def test_statistics_are_sown_per_layer_and_leave_nothing_in_the_model():
+    """Recorded inside a jit that closes over the model (its modules of an outer trace) as eagerly;
+    neither that nor a plain forward leaves a sown value in the model."""
+    model = Decoder(small_model_config(**NAMED_VARIANTS['resformer-learnable_plus']), rngs=nnx.Rngs(0))
+    randomize(model, 4)
+    tokens = random_tokens(5, B=2, L=10)
+    eager = model.layer_stats(tokens)
+    closed_over = jax.jit(lambda t: model.layer_stats(t))(tokens)
+    for name in STATISTICS:
+        assert _close(getattr(closed_over, name), getattr(eager, name), 1e-5), name
+    model(tokens)
+    assert not jax.tree.leaves(nnx.state(model, nnx.Intermediate))
+
+
 def _close(got, expected, tolerance: float) -> bool:
     """NaN (or None: a layer without the statistic) in the same places, the rest within `tolerance`."""
     got, expected = np.asarray(got, float), np.asarray(expected, float)

@@ -245,11 +245,11 @@ class Block(nnx.Module):
         self.neutreno_lambda = cfg.neutreno_lambda if cfg.neutreno else None
 
     def __call__(
-        self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries, record: bool
-    ) -> tuple[Array, tuple[Array, Array], attention.Copies | None, KVCache | None, layer_stats.AttentionStats | None]:
+        self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries
+    ) -> tuple[Array, tuple[Array, Array], attention.Copies | None, KVCache | None]:
         """The block's output (B, L, D) (with hyper-connections, the n streams (n, B, L, D)), its keys and
-        attended values for the L tokens, the copies it attended with (`copies`), the cache with them
-        written and, when recording, its attention statistics."""
+        attended values for the L tokens, the copies it attended with (`copies`) and the cache with them
+        written; it sows what its queries attended (layer_stats.Attended) for the statistics."""
         x_BxLxD, xk_BxLxD, xv_BxLxD, into_attention = self.attention_inputs(s)  # the pre-norms (MUDD: its ways)
         q_BxLxHxDh = checkpoint_name(self.attn.queries(x_BxLxD, positions_BxL), 'queries')
         k_BxLxKxDh, v_BxLxKxDh, gate_BxLxKx1 = self.keys_values(s, p, xk_BxLxD, xv_BxLxD, positions_BxL)  # the V
@@ -272,8 +272,12 @@ class Block(nnx.Module):
         x_BxLxD, into_mlp = hyper.enter(self.mlp_hyper, h)
         mlp_out_BxLxD = self.mlp(self.mlp_norm(x_BxLxD))
         h = h + mlp_out_BxLxD if into_mlp is None else into_mlp.add(h, mlp_out_BxLxD)  # residual
-        stats = self.attention_stats(q_BxLxHxDh, *attended, gate_BxLxKx1) if record else None
-        return h, (k_BxLxKxDh, v_BxLxKxDh), copies, cache, stats
+        self.sow(
+            nnx.Intermediate,
+            'attended',
+            layer_stats.Attended(q_BxLxHxDh, *attended, gate_BxLxKx1, self.cfg.attn_logits_soft_cap),
+        )
+        return h, (k_BxLxKxDh, v_BxLxKxDh), copies, cache
 
     def keys_values(
         self, s: Stream, p: LayerInputs, xk_BxLxD: Array, xv_BxLxD: Array, positions_BxL: Array
@@ -335,22 +339,6 @@ class Block(nnx.Module):
         keys, values = keys.astype(q_BxTxHxDh.dtype), values.astype(q_BxTxHxDh.dtype)
         o_BxTxHxDh = ops.attend_cache(q_BxTxHxDh, keys, values, mask_BxTxS, self.cfg.attn_logits_soft_cap)
         return o_BxTxHxDh, cache, (keys, values, mask_BxTxS)
-
-    def attention_stats(
-        self, q_BxLxHxDh: Array, keys: Array, values: Array, mask: Causal | Array, gate_BxLxKx1: Array | None
-    ) -> layer_stats.AttentionStats:
-        """vrl/model/layer_stats.py's statistics of what the queries attended."""
-        B, L = q_BxLxHxDh.shape[:2]
-        dense_BxLxS = mask.dense(B, L) if isinstance(mask, Causal) else mask
-        dtype = q_BxLxHxDh.dtype
-        return layer_stats.attention_stats(
-            q_BxLxHxDh,
-            keys.astype(dtype),
-            values.astype(dtype),
-            dense_BxLxS,
-            gate_BxLxKx1,
-            self.cfg.attn_logits_soft_cap,
-        )
 
     def attention_inputs(self, s: Stream) -> tuple[Array, Array, Array, hyper.Coefficients | None]:
         """The normalised inputs (B, L, D) of the queries, the keys and the values: attn_norm(h) for all
@@ -463,7 +451,7 @@ class Decoder(nnx.Module):
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
         order = attention.balanced_order(L)
-        h_BxLxD, _, _ = self._forward(*_in_order(order, tokens_BxL, positions_BxL, segment_ids_BxL), None, False)
+        h_BxLxD, _, _ = self._forward(*_in_order(order, tokens_BxL, positions_BxL, segment_ids_BxL), None)
         return h_BxLxD if order is None else h_BxLxD[:, np.argsort(order)]
 
     def layer_stats(self, tokens_BxL: Array) -> layer_stats.LayerStats:
@@ -472,7 +460,8 @@ class Decoder(nnx.Module):
         B, L = tokens_BxL.shape
         positions_BxL = jnp.broadcast_to(jnp.arange(L), (B, L))
         order = attention.balanced_order(L)  # no statistic depends on it: each is over all positions or the first's
-        _, _, stats = self._forward(*_in_order(order, tokens_BxL, positions_BxL, None), None, True)
+        with layer_stats.recording():
+            _, _, stats = self._forward(*_in_order(order, tokens_BxL, positions_BxL, None), None)
         return stats
 
     def split_layers(self) -> list[nnx.State]:
@@ -494,7 +483,7 @@ class Decoder(nnx.Module):
         B, T = tokens_BxT.shape
         query_index_BxT = jnp.broadcast_to(cache.index + jnp.arange(T), (B, T))
         queries = CachedQueries(query_index_BxT, pad_B)
-        h_BxTxD, cache, _ = self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], queries, cache, False, layers)
+        h_BxTxD, cache, _ = self._forward(tokens_BxT, query_index_BxT - pad_B[:, None], queries, cache, layers)
         return self.logits(h_BxTxD), cache
 
     def _forward(
@@ -503,11 +492,10 @@ class Decoder(nnx.Module):
         positions_BxL: Array,
         mask: Causal | CachedQueries,
         cache: KVCache | None,
-        record: bool,
         layers: list[nnx.State] | None = None,
     ) -> tuple[Array, KVCache | None, layer_stats.LayerStats | None]:
         """The final-normalised hidden states (B, L, D), the updated cache when decoding, and the
-        per-layer statistics when recording."""
+        per-layer statistics while layer_stats.recording()."""
         require_resolved(self.cfg, 'model', 'a Decoder that runs', unused=('model.remat',) if cache is not None else ())
         dtype, L = self.compute_dtype, self.cfg.n_layers
         h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION if cache is None else _DECODING)
@@ -535,13 +523,11 @@ class Decoder(nnx.Module):
             dense_row=None if dense_LxL1 is None else dense_LxL1[1:],
             mudd=None if mudd is None else jax.tree.map(lambda x: x[1:], mudd),
         )
-        s, first_stats = self._layer(
-            self.first, Stream(h, None, None, None, blocks, cache), first, positions_BxL, mask, record
-        )
-        s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask, record, layers)
-        h_BxLxD = self.final_norm(hyper.merged(s.h))
+        s, first_stats = self._layer(self.first, Stream(h, None, None, None, blocks, cache), first, positions_BxL, mask)
+        s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask, layers)
+        h_BxLxD = self.final_norm(hyper.merged(s.h, self.cfg))
         cache = None if cache is None else s.cache._replace(index=cache.index + tokens_BxL.shape[1])
-        if not record:
+        if first_stats is None:
             return h_BxLxD, cache, None
         stats = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first_stats, stacked_stats)
         embedding_similarity = layer_stats.token_similarity(self.embed[...].astype(dtype)[tokens_BxL])
@@ -556,11 +542,11 @@ class Decoder(nnx.Module):
         )
 
     def _layer(
-        self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries, record: bool
+        self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries
     ) -> tuple[Stream, layer_stats.LayerStats | None]:
         """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average, MUDD's mixes
-        (a hyper-connected block remixes its streams itself)."""
-        h, kv, copies, cache, attention_stats = block(s, p, positions_BxL, mask, record)
+        (a hyper-connected block remixes its streams itself); and its statistics while recording."""
+        (h, kv, copies, cache), attended = layer_stats.captured(block, s, p, positions_BxL, mask)
         blocks, ways, activation = s.blocks, None, _ACTIVATION if cache is None else _DECODING
         if isinstance(blocks, tuple):  # the next input is a learned mix of B_0..B_layer+1
             blocks = (*blocks, h)
@@ -572,10 +558,10 @@ class Decoder(nnx.Module):
             mixes_CxBxLxD = variants.mudd_mixes(h, blocks, p.mudd, self.cfg.norm_eps)
             h, ways = mixes_CxBxLxD[-1], mixes_CxBxLxD[:-1] if len(self.cfg.mudd) > 1 else None
             ways = None if ways is None else constrain(ways, (None, *activation))
-        h = constrain(h, activation if h.ndim == 3 else (None, *activation))  # hyper-connections' streams lead
+        h = constrain(h, hyper.stream_axes(activation, self.cfg))
         v1 = kv[1] if s.v1 is None else s.v1
         s = Stream(h, v1, copies, kv if self.cfg.kv_share > 1 else None, blocks, cache, ways)
-        return s, layer_stats.layer_stats(attention_stats, hyper.merged(h)) if record else None
+        return s, None if attended is None else layer_stats.layer_stats(attended, hyper.merged(h, self.cfg))
 
     def _stacked_layers(
         self,
@@ -583,7 +569,6 @@ class Decoder(nnx.Module):
         inputs: LayerInputs,
         positions_BxL: Array,
         mask: Causal | CachedQueries,
-        record: bool,
         layers: list[nnx.State] | None,
     ) -> tuple[Stream, layer_stats.LayerStats | None]:
         """Layers 2..L: a scan (or loop) over the stacked parameters and per-layer inputs, carrying `s`,
@@ -612,9 +597,9 @@ class Decoder(nnx.Module):
             for i, (layer_state, p) in enumerate(zip(*per_layer)):
                 if p.kv is not None:
                     p = p._replace(kv=p.kv._replace(owns=layout_of(self.cfg).owns_kv(1 + start + i)))
-                s, stats = self._layer(nnx.merge(graphdef, layer_state), s, p, positions_BxL, mask, record)
+                s, stats = self._layer(nnx.merge(graphdef, layer_state), s, p, positions_BxL, mask)
                 outputs.append(stats)
-            return s._replace(v1=None, copies=None), None if not record else _stacked(outputs)
+            return s._replace(v1=None, copies=None), None if outputs[0] is None else _stacked(outputs)
 
         def rematted(in_scan: bool):
             """`group`, recomputed in the backward pass under model.remat. Outside a scan, XLA's CSE would
@@ -650,7 +635,8 @@ class Decoder(nnx.Module):
             )
             per_layer = (lambda x: [x]) if G == 1 else (lambda x: _unstacked(x, 0, G))
             scanned = rematted(in_scan=True)
-            if s.blocks is not None and not record and self.cfg.remat != 'none':  # a history kept once
+            history_once = s.blocks is not None and self.cfg.remat != 'none' and not layer_stats.is_recording()
+            if history_once:  # a history kept once (its scan hands on no per-layer outputs)
                 step = lambda s, xs: scanned(s, tuple(map(per_layer, xs)), lead)[0]  # noqa: E731
                 s, stats = history_scan.scan(step, s, grouped, history_scan.History(lead + 2, G)), None
             else:
@@ -662,7 +648,7 @@ class Decoder(nnx.Module):
                 middle.append(stats)
         s, rest_stats = unrolled(s, lead + groups * G, rest)
         outputs = [stats for stats in (lead_stats, *middle, rest_stats) if stats is not None]
-        stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *outputs) if record else None
+        stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *outputs) if outputs else None
         return s._replace(v1=v1, copies=shared), stats
 
     def head_DxV(self) -> Array:

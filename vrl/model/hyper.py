@@ -146,6 +146,11 @@ def widened(h_BxLxD: Array, cfg: ModelConfig) -> Array:
     return jnp.broadcast_to(h_BxLxD, (cfg.hyper_streams, *h_BxLxD.shape)) if cfg.hyper_connections else h_BxLxD
 
 
-def merged(h: Array) -> Array:
+def merged(h: Array, cfg: ModelConfig) -> Array:
     """The hidden state (B, L, D) of a stream: the sum of the streams with hyper-connections."""
-    return h if h.ndim == 3 else jnp.sum(h, axis=0)
+    return jnp.sum(h, axis=0) if cfg.hyper_connections else h
+
+
+def stream_axes(activation: tuple, cfg: ModelConfig) -> tuple:
+    """The stream's logical axes given a hidden state's: with hyper-connections, the streams lead."""
+    return (None, *activation) if cfg.hyper_connections else activation

@@ -1,7 +1,9 @@
 """Attention concentration and the states behind it, per layer (docs/paper.md, 'How the paper measures concentration').
 
-Pure functions of one layer's arrays; `Decoder.layer_stats` calls them inside each layer, so
-only one layer's (L x S) attention maps exist at a time. Each statistic is one float per
+Pure functions of one layer's arrays. Each Block sows what its queries attended (`Attended`, an
+`nnx.Intermediate`); while `recording()` (which `Decoder.layer_stats` opens) `Decoder._layer`
+captures it and turns it into the layer's statistics at once, so only one layer's (L x S)
+attention maps exist at a time; otherwise nothing is kept. Each statistic is one float per
 sequence (B,); `python -m vrl.experiments.analyze` averages them over validation sequences.
 
 - entropy: attention averaged over heads; the importance of key j is the sum over queries of
@@ -16,15 +18,59 @@ sequence (B,); `python -m vrl.experiments.analyze` averages them over validation
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from vrl.model import ops
 
 Array = jax.Array
+
+# Whether the forward being traced records statistics; a trace-time setting, like the mesh.
+_RECORDING = contextvars.ContextVar('vrl_layer_stats_recording', default=False)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[None]:
+    """Within it, each layer traced hands on its statistics (`captured`)."""
+    token = _RECORDING.set(True)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
+
+
+def is_recording() -> bool:
+    return _RECORDING.get()
+
+
+class Attended(NamedTuple):
+    """What a layer's queries attended, as its Block sows it."""
+
+    q_BxLxHxDh: Array
+    keys_BxSxKxDh: Array
+    values_BxSxKxDh: Array
+    mask: Any  # attention.Causal over the L tokens, or decoding's (B, L, S) boolean mask
+    value_gate_BxLxKx1: Array | None  # the layer's value-embedding gate (None: none)
+    logits_cap: float  # the model's attention soft cap (0: none)
+
+
+def captured(block: nnx.Module, *args: Any) -> tuple[Any, Attended | None]:
+    """block(*args), and what it sowed as 'attended' while `recording()` (None otherwise: its sow
+    keeps nothing). The block runs as a copy made in the trace at hand, which its sow may mutate
+    (a module from an outer trace, which jax.jit closes over, may not be)."""
+    block = nnx.merge(*nnx.split(block))
+    if not is_recording():
+        return nnx.capture(block)(*args), None
+    out, sown = nnx.capture(block, nnx.Intermediate)(*args)
+    (attended,) = sown['attended'].get_value()
+    return out, attended
 
 
 class AttentionStats(NamedTuple):
@@ -87,31 +133,29 @@ def first_and_rest_norms(x_BxLx___: Array) -> tuple[Array, Array]:
     return norms_BxL[:, 0], jnp.mean(norms_BxL[:, 1:], axis=-1)
 
 
-def attention_stats(
-    q_BxLxHxDh: Array,
-    k_BxSxKxDh: Array,
-    v_BxSxKxDh: Array,
-    mask_BxLxS: Array,
-    value_gate_BxLxKx1: Array | None,
-    logits_cap: float,
-) -> AttentionStats:
-    """The attention statistics; value_gate_BxLxKx1 is the layer's value-embedding gate (None: none),
-    `logits_cap` the model's attention soft cap (0: none)."""
-    probs_BxLxS = attention_probs(q_BxLxHxDh, k_BxSxKxDh, mask_BxLxS, logits_cap)
-    B = q_BxLxHxDh.shape[0]
+def attention_stats(a: Attended) -> AttentionStats:
+    """The statistics of what a layer's queries attended."""
+    B, L = a.q_BxLxHxDh.shape[:2]
+    mask_BxLxS = a.mask if isinstance(a.mask, jax.Array) else a.mask.dense(B, L)
+    dtype = a.q_BxLxHxDh.dtype
+    probs_BxLxS = attention_probs(a.q_BxLxHxDh, a.keys_BxSxKxDh.astype(dtype), mask_BxLxS, a.logits_cap)
     gate_B = (
         jnp.full((B,), jnp.nan, jnp.float32)
-        if value_gate_BxLxKx1 is None
-        else jnp.mean(value_gate_BxLxKx1.astype(jnp.float32), axis=(1, 2, 3))
+        if a.value_gate_BxLxKx1 is None
+        else jnp.mean(a.value_gate_BxLxKx1.astype(jnp.float32), axis=(1, 2, 3))
     )
+    values_BxSxKxDh = a.values_BxSxKxDh.astype(dtype)
     return AttentionStats(
-        attention_entropy(probs_BxLxS), first_token_attention(probs_BxLxS), *first_and_rest_norms(v_BxSxKxDh), gate_B
+        attention_entropy(probs_BxLxS),
+        first_token_attention(probs_BxLxS),
+        *first_and_rest_norms(values_BxSxKxDh),
+        gate_B,
     )
 
 
-def layer_stats(attention: AttentionStats, h_BxLxD: Array) -> LayerStats:
+def layer_stats(attended: Attended, h_BxLxD: Array) -> LayerStats:
     """The layer's attention statistics with those of its output hidden state."""
-    return LayerStats(*attention, *first_and_rest_norms(h_BxLxD), token_similarity(h_BxLxD))
+    return LayerStats(*attention_stats(attended), *first_and_rest_norms(h_BxLxD), token_similarity(h_BxLxD))
 
 
 def first_layer(statistic: str) -> int:
