@@ -75,6 +75,28 @@ SKIP_V1_VARIANTS = {
     ),
 }
 
+# Attention residuals (vrl/model/attn_residuals.py) on the small config's 3 layers: full, Block AttnRes as one
+# block (a partial sum throughout) and as a block per layer, on the value-residual variants and beside CLA,
+# SkipV1Former, a value embedding, QK-norm and windows (the export tests do not take them yet)
+ATTN_RES_VARIANTS = {
+    'attnres-full': dict(attention='vanilla', attn_residuals='full'),
+    'attnres-block1-resformer': dict(
+        attention='resformer', lambda_mode='learnable_plus', attn_residuals='block', attn_residual_blocks=1
+    ),
+    'attnres-block3-svformer-cla2': dict(
+        attention='svformer', kv_share=2, attn_residuals='block', attn_residual_blocks=3
+    ),
+    'attnres-full-skipv1-value_embeds-qk_norm-windows': dict(
+        attention='vanilla',
+        attn_residuals='full',
+        skip_v1=1,
+        value_embed_layers=(1,),
+        qk_norm=True,
+        attention_window=3,
+        global_layers=(2,),
+    ),
+}
+
 # Hyper-connections (vrl/model/hyper.py), both kinds, static and dynamic, with other streams counts and on
 # the value-residual variants (checked by the tests of the model, decoding, accounting and sharding)
 HYPER_VARIANTS = {
@@ -183,7 +205,8 @@ def piece_bytes(tok) -> np.ndarray:
 def module_matmul_params(cfg: ModelConfig) -> int:
     """The weights of `cfg`'s real Decoder that take part in a matmul per token, found by their
     parameter paths: every parameter but the norms' scales (QK-norm's too), ResFormer's lambdas, DenseFormer's
-    weights, MUDD's static weights, hyper-connections' weights (accounting counts their multiply-adds apart) and
+    weights, MUDD's static weights, hyper-connections' and attention residuals' weights (accounting counts their
+    multiply-adds apart) and
     the lookup tables (the input embedding, unless tied, when it is the head, and the value-embedding tables)."""
     from vrl.model.decoder import Decoder
 
@@ -192,7 +215,7 @@ def module_matmul_params(cfg: ModelConfig) -> int:
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(abstract, nnx.Param)):
         keys = [str(getattr(k, 'key', k)) for k in path]
         lookup = keys[0] == 'embed' and not cfg.tie_embeddings or 'tables' in keys
-        hyper = any(k.endswith('_hyper') for k in keys)
+        hyper = any(k.endswith(('_hyper', '_depth')) for k in keys) or keys[0] == 'depth_output'
         norm = 'scale' in keys or 'q_norm' in keys or 'k_norm' in keys
         if not (lookup or hyper or norm or keys[0] in ('lambdas', 'depth_weights') or 'static' in keys):
             total += leaf.size

@@ -146,6 +146,34 @@ def _np_hyper(cfg: ModelConfig, c: dict | None, h: np.ndarray) -> tuple:
     return inputs, lambda out: np.einsum('tji,itd->jtd', remixes, h) + posts.T[:, :, None] * out[None]
 
 
+class _NpDepth:
+    """Attention residuals (Kimi team): the sources so far (the embedding output, then each completed one)
+    and the partial sum of the sublayer outputs since the last, None when there is none."""
+
+    def __init__(self, cfg: ModelConfig, embedded: np.ndarray):
+        self.cfg, self.sources, self.partial = cfg, [embedded], None
+
+    def mix(self, c: dict) -> np.ndarray:
+        """softmax over the sources (and the partial sum) of w . RMSNorm(source), position by position."""
+        V = np.stack(self.sources + ([] if self.partial is None else [self.partial]))  # (S, L, D)
+        logits = np.einsum('sld,d->sl', _np_rms(V, c['key_scale'], self.cfg.norm_eps), c['query'])
+        alpha = np.exp(logits - logits.max(0))
+        return np.einsum('sl,sld->ld', alpha / alpha.sum(0), V)
+
+    def enter(self, c: dict, n: int, sublayer: int) -> tuple:
+        """_np_hyper's pair for 0-based layer n's attention (0) or MLP (1): its input, and a function of
+        its output giving the partial sum after it (zeros once it became a source)."""
+
+        def added(out):
+            self.partial = out if self.partial is None else self.partial + out
+            full, per_block = self.cfg.attn_residuals == 'full', self.cfg.n_layers // self.cfg.attn_residual_blocks
+            if full or (sublayer == 1 and (n + 1) % per_block == 0):
+                self.sources, self.partial = self.sources + [self.partial], None
+            return np.zeros_like(out) if self.partial is None else self.partial
+
+        return self.mix(c), added
+
+
 def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = None) -> np.ndarray:
     """One sequence (L,) -> logits (L, vocab_size), straight from docs/paper.md's equations.
 
@@ -156,13 +184,16 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
     G = cfg.n_heads // cfg.n_kv_heads
     h = p['embed'][tokens]
     blocks = [h]
+    depth = _NpDepth(cfg, h) if cfg.attn_residuals else None
     if cfg.hyper_connections:
         h = np.stack([h] * cfg.hyper_streams)  # the n streams (n, L, D)
     v1 = group_kv = None
     ways = {}  # MUDD: the q, k, v inputs that the last connection mixed
     layers = [p['first']] + [jax.tree.map(lambda x, i=i: x[i], p['layers']) for i in range(cfg.n_stacked)]
     for n, layer in enumerate(layers):
-        x, attention_added = _np_hyper(cfg, layer.get('attn_hyper'), h)
+        x, attention_added = (
+            depth.enter(layer['attn_depth'], n, 0) if depth else _np_hyper(cfg, layer.get('attn_hyper'), h)
+        )
         x = _np_rms(ways.get('q', x), layer['attn_norm']['scale'], cfg.norm_eps)
         # MUDD's k and v ways: every layer after the first normalises them with its own scale, mixed or not
         xk, xv = (
@@ -204,7 +235,7 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
         if cfg.neutreno and n > 0:
             o = o + cfg.neutreno_lambda * np.repeat(v1 - v, G, axis=1)  # V_1 minus the values attended
         h = attention_added(np.einsum('inh,nhd->id', o, a['wo']))
-        x, mlp_added = _np_hyper(cfg, layer.get('mlp_hyper'), h)
+        x, mlp_added = depth.enter(layer['mlp_depth'], n, 1) if depth else _np_hyper(cfg, layer.get('mlp_hyper'), h)
         x = _np_rms(x, layer['mlp_norm']['scale'], cfg.norm_eps)
         m = layer['mlp']
         gate, up = x @ m['w_gate'], x @ m['w_up']
@@ -216,6 +247,7 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
         h = ways.pop('r')
         if trace is not None:
             trace.append((att, v, h if h.ndim == 2 else h.sum(0), np.nan if ve is None else ve[0].mean()))
-    x = _np_rms(h if h.ndim == 2 else h.sum(0), p['final_norm']['scale'], cfg.norm_eps)
+    x = depth.mix(p['depth_output']) if depth else h if h.ndim == 2 else h.sum(0)
+    x = _np_rms(x, p['final_norm']['scale'], cfg.norm_eps)
     head = p['embed'].T if cfg.tie_embeddings else p['head']
     return _np_soft_cap((x @ head)[:, : cfg.vocab_size], cfg.final_logits_soft_cap)

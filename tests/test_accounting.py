@@ -14,6 +14,7 @@ from flax import nnx
 
 from configs import base, modern, preset
 from tests.helpers import (
+    ATTN_RES_VARIANTS,
     HYPER_VARIANTS,
     NAMED_VARIANTS,
     SKIP_V1_VARIANTS,
@@ -38,8 +39,9 @@ def _real_param_count(cfg) -> int:
     'variant',
     VARIANTS
     + [dict(attention='svformer', tie_embeddings=True), dict(attention='vanilla', kv_share=2, qk_norm=True)]
-    + list(HYPER_VARIANTS.values()),
-    ids=VARIANT_IDS + ['svformer-tied', 'cla2-qk_norm'] + list(HYPER_VARIANTS),
+    + list(HYPER_VARIANTS.values())
+    + list(ATTN_RES_VARIANTS.values()),
+    ids=VARIANT_IDS + ['svformer-tied', 'cla2-qk_norm'] + list(HYPER_VARIANTS) + list(ATTN_RES_VARIANTS),
 )
 def test_count_from_config_equals_module(variant):
     cfg = small_model_config(**variant)
@@ -77,8 +79,10 @@ def test_svformer_82m_saves_1_84m_params():
 
 @pytest.mark.parametrize(
     'variant',
-    VARIANTS + [dict(attention='svformer', tie_embeddings=True), HYPER_VARIANTS['mhc'], *SKIP_V1_VARIANTS.values()],
-    ids=VARIANT_IDS + ['svformer-tied', 'mhc', *SKIP_V1_VARIANTS],
+    VARIANTS
+    + [dict(attention='svformer', tie_embeddings=True), HYPER_VARIANTS['mhc'], *SKIP_V1_VARIANTS.values()]
+    + [ATTN_RES_VARIANTS['attnres-block1-resformer']],
+    ids=VARIANT_IDS + ['svformer-tied', 'mhc', *SKIP_V1_VARIANTS, 'attnres-block1-resformer'],
 )
 def test_matmul_weights_are_the_modules(variant):
     """The weights FLOPs are counted for are the real module's matmul weights, by parameter path."""
@@ -87,7 +91,8 @@ def test_matmul_weights_are_the_modules(variant):
 
 
 @pytest.mark.parametrize(
-    'variant', ['vanilla', 'svformer', 'resformer-per_token', 'value_embeds', 'cla2', 'mudd-qkvr', 'hc', 'mhc']
+    'variant',
+    ['vanilla', 'svformer', 'resformer-per_token', 'value_embeds', 'cla2', 'mudd-qkvr', 'hc', 'mhc', 'attnres-full'],
 )
 def test_forward_flops_agree_with_xla_cost_analysis(variant):
     """XLA's count of the compiled forward (one pass over all keys, so no causal saving; unrolled
@@ -96,7 +101,7 @@ def test_forward_flops_agree_with_xla_cost_analysis(variant):
     formula leaves out: between 0 and 3% more. One W_V too many or too few is 2.7% here."""
     S = 128
     cfg = small_model_config(
-        **(NAMED_VARIANTS | HYPER_VARIANTS)[variant],
+        **(NAMED_VARIANTS | HYPER_VARIANTS | ATTN_RES_VARIANTS)[variant],
         scan_layers=False,
         attention_chunks=1,
         vocab_size=512,

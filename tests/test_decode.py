@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from tests.helpers import (
+    ATTN_RES_VARIANTS,
     DISTINCT_PATHS,
     FAST_TIER,
     HYPER_VARIANTS,
@@ -41,6 +42,7 @@ _CACHE_CASES = (
     | {f'{a}-{n}': (dict(attention=a), k) for a in ('vanilla', 'svformer') for n, k in (('mha', 4), ('mqa', 1))}
     | {'svformer-cla2-qk_norm-gqa2': (dict(attention='svformer', kv_share=2, qk_norm=True), 2)}
     | {f'{name}-gqa2': (v, 2) for name, v in SKIP_V1_VARIANTS.items()}
+    | {f'{name}-gqa2': (v, 2) for name, v in ATTN_RES_VARIANTS.items()}
     | {'skipv1-mha': (dict(attention='vanilla', skip_v1=2), 4)}
     | {
         'resformer-soft_caps-gqa2': (
@@ -75,6 +77,8 @@ _CACHE_CASES = (
             'mhc-gqa2',
             'skipv1-cla2-value_embeds-qk_norm-gqa2',
             'skipv1-windows-gqa2',
+            'attnres-block1-resformer-gqa2',
+            'attnres-full-skipv1-value_embeds-qk_norm-windows-gqa2',
         ],
     ),
 )

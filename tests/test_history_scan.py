@@ -37,12 +37,12 @@ def test_gradients_are_jax_scans_for_carry_xs_and_what_the_step_closes_over():
     w, h0 = jnp.asarray(rng.standard_normal((5, 6, 6)) / 3), jnp.asarray(rng.standard_normal(6))
     scale = jnp.asarray(0.7)
     plain = lambda step, c, xs: jax.lax.scan(lambda c, x: (step(c, x), None), c, xs)[0]  # noqa: E731
-    rebuilt = lambda step, c, xs: history_scan.scan(step, c, xs, history_scan.History(1, 1))  # noqa: E731
+    rebuilt = lambda step, c, xs: history_scan.scan(step, c, xs, history_scan.History(tuple(range(1, 6))))  # noqa: E731
     want = jax.grad(lambda *a: _toy(plain, *a), argnums=(0, 1, 2))(w, scale, h0)
     got = jax.grad(lambda *a: _toy(rebuilt, *a), argnums=(0, 1, 2))(w, scale, h0)
     for g, wanted in zip(got, want):
         assert rel_err(g, wanted) < 1e-6
-    wrong = lambda step, c, xs: history_scan.scan(step, c, xs, history_scan.History(2, 1))  # noqa: E731
+    wrong = lambda step, c, xs: history_scan.scan(step, c, xs, history_scan.History(tuple(range(2, 7))))  # noqa: E731
     off = jax.grad(lambda *a: _toy(wrong, *a))(w, scale, h0)  # a history rebuilt one row too long
     assert rel_err(off, want[0]) > 1e-3
 
@@ -72,3 +72,15 @@ def test_the_history_is_kept_once_not_once_per_layer(monkeypatch):
     B, L, D = 8, 64, cfg.d_model
     history = 11 * 13 * B * L * D * 4
     assert per_layer - once > 0.8 * history, (once, per_layer, history)
+
+
+def test_attention_residuals_keep_their_sources_once(monkeypatch):
+    """Full AttnRes over 12 layers: 25 sources, which jax.lax.scan would keep once per stacked layer."""
+    cfg = small_model_config(n_layers=12, attn_residuals='full', remat='full', compute_dtype='float32')
+    once = _temporaries(cfg)
+    monkeypatch.setattr(
+        history_scan, 'scan', lambda step, c, xs, h: jax.lax.scan(lambda c, x: (step(c, x), None), c, xs)[0]
+    )
+    per_layer = _temporaries(cfg)
+    B, L, D = 8, 64, cfg.d_model
+    assert per_layer - once > 0.8 * 11 * 25 * B * L * D * 4, (once, per_layer)

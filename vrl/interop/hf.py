@@ -101,6 +101,8 @@ def is_llama(cfg: ModelConfig) -> bool:
         or cfg.denseformer
         or cfg.mudd
         or cfg.hyper_connections
+        or cfg.attn_residuals
+        or cfg.skip_v1
         or cfg.kv_share > 1
         or cfg.value_embed_layers
         or cfg.qk_norm
@@ -332,12 +334,17 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
 
 def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer, out: Path) -> list[Path]:
     """Writes the Hugging Face directory; returns its files."""
-    if cfg.skip_v1:
-        raise HFError(
-            f'{cfg.variant_name} has no Hugging Face export yet: the exported PyTorch model and the vLLM plugin '
-            "do not read a layer's value heads from V_1 (model.skip_v1); sample and score it in vrl "
-            '(python -m vrl.tools.generate, python -m vrl.tools.evaluate).'
-        )
+    unexported = {
+        'model.skip_v1': "read a layer's value heads from V_1",
+        'model.attn_residuals': "take each sublayer's input as a softmax over depth",
+    }
+    for field, what in unexported.items():
+        if getattr(cfg, field.removeprefix('model.')):
+            raise HFError(
+                f'{cfg.variant_name} has no Hugging Face export yet: the exported PyTorch model and the vLLM '
+                f'plugin do not {what} ({field}); sample and score it in vrl (python -m vrl.tools.generate, '
+                'python -m vrl.tools.evaluate).'
+            )
     tensors = to_hf(params, cfg)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / 'model.safetensors'), metadata={'format': 'pt'})

@@ -10,7 +10,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from vrl.model import resolve
+from vrl.model import attn_residuals, resolve
 from vrl.model.cache import layout_of
 from vrl.model.config import ModelConfig
 
@@ -67,6 +67,17 @@ def _hyper_macs(cfg: ModelConfig) -> int:
     return 2 * cfg.n_layers * ((dynamic if cfg.hyper_dynamic else 0) + (n * n + 2 * n) * D)
 
 
+def _attn_residual_params(cfg: ModelConfig) -> int:
+    """Attention residuals: a query and a key-norm scale (D each) per sublayer (2 L) and for the output."""
+    return (2 * cfg.n_layers + 1) * 2 * cfg.d_model if cfg.attn_residuals else 0
+
+
+def _attn_residual_macs(cfg: ModelConfig) -> int:
+    """Attention residuals' multiply-adds per token: each query's dot with every normalised source it
+    weighs, and their weighted sum, D each per source."""
+    return 2 * cfg.d_model * sum(attn_residuals.sources_per_sublayer(cfg)) if cfg.attn_residuals else 0
+
+
 def _scalar_params(cfg: ModelConfig) -> int:
     """ResFormer's learnable lambdas, DenseFormer's L (L + 3) / 2 averaging weights and MUDD's static weights."""
     lambdas = 0
@@ -93,15 +104,17 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     with the mask's pairs less half its diagonal per query: seq_len / 2 under the causal mask,
     W - 1/2 - W (W - 1) / (2 seq_len) in a local layer (W = min(model.attention_window, seq_len)).
     MUDD adds its W_in and W_out as matmul weights and its mixes, len(ways) (i + 2) D multiply-adds
-    per token after layer i, and hyper-connections their weights and mixes (`_hyper_macs`), each
-    multiply-add 6 FLOPs in training like a weight's. Elementwise work (the value mixes, NeuTRENO,
+    per token after layer i, hyper-connections their weights and mixes (`_hyper_macs`) and attention
+    residuals their queries' dots and mixes (`_attn_residual_macs`), each multiply-add 6 FLOPs in
+    training like a weight's. Elementwise work (the value mixes, NeuTRENO,
     DenseFormer's one average of the same kind, norms, Sinkhorn) and lookups (value embeddings) are
     not counted.
     """
     W, S = min(cfg.attention_window, seq_len), seq_len
     keys = sum(W - 0.5 - W * (W - 1) / (2 * S) if local else S / 2 for local in cfg.local_layers)
     mudd_mixes = sum(weights for weights, _ in _mudd_connections(cfg)) * cfg.d_model
-    return 6.0 * (matmul_params(cfg) + mudd_mixes + _hyper_macs(cfg)) + 12.0 * cfg.n_heads * cfg.head_dim * keys
+    macs = matmul_params(cfg) + mudd_mixes + _hyper_macs(cfg) + _attn_residual_macs(cfg)
+    return 6.0 * macs + 12.0 * cfg.n_heads * cfg.head_dim * keys
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -120,8 +133,8 @@ def non_embedding_params(cfg: ModelConfig) -> int:
     norms = (2 * cfg.n_layers + 1 + cfg.n_stacked * sum(way in cfg.mudd for way in 'kv')) * cfg.d_model
     if cfg.qk_norm:  # a query scale per layer, a key scale per layer that projects keys
         norms += (cfg.n_layers + sum(map(layout_of(cfg).owns_kv, range(cfg.n_layers)))) * cfg.head_dim
-    hyper = _hyper_params(cfg)
-    return matmul_params(cfg) - cfg.d_model * cfg.padded_vocab_size + norms + _scalar_params(cfg) + hyper
+    cross_layer = _hyper_params(cfg) + _attn_residual_params(cfg)
+    return matmul_params(cfg) - cfg.d_model * cfg.padded_vocab_size + norms + _scalar_params(cfg) + cross_layer
 
 
 def _head_row_bytes(cfg: ModelConfig) -> int:
@@ -145,16 +158,19 @@ def kv_cache_bytes(cfg: ModelConfig, context: int) -> int:
 
 def layer_history_bytes_per_token(cfg: ModelConfig) -> int:
     """What a forward holds per token beside the hidden state for the cross-layer mixes (DenseFormer,
-    MUDD, hyper-connections): the embedding output and every block output, L + 1 vectors of D, and
-    MUDD's mixed query, key and value inputs; or hyper-connections' n - 1 streams beyond one; in the
+    MUDD, hyper-connections, attention residuals): the embedding output and every block output, L + 1
+    vectors of D, and MUDD's mixed query, key and value inputs; or hyper-connections' n - 1 streams
+    beyond one; or attention residuals' sources (2 L + 1, or N + 1 for blocks); in the
     compute dtype; 0 for the other variants. Decoding holds it for a step's new tokens only (the KV
-    cache is unchanged). The training step keeps DenseFormer's and MUDD's for the backward pass once
-    under model.remat (vrl/model/history_scan.py), once per stacked layer without; hyper-connections'
-    streams once per layer, as every variant's hidden state."""
+    cache is unchanged). The training step keeps DenseFormer's, MUDD's and attention residuals' for
+    the backward pass once under model.remat (vrl/model/history_scan.py), once per stacked layer
+    without; hyper-connections' streams once per layer, as every variant's hidden state."""
     if cfg.hyper_connections:
         vectors = cfg.hyper_streams - 1
     elif cfg.denseformer or cfg.mudd:
         vectors = cfg.n_layers + 1 + max(len(cfg.mudd) - 1, 0)
+    elif cfg.attn_residuals:
+        vectors = attn_residuals.n_sources(cfg)
     else:
         return 0
     return vectors * cfg.d_model * jnp.dtype(resolve.local_compute_dtype(cfg)).itemsize

@@ -13,6 +13,7 @@ ATTENTION_VARIANTS = ('vanilla', 'resformer', 'svformer')
 LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse', 'per_token')
 MUDD_WAYS = ('', 'r', 'vr', 'qkvr')  # model.mudd: the inputs of a block that MUDD mixes (r: the residual)
 HYPER_CONNECTIONS = ('', 'hc', 'mhc')  # model.hyper_connections: vrl/model/hyper.py
+ATTN_RESIDUALS = ('', 'full', 'block')  # model.attn_residuals: vrl/model/attn_residuals.py
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_qkv', 'auto')
 ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/model/attention.py; the last is
 # what splash becomes off TPU (Pallas' interpreter)
@@ -40,6 +41,8 @@ VARIANT_FIELDS = (
     'hyper_connections',
     'hyper_streams',
     'hyper_dynamic',
+    'attn_residuals',
+    'attn_residual_blocks',
 )
 EXECUTION_FIELDS = (
     'attention_chunks',
@@ -99,6 +102,12 @@ class ModelConfig:
     hyper_connections: str = ''
     hyper_streams: int = 4  # the expansion rate n
     hyper_dynamic: bool = True  # False (hc only): the weights are learned constants, the same at every position
+    # Attention Residuals (Kimi team): each attention's and MLP's input is a softmax over depth, a learned query
+    # per sublayer against the RMS-normalised embedding output and what the sublayers before added: 'full' (each
+    # sublayer's output its own source) or 'block' (attn_residual_blocks blocks of layers, each one source, the
+    # sum of its sublayers' outputs); '' = off
+    attn_residuals: str = ''
+    attn_residual_blocks: int = 8  # 'block': how many blocks the layers split into (N, a divisor of n_layers)
     # QK-norm: each head's queries and keys RMS-normalised over head_dim with a learned scale (Dh,), before
     # RoPE, as Qwen3 and Gemma 3 do (nanochat's has no scale; OLMo-2 normalises all heads together)
     qk_norm: bool = False
@@ -234,6 +243,7 @@ class ModelConfig:
         self._check_value_embeddings()
         self._check_mudd()
         self._check_hyper_connections()
+        self._check_attn_residuals()
 
     def _check_mudd(self) -> None:
         choice('model.mudd', self.mudd, MUDD_WAYS)
@@ -284,6 +294,32 @@ class ModelConfig:
                 self.hyper_connections,
                 f"'' with model.{field} (both rewrite the residual stream between layers)",
             )
+
+    def _check_attn_residuals(self) -> None:
+        choice('model.attn_residuals', self.attn_residuals, ATTN_RESIDUALS)
+        if self.attn_residuals == 'block':
+            require(
+                1 <= self.attn_residual_blocks <= self.n_layers and self.n_layers % self.attn_residual_blocks == 0,
+                'model.attn_residual_blocks',
+                self.attn_residual_blocks,
+                f'a divisor of model.n_layers={self.n_layers} (blocks of whole layers)',
+            )
+        for field, on in (
+            ('denseformer', self.denseformer),
+            ('mudd', bool(self.mudd)),
+            ('hyper_connections', bool(self.hyper_connections)),
+        ):
+            require(
+                not (on and self.attn_residuals),
+                'model.attn_residuals',
+                self.attn_residuals,
+                f"'' with model.{field} (both make each block's input their own mix of the layers before it)",
+            )
+
+    @property
+    def attn_residual_layers(self) -> int:
+        """Block AttnRes: the layers of each block (full: 0, each sublayer its own source)."""
+        return self.n_layers // self.attn_residual_blocks if self.attn_residuals == 'block' else 0
 
     def _check_value_embeddings(self) -> None:
         layers, tables = self.value_embed_layers, self.value_embed_tables
@@ -372,6 +408,9 @@ class ModelConfig:
         if self.hyper_connections:
             static = '' if self.hyper_dynamic else ' static'
             parts.append(f'{self.hyper_connections.upper()} x{self.hyper_streams}{static}')
+        if self.attn_residuals:
+            blocks = f' ({self.attn_residual_blocks} blocks)' if self.attn_residuals == 'block' else ''
+            parts.append(f'AttnRes {self.attn_residuals}{blocks}')
         if self.n_kv_heads != self.n_heads:
             parts.append('MQA' if self.n_kv_heads == 1 else f'GQA{self.n_heads // self.n_kv_heads}')
         if self.qk_norm:

@@ -18,7 +18,8 @@ in one place:
 - how block outputs combine into the next block's input (DenseFormer, MUDD): `Decoder._layer`;
   MUDD's query, key and value inputs, each its own mix: `Block.attention_inputs`;
 - the residual stream itself (hyper-connections: n streams, each sublayer reading their weighted
-  sum and adding its output to their remix): `hyper.enter` and the residual adds in `Block.__call__`.
+  sum and adding its output to their remix; attention residuals: each sublayer reading a softmax over
+  the sources before it): `Block.sublayer_input`, the residual adds in `Block.__call__` and `Block.settled`.
 
 `Block.__call__` reads as a pre-norm block: its inputs normalised, the queries, the keys and the
 values, attention (training's `attend` over the L tokens or decoding's `attend_cached` over the KV
@@ -32,6 +33,7 @@ QK-norm (model.qk_norm), beside the variants, normalises each head's queries and
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -42,7 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from vrl.core.config import require_resolved
 from vrl.core.sharding import Axis, constrain, context_parts
-from vrl.model import attention, history_scan, hyper, layer_stats, ops, params, variants
+from vrl.model import attention, attn_residuals, history_scan, hyper, layer_stats, ops, params, variants
 from vrl.model.attention import Causal
 from vrl.model.cache import KVCache, layout_of
 from vrl.model.config import ModelConfig
@@ -221,7 +223,8 @@ class Stream(NamedTuple):
     copies: attention.Copies | None  # sequences split over `context`: shared keys and values made whole (Block.copies)
     kv: tuple[Array, Array] | None  # CLA: the current group's keys and attended values (B, L, K, Dh)
     # DenseFormer, MUDD: the embedding output and the block outputs so far, (L + 1, B, L, D) zero past the
-    # newest where the layers are scanned; where they are not, a tuple of (B, L, D), each output held once
+    # newest where the layers are scanned; where they are not, a tuple of (B, L, D), each output held once.
+    # Attention residuals: their completed sources, alike (vrl/model/attn_residuals.py; h is the partial sum)
     blocks: Array | tuple[Array, ...] | None
     cache: KVCache | None  # decoding: every layer's keys and values
     ways: Array | None = None  # MUDD: (E, B, L, D) the next block's mixed attention inputs, ways cfg.mudd[:-1]
@@ -241,16 +244,20 @@ class Block(nnx.Module):
         connected = cfg.hyper_connections != ''
         self.attn_hyper = hyper.HyperConnection(cfg, sublayer=0, stack=stack, rngs=rngs) if connected else None
         self.mlp_hyper = hyper.HyperConnection(cfg, sublayer=1, stack=stack, rngs=rngs) if connected else None
+        over_depth = cfg.attn_residuals != ''
+        self.attn_depth = attn_residuals.DepthQuery(cfg, stack) if over_depth else None
+        self.mlp_depth = attn_residuals.DepthQuery(cfg, stack) if over_depth else None
         self.cfg = cfg
         self.neutreno_lambda = cfg.neutreno_lambda if cfg.neutreno else None
 
     def __call__(
         self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries
-    ) -> tuple[Array, tuple[Array, Array], attention.Copies | None, KVCache | None]:
-        """The block's output (B, L, D) (with hyper-connections, the n streams (n, B, L, D)), its keys and
-        attended values for the L tokens, the copies it attended with (`copies`) and the cache with them
-        written; it sows what its queries attended (layer_stats.Attended) for the statistics."""
-        x_BxLxD, xk_BxLxD, xv_BxLxD, into_attention = self.attention_inputs(s)  # the pre-norms (MUDD: its ways)
+    ) -> tuple[Stream, tuple[Array, Array]]:
+        """The stream after the block: its output h (B, L, D) (with hyper-connections, the n streams
+        (n, B, L, D)), attention residuals' sources, the copies it attended with (`copies`) and the cache
+        with its keys and values written; and those keys and attended values for the L tokens. It sows
+        what its queries attended (layer_stats.Attended) for the statistics."""
+        x_BxLxD, xk_BxLxD, xv_BxLxD, into_attention = self.attention_inputs(s, p)  # the pre-norms (MUDD: its ways)
         q_BxLxHxDh = checkpoint_name(self.attn.queries(x_BxLxD, positions_BxL), 'queries')
         k_BxLxKxDh, v_BxLxKxDh, gate_BxLxKx1 = self.keys_values(s, p, xk_BxLxD, xv_BxLxD, positions_BxL)  # the V
         if isinstance(mask, Causal):  # training: the L tokens
@@ -269,15 +276,38 @@ class Block(nnx.Module):
             o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_BxLxKxDh), o_BxLxHxDh.shape)
         attn_out_BxLxD = checkpoint_name(self.attn.output(o_BxLxHxDh), 'attention_out')
         h = s.h + attn_out_BxLxD if into_attention is None else into_attention.add(s.h, attn_out_BxLxD)  # residual
-        x_BxLxD, into_mlp = hyper.enter(self.mlp_hyper, h)
+        h, blocks = self.settled(0, h, s.blocks, p.layer)
+        x_BxLxD, into_mlp = self.sublayer_input(1, h, blocks, p.layer)
         mlp_out_BxLxD = self.mlp(self.mlp_norm(x_BxLxD))
         h = h + mlp_out_BxLxD if into_mlp is None else into_mlp.add(h, mlp_out_BxLxD)  # residual
+        h, blocks = self.settled(1, h, blocks, p.layer)
         self.sow(
             nnx.Intermediate,
             'attended',
             layer_stats.Attended(q_BxLxHxDh, *attended, gate_BxLxKx1, self.cfg.attn_logits_soft_cap),
         )
-        return h, (k_BxLxKxDh, v_BxLxKxDh), copies, cache
+        return s._replace(h=h, blocks=blocks, copies=copies, cache=cache), (k_BxLxKxDh, v_BxLxKxDh)
+
+    def sublayer_input(
+        self, sublayer: int, h: Array, blocks: Array | tuple[Array, ...] | None, layer: int | Array
+    ) -> tuple[Array, hyper.Coefficients | None]:
+        """The input (B, L, D) of the attention (`sublayer` 0) or the MLP (1) before its pre-norm: h itself;
+        with hyper-connections the streams' weighted sum, and the weights to add the output with; with
+        attention residuals the softmax over the sources before it."""
+        over_depth = (self.attn_depth, self.mlp_depth)[sublayer]
+        if over_depth is not None:
+            return over_depth(h, blocks, *attn_residuals.seen(self.cfg, layer, sublayer)), None
+        return hyper.enter((self.attn_hyper, self.mlp_hyper)[sublayer], h)
+
+    def settled(
+        self, sublayer: int, h: Array, blocks: Array | tuple[Array, ...] | None, layer: int | Array
+    ) -> tuple[Array, Array | tuple[Array, ...] | None]:
+        """After a sublayer's residual add: with attention residuals, the partial sum made a source where
+        a source ends (every sublayer's, or a block's), the stream as it is otherwise."""
+        if self.attn_depth is None:
+            return h, blocks
+        index, _ = attn_residuals.seen(self.cfg, layer, sublayer)
+        return attn_residuals.settle(h, blocks, index, attn_residuals.completes(self.cfg, layer, sublayer))
 
     def keys_values(
         self, s: Stream, p: LayerInputs, xk_BxLxD: Array, xv_BxLxD: Array, positions_BxL: Array
@@ -340,11 +370,11 @@ class Block(nnx.Module):
         o_BxTxHxDh = ops.attend_cache(q_BxTxHxDh, keys, values, mask_BxTxS, self.cfg.attn_logits_soft_cap)
         return o_BxTxHxDh, cache, (keys, values, mask_BxTxS)
 
-    def attention_inputs(self, s: Stream) -> tuple[Array, Array, Array, hyper.Coefficients | None]:
-        """The normalised inputs (B, L, D) of the queries, the keys and the values: attn_norm(h) for all
-        three, except that each of MUDD's q, k and v ways is its own mix, normalised on its own; with
-        hyper-connections h is the streams' weighted sum, and the weights to add the output with come too."""
-        x_BxLxD, into_attention = hyper.enter(self.attn_hyper, s.h)
+    def attention_inputs(self, s: Stream, p: LayerInputs) -> tuple[Array, Array, Array, hyper.Coefficients | None]:
+        """The normalised inputs (B, L, D) of the queries, the keys and the values: attn_norm of the
+        sublayer's input (`sublayer_input`) for all three, except that each of MUDD's q, k and v ways is its
+        own mix, normalised on its own; with hyper-connections the weights to add the output with come too."""
+        x_BxLxD, into_attention = self.sublayer_input(0, s.h, s.blocks, p.layer)
         mixed = {} if s.ways is None else dict(zip(self.cfg.mudd[:-1], s.ways))
         x_BxLxD = self.attn_norm(mixed.get('q', x_BxLxD))
         xk_BxLxD = x_BxLxD if self.k_input_norm is None else self.k_input_norm(mixed['k'])
@@ -425,6 +455,7 @@ class Decoder(nnx.Module):
         self.value_embeds = variants.ValueEmbeddings(cfg, rngs) if cfg.value_embed_layers else None
         self.depth_weights = variants.DepthWeights(cfg) if cfg.denseformer else None
         self.mudd = variants.DenseConnections(cfg, rngs) if cfg.mudd else None
+        self.depth_output = attn_residuals.DepthQuery(cfg, None) if cfg.attn_residuals else None
         self.final_norm = RMSNorm(cfg, None)
         self.head = None if cfg.tie_embeddings else params.normal(rngs, (D, V), (Axis.EMBED, Axis.VOCAB), cfg.init_std)
 
@@ -500,10 +531,11 @@ class Decoder(nnx.Module):
         dtype, L = self.compute_dtype, self.cfg.n_layers
         h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION if cache is None else _DECODING)
         h = hyper.widened(h_BxLxD, self.cfg)
-        blocks = None
+        blocks, scanned = None, self.cfg.scan_layers and cache is None
         if self.depth_weights is not None or self.mudd is not None:  # a buffer the scan carries, or a tuple
-            scanned = self.cfg.scan_layers and cache is None
             blocks = jnp.zeros((L + 1, *h_BxLxD.shape), dtype).at[0].set(h_BxLxD) if scanned else (h_BxLxD,)
+        if self.depth_output is not None:  # attention residuals: the embedding output the first source
+            h, blocks = attn_residuals.begin(h_BxLxD, self.cfg, scanned)
         dense_LxL1 = None if self.depth_weights is None else self.depth_weights.matrix()
         mudd = None if self.mudd is None else self.mudd.for_layers()
         ve = self.value_embeds
@@ -525,7 +557,7 @@ class Decoder(nnx.Module):
         )
         s, first_stats = self._layer(self.first, Stream(h, None, None, None, blocks, cache), first, positions_BxL, mask)
         s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask, layers)
-        h_BxLxD = self.final_norm(hyper.merged(s.h, self.cfg))
+        h_BxLxD = self.final_norm(self._output(s))
         cache = None if cache is None else s.cache._replace(index=cache.index + tokens_BxL.shape[1])
         if first_stats is None:
             return h_BxLxD, cache, None
@@ -541,17 +573,26 @@ class Decoder(nnx.Module):
             ),
         )
 
+    def _output(self, s: Stream) -> Array:
+        """The final norm's input (B, L, D): the stream's hidden state (hyper-connections: the streams' sum;
+        attention residuals: the output query's mix of every source)."""
+        if self.depth_output is None:
+            return hyper.merged(s.h, self.cfg)
+        return self.depth_output(s.h, s.blocks, attn_residuals.n_sources(self.cfg), False)
+
     def _layer(
         self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries
     ) -> tuple[Stream, layer_stats.LayerStats | None]:
         """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average, MUDD's mixes
         (a hyper-connected block remixes its streams itself); and its statistics while recording."""
-        (h, kv, copies, cache), attended = layer_stats.captured(block, s, p, positions_BxL, mask)
-        blocks, ways, activation = s.blocks, None, _ACTIVATION if cache is None else _DECODING
-        if isinstance(blocks, tuple):  # the next input is a learned mix of B_0..B_layer+1
-            blocks = (*blocks, h)
-        elif blocks is not None:
-            blocks = jax.lax.dynamic_update_index_in_dim(blocks, h, p.layer + 1, 0)
+        (out, kv), attended = layer_stats.captured(block, s, p, positions_BxL, mask)
+        h, blocks, ways, activation = out.h, out.blocks, None, _ACTIVATION if out.cache is None else _DECODING
+        if p.dense_row is not None or p.mudd is not None:  # the next input is a learned mix of B_0..B_layer+1
+            blocks = (
+                (*blocks, h)
+                if isinstance(blocks, tuple)
+                else jax.lax.dynamic_update_index_in_dim(blocks, h, p.layer + 1, 0)
+            )
         if p.dense_row is not None:  # DenseFormer: one average, static weights
             h = variants.weighted_sum(p.dense_row, blocks)
         if p.mudd is not None:  # MUDD: a mix per way (r last), weights per position
@@ -560,7 +601,7 @@ class Decoder(nnx.Module):
             ways = None if ways is None else constrain(ways, (None, *activation))
         h = constrain(h, hyper.stream_axes(activation, self.cfg))
         v1 = kv[1] if s.v1 is None else s.v1
-        s = Stream(h, v1, copies, kv if self.cfg.kv_share > 1 else None, blocks, cache, ways)
+        s = Stream(h, v1, out.copies, kv if self.cfg.kv_share > 1 else None, blocks, out.cache, ways)
         return s, None if attended is None else layer_stats.layer_stats(attended, hyper.merged(h, self.cfg))
 
     def _stacked_layers(
@@ -591,10 +632,12 @@ class Decoder(nnx.Module):
         lead = G - 1  # the stacked layers that borrow layer 1's keys and values
         groups, rest = divmod(N - lead, G)
 
-        def group(s: Stream, per_layer: tuple[list[nnx.State], list[LayerInputs]], start: int):
+        def group(s: Stream, per_layer: tuple[list[nnx.State], list[LayerInputs]], start: int, in_scan: bool):
             """Stacked layers start, start + 1, ... one after another (a scanned group's stands for each)."""
             s, outputs = s._replace(v1=v1, copies=shared), []
             for i, (layer_state, p) in enumerate(zip(*per_layer)):
+                if not in_scan:  # the layer known when tracing: it picks cache slots and sources as ints
+                    p = p._replace(layer=1 + start + i)
                 if p.kv is not None:
                     p = p._replace(kv=p.kv._replace(owns=layout_of(self.cfg).owns_kv(1 + start + i)))
                 s, stats = self._layer(nnx.merge(graphdef, layer_state), s, p, positions_BxL, mask)
@@ -604,10 +647,11 @@ class Decoder(nnx.Module):
         def rematted(in_scan: bool):
             """`group`, recomputed in the backward pass under model.remat. Outside a scan, XLA's CSE would
             merge the recomputation with the forward (keeping what remat frees) unless prevented."""
+            run = functools.partial(group, in_scan=in_scan)
             if self.cfg.remat == 'none' or decoding:
-                return group
+                return run
             policy = _REMAT_POLICIES[self.cfg.remat]
-            return jax.checkpoint(group, policy=policy, prevent_cse=not in_scan, static_argnums=(2,))
+            return jax.checkpoint(run, policy=policy, prevent_cse=not in_scan, static_argnums=(2,))
 
         s = s._replace(v1=None, copies=None)
         scan = self.cfg.scan_layers and not decoding
@@ -617,11 +661,7 @@ class Decoder(nnx.Module):
             if size == 0:
                 return s, None
             states = _unstacked(stacked_state, start, size) if scan else layers[start : start + size]
-            per_layer = [
-                p._replace(layer=start + i + 1) if decoding else p
-                for i, p in enumerate(_unstacked(inputs, start, size))
-            ]
-            return rematted(in_scan=False)(s, (states, per_layer), start)
+            return rematted(in_scan=False)(s, (states, _unstacked(inputs, start, size)), start)
 
         s, lead_stats = unrolled(s, 0, lead)
         middle = []
@@ -638,7 +678,7 @@ class Decoder(nnx.Module):
             history_once = s.blocks is not None and self.cfg.remat != 'none' and not layer_stats.is_recording()
             if history_once:  # a history kept once (its scan hands on no per-layer outputs)
                 step = lambda s, xs: scanned(s, tuple(map(per_layer, xs)), lead)[0]  # noqa: E731
-                s, stats = history_scan.scan(step, s, grouped, history_scan.History(lead + 2, G)), None
+                s, stats = history_scan.scan(step, s, grouped, self._history(lead, groups)), None
             else:
                 s, stats = jax.lax.scan(lambda s, xs: scanned(s, tuple(map(per_layer, xs)), lead), s, grouped)
             middle.append(None if stats is None else jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stats))
@@ -650,6 +690,15 @@ class Decoder(nnx.Module):
         outputs = [stats for stats in (lead_stats, *middle, rest_stats) if stats is not None]
         stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *outputs) if outputs else None
         return s._replace(v1=v1, copies=shared), stats
+
+    def _history(self, lead: int, groups: int) -> history_scan.History:
+        """How many entries of the depth history each scanned step starts with: DenseFormer's and MUDD's
+        embedding and block outputs before its first layer, or attention residuals' completed sources."""
+        G = self.cfg.kv_share
+        first_layers = [1 + lead + i * G for i in range(groups)]  # 0-based
+        if self.cfg.attn_residuals:
+            return history_scan.History(tuple(attn_residuals.seen(self.cfg, layer, 0)[0] for layer in first_layers))
+        return history_scan.History(tuple(layer + 1 for layer in first_layers))
 
     def head_DxV(self) -> Array:
         """The output head in the compute dtype: the embedding transposed when tied."""

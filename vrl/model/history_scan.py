@@ -1,12 +1,12 @@
 """A layer scan whose carry holds a depth history, with a backward pass that keeps the history once.
 
-DenseFormer's and MUDD's layers read every earlier block output, so the layer scan carries them as
-a buffer (J, B, L, D) that step i only appends to. `jax.lax.scan`'s backward pass keeps each step's
-carry: N copies of the buffer, N (L + 1) D values per token. Here the backward keeps the final
-buffer once and rebuilds step i's from it: the same buffer with the entries from step i's first
-write on set to zero, which is what step i saw. Each step's other carry (the hidden state, MUDD's
-mixed inputs) is kept as a plain scan keeps it, and each step's forward is recomputed inside the
-backward pass, as `model.remat='full'` does.
+DenseFormer's and MUDD's layers read every earlier block output (attention residuals' sublayers every
+completed source), so the layer scan carries them as a buffer (J, B, L, D) that step i only appends to.
+`jax.lax.scan`'s backward pass keeps each step's carry: N copies of the buffer, N J D values per
+token. Here the backward keeps the final buffer once and rebuilds step i's from it: the same buffer
+with the entries from step i's first write on set to zero, which is what step i saw. Each step's
+other carry (the hidden state, MUDD's mixed inputs) is kept as a plain scan keeps it, and each step's
+forward is recomputed inside the backward pass, as `model.remat='full'` does.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import jax.numpy as jnp
 
 
 class History(NamedTuple):
-    """Where a step writes: step i appends at index first + i * per_step (and the per_step - 1 after)."""
+    """Where the steps write: step i writes entries written[i] and on only (what it starts with is written[i])."""
 
-    first: int
-    per_step: int
+    written: tuple[int, ...]
 
 
 def scan(step: Callable[[Any, Any], Any], carry: Any, xs: Any, history: History) -> Any:
@@ -36,7 +35,7 @@ def scan(step: Callable[[Any, Any], Any], carry: Any, xs: Any, history: History)
 def _seen(blocks_J: jax.Array, step_index: jax.Array, history: History) -> jax.Array:
     """The history as step `step_index` received it: entries it and later steps write are zero."""
     J = blocks_J.shape[0]
-    kept = jnp.arange(J) < history.first + step_index * history.per_step
+    kept = jnp.arange(J) < jnp.asarray(history.written)[step_index]
     return jnp.where(kept.reshape(J, *[1] * (blocks_J.ndim - 1)), blocks_J, jnp.zeros((), blocks_J.dtype))
 
 

@@ -16,8 +16,8 @@ its own connection: per position, input weights `pre` (n,), output weights `post
 - 'mhc' (DeepSeek, arXiv 2512.24880): the n streams RMS-normalised together (nD values, a learned
   scale), projected by phi (nD, 2n + n^2) to logits, each group times a learned gate (0.01 at init)
   plus a learned bias (0 at init): pre = sigmoid, post = 2 sigmoid, res = Sinkhorn-Knopp of exp
-  (SINKHORN_ITERATIONS row-then-column normalisations: rows sum to 1 up to the last pass's error,
-  columns exactly). phi ~ N(0, 1 / nD).
+  (SINKHORN_ITERATIONS column-then-row normalisations, the paper's Eq. 9: each destination's weights,
+  a row of res[dst, src], sum to 1 exactly, each source's up to the last pass's error). phi ~ N(0, 1 / nD).
 
 model.hyper_dynamic=False keeps only hc's learned constants, the same at every position (mhc has no
 static form: its biases start alike for every stream, and a doubly stochastic remix of identical

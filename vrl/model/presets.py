@@ -36,6 +36,12 @@ def _half_of_the_value_heads(cfg: ModelConfig) -> dict:
     return dict(skip_v1=cfg.n_kv_heads // 2)
 
 
+def _eight_blocks_or_fewer(cfg: ModelConfig) -> dict:
+    """Block AttnRes at the paper's ~8 blocks: the most blocks, at most 8, that split the layers evenly."""
+    blocks = max(n for n in range(1, min(8, cfg.n_layers) + 1) if cfg.n_layers % n == 0)
+    return dict(attention='vanilla', attn_residuals='block', attn_residual_blocks=blocks)
+
+
 # name -> (what it is, the model fields it sets, given the base model config)
 PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
     'vanilla': ('Llama-style baseline', lambda cfg: dict(attention='vanilla')),
@@ -141,6 +147,18 @@ PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
     'resformer+mhc': (
         'ResFormer (learnable_plus) with mHC: V_1 beside a widened residual stream',
         lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus', hyper_connections='mhc'),
+    ),
+    'attnres': (
+        "Attention Residuals: each sublayer's input a softmax over every earlier sublayer's output (Kimi team)",
+        lambda cfg: dict(attention='vanilla', attn_residuals='full'),
+    ),
+    'attnres:block': (
+        'Block AttnRes: the softmax over blocks of layers (at most 8, evenly), each its outputs summed',
+        _eight_blocks_or_fewer,
+    ),
+    'resformer+attnres': (
+        'ResFormer (learnable_plus) with Attention Residuals: V_1 beside a softmax over depth',
+        lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus', attn_residuals='full'),
     ),
     'svformer+value_embeds': (
         'SVFormer with a value embedding on layer 1 (V_1, the values its layers >= 2 attend over)',
