@@ -77,7 +77,7 @@ SKIP_V1_VARIANTS = {
 
 # Attention residuals (vrl/model/attn_residuals.py) on the small config's 3 layers: full, Block AttnRes as one
 # block (a partial sum throughout) and as a block per layer, on the value-residual variants and beside CLA,
-# SkipV1Former, a value embedding, QK-norm and windows (the export tests do not take them yet)
+# SkipV1Former, a value embedding, QK-norm and windows (the export takes those without SkipV1Former)
 ATTN_RES_VARIANTS = {
     'attnres-full': dict(attention='vanilla', attn_residuals='full'),
     'attnres-block1-resformer': dict(
@@ -148,6 +148,7 @@ EXPORT_VARIANTS = {
     'modern-resformer': modern_fields('resformer'),
     'modern-svformer': modern_fields('svformer'),
     **HYPER_VARIANTS,
+    **{name: v for name, v in ATTN_RES_VARIANTS.items() if 'skip_v1' not in v},
 }
 VARIANTS = list(NAMED_VARIANTS.values())
 VARIANT_IDS = list(NAMED_VARIANTS)

@@ -42,7 +42,7 @@ TEXTS = ('ROMEO: What say', 'KING:', 'First Citizen:\nBefore we proceed any furt
 # vanilla is served by vLLM's own Llama; the rest by the plugin: ResFormer's scalar lambdas (every scalar
 # mode is the export's ValueLambdas, which tests/test_hf.py checks mode by mode) and per-token ones,
 # SVFormer, the baselines (NeuTRENO, DenseFormer, CLA, value embeddings), QK-norm, soft caps, windows,
-# the modern recipe, MUDD, hyper-connections
+# the modern recipe, MUDD, hyper-connections, attention residuals
 SERVED = (
     'vanilla',
     'resformer-learnable_plus',
@@ -58,6 +58,8 @@ SERVED = (
     'resformer-mudd-vr',
     'mhc',
     'resformer-hc-static-3',
+    'attnres-full',
+    'attnres-block1-resformer',
 )
 # also through vLLM's Transformers backend (--model-impl transformers), which runs the export's own
 # PyTorch modules with vLLM's attention in place of theirs (transformers' attention interface): the

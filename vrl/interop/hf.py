@@ -91,6 +91,7 @@ _BLOCK_WEIGHTS = [  # (Hugging Face name within a layer, vrl (module, weight) wi
 
 
 HYPER_WEIGHTS = ('static_pre', 'static_post', 'static_res', 'norm', 'w', 'gates')  # the static ones first
+DEPTH_WEIGHTS = ('query', 'key_scale')  # attention residuals' DepthQuery
 
 
 def is_llama(cfg: ModelConfig) -> bool:
@@ -163,6 +164,8 @@ def links(cfg: ModelConfig) -> list[Link]:
         for sublayer in ('attn_hyper', 'mlp_hyper') if cfg.hyper_connections else ():
             names = HYPER_WEIGHTS if cfg.hyper_dynamic else HYPER_WEIGHTS[:3]
             out += [Link(f'{prefix}{sublayer}.{name}', (block, sublayer, name), at, *_SAME) for name in names]
+        for sublayer in ('attn_depth', 'mlp_depth') if cfg.attn_residuals else ():
+            out += [Link(f'{prefix}{sublayer}.{name}', (block, sublayer, name), at, *_SAME) for name in DEPTH_WEIGHTS]
         if i in mudd_entry:
             n = mudd_entry[i]
             out += [
@@ -170,6 +173,8 @@ def links(cfg: ModelConfig) -> list[Link]:
                 Link(prefix + 'mudd.proj_out.weight', ('mudd', 'w_out', n), (), *_TRANSPOSE),
                 Link(prefix + 'mudd.static', ('mudd', 'static', n), (), *_SAME),
             ]
+    if cfg.attn_residuals:  # the output query over every source
+        out += [Link(f'model.depth_output.{name}', ('depth_output', name), (), *_SAME) for name in DEPTH_WEIGHTS]
     for table in sorted(set(cfg.value_embed_table_ids)):
         out.append(
             Link(f'model.value_embeds.{table}.weight', ('value_embeds', 'tables'), np.s_[table, :V], *_FLAT_ROWS)
@@ -334,17 +339,12 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
 
 def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer, out: Path) -> list[Path]:
     """Writes the Hugging Face directory; returns its files."""
-    unexported = {
-        'model.skip_v1': "read a layer's value heads from V_1",
-        'model.attn_residuals': "take each sublayer's input as a softmax over depth",
-    }
-    for field, what in unexported.items():
-        if getattr(cfg, field.removeprefix('model.')):
-            raise HFError(
-                f'{cfg.variant_name} has no Hugging Face export yet: the exported PyTorch model and the vLLM '
-                f'plugin do not {what} ({field}); sample and score it in vrl (python -m vrl.tools.generate, '
-                'python -m vrl.tools.evaluate).'
-            )
+    if cfg.skip_v1:
+        raise HFError(
+            f'{cfg.variant_name} has no Hugging Face export yet: the exported PyTorch model and the vLLM plugin '
+            "do not read a layer's value heads from V_1 (model.skip_v1); sample and score it in vrl "
+            '(python -m vrl.tools.generate, python -m vrl.tools.evaluate).'
+        )
     tensors = to_hf(params, cfg)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / 'model.safetensors'), metadata={'format': 'pt'})

@@ -3,7 +3,8 @@ vLLM's layers (tensor-parallel linears, paged attention, its RoPE, RMSNorm and l
 
 The same decoder as the export's modeling_vrl.py, whose config class (VrlConfig: which layer owns
 which keys and values, which value-embedding table a layer adds), ResFormer lambdas (ValueLambdas),
-MUDD's connections (MuddConnection), hyper-connections (HyperConnection, enter, add), value-embedding
+MUDD's connections (MuddConnection), hyper-connections (HyperConnection, enter, add), attention
+residuals (DepthQuery), value-embedding
 gate scale and loop over the layers (layer_loop) this file takes from the exported directory, so the
 two cannot drift apart. Each variant changes one thing, all of it in `VrlAttention`,
 `VrlDecoderLayer.forward` and the export's `layer_loop`:
@@ -17,7 +18,9 @@ two cannot drift apart. Each variant changes one thing, all of it in `VrlAttenti
 - MUDD: the next block's residual (and, per its ways, query, key and value inputs) are each a per-token
   weighted sum of the embedding and every block output;
 - hyper-connections: the residual stream is n streams (n, T, D); each sublayer reads their weighted sum
-  and adds its output to their remix.
+  and adds its output to their remix;
+- attention residuals: each sublayer reads a softmax over the sources before it (the embedding output
+  and the earlier outputs, or blocks of them), and the final norm the output query's.
 
 What the cache holds: vLLM gives every attention layer that owns its keys a paged cache of keys
 and values, and CLA's borrowing layers none. SVFormer's layers keep keys only, and V_1 is stored once
@@ -228,18 +231,25 @@ class VrlDecoderLayer(nn.Module):
         self.attn_hyper, self.mlp_hyper = (
             hyper(config, layer, i).requires_grad_(False) if hyper else None for i in (0, 1)
         )
+        # attention residuals: each sublayer's query over depth (small: every rank holds it)
+        depth = config.attn_residuals and exported('DepthQuery', vllm_config)
+        self.attn_depth, self.mlp_depth = (
+            depth(config, layer, i).requires_grad_(False) if depth else None for i in (0, 1)
+        )
         self.enter, self.add = exported('enter', vllm_config), exported('add', vllm_config)
+        self.connections = exported('connections', vllm_config)
 
     def forward(self, positions_T, h, ways, *attention_inputs):
-        """h: (T, D), or hyper-connections' streams (n, T, D); ways: MUDD's mixed q, k, v inputs by letter
-        (absent: h)."""
-        x, into_attention = self.enter(self.attn_hyper, h)
+        """h: (T, D), hyper-connections' streams (n, T, D) or attention residuals' DepthStream; ways:
+        MUDD's mixed q, k, v inputs by letter (absent: h)."""
+        into_attention_by, into_mlp_by = self.connections(self)
+        x, into_attention = self.enter(into_attention_by, h)
         x = self.input_layernorm(ways.get('q', x))
         norms = (self.k_input_norm, self.v_input_norm)
         xk, xv = (x if norm is None else norm(ways.get(w, h)) for w, norm in zip('kv', norms))
         out, kv = self.self_attn(positions_T, x, xk, xv, *attention_inputs)
         h = self.add(into_attention, h, out)
-        x, into_mlp = self.enter(self.mlp_hyper, h)
+        x, into_mlp = self.enter(into_mlp_by, h)
         return self.add(into_mlp, h, self.mlp(self.post_attention_layernorm(x))), kv
 
 
@@ -253,6 +263,8 @@ class VrlModel(nn.Module):
             VrlDecoderLayer(vllm_config, layer, prefix) for layer in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        depth = config.attn_residuals and exported('DepthQuery', vllm_config)
+        self.depth_output = depth(config).requires_grad_(False) if depth else None
         scalar_lambdas = config.attention == 'resformer' and config.lambda_mode != 'per_token'
         self.value_lambdas = exported('ValueLambdas', vllm_config)(config) if scalar_lambdas else None
         kv_heads = config.num_key_value_heads // get_tensor_model_parallel_world_size()

@@ -3,7 +3,7 @@
 Llama's fields for the decoder's shape, plus vrl's own (vrl/model/config.py's ModelConfig, same names):
 attention (vanilla | resformer | svformer), lambda_mode, lambda1, lambda2, sparse_layers,
 neutreno, neutreno_lambda, denseformer, kv_share, value_embed_layers, value_embed_tables, mudd,
-mudd_layers, hyper_connections, hyper_streams, hyper_dynamic, qk_norm; and
+mudd_layers, hyper_connections, hyper_streams, hyper_dynamic, attn_residuals, attn_residual_blocks, qk_norm; and
 the soft caps under Gemma 2's names, attn_logit_softcapping and final_logit_softcapping (None: off),
 and local/global attention under transformers' names: sliding_window (None: off) and layer_types
 ('sliding_attention' or 'full_attention' per layer).
@@ -48,6 +48,8 @@ class VrlConfig(PreTrainedConfig):
         hyper_connections: str = '',
         hyper_streams: int = 4,
         hyper_dynamic: bool = True,
+        attn_residuals: str = '',
+        attn_residual_blocks: int = 8,
         qk_norm: bool = False,
         attn_logit_softcapping: float | None = None,
         final_logit_softcapping: float | None = None,
@@ -70,6 +72,7 @@ class VrlConfig(PreTrainedConfig):
         self.value_embed_layers, self.value_embed_tables = list(value_embed_layers), list(value_embed_tables)
         self.mudd, self.mudd_layers = mudd, list(mudd_layers)
         self.hyper_connections, self.hyper_streams, self.hyper_dynamic = hyper_connections, hyper_streams, hyper_dynamic
+        self.attn_residuals, self.attn_residual_blocks = attn_residuals, attn_residual_blocks
         self.qk_norm = qk_norm
         self.attn_logit_softcapping, self.final_logit_softcapping = attn_logit_softcapping, final_logit_softcapping
         self.sliding_window = sliding_window

@@ -10,7 +10,8 @@ variants changes one thing, as in vrl/model/decoder.py:
 - which layer's K and V a layer uses (CLA: the first of each group of kv_share layers);
 - what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended));
 - how block outputs combine into the next block's input (DenseFormer's depth weights, MUDD);
-- the residual stream itself (hyper-connections: n streams (n, ..., D), `HyperConnection`).
+- the residual stream itself (hyper-connections: n streams (n, ..., D), `HyperConnection`; attention
+  residuals: each sublayer's input a softmax over the sources before it, `DepthQuery`).
 
 The recipe around them: QK-norm, soft-capping (cap * tanh(x / cap)) of the attention logits and
 the final logits (Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`), and local
@@ -35,6 +36,7 @@ the name the installed transformers' output class declares.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -357,13 +359,57 @@ class HyperConnection(nn.Module):
         return (remixed + post.movedim(-1, 0)[..., None] * out.float()).to(h.dtype)
 
 
-def enter(connection: HyperConnection | None, h: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-    """A sublayer's input before its norm and the weights to add its output with (h itself and None
-    without hyper-connections)."""
+class DepthStream(NamedTuple):
+    """Attention residuals' stream: the sources so far (the embedding output, then each completed one)
+    and the partial sum of the sublayer outputs since the last, None when none has begun."""
+
+    sources: list
+    partial: torch.Tensor | None
+
+    def after(self, out: torch.Tensor, completes: bool) -> DepthStream:
+        partial = out if self.partial is None else self.partial + out
+        return DepthStream([*self.sources, partial], None) if completes else DepthStream(self.sources, partial)
+
+
+class DepthQuery(nn.Module):
+    """Attention residuals (vrl/model/attn_residuals.py): one sublayer's pseudo-query over depth and its key
+    norm's scale (layer None: the output query after the last layer). Its input is softmax_j(w . RMSNorm(v_j))
+    over the sources (and the partial sum), in float32; `completes`: whether the partial sum becomes a
+    source after this sublayer ('full': every one; 'block': a block's last MLP)."""
+
+    def __init__(self, config: VrlConfig, layer: int | None = None, sublayer: int = 0):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(config.hidden_size))
+        self.key_scale = nn.Parameter(torch.ones(config.hidden_size))
+        self.eps = config.rms_norm_eps
+        per_block = config.num_hidden_layers // config.attn_residual_blocks
+        full = config.attn_residuals == 'full'
+        self.completes = layer is not None and (full or (sublayer == 1 and (layer + 1) % per_block == 0))
+
+    def forward(self, stream: DepthStream) -> torch.Tensor:
+        V = torch.stack([*stream.sources, *([] if stream.partial is None else [stream.partial])]).float()
+        keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + self.eps) * self.key_scale.float()
+        alpha = torch.softmax(keys @ self.query.float(), dim=0)
+        return torch.einsum('s...,s...d->...d', alpha, V).to(stream.sources[0].dtype)
+
+
+def enter(connection: HyperConnection | DepthQuery | None, h) -> tuple[torch.Tensor, tuple | DepthQuery | None]:
+    """A sublayer's input before its norm and what `add` takes to add its output: h itself and None without
+    a connection; hyper-connections' weighted sum and weights; attention residuals' mix and query."""
+    if isinstance(connection, DepthQuery):
+        return connection(h), connection
     return (h, None) if connection is None else connection(h)
 
 
-def add(weights: tuple | None, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def connections(layer: nn.Module) -> tuple:
+    """What a decoder layer's attention and MLP enter through: its hyper-connections, its attention
+    residuals' queries, or None (this file's layers and vLLM's)."""
+    return (layer.attn_hyper, layer.mlp_hyper) if layer.attn_depth is None else (layer.attn_depth, layer.mlp_depth)
+
+
+def add(weights: tuple | DepthQuery | None, h, out: torch.Tensor):
+    if isinstance(weights, DepthQuery):
+        return h.after(out, weights.completes)
     return h + out if weights is None else HyperConnection.add(weights, h, out)
 
 
@@ -385,17 +431,21 @@ class VrlDecoderLayer(nn.Module):
         connected = bool(config.hyper_connections)
         self.attn_hyper = HyperConnection(config, layer, 0) if connected else None
         self.mlp_hyper = HyperConnection(config, layer, 1) if connected else None
+        over_depth = bool(config.attn_residuals)
+        self.attn_depth = DepthQuery(config, layer, 0) if over_depth else None
+        self.mlp_depth = DepthQuery(config, layer, 1) if over_depth else None
 
     def forward(self, h, ways, *attention_inputs):
-        """h: (B, T, D), or hyper-connections' streams (n, B, T, D); ways: MUDD's mixed q, k, v inputs by
-        letter (absent: h)."""
-        x, into_attention = enter(self.attn_hyper, h)
+        """h: (B, T, D), hyper-connections' streams (n, B, T, D) or attention residuals' DepthStream; ways:
+        MUDD's mixed q, k, v inputs by letter (absent: h)."""
+        into_attention_by, into_mlp_by = connections(self)
+        x, into_attention = enter(into_attention_by, h)
         x = self.input_layernorm(ways.get('q', x))
         norms = (self.k_input_norm, self.v_input_norm)
         xk, xv = (x if norm is None else norm(ways.get(w, h)) for w, norm in zip('kv', norms))
         out, kv = self.self_attn(x, xk, xv, *attention_inputs)
         h = add(into_attention, h, out)
-        x, into_mlp = enter(self.mlp_hyper, h)
+        x, into_mlp = enter(into_mlp_by, h)
         return add(into_mlp, h, self.mlp(self.post_attention_layernorm(x))), kv
 
 
@@ -422,12 +472,15 @@ def layer_loop(model: nn.Module, h: torch.Tensor, input_ids: torch.Tensor, run: 
     """The decoder's layers over the embedding output h, final-normalised: this VrlModel's and vLLM's
     (serving/vllm), which differ only in how a layer attends. Per layer: ResFormer's lambdas, the value
     embedding, V_1 and CLA's borrowed keys and values from the layers before, DenseFormer's and MUDD's block
-    outputs, hyper-connections' n streams. `run(layer, block, h, ways, v1, borrowed, lambdas, value_embed)`
+    outputs, hyper-connections' n streams, attention residuals' sources (and the output query's mix of
+    them, `model.depth_output`). `run(layer, block, h, ways, v1, borrowed, lambdas, value_embed)`
     calls one VrlDecoderLayer with the caller's positions, masks and cache, and returns (h, (k, V_n, V))."""
     config = model.config
     blocks, ways = [h], {}  # DenseFormer's and MUDD's B_0, B_1, ...; MUDD's q, k, v inputs
     if config.hyper_connections:  # n copies of the embedding output
         h = h.expand(config.hyper_streams, *h.shape)
+    if config.attn_residuals:  # the embedding output the first source
+        h = DepthStream([h], None)
     v1 = borrowed = None
     for layer, block in enumerate(model.layers):
         lambdas = model.value_lambdas(layer) if model.value_lambdas is not None and layer > 0 else None
@@ -442,6 +495,8 @@ def layer_loop(model: nn.Module, h: torch.Tensor, input_ids: torch.Tensor, run: 
             h = torch.einsum('j,j...->...', block.depth_weights.to(h.dtype), torch.stack(blocks))
         ways = {} if block.mudd is None else block.mudd(blocks)
         h = ways.pop('r', h)
+    if config.attn_residuals:
+        return model.norm(model.depth_output(h))
     return model.norm(h.sum(0) if config.hyper_connections else h)
 
 
@@ -452,6 +507,7 @@ class VrlModel(VrlPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(VrlDecoderLayer(config, layer) for layer in range(config.num_hidden_layers))
         self.norm = VrlRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.depth_output = DepthQuery(config) if config.attn_residuals else None
         scalar_lambdas = config.attention == 'resformer' and config.lambda_mode != 'per_token'
         self.value_lambdas = ValueLambdas(config) if scalar_lambdas else None
         tables = set(config.value_embed_tables or range(len(config.value_embed_layers)))
