@@ -246,7 +246,10 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
         ways = _np_mudd(cfg, p, n, blocks) or {'r': h}  # after a layer without a connection, h for every input
         h = ways.pop('r')
         if trace is not None:
-            trace.append((att, v, h if h.ndim == 2 else h.sum(0), np.nan if ve is None else ve[0].mean()))
+            hidden = sum(depth.sources) + (0 if depth.partial is None else depth.partial) if depth else h
+            trace.append(
+                (att, v, hidden if hidden.ndim == 2 else hidden.sum(0), np.nan if ve is None else ve[0].mean())
+            )
     x = depth.mix(p['depth_output']) if depth else h if h.ndim == 2 else h.sum(0)
     x = _np_rms(x, p['final_norm']['scale'], cfg.norm_eps)
     head = p['embed'].T if cfg.tie_embeddings else p['head']

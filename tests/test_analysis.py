@@ -17,6 +17,7 @@ from flax import nnx
 from tests import numpy_reference
 from tests.conftest import ROOT
 from tests.helpers import (
+    ATTN_RES_VARIANTS,
     HYPER_VARIANTS,
     NAMED_VARIANTS,
     random_tokens,
@@ -62,10 +63,20 @@ def test_first_and_rest_norms():
 
 
 @pytest.mark.parametrize(
-    'variant', ['vanilla', 'resformer-learnable_plus', 'svformer-cla2', 'all-baselines', 'resformer-mudd-vr', 'mhc']
+    'variant',
+    [
+        'vanilla',
+        'resformer-learnable_plus',
+        'svformer-cla2',
+        'all-baselines',
+        'resformer-mudd-vr',
+        'mhc',
+        'attnres-full',
+        'attnres-block1-resformer',
+    ],
 )
 def test_layer_stats_match_the_numpy_reference(variant):
-    cfg = small_model_config(**(NAMED_VARIANTS | HYPER_VARIANTS)[variant])
+    cfg = small_model_config(**(NAMED_VARIANTS | HYPER_VARIANTS | ATTN_RES_VARIANTS)[variant])
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, 1)
     params = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(model, nnx.Param)))

@@ -91,11 +91,11 @@ def test_onednn_is_on_where_the_cpu_has_amx_and_off_elsewhere(tmp_path):
     environ = {'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
     backend.choose_cpu_options(environ, amx)
     assert environ['XLA_FLAGS'] == f'--xla_force_host_platform_device_count=8 {backend.ONEDNN_FLAG}=true'
-    assert backend.cpu_matmul_path(environ) == 'onednn'
+    assert backend.cpu_matmul_path(environ, amx) == 'onednn'
     for off in ({}, {'XLA_FLAGS': '--xla_cpu_max_isa=AVX512_BF16'}):  # no AMX, or XLA limited below it
-        environ = dict(off)
-        backend.choose_cpu_options(environ, zen4 if not off else amx)
-        assert environ == off and backend.cpu_matmul_path(environ) == 'xla'
+        environ, cpu = dict(off), zen4 if not off else amx
+        backend.choose_cpu_options(environ, cpu)
+        assert environ == off and backend.cpu_matmul_path(environ, cpu) == 'xla'
     forced = {backend.ONEDNN_ENV: '1'}
     backend.choose_cpu_options(forced, zen4)
     assert forced['XLA_FLAGS'] == f'{backend.ONEDNN_FLAG}=true'

@@ -134,6 +134,6 @@ def choose_cpu_options(environ: os._Environ | dict = os.environ, cpuinfo: Path =
         environ['XLA_FLAGS'] = f'{environ.get("XLA_FLAGS", "")} {ONEDNN_FLAG}=true'.strip()
 
 
-def cpu_matmul_path(environ: os._Environ | dict = os.environ) -> str:
+def cpu_matmul_path(environ: os._Environ | dict = os.environ, cpuinfo: Path = Path('/proc/cpuinfo')) -> str:
     """'onednn' or 'xla': whose kernels run this process's CPU matmuls (a peak is measured for each)."""
-    return 'onednn' if onednn_choice(environ)[0] else 'xla'
+    return 'onednn' if onednn_choice(environ, cpuinfo)[0] else 'xla'

@@ -13,7 +13,8 @@ itself a source while its block runs) and the sum becomes one source when the bl
 After the last layer one more query mixes every source into the final norm's input.
 
 The stream between sublayers is the partial sum h (B, L, D), zero where none has begun, and the
-completed sources, a buffer (S, B, L, D) zero past those written (unrolled layers: a tuple). The
+completed sources: where the layers are scanned a `Buffer` (S, B, L, D) zero past those written, with
+each source's 1 / RMS computed once, when it is written; unrolled layers hand on a tuple. The
 queries start at zero: each sublayer's input is the mean of its sources, which its pre-norm (and the
 final norm) turn into the plain residual's input up to the norms' eps, so the model starts as vanilla.
 
@@ -23,6 +24,8 @@ does; and an output query mixes the sources after the last layer.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,20 @@ from vrl.model import ops, params
 from vrl.model.config import ModelConfig
 
 Array = jax.Array
+
+
+class Buffer(NamedTuple):
+    """The completed sources of scanned layers: values (S, B, L, D) in the compute dtype, zero past those
+    written, and each one's 1 / sqrt(mean(v^2) + eps) (S, B, L), float32."""
+
+    values: Array
+    inv_rms: Array
+
+
+def _inv_rms(v: Array, eps: float) -> Array:
+    """1 / RMS over the last axis, float32: (..., D) -> (...)."""
+    v = v.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
 
 
 def n_sources(cfg: ModelConfig) -> int:
@@ -77,36 +94,53 @@ class DepthQuery(nnx.Module):
         self.eps = cfg.norm_eps
 
     def __call__(
-        self, h_BxLxD: Array, sources: Array | tuple[Array, ...], count: int | Array, partial: bool | Array
+        self, h_BxLxD: Array, sources: Buffer | tuple[Array, ...], count: int | Array, partial: bool | Array
     ) -> Array:
         """The mix (B, L, D) of the first `count` completed sources and, where `partial`, the partial sum h."""
-        sources_SxBxLxD = jnp.stack(sources) if isinstance(sources, tuple) else sources  # unrolled: all seen
-        w_D = (self.query[...] * self.key_scale[...]).astype(jnp.float32)  # w . (g * x / rms(x))
-        logit = lambda v: ops.rms_normalized(v, self.eps) @ w_D  # noqa: E731
+        if isinstance(sources, Buffer):
+            sources_SxBxLxD, inv_rms_SxBxL = sources
+        else:  # unrolled: every source seen
+            sources_SxBxLxD = jnp.stack(sources)
+            inv_rms_SxBxL = _inv_rms(sources_SxBxLxD, self.eps)
+        w_D = (self.query[...] * self.key_scale[...]).astype(jnp.float32)  # w . (g * v / rms(v))
+        dots_SxBxL = jnp.einsum('sbld,d->sbl', sources_SxBxLxD, w_D, preferred_element_type=jnp.float32)
         written_S = jnp.arange(sources_SxBxLxD.shape[0]) < count
-        logits_SxBxL = jnp.where(written_S[:, None, None], logit(sources_SxBxLxD), -jnp.inf)
-        partial_BxL = jnp.where(partial, logit(h_BxLxD), -jnp.inf)
+        logits_SxBxL = jnp.where(written_S[:, None, None], dots_SxBxL * inv_rms_SxBxL, -jnp.inf)
+        partial_BxL = jnp.where(partial, ops.rms_normalized(h_BxLxD, self.eps) @ w_D, -jnp.inf)
         weights_SxBxL = jax.nn.softmax(jnp.concatenate([logits_SxBxL, partial_BxL[None]]), axis=0)
         mixed = jnp.einsum('sbl,sbld->bld', weights_SxBxL[:-1].astype(sources_SxBxLxD.dtype), sources_SxBxLxD)
         return (mixed + weights_SxBxL[-1, ..., None].astype(h_BxLxD.dtype) * h_BxLxD).astype(h_BxLxD.dtype)
 
 
 def settle(
-    h_BxLxD: Array, sources: Array | tuple[Array, ...], index: int | Array, done: bool | Array
-) -> tuple[Array, Array | tuple[Array, ...]]:
+    h_BxLxD: Array, sources: Buffer | tuple[Array, ...], index: int | Array, done: bool | Array, eps: float
+) -> tuple[Array, Buffer | tuple[Array, ...]]:
     """After a sublayer (its output added to h): where `done`, h becomes source `index` and the partial
     sum starts again at zero. A buffer's entry `index` is unwritten otherwise, so zero is written there."""
-    if isinstance(sources, tuple):  # unrolled: `done` is known
+    if not isinstance(sources, Buffer):  # unrolled: `done` is known
         return (jnp.zeros_like(h_BxLxD), (*sources, h_BxLxD)) if done else (h_BxLxD, sources)
-    written = jnp.where(done, h_BxLxD, jnp.zeros((), h_BxLxD.dtype)).astype(sources.dtype)
-    sources = jax.lax.dynamic_update_index_in_dim(sources, written, index, 0)
-    return jnp.where(done, jnp.zeros((), h_BxLxD.dtype), h_BxLxD), sources
+    zero = jnp.zeros((), h_BxLxD.dtype)
+    written = (
+        jnp.where(done, h_BxLxD, zero).astype(sources.values.dtype),
+        jnp.where(done, _inv_rms(h_BxLxD, eps), 0.0),
+    )
+    sources = Buffer(*(jax.lax.dynamic_update_index_in_dim(b, w, index, 0) for b, w in zip(sources, written)))
+    return jnp.where(done, zero, h_BxLxD), sources
 
 
-def begin(embedded_BxLxD: Array, cfg: ModelConfig, scanned: bool) -> tuple[Array, Array | tuple[Array, ...]]:
+def residual_sum(h_BxLxD: Array, sources: Buffer | tuple[Array, ...]) -> Array:
+    """The plain residual stream this one stands for: the embedding output plus every sublayer output so
+    far, the sources' and the partial sum's total (B, L, D) (the statistics' hidden state)."""
+    values = sources.values if isinstance(sources, Buffer) else jnp.stack(sources)
+    return (jnp.sum(values, axis=0) + h_BxLxD).astype(h_BxLxD.dtype)
+
+
+def begin(embedded_BxLxD: Array, cfg: ModelConfig, scanned: bool) -> tuple[Array, Buffer | tuple[Array, ...]]:
     """The stream before layer 1: no partial sum, and the embedding output the first source (in a buffer
     of n_sources where the layers are scanned)."""
     if not scanned:
         return jnp.zeros_like(embedded_BxLxD), (embedded_BxLxD,)
-    buffer = jnp.zeros((n_sources(cfg), *embedded_BxLxD.shape), embedded_BxLxD.dtype).at[0].set(embedded_BxLxD)
-    return jnp.zeros_like(embedded_BxLxD), buffer
+    S = n_sources(cfg)
+    values = jnp.zeros((S, *embedded_BxLxD.shape), embedded_BxLxD.dtype).at[0].set(embedded_BxLxD)
+    inv_rms = jnp.zeros((S, *embedded_BxLxD.shape[:2]), jnp.float32).at[0].set(_inv_rms(embedded_BxLxD, cfg.norm_eps))
+    return jnp.zeros_like(embedded_BxLxD), Buffer(values, inv_rms)

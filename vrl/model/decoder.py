@@ -307,7 +307,8 @@ class Block(nnx.Module):
         if self.attn_depth is None:
             return h, blocks
         index, _ = attn_residuals.seen(self.cfg, layer, sublayer)
-        return attn_residuals.settle(h, blocks, index, attn_residuals.completes(self.cfg, layer, sublayer))
+        done = attn_residuals.completes(self.cfg, layer, sublayer)
+        return attn_residuals.settle(h, blocks, index, done, self.cfg.norm_eps)
 
     def keys_values(
         self, s: Stream, p: LayerInputs, xk_BxLxD: Array, xv_BxLxD: Array, positions_BxL: Array
@@ -573,6 +574,13 @@ class Decoder(nnx.Module):
             ),
         )
 
+    def _hidden(self, s: Stream) -> Array:
+        """The hidden state (B, L, D) the statistics read: the stream's (hyper-connections: the streams' sum;
+        attention residuals: the plain residual it stands for, attn_residuals.residual_sum)."""
+        if self.depth_output is None:
+            return hyper.merged(s.h, self.cfg)
+        return attn_residuals.residual_sum(s.h, s.blocks)
+
     def _output(self, s: Stream) -> Array:
         """The final norm's input (B, L, D): the stream's hidden state (hyper-connections: the streams' sum;
         attention residuals: the output query's mix of every source)."""
@@ -602,7 +610,7 @@ class Decoder(nnx.Module):
         h = constrain(h, hyper.stream_axes(activation, self.cfg))
         v1 = kv[1] if s.v1 is None else s.v1
         s = Stream(h, v1, out.copies, kv if self.cfg.kv_share > 1 else None, blocks, out.cache, ways)
-        return s, None if attended is None else layer_stats.layer_stats(attended, hyper.merged(h, self.cfg))
+        return s, None if attended is None else layer_stats.layer_stats(attended, self._hidden(s))
 
     def _stacked_layers(
         self,

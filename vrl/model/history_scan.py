@@ -26,17 +26,19 @@ class History(NamedTuple):
 
 def scan(step: Callable[[Any, Any], Any], carry: Any, xs: Any, history: History) -> Any:
     """The final carry of `jax.lax.scan(lambda c, x: (step(c, x), None), carry, xs)`; carry.blocks is the
-    history, written by step i at `history`'s indices only. Gradients flow to carry, xs and whatever
+    history (an array, or a tree of arrays with the same leading J axis), written by step i at
+    `history`'s indices only. Gradients flow to carry, xs and whatever
     `step` closes over."""
     converted, consts = jax.closure_convert(step, carry, jax.tree.map(lambda x: x[0], xs))
     return _scan(converted, history, carry, xs, *consts)
 
 
-def _seen(blocks_J: jax.Array, step_index: jax.Array, history: History) -> jax.Array:
+def _seen(blocks: Any, step_index: jax.Array, history: History) -> Any:
     """The history as step `step_index` received it: entries it and later steps write are zero."""
-    J = blocks_J.shape[0]
-    kept = jnp.arange(J) < jnp.asarray(history.written)[step_index]
-    return jnp.where(kept.reshape(J, *[1] * (blocks_J.ndim - 1)), blocks_J, jnp.zeros((), blocks_J.dtype))
+    kept_J = jnp.arange(jax.tree.leaves(blocks)[0].shape[0]) < jnp.asarray(history.written)[step_index]
+    return jax.tree.map(
+        lambda b_J: jnp.where(kept_J.reshape(-1, *[1] * (b_J.ndim - 1)), b_J, jnp.zeros((), b_J.dtype)), blocks
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -11,7 +11,9 @@ sequence (B,); `python -m vrl.experiments.analyze` averages them over validation
 - first_token_attention: attention mass on the first token, averaged over heads and queries.
 - similarity: mean off-diagonal cosine similarity of a sequence's token states (eq. 13).
 - value / hidden norms: L2 norm of the first token's attended values (over kv heads and head
-  dims) or hidden state, and the mean of the other tokens' ("value-state drains").
+  dims) or hidden state, and the mean of the other tokens' ("value-state drains"). The hidden
+  state is the layer's output stream (hyper-connections: the streams' sum; attention residuals:
+  the embedding plus every sublayer output so far, the plain residual they stand for).
 - value_gate: a value embedding's gate 2 sigmoid(x W) averaged over tokens and kv heads (1 at
   init: the lookup added as is; towards 0: shut); NaN in a layer without a value embedding.
 """
