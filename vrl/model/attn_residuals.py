@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from vrl.core.sharding import Axis
-from vrl.model import ops, params
+from vrl.model import params
 from vrl.model.config import ModelConfig
 
 Array = jax.Array
@@ -103,10 +103,10 @@ class DepthQuery(nnx.Module):
             sources_SxBxLxD = jnp.stack(sources)
             inv_rms_SxBxL = _inv_rms(sources_SxBxLxD, self.eps)
         w_D = (self.query[...] * self.key_scale[...]).astype(jnp.float32)  # w . (g * v / rms(v))
-        dots_SxBxL = jnp.einsum('sbld,d->sbl', sources_SxBxLxD, w_D, preferred_element_type=jnp.float32)
+        dots = lambda v: jnp.einsum('...d,d->...', v, w_D, preferred_element_type=jnp.float32)  # noqa: E731
         written_S = jnp.arange(sources_SxBxLxD.shape[0]) < count
-        logits_SxBxL = jnp.where(written_S[:, None, None], dots_SxBxL * inv_rms_SxBxL, -jnp.inf)
-        partial_BxL = jnp.where(partial, ops.rms_normalized(h_BxLxD, self.eps) @ w_D, -jnp.inf)
+        logits_SxBxL = jnp.where(written_S[:, None, None], dots(sources_SxBxLxD) * inv_rms_SxBxL, -jnp.inf)
+        partial_BxL = jnp.where(partial, dots(h_BxLxD) * _inv_rms(h_BxLxD, self.eps), -jnp.inf)
         weights_SxBxL = jax.nn.softmax(jnp.concatenate([logits_SxBxL, partial_BxL[None]]), axis=0)
         mixed = jnp.einsum('sbl,sbld->bld', weights_SxBxL[:-1].astype(sources_SxBxLxD.dtype), sources_SxBxLxD)
         return (mixed + weights_SxBxL[-1, ..., None].astype(h_BxLxD.dtype) * h_BxLxD).astype(h_BxLxD.dtype)
