@@ -1,6 +1,7 @@
 """The paper's recipe (vrl/core/config.py defaults) at one of its three sizes, for one variant.
 
-Use directly as `--config=configs/base.py:svformer,468m`, or through the thin named files
+Use directly as `--config=configs/base.py:svformer,468m` (the variant: any preset of
+vrl/model/presets.py, e.g. `configs/base.py:attnres:block,82m`), or through the thin named files
 (`configs/svformer_468m.py`). Sizes are docs/paper.md's sizes table. A third part picks
 one of the paper's sequence lengths with its batch, ~2M tokens per step (docs/paper.md):
 `configs/base.py:svformer,82m,64k` is 65,536 x 32. RoPE theta stays the paper's 10,000;
@@ -15,6 +16,7 @@ import dataclasses
 
 import ml_collections
 
+from vrl.model import presets
 from vrl.train import config as vrl_config
 from vrl.train import optimizer
 
@@ -40,21 +42,22 @@ LONG = 65536  # from this length, mesh.context is auto: split each sequence over
 
 
 def get_config(arg: str = 'vanilla,82m') -> ml_collections.ConfigDict:
-    """arg: 'VARIANT,SIZE[,SEQ[,OPTIMIZER]]', e.g. 'resformer,180m' or 'svformer,82m,64k,muon'."""
+    """arg: 'PRESET,SIZE[,SEQ[,OPTIMIZER]]', e.g. 'resformer,180m', 'svformer,82m,64k,muon' or 'mudd:vr,82m'."""
     parts = arg.split(',')
     if len(parts) not in (2, 3, 4):
         raise vrl_config.ConfigError(
-            f'configs/base.py:{arg} is invalid: allowed VARIANT,SIZE[,SEQ[,OPTIMIZER]] '
-            f'such as resformer,180m (sizes: {", ".join(sorted(SIZES))}; sequence lengths: '
+            f'configs/base.py:{arg} is invalid: allowed PRESET,SIZE[,SEQ[,OPTIMIZER]] '
+            'such as resformer,180m (presets: python -m vrl.experiments.compare --list_variants; sizes: '
+            f'{", ".join(sorted(SIZES))}; sequence lengths: '
             f'{", ".join(SEQUENCES)}; optimizers: {", ".join(optimizer.RECIPES)}).'
         )
-    attention, size, seq, optimizer_name = (*parts, *('2k', 'adamw')[len(parts) - 2 :])
+    preset, size, seq, optimizer_name = (*parts, *('2k', 'adamw')[len(parts) - 2 :])
     if size not in SIZES:
         raise vrl_config.ConfigError(f'size {size!r} is invalid: allowed one of {sorted(SIZES)}.')
     if seq not in SEQUENCES:
         raise vrl_config.ConfigError(f'sequence length {seq!r} is invalid: allowed one of {list(SEQUENCES)}.')
     seq_len, batch_size = SEQUENCES[seq]
-    model = dataclasses.replace(vrl_config.ModelConfig(), attention=attention, remat='auto', **SIZES[size])
+    model = presets.apply(preset, dataclasses.replace(vrl_config.ModelConfig(), remat='auto', **SIZES[size]))
     data = dataclasses.replace(vrl_config.DataConfig(), name='c4/en:3.1.0', seq_len=seq_len, batch_size=batch_size)
     train = dataclasses.replace(vrl_config.TrainConfig(), microbatches=0)
     mesh = dataclasses.replace(vrl_config.MeshConfig(), context=0 if seq_len >= LONG else 1)

@@ -9,7 +9,8 @@ base.py's shape and data at 2,048 tokens with Muon + WSD (optimizer.RECIPES['muo
   fourth, which attends over the whole sequence (4 and 8 of the 82M; 4, 8, ..., 24 of the 468M);
 - value embeddings on alternating layers 1, 3, 5, ... (nanochat; SVFormer: layer 1, the only one
   whose values it projects).
-The variant's own fields (ResFormer: learnable_plus) are vrl/model/presets.py's.
+The variant is any preset of vrl/model/presets.py; `resformer` here means the preset
+`resformer:learnable_plus` (the recipe's ResFormer).
 """
 
 import dataclasses
@@ -40,13 +41,12 @@ def modern(model: vrl_config.ModelConfig, window: int = WINDOW) -> vrl_config.Mo
 
 
 def get_config(arg: str = 'svformer,82m') -> ml_collections.ConfigDict:
-    """arg: 'VARIANT,SIZE', VARIANT one of vanilla, resformer, svformer; SIZE one of base.py's."""
+    """arg: 'PRESET,SIZE', PRESET one of vrl/model/presets.py's; SIZE one of base.py's."""
     variant, _, size = arg.partition(',')
-    if variant not in PRESET or size not in base.SIZES:
+    if size not in base.SIZES:
         raise vrl_config.ConfigError(
-            f'configs/modern.py:{arg} is invalid: allowed VARIANT,SIZE with VARIANT one of '
-            f'{", ".join(PRESET)} and SIZE one of {", ".join(base.SIZES)}.'
+            f'configs/modern.py:{arg} is invalid: allowed PRESET,SIZE with SIZE one of {", ".join(base.SIZES)}.'
         )
     config = vrl_config.from_configdict(base.get_config(f'vanilla,{size},2k,muon'))
-    model = modern(presets.apply(PRESET[variant], config.model))
+    model = modern(presets.apply(PRESET.get(variant, variant), config.model))
     return vrl_config.to_configdict(dataclasses.replace(config, model=model))

@@ -170,6 +170,29 @@ def test_summary_command_prints_table_and_json():
     assert re.search(r'step time, estimated \(\d+ cpu device\(s\)\) +[\d.e+]+ s at 40% MFU of', out), out
 
 
+@pytest.mark.parametrize(
+    'config, variant',
+    [
+        ('configs/tiny.py:attnres', 'vanilla + AttnRes full'),
+        ('configs/tiny.py:attnres:block', 'vanilla + AttnRes block (4 blocks)'),
+        ('configs/reproduce_cpu.py:muon,skipv1', 'vanilla + SkipV1 2/4'),
+        ('configs/base.py:mudd:vr,82m', 'vanilla + MUDD-vr'),
+        ('configs/modern.py:resformer,82m', 'resformer (learnable_plus) + value embeddings'),
+    ],
+)
+def test_every_preset_is_a_config_argument(config, variant):
+    """A preset named after any config file's colon is that preset's model: --summary shows it (the
+    same config that vrl.main trains, --init_from targets and the tools read)."""
+    out = subprocess.run(
+        [sys.executable, '-m', 'vrl.main', f'--config={config}', '--summary', '--summary_json'],
+        capture_output=True,
+        text=True,
+        cwd=str(__import__('tests.conftest').conftest.ROOT),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])['variant'].startswith(variant), out.stdout
+
+
 def test_each_variant_changes_the_count_by_its_formula():
     """Against vanilla of the same shape, by hand: what each baseline and family member adds or removes."""
     L, D, K, Dh, V = 6, 32, 2, 8, 128  # small_model_config pads vocab 97 to 128
@@ -269,7 +292,7 @@ def test_the_modern_recipe_sets_its_fields_for_each_variant(size):
         layers = tuple(range(1, m.n_layers + 1, 2)) if tables == 'every other layer' else (1,)
         assert m.value_embed_layers == layers and m.attention == variant
     assert accounting.account(m, 2048).params == _real_param_count(m)
-    with pytest.raises(ConfigError, match=r'configs/modern.py:mamba,82m is invalid: allowed VARIANT,SIZE'):
+    with pytest.raises(ConfigError, match=r"unknown variant preset 'mamba'; allowed: vanilla, "):
         modern.get_config('mamba,82m')
 
 
@@ -279,7 +302,7 @@ def test_any_preset_at_a_base_size_and_a_bad_one_named():
     config = from_configdict(preset.get_config('mudd:vr_late,468m'))
     assert (config.model.mudd, config.model.mudd_layers) == ('vr', (16, 17, 18, 19, 20, 21, 22, 23, 24))
     assert config.model.d_model == from_configdict(base.get_config('vanilla,468m')).model.d_model
-    with pytest.raises(ConfigError, match=r'configs/preset.py:mud,82m is invalid: .* PRESET one of vanilla, '):
+    with pytest.raises(ConfigError, match=r"unknown variant preset 'mud'; did you mean 'mudd'.* --list_variants"):
         preset.get_config('mud,82m')
     with pytest.raises(ConfigError, match=r"size '8m' is invalid"):
         preset.get_config('mudd,8m')

@@ -172,7 +172,10 @@ def test_a_second_invocation_trains_only_the_new_variant_and_evaluates_all(compa
 @pytest.mark.parametrize(
     'args, message',
     [
-        (['--variants=vanilla,resformer:learned'], "unknown variant preset 'resformer:learned'; allowed: vanilla,"),
+        (
+            ['--variants=vanilla,resformer:learned'],
+            "unknown variant preset 'resformer:learned'; did you mean 'resformer:learnable'",
+        ),
         (['--variants='], '--variants is empty'),
         (['--variants=vanilla', '--seeds=0,x'], '--seeds=0,x is invalid'),
     ],

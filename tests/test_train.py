@@ -469,11 +469,19 @@ def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, mo
     [
         (
             ['--config=configs/tiny.py', '--summary', '--config.train.stepz=3'],
-            "--config.train.stepz: 'stepz' is not a field of train; allowed: steps, microbatches,",
+            "--config.train.stepz: train.stepz is not a config field; did you mean 'steps'?",
         ),
         (
             ['--config=configs/tiny.py', '--summary', '--config.model.bogus=1'],
-            "--config.model.bogus: 'bogus' is not a field of model; allowed: attention, lambda_mode,",
+            '--config.model.bogus: model.bogus is not a config field; allowed: attention, lambda_mode,',
+        ),
+        (
+            ['--config=configs/tiny.py', '--summary', '--config.model.atention=svformer'],
+            "--config.model.atention: model.atention is not a config field; did you mean 'attention' or ",
+        ),
+        (
+            ['--config=configs/tiny.py:atnres', '--summary'],
+            "unknown variant preset 'atnres'; did you mean 'attnres'",
         ),
         (
             ['--config=configs/tiny.py', '--summary', '--config.model.attention=mamba'],
@@ -485,11 +493,11 @@ def test_init_from_another_run_with_relative_workdirs(small_corpus, tmp_path, mo
         ),
         (
             ['--config=configs/base.py:resformer', '--summary'],
-            'configs/base.py:resformer is invalid: allowed VARIANT,SIZE',
+            'configs/base.py:resformer is invalid: allowed PRESET,SIZE',
         ),
         (
             ['--config=configs/tiny.py', '--summary', '--config.trian.steps=3'],
-            "--config.trian.steps: 'trian' is not a config section; allowed: model, data, optimizer, train, mesh",
+            "--config.trian.steps: trian is not a config section; did you mean 'train'?",
         ),
         (
             ['--config=configs/tiny.py', '--summary', '--config.optimizer.final_lr=-1e-4'],

@@ -205,7 +205,9 @@ def test_every_preset_builds_on_the_shipped_shapes(size):
 
 
 def test_unknown_preset_lists_the_presets():
-    with pytest.raises(ConfigError, match="unknown variant preset 'resformer:learned'; allowed: vanilla, resformer,"):
+    with pytest.raises(
+        ConfigError, match="unknown variant preset 'resformer:learned'; did you mean 'resformer:learnable'"
+    ):
         presets.apply('resformer:learned', small_model_config())
     assert 'svformer:gqa4' in presets.listing() and 'NeuTRENO' in presets.listing()
 

@@ -27,6 +27,7 @@ from typing import Callable
 
 from absl import app, flags, logging
 
+from vrl.core import config as config_lib
 from vrl.core import multihost, native_lines, peers
 from vrl.core.errors import VrlError
 
@@ -140,12 +141,8 @@ def _parse_flags(usage: Callable[[bool], str], schema: type | None, argv: list[s
         text = str(e.args[0]) if e.args else '?'
         key = re.split(r"['\\\n]", text.strip("'"), maxsplit=1)[0]
         given = next((a.split('=')[0] for a in argv if a.startswith(f'--config.{key}.')), f'--config.{key}')
-        hint = re.search(r'Did you mean "(\w+)"', text)
-        sys.exit(
-            f'error: {given}: {key!r} is not a config section; allowed: '
-            + ', '.join(f.name for f in dataclasses.fields(schema))
-            + (f' (did you mean {hint.group(1)!r}?)' if hint else '')
-        )
+        sections = [f.name for f in dataclasses.fields(schema)]
+        sys.exit(f'error: {given}: ' + config_lib.not_a_field(key, sections, 'section'))
     except (AttributeError, TypeError, ValueError, OSError) as e:  # raised by --config.x=...
         unknown = _unknown_field(e, argv, schema) if isinstance(e, AttributeError) and schema else None
         if unknown:
@@ -170,16 +167,14 @@ def _unknown_field(e: AttributeError, argv: list[str], schema: type) -> str | No
     """`--config.SECTION.FIELD=...` naming no field of SECTION: which override, and the section's fields."""
     inner = e.args[0] if e.args else ''
     text = str(inner.args[0] if isinstance(inner, KeyError) and inner.args else inner).strip('"\'')
-    key, hint = re.split(r'[:\'"\s]', text, maxsplit=1)[0], re.search(r'Did you mean "(\w+)"', text)
+    key = re.split(r'[:\'"\s]', text, maxsplit=1)[0]
     for arg in argv:
         parts = arg.split('=', 1)[0].removeprefix('--config.').split('.')
         if arg.startswith('--config.') and len(parts) == 2 and parts[1] == key:
             section = getattr(schema(), parts[0], None)
             if dataclasses.is_dataclass(section):
-                allowed = ', '.join(f.name for f in dataclasses.fields(section))
-                return f'{arg.split("=", 1)[0]}: {key!r} is not a field of {parts[0]}; allowed: {allowed}' + (
-                    f' (did you mean {hint.group(1)!r}?)' if hint else ''
-                )
+                known = [f.name for f in dataclasses.fields(section)]
+                return f'{arg.split("=", 1)[0]}: ' + config_lib.not_a_field(f'{parts[0]}.{key}', known)
     return None
 
 

@@ -6,6 +6,7 @@ vrl/train/config.py, the mesh's in vrl/core/sharding.py) and vrl/train/config.py
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from typing import Any, Sequence
 
@@ -23,6 +24,16 @@ def require(ok: bool, field: str, value: Any, allowed: str) -> None:
 
 def choice(field: str, value: Any, allowed: Sequence[str]) -> None:
     require(value in allowed, field, value, 'one of ' + ', '.join(map(repr, allowed)))
+
+
+def not_a_field(name: str, known: Sequence[str], what: str = 'field') -> str:
+    """`name` (SECTION.FIELD, or SECTION) naming no config field: one short line with the nearest
+    names of `known`, or all of them where none is near (not a typo, so the reader needs the list)."""
+    key = name.rsplit('.', 1)[-1]
+    near = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    if near:
+        return f'{name} is not a config {what}; did you mean {" or ".join(map(repr, near))}?'
+    return f'{name} is not a config {what}; allowed: {", ".join(known)}.'
 
 
 def int_tuple(field: str, value: Any) -> tuple[int, ...]:
@@ -44,14 +55,13 @@ def from_dict(root: type, values: dict[str, Any]) -> Any:
         known = {f.name: f for f in dataclasses.fields(section_cls)}
         unknown = sorted(set(given) - set(known))
         if unknown:
-            raise ConfigError(f'{name}.{unknown[0]} is not a config field; allowed: {", ".join(sorted(known))}.')
+            raise ConfigError(not_a_field(f'{name}.{unknown[0]}', sorted(known)))
         for field in given:  # tuples of ints from JSON lists or a command line's '1,3,5'
             if known[field].type == 'tuple[int, ...]':  # the annotation, a string in every section's module
                 given[field] = int_tuple(f'{name}.{field}', given[field])
         sections[name] = section_cls(**given)
     if values:
-        allowed = ', '.join(f.name for f in dataclasses.fields(root))
-        raise ConfigError(f'{sorted(values)[0]} is not a config section; allowed: {allowed}.')
+        raise ConfigError(not_a_field(sorted(values)[0], [f.name for f in dataclasses.fields(root)], 'section'))
     return root(**sections)
 
 

@@ -9,6 +9,7 @@ embeddings) are derived from the model's layers and heads.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Callable
 
 from vrl.core.config import ConfigError
@@ -171,7 +172,12 @@ def apply(name: str, cfg: ModelConfig) -> ModelConfig:
     """cfg as the preset `name`: the variant fields reset to vanilla's, then the preset's set (the
     shape, GQA included, stays the base config's unless the preset names it)."""
     if name not in PRESETS:
-        raise ConfigError(f'unknown variant preset {name!r}; allowed: {", ".join(PRESETS)}.')
+        near = difflib.get_close_matches(name, PRESETS, n=2)
+        named = f'did you mean {" or ".join(map(repr, near))}?' if near else f'allowed: {", ".join(PRESETS)}.'
+        raise ConfigError(
+            f'unknown variant preset {name!r}; {named} (python -m vrl.experiments.compare --list_variants lists '
+            'the presets and what each is)'
+        )
     return dataclasses.replace(cfg.as_vanilla(), **PRESETS[name][1](cfg))
 
 
