@@ -466,3 +466,42 @@ def test_a_run_refused_before_writing_leaves_no_workdir_behind(small_corpus, tmp
     with pytest.raises(TokenizerError, match='does not exist'):
         loop.run(missing, str(tmp_path / 'old'))
     assert [p.name for p in (tmp_path / 'old').iterdir()] == ['.lock']
+
+
+def test_a_torn_metrics_line_is_set_aside_on_resume_and_skipped_by_readers(small_corpus, tmp_path, capsys, caplog):
+    """A run killed mid-write leaves half a record at the end of metrics.jsonl: the resumed run moves it to
+    metrics.torn.txt (one line said) and appends whole records only, its `resumed` record among them; a
+    reader of a file torn at the end, or in the middle by an older vrl, skips those lines with one warning
+    naming the file, and the report's numbers come from the rest."""
+    from vrl.experiments import grid
+
+    workdir = tmp_path / 'run'
+    config = tiny_config(small_corpus, steps=4, checkpoint_every=4, log_every=1)
+    loop.run(config, str(workdir))
+    half = '{"step": 5, "loss": 3.1'
+    with open(workdir / 'metrics.jsonl', 'a') as f:
+        f.write(half)
+    kept = (workdir / 'metrics.jsonl').read_text()[: -len(half)]
+    capsys.readouterr()
+    loop.run(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6)), str(workdir))
+    said = capsys.readouterr().out
+    assert f'{workdir / "metrics.jsonl"} ended in half a record ({len(half)} bytes' in said, said
+    assert (workdir / 'metrics.torn.txt').read_text() == half + '\n'
+    text = (workdir / 'metrics.jsonl').read_text()
+    assert text.startswith(kept) and text.endswith('\n')
+    records = _records(workdir)  # every line parses
+    assert [r['event'] for r in records if 'event' in r] == ['started', 'resumed']
+    assert {5, 6} <= {r['step'] for r in records if 'loss' in r}
+
+    torn = tmp_path / 'torn'
+    torn.mkdir()
+    lines = text.splitlines()
+    (torn / 'metrics.jsonl').write_text('\n'.join([lines[0][:10] + lines[1], *lines[2:], lines[3][:15]]))
+    with caplog.at_level('WARNING'):
+        by_step = grid.read_metrics(torn)
+    (warning,) = [r.getMessage() for r in caplog.records if 'not a whole record' in r.getMessage()]
+    assert warning.startswith(f'{torn / "metrics.jsonl"}: line 1, {len(lines)} is not a whole record'), warning
+    whole: dict[int, dict] = {}
+    for line in lines[2:]:
+        whole.setdefault(json.loads(line)['step'], {}).update(json.loads(line))
+    assert by_step == whole

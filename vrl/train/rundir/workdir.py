@@ -26,7 +26,8 @@ from vrl.train.config import Config
 # the tokenizer a run started from Hugging Face weights came with (with a tokenizer.json, its config)
 TOKENIZER_FILES = ('tokenizer.model', 'tokenizer.json', 'tokenizer_config.json')
 WANDB_RUN_ID = 'wandb_run_id'  # the W&B run this workdir's run logs to (vrl/train/trackers/wandb.py)
-RUN_FILES = ('checkpoints', 'metrics.jsonl', 'config.json', 'tensorboard', *TOKENIZER_FILES, WANDB_RUN_ID)
+TORN_METRICS = 'metrics.torn.txt'  # a crash's half-written records, set aside (vrl/train/trackers/jsonl.py)
+RUN_FILES = ('checkpoints', 'metrics.jsonl', TORN_METRICS, 'config.json', 'tensorboard', *TOKENIZER_FILES, WANDB_RUN_ID)
 
 
 class WorkdirError(VrlError, RuntimeError):

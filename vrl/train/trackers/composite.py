@@ -54,7 +54,7 @@ class Trackers:
         stored = StoredLog(workdir, guard) if storage.is_remote(workdir) else None
         folder = stored.local if stored else workdir
         terminal = TerminalTracker(total_steps, start_step, label, print_every)
-        trackers: list[Tracker] = [JsonlTracker(folder), TensorBoardTracker(folder, start_step)]
+        trackers: list[Tracker] = [JsonlTracker(folder, terminal.print), TensorBoardTracker(folder, start_step)]
         if wandb is not None:
             from vrl.train.trackers.wandb import WandbTracker
 

@@ -14,7 +14,6 @@ commit."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import time
 
@@ -25,6 +24,7 @@ from vrl.core.errors import VrlError
 from vrl.train.rundir import guard as guard_lib
 from vrl.train.rundir import lease
 from vrl.train.rundir.workdir import metrics_file
+from vrl.train.trackers import jsonl
 
 
 class StoredLog:
@@ -101,6 +101,6 @@ def read_metrics(workdir: epath.Path) -> list[dict]:
     records = []
     for name, size in files:
         if (workdir / name).exists():
-            text = (workdir / name).read_bytes()[:size].decode()
-            records += [json.loads(line) for line in text.splitlines()]
+            text = (workdir / name).read_bytes()[:size].decode(errors='replace')
+            records += jsonl.records(text, str(workdir / name))
     return records
