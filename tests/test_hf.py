@@ -168,7 +168,7 @@ def test_transformers_loads_the_export_and_agrees(exported):
 def test_init_from_hf_restores_identical_parameters(exported):
     run, folder = exported
     trainer = TrainSteps(run.config, run.trainer.mesh)
-    params, note = start.initial_params(f'hf:{folder}', trainer, run.config)
+    params, note, _ = start.initial_params(f'hf:{folder}', trainer, run.config)
     assert params_equal(jax.device_get(params), jax.device_get(run.params))
     assert note.startswith(f' ({len(load_file(str(folder / "model.safetensors")))} tensors), tokenizer ')
     assert 'also fit a fixed-lambda ResFormer' in note  # a plain Llama config.json cannot say

@@ -393,6 +393,92 @@ def test_an_init_from_that_does_not_fit_is_one_error_naming_the_fix_and_leaves_n
     assert not (tmp_path / 'new').exists()
 
 
+def _overwrite_64k_of_the_data_files(step_dir: Path) -> None:
+    """64 KiB in the middle of each array data file of the step overwritten with other bytes (a copy gone
+    wrong): TensorStore finds the damage in the first array it reads."""
+    for file in (step_dir / 'state').rglob('d/*'):
+        data = bytearray(file.read_bytes())
+        if len(data) > 64 * 1024:
+            middle = len(data) // 2 - 32 * 1024
+            data[middle : middle + 64 * 1024] = np.random.default_rng(0).bytes(64 * 1024)
+            file.write_bytes(bytes(data))
+
+
+def _flip_a_bit_of_a_query_weight(step_dir: Path) -> None:
+    """A bit of a saved weight flipped through TensorStore: the chunk decodes, the checksum must see it."""
+    import tensorstore as ts
+
+    kvstore = {'driver': 'ocdbt', 'base': f'file://{step_dir / "state"}/'}
+    weights = ts.open({'driver': 'zarr', 'kvstore': kvstore, 'path': 'params.first.attn.wq'}).result()
+    value = weights[0, 0, :1].read().result()
+    weights[0, 0, :1].write((value.view(np.uint32) ^ 0x10).view(np.float32)).result()
+
+
+@pytest.mark.parametrize(
+    'damage, reason',
+    [
+        (
+            _flip_a_bit_of_a_query_weight,
+            r'array params\.first\.attn\.wq differs from the one saved \(checksum mismatch\)',
+        ),
+        (_overwrite_64k_of_the_data_files, r': array (params|opt_state)\.\S+ cannot be read \(.*Data corruption'),
+    ],
+)
+def test_a_damaged_init_from_source_is_one_line_naming_the_step_and_array(small_corpus, tmp_path, damage, reason):
+    """--init_from a copy whose parameters were damaged: verified as a resume verifies, one error naming
+    the flag, the source's step folder and the array; nothing started, no workdir left."""
+    source = tmp_path / 'source'
+    loop.run(tiny_config(small_corpus, steps=2, checkpoint_every=2), str(source))
+    damage(source / 'checkpoints' / '2')
+    with pytest.raises(checkpoint.CorruptCheckpointError) as raised:
+        loop.run(tiny_config(small_corpus, steps=2), str(tmp_path / 'new'), init_from=str(source))
+    message = str(raised.value)
+    assert '\n' not in message and len(message) < 700, message
+    assert message.startswith(f'--init_from={source}: checkpoint {source / "checkpoints/2"}: '), message
+    assert re.search(reason, message) and 'nothing was started' in message, message
+    assert not (tmp_path / 'new').exists()
+
+
+def test_init_from_records_the_step_and_parameters_it_read(small_corpus, tmp_path, capsys, monkeypatch):
+    """The start line, the start record and config.json's history name the source's step folder, step and
+    parameter digest; a source whose run still holds its workdir is read at its newest committed step,
+    said so; a non-finite loss at the first steps of an initialised run names the source among the causes."""
+    from vrl.train.rundir import guard as guard_lib
+
+    source = tmp_path / 'source'
+    trained = loop.run(tiny_config(small_corpus, steps=4, checkpoint_every=2), str(source))
+    digest = checkpoint.params_digest(trained.state.params)
+    holder = guard_lib.make(source)
+    holder.acquire()  # the source's run still trains
+    try:
+        capsys.readouterr()
+        loop.run(tiny_config(small_corpus, steps=1), str(tmp_path / 'new'), init_from=str(source))
+    finally:
+        holder.release()
+    said = capsys.readouterr().out
+    folder = source / 'checkpoints' / '4'
+    assert (
+        f'initialised from {folder} step 4 (parameters {digest}, its newest committed step: the run there is '
+        'still training)' in said
+    ), said
+    started = json.loads((tmp_path / 'new' / 'metrics.jsonl').read_text().splitlines()[0])
+    assert (started['event'], started['init_from'], started['init_step'], started['init_fingerprint']) == (
+        'started',
+        str(folder),
+        4,
+        digest,
+    )
+    (entry,) = json.loads((tmp_path / 'new' / 'config.json').read_text())['history']
+    assert (entry['init_from'], entry['init_step'], entry['init_fingerprint']) == (str(folder), 4, digest)
+
+    read = checkpoint.restore_params
+    monkeypatch.setattr(  # weights of another scale: finite in the source, not once trained on
+        checkpoint, 'restore_params', lambda *a, **k: jax.tree.map(lambda x: x * np.float32(3e38), read(*a, **k))
+    )
+    with pytest.raises(start.TrainingError, match=rf'check the weights it started from: --init_from={folder} \(step 4'):
+        loop.run(tiny_config(small_corpus, steps=3), str(tmp_path / 'diverged'), init_from=str(source))
+
+
 def _named(params) -> dict[str, np.ndarray]:
     return {checkpoint.path_name(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
 

@@ -15,6 +15,8 @@ from vrl.train.start import TrainingError
 from vrl.train.step import RunGroup
 from vrl.train.trackers import terminal
 
+INITIALISED_STEPS = 10  # a non-finite step within this many of an --init_from start names the source
+
 
 class HostMetrics:
     """The host side of each step, one step late: train.nan_policy, the loss record, and every
@@ -121,10 +123,17 @@ class HostMetrics:
             self._skipped_in_a_row[i] = 0
             return
         if train_cfg.nan_policy == 'error':
+            source = m.start.source
+            causes = (
+                f'Lower the LR, or check the weights it started from: --init_from={source.where} (step '
+                f'{source.step}, parameters {source.fingerprint}) may be damaged or of another scale; '
+                'train.nan_policy=skip would hide either.'
+                if source and step - self._start_step <= INITIALISED_STEPS
+                else 'Lower the LR or set train.nan_policy=skip.'
+            )
             raise TrainingError(
                 f'{m.label}non-finite loss, gradients or weights at step {step}; no checkpoint '
-                f'of it was written (latest saved: {m.manager.latest_step()}). Lower the LR or set '
-                'train.nan_policy=skip.'
+                f'of it was written (latest saved: {m.manager.latest_step()}). {causes}'
             )
         self._skipped_in_a_row[i] += 1
         self._skipped[i] += 1

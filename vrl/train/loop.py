@@ -335,10 +335,11 @@ def _announce(
                 start_step,
                 request.fresh,
                 {'params': account.params, 'non_embedding_params': account.non_embedding_params, 'data': reads},
+                begun.source.record() if begun.source else {},
             )
             for name, (old, new) in changed.items():
                 m.writer.print(f'{name} changed since the last start: {old!r} -> {new!r}')
-        m.writer.mark_start(start_step, begun.origin.value, init_from=request.init_from)
+        m.writer.mark_start(start_step, begun.origin.value, **(begun.source.record() if begun.source else {}))
         m.writer.print(
             f'{config.model.variant_name}: {account.params:,} params, mesh {dict(trainer.mesh.shape)}, '
             f'{opt.name} + {opt.schedule} (peak LR {opt.peak_lr:g}), {begun.describe()}{together}'

@@ -18,6 +18,7 @@ from vrl.core.errors import VrlError
 from vrl.model.config import ModelConfig
 from vrl.train.config import Config
 from vrl.train.rundir import checkpoint
+from vrl.train.rundir import guard as guard_lib
 from vrl.train.step import TrainState, TrainSteps
 
 
@@ -53,9 +54,31 @@ class Origin(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class Source:
+    """What --init_from read: where (a step folder, or hf:DIR), the step (None for hf:), the digest of
+    the parameters read (checkpoint.params_digest), and whether a run still held the source's workdir
+    (its newest committed step was read; a later read may find a newer one)."""
+
+    where: str
+    step: int | None
+    fingerprint: str
+    live: bool = False
+
+    def describe(self) -> str:
+        step = '' if self.step is None else f' step {self.step}'
+        live = ', its newest committed step: the run there is still training' if self.live else ''
+        return f'{self.where}{step} (parameters {self.fingerprint}{live})'
+
+    def record(self) -> dict[str, Any]:
+        """What the run's start record and config history keep of it."""
+        return {'init_from': self.where, 'init_step': self.step, 'init_fingerprint': self.fingerprint}
+
+
+@dataclasses.dataclass(frozen=True)
 class Start:
     origin: Origin
     state: TrainState | None  # None: a fresh init, made for a whole group at once
+    source: Source | None = None  # --init_from's
 
     def step(self) -> int:
         return 0 if self.state is None else int(self.state.step)
@@ -65,7 +88,7 @@ class Start:
         return {
             Origin.RESUMED: f'resumed at step {self.step()}',
             Origin.BRANCHED: f'branched at step {self.step()}',
-            Origin.FRESH: 'fresh start',
+            Origin.FRESH: f'initialised from {self.source.where}' if self.source else 'fresh start',
         }[self.origin]
 
 
@@ -103,9 +126,9 @@ def decide(
     if not request.init_from:
         return Start(Origin.FRESH, None)
     state = trainer.init_state(config.train.seed)
-    params, note = initial_params(request.init_from, trainer, config, state.params)
-    say(f'initialised from {request.init_from}{note}')
-    return Start(Origin.FRESH, state._replace(params=params))
+    params, note, source = initial_params(request.init_from, trainer, config, state.params)
+    say(f'initialised from {source.describe()}{note}')
+    return Start(Origin.FRESH, state._replace(params=params), source)
 
 
 INIT_FROM_FIX = (
@@ -115,16 +138,28 @@ INIT_FROM_FIX = (
 )
 
 
-def initial_params(init_from: str, trainer: TrainSteps, config: Config, fresh: Any = None) -> tuple[Any, str]:
+def initial_params(init_from: str, trainer: TrainSteps, config: Config, fresh: Any = None) -> tuple[Any, str, Source]:
     """--init_from: another run's checkpoint (any model whose shapes match, or another variant of them:
     `uptrained`), or `hf:DIR`, a Hugging Face Llama directory (vrl/interop/hf.py), placed in the
-    training layout; and what to log about it. `fresh`: the run's initial parameters (None: made here
-    where uptraining needs them). A source that
-    does not fit is a CheckpointMismatchError naming the flag, the cause and the fix."""
+    training layout; what to log about it; and the Source read. `fresh`: the run's initial parameters
+    (None: made here where uptraining needs them). A checkpoint is verified as a resume verifies it. A
+    source that does not fit is a CheckpointMismatchError naming the flag, the cause and the fix; one
+    that is damaged a CorruptCheckpointError naming the flag, the step and the array."""
     try:
-        return _initial_params(init_from, trainer, config, fresh)
+        if init_from.startswith('hf:'):
+            params, note = _from_hf(init_from, trainer, config, fresh)
+            return params, note, Source(init_from, None, checkpoint.params_digest(params))
+        folder, step = checkpoint.step_folder(init_from)  # resolved once: a live source may save a newer one
+        params, note = _from_checkpoint(str(folder), trainer, config, fresh)
+        live = step is not None and guard_lib.in_use(folder.parent.parent)
+        return params, note, Source(str(folder), step, checkpoint.params_digest(params), live)
     except checkpoint.CheckpointMismatchError as e:
         raise checkpoint.CheckpointMismatchError(f'--init_from={init_from}: {e} {INIT_FROM_FIX}') from None
+    except checkpoint.CorruptCheckpointError as e:
+        raise checkpoint.CorruptCheckpointError(
+            f'--init_from={init_from}: {e}; nothing was started. Train from an intact copy or another step '
+            '(DIR/checkpoints/STEP).'
+        ) from None
 
 
 def uptrained(saved: dict, read: Callable[[Any], Any], abstract: Any, fresh: Any, config: Config) -> tuple[Any, str]:
@@ -181,18 +216,25 @@ def _leaf(tree: dict, path) -> Any:
     return tree
 
 
-def _initial_params(init_from: str, trainer: TrainSteps, config: Config, fresh: Any) -> tuple[Any, str]:
+def _from_checkpoint(folder: str, trainer: TrainSteps, config: Config, fresh: Any) -> tuple[Any, str]:
+    """The parameters of step folder `folder` in the run's layout (uptrained into another variant)."""
+    abstract = trainer.abstract_state.params
+    saved = checkpoint.saved_param_shapes(folder)
+    if saved.keys() == checkpoint.param_shapes(abstract).keys():
+        return checkpoint.restore_params(folder, abstract), ''
+    if fresh is None:
+        fresh = trainer.init_state(config.train.seed).params
+    params, note = uptrained(
+        saved, lambda subset: checkpoint.restore_params(folder, subset, subset=True), abstract, fresh, config
+    )
+    return params, f' ({note})'
+
+
+def _from_hf(init_from: str, trainer: TrainSteps, config: Config, fresh: Any) -> tuple[Any, str]:
+    """The parameters of Hugging Face directory hf:DIR in the run's layout (uptrained from a Llama one)."""
     abstract = trainer.abstract_state.params
     if fresh is None:
         fresh = trainer.init_state(config.train.seed).params
-    if not init_from.startswith('hf:'):
-        saved = checkpoint.saved_param_shapes(init_from)
-        if saved.keys() == checkpoint.param_shapes(abstract).keys():
-            return checkpoint.restore_params(init_from, abstract), ''
-        params, note = uptrained(
-            saved, lambda subset: checkpoint.restore_params(init_from, subset, subset=True), abstract, fresh, config
-        )
-        return params, f' ({note})'
     from vrl.interop import hf  # safetensors: requirements-extra.txt
 
     folder = _hf_dir(init_from)

@@ -23,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
+import re
 import time
 from typing import Any, Callable, Iterator
 
@@ -406,8 +408,17 @@ def _normalized(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+def _damage(e: BaseException) -> str:
+    """What TensorStore found wrong, in one line: its innermost cause and the file (its error nests every
+    layer it passed through, paths and specs included); `_one_line` of any other error."""
+    text = _one_line(e) if 'local file "' not in str(e) else ' '.join(str(e).split())
+    found = re.search(r'.*local file "([^"]+)": ([^\[]*)', text)
+    return f'{found.group(2).strip()} in {found.group(1)}' if found else text
+
+
 def _one_line(e: BaseException) -> str:
-    text = ' '.join(str(e).split()).split(' See full TensorStore details')[0] or type(e).__name__
+    text = ' '.join(str(e).split()).split(' See full TensorStore details')[0].split(' [tensorstore_spec=')[0]
+    text = text or type(e).__name__
     return text if len(text) <= 300 else text[:297] + '...'
 
 
@@ -567,34 +578,93 @@ def param_shapes(params: Any) -> dict[str, tuple[int, ...]]:
 def saved_param_shapes(path: str) -> dict[str, tuple[int, ...]]:
     """param_shapes of a workdir's latest step (or a step folder), from its metadata."""
     root, _ = step_folder(path)
-    return param_shapes(ocp.PyTreeCheckpointHandler().metadata(root / 'state')['params'])
+    return param_shapes(_saved_params(root))
+
+
+def _saved_params(root: epath.Path) -> Any:
+    """The array metadata of step folder `root`'s parameters; CorruptCheckpointError naming the array whose
+    metadata cannot be read. (The handler's metadata: the checkpointer's also looks for step metadata,
+    which the manager writes one folder up, and logs a warning that it is missing.)"""
+    try:
+        return ocp.PyTreeCheckpointHandler().metadata(root / 'state')['params']
+    except Exception as e:  # noqa: BLE001 - any failure to read it means the step is damaged
+        raise CorruptCheckpointError(
+            f'checkpoint {root}: {_array_in(e) or "its array metadata"} cannot be read ({_damage(e)})'
+        ) from None
+
+
+def _array_in(e: BaseException) -> str | None:
+    """The array a TensorStore error names ('array params.first.attn.wq'), if it names one."""
+    found = re.search(r'"((?:params|opt_state|step)[^"/]*)/', str(e))
+    return found and f'array {found.group(1)}'
 
 
 def restore_params(path: str, abstract_params: Any, model: ModelConfig | None = None, *, subset: bool = False) -> Any:
     """Parameters only, from a workdir (its latest step) or a step folder: for --init_from (any
     model whose shapes match) and for decoding (`model` given: the saved model config must match).
-    `subset`: the checkpoint may hold parameters that abstract_params leaves out (not read)."""
+    `subset`: the checkpoint may hold parameters that abstract_params leaves out (not read). Verified as
+    a resume verifies: an array that cannot be read, or whose checksum differs from the one saved, is a
+    CorruptCheckpointError naming the step folder and the array."""
     root, _ = step_folder(path)
+    meta = _read_meta_of(root)
     if model is not None:
-        check_model(_read_meta(root), model, f'checkpoint {root}')
-    checkpointer = ocp.PyTreeCheckpointer()
-    # the handler's metadata: the checkpointer's also looks for step metadata, which the manager
-    # writes one folder up, and logs a warning that it is missing
-    saved = ocp.PyTreeCheckpointHandler().metadata(root / 'state')['params']
-    check_compatible(saved, abstract_params, f'checkpoint {root}', subset=subset)
-    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), abstract_params)
+        check_model(meta, model, f'checkpoint {root}')
+    check_compatible(_saved_params(root), abstract_params, f'checkpoint {root}', subset=subset)
     try:
-        restored = checkpointer.restore(
-            root / 'state',
-            args=ocp.args.PyTreeRestore(
-                item={'params': abstract_params}, restore_args={'params': restore_args}, partial_restore=True
-            ),
-        )
-    except Exception:
-        if storage.exists(root / 'state', 'the checkpoint'):
-            raise
-        raise StepRemovedError(
-            f'checkpoint {root} was removed while it was read (its run keeps train.keep_checkpoints of them '
-            'and saved a newer one): read the workdir again for its newest step.'
+        restored = _read_params(root, abstract_params)
+    except Exception as e:  # noqa: BLE001 - whatever TensorStore raised: removed meanwhile, or damaged
+        if not storage.exists(root / 'state', 'the checkpoint'):
+            raise StepRemovedError(
+                f'checkpoint {root} was removed while it was read (its run keeps train.keep_checkpoints of them '
+                'and saved a newer one): read the workdir again for its newest step.'
+            ) from None
+        raise CorruptCheckpointError(
+            f'checkpoint {root}: {_array_in(e) or _unreadable_array(root, abstract_params) or "its parameters"} '
+            f'cannot be read ({_damage(e)})'
         ) from None
-    return restored['params']
+    if meta is not None:
+        for name, value in fingerprint(restored).items():
+            if meta['fingerprint'].get(f'params.{name}', value) != value:
+                raise CorruptCheckpointError(
+                    f'checkpoint {root}: array params.{name} differs from the one saved (checksum mismatch)'
+                )
+    return restored
+
+
+def params_digest(params: Any) -> str:
+    """A short hex digest of `params`' per-array checksums (`fingerprint`): the same parameters, the same
+    digest, wherever they were read from (what a run started with --init_from records of its source)."""
+    checksums = json.dumps(fingerprint(params), sort_keys=True).encode()
+    return hashlib.sha256(checksums).hexdigest()[:16]
+
+
+def _read_meta_of(root: epath.Path) -> dict | None:
+    try:
+        return _read_meta(root)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f'checkpoint {root}: {e}') from None
+
+
+def _read_params(root: epath.Path, abstract_params: Any) -> Any:
+    """The parameters of step folder `root` that `abstract_params` names, placed as its shardings say."""
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), abstract_params)
+    return ocp.PyTreeCheckpointer().restore(
+        root / 'state',
+        args=ocp.args.PyTreeRestore(
+            item={'params': abstract_params}, restore_args={'params': restore_args}, partial_restore=True
+        ),
+    )['params']
+
+
+def _unreadable_array(root: epath.Path, abstract_params: Any) -> str | None:
+    """The first array of `abstract_params` that step folder `root` cannot give back, read one at a time
+    (after a read of them all failed: TensorStore's error names a file, not the array)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
+        alone: Any = leaf
+        for key in reversed(path):
+            alone = {key.key: alone}
+        try:
+            _read_params(root, alone)
+        except Exception:  # noqa: BLE001 - this one is damaged
+            return f'array params.{path_name(path)}'
+    return None

@@ -6,12 +6,14 @@ in the refusal; `confirm()` before each write stops a holder that lost it.
 
 - `make(workdir)`: the guard for a workdir;
 - `hold(guard)` and `release(guard)`: taken (the workdir created and proven writable first) and
-  given back (a workdir it created that holds nothing else removed).
+  given back (a workdir it created that holds nothing else removed);
+- `in_use(workdir)`: whether a run holds it now (a source read while it still trains).
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 
@@ -111,6 +113,29 @@ def release(guard: Guard) -> None:
         if not storage.is_remote(workdir):
             shutil.rmtree(workdir)
         guard.created = False
+
+
+def in_use(workdir: epath.Path) -> bool:
+    """Whether a run holds `workdir` now: its flock taken (locally), or its lease not released (on an
+    object store; a holder that died unreleased counts until it is taken over)."""
+    lock = workdir / '.lock'
+    if storage.is_remote(workdir):
+        found = storage.read_versioned(lock)
+        try:
+            return found is not None and not json.loads(found[0]).get('released', True)
+        except ValueError:  # a local workdir's flock file, copied up: no lease
+            return False
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # and with it the shared lock, if it was taken
+    return False
 
 
 def make(workdir: epath.Path, holder_kind: str = 'run', stale_after: float = 300.0, take_over: bool = False) -> Guard:

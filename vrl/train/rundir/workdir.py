@@ -143,13 +143,16 @@ def last_read(workdir: epath.Path) -> dict[str, Any] | None:
     return (_read_record(workdir) or {}).get('data')
 
 
-def record_start(workdir: epath.Path, config: Config, step: int, fresh: bool, extra: dict[str, Any]) -> dict[str, list]:
-    """Writes config.json for a start at `step` and returns the settings changed since the last start."""
+def record_start(
+    workdir: epath.Path, config: Config, step: int, fresh: bool, extra: dict[str, Any], source: dict[str, Any]
+) -> dict[str, list]:
+    """Writes config.json for a start at `step` (its history entry with `source`: what --init_from read, if
+    anything) and returns the settings changed since the last start."""
     record = _read_record(workdir) or {}
     new = as_json(config)
     changed = changes(record['config'], new) if step and 'config' in record else {}
     history = record.get('history', []) + [
-        {'step': step, 'time': time.strftime('%Y-%m-%d %H:%M:%S'), 'changed': changed}
+        {'step': step, 'time': time.strftime('%Y-%m-%d %H:%M:%S'), 'changed': changed, **source}
     ]
     started_fresh = record.get('started_fresh', False) if step else fresh
     started = record.get('started', history[-1]['time']) if step else history[-1]['time']
