@@ -50,6 +50,44 @@ def test_summary_pairs_seeds_with_vanilla():
     assert resformer['judgement'] == 'exceeds the spread 0.1414 (2 seeds)' and vanilla['judgement'] == ''
 
 
+def test_every_pair_of_variants_is_differenced_by_seed_with_a_t_interval():
+    """Each pair's paired difference against an independent computation: the per-seed differences' mean,
+    their sample deviation and Student's t interval (scipy's ppf for n - 1 degrees of freedom, by hand
+    below for 2 and 3 seeds); resolved only where the interval excludes 0; --baseline pairs each with it."""
+    rng = np.random.default_rng(7)
+    finals = {
+        v: dict(enumerate(3 + 0.1 * rng.standard_normal(3) + shift))
+        for v, shift in [('vanilla', 0.0), ('resformer', -0.5), ('svformer', -0.52)]
+    }
+    results = [dict(variant=v, seed=s, eval_loss=loss) for v, by_seed in finals.items() for s, loss in by_seed.items()]
+    pairs = compare_report.differences(results, list(finals))
+    assert [(p['a'], p['b']) for p in pairs] == [
+        ('resformer', 'vanilla'),
+        ('svformer', 'vanilla'),
+        ('svformer', 'resformer'),
+    ]
+    t_975 = {1: 12.706204736174707, 2: 4.302652729749464}  # two-sided 95% quantiles of Student's t
+    for p in pairs:
+        deltas = np.array([finals[p['a']][s] - finals[p['b']][s] for s in range(3)])
+        half = t_975[2] * deltas.std(ddof=1) / np.sqrt(3)
+        assert (p['mean'], p['spread'], p['seeds']) == pytest.approx((deltas.mean(), deltas.std(ddof=1), 3))
+        assert (p['low'], p['high']) == pytest.approx((deltas.mean() - half, deltas.mean() + half))
+        assert p['resolved'] == (not (p['low'] <= 0 <= p['high']))
+    two = curves.paired_difference({0: 3.0, 1: 3.1}, {0: 3.2, 1: 3.25, 2: 9.0})  # seed 2 has no pair
+    assert two.seeds == 2 and two.high - two.mean == pytest.approx(
+        t_975[1] * np.std([-0.2, -0.15], ddof=1) / np.sqrt(2)
+    )
+    assert not two.resolved() and 'not resolved' in compare_report.shown(
+        {'a': 'x', 'b': 'y', **two.__dict__, 'resolved': False}
+    )
+    assert '8.98 standard deviations' in curves.what_seeds_show(
+        2
+    ) and 'Three seeds narrow it to ± 2.48' in curves.what_seeds_show(2)
+    assert 'no spread to measure' in curves.what_seeds_show(1)
+    against = compare_report.differences(results, list(finals), baseline='svformer')
+    assert [(p['a'], p['b']) for p in against] == [('vanilla', 'svformer'), ('resformer', 'svformer')]
+
+
 def test_a_difference_within_the_spread_or_on_one_seed_is_not_a_finding():
     assert curves.judge([3.0, 3.1], [3.05, 3.1], [-0.05, 0.0]) == 'within the spread 0.0707 (2 seeds): not a finding'
     assert curves.judge([2.5, 2.6, 2.55], [3.0, 3.1, 3.0], [-0.5, -0.5, -0.45]) == 'exceeds the spread 0.0577 (3 seeds)'
@@ -134,6 +172,14 @@ def test_compare_writes_report_results_and_plots(compared):
     )
     assert f'| vanilla | {curves.plus_minus(np.mean(finals), np.std(finals, ddof=1))} |' in report
     assert 'resformer:learnable_plus: eval loss' in first.stdout
+    # the pair, differenced by seed with its interval, and what two seeds can show, in the report and console
+    (pair,) = results['differences']
+    assert (pair['a'], pair['b'], pair['seeds']) == ('resformer:learnable_plus', 'vanilla', 2)
+    assert f'| resformer:learnable_plus − vanilla | {pair["mean"]:+.4f} |' in report
+    assert curves.what_seeds_show(2) in report and curves.what_seeds_show(2) in first.stdout
+    assert re.search(r'^resformer:learnable_plus − vanilla: [-+][\d.]+, 95% interval \[', first.stdout, re.M)
+    # a 4-step run evaluates at every step (at least compare.EVAL_POINTS points), so eval_loss.png is a curve
+    assert all(sorted(run['eval_curve'], key=int) == ['1', '2', '3', '4'] for run in results['runs'])
 
 
 def test_a_second_invocation_trains_only_the_new_variant_and_evaluates_all(compared, small_corpus, tmp_path):
@@ -177,6 +223,7 @@ def test_a_second_invocation_trains_only_the_new_variant_and_evaluates_all(compa
             "unknown variant preset 'resformer:learned'; did you mean 'resformer:learnable'",
         ),
         (['--variants='], '--variants is empty'),
+        (['--variants=vanilla,svformer', '--baseline=resformer'], '--baseline=resformer is not among --variants'),
         (['--variants=vanilla', '--seeds=0,x'], '--seeds=0,x is invalid'),
     ],
 )

@@ -13,7 +13,9 @@ result.json exists) is reused, an unfinished one resumes from its checkpoint, so
 trains only that one and an interrupted comparison continues where it stopped.
 
 DIR gets report.md (a table per variant: final eval loss, mean and spread over seeds; its
-difference from vanilla's, seed by seed; parameters; KV-cache bytes per token; train tokens/s),
+difference from vanilla's, seed by seed; parameters; KV-cache bytes per token; train tokens/s; then
+every pair of variants, or each against --baseline, differenced by seed with a 95% interval and what
+the seeds can show),
 results.json (the same numbers and the curves), and PNGs: eval loss, training loss relative to
 vanilla after a moving average (the paper's "relative training loss"; the window is
 vrl/experiments/curves.py's), and vrl.experiments.analyze's per-layer entropy, similarity, first-token attention and
@@ -39,11 +41,17 @@ from vrl.experiments.grid import BASELINE, Downstream, Run
 from vrl.model import presets
 from vrl.train.config import Config, from_configdict
 
+EVAL_POINTS = 8  # a run evaluates at least this often, so that even a short one draws an eval curve
+
 
 def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:
     """Every (variant, seed): the base config with the variant's model fields and the seed's init.
     Runs record every step (the relative-loss curves need each step's loss), print at the config's
-    log_every, and print no sample."""
+    log_every, evaluate at least EVAL_POINTS times (train.eval_every lowered where it is rarer), and print
+    no sample."""
+    eval_every = max(1, base.train.steps // EVAL_POINTS)
+    if base.train.eval_every:
+        eval_every = min(base.train.eval_every, eval_every)
     if not variants:
         raise grid.GridError(f'--variants is empty: name at least one of {", ".join(presets.PRESETS)}.')
     if len(set(variants)) < len(variants) or len(set(seeds)) < len(seeds):
@@ -62,7 +70,12 @@ def plan(base: Config, variants: list[str], seeds: list[int]) -> list[Run]:
                         base,
                         model=model,
                         train=dataclasses.replace(
-                            base.train, seed=seed, log_every=1, sample_tokens=0, print_every=base.train.log_every
+                            base.train,
+                            seed=seed,
+                            log_every=1,
+                            sample_tokens=0,
+                            print_every=base.train.log_every,
+                            eval_every=eval_every,
                         ),
                     ),
                 )
@@ -78,8 +91,12 @@ def compare(
     analysis_sequences: int,
     downstream: Downstream | None = None,
     group_runs: bool = True,
-) -> list[dict]:
-    """Trains what is missing, then writes report.md, results.json and the plots; returns the table rows."""
+    baseline: str = '',
+) -> tuple[list[dict], list[dict]]:
+    """Trains what is missing, then writes report.md, results.json and the plots; returns the table rows
+    and the paired differences (every pair of variants, or each against `baseline`)."""
+    if baseline and baseline not in variants:
+        raise grid.GridError(f'--baseline={baseline} is not among --variants={",".join(variants)}: name one of them.')
     runs = plan(base, variants, seeds)
     directory = grid.GridDirectory(workdir, 'compare.json', 'comparison')
     directory.check_same_base(base)
@@ -91,13 +108,15 @@ def compare(
     try:
         results = grid.train_all(runs, workdir, analysis_sequences, downstream, group_runs)
         rows = compare_report.summarize(results, variants)
+        pairs = compare_report.differences(results, variants, baseline)
         if jax.process_index() == 0:
             figures = compare_report.write_plots(results, variants, workdir)
-            directory.write_text('results.json', json.dumps({'table': rows, 'runs': results}, indent=1))
-            directory.write_text('report.md', compare_report.report(rows, figures, base, seeds))
+            record = {'table': rows, 'differences': pairs, 'runs': results}
+            directory.write_text('results.json', json.dumps(record, indent=1))
+            directory.write_text('report.md', compare_report.report(rows, figures, base, seeds, pairs))
     finally:
         directory.close()
-    return rows
+    return rows, pairs
 
 
 def _define_flags() -> dict:
@@ -119,6 +138,11 @@ def _define_flags() -> dict:
         'tasks': flags.DEFINE_list('tasks', [], 'lm-eval tasks to evaluate every run on (vrl.tools.evaluate).'),
         'task_limit': flags.DEFINE_float('task_limit', None, 'Examples per task (< 1: a fraction).'),
         'include_path': flags.DEFINE_string('include_path', None, 'A folder of lm-eval task YAMLs of your own.'),
+        'baseline': flags.DEFINE_string(
+            'baseline',
+            '',
+            'A variant of --variants that every other is compared with, paired by seed; empty: every pair.',
+        ),
         'group_runs': flags.DEFINE_bool(
             'group_runs',
             True,
@@ -150,7 +174,7 @@ def main(args: cli.Args) -> None:
         if args['tasks'].value
         else None
     )
-    rows = compare(
+    rows, pairs = compare(
         from_configdict(args['config'].value),
         args['variants'].value,
         parse_seeds(args['seeds'].value),
@@ -158,6 +182,7 @@ def main(args: cli.Args) -> None:
         args['analysis_sequences'].value,
         downstream,
         args['group_runs'].value,
+        args['baseline'].value,
     )
     print(f'final eval loss, mean ± standard deviation over seeds {",".join(args["seeds"].value)}:')
     for r in rows:
@@ -165,6 +190,12 @@ def main(args: cli.Args) -> None:
             f'{r["variant"]}: eval loss {curves.plus_minus(r["eval_loss"], r["eval_loss_spread"])}, '
             f'vs vanilla {r["delta_vs_vanilla"]:+.4f}' + (f' ({r["judgement"]})' if r['judgement'] else '')
         )
+    if pairs:
+        print('differences, paired by seed:')
+        for p in pairs:
+            difference = curves.Difference(*(p[k] for k in ('mean', 'spread', 'seeds', 'low', 'high')))
+            print(f'{p["a"]} − {p["b"]}: {difference.describe()}: {compare_report.shown(p)}')
+        print(curves.what_seeds_show(min(p['seeds'] for p in pairs)))
     print(f'report: {workdir / "report.md"}')
 
 

@@ -1,11 +1,13 @@
 """What a comparison's results say (vrl.experiments.compare): per variant, the final eval loss over seeds and its
-paired difference from vanilla's, the downstream metrics; the plots and report.md.
+paired difference from vanilla's; the differences between every pair of variants (or against a chosen
+baseline) with an interval from the seeds; the downstream metrics; the plots and report.md.
 
 A result is a finished run's result.json (vrl/experiments/grid.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -47,6 +49,30 @@ def summarize(results: list[dict], variants: list[str]) -> list[dict]:
             }
         )
     return rows
+
+
+def differences(results: list[dict], variants: list[str], baseline: str = '') -> list[dict]:
+    """Final eval loss differences paired by seed (curves.Difference's fields, with 'a' and 'b' for a - b):
+    every variant against `baseline`, or without one, every pair (a later variant minus an earlier one)."""
+    losses = {v: {r['seed']: r['eval_loss'] for r in results if r['variant'] == v} for v in variants}
+    if baseline:
+        pairs = [(v, baseline) for v in variants if v != baseline]
+    else:
+        pairs = [(a, b) for i, b in enumerate(variants) for a in variants[i + 1 :]]
+    rows = []
+    for a, b in pairs:
+        difference = curves.paired_difference(losses[a], losses[b])
+        rows.append({'a': a, 'b': b, **dataclasses.asdict(difference), 'resolved': difference.resolved()})
+    return rows
+
+
+def shown(row: dict) -> str:
+    """What a `differences` row shows, in words."""
+    if row['seeds'] < 2:
+        return 'not resolved (1 seed)'
+    if not row['resolved']:
+        return 'not resolved: the interval holds 0'
+    return f'resolved: {row["a"] if row["mean"] < 0 else row["b"]} lower'
 
 
 def _mean_downstream(per_run: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, tuple[float, float]]]:
@@ -176,7 +202,11 @@ def downstream_plots(by_variant: dict[str, list[dict]], workdir: epath.Path, whe
     return written
 
 
-def report(rows: list[dict], figures: list[epath.Path], base: Config, seeds: list[int]) -> str:
+def report(
+    rows: list[dict], figures: list[epath.Path], base: Config, seeds: list[int], pairs: list[dict] | None = None
+) -> str:
+    """report.md: the table per variant, the `pairs` (`differences`) with what the seeds can show, the
+    downstream table and the figures."""
     tokens = base.train.steps * base.data.batch_size * base.data.seq_len
     lines = [
         '# Variant comparison',
@@ -206,6 +236,23 @@ def report(rows: list[dict], figures: list[epath.Path], base: Config, seeds: lis
             f'{delta} | {r["judgement"] or "—"} | {r["params"]:,} | {r["kv_cache_bytes_per_token"]:,} | '
             f'{r["tokens_per_sec"]:,.0f} |'
         )
+    if pairs:
+        lines += [
+            '',
+            '## Differences between variants (final eval loss, paired by seed)',
+            '',
+            curves.what_seeds_show(min(p['seeds'] for p in pairs)),
+            '',
+            f'| difference | mean | s.d. of the per-seed differences | {curves.CONFIDENCE:.0%} interval | seeds | '
+            'what it shows |',
+            '|---|---|---|---|---|---|',
+        ]
+        for p in pairs:
+            interval = '—' if p['seeds'] < 2 else f'[{p["low"]:+.4f}, {p["high"]:+.4f}]'
+            spread = '—' if p['seeds'] < 2 else f'{p["spread"]:.4f}'
+            lines.append(
+                f'| {p["a"]} − {p["b"]} | {p["mean"]:+.4f} | {spread} | {interval} | {p["seeds"]} | {shown(p)} |'
+            )
     columns = sorted({(task, metric) for r in rows for task, metrics in r['downstream'].items() for metric in metrics})
     if columns:
         lines += [

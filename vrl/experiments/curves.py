@@ -65,6 +65,72 @@ def judge(variant_losses: Sequence[float], baseline_losses: Sequence[float], del
     return f'{verdict} the spread {spread:.4f} ({seeds})' + ('' if size > spread else ': not a finding')
 
 
+CONFIDENCE = 0.95  # of the intervals on paired differences
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """One variant's final loss minus another's, paired by seed: the mean over the seeds both have, the
+    standard deviation of the per-seed differences, and the CONFIDENCE interval of the mean (Student's t
+    with seeds - 1 degrees of freedom; none from one seed)."""
+
+    mean: float
+    spread: float
+    seeds: int
+    low: float
+    high: float
+
+    def resolved(self) -> bool:
+        """Whether the interval excludes 0: the sign of the difference is shown at this confidence."""
+        return self.seeds > 1 and (self.low > 0 or self.high < 0)
+
+    def describe(self) -> str:
+        if self.seeds < 2:
+            return f'{self.mean:+.4f} (1 seed: no interval)'
+        return f'{self.mean:+.4f}, {CONFIDENCE:.0%} interval [{self.low:+.4f}, {self.high:+.4f}] ({self.seeds} seeds)'
+
+
+def paired_difference(losses: dict[int, float], baseline: dict[int, float]) -> Difference:
+    """`losses` minus `baseline` ({seed: final loss} each) over the seeds both have (Difference)."""
+    deltas = [losses[s] - baseline[s] for s in sorted(set(losses) & set(baseline))]
+    if not deltas:
+        return Difference(math.nan, math.nan, 0, math.nan, math.nan)
+    mean, spread = mean_and_spread(deltas)
+    if len(deltas) < 2:
+        return Difference(mean, spread, 1, math.nan, math.nan)
+    half = interval_factor(len(deltas)) * spread
+    return Difference(mean, spread, len(deltas), mean - half, mean + half)
+
+
+def interval_factor(seeds: int) -> float:
+    """The CONFIDENCE interval's half-width over `seeds` paired differences, in units of their standard
+    deviation: t_{(1 + CONFIDENCE) / 2, seeds - 1} / sqrt(seeds) (8.98 at 2 seeds, 2.48 at 3, 1.24 at 5)."""
+    import scipy.stats  # jax's own dependency
+
+    return float(scipy.stats.t.ppf((1 + CONFIDENCE) / 2, seeds - 1) / math.sqrt(seeds))
+
+
+def what_seeds_show(seeds: int) -> str:
+    """Plainly, what `seeds` paired seeds can and cannot show."""
+    if seeds < 2:
+        return (
+            'With one seed there is no spread to measure: no difference can be told from seed-to-seed noise, '
+            'however large. Train more seeds (--seeds=0,1,2) before reading anything into the table.'
+        )
+    factor = interval_factor(seeds)
+    more = (
+        f' Three seeds narrow it to ± {interval_factor(3):.2f}, five to ± {interval_factor(5):.2f}.'
+        if seeds < 3
+        else ''
+    )
+    return (
+        f'With {seeds} seeds, the {CONFIDENCE:.0%} interval of a paired difference is its mean ± {factor:.2f} '
+        'standard deviations of the per-seed differences: a difference is resolved (its sign shown) only where it '
+        f'is larger than {factor:.2f} times that spread. An unresolved difference is not evidence that the '
+        f'variants are equal: the seeds cannot tell either way.{more}'
+    )
+
+
 def mean_curve(curves: Sequence[dict]) -> dict[int, float]:
     """The mean of several curves over the steps all of them have (keys may be ints or strings)."""
     steps = set.intersection(*(set(c) for c in curves))
