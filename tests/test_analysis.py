@@ -222,6 +222,37 @@ def test_generate_and_analyze_refuse_a_config_json_that_is_not_their_checkpoints
     assert not (tmp_path / 'out').exists() and 'ROMEO:' not in generated.stdout
 
 
+def test_generate_labels_its_speed_line_with_the_runs_variant(small_corpus, tmp_path):
+    """vrl.tools.generate on a SkipV1Former run: the speed line names the variant as the run's start line
+    does ('vanilla + SkipV1 1/2'), not the attention field alone ('vanilla')."""
+    import dataclasses
+
+    from tests.runs import tiny_config
+    from vrl.model import presets
+    from vrl.train import loop
+
+    config = tiny_config(small_corpus, attention='vanilla', steps=1, checkpoint_every=1)
+    config = dataclasses.replace(config, model=presets.apply('skipv1', dataclasses.replace(config.model, n_kv_heads=2)))
+    loop.run(config, str(tmp_path / 'skipv1'))
+    generated = subprocess.run(
+        [
+            sys.executable,
+            '-m',
+            'vrl.tools.generate',
+            f'--workdir={tmp_path / "skipv1"}',
+            '--prompt=ROMEO:',
+            '--max_new_tokens=8',
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=600,
+    )
+    assert generated.returncode == 0, generated.stderr[-2000:]
+    speed = generated.stdout.strip().splitlines()[-1]
+    assert speed.startswith(f'{config.model.variant_name}: prefill ') and 'SkipV1' in speed, speed
+
+
 def test_training_logs_the_diagnostics_that_analyze_computes_on_its_checkpoint(small_corpus, tmp_path):
     """train.diagnostics_every: per layer, the statistics of vrl.experiments.analyze on the same sequences and
     parameters (to rounding), ResFormer's lambdas as the checkpoint holds them, the gates of the

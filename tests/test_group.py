@@ -164,16 +164,30 @@ def test_a_killed_grouped_comparison_resumes_to_the_uninterrupted_report(small_c
     assert not (tmp_path / 'killed' / 'report.md').exists()
     again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
+    killed_seconds = {}
     for m in members:
-        events = [r['event'] for r in map(json.loads, (m / 'metrics.jsonl').read_text().splitlines()) if 'event' in r]
-        assert events == ['started', 'resumed']
+        records = list(map(json.loads, (m / 'metrics.jsonl').read_text().splitlines()))
+        events = [r['event'] for r in records if 'event' in r]
+        assert events == ['started', 'resumed'] and all(r['group_size'] == 2 for r in records if 'event' in r)
+        # each invocation's wall time up to its last logged step, shared by the 2 seeds trained together
+        resumed_at = next(i for i, r in enumerate(records) if r.get('event') == 'resumed')
+        walls = [
+            [r['wall_seconds'] for r in part if 'wall_seconds' in r]
+            for part in (records[:resumed_at], records[resumed_at:])
+        ]
+        assert all(walls) and walls[0][-1] > 0.5, walls  # the killed invocation compiled and trained: it counts
+        killed_seconds[m.name] = (walls[0][-1] + walls[1][-1]) / 2
 
-    straight = compare.compare(config, ['resformer'], [0, 1], tmp_path / 'straight', 0)
+    straight, _ = compare.compare(config, ['resformer'], [0, 1], tmp_path / 'straight', 0)
     killed = json.loads((tmp_path / 'killed' / 'results.json').read_text())
     assert [row['eval_loss'] for row in killed['table']] == pytest.approx(
         [row['eval_loss'] for row in straight], rel=1e-5
     )
     uninterrupted = json.loads((tmp_path / 'straight' / 'results.json').read_text())
+    # results.json's seconds add up both invocations (no analysis here: training alone)
+    assert {r['variant'] + '-s' + str(r['seed']): r['seconds'] for r in killed['runs']} == pytest.approx(
+        killed_seconds, abs=0.3
+    )
     for resumed, whole in zip(killed['runs'], uninterrupted['runs']):
         assert resumed['eval_curve'] == pytest.approx(whole['eval_curve'], rel=1e-5)
         assert resumed['train_loss'] == pytest.approx(whole['train_loss'], rel=1e-5)

@@ -102,6 +102,46 @@ def test_export_overwrites_nothing_it_did_not_write(exported, shared_runs, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ['mine']
 
 
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(shared_runs, tmp_path):
+    """--out on a disk too small for the weights (a 64 KiB tmpfs in a mount namespace of its own): one line
+    saying so and what to do, exit 1, and nothing left on that disk (no staging folder, no half export)."""
+    disk = tmp_path / 'small_disk'
+    disk.mkdir()
+    script = 'mount -t tmpfs -o size=64k tmpfs "$0" && "${@:1}"; code=$?; ls -A "$0"; exit $code'
+    command = [sys.executable, '-m', 'vrl.tools.export', f'--workdir={shared_runs("vanilla")}', f'--out={disk}/hf']
+    done = subprocess.run(
+        ['unshare', '--user', '--map-root-user', '--mount', 'bash', '-c', script, str(disk), *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        f'error: no space left on device writing the export to {disk}; nothing of it was kept and {disk}/hf is as it '
+        "was: free space (the export needs about its weights' size) and run the same command."
+    ], done.stderr[-3000:]
+    assert done.stdout == '', done.stdout  # `ls -A` of the small disk after the export: empty
+
+
+def test_the_manuals_transformers_snippet_prints_the_text_alone(exported, tmp_path):
+    """docs/interop.md's Python snippet, run as written on an export (its folder substituted): it prints the
+    prompt and what follows, without the EOS the tokenizer puts in front of every text."""
+    run, folder = exported
+    page = (ROOT / 'docs' / 'interop.md').read_text()
+    snippet = page.split('```python\n', 1)[1].split('```', 1)[0]
+    assert "'runs/tiny-hf'" in snippet
+    done = subprocess.run(
+        [sys.executable, '-c', snippet.replace("'runs/tiny-hf'", repr(str(folder)))],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith('ROMEO:'), done.stdout
+
+
 def test_an_export_is_readable_as_any_file_its_user_writes(exported):
     """The export's folder and every file in it carry the modes the umask gives a new folder and file
     (0755 / 0644 under 022), not mkdtemp's 0700 or safetensors' 0600: another user, or a serving

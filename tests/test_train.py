@@ -499,7 +499,9 @@ def test_init_from_a_vanilla_run_uptrains_svformer_and_resformer(small_corpus, t
         assert set(trained) - set(params) == ({'layers.attn.wv'} if attention == 'svformer' else set())
     said = capsys.readouterr().out
     assert re.search(
-        r'uptraining into svformer: (\d+) of its \1 parameters read; new, .*: none; left out: layers.attn.wv', said
+        r'uptraining into svformer: (\d+) of its \1 parameters read; new, .*: none; left out: layers.attn.wv '
+        r"\(layers >= 2 only; layer 1's first.attn.wv is read and kept\)",
+        said,
     )
     lambdas = 'new, at their initialisation: lambdas.v1, lambdas.vn; left out: none'
     assert re.search(r'uptraining into resformer \(learnable\): \d+ of its \d+ parameters read; ' + lambdas, said)

@@ -191,7 +191,8 @@ def train_or_reuse(
 
 def _train(runs: list[Run], workdir: epath.Path, analysis_sequences: int) -> dict[str, dict[str, Any]]:
     """Trains (or resumes) the runs, together if more than one, analyses each, and gathers its numbers
-    from metrics.jsonl. Each run's 'seconds' is its share of the wall time."""
+    from metrics.jsonl. Each run's 'seconds' is its share of the wall time its training took over every
+    invocation (`training_seconds`; this one's alone for runs from before vrl logged it), and its analysis."""
     started = time.perf_counter()
     run_dirs = [workdir / 'runs' / run.name for run in runs]
     outcomes = loop.run_group([run.config for run in runs], [str(d) for d in run_dirs])
@@ -202,8 +203,28 @@ def _train(runs: list[Run], workdir: epath.Path, analysis_sequences: int) -> dic
             raise SystemExit(f'{run.name} was preempted and saved; run the same command to resume')
         started = time.perf_counter()
         analysis = analyze.analyze_run(str(run_dir), analysis_sequences, 0, 8) if analysis_sequences else None
-        results[run.name] = _result(run, run_dir, outcome.step, seconds + time.perf_counter() - started, analysis)
+        trained = training_seconds(stored.read_metrics(run_dir))
+        results[run.name] = _result(
+            run,
+            run_dir,
+            outcome.step,
+            (seconds if trained is None else trained) + time.perf_counter() - started,
+            analysis,
+        )
     return results
+
+
+def training_seconds(records: list[dict]) -> float | None:
+    """The wall seconds a run's training took over all its invocations, its share where it was trained in a
+    group: each invocation's last `wall_seconds` over the group's size, summed (an invocation killed
+    counts up to its last logged step). None for records from before vrl logged wall_seconds."""
+    total, last, group, timed = 0.0, 0.0, 1, False
+    for record in records:
+        if 'event' in record:
+            total, last, group = total + last / group, 0.0, record.get('group_size', 1)
+        elif 'wall_seconds' in record:
+            last, timed = record['wall_seconds'], True
+    return total + last / group if timed else None
 
 
 def _result(run: Run, run_dir: epath.Path, final_step: int, seconds: float, analysis: dict | None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ model is a plain LlamaForCausalLM and needs no remote code) and `AutoTokenizer.f
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -120,12 +121,20 @@ def main(args: cli.Args) -> None:
     }
     out = storage.path(args['out'].value)
     storage.check_writable(out.parent, '--out')
-    files = publish(
-        out,
-        source,
-        args['overwrite'].value,
-        lambda folder: hf.export(params, run.config.model, run.config.data.seq_len, run.tokenizer, folder),
-    )
+    try:
+        files = publish(
+            out,
+            source,
+            args['overwrite'].value,
+            lambda folder: hf.export(params, run.config.model, run.config.data.seq_len, run.tokenizer, folder),
+        )
+    except Exception as e:  # noqa: BLE001 - safetensors reports a full disk as its own error, not an OSError
+        if getattr(e, 'errno', None) != errno.ENOSPC and 'No space left on device' not in str(e):
+            raise
+        sys.exit(
+            f'error: no space left on device writing the export to {out.parent}; nothing of it was kept and '
+            f"{out} is as it was: free space (the export needs about its weights' size) and run the same command."
+        )
     print(f'{run.config.model.variant_name} at step {run.step} -> {args["out"].value}: ' + ', '.join(files))
 
 

@@ -98,7 +98,7 @@ def main(args: cli.Args) -> None:
     prompt_tokens = sum(map(len, encoded))
     new_tokens = len(prompts) * result.decode_steps
     print(
-        f'{config.model.attention}: prefill {prompt_tokens / result.prefill_seconds:,.0f} tokens/s, '
+        f'{config.model.variant_name}: prefill {prompt_tokens / result.prefill_seconds:,.0f} tokens/s, '
         f'decode {new_tokens / result.decode_seconds:,.0f} tokens/s ({len(prompts)} sequences x '
         f'{result.decode_steps} steps), KV cache {result.cache_bytes:,} bytes '
         f'({result.cache_bytes / len(prompts) / max_len:,.0f} per token per sequence)'

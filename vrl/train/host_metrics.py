@@ -49,6 +49,7 @@ class HostMetrics:
         self._newest: StepRecord | None = None  # the last step sent to the device
         self._interval_start, self._interval_from, self._paused = time.perf_counter(), start_step, 0.0
         self._rates: dict[str, float] = {}  # the last interval's figures
+        self._began = time.perf_counter()  # this invocation's training: its records' wall_seconds count from here
 
     def pause(self, seconds: float) -> None:
         """`seconds` of the current interval went to the hooks (an evaluation, downstream scores, a
@@ -87,6 +88,7 @@ class HostMetrics:
             read = dict(zip(self._train_tokens, multihost.summed(record.tokens_read).tolist()))
             shared = {
                 **self._rates,
+                'wall_seconds': time.perf_counter() - self._began,
                 **{f'tokens/{name}': n for name, n in read.items()},
                 **{f'epoch/{name}': n / max(self._train_tokens[name], 1) for name, n in read.items()},
             }

@@ -339,7 +339,8 @@ def _announce(
             )
             for name, (old, new) in changed.items():
                 m.writer.print(f'{name} changed since the last start: {old!r} -> {new!r}')
-        m.writer.mark_start(start_step, begun.origin.value, **(begun.source.record() if begun.source else {}))
+        source = begun.source.record() if begun.source else {}
+        m.writer.mark_start(start_step, begun.origin.value, group_size=group.members, **source)
         m.writer.print(
             f'{config.model.variant_name}: {account.params:,} params, mesh {dict(trainer.mesh.shape)}, '
             f'{opt.name} + {opt.schedule} (peak LR {opt.peak_lr:g}), {begun.describe()}{together}'

@@ -183,9 +183,12 @@ def uptrained(saved: dict, read: Callable[[Any], Any], abstract: Any, fresh: Any
         lambda path, x: _leaf(restored, path) if checkpoint.path_name(path) in kept else x, fresh
     )
     new, dropped = sorted(wanted.keys() - kept), sorted(saved.keys() - kept)
+    # a weight left out of the scanned layers 2..L but read for layer 1 (SVFormer's W_V: V_1's projection)
+    layer_1 = [f'first.{n.removeprefix("layers.")}' for n in dropped if f'first.{n.removeprefix("layers.")}' in kept]
     return params, (
         f'uptraining into {config.model.variant_name}: {len(kept)} of its {len(wanted)} parameters read; '
         f'new, at their initialisation: {", ".join(new) or "none"}; left out: {", ".join(dropped) or "none"}'
+        + (f" (layers >= 2 only; layer 1's {', '.join(layer_1)} is read and kept)" if layer_1 else '')
     )
 
 
