@@ -239,6 +239,26 @@ def test_bad_directories_are_named(exported, tmp_path):
     # test_init_from_a_llama_export_uptrains_another_variant_and_refuses_another_shape
 
 
+def test_a_damaged_export_is_refused_by_its_checksums(exported, tmp_path):
+    """--init_from=hf: an export whose weights changed after it was written (SHA256SUMS disagrees), or whose
+    safetensors file was cut short: one HFError naming the file, before any weight is placed."""
+    import shutil
+
+    run, folder = exported
+    trainer = run.trainer
+    flipped = Path(shutil.copytree(folder, tmp_path / 'flipped'))
+    data = bytearray((flipped / 'model.safetensors').read_bytes())
+    data[-5] ^= 0x10  # a bit of the last tensor's data: the file still parses
+    (flipped / 'model.safetensors').write_bytes(bytes(data))
+    with pytest.raises(hf.HFError, match=r"model.safetensors's SHA-256 differs from the one .*SHA256SUMS records"):
+        start.initial_params(f'hf:{flipped}', trainer, run.config)
+    cut = Path(shutil.copytree(folder, tmp_path / 'cut'))
+    (cut / 'SHA256SUMS').unlink()  # a directory from elsewhere, no checksums to read
+    (cut / 'model.safetensors').write_bytes((folder / 'model.safetensors').read_bytes()[:1000])
+    with pytest.raises(hf.HFError, match=r'model.safetensors cannot be read as safetensors \(.*\): damaged\?'):
+        start.initial_params(f'hf:{cut}', trainer, run.config)
+
+
 def _variant(name: str, tokenizer) -> tuple:
     """A random model of the named variant (the tokenizer's vocabulary) and its parameters."""
     cfg = small_model_config(vocab_size=tokenizer.vocab_size, **EXPORT_VARIANTS[name])

@@ -373,6 +373,28 @@ def write_checksums(out: Path, names: list[str]) -> None:
     (out / 'SHA256SUMS').write_text(''.join(lines))
 
 
+def _unreadable(file: Path, e: Exception) -> HFError:
+    return HFError(f'{file} cannot be read as safetensors ({" ".join(str(e).split())[:200]}): damaged?')
+
+
+def verify_checksums(folder: Path) -> None:
+    """The files that `folder`'s SHA256SUMS lists (an export's; a directory without one is not checked)
+    against their recorded SHA-256: HFError naming the first that differs or is missing."""
+    sums = folder / 'SHA256SUMS'
+    if not sums.is_file():
+        return
+    for line in sums.read_text().splitlines():
+        digest, _, name = line.partition('  ')
+        if not (folder / name).is_file():
+            raise HFError(f'{folder / name}, listed in {sums}, is missing: the directory is incomplete.')
+        with (folder / name).open('rb') as f:
+            if hashlib.file_digest(f, 'sha256').hexdigest() != digest:
+                raise HFError(
+                    f"{folder / name}'s SHA-256 differs from the one {sums} records: the file was damaged or "
+                    'replaced after the export (export the run again, or restore the file).'
+                )
+
+
 def model_card(cfg: ModelConfig) -> str:
     """README.md: what the directory holds and what loads it (the transformers range, remote code)."""
     llama = is_llama(cfg)
@@ -462,10 +484,14 @@ def plain_llama_for(path: str, cfg: ModelConfig) -> bool:
         return False
     from safetensors import safe_open
 
+    verify_checksums(folder)
     names = set()
     for file in folder.glob('*.safetensors'):
-        with safe_open(str(file), 'np') as f:
-            names.update(name for name in f.keys() if not name.endswith(_IGNORED_SUFFIXES))
+        try:
+            with safe_open(str(file), 'np') as f:
+                names.update(name for name in f.keys() if not name.endswith(_IGNORED_SUFFIXES))
+        except Exception as e:  # noqa: BLE001 - safetensors' own error for a header it cannot parse
+            raise _unreadable(file, e) from None
     wanted = {link.name for link in links(cfg)}
     return names != wanted and names == {link.name for link in links(cfg.as_vanilla())}
 
@@ -494,9 +520,13 @@ def load_params(path: str, cfg: ModelConfig, shapes: dict) -> Imported:
     files = sorted(folder.glob('*.safetensors'))
     if not files:
         raise HFError(f'no *.safetensors in {folder}: vrl reads safetensors weights only.')
+    verify_checksums(folder)
     tensors = {}
     for file in files:
-        tensors.update(load_file(str(file)))
+        try:
+            tensors.update(load_file(str(file)))
+        except Exception as e:  # noqa: BLE001 - safetensors' own error for a header or data it cannot parse
+            raise _unreadable(file, e) from None
     vocab = hf['vocab_size']
     for name, tensor in tensors.items():  # a smaller vocabulary fits: pad its rows
         if name in ('model.embed_tokens.weight', 'lm_head.weight') or name.startswith('model.value_embeds.'):
