@@ -299,3 +299,90 @@ def test_list_variants():
         check=True,
     ).stdout
     assert 'resformer:learnable_plus' in out and 'denseformer' in out and 'cla2' in out
+
+
+def test_the_ledger_holds_each_run_and_remakes_the_report_without_workdirs(compared, small_corpus, tmp_path):
+    """DIR/results.jsonl has a row per finished run (fingerprint, what differs from the base, losses, curves,
+    the machine, the commit); --report_only on that ledger alone, copied where no workdir is, remakes
+    report.md and results.json with the same numbers as the grid with its runs; a grid whose workdirs are
+    gone trains nothing its ledger holds; two halves of the ledger concatenated (one line twice) report
+    the same, and a row for one run with another result is one warning naming both."""
+    import shutil
+
+    workdir, _ = compared
+    variants = ['--variants=vanilla,resformer:learnable_plus', '--seeds=0,1']
+    again = _compare(small_corpus, workdir, *variants)  # the runs present: every one reused
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = [json.loads(line) for line in (workdir / 'results.jsonl').read_text().splitlines()]
+    named = {r['name']: r for r in rows}
+    assert {'vanilla-s0', 'vanilla-s1', 'resformer-learnable_plus-s0', 'resformer-learnable_plus-s1'} <= set(named)
+    row = named['resformer-learnable_plus-s1']
+    assert row['differs']['model.lambda_mode'] == 'learnable_plus' and row['differs']['train.seed'] == 1
+    assert row['tokens'] == row['step'] * row['tokens_per_step'] and row['final_train_loss'] == row['train_loss']['4']
+    assert row['machine']['cores'] >= 1 and row['machine']['platform'] == 'cpu' and row['commit']
+    for r in rows:  # a run recorded again (downstream scores added later) has the same losses
+        assert (r['eval_loss'], r['final_train_loss']) == (
+            named[r['name']]['eval_loss'],
+            named[r['name']]['final_train_loss'],
+        )
+    with_runs = json.loads((workdir / 'results.json').read_text())
+
+    alone = tmp_path / 'alone'
+    alone.mkdir()
+    shutil.copy(workdir / 'results.jsonl', alone / 'results.jsonl')
+    remade = _compare(small_corpus, alone, *variants, '--report_only')
+    assert remade.returncode == 0, remade.stderr[-3000:]
+    assert not (alone / 'runs').exists()
+    assert json.loads((alone / 'results.json').read_text())['table'] == with_runs['table']
+    assert (alone / 'report.md').read_text() == (workdir / 'report.md').read_text()
+
+    retrained = _compare(small_corpus, alone, *variants)  # no workdir, every run in the ledger: none trains
+    assert retrained.returncode == 0, retrained.stderr[-3000:]
+    assert retrained.stdout.count(f'in the ledger {alone / "results.jsonl"}, reused') == 4, retrained.stdout
+    assert not (alone / 'runs').exists()
+
+    halves = tmp_path / 'halves'
+    halves.mkdir()
+    lines = (workdir / 'results.jsonl').read_text().splitlines(keepends=True)
+    first, second = lines[: len(lines) // 2 + 1], lines[len(lines) // 2 :]  # the middle line in both
+    other = json.loads(lines[0])
+    other['eval_loss'] += 0.5
+    other['machine']['host'] = 'elsewhere'
+    (halves / 'results.jsonl').write_text(''.join(first) + ''.join(second) + json.dumps(other) + '\n' + '{"finger')
+    merged = _compare(small_corpus, halves, *variants, '--report_only')
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    assert json.loads((halves / 'results.json').read_text())['table'] == with_runs['table']
+    warnings = [line for line in merged.stderr.splitlines() if 'has two results' in line]
+    assert len(warnings) == 1 and 'elsewhere' in warnings[0] and f'{other["eval_loss"]:.6f}' in warnings[0], warnings
+    assert sum('is not a ledger row' in line for line in merged.stderr.splitlines()) == 1
+
+    missing = tmp_path / 'missing'
+    missing.mkdir()
+    (missing / 'results.jsonl').write_text(''.join(lines[:1]))
+    refused = _compare(small_corpus, missing, *variants, '--report_only')
+    assert refused.returncode != 0 and 'Traceback' not in refused.stderr
+    assert f"{missing / 'results.jsonl'} holds 1 of the grid's 4 runs; missing: " in refused.stderr
+    assert not (missing / 'report.md').exists()
+
+
+def test_a_runs_fingerprint_leaves_out_where_and_how_it_ran(small_corpus):
+    """The same grid point on another machine (its data and tokenizer elsewhere, another mesh, cadence of
+    checkpoints, remat) has the same fingerprint; another LR, seed or variant field does not."""
+    from vrl.core.sharding import MeshConfig
+    from vrl.experiments import ledger
+
+    config = tiny_config(small_corpus, steps=4)
+    elsewhere = dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, data_dir='/elsewhere/tfds', tokenizer='/elsewhere/t.model'),
+        train=dataclasses.replace(config.train, checkpoint_every=7, print_every=3),
+        model=dataclasses.replace(config.model, remat='full'),
+        mesh=MeshConfig(data=2, fsdp=4),
+    )
+    assert ledger.fingerprint(elsewhere) == ledger.fingerprint(config)
+    for changed in (
+        dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, peak_lr=1e-2)),
+        dataclasses.replace(config, train=dataclasses.replace(config.train, seed=3)),
+        dataclasses.replace(config, model=dataclasses.replace(config.model, lambda_mode='learnable_plus')),
+    ):
+        assert ledger.fingerprint(changed) != ledger.fingerprint(config)

@@ -158,3 +158,57 @@ def test_every_link_in_the_manual_leads_somewhere(tmp_path):
     page = tmp_path / 'page.md'  # the check can fail: a missing file and a missing heading are named
     page.write_text('# One heading\n\n[a](#one-heading) [b](#two) [c](gone.md) [d](page.md#one-heading)\n')
     assert broken_links([page]) == ['page.md: #two (no such heading)', 'page.md: gone.md (no such file)']
+
+
+def test_every_table_made_from_a_ledger_is_what_its_ledger_makes():
+    """The docs' tables between `<!-- table KIND: LEDGER -->` markers equal what
+    `python -m vrl.experiments.tables` makes from their ledgers (run it to remake them)."""
+    from vrl.experiments import tables
+
+    for page in PAGES:
+        _, changed = tables.remade(page.read_text(), ROOT)
+        assert not changed, f'{page}: remake the tables of {changed} with python -m vrl.experiments.tables'
+
+
+def test_an_lr_sweep_table_is_the_ledgers_numbers_and_a_changed_one_is_found(tmp_path):
+    """lr_sweep from a synthetic ledger against numbers computed here: each cell the seeds' mean and sample
+    deviation, the best LR in bold, the gap at each variant's best LR; a hand-edited cell is a difference."""
+    import numpy as np
+
+    from vrl.experiments import tables
+
+    rng = np.random.default_rng(3)
+    rows, finals = [], {}
+    for variant, shift in (('vanilla', 0.0), ('skipv1', -0.05)):
+        for lr, lr_shift in ((1e-3, 0.3), (3e-3, 0.0), (1e-2, 0.4)):
+            for seed in range(3):
+                loss = 4.0 + shift + lr_shift + 0.01 * rng.standard_normal()
+                finals.setdefault((variant, lr), []).append(loss)
+                curve = {str(s): loss + (400 - s) / 100 for s in (100, 200, 300, 400)}
+                rows.append(
+                    {
+                        'fingerprint': f'{variant}{lr}{seed}',
+                        'variant': variant,
+                        'seed': seed,
+                        'peak_lr': lr,
+                        'seq_len': 128,
+                        'step': 400,
+                        'tokens_per_step': 2048,
+                        'coordinates': {'size': 'base', 'lr': f'lr{lr:g}', 'seq': 'L128'},
+                        'eval_loss': loss,
+                        'eval_curve': curve,
+                        'train_loss': {'400': loss},
+                    }
+                )
+    (tmp_path / 'family.results.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    page = '# x\n\n<!-- table lr_sweep: family.results.jsonl -->\nold\n<!-- end table -->\n'
+    made, changed = tables.remade(page, tmp_path)
+    assert changed == ['family.results.jsonl']
+    for (variant, lr), losses in finals.items():
+        cell = f'{np.mean(losses):.4f} ± {np.std(losses, ddof=1):.4f}'
+        assert (f'**{cell}**' if lr == 3e-3 else cell) in made, (cell, made)
+    gap = np.mean(finals[('skipv1', 3e-3)]) - np.mean(finals[('vanilla', 3e-3)])
+    assert re.search(rf'^\| skipv1 \|.*\| {gap:+.3f} \(spread [\d.]+\) \|', made, re.M), made
+    assert tables.remade(made, tmp_path)[1] == []  # made again: the same
+    edited = made.replace(f'{np.mean(finals[("vanilla", 1e-3)]):.4f}', '9.9999')
+    assert tables.remade(edited, tmp_path)[1] == ['family.results.jsonl']

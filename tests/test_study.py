@@ -393,7 +393,7 @@ def test_study_writes_report_results_and_plots(studied):
 def test_one_more_lr_trains_only_the_new_runs(studied):
     assert len(studied.first_runs) == 4
     statuses = [line.split()[1] for line in studied.listed.stdout.splitlines()[1:-1]]
-    assert statuses.count('finished') == 4 and statuses.count('new') == 4
+    assert statuses.count('recorded') == 4 and statuses.count('new') == 4  # the first 4 in the ledger
     assert 'vanilla-d48-lr0.003-L64-s0' in studied.listed.stdout and '8 runs' in studied.listed.stdout
     after = {p.parent.name for p in (studied.workdir / 'runs').glob('*/result.json')}
     assert after - set(studied.first_runs) == {
@@ -401,6 +401,24 @@ def test_one_more_lr_trains_only_the_new_runs(studied):
     }
     assert all(saved_steps(studied.workdir / 'runs' / name) == steps for name, steps in studied.first_runs.items())
     assert studied.again.stdout.count('finished before, reused') == 4
+
+
+def test_the_study_is_remade_from_its_ledger_alone(studied, small_corpus, tmp_path):
+    """results.jsonl copied where no workdir is: --report_only writes the same study.md and summary, and
+    --list counts every run as recorded."""
+    import shutil
+
+    alone = tmp_path / 'alone'
+    alone.mkdir()
+    shutil.copy(studied.workdir / 'results.jsonl', alone / 'results.jsonl')
+    listed = _study(small_corpus, alone, '--lrs=1e-3,3e-3', '--list')
+    assert [line.split()[1] for line in listed.stdout.splitlines()[1:-1]] == ['recorded'] * 8, listed.stdout
+    remade = _study(small_corpus, alone, '--lrs=1e-3,3e-3', '--report_only')
+    assert remade.returncode == 0, remade.stderr[-3000:]
+    assert not (alone / 'runs').exists()
+    assert (alone / 'study.md').read_text() == (studied.workdir / 'study.md').read_text()
+    ours, theirs = (json.loads((d / 'results.json').read_text()) for d in (alone, studied.workdir))
+    assert {k: v for k, v in ours.items() if k != 'runs'} == {k: v for k, v in theirs.items() if k != 'runs'}
 
 
 def test_another_base_config_is_refused_and_nothing_is_overwritten(studied, small_corpus):

@@ -36,7 +36,7 @@ from etils import epath
 from ml_collections import config_flags
 
 from vrl.core import cli, extras, storage
-from vrl.experiments import compare_report, curves, grid
+from vrl.experiments import compare_report, curves, grid, ledger
 from vrl.experiments.grid import BASELINE, Downstream, Run
 from vrl.model import presets
 from vrl.train.config import Config, from_configdict
@@ -92,9 +92,11 @@ def compare(
     downstream: Downstream | None = None,
     group_runs: bool = True,
     baseline: str = '',
+    report_only: bool = False,
 ) -> tuple[list[dict], list[dict]]:
-    """Trains what is missing, then writes report.md, results.json and the plots; returns the table rows
-    and the paired differences (every pair of variants, or each against `baseline`)."""
+    """Trains what is missing (nothing with `report_only`), recording each run in DIR/results.jsonl, then
+    writes report.md, results.json and the plots from that ledger; returns the table rows and the paired
+    differences (every pair of variants, or each against `baseline`)."""
     if baseline and baseline not in variants:
         raise grid.GridError(f'--baseline={baseline} is not among --variants={",".join(variants)}: name one of them.')
     runs = plan(base, variants, seeds)
@@ -104,9 +106,14 @@ def compare(
         downstream.index()  # an unknown task is an error before anything trains
     if BASELINE not in variants:
         logging.warning('no vanilla among --variants: the deltas and relative-loss plot need it')
+    held = ledger.Ledger(workdir, base)
+    if report_only:
+        grid.from_ledger(runs, held)  # every run there, before anything is written
     directory.open(base)
     try:
-        results = grid.train_all(runs, workdir, analysis_sequences, downstream, group_runs)
+        if not report_only:
+            grid.train_all(runs, workdir, analysis_sequences, downstream, group_runs, held)
+        results = grid.from_ledger(runs, held)
         rows = compare_report.summarize(results, variants)
         pairs = compare_report.differences(results, variants, baseline)
         if jax.process_index() == 0:
@@ -142,6 +149,11 @@ def _define_flags() -> dict:
             'baseline',
             '',
             'A variant of --variants that every other is compared with, paired by seed; empty: every pair.',
+        ),
+        'report_only': flags.DEFINE_bool(
+            'report_only',
+            False,
+            'Train nothing: remake report.md, results.json and the figures from DIR/results.jsonl alone.',
         ),
         'group_runs': flags.DEFINE_bool(
             'group_runs',
@@ -183,6 +195,7 @@ def main(args: cli.Args) -> None:
         downstream,
         args['group_runs'].value,
         args['baseline'].value,
+        args['report_only'].value,
     )
     print(f'final eval loss, mean ± standard deviation over seeds {",".join(args["seeds"].value)}:')
     for r in rows:

@@ -24,6 +24,7 @@ from etils import epath
 from vrl.core import multihost, storage
 from vrl.core.errors import VrlError
 from vrl.experiments import analyze
+from vrl.experiments import ledger as ledger_lib
 from vrl.model import accounting
 from vrl.train import loop
 from vrl.train.config import Config
@@ -130,19 +131,35 @@ def train_all(
     analysis_sequences: int,
     downstream: Downstream | None = None,
     group_runs: bool = True,
+    held: ledger_lib.Ledger | None = None,
 ) -> list[dict[str, Any]]:
-    """Every run's result (`train_or_reuse`), in order. With `group_runs`, the unfinished runs that
-    differ only in seed and stand at the same checkpoint step are first trained together, one
-    compiled step for all (train.run_group); a run with no such partner trains alone."""
+    """Every run's result (`train_or_reuse`), in order, each recorded in the ledger `held` (the runs it
+    holds are not trained). With `group_runs`, the unfinished runs that differ only in seed and stand
+    at the same checkpoint step are first trained together, one compiled step for all
+    (train.run_group); a run with no such partner trains alone."""
     trained: dict[str, dict[str, Any]] = {}
-    for members in _groups(runs, workdir) if group_runs else []:
+    for members in _groups([r for r in runs if not (held and held.held(r.config))], workdir) if group_runs else []:
         names = ', '.join(run.name for run in members)
         if len(members) == 1:
             _say(f'{names}: trained alone (no unfinished run of its shape, data and step to group with)')
             continue
         _say(f'{names}: trained together (same shape, data and step; seeds differ)')
         trained |= _train(members, workdir, analysis_sequences)
-    return [train_or_reuse(run, workdir, analysis_sequences, downstream, trained.get(run.name)) for run in runs]
+    return [train_or_reuse(run, workdir, analysis_sequences, downstream, trained.get(run.name), held) for run in runs]
+
+
+def from_ledger(runs: list[Run], held: ledger_lib.Ledger) -> list[dict[str, Any]]:
+    """Every run's result as the ledger `held` holds it, in order (what the reports are made of);
+    GridError naming the runs it lacks."""
+    rows = held.rows()
+    missing = [run.name for run in runs if ledger_lib.fingerprint(run.config) not in rows]
+    if missing:
+        raise GridError(
+            f"{held.path} holds {len(runs) - len(missing)} of the grid's {len(runs)} runs; missing: "
+            f'{", ".join(missing[:5])}{" ..." if len(missing) > 5 else ""}: train them (leave out --report_only), '
+            'or add the ledger of the machine that trained them (cat its results.jsonl >> this one).'
+        )
+    return [ledger_lib.result_of(rows[ledger_lib.fingerprint(run.config)]) for run in runs]
 
 
 def _say(line: str) -> None:
@@ -168,25 +185,39 @@ def train_or_reuse(
     analysis_sequences: int,
     downstream: Downstream | None = None,
     trained: dict[str, Any] | None = None,
+    held: ledger_lib.Ledger | None = None,
 ) -> dict[str, Any]:
-    """The run's result: `trained` (from its group), read back if it finished before, else trained (or
-    resumed), evaluated and, with analysis_sequences > 0, analysed; then evaluated on the downstream
-    tasks it has no result for."""
+    """The run's result: `trained` (from its group), read back if it finished before (its result.json, or
+    its row in the ledger `held` where the workdir is gone), else trained (or resumed), evaluated and, with
+    analysis_sequences > 0, analysed; then evaluated on the downstream tasks it has no result for; and
+    recorded in the ledger."""
     run_dir = workdir / 'runs' / run.name
     result_file = run_dir / 'result.json'
-    reused = trained is None and result_file.exists()
-    if reused:
+    row = held.held(run.config) if held else None
+    reused = trained is None and (result_file.exists() or row is not None)
+    if reused and result_file.exists():
         _say(f'{run.name}: finished before, reused')
         result = json.loads(result_file.read_text())
+    elif reused:
+        _say(f'{run.name}: in the ledger {held.path}, reused')
+        result = ledger_lib.result_of(row)
     else:
         result = trained or _train([run], workdir, analysis_sequences)[run.name]
     result.setdefault('downstream', {})
     missing = [t for t in (downstream.tasks if downstream else []) if t not in result['downstream']]
+    if missing and not run_dir.exists():
+        raise GridError(
+            f'{run.name} has no score for {", ".join(missing)} in {held.path} and its workdir {run_dir} is gone: '
+            'score it where its workdir is, or train it again (without its ledger row).'
+        )
     if missing:
         result['downstream'].update(downstream.metrics(run_dir, missing))
-    if (missing or not reused) and jax.process_index() == 0:
+    result = json.loads(json.dumps(result))  # keys as strings, as when read back
+    if (missing or not reused) and run_dir.exists() and jax.process_index() == 0:
         result_file.write_text(json.dumps(result))
-    return json.loads(json.dumps(result))  # keys as strings, as when read back
+    if held is not None:
+        held.record(run.name, run.config, result)
+    return result
 
 
 def _train(runs: list[Run], workdir: epath.Path, analysis_sequences: int) -> dict[str, dict[str, Any]]:

@@ -46,7 +46,7 @@ from etils import epath
 from ml_collections import config_flags
 
 from vrl.core import cli, extras, storage
-from vrl.experiments import grid, study_report
+from vrl.experiments import grid, ledger, study_report
 from vrl.experiments.compare import parse_seeds
 from vrl.experiments.grid import GridError, Run
 from vrl.experiments.study_report import BASELINE, Axes
@@ -167,15 +167,15 @@ def plan(base: Config, axes: Axes) -> list[Run]:
 # --- the grid before training: --list ---
 
 
-def _seconds_per_flop(workdir: epath.Path, model: ModelConfig) -> tuple[float, float, str]:
-    """(seconds per training FLOP, seconds per run, where the figures come from)."""
-    finished = [json.loads(p.read_text()) for p in sorted((workdir / 'runs').glob('*/result.json'))]
+def _seconds_per_flop(finished: list[dict], model: ModelConfig) -> tuple[float, float, str]:
+    """(seconds per training FLOP, seconds per run, where the figures come from): from the `finished` runs'
+    ledger rows, or a guess."""
     timed = [r for r in finished if r.get('seconds') and r.get('flops')]
     if timed:
         return (
             sum(r['seconds'] for r in timed) / sum(r['flops'] for r in timed),
             0.0,
-            f'from the {len(timed)} finished runs of this study',
+            f'from the {len(timed)} runs of this study in its ledger',
         )
     peak = metrics.peak_flops(0.0, resolve.local_compute_dtype(model))
     return (
@@ -186,8 +186,10 @@ def _seconds_per_flop(workdir: epath.Path, model: ModelConfig) -> tuple[float, f
 
 
 def listing(runs: list[Run], workdir: epath.Path) -> str:
-    """The planned grid, a line per run: status, shape, parameters, tokens, estimated time."""
-    per_flop, per_run, source = _seconds_per_flop(workdir, runs[0].config.model)
+    """The planned grid, a line per run: status (recorded in the ledger, finished, at a step, new), shape,
+    parameters, tokens, estimated time."""
+    rows = ledger.read(workdir / ledger.LEDGER)
+    per_flop, per_run, source = _seconds_per_flop(list(rows.values()), runs[0].config.model)
     header = (
         f'{"run":<40} {"status":<12} {"layers":>6} {"d_model":>7} {"non-emb params":>14} {"steps":>6} '
         f'{"tokens":>12} {"est. time":>9}'
@@ -199,7 +201,9 @@ def listing(runs: list[Run], workdir: epath.Path) -> str:
         tokens = cfg.train.steps * cfg.data.batch_size * cfg.data.seq_len
         seconds = per_run + per_flop * account.flops_per_token * tokens
         run_dir = workdir / 'runs' / run.name
-        if (run_dir / 'result.json').exists():
+        if ledger.fingerprint(cfg) in rows:
+            status = 'recorded'
+        elif (run_dir / 'result.json').exists():
             status = 'finished'
         else:
             remaining += seconds
@@ -214,14 +218,25 @@ def listing(runs: list[Run], workdir: epath.Path) -> str:
 
 
 def study(
-    base: Config, axes: Axes, workdir: epath.Path, analysis_sequences: int = 0, group_runs: bool = True
+    base: Config,
+    axes: Axes,
+    workdir: epath.Path,
+    analysis_sequences: int = 0,
+    group_runs: bool = True,
+    report_only: bool = False,
 ) -> dict[str, Any]:
-    """Trains what is missing, then writes study.md, results.json and the plots; returns the summary."""
+    """Trains what is missing (nothing with `report_only`), recording each run in DIR/results.jsonl, then
+    writes study.md, results.json and the plots from that ledger; returns the summary."""
     runs = plan(base, axes)
     directory = grid.GridDirectory(workdir, 'study.json', 'study')
+    held = ledger.Ledger(workdir, base)
+    if report_only:
+        grid.from_ledger(runs, held)  # every run there, before anything is written
     directory.open(base)
     try:
-        results = grid.train_all(runs, workdir, analysis_sequences, group_runs=group_runs)
+        if not report_only:
+            grid.train_all(runs, workdir, analysis_sequences, group_runs=group_runs, held=held)
+        results = grid.from_ledger(runs, held)
         points = study_report.Points(results, axes)
         fit_seq_len = base.data.seq_len if base.data.seq_len in axes.seq_lens else axes.seq_lens[0]
         summary = study_report.summarize(points, fit_seq_len)
@@ -289,6 +304,9 @@ def _define_flags() -> dict:
             'hellaswag/acc_norm; a score where higher is better is fitted as 1 - score).',
         ),
         'list': flags.DEFINE_bool('list', False, 'Print the planned grid with estimated times; train nothing.'),
+        'report_only': flags.DEFINE_bool(
+            'report_only', False, 'Train nothing: remake study.md, results.json and the figures from DIR/results.jsonl.'
+        ),
         'analysis_sequences': flags.DEFINE_integer(
             'analysis_sequences', 0, 'Validation sequences for vrl.experiments.analyze per run (0: no analysis).'
         ),
@@ -323,7 +341,7 @@ def main(args: cli.Args) -> None:
     if args['list'].value:
         print(listing(plan(base, axes), workdir))
         return
-    study(base, axes, workdir, args['analysis_sequences'].value, args['group_runs'].value)
+    study(base, axes, workdir, args['analysis_sequences'].value, args['group_runs'].value, args['report_only'].value)
     print(f'report: {workdir / "study.md"}')
 
 

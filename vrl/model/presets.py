@@ -98,6 +98,10 @@ PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
         "SkipV1Former: layers >= 2 take half of their value heads from layer 1's (the paper's)",
         lambda cfg: dict(attention='vanilla', **_half_of_the_value_heads(cfg)),
     ),
+    'resformer+skipv1': (
+        "SkipV1Former on ResFormer's mix (identity): half of layers >= 2's value heads from V_1, the rest mixed",
+        lambda cfg: dict(attention='resformer', lambda_mode='identity', **_half_of_the_value_heads(cfg)),
+    ),
     'gqa4': (
         'grouped-query attention, 4 query heads per kv head',
         lambda cfg: dict(attention='vanilla', **_gqa(4)(cfg)),

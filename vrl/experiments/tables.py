@@ -1,0 +1,135 @@
+"""The docs' result tables, made from ledgers (vrl/experiments/ledger.py): tables are code, results are data.
+
+    python -m vrl.experiments.tables [--pages=README.md,docs/*.md] [--check]
+
+A table in a Markdown page is the text between a marker naming its ledger (relative to the directory
+the command runs in: the repository's root) and an end marker:
+
+    <!-- table lr_sweep: docs/scaling/family.results.jsonl -->
+    ...
+    <!-- end table -->
+
+The command rewrites every such table from its ledger; `--check` changes nothing and exits 1 naming
+each table that differs from what its ledger makes (tests/test_docs.py runs it on the docs).
+
+`lr_sweep`: a row per variant (in the ledger's order, vanilla first), the final eval loss at each peak
+LR as mean ± standard deviation over seeds (the best LR in bold), the gap to vanilla at each one's best
+LR with the larger of the two spreads, and the tokens each needs to reach vanilla's final loss (saved, with
+each seed's against vanilla's same seed), as study.md computes them (vrl/experiments/study_report.py).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from absl import flags
+
+from vrl.core import cli
+from vrl.core.errors import VrlError
+from vrl.experiments import curves, ledger, study_report
+from vrl.experiments.grid import BASELINE
+
+MARKER = re.compile(r'<!-- table (\w+): (\S+) -->\n(.*?)<!-- end table -->', re.S)
+
+
+class TableError(VrlError, ValueError):
+    """A table marker that names no kind or no ledger; the message says which."""
+
+
+def lr_sweep(rows: list[dict]) -> str:
+    """The `lr_sweep` table of ledger rows (module docstring)."""
+    variants = sorted(dict.fromkeys(r['variant'] for r in rows), key=lambda v: v != BASELINE)
+    axes = study_report.Axes(
+        variants,
+        sorted({r['coordinates']['size'] for r in rows}),
+        sorted({r['peak_lr'] for r in rows}),
+        sorted({r['seed'] for r in rows}),
+        sorted({r['seq_len'] for r in rows}),
+    )
+    if len(axes.sizes) > 1 or len(axes.seq_lens) > 1:
+        raise TableError(f'lr_sweep is of one size and one seq_len; the ledger has {axes.sizes} x {axes.seq_lens}')
+    size, seq_len = axes.sizes[0], axes.seq_lens[0]
+    points = study_report.Points(rows, axes)
+    saved = study_report.data_saved(points, seq_len).get(size, {})
+    best = {v: points.lr_rows[(v, size, seq_len)] for v in variants}
+    header = ['variant', *(f'LR {lr:g}' for lr in axes.lrs), 'gap to vanilla at its best LR', 'tokens saved']
+    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+    for variant in variants:
+        point = best[variant]
+        cells = []
+        for lr in axes.lrs:
+            text = curves.plus_minus(*point['losses'][lr])
+            cells.append(f'**{text}**' if lr == point['lr'] else text)
+        gap, tokens = '—', '—'
+        if variant != BASELINE and BASELINE in best:
+            mine, theirs = point['losses'][point['lr']], best[BASELINE]['losses'][best[BASELINE]['lr']]
+            gap = f'{mine[0] - theirs[0]:+.3f} (spread {max(mine[1], theirs[1]):.3f})'
+            found = saved.get(variant, {})
+            if found.get('saved') is not None:
+                seeds = ', '.join('—' if s is None else f'{s:+.1%}' for s in found['saved_per_seed'])
+                tokens = f'{found["saved"]:+.1%} [{seeds}]'
+            elif found:
+                tokens = 'does not reach it'
+        lines.append('| ' + ' | '.join([variant, *cells, gap, tokens]) + ' |')
+    seeds = ', '.join(map(str, axes.seeds))
+    return (
+        '\n'.join(lines)
+        + f'\n\nSeeds {seeds}; {len(rows)} runs; {rows[0]["step"]} steps at {size}, seq_len {seq_len}.\n'
+    )
+
+
+KINDS = {'lr_sweep': lr_sweep}
+
+
+def remade(page: str, root: Path) -> tuple[str, list[str]]:
+    """`page` with every marked table made again from its ledger (paths from `root`), and the ledgers of
+    the tables that changed."""
+    changed: list[str] = []
+
+    def make(match: re.Match) -> str:
+        kind, path, old = match.groups()
+        if kind not in KINDS:
+            raise TableError(f'table kind {kind!r} is unknown: allowed {", ".join(KINDS)}')
+        rows = list(ledger.read(root / path).values())
+        if not rows:
+            raise TableError(f'the ledger {root / path} of a table is missing or empty')
+        new = KINDS[kind](rows)
+        if new != old:
+            changed.append(path)
+        return f'<!-- table {kind}: {path} -->\n{new}<!-- end table -->'
+
+    return MARKER.sub(make, page), changed
+
+
+def _define_flags() -> dict:
+    return {
+        'pages': flags.DEFINE_list(
+            'pages', ['README.md', 'docs/*.md'], 'The Markdown pages (globs) whose tables to remake.'
+        ),
+        'check': flags.DEFINE_bool('check', False, 'Change nothing: exit 1 naming each table its ledger changes.'),
+    }
+
+
+def main(args: cli.Args) -> None:
+    root, stale = Path.cwd(), []
+    pages = sorted({page for pattern in args['pages'].value for page in root.glob(pattern)})
+    for page in pages:
+        text, changed = remade(page.read_text(), root)
+        if args['check'].value:
+            stale += [f'{page}: the table of {path} differs from what its ledger makes' for path in changed]
+        elif changed:
+            page.write_text(text)
+            print(f'{page}: {len(changed)} table(s) remade from {", ".join(changed)}')
+    if stale:
+        sys.exit('\n'.join(stale) + '\nRemake them: python -m vrl.experiments.tables')
+
+
+def cli_main() -> None:
+    """`python -m vrl.experiments.tables`: the docs' tables from their ledgers."""
+    cli.run(main, _define_flags)
+
+
+if __name__ == '__main__':
+    cli_main()
