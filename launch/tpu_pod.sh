@@ -6,7 +6,10 @@
 #       [--version=v2-alpha-tpuv5-lite] [--project=P] [--repo=URL] [--config=configs/x.py]
 #       [--workdir=gs://bucket/run] [--slices=N] [--dataset=NAME --data_dir=gs://bucket/tfds
 #       --tokenizer=gs://bucket/tokenizer.json [--input='gs://bucket/raw/*.jsonl.zst']] [-- extra flags]
-#   STEP: create | install | prepare | tokenize | train | logs | delete | all (create, install, train)
+#   STEP: create | install | prepare | tokenize | train | job | logs | delete | all (create, install, train)
+#
+# job runs one job of a grid (vrl/experiments/launchers.py, --launcher=tpu) on every worker, in the
+# foreground: `python -m vrl.experiments.grid_job --spec=gs://.../jobs/N.json`.
 #
 # prepare builds dataset --dataset in --data_dir from the raw files --input, with its token shards by
 # --tokenizer, on every worker at once (`python -m vrl.data prepare`, joined by jax.distributed):
@@ -34,7 +37,7 @@ set -euo pipefail
 
 dry_run=0 step='' name=vrl-pod zone=us-west4-a accelerator=v5litepod-16 version=v2-alpha-tpuv5-lite
 project='' repo=https://github.com/CHANGE-ME/vrl.git config=configs/svformer_468m.py workdir=''
-slices=1 extra=() dataset='' data_dir='' tokenizer='' input=''
+slices=1 extra=() dataset='' data_dir='' tokenizer='' input='' spec=''
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
@@ -51,13 +54,14 @@ while [ $# -gt 0 ]; do
     --data_dir=*) data_dir=${1#*=} ;;
     --tokenizer=*) tokenizer=${1#*=} ;;
     --input=*) input=${1#*=} ;;
+    --spec=*) spec=${1#*=} ;;
     --) shift; extra=("$@"); break ;;
-    create|install|prepare|tokenize|train|logs|delete|all) step=$1 ;;
+    create|install|prepare|tokenize|train|job|logs|delete|all) step=$1 ;;
     *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
   esac
   shift
 done
-[ -n "$step" ] || { echo "usage: $0 [--dry-run] create|install|prepare|tokenize|train|logs|delete|all [options]" >&2; exit 2; }
+[ -n "$step" ] || { echo "usage: $0 [--dry-run] create|install|prepare|tokenize|train|job|logs|delete|all [options]" >&2; exit 2; }
 [ -n "$workdir" ] || workdir="gs://CHANGE-ME/vrl/${name}"
 
 base=(gcloud compute tpus tpu-vm)
@@ -97,6 +101,10 @@ tokenize() {
 train() {
   local flags="--config=$config --workdir=$workdir --config.mesh.slices=$slices ${extra[*]:-}"
   on_all_workers "cd vrl && . .venv/bin/activate && nohup python -m vrl.main $flags > ~/vrl.log 2>&1 &"
+}
+job() {
+  [ -n "$spec" ] || { echo "job needs --spec=gs://.../jobs/N.json (vrl.experiments.study --launcher=tpu writes it)" >&2; exit 2; }
+  on_all_workers "cd vrl && . .venv/bin/activate && python -m vrl.experiments.grid_job --spec=$spec"
 }
 logs() { run "${base[@]}" ssh "${nodes[0]}" "${where[@]}" --worker=0 --command="tail -f ~/vrl.log"; }
 delete() {

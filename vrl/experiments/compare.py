@@ -36,7 +36,7 @@ from etils import epath
 from ml_collections import config_flags
 
 from vrl.core import cli, extras, storage
-from vrl.experiments import compare_report, curves, grid, ledger
+from vrl.experiments import compare_report, curves, grid, launchers, ledger
 from vrl.experiments.grid import BASELINE, Downstream, Run
 from vrl.model import presets
 from vrl.train.config import Config, from_configdict
@@ -93,6 +93,7 @@ def compare(
     group_runs: bool = True,
     baseline: str = '',
     report_only: bool = False,
+    launching: launchers.Launching | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Trains what is missing (nothing with `report_only`), recording each run in DIR/results.jsonl, then
     writes report.md, results.json and the plots from that ledger; returns the table rows and the paired
@@ -109,8 +110,12 @@ def compare(
     held = ledger.Ledger(workdir, base)
     if report_only:
         grid.from_ledger(runs, held)  # every run there, before anything is written
+    elif launching:
+        launching.check(workdir)
     directory.open(base)
     try:
+        if launching and not report_only:
+            launching.train(runs, workdir, analysis_sequences, held)
         if not report_only:
             grid.train_all(runs, workdir, analysis_sequences, downstream, group_runs, held)
         results = grid.from_ledger(runs, held)
@@ -128,7 +133,7 @@ def compare(
 
 def _define_flags() -> dict:
     """The command's flags, defined only when it runs (the notebook imports this module's functions)."""
-    return {
+    return launchers.define_flags() | {
         'config': config_flags.DEFINE_config_file(
             'config',
             None,
@@ -196,6 +201,7 @@ def main(args: cli.Args) -> None:
         args['group_runs'].value,
         args['baseline'].value,
         args['report_only'].value,
+        launchers.from_flags(args),
     )
     print(f'final eval loss, mean ± standard deviation over seeds {",".join(args["seeds"].value)}:')
     for r in rows:

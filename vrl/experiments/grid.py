@@ -138,7 +138,7 @@ def train_all(
     at the same checkpoint step are first trained together, one compiled step for all
     (train.run_group); a run with no such partner trains alone."""
     trained: dict[str, dict[str, Any]] = {}
-    for members in _groups([r for r in runs if not (held and held.held(r.config))], workdir) if group_runs else []:
+    for members in groups([r for r in runs if not (held and held.held(r.config))], workdir) if group_runs else []:
         names = ', '.join(run.name for run in members)
         if len(members) == 1:
             _say(f'{names}: trained alone (no unfinished run of its shape, data and step to group with)')
@@ -168,7 +168,7 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
-def _groups(runs: list[Run], workdir: epath.Path) -> list[list[Run]]:
+def groups(runs: list[Run], workdir: epath.Path) -> list[list[Run]]:
     """The unfinished runs by (config but its seed, latest checkpoint step), in first-seen order."""
     groups: dict[tuple, list[Run]] = {}
     for run in runs:

@@ -46,7 +46,7 @@ from etils import epath
 from ml_collections import config_flags
 
 from vrl.core import cli, extras, storage
-from vrl.experiments import grid, ledger, study_report
+from vrl.experiments import grid, launchers, ledger, study_report
 from vrl.experiments.compare import parse_seeds
 from vrl.experiments.grid import GridError, Run
 from vrl.experiments.study_report import BASELINE, Axes
@@ -224,16 +224,22 @@ def study(
     analysis_sequences: int = 0,
     group_runs: bool = True,
     report_only: bool = False,
+    launching: launchers.Launching | None = None,
 ) -> dict[str, Any]:
-    """Trains what is missing (nothing with `report_only`), recording each run in DIR/results.jsonl, then
-    writes study.md, results.json and the plots from that ledger; returns the summary."""
+    """Trains what is missing (nothing with `report_only`; as scheduler jobs with `launching`), recording
+    each run in DIR/results.jsonl, then writes study.md, results.json and the plots from that ledger;
+    returns the summary."""
     runs = plan(base, axes)
     directory = grid.GridDirectory(workdir, 'study.json', 'study')
     held = ledger.Ledger(workdir, base)
     if report_only:
         grid.from_ledger(runs, held)  # every run there, before anything is written
+    elif launching:
+        launching.check(workdir)
     directory.open(base)
     try:
+        if launching and not report_only:
+            launching.train(runs, workdir, analysis_sequences, held)
         if not report_only:
             grid.train_all(runs, workdir, analysis_sequences, group_runs=group_runs, held=held)
         results = grid.from_ledger(runs, held)
@@ -269,7 +275,7 @@ def _intro(base: Config, axes: Axes) -> str:
 
 
 def _define_flags() -> dict:
-    return {
+    return launchers.define_flags() | {
         'config': config_flags.DEFINE_config_file(
             'config',
             None,
@@ -338,10 +344,22 @@ def main(args: cli.Args) -> None:
         args['fit_metric'].value,
     )
     workdir = storage.path(args['workdir'].value)
+    launching = launchers.from_flags(args)
     if args['list'].value:
-        print(listing(plan(base, axes), workdir))
+        runs = plan(base, axes)
+        print(listing(runs, workdir))
+        if launching:
+            print(launching.describe(runs, workdir, ledger.Ledger(workdir, base)))
         return
-    study(base, axes, workdir, args['analysis_sequences'].value, args['group_runs'].value, args['report_only'].value)
+    study(
+        base,
+        axes,
+        workdir,
+        args['analysis_sequences'].value,
+        args['group_runs'].value,
+        args['report_only'].value,
+        launching,
+    )
     print(f'report: {workdir / "study.md"}')
 
 
