@@ -336,6 +336,8 @@ def test_the_ledger_holds_each_run_and_remakes_the_report_without_workdirs(compa
     assert json.loads((alone / 'results.json').read_text())['table'] == with_runs['table']
     assert (alone / 'report.md').read_text() == (workdir / 'report.md').read_text()
 
+    listed = _compare(small_corpus, alone, *variants, '--list')
+    assert [line.split()[-1] for line in listed.stdout.splitlines()] == ['recorded'] * 4, listed.stdout
     retrained = _compare(small_corpus, alone, *variants)  # no workdir, every run in the ledger: none trains
     assert retrained.returncode == 0, retrained.stderr[-3000:]
     assert retrained.stdout.count(f'in the ledger {alone / "results.jsonl"}, reused') == 4, retrained.stdout

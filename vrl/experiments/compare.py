@@ -131,6 +131,18 @@ def compare(
     return rows, pairs
 
 
+def listing(runs: list[Run], workdir: epath.Path, held: ledger.Ledger, launching: launchers.Launching | None) -> str:
+    """--list: each run and whether the ledger holds it or its workdir finished it; then the jobs a
+    launcher would submit."""
+    lines = []
+    for run in runs:
+        finished = (workdir / 'runs' / run.name / 'result.json').exists()
+        lines.append(f'{run.name:<40} {"recorded" if held.held(run.config) else "finished" if finished else "new"}')
+    if launching:
+        lines.append(launching.describe(runs, workdir, held))
+    return '\n'.join(lines)
+
+
 def _define_flags() -> dict:
     """The command's flags, defined only when it runs (the notebook imports this module's functions)."""
     return launchers.define_flags() | {
@@ -144,6 +156,11 @@ def _define_flags() -> dict:
         'seeds': flags.DEFINE_list('seeds', ['0'], 'Parameter-init seeds; each variant is trained once per seed.'),
         'workdir': flags.DEFINE_string('workdir', None, 'Where the runs, the report and the plots go.'),
         'list_variants': flags.DEFINE_bool('list_variants', False, 'Print the variant presets and exit.'),
+        'list': flags.DEFINE_bool(
+            'list',
+            False,
+            'Print the runs (recorded in the ledger, finished or not) and the jobs a launcher would submit.',
+        ),
         'analysis_sequences': flags.DEFINE_integer(
             'analysis_sequences', 16, 'Validation sequences for vrl.experiments.analyze per run (0: none).'
         ),
@@ -186,6 +203,11 @@ def main(args: cli.Args) -> None:
     if args['tasks'].value:
         extras.require('--tasks (lm-evaluation-harness)', 'lm_eval')
     workdir = storage.path(args['workdir'].value)
+    if args['list'].value:
+        base = from_configdict(args['config'].value)
+        runs = plan(base, args['variants'].value, parse_seeds(args['seeds'].value))
+        print(listing(runs, workdir, ledger.Ledger(workdir, base), launchers.from_flags(args)))
+        return
     downstream = (
         Downstream(args['tasks'].value, args['task_limit'].value, args['include_path'].value)
         if args['tasks'].value

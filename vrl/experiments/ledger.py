@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import resource
 import socket
 import subprocess
@@ -38,6 +37,7 @@ from etils import epath
 
 from vrl.core import storage
 from vrl.model.config import EXECUTION_FIELDS
+from vrl.train import metrics
 from vrl.train.config import Config
 from vrl.train.rundir import workdir as workdir_lib
 
@@ -205,22 +205,12 @@ def machine() -> dict[str, Any]:
     devices = jax.devices()
     return {
         'host': socket.gethostname(),
-        'cpu': _cpu_model(),
+        'cpu': metrics.cpu_model(),
         'cores': len(os.sched_getaffinity(0)),
         'platform': devices[0].platform,
         'device_kind': devices[0].device_kind,
         'devices': len(devices),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path('/proc/cpuinfo').read_text().splitlines():
-            if line.startswith('model name'):
-                return line.split(':', 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @functools.cache

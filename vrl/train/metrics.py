@@ -89,7 +89,7 @@ def host_matmul_peak(compute_dtype: str = 'float32', n: int = 1024) -> Peak:
     kept in `cpu_peak_file()`; later runs read it and never replace it (remove the file to measure
     again). A probe during which other work took more than BUSY_LIMIT of the cores reads low and is
     not kept: that run's MFU is against it, said to be provisional."""
-    key = f'{_cpu_model()} | {len(os.sched_getaffinity(0))} cores | {compute_dtype} | {backend.cpu_matmul_path()}'
+    key = f'{cpu_model()} | {len(os.sched_getaffinity(0))} cores | {compute_dtype} | {backend.cpu_matmul_path()}'
     where = f'on {backend.describe_cpu_isa()} with {backend.cpu_matmul_path()} kernels'
     kept = _read_kept()
     if key in kept:
@@ -168,7 +168,8 @@ def _read_kept() -> dict[str, dict]:
     return {k: v for k, v in kept.items() if isinstance(v, dict) and isinstance(v.get('flops'), (int, float))}
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it (the platform's processor elsewhere)."""
     try:
         for line in Path('/proc/cpuinfo').read_text().splitlines():
             if line.startswith('model name'):
