@@ -500,7 +500,7 @@ def test_init_from_a_vanilla_run_uptrains_svformer_and_resformer(small_corpus, t
     said = capsys.readouterr().out
     assert re.search(
         r'uptraining into svformer: (\d+) of its \1 parameters read; new, .*: none; left out: layers.attn.wv '
-        r"\(layers >= 2 only; layer 1's first.attn.wv is read and kept\)",
+        r"\(layers >= 2 only; layer 1's first.attn.wv is read and kept whole\)",
         said,
     )
     lambdas = 'new, at their initialisation: lambdas.v1, lambdas.vn; left out: none'
@@ -511,6 +511,42 @@ def test_init_from_a_vanilla_run_uptrains_svformer_and_resformer(small_corpus, t
         back = tiny_config(small_corpus, attention='vanilla', steps=1)
         loop.run(back, str(tmp_path / 'back'), init_from=str(tmp_path / 'svformer'))
     assert not (tmp_path / 'back').exists()
+
+
+def test_init_from_a_vanilla_run_uptrains_skipv1former_by_pooling_value_head_pairs(small_corpus, tmp_path, capsys):
+    """The SkipV1Former paper's uptraining: a vanilla run of 4 value heads into SkipV1Former with 2 of them from
+    V_1 (model.skip_v1=2): layers >= 2 project 2 heads, each the mean of a pair of the source's (0, 1) and
+    (2, 3); layer 1's W_V kept whole; every other parameter read as it is; the line says what was pooled.
+    skip_v1=1 (4 heads into 3) is refused in one line saying why and which skip_v1 would pool."""
+    four_heads = dict(n_heads=4, n_kv_heads=4, head_dim=8)
+    vanilla = tiny_config(small_corpus, attention='vanilla', steps=2, checkpoint_every=2)
+    vanilla = dataclasses.replace(vanilla, model=dataclasses.replace(vanilla.model, **four_heads))
+    trained = _named(loop.run(vanilla, str(tmp_path / 'v')).state.params)
+    target = tiny_config(small_corpus, attention='vanilla', steps=0, seed=5)
+    target = dataclasses.replace(target, model=dataclasses.replace(target.model, skip_v1=2, **four_heads))
+    capsys.readouterr()
+    params = _named(loop.run(target, str(tmp_path / 'skipv1'), init_from=str(tmp_path / 'v')).state.params)
+    said = capsys.readouterr().out
+    source_wv = trained['layers.attn.wv']  # (L - 1, D, 4, Dh)
+    pooled = np.stack([source_wv[..., 0:2, :].mean(-2), source_wv[..., 2:4, :].mean(-2)], axis=-2)
+    np.testing.assert_allclose(params['layers.attn.wv'], pooled, rtol=1e-6)
+    assert set(params) == set(trained)
+    for name, value in params.items():
+        if name != 'layers.attn.wv':
+            np.testing.assert_array_equal(value, trained[name], err_msg=name)
+    assert (
+        'pooled: layers.attn.wv, its 4 value heads averaged in groups of 2 ((0..1), (2..3), ...) into the 2 that '
+        "layers >= 2 project; new, at their initialisation: none; left out: none (layers >= 2 only; layer 1's "
+        'first.attn.wv is read and kept whole)'
+    ) in said, said
+    three = dataclasses.replace(target, model=dataclasses.replace(target.model, skip_v1=1))
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError,
+        match=r"the source's 4 value heads per layer cannot be pooled evenly into the 3 that model.skip_v1=1 leaves "
+        r'layers >= 2 to project .* model.skip_v1 of 2 or 3 would pool them \(2 for pairs',
+    ):
+        loop.run(three, str(tmp_path / 'three'), init_from=str(tmp_path / 'v'))
+    assert not (tmp_path / 'three').exists()
 
 
 def test_a_step_removed_while_a_reader_reads_it_is_read_again_from_the_newest(small_corpus, tmp_path, monkeypatch):

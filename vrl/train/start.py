@@ -178,18 +178,77 @@ def uptrained(saved: dict, read: Callable[[Any], Any], abstract: Any, fresh: Any
             'the vanilla model, not one that a variant adds, so it cannot start at its initialisation.'
         )
     kept = {name for name in wanted if name in saved}
-    restored = read(_only(abstract, kept))
+    groups = {
+        name: _value_head_groups(name, saved[name], wanted[name], config)
+        for name in kept
+        if saved[name] != wanted[name]
+    }
+    at_source_shape = jax.tree_util.tree_map_with_path(
+        lambda path, x: _reshaped(x, saved[checkpoint.path_name(path)]) if checkpoint.path_name(path) in groups else x,
+        _only(abstract, kept),
+    )
+    restored = read(at_source_shape)
     params = jax.tree_util.tree_map_with_path(
-        lambda path, x: _leaf(restored, path) if checkpoint.path_name(path) in kept else x, fresh
+        lambda path, x: (
+            _pooled(_leaf(restored, path), groups.get(checkpoint.path_name(path), 1))
+            if checkpoint.path_name(path) in kept
+            else x
+        ),
+        fresh,
     )
     new, dropped = sorted(wanted.keys() - kept), sorted(saved.keys() - kept)
     # a weight left out of the scanned layers 2..L but read for layer 1 (SVFormer's W_V: V_1's projection)
-    layer_1 = [f'first.{n.removeprefix("layers.")}' for n in dropped if f'first.{n.removeprefix("layers.")}' in kept]
+    layer_1 = [
+        f'first.{n.removeprefix("layers.")}'
+        for n in [*dropped, *groups]
+        if f'first.{n.removeprefix("layers.")}' in kept
+    ]
+    pooled = '; '.join(
+        f'pooled: {name}, its {saved[name][-2]} value heads averaged in groups of {g} '
+        f'((0..{g - 1}), ({g}..{2 * g - 1}), ...) into the {wanted[name][-2]} that layers >= 2 project'
+        for name, g in groups.items()
+    )
     return params, (
         f'uptraining into {config.model.variant_name}: {len(kept)} of its {len(wanted)} parameters read; '
-        f'new, at their initialisation: {", ".join(new) or "none"}; left out: {", ".join(dropped) or "none"}'
-        + (f" (layers >= 2 only; layer 1's {', '.join(layer_1)} is read and kept)" if layer_1 else '')
+        + (f'{pooled}; ' if pooled else '')
+        + f'new, at their initialisation: {", ".join(new) or "none"}; left out: {", ".join(dropped) or "none"}'
+        + (f" (layers >= 2 only; layer 1's {', '.join(layer_1)} is read and kept whole)" if layer_1 else '')
     )
+
+
+def _value_head_groups(name: str, source: tuple, target: tuple, config: Config) -> int:
+    """How many of the source's value heads one head of SkipV1Former's layers >= 2 averages (the paper's
+    uptraining: mean-pooled pairs when half the heads come from V_1), for `name` read at `source` shape
+    into `target`; CheckpointMismatchError, saying why and what would work, for anything else."""
+    skip = config.model.skip_v1
+    heads, own = source[-2] if len(source) > 1 else 0, target[-2] if len(target) > 1 else 0
+    same_otherwise = len(source) == len(target) and source[:-2] + source[-1:] == target[:-2] + target[-1:]
+    if name != 'layers.attn.wv' or not skip or not same_otherwise or heads != config.model.n_kv_heads:
+        raise checkpoint.CheckpointMismatchError(
+            f'parameter {name} has shape {source} in the source but {config.model.variant_name} needs {target}; '
+            'it was written for another model config.'
+        )
+    if heads % own:
+        divisors = [k for k in range(1, heads) if heads % (heads - k) == 0]
+        raise checkpoint.CheckpointMismatchError(
+            f"the source's {heads} value heads per layer cannot be pooled evenly into the {own} that "
+            f'model.skip_v1={skip} leaves layers >= 2 to project ({heads} is not a multiple of {own}); '
+            f"model.skip_v1 of {' or '.join(map(str, divisors))} would pool them ({heads // 2} for pairs, the paper's)."
+        )
+    return heads // own
+
+
+def _reshaped(leaf: jax.ShapeDtypeStruct, shape: tuple) -> jax.ShapeDtypeStruct:
+    """`leaf` (an abstract parameter) at the source's `shape`, placed as the run's parameter is."""
+    return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=getattr(leaf, 'sharding', None))
+
+
+def _pooled(x: Any, group: int) -> Any:
+    """Value projections (..., heads, head_dim) with each `group` adjacent heads averaged into one."""
+    if group == 1:
+        return x
+    *lead, heads, head_dim = x.shape
+    return x.reshape(*lead, heads // group, group, head_dim).mean(axis=-2)
 
 
 def _abstract_params(model: ModelConfig) -> dict:
@@ -223,7 +282,8 @@ def _from_checkpoint(folder: str, trainer: TrainSteps, config: Config, fresh: An
     """The parameters of step folder `folder` in the run's layout (uptrained into another variant)."""
     abstract = trainer.abstract_state.params
     saved = checkpoint.saved_param_shapes(folder)
-    if saved.keys() == checkpoint.param_shapes(abstract).keys():
+    shapes = checkpoint.param_shapes(abstract)
+    if saved == shapes or (saved.keys() == shapes.keys() and not config.model.skip_v1):  # else: uptraining
         return checkpoint.restore_params(folder, abstract), ''
     if fresh is None:
         fresh = trainer.init_state(config.train.seed).params
