@@ -115,7 +115,7 @@ def test_the_grid_groups_unfinished_runs_of_one_shape_data_and_step(small_corpus
     first = [run('resformer', 0), run('resformer', 1), partial, run('resformer', 3)]
     others = [run('svformer', 0), run('svformer', 1), run('resformer', 4, 1e-3)]
     names = lambda groups: [[r.name for r in g] for g in groups]  # noqa: E731
-    assert names(grid._groups(first + others, tmp_path)) == [
+    assert names(grid.groups(first + others, tmp_path)) == [
         ['resformer-0.003-s0', 'resformer-0.003-s1', 'resformer-0.003-s3'],
         ['resformer-0.003-s2'],
         ['svformer-0.003-s0', 'svformer-0.003-s1'],
