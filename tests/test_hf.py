@@ -636,6 +636,34 @@ def test_init_from_a_llama_export_uptrains_another_variant_and_refuses_another_s
     assert not (tmp_path / 'deeper').exists()
 
 
+def test_init_from_a_llama_export_into_skipv1former_pools_value_head_pairs(small_corpus, tmp_path):
+    """`--init_from=hf:` a Llama export of 2 kv heads into SkipV1Former (skip_v1=1): the one head layers >= 2
+    project is the mean of the export's two v_proj heads, layer 1's v_proj is kept whole, the rest as read."""
+    from tests.helpers import train_steps
+    from tests.runs import tiny_config
+    from vrl.core import sharding
+    from vrl.train import loop
+
+    vanilla = tiny_config(small_corpus, attention='vanilla', steps=2, checkpoint_every=2)
+    loop.run(vanilla, str(tmp_path / 'v'))
+    exported = _export(tmp_path / 'v', tmp_path / 'hf')
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    imported = hf.load_params(
+        str(tmp_path / 'hf'),
+        vanilla.model,
+        jax.tree.map(lambda a: a.shape, train_steps(vanilla, sharding.make_mesh(vanilla.mesh)).abstract_state.params),
+    ).params
+    target = dataclasses.replace(vanilla, model=dataclasses.replace(vanilla.model, skip_v1=1))
+    trainer = train_steps(target, sharding.make_mesh(target.mesh))
+    params, note, _ = start.initial_params(f'hf:{tmp_path / "hf"}', trainer, target)
+    wv = np.asarray(imported['layers']['attn']['wv'])  # (L - 1, D, 2, Dh)
+    np.testing.assert_allclose(np.asarray(params['layers']['attn']['wv']), wv.mean(-2, keepdims=True), rtol=1e-6)
+    np.testing.assert_array_equal(
+        np.asarray(params['first']['attn']['wv']), np.asarray(imported['first']['attn']['wv'])
+    )
+    assert 'pooled: layers.attn.wv, its 2 value heads averaged in groups of 2' in note, note
+
+
 def test_train_steps_0_converts_to_a_step_0_checkpoint_the_tools_read(exported, tmp_path):
     """`--init_from=hf:DIR --config.train.steps=0`: a step-0 checkpoint of the imported weights, with
     the export's tokenizer kept in the workdir; its evaluation and its export equal the original's,
