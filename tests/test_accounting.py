@@ -21,6 +21,8 @@ from tests.helpers import (
     VARIANT_IDS,
     VARIANTS,
     module_matmul_params,
+    random_tokens,
+    randomize,
     small_model_config,
     variant_params,
 )
@@ -191,6 +193,31 @@ def test_every_preset_is_a_config_argument(config, variant):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])['variant'].startswith(variant), out.stdout
+
+
+@pytest.mark.parametrize('mode', ['full', 'block'])
+def test_the_parameters_the_accounting_calls_constant_get_no_gradient(mode):
+    """Attention Residuals' first query and its key scale weigh the embedding alone (a softmax over one
+    source is 1): their gradient is exactly zero, every other depth parameter's is not, and the accounting
+    counts those 2 D as constant."""
+    cfg = small_model_config(attn_residuals=mode, attn_residual_blocks=3)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    randomize(model, 7)
+    tokens = random_tokens(3, vocab=cfg.vocab_size)
+    graphdef, state = nnx.split(model, nnx.Param)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens)
+        return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+
+    grads = nnx.to_pure_dict(jax.grad(loss)(state))
+    first = grads['first']['attn_depth']
+    assert not np.any(np.asarray(first['query'])) and not np.any(np.asarray(first['key_scale']))
+    for name in ('mlp_depth',):
+        assert np.any(np.asarray(grads['first'][name]['query'])), name
+    assert np.any(np.asarray(grads['layers']['attn_depth']['query']))
+    assert accounting.account(cfg, 16).constant_params == first['query'].size + first['key_scale'].size
+    assert accounting.account(dataclasses.replace(cfg, attn_residuals=''), 16).constant_params == 0
 
 
 def test_each_variant_changes_the_count_by_its_formula():

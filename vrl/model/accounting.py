@@ -23,6 +23,9 @@ class ModelAccount:
     matmul_params: int  # weights used in a matmul per token: non-embedding ones + the head
     flops_per_token: float  # training (forward + backward), see `training_flops_per_token`
     kv_cache_bytes_per_token: int  # one sequence, all layers, compute dtype
+    # of `params`, those that never get a gradient: Attention Residuals' first query and its key scale
+    # weigh a single source (the embedding), whose softmax weight is 1 whatever they hold (docs/variants.md)
+    constant_params: int = 0
 
 
 def _slot_heads(cfg: ModelConfig, ring: bool | None = None) -> int:
@@ -195,4 +198,11 @@ def account(cfg: ModelConfig, seq_len: int) -> ModelAccount:
         matmul_params=matmul_params(cfg),
         flops_per_token=training_flops_per_token(cfg, seq_len),
         kv_cache_bytes_per_token=kv_cache_bytes_per_token(cfg),
+        constant_params=_constant_params(cfg),
     )
+
+
+def _constant_params(cfg: ModelConfig) -> int:
+    """Attention Residuals' first query and key scale (D each), when it weighs one source: the embedding."""
+    single = cfg.attn_residuals and attn_residuals.sources_per_sublayer(cfg)[0] == 1
+    return 2 * cfg.d_model if single else 0
