@@ -65,8 +65,7 @@ NAMED_VARIANTS = {
 }
 
 # SkipV1Former (model.skip_v1: V_1 gives layers >= 2 their last value head of the small config's 2), alone
-# and with the variants it composes with: ResFormer's mix, CLA, layer 1's value embedding, QK-norm; the
-# export tests do not take them yet (vrl/interop/hf.py refuses them)
+# and with the variants it composes with: ResFormer's mix, CLA, layer 1's value embedding, QK-norm
 SKIP_V1_VARIANTS = {
     'skipv1': dict(attention='vanilla', skip_v1=1),
     'skipv1-resformer': dict(attention='resformer', lambda_mode='learnable', skip_v1=1),
@@ -77,7 +76,7 @@ SKIP_V1_VARIANTS = {
 
 # Attention residuals (vrl/model/attn_residuals.py) on the small config's 3 layers: full, Block AttnRes as one
 # block (a partial sum throughout) and as a block per layer, on the value-residual variants and beside CLA,
-# SkipV1Former, a value embedding, QK-norm and windows (the export takes those without SkipV1Former)
+# SkipV1Former, a value embedding, QK-norm and windows
 ATTN_RES_VARIANTS = {
     'attnres-full': dict(attention='vanilla', attn_residuals='full'),
     'attnres-block1-resformer': dict(
@@ -137,7 +136,8 @@ def modern_fields(variant: str) -> dict:
 # are stacked apart (CLA) and whose V is V_1, soft caps that bend the logits (a final cap of 1 flattens
 # a random model's into float32 near-ties, which two correct implementations break apart), windows of 5
 # (layer 2 global) over longer sequences, and the modern recipe (all of these with value embeddings)
-# on ResFormer and SVFormer, and the hyper-connected ones
+# on ResFormer and SVFormer, the hyper-connected ones, attention residuals and SkipV1Former (also on MHA:
+# 4 kv heads, 2 of them V_1's)
 EXPORT_VARIANTS = {
     **NAMED_VARIANTS,
     'svformer-cla2-qk_norm': dict(attention='svformer', kv_share=2, qk_norm=True),
@@ -148,7 +148,9 @@ EXPORT_VARIANTS = {
     'modern-resformer': modern_fields('resformer'),
     'modern-svformer': modern_fields('svformer'),
     **HYPER_VARIANTS,
-    **{name: v for name, v in ATTN_RES_VARIANTS.items() if 'skip_v1' not in v},
+    **ATTN_RES_VARIANTS,
+    **SKIP_V1_VARIANTS,
+    'skipv1-mha': dict(attention='vanilla', n_kv_heads=4, skip_v1=2),
 }
 VARIANTS = list(NAMED_VARIANTS.values())
 VARIANT_IDS = list(NAMED_VARIANTS)

@@ -28,10 +28,19 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers import EXPORT_VARIANTS, FAST_TIER, randomize, rel_err, small_model_config, variant_params
+from tests.helpers import (
+    EXPORT_VARIANTS,
+    FAST_TIER,
+    SKIP_V1_VARIANTS,
+    randomize,
+    rel_err,
+    small_model_config,
+    variant_params,
+)
 from tests.runs import SHARED_RUN_STEPS, cli_args, params_equal
 from vrl.data import pipeline
 from vrl.interop import hf
+from vrl.model import cache as kv_cache
 from vrl.model import decode
 from vrl.model.decoder import Decoder
 from vrl.train import start, trained, validation
@@ -171,14 +180,6 @@ def test_an_interrupted_export_leaves_the_old_directory_and_no_half_one(tmp_path
         export.publish(out, {'workdir': 'b'}, False, lambda folder: None)
 
 
-def test_a_skipv1_model_is_refused_by_the_export_and_nothing_is_written(tmp_path):
-    cfg = small_model_config(skip_v1=1)
-    params = nnx.to_pure_dict(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param))
-    with pytest.raises(hf.HFError, match=r'SkipV1 1/2 .* has no Hugging Face export yet: .*model.skip_v1'):
-        hf.export(params, cfg, 16, None, tmp_path / 'hf')
-    assert not (tmp_path / 'hf').exists()
-
-
 def test_transformers_loads_the_export_and_agrees(exported):
     run, folder = exported
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -239,6 +240,27 @@ def test_bad_directories_are_named(exported, tmp_path):
     # test_init_from_a_llama_export_uptrains_another_variant_and_refuses_another_shape
 
 
+def test_a_skipv1_export_whose_config_and_weights_disagree_is_one_line(exported, tmp_path):
+    """A SkipV1Former export whose config.json says another skip_v1 than its v_proj rows hold: vrl's import
+    names the tensor and the field; transformers refuses the size mismatch by the tensor's name."""
+    run, _ = exported
+    cfg, model = _variant('skipv1-mha', run.tokenizer)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    hf.export(params, cfg, 64, run.tokenizer, tmp_path)
+    config = json.loads((tmp_path / 'config.json').read_text())
+    (tmp_path / 'config.json').write_text(json.dumps({**config, 'skip_v1': 1}))
+    claimed = dataclasses.replace(cfg, skip_v1=1)
+    shapes = jax.tree.map(np.shape, nnx.to_pure_dict(nnx.state(Decoder(claimed, rngs=nnx.Rngs(0)), nnx.Param)))
+    with pytest.raises(hf.HFError) as refused:
+        hf.load_params(str(tmp_path), claimed, shapes)
+    message = str(refused.value)
+    assert '\n' not in message
+    assert 'model.layers.1.self_attn.v_proj.weight has shape (16, 32) but this config needs (24, 32)' in message
+    assert 'model.skip_v1=1 leaves layers >= 2 projecting 3 of 4 value heads; these weights project 2' in message
+    with pytest.raises(RuntimeError, match='ignore_mismatched_sizes'):  # after its report naming the tensor
+        AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+
+
 def test_a_damaged_export_is_refused_by_its_checksums(exported, tmp_path):
     """--init_from=hf: an export whose weights changed after it was written (SHA256SUMS disagrees), or whose
     safetensors file was cut short: one HFError naming the file, before any weight is placed."""
@@ -284,6 +306,9 @@ def _variant(name: str, tokenizer) -> tuple:
         'attnres-full',
         'attnres-block1-resformer',
         'attnres-block3-svformer-cla2',
+        'attnres-full-skipv1-value_embeds-qk_norm-windows',
+        *SKIP_V1_VARIANTS,
+        'skipv1-mha',
     ],
 )
 def test_every_variant_exports_and_comes_back(name, exported, tmp_path):
@@ -339,7 +364,7 @@ def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
 # under the oldest transformers: every kind of cache entry (CLA2's), and the modern recipe's fields
 @pytest.mark.parametrize(
     'name',
-    ['svformer-cla2', 'modern-svformer']
+    ['svformer-cla2', 'modern-svformer', 'skipv1-cla2-value_embeds-qk_norm']
     if UNDER_OLDEST_TRANSFORMERS
     else [
         'svformer-cla2',
@@ -354,11 +379,14 @@ def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
         'hc',
         'neutreno-mhc-3',
         'attnres-block1-resformer',
+        'skipv1-resformer',
+        'skipv1-cla2-value_embeds-qk_norm',
+        'skipv1-mha',
     ],
 )
 def test_transformers_generate_matches_vrl_decoding(name, exported, tmp_path):
     """Greedy tokens of two left-padded prompts, through transformers' cache (every kind of cache
-    entry: keys and values, keys only, none) and vrl's."""
+    entry: keys and values, keys and own value heads, keys only, none) and vrl's."""
     run, _ = exported
     cfg, model = _variant(name, run.tokenizer)
     hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, 64, run.tokenizer, tmp_path)
@@ -414,12 +442,14 @@ def test_a_soft_capped_model_attends_eagerly(exported, tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, attn_implementation='sdpa')
 
 
-def test_the_pytorch_svformer_cache_holds_values_once(exported, tmp_path):
-    """Cache bytes after the same generation: SVFormer's are (L + 1) / (2 L) of vanilla's."""
+def test_the_pytorch_cache_holds_what_vrls_holds(exported, tmp_path):
+    """Cache bytes after the same generation, per token: SVFormer's (L + 1) / (2 L) of vanilla's, SkipV1Former's
+    1 - (L - 1) s / (2 K L) with s of K value heads V_1's; each what vrl's cache holds (cache.cache_bytes)."""
     run, _ = exported
-    nbytes = {}
-    for name in ('vanilla', 'svformer'):
+    nbytes, cfgs = {}, {}
+    for name in ('vanilla', 'svformer', 'skipv1', 'skipv1-mha'):
         cfg, model = _variant(name, run.tokenizer)
+        cfgs[name] = cfg
         hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, 64, run.tokenizer, tmp_path / name)
         theirs = AutoModelForCausalLM.from_pretrained(tmp_path / name, trust_remote_code=True).eval()
         with torch.no_grad():
@@ -433,8 +463,12 @@ def test_the_pytorch_svformer_cache_holds_values_once(exported, tmp_path):
         cache = _cache_of(out)
         assert cache.get_seq_length() == 9
         nbytes[name] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        assert nbytes[name] == kv_cache.cache_bytes(kv_cache.init_cache(cfg, 1, 9))  # vrl's, float32 as compute_dtype
     L = cfg.n_layers
     assert nbytes['svformer'] * 2 * L == nbytes['vanilla'] * (L + 1)
+    for name in ('skipv1', 'skipv1-mha'):  # against a vanilla of as many kv heads: vanilla's K / 2 times its bytes
+        K, s = cfgs[name].n_kv_heads, cfgs[name].skip_v1
+        assert nbytes[name] * 2 * K * L * 2 == nbytes['vanilla'] * K * (2 * K * L - (L - 1) * s)
 
 
 def _cache_of(output) -> object:
@@ -477,7 +511,7 @@ def test_every_export_says_which_transformers_it_needs(tmp_path):
 
 
 INTEROP_TESTS = (
-    'loads_the_export or every_variant_exports or generate_matches or holds_values_once '
+    'loads_the_export or every_variant_exports or generate_matches or holds_what_vrls_holds '
     'or under_its_new_and_its_old_name'
 )
 OLDEST_TRANSFORMERS = Path(os.environ.get('VRL_OLDEST_TRANSFORMERS', Path(sys.prefix) / 'oldest-transformers'))

@@ -288,7 +288,8 @@ def _check(*args: str, module: str = 'vrl_vllm.check') -> subprocess.CompletedPr
 
 def test_what_vllm_cannot_serve_is_one_line_before_the_engine_starts(shared_runs, tokenizer_and_prompts, tmp_path):
     """vrl_vllm.serve (and vrl_vllm.check) on a training workdir, a cut-short weights file, a changed byte
-    in the weights, an export whose modeling_vrl.py predates the plugin, and a missing folder: one
+    in the weights, an export whose modeling_vrl.py predates the plugin, a SkipV1Former (no page for part
+    of a layer's values yet) and a missing folder: one
     `error:` line naming the path and the fix, exit 2, and no vLLM engine started; an intact export
     passes."""
     tokenizer, _ = tokenizer_and_prompts
@@ -308,6 +309,7 @@ def test_what_vllm_cannot_serve_is_one_line_before_the_engine_starts(shared_runs
     export_variant('svformer', tokenizer, old)
     modeling = (old / 'modeling_vrl.py').read_text()
     (old / 'modeling_vrl.py').write_text(modeling.replace('def layer_loop(', 'def loop_before_2026_12_02('))
+    export_variant('skipv1', tokenizer, tmp_path / 'skipv1')
     cases = {
         workdir: 'is a vrl training workdir, not a Hugging Face export: make one with '
         f'`python -m vrl.tools.export --workdir={workdir}',
@@ -315,6 +317,7 @@ def test_what_vllm_cannot_serve_is_one_line_before_the_engine_starts(shared_runs
         changed: f'{changed / "model.safetensors"} is damaged: its SHA-256 differs',
         tmp_path / 'missing': 'is not a directory',
         old: f'{old / "modeling_vrl.py"} is missing or older than this plugin',
+        tmp_path / 'skipv1': 'holds a SkipV1Former (skip_v1=1), whose layers >= 2 cache only part of their values',
     }
     for folder, reason in cases.items():
         out = _check('--model', str(folder), '--port', '0', module='vrl_vllm.serve')

@@ -225,10 +225,23 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, shapes: dict) -> d
             raise HFError(f'the Hugging Face weights have no {link.name!r} ({cfg.variant_name} needs it); {_FIT_FIX}')
         if tensors[link.name].shape != hf_shape:
             raise HFError(
-                f'{link.name} has shape {tensors[link.name].shape} but this config needs {hf_shape}; {_FIT_FIX}'
+                f'{link.name} has shape {tensors[link.name].shape} but this config needs {hf_shape}; '
+                f'{_value_heads_said(link.name, tensors[link.name].shape, cfg)}{_FIT_FIX}'
             )
         target[link.index] = link.from_hf(tensors[link.name].astype(np.float32), shape)
     return params
+
+
+def _value_heads_said(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> str:
+    """For a later layer's v_proj: the value heads SkipV1Former's model.skip_v1 leaves it and those the
+    weights project ('' for any other tensor)."""
+    if not name.endswith('self_attn.v_proj.weight') or name.startswith('model.layers.0.'):
+        return ''
+    K, heads = cfg.n_kv_heads, shape[0] // cfg.head_dim
+    return (
+        f'model.skip_v1={cfg.skip_v1} leaves layers >= 2 projecting {K - cfg.skip_v1} of {K} value heads; these '
+        f'weights project {heads} (model.skip_v1={K - heads} would read them). '
+    )
 
 
 def _zeros(shapes: Any) -> Any:
@@ -339,12 +352,6 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
 
 def export(params: dict, cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer, out: Path) -> list[Path]:
     """Writes the Hugging Face directory; returns its files."""
-    if cfg.skip_v1:
-        raise HFError(
-            f'{cfg.variant_name} has no Hugging Face export yet: the exported PyTorch model and the vLLM plugin '
-            "do not read a layer's value heads from V_1 (model.skip_v1); sample and score it in vrl "
-            '(python -m vrl.tools.generate, python -m vrl.tools.evaluate).'
-        )
     tensors = to_hf(params, cfg)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / 'model.safetensors'), metadata={'format': 'pt'})

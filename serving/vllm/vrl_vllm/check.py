@@ -6,7 +6,8 @@ starting and then fails inside a worker:
 
 What it refuses: a path that is not a directory; a vrl training workdir (it says how to export it); a
 config.json that is missing, not JSON or without a model_type; a VrlForCausalLM export whose
-modeling_vrl.py is missing or older than the plugin; no *.safetensors; a weights file that is
+modeling_vrl.py is missing or older than the plugin; a model this plugin has no cache page for
+(`unsupported`: SkipV1Former); no *.safetensors; a weights file that is
 cut short or whose header does not parse; a weights file whose SHA-256 differs from the one the export
 recorded in SHA256SUMS.
 """
@@ -23,6 +24,17 @@ CHECKSUMS = 'SHA256SUMS'  # written by vrl.tools.export, in sha256sum's format
 
 class NotServable(Exception):
     """Why vLLM cannot serve a directory, and what to do, in one line."""
+
+
+def unsupported(config: dict) -> str | None:
+    """Why this plugin cannot serve a model of this config.json, or None."""
+    if config.get('skip_v1'):
+        return (
+            f'a SkipV1Former (skip_v1={config["skip_v1"]}), whose layers >= 2 cache only part of their values, '
+            'for which this plugin has no cache page yet: serve it with transformers (trust_remote_code=True) '
+            'or sample it in vrl (python -m vrl.tools.generate)'
+        )
+    return None
 
 
 def check(path: str | Path) -> None:
@@ -49,6 +61,9 @@ def check(path: str | Path) -> None:
         raise NotServable(
             f'{modeling} is missing or older than this plugin (it has no layer_loop): export the model again'
         )
+    why = unsupported(record)
+    if why:
+        raise NotServable(f'{folder} holds {why}')
     weights = sorted(folder.glob('*.safetensors'))
     if not weights:
         raise NotServable(f'no *.safetensors in {folder}: export the model again')

@@ -50,6 +50,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
+from vrl_vllm.check import unsupported
 from vrl_vllm.shared_values import SharedValueAttention
 
 
@@ -289,6 +290,9 @@ class VrlForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ''):
         super().__init__()
         config = vllm_config.model_config.hf_config
+        why = unsupported(config.to_dict())
+        if why:
+            raise ValueError(f'vrl_vllm cannot serve {why}')
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError('vrl models are served without pipeline parallelism: pipeline_parallel_size must be 1')
         self.config = config

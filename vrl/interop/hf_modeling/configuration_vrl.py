@@ -2,7 +2,7 @@
 
 Llama's fields for the decoder's shape, plus vrl's own (vrl/model/config.py's ModelConfig, same names):
 attention (vanilla | resformer | svformer), lambda_mode, lambda1, lambda2, sparse_layers,
-neutreno, neutreno_lambda, denseformer, kv_share, value_embed_layers, value_embed_tables, mudd,
+neutreno, neutreno_lambda, denseformer, kv_share, skip_v1, value_embed_layers, value_embed_tables, mudd,
 mudd_layers, hyper_connections, hyper_streams, hyper_dynamic, attn_residuals, attn_residual_blocks, qk_norm; and
 the soft caps under Gemma 2's names, attn_logit_softcapping and final_logit_softcapping (None: off),
 and local/global attention under transformers' names: sliding_window (None: off) and layer_types
@@ -41,6 +41,7 @@ class VrlConfig(PreTrainedConfig):
         neutreno_lambda: float = 0.4,
         denseformer: bool = False,
         kv_share: int = 1,
+        skip_v1: int = 0,
         value_embed_layers: tuple[int, ...] = (),
         value_embed_tables: tuple[int, ...] = (),
         mudd: str = '',
@@ -68,7 +69,7 @@ class VrlConfig(PreTrainedConfig):
         self.attention, self.lambda_mode, self.lambda1, self.lambda2 = attention, lambda_mode, lambda1, lambda2
         self.sparse_layers = list(sparse_layers)
         self.neutreno, self.neutreno_lambda, self.denseformer = neutreno, neutreno_lambda, denseformer
-        self.kv_share = kv_share
+        self.kv_share, self.skip_v1 = kv_share, skip_v1
         self.value_embed_layers, self.value_embed_tables = list(value_embed_layers), list(value_embed_tables)
         self.mudd, self.mudd_layers = mudd, list(mudd_layers)
         self.hyper_connections, self.hyper_streams, self.hyper_dynamic = hyper_connections, hyper_streams, hyper_dynamic
@@ -86,6 +87,11 @@ class VrlConfig(PreTrainedConfig):
     def value_owner(self, layer: int) -> int:
         """The 0-based layer whose cached values `layer` attends over: layer 1 (V_1) for SVFormer."""
         return 0 if self.attention == 'svformer' else self.key_owner(layer)
+
+    def own_value_heads(self, layer: int) -> int:
+        """The value heads 0-based `layer` projects: all K, but for SkipV1Former's layers >= 2, whose
+        last skip_v1 are V_1's."""
+        return self.num_key_value_heads - (self.skip_v1 if layer > 0 else 0)
 
     def value_embed_table(self, layer: int) -> int | None:
         """The value-embedding table 0-based `layer` adds to its V, or None."""

@@ -5,8 +5,10 @@ A Llama decoder (pre-RMSNorm, rotate-half RoPE, SwiGLU, no biases) in which each
 variants changes one thing, as in vrl/model/decoder.py:
 
 - the values a layer attends over: ResFormer mixes lambda_2 V_n + lambda_1 V_1 (scalars per
-  layer, or per token and kv head: `mix_proj`), SVFormer's layers >= 2 attend over V_1, value
-  embeddings add 2 sigmoid(x W_gate) * table[token] to V_n: `VrlAttention.values_of`;
+  layer, or per token and kv head: `mix_proj`), SVFormer's layers >= 2 attend over V_1,
+  SkipV1Former's layers >= 2 project their first K - skip_v1 value heads and take the last
+  skip_v1 from V_1, value embeddings add 2 sigmoid(x W_gate) * table[token] to V_n:
+  `VrlAttention.values_of`;
 - which layer's K and V a layer uses (CLA: the first of each group of kv_share layers);
 - what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended));
 - how block outputs combine into the next block's input (DenseFormer's depth weights, MUDD);
@@ -23,9 +25,10 @@ The softmax attention itself goes through transformers' attention interface
 (`eager_attention`, written out) for a soft-capped model, which sdpa cannot cap; and whatever an
 engine registers, as vLLM's Transformers backend does with its paged attention.
 
-The KV cache is transformers' DynamicCache with one entry per layer: keys and values, keys only
-(SVFormer's layers >= 2: their values are V_1, cached once by layer 1), or nothing (CLA layers
-that borrow their group's). Shapes: B batch, T new tokens, S cached + new tokens, D hidden,
+The KV cache is transformers' DynamicCache with one entry per layer: keys and values, keys and
+the layer's own value heads (SkipV1Former's layers >= 2: the rest are V_1's, cached once by layer
+1), keys only (SVFormer's layers >= 2: their values are V_1), or nothing (CLA layers that borrow
+their group's). Shapes: B batch, T new tokens, S cached + new tokens, D hidden,
 H heads, K kv heads, G = H // K, Dh head dim; per-head tensors are heads-major (B, K, T, Dh).
 
 Works with transformers 5.3 and later (vrl/interop/hf.py TRANSFORMERS): the cache comes in as
@@ -81,6 +84,18 @@ class KeysOnlyLayer(DynamicLayer):
         return super().update(key_states, value_states[..., :0], *args, **kwargs)
 
 
+class OwnHeadsLayer(DynamicLayer):
+    """A cache entry that keeps keys and a layer's own value heads, the first `value_heads` of K
+    (SkipV1Former's layers >= 2 read the rest from layer 1's entry)."""
+
+    def __init__(self, value_heads: int):
+        super().__init__()
+        self.value_heads = value_heads
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(key_states, value_states[:, : self.value_heads], *args, **kwargs)
+
+
 class NothingLayer(DynamicLayer):
     """A cache entry that keeps neither: keys and values zero-width (B, K, S, 0), so it holds no
     bytes yet still counts the positions seen, and every DynamicLayer method still applies."""
@@ -92,19 +107,24 @@ class NothingLayer(DynamicLayer):
         return self.keys.shape[-2] if self.is_initialized else 0
 
 
+def cache_entry(config: VrlConfig, layer: int) -> DynamicLayer:
+    """An empty cache entry for 0-based `layer`: keys and values (DynamicLayer), keys and its own value
+    heads, keys only, or nothing (CLA's borrowing layers)."""
+    if config.value_owner(layer) == layer:
+        heads = config.own_value_heads(layer)
+        return DynamicLayer() if heads == config.num_key_value_heads else OwnHeadsLayer(heads)
+    return KeysOnlyLayer() if config.key_owner(layer) == layer else NothingLayer()
+
+
+def _kind(entry: DynamicLayer) -> tuple:
+    return type(entry), getattr(entry, 'value_heads', None)
+
+
 def shape_cache(cache: DynamicCache, config: VrlConfig) -> DynamicCache:
-    """Gives an empty cache one entry per layer: keys and values (DynamicLayer), keys only, or nothing
-    (CLA's borrowing layers). transformers builds every entry as a DynamicLayer."""
-    kinds = [
-        DynamicLayer
-        if config.value_owner(layer) == layer
-        else KeysOnlyLayer
-        if config.key_owner(layer) == layer
-        else NothingLayer
-        for layer in range(config.num_hidden_layers)
-    ]
-    if cache.get_seq_length() == 0 and [type(entry) for entry in cache.layers] != kinds:
-        cache.layers[:] = [kind() for kind in kinds]
+    """Gives an empty cache `cache_entry`'s entries (transformers builds every entry as a DynamicLayer)."""
+    entries = [cache_entry(config, layer) for layer in range(config.num_hidden_layers)]
+    if cache.get_seq_length() == 0 and list(map(_kind, cache.layers)) != list(map(_kind, entries)):
+        cache.layers[:] = entries
         cache.layer_class_to_replicate = None
     return cache
 
@@ -178,7 +198,9 @@ class VrlAttention(nn.Module):
         self.q_proj = nn.Linear(D, H * Dh, bias=False)
         self.k_proj = nn.Linear(D, K * Dh, bias=False) if owns_kv else None
         self.v_proj = (
-            nn.Linear(D, K * Dh, bias=False) if owns_kv and (layer == 0 or config.attention != 'svformer') else None
+            nn.Linear(D, config.own_value_heads(layer) * Dh, bias=False)
+            if owns_kv and (layer == 0 or config.attention != 'svformer')
+            else None
         )
         self.o_proj = nn.Linear(H * Dh, D, bias=False)
         # QK-norm: each head's queries and keys RMS-normalised over head_dim with a learned scale, before RoPE
@@ -199,19 +221,26 @@ class VrlAttention(nn.Module):
 
     def values_of(self, xv_BxTxD, v_n, v1, lambdas, value_embed_BxTxKDh) -> tuple[torch.Tensor, torch.Tensor]:
         """V_n (with its value embedding) and the values (B, K, T, Dh) this layer attends over; the gates
-        read the values' input xv."""
+        read the values' input xv. SkipV1Former's V_n has only its own heads (B, K - skip_v1, T, Dh): the
+        variant acts on those, and V_1's last heads follow as layer 1 attended them."""
         if value_embed_BxTxKDh is not None:
             scale = VALUE_EMBED_GATE_SCALE * self.gate(self.value_embed_gate, xv_BxTxD)
             v_n = v_n + (scale * self.heads_major(value_embed_BxTxKDh)).to(v_n.dtype)
+        own = v_n.shape[1]
+        v = self.attended(xv_BxTxD, v_n, None if v1 is None else v1[:, :own], lambdas)
+        return v_n, v if own == self.kv_heads else torch.cat([v, v1[:, own:].to(v.dtype)], dim=1)
+
+    def attended(self, xv_BxTxD, v_n, v1, lambdas) -> torch.Tensor:
+        """The values attended in the heads this layer projects: V_n, V_1 (SVFormer) or ResFormer's mix."""
         if v1 is None or self.config.attention == 'vanilla':
-            return v_n, v_n
+            return v_n
         if self.config.attention == 'svformer':
-            return v_n, v1
+            return v1
         if self.mix_proj is not None:
             mix = self.gate(self.mix_proj, xv_BxTxD)
-            return v_n, (mix * v1 + (1 - mix) * v_n).to(v_n.dtype)
+            return (mix * v1 + (1 - mix) * v_n).to(v_n.dtype)
         lambda_v1, lambda_vn = lambdas
-        return v_n, lambda_vn * v_n + lambda_v1 * v1
+        return lambda_vn * v_n + lambda_v1 * v1
 
     def forward(
         self,
@@ -243,6 +272,8 @@ class VrlAttention(nn.Module):
             cache.update(k, v, self.layer)  # each entry keeps what its kind holds (shape_cache)
             keys = cache.layers[self.config.key_owner(self.layer)].keys
             values = cache.layers[self.config.value_owner(self.layer)].values
+            if values.shape[1] < self.kv_heads:  # SkipV1Former: the rest of the heads are V_1's
+                values = torch.cat([values, cache.layers[0].values[:, values.shape[1] :]], dim=1)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
         o, _ = attention(  # (B, T, H, Dh); vLLM's (B * T, H * Dh)
             self,
