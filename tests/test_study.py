@@ -17,7 +17,7 @@ from etils import epath
 from tests.conftest import ROOT
 from tests.runs import cli_args, saved_steps, tiny_config
 from vrl.data.config import DataConfig
-from vrl.experiments import curves, grid, scaling, study, study_report
+from vrl.experiments import curves, grid, ledger, scaling, study, study_report
 from vrl.experiments.grid import GridError
 from vrl.model.config import ModelConfig
 from vrl.train.config import Config, OptimizerConfig, TrainConfig
@@ -476,3 +476,22 @@ def test_bad_input_is_one_line_and_writes_nothing(small_corpus, tmp_path, args, 
     )
     assert result.returncode != 0 and message in result.stderr and 'Traceback' not in result.stderr
     assert not (tmp_path / 'new').exists()
+
+
+def test_each_group_of_seeds_is_in_the_ledger_as_soon_as_it_finishes(small_corpus, tmp_path, monkeypatch):
+    """Two groups of two seeds: when the second group starts training, the first group's two rows are already
+    in the ledger (a grid stopped there keeps them); at the end all four are, once each."""
+    base = tiny_config(small_corpus, steps=2, checkpoint_every=2, eval_every=2, eval_batches=1)
+    runs = study.plan(base, study.Axes(['vanilla', 'svformer'], ['d32'], [1e-3], [0, 1], [base.data.seq_len]))
+    workdir = epath.Path(tmp_path)
+    held = ledger.Ledger(workdir, base)
+    real_train, seen = grid._train, []
+
+    def train_and_look(members, *args):
+        seen.append(sorted(row['name'] for row in held.rows().values()))  # the ledger as this group starts
+        return real_train(members, *args)
+
+    monkeypatch.setattr(grid, '_train', train_and_look)
+    grid.train_all(runs, workdir, 0, held=held)
+    assert seen == [[], sorted(run.name for run in runs[:2])]
+    assert len(held.rows()) == 4 and len((workdir / 'results.jsonl').read_text().splitlines()) == 4

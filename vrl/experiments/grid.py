@@ -133,19 +133,26 @@ def train_all(
     group_runs: bool = True,
     held: ledger_lib.Ledger | None = None,
 ) -> list[dict[str, Any]]:
-    """Every run's result (`train_or_reuse`), in order, each recorded in the ledger `held` (the runs it
-    holds are not trained). With `group_runs`, the unfinished runs that differ only in seed and stand
-    at the same checkpoint step are first trained together, one compiled step for all
+    """Every run's result (`train_or_reuse`), in order, each recorded in the ledger `held` as soon as it
+    finishes (the runs it holds are not trained). With `group_runs`, the unfinished runs that differ only
+    in seed and stand at the same checkpoint step are first trained together, one compiled step for all
     (train.run_group); a run with no such partner trains alone."""
-    trained: dict[str, dict[str, Any]] = {}
+    results: dict[str, dict[str, Any]] = {}
     for members in groups([r for r in runs if not (held and held.held(r.config))], workdir) if group_runs else []:
         names = ', '.join(run.name for run in members)
         if len(members) == 1:
             _say(f'{names}: trained alone (no unfinished run of its shape, data and step to group with)')
             continue
         _say(f'{names}: trained together (same shape, data and step; seeds differ)')
-        trained |= _train(members, workdir, analysis_sequences)
-    return [train_or_reuse(run, workdir, analysis_sequences, downstream, trained.get(run.name), held) for run in runs]
+        trained = _train(members, workdir, analysis_sequences)
+        for run in members:  # recorded now: a grid stopped later keeps this group in its ledger
+            results[run.name] = train_or_reuse(run, workdir, analysis_sequences, downstream, trained[run.name], held)
+    return [
+        results[run.name]
+        if run.name in results
+        else train_or_reuse(run, workdir, analysis_sequences, downstream, None, held)
+        for run in runs
+    ]
 
 
 def from_ledger(runs: list[Run], held: ledger_lib.Ledger) -> list[dict[str, Any]]:
