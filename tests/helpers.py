@@ -151,6 +151,7 @@ EXPORT_VARIANTS = {
     **ATTN_RES_VARIANTS,
     **SKIP_V1_VARIANTS,
     'skipv1-mha': dict(attention='vanilla', n_kv_heads=4, skip_v1=2),
+    'skipv1-cla2': dict(attention='vanilla', skip_v1=1, kv_share=2),
 }
 VARIANTS = list(NAMED_VARIANTS.values())
 VARIANT_IDS = list(NAMED_VARIANTS)

@@ -302,6 +302,19 @@ def test_a_local_layers_attention_flops_are_its_masks_pairs():
     assert accounting.training_flops_per_token(whole, S) - 6 * accounting.matmul_params(cfg) > 1.2 * attention
 
 
+@pytest.mark.parametrize('fields', [dict(skip_v1=1), dict(attention='svformer'), dict(skip_v1=1, kv_share=3)])
+def test_the_exported_cache_keeps_local_layers_whole(fields):
+    """The export's and vLLM's cache per token (served_kv_cache_bytes_per_token): vrl's without windows, and
+    with windows (layers 1 and 3 of 3 local) what the same model holds with every layer global, more than vrl's
+    ring buffers leave per token; --summary says which."""
+    cfg = small_model_config(**fields)
+    windowed = dataclasses.replace(cfg, attention_window=4, global_layers=(2,))
+    assert accounting.served_kv_cache_bytes_per_token(cfg) == accounting.kv_cache_bytes_per_token(cfg)
+    assert accounting.served_kv_cache_bytes_per_token(windowed) == accounting.kv_cache_bytes_per_token(cfg)
+    rings = cfg.kv_share == 1  # a CLA group of 3 has a global layer: its slots stay whole in vrl too
+    assert (accounting.kv_cache_bytes_per_token(windowed) < accounting.kv_cache_bytes_per_token(cfg)) == rings
+
+
 @pytest.mark.parametrize('size', ['82m', '468m'])
 def test_the_modern_recipe_sets_its_fields_for_each_variant(size):
     """configs/modern.py: Muon + WSD, QK-norm, the final soft cap, a 512 window with every fourth layer

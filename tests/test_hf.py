@@ -447,7 +447,7 @@ def test_the_pytorch_cache_holds_what_vrls_holds(exported, tmp_path):
     1 - (L - 1) s / (2 K L) with s of K value heads V_1's; each what vrl's cache holds (cache.cache_bytes)."""
     run, _ = exported
     nbytes, cfgs = {}, {}
-    for name in ('vanilla', 'svformer', 'skipv1', 'skipv1-mha'):
+    for name in ('vanilla', 'svformer', 'skipv1', 'skipv1-mha', 'skipv1-cla2'):
         cfg, model = _variant(name, run.tokenizer)
         cfgs[name] = cfg
         hf.export(nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg, 64, run.tokenizer, tmp_path / name)
@@ -464,7 +464,7 @@ def test_the_pytorch_cache_holds_what_vrls_holds(exported, tmp_path):
         assert cache.get_seq_length() == 9
         nbytes[name] = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         assert nbytes[name] == kv_cache.cache_bytes(kv_cache.init_cache(cfg, 1, 9))  # vrl's, float32 as compute_dtype
-    L = cfg.n_layers
+    L = cfgs['vanilla'].n_layers
     assert nbytes['svformer'] * 2 * L == nbytes['vanilla'] * (L + 1)
     for name in ('skipv1', 'skipv1-mha'):  # against a vanilla of as many kv heads: vanilla's K / 2 times its bytes
         K, s = cfgs[name].n_kv_heads, cfgs[name].skip_v1

@@ -42,7 +42,8 @@ TEXTS = ('ROMEO: What say', 'KING:', 'First Citizen:\nBefore we proceed any furt
 # vanilla is served by vLLM's own Llama; the rest by the plugin: ResFormer's scalar lambdas (every scalar
 # mode is the export's ValueLambdas, which tests/test_hf.py checks mode by mode) and per-token ones,
 # SVFormer, the baselines (NeuTRENO, DenseFormer, CLA, value embeddings), QK-norm, soft caps, windows,
-# the modern recipe, MUDD, hyper-connections, attention residuals
+# the modern recipe, MUDD, hyper-connections, attention residuals, SkipV1Former (on ResFormer, with CLA2 and
+# QK-norm, on MHA: head groups of 1 and 2 kv heads)
 SERVED = (
     'vanilla',
     'resformer-learnable_plus',
@@ -60,6 +61,9 @@ SERVED = (
     'resformer-hc-static-3',
     'attnres-full',
     'attnres-block1-resformer',
+    'skipv1-resformer',
+    'skipv1-cla2-value_embeds-qk_norm',
+    'skipv1-mha',
 )
 # also through vLLM's Transformers backend (--model-impl transformers), which runs the export's own
 # PyTorch modules with vLLM's attention in place of theirs (transformers' attention interface): the
@@ -171,15 +175,19 @@ def test_tensor_parallel_vllm_generates_what_vrl_generates(name, generations):
 
 # SVFormer's cache in vLLM holds keys per layer and V_1 once: at L = 4 and L = 8 (the 82M's depth), the
 # tokens a fixed budget holds against vanilla's (vLLM's Llama) at the same shape, as halves of a vanilla
-# page per layer: SVFormer L + 1 of 2L, with CLA2 L / 2 + 1; CLA2 alone L.
+# page per layer: SVFormer L + 1 of 2L, with CLA2 L / 2 + 1; CLA2 alone L. SkipV1Former (1 of 2 value heads
+# V_1's) keeps every key (L halves), V_1 (1) and the later layers' own heads ((L - 1) / 2): 1 / (1 - (L - 1) / (4L))
+# times vanilla's tokens (1.23 at L = 4); with CLA2 the owners' keys (L / 2), V_1 and the other owners' own heads.
 CACHE_HALVES = {
     'vanilla': lambda L: 2 * L,
     'svformer': lambda L: L + 1,
     'svformer-cla2': lambda L: L // 2 + 1,
     'cla2': lambda L: L,
     'svformer-windows': lambda L: L + 1,  # a local layer's keys kept for every token, as V_1 is
+    'skipv1': lambda L: L + 1 + (L - 1) / 2,
+    'skipv1-cla2': lambda L: L / 2 + 1 + (L / 2 - 1) / 2,
 }
-CACHE_MODELS = [(name, 4) for name in CACHE_HALVES] + [('vanilla', 8), ('svformer', 8)]
+CACHE_MODELS = [(name, 4) for name in CACHE_HALVES] + [('vanilla', 8), ('svformer', 8), ('skipv1', 8)]
 BLOCK = 32  # tokens per block, prompts of several blocks
 LONG_POSITIONS = 256
 
@@ -288,8 +296,8 @@ def _check(*args: str, module: str = 'vrl_vllm.check') -> subprocess.CompletedPr
 
 def test_what_vllm_cannot_serve_is_one_line_before_the_engine_starts(shared_runs, tokenizer_and_prompts, tmp_path):
     """vrl_vllm.serve (and vrl_vllm.check) on a training workdir, a cut-short weights file, a changed byte
-    in the weights, an export whose modeling_vrl.py predates the plugin, a SkipV1Former (no page for part
-    of a layer's values yet) and a missing folder: one
+    in the weights, an export whose modeling_vrl.py predates the plugin, an export of a newer vrl (a field
+    this plugin does not serve) and a missing folder: one
     `error:` line naming the path and the fix, exit 2, and no vLLM engine started; an intact export
     passes."""
     tokenizer, _ = tokenizer_and_prompts
@@ -309,7 +317,12 @@ def test_what_vllm_cannot_serve_is_one_line_before_the_engine_starts(shared_runs
     export_variant('svformer', tokenizer, old)
     modeling = (old / 'modeling_vrl.py').read_text()
     (old / 'modeling_vrl.py').write_text(modeling.replace('def layer_loop(', 'def loop_before_2026_12_02('))
-    export_variant('skipv1', tokenizer, tmp_path / 'skipv1')
+    newer = tmp_path / 'newer'  # a field a newer vrl's export sets that this plugin does not serve
+    export_variant('svformer', tokenizer, newer)
+    configuration = (newer / 'configuration_vrl.py').read_text()
+    declared = configuration.replace('skip_v1: int = 0,', 'skip_v1: int = 0, skip_v2=0,')
+    (newer / 'configuration_vrl.py').write_text(declared)
+    (newer / 'config.json').write_text(json.dumps({**json.loads((newer / 'config.json').read_text()), 'skip_v2': 2}))
     cases = {
         workdir: 'is a vrl training workdir, not a Hugging Face export: make one with '
         f'`python -m vrl.tools.export --workdir={workdir}',
@@ -317,7 +330,7 @@ def test_what_vllm_cannot_serve_is_one_line_before_the_engine_starts(shared_runs
         changed: f'{changed / "model.safetensors"} is damaged: its SHA-256 differs',
         tmp_path / 'missing': 'is not a directory',
         old: f'{old / "modeling_vrl.py"} is missing or older than this plugin',
-        tmp_path / 'skipv1': 'holds a SkipV1Former (skip_v1=1), whose layers >= 2 cache only part of their values',
+        newer: f'{newer / "config.json"} sets skip_v2=2, which this vrl_vllm does not serve',
     }
     for folder, reason in cases.items():
         out = _check('--model', str(folder), '--port', '0', module='vrl_vllm.serve')

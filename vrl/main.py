@@ -20,6 +20,7 @@ from ml_collections import config_flags
 from vrl.core import cli, extras, multihost, peers
 from vrl.core.config import ConfigError
 from vrl.model import accounting, resolve
+from vrl.model.config import ModelConfig
 from vrl.train.config import Config, from_configdict
 
 
@@ -126,6 +127,7 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
             f'({acc.kv_cache_bytes_per_token / mha.kv_cache_bytes_per_token:.3f} of vanilla MHA, '
             f'{mha.kv_cache_bytes_per_token:,} B)',
         ),
+        ('KV cache / token, exported', _served_cache(m, acc.kv_cache_bytes_per_token)),
         (
             f'KV cache at seq {config.data.seq_len}',
             f'{accounting.kv_cache_bytes(m, config.data.seq_len):,} B a sequence'
@@ -135,6 +137,22 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
         ('batch', f'{config.data.batch_size} sequences x {config.data.seq_len} tokens = {tokens:,} tokens a step'),
         ('training', f'{config.train.steps:,} steps = {_human(config.train.steps * tokens)} tokens'),
     ]
+
+
+def _served_cache(m: ModelConfig, ours: int) -> str:
+    """The cache per token in the Hugging Face export's DynamicCache and in vLLM's pages: vrl's slots, all
+    holding every position in the export (no ring buffers), and in vLLM where V_1's heads are paged apart
+    (SVFormer, SkipV1Former: one block table for every page); vLLM keeps other models' windows."""
+    served = accounting.served_kv_cache_bytes_per_token(m)
+    if served == ours:
+        return 'the same in transformers and vLLM'
+    paged_apart = m.attention == 'svformer' or m.skip_v1
+    return (
+        f'{served:,} B in transformers'
+        + (' and vLLM' if paged_apart else '')
+        + ", which keep a local layer's keys for every position"
+        + ('' if paged_apart else "; vLLM keeps the windows, as vrl's own cache does")
+    )
 
 
 def step_time_row(config: Config) -> tuple[str, str]:

@@ -152,6 +152,12 @@ def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
     return _slot_heads(cfg, ring=False) * _head_row_bytes(cfg)
 
 
+def served_kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
+    """What each position adds to one sequence's cache in the Hugging Face export and vLLM, whose slots all
+    hold every position (a local layer's keys too: no ring buffers); otherwise the same slots as vrl's."""
+    return _slot_heads(cfg) * _head_row_bytes(cfg)
+
+
 def kv_cache_bytes(cfg: ModelConfig, context: int) -> int:
     """One sequence's cache at `context` positions: the whole slots' `context` positions and each ring
     buffer's min(model.attention_window, context)."""

@@ -6,14 +6,15 @@ starting and then fails inside a worker:
 
 What it refuses: a path that is not a directory; a vrl training workdir (it says how to export it); a
 config.json that is missing, not JSON or without a model_type; a VrlForCausalLM export whose
-modeling_vrl.py is missing or older than the plugin; a model this plugin has no cache page for
-(`unsupported`: SkipV1Former); no *.safetensors; a weights file that is
+modeling_vrl.py is missing or older than the plugin; an export from a newer vrl that sets a field this
+plugin does not serve (`unserved`); no *.safetensors; a weights file that is
 cut short or whose header does not parse; a weights file whose SHA-256 differs from the one the export
 recorded in SHA256SUMS.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import sys
@@ -26,15 +27,33 @@ class NotServable(Exception):
     """Why vLLM cannot serve a directory, and what to do, in one line."""
 
 
-def unsupported(config: dict) -> str | None:
-    """Why this plugin cannot serve a model of this config.json, or None."""
-    if config.get('skip_v1'):
-        return (
-            f'a SkipV1Former (skip_v1={config["skip_v1"]}), whose layers >= 2 cache only part of their values, '
-            'for which this plugin has no cache page yet: serve it with transformers (trust_remote_code=True) '
-            'or sample it in vrl (python -m vrl.tools.generate)'
-        )
-    return None
+# The fields of vrl's VrlConfig (the export's configuration_vrl.py) this plugin serves, as vrl.interop.hf.VRL_FIELDS
+# names them (a test holds the two equal)
+SERVED_FIELDS = frozenset(
+    ('attention', 'lambda_mode', 'lambda1', 'lambda2', 'sparse_layers', 'neutreno', 'neutreno_lambda', 'denseformer')
+    + ('kv_share', 'skip_v1', 'value_embed_layers', 'value_embed_tables', 'mudd', 'mudd_layers', 'hyper_connections')
+    + ('hyper_streams', 'hyper_dynamic', 'attn_residuals', 'attn_residual_blocks', 'qk_norm')
+)
+
+
+def unserved(config: dict, configuration: Path) -> list[str]:
+    """The fields the export's VrlConfig declares (`configuration`: its configuration_vrl.py), that this plugin
+    does not serve, and that config.json sets (a newer vrl's variant)."""
+    declared = set()
+    for node in ast.walk(ast.parse(configuration.read_text() if configuration.is_file() else '')):
+        if isinstance(node, ast.ClassDef) and node.name == 'VrlConfig':
+            init = next(item for item in node.body if isinstance(item, ast.FunctionDef) and item.name == '__init__')
+            declared = {arg.arg for arg in init.args.args + init.args.kwonlyargs}
+    own = declared - {'self', 'tie_word_embeddings', 'initializer_range', 'use_cache'} - LLAMA_FIELDS
+    return sorted(field for field in own - SERVED_FIELDS if config.get(field))
+
+
+# Llama's and transformers' fields a VrlConfig declares too
+LLAMA_FIELDS = frozenset(
+    ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads', 'head_dim')
+    + ('num_key_value_heads', 'rms_norm_eps', 'rope_theta', 'max_position_embeddings', 'attn_logit_softcapping')
+    + ('final_logit_softcapping', 'sliding_window', 'layer_types')
+)
 
 
 def check(path: str | Path) -> None:
@@ -61,9 +80,12 @@ def check(path: str | Path) -> None:
         raise NotServable(
             f'{modeling} is missing or older than this plugin (it has no layer_loop): export the model again'
         )
-    why = unsupported(record)
-    if why:
-        raise NotServable(f'{folder} holds {why}')
+    newer = unserved(record, folder / 'configuration_vrl.py') if record['model_type'] == 'vrl' else []
+    if newer:
+        raise NotServable(
+            f'{config} sets {", ".join(f"{field}={record[field]!r}" for field in newer)}, which this vrl_vllm does '
+            'not serve: install the plugin of the vrl that exported it (bash serving/vllm/install)'
+        )
     weights = sorted(folder.glob('*.safetensors'))
     if not weights:
         raise NotServable(f'no *.safetensors in {folder}: export the model again')

@@ -10,7 +10,8 @@ two cannot drift apart. Each variant changes one thing, all of it in `VrlAttenti
 `VrlDecoderLayer.forward` and the export's `layer_loop`:
 
 - the values a layer attends over: ResFormer lambda_2 V_n + lambda_1 V_1 (scalars per layer, or per
-  token and kv head: mix_proj), SVFormer's layers >= 2 V_1, value embeddings + 2 sigmoid(x W) table[token];
+  token and kv head: mix_proj), SVFormer's layers >= 2 V_1, SkipV1Former's layers >= 2 their own heads
+  and V_1's last skip_v1, value embeddings + 2 sigmoid(x W) table[token];
 - CLA: a layer that borrows its group's keys and values reads the owner's cache
   (vLLM's `kv_sharing_target_layer_name`) and writes none;
 - NeuTRENO: + lambda (V_1 - the values attended) on the attention output;
@@ -23,8 +24,9 @@ two cannot drift apart. Each variant changes one thing, all of it in `VrlAttenti
   and the earlier outputs, or blocks of them), and the final norm the output query's.
 
 What the cache holds: vLLM gives every attention layer that owns its keys a paged cache of keys
-and values, and CLA's borrowing layers none. SVFormer's layers keep keys only, and V_1 is stored once
-(shared_values.py): (L + 1) / (2 L) of vanilla's bytes, as in vrl's own decoding.
+and values, and CLA's borrowing layers none. SVFormer's and SkipV1Former's layers attend in head groups
+whose keys and values are paged apart, so that V_1's heads are stored once (shared_values.py): (L + 1) / (2 L)
+and 1 - (L - 1) skip_v1 / (2 K L) of vanilla's bytes, as in vrl's own decoding.
 
 Shapes: T tokens of the batch laid end to end (vLLM's layout), D hidden, H heads, K kv heads and
 Dh head dim, H and K per tensor-parallel rank; per-head tensors flat, (T, K * Dh).
@@ -33,7 +35,6 @@ Dh head dim, H and K per tensor-parallel rank; per-head tensors flat, (T, K * Dh
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import partial
 from typing import Any
 
 import torch
@@ -50,8 +51,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from vrl_vllm.check import unsupported
-from vrl_vllm.shared_values import SharedValueAttention
+from vrl_vllm.shared_values import SharedValueAttention, attend_in_groups, head_group, values_page
 
 
 def exported(name: str, vllm_config: VllmConfig) -> Any:
@@ -103,7 +103,8 @@ class VrlAttention(nn.Module):
         self.q_proj = linear(vllm_config, D, H * Dh, f'{prefix}.q_proj')
         self.k_proj = linear(vllm_config, D, K * Dh, f'{prefix}.k_proj') if owns_kv else None
         has_v = owns_kv and (layer == 0 or config.attention != 'svformer')
-        self.v_proj = linear(vllm_config, D, K * Dh, f'{prefix}.v_proj') if has_v else None
+        own_heads = K - (config.skip_v1 if layer > 0 else 0)  # SkipV1Former's later layers project K - skip_v1
+        self.v_proj = linear(vllm_config, D, own_heads * Dh, f'{prefix}.v_proj') if has_v else None
         self.o_proj = RowParallelLinear(
             H * Dh, D, bias=False, quant_config=vllm_config.quant_config, prefix=f'{prefix}.o_proj'
         )
@@ -125,24 +126,58 @@ class VrlAttention(nn.Module):
         cache = dict(
             num_kv_heads=self.kv_heads, cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config
         )
-        attention = Attention
-        if config.attention == 'svformer':  # V_1 stored once: shared_values.py
-            values_name = f'{layer_prefix(model_prefix, 0)}.self_attn.values'
-            attention = partial(SharedValueAttention, values_name=values_name)
-            if layer == 0:  # the page that holds V_1
-                self.values = attention(self.heads, Dh, Dh**-0.5, **cache, prefix=values_name)
-        self.attn = attention(
-            self.heads,
-            Dh,
-            Dh**-0.5,
-            **cache,
+        attend = dict(
             logits_soft_cap=config.attn_logit_softcapping,
             per_layer_sliding_window=config.sliding_window if local else None,
-            kv_sharing_target_layer_name=None
-            if owner == layer
-            else f'{layer_prefix(model_prefix, owner)}.self_attn.attn',
-            prefix=f'{prefix}.attn',
         )
+        target = None if owner == layer else f'{layer_prefix(model_prefix, owner)}.self_attn.attn'
+        group = head_group(config, self.kv_heads)
+        if group:  # V_1's heads stored once: a kernel call per head group on its keys and values pages
+            self.values, self.attn = self.grouped_attention(layer, model_prefix, group, cache, attend, target)
+        else:  # vLLM's own pages
+            self.attn = Attention(
+                self.heads,
+                Dh,
+                Dh**-0.5,
+                **cache,
+                **attend,
+                kv_sharing_target_layer_name=target,
+                prefix=f'{prefix}.attn',
+            )
+
+    def grouped_attention(
+        self, layer: int, model_prefix: str, group: int, cache: dict, attend: dict, target: str | None
+    ) -> tuple[nn.ModuleList, nn.ModuleList]:
+        """SVFormer's and SkipV1Former's attention (shared_values.py): the values pages this layer makes (those of
+        its own head groups, and layer 1's of V_1's) and a call per head group of `group` kv heads (CLA's borrowing
+        layer: on its owner's pages, `target`)."""
+        config, owner = self.config, self.config.key_owner(layer)
+        if get_tensor_model_parallel_world_size() > 1 and config.skip_v1:
+            raise ValueError('SkipV1Former in vLLM is served on one rank: tensor_parallel_size must be 1')
+        pages = [values_page(config, layer, c, self.kv_heads) for c in range(self.kv_heads // group)]
+        heads, Dh = group * (self.heads // self.kv_heads), self.head_dim
+
+        def page_name(page: int, c: int) -> str:
+            return f'{layer_prefix(model_prefix, page)}.self_attn.values_{c}'  # one integer in a name: the layer's
+
+        def call(**names) -> SharedValueAttention:
+            return SharedValueAttention(heads, Dh, Dh**-0.5, **{**cache, 'num_kv_heads': group}, **names)
+
+        made = nn.ModuleList(  # pages that are never called: their keys page holds the values
+            call(values_name=page_name(layer, c), prefix=page_name(layer, c))
+            for c, page in enumerate(pages)
+            if page == layer == owner
+        )
+        calls = nn.ModuleList(
+            call(
+                **attend,
+                values_name=page_name(page, c),
+                kv_sharing_target_layer_name=None if target is None else f'{target}_{c}',
+                prefix=f'{layer_prefix(model_prefix, layer)}.self_attn.attn_{c}',
+            )
+            for c, page in enumerate(pages)
+        )
+        return made, calls
 
     def per_head(self, norm: RMSNorm | None, x_TxNDh: torch.Tensor) -> torch.Tensor:
         """QK-norm: each head's vector RMS-normalised over Dh with a learned scale (x itself without)."""
@@ -161,19 +196,26 @@ class VrlAttention(nn.Module):
 
     def values_of(self, xv_TxD, v_n, v1, lambdas, value_embed_TxKDh) -> tuple[torch.Tensor, torch.Tensor]:
         """V_n (with its value embedding) and the values (T, K * Dh) this layer attends over; the gates read
-        the values' input xv."""
+        the values' input xv. SkipV1Former's V_n has its own heads only: the variant acts on those, and V_1's
+        last heads follow."""
         if value_embed_TxKDh is not None:
             scale = self.value_embed_gate_scale * self.gate(self.value_embed_gate, xv_TxD)
             v_n = v_n + self.gated(scale, value_embed_TxKDh)
+        own = v_n.shape[-1]
+        v = self.attended(xv_TxD, v_n, None if v1 is None else v1[:, :own], lambdas)
+        return v_n, v if v1 is None or own == v1.shape[-1] else torch.cat([v, v1[:, own:]], dim=-1)
+
+    def attended(self, xv_TxD, v_n, v1, lambdas) -> torch.Tensor:
+        """The values attended in the heads this layer projects: V_n, V_1 (SVFormer) or ResFormer's mix."""
         if v1 is None or self.config.attention == 'vanilla':
-            return v_n, v_n
+            return v_n
         if self.config.attention == 'svformer':
-            return v_n, v1
+            return v1
         if self.mix_proj is not None:
             mix = self.gate(self.mix_proj, xv_TxD)
-            return v_n, self.gated(mix, v1) + self.gated(1 - mix, v_n)
+            return self.gated(mix, v1) + self.gated(1 - mix, v_n)
         lambda_v1, lambda_vn = lambdas
-        return v_n, lambda_vn * v_n + lambda_v1 * v1
+        return lambda_vn * v_n + lambda_v1 * v1
 
     def forward(self, positions_T, x_TxD, xk_TxD, xv_TxD, v1, borrowed, lambdas, value_embed_TxKDh):
         """The attention output (T, D) and (keys, V_n, attended values) of this layer, whose queries, keys
@@ -187,7 +229,7 @@ class VrlAttention(nn.Module):
             q, _ = self.rotary_emb(positions_T, q, None)
             k, v_n = borrowed
         v_n, v = self.values_of(xv_TxD, v_n, v1, lambdas, value_embed_TxKDh)
-        o = self.attn(q, k, v)
+        o = self.attn(q, k, v) if isinstance(self.attn, Attention) else attend_in_groups(self.attn, q, k, v)
         if self.config.neutreno and v1 is not None:  # + lambda (V_1 - attended V), per query head
             T, groups = o.shape[0], self.heads // self.kv_heads
             delta = (v1 - v).view(T, self.kv_heads, 1, self.head_dim).expand(-1, -1, groups, -1)
@@ -290,9 +332,6 @@ class VrlForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ''):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        why = unsupported(config.to_dict())
-        if why:
-            raise ValueError(f'vrl_vllm cannot serve {why}')
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError('vrl models are served without pipeline parallelism: pipeline_parallel_size must be 1')
         self.config = config

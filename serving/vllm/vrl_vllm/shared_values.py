@@ -1,24 +1,31 @@
-"""SVFormer's cache in vLLM: V_1 stored once, beside each layer's keys.
+"""SVFormer's and SkipV1Former's caches in vLLM: V_1's heads stored once, beside each layer's keys.
 
-vLLM's page for a block holds one layer's keys and values. An SVFormer model instead keeps, per block,
-a keys-only page for every layer that owns keys (a spec with `head_size_v=0`: half a vanilla page) and
-one more such page for V_1, `values`, which layer 1 writes and every layer reads: (L + 1) / (2L) of
-vanilla's bytes per block, fewer still with CLA, whose borrowing layers read their owner's keys page and
-store nothing.
+vLLM's page for a block holds one layer's keys and values. These models instead attend in groups of kv
+heads (`head_group`: all of them for SVFormer; for SkipV1Former the largest group that splits a layer's
+own heads from V_1's), each group one call of the backend's kernel on a keys-only page (a spec with
+`head_size_v=0`) and a values page (`values_page`): the group's own values page, which its layer writes,
+or V_1's, which layer 1 owns and every layer reads. SVFormer keeps per block a keys page for every layer
+that owns keys and one page of V_1: (L + 1) / (2L) of vanilla's bytes. SkipV1Former keeps every key,
+each later layer's own value heads and V_1 once: 1 - (L - 1) s / (2KL) with s of K heads V_1's (0.8125
+at L = 4, half the heads). With CLA, a borrowing layer reads its owner's pages and stores nothing.
 
-All the pages are full attention in one KV cache group, so block b of every keys page and of the values
-page holds the same tokens, under one block table. A local layer's keys are therefore kept for every
-token (as V_1 must be, for the global layers); its window applies when it attends.
+Every page holds one head group's keys or values, so all are the same size, full attention in one KV
+cache group: block b of every page holds the same tokens, under one block table. A local layer's keys
+are therefore kept for every token (as V_1 must be, for the global layers); its window applies when it
+attends.
 
 The backends' attention kernels take the key and value caches as two tensors with one set of strides
 (the CPU kernel reads both with the key cache's), which a keys page and the values page share: each
 layer's attention is the backend's own kernel on (its keys page, the values page). Backends: vLLM's CPU
 attention (CPU_ATTN, tested), FlashAttention on GPUs (FLASH_ATTN; written to the same kernel interface,
 not run here). Refused in one line: another backend, a quantised KV cache (V_1 is written by every layer
-with that layer's scale), decode context parallelism and cascade attention on GPUs.
+with that layer's scale), decode context parallelism and cascade attention on GPUs, and SkipV1Former on
+several tensor-parallel ranks (each rank would hold pages of another kind).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from vllm import _custom_ops as ops
@@ -27,6 +34,29 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.attention.selector import get_attn_backend
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+
+def head_group(config, kv_heads: int) -> int:
+    """The kv heads each kernel call attends with (of this rank's `kv_heads`): all of them for SVFormer, the
+    largest group that keeps a SkipV1Former layer's own heads and V_1's apart, 0 for a model whose pages
+    are vLLM's own (keys and values together)."""
+    if config.attention == 'svformer':
+        return kv_heads
+    return math.gcd(kv_heads - config.skip_v1, config.skip_v1) if config.skip_v1 else 0
+
+
+def values_page(config, layer: int, group: int, kv_heads: int) -> int:
+    """The layer whose values page head group `group` of 0-based `layer` reads: layer 1 (0) for V_1's heads
+    (all of SVFormer's, SkipV1Former's last skip_v1), else the first layer of its CLA group."""
+    borrowed = config.attention == 'svformer' or group * head_group(config, kv_heads) >= kv_heads - config.skip_v1
+    return 0 if borrowed else config.key_owner(layer)
+
+
+def attend_in_groups(calls, q_TxHDh: torch.Tensor, k_TxKDh: torch.Tensor, v_TxKDh: torch.Tensor) -> torch.Tensor:
+    """The attention output (T, H * Dh): each head group's call on its query heads, keys and values."""
+    groups = len(calls)
+    parts = zip(calls, q_TxHDh.chunk(groups, -1), k_TxKDh.chunk(groups, -1), v_TxKDh.chunk(groups, -1))
+    return torch.cat([call(q.contiguous(), k.contiguous(), v.contiguous()) for call, q, k, v in parts], dim=-1)
 
 
 def values_cache(layer: SharedValueAttention) -> torch.Tensor:
@@ -142,14 +172,15 @@ class SharedValueAttention(Attention):
         cache_config = kwargs.get('cache_config')
         if cache_config is not None and cache_config.cache_dtype != 'auto':
             raise ValueError(
-                f'SVFormer in vLLM stores V_1 once, unquantised: --kv-cache-dtype {cache_config.cache_dtype} '
-                'is not supported (leave it auto)'
+                'SVFormer and SkipV1Former in vLLM store V_1 once, unquantised: '
+                f'--kv-cache-dtype {cache_config.cache_dtype} is not supported (leave it auto)'
             )
         window = kwargs.get('per_layer_sliding_window')
         base = get_attn_backend(head_size, torch.get_default_dtype(), 'auto', has_sliding_window=window is not None)
         if base.get_name() not in SHARED_VALUE_BACKENDS:
             raise ValueError(
-                f'SVFormer in vLLM stores V_1 once on the attention backends {sorted(SHARED_VALUE_BACKENDS)}, '
+                f'SVFormer and SkipV1Former in vLLM store V_1 once on the attention backends '
+                f'{sorted(SHARED_VALUE_BACKENDS)}, '
                 f'not {base.get_name()}: pick one with --attention-backend'
             )
         super().__init__(num_heads, head_size, scale, attn_backend=SHARED_VALUE_BACKENDS[base.get_name()](), **kwargs)
