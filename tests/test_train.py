@@ -517,7 +517,8 @@ def test_init_from_a_vanilla_run_uptrains_skipv1former_by_pooling_value_head_pai
     """The SkipV1Former paper's uptraining: a vanilla run of 4 value heads into SkipV1Former with 2 of them from
     V_1 (model.skip_v1=2): layers >= 2 project 2 heads, each the mean of a pair of the source's (0, 1) and
     (2, 3); layer 1's W_V kept whole; every other parameter read as it is; the line says what was pooled.
-    skip_v1=1 (4 heads into 3) is refused in one line saying why and which skip_v1 would pool."""
+    With train.init_value_heads=first, heads 0 and 1 are kept and 2, 3 dropped. skip_v1=1 (4 heads into 3)
+    is refused in one line saying why and which skip_v1 would pool."""
     four_heads = dict(n_heads=4, n_kv_heads=4, head_dim=8)
     vanilla = tiny_config(small_corpus, attention='vanilla', steps=2, checkpoint_every=2)
     vanilla = dataclasses.replace(vanilla, model=dataclasses.replace(vanilla.model, **four_heads))
@@ -539,6 +540,10 @@ def test_init_from_a_vanilla_run_uptrains_skipv1former_by_pooling_value_head_pai
         "layers >= 2 project; new, at their initialisation: none; left out: none (layers >= 2 only; layer 1's "
         'first.attn.wv is read and kept whole)'
     ) in said, said
+    first = dataclasses.replace(target, train=dataclasses.replace(target.train, init_value_heads='first'))
+    cut = _named(loop.run(first, str(tmp_path / 'first'), init_from=str(tmp_path / 'v')).state.params)
+    np.testing.assert_array_equal(cut['layers.attn.wv'], source_wv[..., 0:2, :])  # heads 2, 3 dropped
+    assert 'cut: layers.attn.wv, its first 2 of 4 value heads kept for layers >= 2' in capsys.readouterr().out
     three = dataclasses.replace(target, model=dataclasses.replace(target.model, skip_v1=1))
     with pytest.raises(
         checkpoint.CheckpointMismatchError,

@@ -16,6 +16,7 @@ from vrl.data.config import DataConfig
 from vrl.model.config import ModelConfig
 
 NAN_POLICIES = ('error', 'skip')
+INIT_VALUE_HEADS = ('pool', 'first')  # train.init_value_heads
 MIN_LEASE_STALE_SECONDS = 8  # vrl/train/rundir/lease.py's Lease renews every quarter of it
 OPTIMIZERS = ('adamw', 'muon')  # vrl/train/optimizer.py
 SCHEDULES = ('cosine', 'wsd')
@@ -112,6 +113,10 @@ class TrainConfig:
     keep_checkpoints: int = 3
     keep_period: int = 0  # also keep every k-th step forever; 0 = off
     nan_policy: str = 'error'  # error: stop naming the step | skip: drop that update
+    # --init_from into SkipV1Former from a model with every value head in layers >= 2: pool (the paper's uptraining:
+    # each own head the mean of its group of source heads) | first (the first K - model.skip_v1 heads kept, the
+    # rest dropped)
+    init_value_heads: str = 'pool'
     # with nan_policy=skip: stop after more non-finite steps than this in a row; a run that skipped more than
     # half of its steps also ends with an error (after saving)
     max_skipped_steps: int = 20
@@ -144,6 +149,7 @@ class TrainConfig:
 
     def __post_init__(self):
         choice('train.nan_policy', self.nan_policy, NAN_POLICIES)
+        choice('train.init_value_heads', self.init_value_heads, INIT_VALUE_HEADS)
         require(
             self.lease_stale_seconds >= MIN_LEASE_STALE_SECONDS,
             'train.lease_stale_seconds',

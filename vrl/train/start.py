@@ -177,7 +177,7 @@ def uptrained(saved: dict, read: Callable[[Any], Any], abstract: Any, fresh: Any
             f'the source has no parameter {missing[0]}, which {config.model.variant_name} needs: a weight of '
             'the vanilla model, not one that a variant adds, so it cannot start at its initialisation.'
         )
-    kept = {name for name in wanted if name in saved}
+    kept, how = {name for name in wanted if name in saved}, config.train.init_value_heads
     groups = {
         name: _value_head_groups(name, saved[name], wanted[name], config)
         for name in kept
@@ -190,7 +190,7 @@ def uptrained(saved: dict, read: Callable[[Any], Any], abstract: Any, fresh: Any
     restored = read(at_source_shape)
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: (
-            _pooled(_leaf(restored, path), groups.get(checkpoint.path_name(path), 1))
+            _fewer_heads(_leaf(restored, path), groups.get(checkpoint.path_name(path), 1), how)
             if checkpoint.path_name(path) in kept
             else x
         ),
@@ -206,6 +206,9 @@ def uptrained(saved: dict, read: Callable[[Any], Any], abstract: Any, fresh: Any
     pooled = '; '.join(
         f'pooled: {name}, its {saved[name][-2]} value heads averaged in groups of {g} '
         f'((0..{g - 1}), ({g}..{2 * g - 1}), ...) into the {wanted[name][-2]} that layers >= 2 project'
+        if how == 'pool'
+        else f'cut: {name}, its first {wanted[name][-2]} of {saved[name][-2]} value heads kept for layers >= 2 '
+        f'(train.init_value_heads=first), the other {saved[name][-2] - wanted[name][-2]} dropped'
         for name, g in groups.items()
     )
     return params, (
@@ -243,11 +246,14 @@ def _reshaped(leaf: jax.ShapeDtypeStruct, shape: tuple) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=getattr(leaf, 'sharding', None))
 
 
-def _pooled(x: Any, group: int) -> Any:
-    """Value projections (..., heads, head_dim) with each `group` adjacent heads averaged into one."""
+def _fewer_heads(x: Any, group: int, how: str) -> Any:
+    """Value projections (..., heads, head_dim) brought to heads // group: each `group` adjacent heads averaged
+    into one ('pool'), or the first heads // group kept ('first'; train.init_value_heads)."""
     if group == 1:
         return x
     *lead, heads, head_dim = x.shape
+    if how == 'first':
+        return x[..., : heads // group, :]
     return x.reshape(*lead, heads // group, group, head_dim).mean(axis=-2)
 
 
