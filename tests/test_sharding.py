@@ -170,7 +170,7 @@ def test_bad_mesh_sizes(mesh, message):
 @pytest.mark.parametrize(
     'mesh, batch, d_model, seq_len, message',
     [
-        (MeshConfig(1, 1, 8), 8, 32, 64, 'mesh.tensor=8 is invalid: it must divide model.n_heads=4'),
+        (MeshConfig(1, 1, 8), 8, 32, 64, r"mesh.tensor=8 is invalid: it must divide \S+'s k?v?_?heads dimension, 4 "),
         (
             MeshConfig(1, 8, 1),
             6,
@@ -178,21 +178,27 @@ def test_bad_mesh_sizes(mesh, message):
             64,
             'data.batch_size=6 is invalid: .* split over mesh data x fsdp = 8 devices; use a multiple of 8',
         ),
-        (MeshConfig(1, 8, 1), 8, 36, 64, 'mesh.fsdp=8 is invalid: it must divide model.d_model=36'),
+        (
+            MeshConfig(1, 8, 1),
+            8,
+            36,
+            64,
+            r"mesh.fsdp=8 is invalid: it must divide \S+'s embed dimension, 36 \(model.d_model\)",
+        ),
         (MeshConfig(1, 2, 1, context=4), 8, 32, 66, 'mesh.context=4 is invalid: it must divide data.seq_len=66'),
         (
             MeshConfig(1, 4, 2),
             8,
             32,
             64,
-            'mesh.tensor=2 is invalid: it must divide the value heads a layer >= 2 projects, model.n_kv_heads - '
-            'model.skip_v1 = 3',
+            r"mesh.tensor=2 is invalid: it must divide layers.attn.wv's kv_heads dimension, 3 \(model.n_kv_heads, or "
+            'the value heads a layer projects of them',
         ),
     ],
 )
 def test_what_does_not_split_over_the_mesh_is_named(small_corpus, mesh, batch, d_model, seq_len, message):
     config = _sharding_config(small_corpus, mesh)
-    skip_v1 = 1 if 'skip_v1' in message else 0  # 1 of the 4 kv heads from V_1: 3 projected
+    skip_v1 = 1 if 'layers.attn.wv' in message else 0  # 1 of the 4 kv heads from V_1: 3 projected
     config = dataclasses.replace(
         config,
         data=dataclasses.replace(config.data, batch_size=batch, seq_len=seq_len),

@@ -6,12 +6,14 @@ dataclasses, so an undeclared key can never be read with a silent default."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import ClassVar
 
 import ml_collections
 
 from vrl.core.config import ConfigError, choice, from_dict, require
-from vrl.core.sharding import MESH_AXES, MeshConfig
+from vrl.core.sharding import Axis, MeshConfig, logical_spec, spec_axes
 from vrl.data.config import DataConfig
 from vrl.model.config import ModelConfig
 
@@ -209,25 +211,29 @@ class Config:
         )
 
 
+# what sets the size of a parameter's dimension, by its logical axis (vrl/core/sharding.py's Axis)
+AXIS_FIELDS = {
+    Axis.EMBED: 'model.d_model',
+    Axis.HEADS: 'model.n_heads',
+    Axis.KV_HEADS: 'model.n_kv_heads, or the value heads a layer projects of them',
+    Axis.MLP: 'model.d_ff',
+    Axis.VOCAB: 'model.vocab_size padded to model.vocab_pad_multiple',
+}
+
+
 def check_fits_mesh(config: Config, shape: dict[str, int]) -> None:
-    """ConfigError naming the field if a parameter, the batch or a sequence cannot split evenly over
-    the mesh (`shape`: each mesh axis' size)."""
-    data, fsdp, context, tensor = (shape[axis] for axis in MESH_AXES)
-    model = config.model
-    for field in ('n_heads', 'n_kv_heads', 'd_ff'):
-        if getattr(model, field) % tensor:
-            raise ConfigError(f'mesh.tensor={tensor} is invalid: it must divide model.{field}={getattr(model, field)}.')
-    own_values = model.n_kv_heads - model.skip_v1  # SkipV1Former's later W_V
-    if own_values % tensor:
-        raise ConfigError(
-            f'mesh.tensor={tensor} is invalid: it must divide the value heads a layer >= 2 projects, '
-            f'model.n_kv_heads - model.skip_v1 = {own_values}.'
-        )
-    if model.d_model % fsdp:
-        raise ConfigError(
-            f'mesh.fsdp={fsdp} is invalid: it must divide model.d_model={model.d_model} '
-            '(parameters are sharded over fsdp on d_model).'
-        )
+    """ConfigError naming the mesh axis and the field if a parameter, the batch or a sequence cannot split
+    evenly over the mesh (`shape`: each mesh axis' size). The parameters are read from the abstract model
+    with their logical axes, split as vrl/core/sharding.py's rules split them: whatever a variant adds is
+    checked as it is built."""
+    for name, size, logical, mesh_axes in split_dimensions(config.model):
+        parts = math.prod(shape[axis] for axis in mesh_axes)
+        if size % parts:
+            over = ' x '.join(f'mesh.{axis}={shape[axis]}' for axis in mesh_axes)
+            raise ConfigError(
+                f"{over} is invalid: it must divide {name}'s {logical} dimension, {size} ({AXIS_FIELDS[logical]})."
+            )
+    data, fsdp, context = (shape[axis] for axis in ('data', 'fsdp', 'context'))
     batch, parts = config.data.batch_size, max(config.train.microbatches, 1)  # 0 = auto: vrl/train/aot.py picks
     if (batch // parts) % (data * fsdp):
         raise ConfigError(
@@ -240,6 +246,24 @@ def check_fits_mesh(config: Config, shape: dict[str, int]) -> None:
             f'mesh.context={context} is invalid: it must divide data.seq_len={config.data.seq_len} '
             '(each device holds every context-th token of each sequence).'
         )
+
+
+@functools.cache
+def split_dimensions(model: ModelConfig) -> tuple[tuple[str, int, str, tuple[str, ...]], ...]:
+    """Every dimension of the model's parameters that the sharding rules split: (parameter, size, logical
+    axis, mesh axes), from the abstract model (nothing allocated)."""
+    from flax import nnx
+
+    from vrl.model.decoder import Decoder
+
+    state = nnx.state(nnx.eval_shape(lambda: Decoder(model, rngs=nnx.Rngs(0))), nnx.Param)
+    dimensions = []
+    for path, variable in nnx.to_flat_state(state):
+        logical_axes = variable.out_sharding or ()
+        for size, logical, split in zip(variable.shape, logical_axes, logical_spec(logical_axes)):
+            if split is not None:
+                dimensions.append(('.'.join(map(str, path)), size, logical, spec_axes(split)))
+    return tuple(dimensions)
 
 
 def to_configdict(config: Config) -> ml_collections.ConfigDict:
