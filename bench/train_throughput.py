@@ -2,6 +2,7 @@
 
     python bench/train_throughput.py [--configs tiny,82m] [--variants all|vanilla,svformer,...]
                                      [--seq_len 512] [--batch 4] [--steps 5] [--dtype bfloat16] [--context 1]
+                                     [--json FILE]
 
 Variants are vrl/model/presets.py's names (`--variants all`, the default, runs every preset). On a
 shared host step times drift by several percent over minutes, so each variant's steps alternate
@@ -18,7 +19,8 @@ Step time is the median of the timed steps; `GiB` is the compiled step's memory 
 XLA plans it (arguments, outputs and temporaries, less what they alias), read from the same
 program through the compilation cache. `--context N` splits each sequence over N devices
 (mesh.context; docs/scaling-out.md): run it with N and with 1 on the same devices to see what
-context parallelism costs or saves. Like `python -m vrl.main`, the script restarts itself
+context parallelism costs or saves. `--json FILE` also writes the rows there, one JSON object a line (a
+docs table's cost columns read them: vrl/experiments/tables.py). Like `python -m vrl.main`, the script restarts itself
 with glibc's huge-page malloc (vrl/core/host_memory.py); VRL_HUGE_PAGES=0 measures without it.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -131,6 +134,7 @@ def main() -> None:
         choices=('float32', 'bfloat16'),
         help='compute dtype (default: float32 on CPU, bfloat16 on accelerators)',
     )
+    parser.add_argument('--json', default='', help='also write the rows to this file, a JSON object a line')
     args = parser.parse_args()
     cli.enable_compilation_cache()  # the memory column's second compile is a cache hit
     args.dtype = args.dtype or ('float32' if jax.default_backend() == 'cpu' else 'bfloat16')
@@ -138,10 +142,10 @@ def main() -> None:
     peak = measured.flops
     huge_pages = 'glibc.malloc.hugetlb' in os.environ.get('GLIBC_TUNABLES', '')
     isa = f' ({backend.describe_cpu_isa()})' if jax.default_backend() == 'cpu' else ''
-    print(
-        f'{jax.device_count()} x {jax.devices()[0].device_kind}{isa}, {args.dtype}; peak {measured}; '
-        f'huge-page malloc {"on" if huge_pages else "off"} (vrl/core/host_memory.py)'
-    )
+    args.machine = f'{jax.device_count()} x {jax.devices()[0].device_kind}{isa}, {os.cpu_count()} cores'
+    args.rows = []
+    malloc = f'huge-page malloc {"on" if huge_pages else "off"} (vrl/core/host_memory.py)'
+    print(f'{args.machine}, {args.dtype}; peak {measured}; {malloc}')
     variants = list(presets.PRESETS) if args.variants == 'all' else args.variants.split(',')
     args.width = max(map(len, variants))
     print(
@@ -162,6 +166,8 @@ def main() -> None:
         if 'vanilla' in variants:
             seconds = statistics.median(vanilla_all or [vanilla.step() for _ in range(args.steps)])
             _print_row(name, 'vanilla', vanilla.config, seconds, '(reference)', args, peak, vanilla.memory_gib())
+    if args.json:
+        Path(args.json).write_text(''.join(json.dumps(row) + '\n' for row in args.rows))
 
 
 def _print_row(
@@ -175,6 +181,11 @@ def _print_row(
         f'{seconds:>7.3f} | {relative:>11} | {tokens_per_sec:>9,.0f} | {flops / 1e9:>8,.1f} | '
         f'{flops / peak:>6.1%} | {"-" if memory is None else f"{memory:.2f}":>6}',
         flush=True,
+    )
+    args.rows.append(
+        {'config': name, 'variant': variant, 'batch': args.batch, 'seq_len': args.seq_len, 'dtype': args.dtype}
+        | {'step_seconds': round(seconds, 4), 'vs_vanilla': relative, 'gib': memory and round(memory, 3)}
+        | {'machine': args.machine, 'date': time.strftime('%Y-%m-%d')}
     )
 
 

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
@@ -212,3 +214,17 @@ def test_an_lr_sweep_table_is_the_ledgers_numbers_and_a_changed_one_is_found(tmp
     assert tables.remade(made, tmp_path)[1] == []  # made again: the same
     edited = made.replace(f'{np.mean(finals[("vanilla", 1e-3)]):.4f}', '9.9999')
     assert tables.remade(edited, tmp_path)[1] == ['family.results.jsonl']
+    # with the step costs bench/train_throughput.py --json wrote: two more columns, and where they ran
+    costs = [
+        {'config': '82m', 'variant': v, 'batch': 4, 'seq_len': 512, 'dtype': 'float32', 'step_seconds': s}
+        | {'vs_vanilla': rel, 'gib': gib, 'machine': '1 x cpu, 2 cores', 'date': '2026-12-07'}
+        for v, s, rel, gib in (('skipv1', 4.489, '-2.2%', 2.32), ('vanilla', 4.591, '(reference)', 2.331))
+    ]
+    (tmp_path / 'cost.jsonl').write_text(''.join(json.dumps(c) + '\n' for c in costs))
+    with_cost = made.replace('family.results.jsonl -->', 'family.results.jsonl cost=cost.jsonl -->')
+    costed, changed = tables.remade(with_cost, tmp_path)
+    assert changed == ['family.results.jsonl'] and '| 82m step vs vanilla | GiB |' in costed
+    assert re.search(r'^\| skipv1 \|.* \| -2\.2% \| 2\.32 \|$', costed, re.M), costed
+    assert 'on 1 x cpu, 2 cores, 2026-12-07 (vanilla 4.591 s a step)' in costed
+    with pytest.raises(tables.TableError, match='bench/train_throughput.py --json gone.jsonl'):
+        tables.remade(with_cost.replace('cost=cost.jsonl', 'cost=gone.jsonl'), tmp_path)

@@ -5,7 +5,7 @@
 A table in a Markdown page is the text between a marker naming its ledger (relative to the directory
 the command runs in: the repository's root) and an end marker:
 
-    <!-- table lr_sweep: docs/scaling/family.results.jsonl -->
+    <!-- table lr_sweep: docs/scaling/family.results.jsonl cost=docs/scaling/family.cost.jsonl -->
     ...
     <!-- end table -->
 
@@ -15,11 +15,14 @@ each table that differs from what its ledger makes (tests/test_docs.py runs it o
 `lr_sweep`: a row per variant (in the ledger's order, vanilla first), the final eval loss at each peak
 LR as mean ± standard deviation over seeds (the best LR in bold), the gap to vanilla at each one's best
 LR with the larger of the two spreads, and the tokens each needs to reach vanilla's final loss (saved, with
-each seed's against vanilla's same seed), as study.md computes them (vrl/experiments/study_report.py).
+each seed's against vanilla's same seed), as study.md computes them (vrl/experiments/study_report.py);
+with `cost=FILE` (the rows `bench/train_throughput.py --json FILE` wrote), each variant's step time against
+vanilla's and its memory at that benchmark's shape, and a line saying where and when it ran.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -31,15 +34,16 @@ from vrl.core.errors import VrlError
 from vrl.experiments import curves, ledger, study_report
 from vrl.experiments.grid import BASELINE
 
-MARKER = re.compile(r'<!-- table (\w+): (\S+) -->\n(.*?)<!-- end table -->', re.S)
+MARKER = re.compile(r'<!-- table (\w+): (\S+?)(?: cost=(\S+))? -->\n(.*?)<!-- end table -->', re.S)
 
 
 class TableError(VrlError, ValueError):
     """A table marker that names no kind or no ledger; the message says which."""
 
 
-def lr_sweep(rows: list[dict]) -> str:
-    """The `lr_sweep` table of ledger rows (module docstring)."""
+def lr_sweep(rows: list[dict], cost: list[dict] | None = None) -> str:
+    """The `lr_sweep` table of ledger rows, with the step cost of bench/train_throughput.py's rows (module
+    docstring)."""
     variants = sorted(dict.fromkeys(r['variant'] for r in rows), key=lambda v: v != BASELINE)
     axes = study_report.Axes(
         variants,
@@ -55,6 +59,9 @@ def lr_sweep(rows: list[dict]) -> str:
     saved = study_report.data_saved(points, seq_len).get(size, {})
     best = {v: points.lr_rows[(v, size, seq_len)] for v in variants}
     header = ['variant', *(f'LR {lr:g}' for lr in axes.lrs), 'gap to vanilla at its best LR', 'tokens saved']
+    costs = {row['variant']: row for row in cost or []}
+    if cost:
+        header += [f'{cost[0]["config"]} step vs vanilla', 'GiB']
     lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
     for variant in variants:
         point = best[variant]
@@ -72,12 +79,23 @@ def lr_sweep(rows: list[dict]) -> str:
                 tokens = f'{found["saved"]:+.1%} [{seeds}]'
             elif found:
                 tokens = 'does not reach it'
-        lines.append('| ' + ' | '.join([variant, *cells, gap, tokens]) + ' |')
+        row = [variant, *cells, gap, tokens]
+        if cost:
+            measured = costs.get(variant)
+            row += [measured['vs_vanilla'], f'{measured["gib"]:.2f}'] if measured else ['—', '—']
+        lines.append('| ' + ' | '.join(row) + ' |')
     seeds = ', '.join(map(str, axes.seeds))
-    return (
-        '\n'.join(lines)
-        + f'\n\nSeeds {seeds}; {len(rows)} runs; {rows[0]["step"]} steps at {size}, seq_len {seq_len}.\n'
-    )
+    run = f'{len(rows)} runs; {rows[0]["step"]} steps at {size}, seq_len {seq_len}'
+    text = '\n'.join(lines) + f'\n\nSeeds {seeds}; {run}.'
+    if cost:
+        first, vanilla = cost[0], costs.get(BASELINE)
+        text += (
+            f' Step cost: bench/train_throughput.py at {first["config"]}, {first["batch"]} x {first["seq_len"]} '
+            f'tokens, {first["dtype"]}, on {first["machine"]}, {first["date"]}'
+            + (f' (vanilla {vanilla["step_seconds"]:.3f} s a step)' if vanilla else '')
+            + '.'
+        )
+    return text + '\n'
 
 
 KINDS = {'lr_sweep': lr_sweep}
@@ -89,16 +107,25 @@ def remade(page: str, root: Path) -> tuple[str, list[str]]:
     changed: list[str] = []
 
     def make(match: re.Match) -> str:
-        kind, path, old = match.groups()
+        kind, path, cost_path, old = match.groups()
         if kind not in KINDS:
             raise TableError(f'table kind {kind!r} is unknown: allowed {", ".join(KINDS)}')
         rows = list(ledger.read(root / path).values())
         if not rows:
             raise TableError(f'the ledger {root / path} of a table is missing or empty')
-        new = KINDS[kind](rows)
+        cost = None
+        if cost_path:
+            if not (root / cost_path).is_file():
+                raise TableError(
+                    f'the step costs {root / cost_path} of a table are missing: make them with '
+                    f'python bench/train_throughput.py --json {cost_path}'
+                )
+            cost = [json.loads(line) for line in (root / cost_path).read_text().splitlines() if line.strip()]
+        new = KINDS[kind](rows, cost)
         if new != old:
             changed.append(path)
-        return f'<!-- table {kind}: {path} -->\n{new}<!-- end table -->'
+        marker = f'{path} cost={cost_path}' if cost_path else path
+        return f'<!-- table {kind}: {marker} -->\n{new}<!-- end table -->'
 
     return MARKER.sub(make, page), changed
 
