@@ -198,11 +198,11 @@ PARTS = (
     ),  # lm-eval and its dependencies are 45 MiB more wheels than a command carries
     Part(
         'vllm_svformer',
-        "vLLM on FlashAttention: SVFormer's cache (V_1 once) against vanilla's where the cache binds",
-        ('bench/vllm_throughput.py', '--variants', 'vanilla,svformer,svformer+cla2', '--requests', '96')
+        "vLLM on FlashAttention: SVFormer's and SkipV1Former's caches (V_1 once) against vanilla's where it binds",
+        ('bench/vllm_throughput.py', '--variants', 'vanilla,svformer,svformer+cla2,skipv1', '--requests', '96')
         + ('--prompt_tokens', '2048', '--new_tokens', '128', '--kv_cache_mib', '2048', '--dtype', 'bfloat16'),
         90,
-        ('bench/vllm_throughput.py', '--size', '82m', '--variants', 'vanilla,svformer', '--requests', '2')
+        ('bench/vllm_throughput.py', '--size', '82m', '--variants', 'vanilla,svformer,skipv1', '--requests', '2')
         + ('--prompt_tokens', '64', '--new_tokens', '2', '--kv_cache_mib', '16'),
         needs='vllm',
         elsewhere='.venv/vllm/bin/python',

@@ -128,7 +128,7 @@ def flash_backend() -> type:
                 return output.fill_(0)
             if self.dcp_world_size > 1 or getattr(attn_metadata, 'use_cascade', False):
                 raise ValueError(
-                    'SVFormer in vLLM attends without decode context parallelism or cascade attention: '
+                    'SVFormer and SkipV1Former in vLLM attend without decode context parallelism or cascade attention: '
                     'serve with --decode-context-parallel-size 1 --disable-cascade-attn'
                 )
             tokens = attn_metadata.num_actual_tokens
