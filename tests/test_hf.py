@@ -291,7 +291,7 @@ def _variant(name: str, tokenizer) -> tuple:
 
 @pytest.mark.parametrize(
     'name',
-    FAST_TIER
+    [*FAST_TIER, 'skipv1-resformer', 'skipv1-mha']
     if UNDER_OLDEST_TRANSFORMERS
     else [
         *variant_params(by_name=True),
@@ -519,10 +519,9 @@ OLDEST_TRANSFORMERS = Path(os.environ.get('VRL_OLDEST_TRANSFORMERS', Path(sys.pr
 
 @pytest.mark.skipif(UNDER_OLDEST_TRANSFORMERS, reason='this is that run')
 def test_the_oldest_supported_transformers_passes_the_interop_tests(tmp_path, shared_runs_folder):
-    """This module's interop tests again (every_variant_exports on the fast tier's four variants;
-    the current transformers takes them all), in a subprocess whose path starts with the oldest transformers vrl
-    supports
-    (installed apart: requirements-oldest.txt), reading this session's shared runs."""
+    """This module's interop tests again (every_variant_exports on the fast tier's four variants and two
+    SkipV1Formers; the current transformers takes them all), in a subprocess whose path starts with the oldest
+    transformers vrl supports (installed apart: requirements-oldest.txt), reading this session's shared runs."""
     oldest = hf.TRANSFORMERS.split('>=')[1]
     if not (OLDEST_TRANSFORMERS / 'transformers').is_dir():
         pytest.fail(
