@@ -2,12 +2,15 @@
 
     python bench/train_throughput.py [--configs tiny,82m] [--variants all|vanilla,svformer,...]
                                      [--seq_len 512] [--batch 4] [--steps 5] [--dtype bfloat16] [--context 1]
-                                     [--json FILE]
+                                     [--json FILE] [--repeats 1]
 
 Variants are vrl/model/presets.py's names (`--variants all`, the default, runs every preset). On a
 shared host step times drift by several percent over minutes, so each variant's steps alternate
 with vanilla's in one process: `vs vanilla` is the ratio of the two medians taken side by side,
-and vanilla's own row is the median over all its steps.
+and vanilla's own row is the median over all its steps. On a 2-core CPU one round's ratio for a
+variant whose step differs from vanilla's in memory traffic moved by 10 points between processes
+(Block Attention Residuals at 82M: +10% to +25% on one day): `--repeats R` takes R rounds of
+`--steps` each and gives the median round's ratio with the lowest and highest in brackets.
 
 MFU counts model FLOPs only: 6 x (weight-matmul parameters, the output head included) per token
 plus the causal attention matmuls (vrl.model.accounting.training_flops_per_token). The peak is this
@@ -110,14 +113,21 @@ class Stepper:
         return time.perf_counter() - start
 
 
-def measure_against(vanilla: Stepper, config: Config, steps: int) -> tuple[float, float, float | None]:
-    """(median step seconds of `config`, median of vanilla's steps taken in between, its memory GiB)."""
+def measure_against(
+    vanilla: Stepper, config: Config, steps: int, repeats: int = 1
+) -> tuple[float, float, list[float], float | None]:
+    """(median step seconds of `config`, median of vanilla's steps taken in between, each repeat's ratio of the
+    two medians less one, its memory GiB): `repeats` rounds of `steps` steps each, alternating with vanilla's."""
     variant = Stepper(config)
-    times, vanilla_times = [], []
-    for _ in range(steps):
-        vanilla_times.append(vanilla.step())
-        times.append(variant.step())
-    return statistics.median(times), statistics.median(vanilla_times), variant.memory_gib()
+    times, vanilla_times, ratios = [], [], []
+    for _ in range(repeats):
+        mine, theirs = [], []
+        for _ in range(steps):
+            theirs.append(vanilla.step())
+            mine.append(variant.step())
+        ratios.append(statistics.median(mine) / statistics.median(theirs) - 1)
+        times, vanilla_times = times + mine, vanilla_times + theirs
+    return statistics.median(times), statistics.median(vanilla_times), ratios, variant.memory_gib()
 
 
 def main() -> None:
@@ -135,6 +145,9 @@ def main() -> None:
         help='compute dtype (default: float32 on CPU, bfloat16 on accelerators)',
     )
     parser.add_argument('--json', default='', help='also write the rows to this file, a JSON object a line')
+    parser.add_argument(
+        '--repeats', type=int, default=1, help="rounds of --steps steps per variant; > 1 adds each round's range"
+    )
     args = parser.parse_args()
     cli.enable_compilation_cache()  # the memory column's second compile is a cache hit
     args.dtype = args.dtype or ('float32' if jax.default_backend() == 'cpu' else 'bfloat16')
@@ -147,10 +160,10 @@ def main() -> None:
     malloc = f'huge-page malloc {"on" if huge_pages else "off"} (vrl/core/host_memory.py)'
     print(f'{args.machine}, {args.dtype}; peak {measured}; {malloc}')
     variants = list(presets.PRESETS) if args.variants == 'all' else args.variants.split(',')
-    args.width = max(map(len, variants))
+    args.width, args.relative_width = max(map(len, variants)), 23 if args.repeats > 1 else 11
     print(
         f'{"config":>6} | {"variant":>{args.width}} | {"batch x seq":>11} | {"params":>8} | {"step s":>7} | '
-        f'{"vs vanilla":>11} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6} | {"GiB":>6}'
+        f'{"vs vanilla":>{args.relative_width}} | {"tokens/s":>9} | {"GFLOP/s":>8} | {"MFU":>6} | {"GiB":>6}'
     )
     for name in args.configs.split(','):
         sizes = (args.seq_len, args.batch, args.remat, args.dtype, args.context)
@@ -160,9 +173,12 @@ def main() -> None:
             if variant == 'vanilla':
                 continue
             config = bench_config(name, variant, *sizes)
-            seconds, vanilla_seconds, memory = measure_against(vanilla, config, args.steps)
+            seconds, vanilla_seconds, ratios, memory = measure_against(vanilla, config, args.steps, args.repeats)
             vanilla_all.append(vanilla_seconds)
-            _print_row(name, variant, config, seconds, f'{seconds / vanilla_seconds - 1:+.1%}', args, peak, memory)
+            relative = f'{statistics.median(ratios):+.1%}'  # one round: the two medians' ratio
+            if args.repeats > 1:  # each round's ratio: how far one round's figure can be trusted
+                relative += f' [{min(ratios):+.0%}, {max(ratios):+.0%}]'
+            _print_row(name, variant, config, seconds, relative, args, peak, memory)
         if 'vanilla' in variants:
             seconds = statistics.median(vanilla_all or [vanilla.step() for _ in range(args.steps)])
             _print_row(name, 'vanilla', vanilla.config, seconds, '(reference)', args, peak, vanilla.memory_gib())
@@ -178,7 +194,7 @@ def _print_row(
     params = accounting.account(config.model, config.data.seq_len).params
     print(
         f'{name:>6} | {variant:>{args.width}} | {args.batch:>4} x {args.seq_len:<4} | {params / 1e6:>7.2f}M | '
-        f'{seconds:>7.3f} | {relative:>11} | {tokens_per_sec:>9,.0f} | {flops / 1e9:>8,.1f} | '
+        f'{seconds:>7.3f} | {relative:>{args.relative_width}} | {tokens_per_sec:>9,.0f} | {flops / 1e9:>8,.1f} | '
         f'{flops / peak:>6.1%} | {"-" if memory is None else f"{memory:.2f}":>6}',
         flush=True,
     )
