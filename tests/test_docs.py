@@ -226,5 +226,13 @@ def test_an_lr_sweep_table_is_the_ledgers_numbers_and_a_changed_one_is_found(tmp
     assert changed == ['family.results.jsonl'] and '| 82m step vs vanilla | GiB |' in costed
     assert re.search(r'^\| skipv1 \|.* \| -2\.2% \| 2\.32 \|$', costed, re.M), costed
     assert 'on 1 x cpu, 2 cores, 2026-12-07 (vanilla 4.591 s a step)' in costed
+    # a grid still running: skipv1 has only LR 1e-3 so far
+    (tmp_path / 'family.results.jsonl').write_text(
+        ''.join(json.dumps(r) + '\n' for r in rows if r['variant'] == 'vanilla' or r['peak_lr'] == 1e-3)
+    )
+    partial, _ = tables.remade(page, tmp_path)
+    still = r'^\| skipv1 \| [\d.]+ ± [\d.]+ \| — \| — \| not yet: LR 0.003, 0.01 to run \| — \|$'
+    assert re.search(still, partial, re.M), partial
+    (tmp_path / 'family.results.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     with pytest.raises(tables.TableError, match='bench/train_throughput.py --json gone.jsonl'):
         tables.remade(with_cost.replace('cost=cost.jsonl', 'cost=gone.jsonl'), tmp_path)

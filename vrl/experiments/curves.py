@@ -37,7 +37,10 @@ def relative_loss(curve: dict[int, float], baseline: dict[int, float], window: i
 
 
 def mean_and_spread(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (NaN for one value: no spread is known)."""
+    """Mean and sample standard deviation (NaN for one value: no spread is known; both NaN for none, a grid
+    point not run yet)."""
+    if not len(values):
+        return math.nan, math.nan
     return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
 
 

@@ -14,7 +14,8 @@ each table that differs from what its ledger makes (tests/test_docs.py runs it o
 
 `lr_sweep`: a row per variant (in the ledger's order, vanilla first), the final eval loss at each peak
 LR as mean ± standard deviation over seeds (the best LR in bold), the gap to vanilla at each one's best
-LR with the larger of the two spreads, and the tokens each needs to reach vanilla's final loss (saved, with
+LR with the larger of the two spreads (a variant whose sweep is not whole yet: which LRs are still to run,
+and no best), and the tokens each needs to reach vanilla's final loss (saved, with
 each seed's against vanilla's same seed), as study.md computes them (vrl/experiments/study_report.py);
 with `cost=FILE` (the rows `bench/train_throughput.py --json FILE` wrote), each variant's step time against
 vanilla's and its memory at that benchmark's shape, and a line saying where and when it ran.
@@ -58,6 +59,7 @@ def lr_sweep(rows: list[dict], cost: list[dict] | None = None) -> str:
     points = study_report.Points(rows, axes)
     saved = study_report.data_saved(points, seq_len).get(size, {})
     best = {v: points.lr_rows[(v, size, seq_len)] for v in variants}
+    present = {(r['variant'], r['peak_lr']) for r in rows}
     header = ['variant', *(f'LR {lr:g}' for lr in axes.lrs), 'gap to vanilla at its best LR', 'tokens saved']
     costs = {row['variant']: row for row in cost or []}
     if cost:
@@ -65,12 +67,14 @@ def lr_sweep(rows: list[dict], cost: list[dict] | None = None) -> str:
     lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
     for variant in variants:
         point = best[variant]
-        cells = []
+        cells, missing = [], [lr for lr in axes.lrs if (variant, lr) not in present]
         for lr in axes.lrs:
-            text = curves.plus_minus(*point['losses'][lr])
-            cells.append(f'**{text}**' if lr == point['lr'] else text)
+            text = '—' if lr in missing else curves.plus_minus(*point['losses'][lr])
+            cells.append(f'**{text}**' if lr == point['lr'] and not missing else text)
         gap, tokens = '—', '—'
-        if variant != BASELINE and BASELINE in best:
+        if missing:  # a grid still running: no best LR until the sweep is whole
+            gap = f'not yet: LR {", ".join(f"{lr:g}" for lr in missing)} to run'
+        elif variant != BASELINE and BASELINE in best:
             mine, theirs = point['losses'][point['lr']], best[BASELINE]['losses'][best[BASELINE]['lr']]
             gap = f'{mine[0] - theirs[0]:+.3f} (spread {max(mine[1], theirs[1]):.3f})'
             found = saved.get(variant, {})
