@@ -73,10 +73,16 @@ WHERE_AND_HOW = frozenset(
 ADDED_AFTER_LEDGERS = frozenset({'train.init_value_heads'})
 
 
+@functools.cache
+def _default_json() -> dict:
+    """The default config's JSON, made once (every fingerprint compares its ADDED_AFTER_LEDGERS fields to it)."""
+    return workdir_lib.as_json(Config())
+
+
 def fingerprint(config: Config) -> str:
     """16 hex digits of the SHA-256 of the config's JSON (sorted keys) without WHERE_AND_HOW, the mesh and the
     fields ADDED_AFTER_LEDGERS at their defaults."""
-    values, defaults = workdir_lib.as_json(config), workdir_lib.as_json(Config())
+    values, defaults = workdir_lib.as_json(config), _default_json()
     values.pop('mesh', None)
     kept = {
         section: {
