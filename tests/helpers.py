@@ -74,7 +74,7 @@ SKIP_V1_VARIANTS = {
     ),
 }
 
-# Attention residuals (vrl/model/attn_residuals.py) on the small config's 3 layers: full, Block AttnRes as one
+# Attention residuals (vrl/model/residual/attnres.py) on the small config's 3 layers: full, Block AttnRes as one
 # block (a partial sum throughout) and as a block per layer, on the value-residual variants and beside CLA,
 # SkipV1Former, a value embedding, QK-norm and windows
 ATTN_RES_VARIANTS = {
@@ -96,7 +96,7 @@ ATTN_RES_VARIANTS = {
     ),
 }
 
-# Hyper-connections (vrl/model/hyper.py), both kinds, static and dynamic, with other streams counts and on
+# Hyper-connections (vrl/model/residual/hyper.py), both kinds, static and dynamic, with other streams counts and on
 # the value-residual variants (checked by the tests of the model, decoding, accounting and sharding)
 HYPER_VARIANTS = {
     'hc': dict(attention='vanilla', hyper_connections='hc'),

@@ -27,7 +27,8 @@ from tests.helpers import (
     variant_params,
 )
 from vrl.core.config import ConfigError
-from vrl.model import accounting, hyper
+from vrl.model import accounting
+from vrl.model.residual import hyper
 from vrl.model.decoder import Decoder
 from vrl.train.config import from_configdict
 

@@ -15,7 +15,7 @@ from vrl.model.decoder import Decoder
 
 class Carry(NamedTuple):
     h: jax.Array  # (D,)
-    blocks: jax.Array  # (J, D): step i writes row i + 1
+    history: jax.Array  # (J, D): step i writes row i + 1
 
 
 def _toy(scan, w_NxDxD, scale, h0):
@@ -24,12 +24,12 @@ def _toy(scan, w_NxDxD, scale, h0):
 
     def step(c: Carry, x):
         i, w = x
-        mixed = jnp.tanh(scale * jnp.einsum('j,jd->d', jnp.linspace(0.5, 1.5, J), c.blocks) + c.h) @ w
-        return Carry(mixed, jax.lax.dynamic_update_index_in_dim(c.blocks, mixed, i + 1, 0))
+        mixed = jnp.tanh(scale * jnp.einsum('j,jd->d', jnp.linspace(0.5, 1.5, J), c.history) + c.h) @ w
+        return Carry(mixed, jax.lax.dynamic_update_index_in_dim(c.history, mixed, i + 1, 0))
 
     xs = (jnp.arange(w_NxDxD.shape[0]), w_NxDxD)
     final = scan(step, Carry(h0, jnp.zeros((J, h0.shape[0])).at[0].set(h0)), xs)
-    return jnp.sum(jnp.sin(final.h)) + jnp.sum(final.blocks**2)
+    return jnp.sum(jnp.sin(final.h)) + jnp.sum(final.history**2)
 
 
 def test_gradients_are_jax_scans_for_carry_xs_and_what_the_step_closes_over():

@@ -25,7 +25,7 @@ hyper_connections = pytest.importorskip(
 
 from flax import nnx  # noqa: E402
 
-from vrl.model import hyper  # noqa: E402
+from vrl.model.residual import hyper  # noqa: E402
 
 
 @pytest.mark.parametrize('streams, sublayer', [(4, 0), (3, 1)])

@@ -51,7 +51,7 @@ def test_mudd_at_its_initialisation_is_vanilla_and_learns(vanilla, ways):
     tokens = random_tokens(5)
     mudd = Decoder(small_model_config(n_layers=4, mudd=ways), rngs=nnx.Rngs(2))
     copy_params(vanilla, mudd)  # every weight but MUDD's, which stay at their init
-    for norm in (mudd.layers.k_input_norm, mudd.layers.v_input_norm):
+    for norm in (getattr(mudd.layers, f'{way}_input_norm', None) for way in 'kv'):
         if norm is not None:  # the random query norm's scale (theirs start at 1, as vanilla's does)
             norm.scale[...] = vanilla.layers.attn_norm.scale[...]
     assert rel_err(_logits(mudd, tokens), _logits(vanilla, tokens)) < 1e-6

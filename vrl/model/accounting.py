@@ -10,7 +10,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from vrl.model import attn_residuals, resolve
+from vrl.model import resolve
+from vrl.model.residual import attnres as attn_residuals
 from vrl.model.cache import layout_of
 from vrl.model.config import ModelConfig
 

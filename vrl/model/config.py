@@ -12,8 +12,8 @@ from vrl.core.config import choice, require
 ATTENTION_VARIANTS = ('vanilla', 'resformer', 'svformer')
 LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse', 'per_token')
 MUDD_WAYS = ('', 'r', 'vr', 'qkvr')  # model.mudd: the inputs of a block that MUDD mixes (r: the residual)
-HYPER_CONNECTIONS = ('', 'hc', 'mhc')  # model.hyper_connections: vrl/model/hyper.py
-ATTN_RESIDUALS = ('', 'full', 'block')  # model.attn_residuals: vrl/model/attn_residuals.py
+HYPER_CONNECTIONS = ('', 'hc', 'mhc')  # model.hyper_connections: vrl/model/residual/hyper.py
+ATTN_RESIDUALS = ('', 'full', 'block')  # model.attn_residuals: vrl/model/residual/attnres.py
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_qkv', 'auto')
 ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/model/attention.py; the last is
 # what splash becomes off TPU (Pallas' interpreter)
@@ -315,6 +315,17 @@ class ModelConfig:
                 self.attn_residuals,
                 f"'' with model.{field} (both make each block's input their own mix of the layers before it)",
             )
+
+    @property
+    def residual(self) -> str:
+        """How the layers connect (vrl/model/residual/): plain | dense | mudd | hc | mhc | attnres."""
+        if self.denseformer:
+            return 'dense'
+        if self.mudd:
+            return 'mudd'
+        if self.attn_residuals:
+            return 'attnres'
+        return self.hyper_connections or 'plain'
 
     @property
     def attn_residual_layers(self) -> int:

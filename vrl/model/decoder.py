@@ -7,19 +7,17 @@ N = n_layers - 1 stacked layers.
 Layer 1 runs on its own and creates V_1 (its value projection of its normalised input,
 before GQA grouping, not detached). Layers 2..L are one stacked `Block` whose parameters
 carry a leading `layers` axis; `jax.lax.scan` walks them (decoding: a Python loop) carrying
-a `Stream`: the hidden state, V_1, and what the baselines need (CLA's shared K/V,
-DenseFormer's block outputs, the KV cache). Every variant changes one of five things, each
-in one place:
+a `Stream`: the residual stream, V_1, and what the baselines need (CLA's shared K/V, a depth
+history, the KV cache). Every variant changes one of four things, each in one place:
 
 - the values a layer attends over (ResFormer, SVFormer, the per-token mix, value
   embeddings): `Block.keys_values`, through `Attention.values`;
 - what is added to the attention output (NeuTRENO: lambda (V_1 - the values attended)): `Block.__call__`;
 - which layer's K/V a layer uses (CLA): `Attention.keys_values`;
-- how block outputs combine into the next block's input (DenseFormer, MUDD): `Decoder._layer`;
-  MUDD's query, key and value inputs, each its own mix: `Block.attention_inputs`;
-- the residual stream itself (hyper-connections: n streams, each sublayer reading their weighted
-  sum and adding its output to their remix; attention residuals: each sublayer reading a softmax over
-  the sources before it): `Block.sublayer_input`, the residual adds in `Block.__call__` and `Block.settled`.
+- how the layers connect, the residual stream (model.residual: plain, DenseFormer, MUDD,
+  hyper-connections, attention residuals): vrl/model/residual/, one module per method, whose hooks
+  `Block.__call__` (a sublayer's input, the add after it) and `Decoder._layer` (what a layer hands
+  the next) call.
 
 `Block.__call__` reads as a pre-norm block: its inputs normalised, the queries, the keys and the
 values, attention (training's `attend` over the L tokens or decoding's `attend_cached` over the KV
@@ -34,7 +32,7 @@ QK-norm (model.qk_norm), beside the variants, normalises each head's queries and
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,23 +42,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from vrl.core.config import require_resolved
 from vrl.core.sharding import Axis, constrain, context_parts
-from vrl.model import attention, attn_residuals, history_scan, hyper, layer_stats, ops, params, variants
+from vrl.model import attention, history_scan, layer_stats, ops, params, residual, variants
 from vrl.model.attention import Causal
 from vrl.model.cache import KVCache, layout_of
 from vrl.model.config import ModelConfig
-from vrl.model.variants import Lambdas, LayerKV, MuddWeights, ValueEmbed
+from vrl.model.norms import RMSNorm
+from vrl.model.variants import Lambdas, LayerKV, ValueEmbed
 
 Array = jax.Array
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig, stack: int | None):
-        self.scale = params.constant(np.ones(cfg.d_model), (Axis.EMBED,), stack)
-        self.eps = cfg.norm_eps
-
-    def __call__(self, x_BxLxD: Array) -> Array:
-        x = ops.rms_normalized(x_BxLxD, self.eps)
-        return (x * self.scale[...][None, None, :]).astype(x_BxLxD.dtype)
 
 
 def head_rms_norm(x_BxLxNxDh: Array, scale_Dh: Array | None, eps: float) -> Array:
@@ -211,53 +200,47 @@ class LayerInputs(NamedTuple):
     lambdas: Lambdas | None  # ResFormer's scalar mix
     kv: LayerKV | None  # CLA: the layer's W_K, W_V (zeros where it borrows) and whether it owns them
     value_embed: ValueEmbed | None  # value embeddings: the layer's lookup and gate weight (zeros: none)
-    dense_row: Array | None  # DenseFormer: (L + 1,) weights over B_0..B_L, zero past this block
-    mudd: MuddWeights | None  # MUDD: the connection after this layer (identity where it has none)
+    connection: Any  # the residual method's weights after this layer (residual.base.Plain.per_layer), or None
 
 
 class Stream(NamedTuple):
     """What each layer hands the next: the layer scan's carry."""
 
-    h: Array  # (B, L, D) the next block's input; with hyper-connections its n streams (n, B, L, D)
+    h: Array  # (B, L, D) the residual stream, the next block's input ((n, B, L, D) where it is n streams)
     v1: Array | None  # (B, L, K, Dh) V_1, once layer 1 has run
     copies: attention.Copies | None  # sequences split over `context`: shared keys and values made whole (Block.copies)
     kv: tuple[Array, Array] | None  # CLA: the current group's keys and attended values (B, L, K, Dh)
-    # DenseFormer, MUDD: the embedding output and the block outputs so far, (L + 1, B, L, D) zero past the
-    # newest where the layers are scanned; where they are not, a tuple of (B, L, D), each output held once.
-    # Attention residuals: their completed sources, alike (vrl/model/attn_residuals.py; h is the partial sum)
-    blocks: Array | tuple[Array, ...] | None
+    # the residual method's depth history (the earlier layers' outputs: a buffer the scan carries, a tuple of
+    # (B, L, D) where the layers are unrolled), or None
+    history: Any
     cache: KVCache | None  # decoding: every layer's keys and values
-    ways: Array | None = None  # MUDD: (E, B, L, D) the next block's mixed attention inputs, ways cfg.mudd[:-1]
+    inputs: Array | None = None  # (E, B, L, D) the next attention's own inputs, where the method mixes them apart
 
 
 class Block(nnx.Module):
     """Pre-norm attention + SwiGLU. With `stack`, one module holds N layers' parameters."""
 
     def __init__(self, cfg: ModelConfig, *, first: bool, stack: int | None, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg, stack)  # of the query input (with MUDD's q way, its mix)
-        mixed = '' if first else cfg.mudd[:-1]
-        self.k_input_norm = RMSNorm(cfg, stack) if 'k' in mixed else None  # MUDD's k and v ways: their own norms
-        self.v_input_norm = RMSNorm(cfg, stack) if 'v' in mixed else None
+        self.attn_norm = RMSNorm(
+            cfg, stack
+        )  # of the attention's input (its query input, where a method mixes them apart)
         self.attn = Attention(cfg, first=first, stack=stack, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, stack)
         self.mlp = MLP(cfg, stack=stack, rngs=rngs)
-        connected = cfg.hyper_connections != ''
-        self.attn_hyper = hyper.HyperConnection(cfg, sublayer=0, stack=stack, rngs=rngs) if connected else None
-        self.mlp_hyper = hyper.HyperConnection(cfg, sublayer=1, stack=stack, rngs=rngs) if connected else None
-        over_depth = cfg.attn_residuals != ''
-        self.attn_depth = attn_residuals.DepthQuery(cfg, stack) if over_depth else None
-        self.mlp_depth = attn_residuals.DepthQuery(cfg, stack) if over_depth else None
+        self.connection = residual.of(cfg)
+        for name, module in self.connection.block_params(first=first, stack=stack, rngs=rngs).items():
+            setattr(self, name, module)  # the method's parameters, under the names checkpoints keep
         self.cfg = cfg
         self.neutreno_lambda = cfg.neutreno_lambda if cfg.neutreno else None
 
     def __call__(
         self, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries
     ) -> tuple[Stream, tuple[Array, Array]]:
-        """The stream after the block: its output h (B, L, D) (with hyper-connections, the n streams
-        (n, B, L, D)), attention residuals' sources, the copies it attended with (`copies`) and the cache
-        with its keys and values written; and those keys and attended values for the L tokens. It sows
-        what its queries attended (layer_stats.Attended) for the statistics."""
-        x_BxLxD, xk_BxLxD, xv_BxLxD, into_attention = self.attention_inputs(s, p)  # the pre-norms (MUDD: its ways)
+        """The stream after the block: the residual stream and history (each sublayer's output added as
+        the residual method adds it), the copies it attended with (`copies`) and the cache with its keys
+        and values written; and those keys and attended values for the L tokens. It sows what its queries
+        attended (layer_stats.Attended) for the statistics."""
+        x_BxLxD, xk_BxLxD, xv_BxLxD, adding = self.connection.attention_inputs(self, s.h, s.history, s.inputs, p.layer)
         q_BxLxHxDh = checkpoint_name(self.attn.queries(x_BxLxD, positions_BxL), 'queries')
         k_BxLxKxDh, v_BxLxKxDh, gate_BxLxKx1 = self.keys_values(s, p, xk_BxLxD, xv_BxLxD, positions_BxL)  # the V
         if isinstance(mask, Causal):  # training: the L tokens
@@ -275,40 +258,16 @@ class Block(nnx.Module):
         if self.neutreno_lambda is not None and s.v1 is not None:  # NeuTRENO: + lambda (V_1 - attended V)
             o_BxLxHxDh = o_BxLxHxDh + _per_query_head(self.neutreno_lambda * (s.v1 - v_BxLxKxDh), o_BxLxHxDh.shape)
         attn_out_BxLxD = checkpoint_name(self.attn.output(o_BxLxHxDh), 'attention_out')
-        h = s.h + attn_out_BxLxD if into_attention is None else into_attention.add(s.h, attn_out_BxLxD)  # residual
-        h, blocks = self.settled(0, h, s.blocks, p.layer)
-        x_BxLxD, into_mlp = self.sublayer_input(1, h, blocks, p.layer)
+        h, history = self.connection.add(self, s.h, s.history, attn_out_BxLxD, adding, p.layer, 0)  # residual
+        x_BxLxD, adding = self.connection.sublayer_input(self, h, history, p.layer, 1)
         mlp_out_BxLxD = self.mlp(self.mlp_norm(x_BxLxD))
-        h = h + mlp_out_BxLxD if into_mlp is None else into_mlp.add(h, mlp_out_BxLxD)  # residual
-        h, blocks = self.settled(1, h, blocks, p.layer)
+        h, history = self.connection.add(self, h, history, mlp_out_BxLxD, adding, p.layer, 1)  # residual
         self.sow(
             nnx.Intermediate,
             'attended',
             layer_stats.Attended(q_BxLxHxDh, *attended, gate_BxLxKx1, self.cfg.attn_logits_soft_cap),
         )
-        return s._replace(h=h, blocks=blocks, copies=copies, cache=cache), (k_BxLxKxDh, v_BxLxKxDh)
-
-    def sublayer_input(
-        self, sublayer: int, h: Array, blocks: Array | tuple[Array, ...] | None, layer: int | Array
-    ) -> tuple[Array, hyper.Coefficients | None]:
-        """The input (B, L, D) of the attention (`sublayer` 0) or the MLP (1) before its pre-norm: h itself;
-        with hyper-connections the streams' weighted sum, and the weights to add the output with; with
-        attention residuals the softmax over the sources before it."""
-        over_depth = (self.attn_depth, self.mlp_depth)[sublayer]
-        if over_depth is not None:
-            return over_depth(h, blocks, *attn_residuals.seen(self.cfg, layer, sublayer)), None
-        return hyper.enter((self.attn_hyper, self.mlp_hyper)[sublayer], h)
-
-    def settled(
-        self, sublayer: int, h: Array, blocks: Array | tuple[Array, ...] | None, layer: int | Array
-    ) -> tuple[Array, Array | tuple[Array, ...] | None]:
-        """After a sublayer's residual add: with attention residuals, the partial sum made a source where
-        a source ends (every sublayer's, or a block's), the stream as it is otherwise."""
-        if self.attn_depth is None:
-            return h, blocks
-        index, _ = attn_residuals.seen(self.cfg, layer, sublayer)
-        done = attn_residuals.completes(self.cfg, layer, sublayer)
-        return attn_residuals.settle(h, blocks, index, done, self.cfg.norm_eps)
+        return s._replace(h=h, history=history, copies=copies, cache=cache), (k_BxLxKxDh, v_BxLxKxDh)
 
     def keys_values(
         self, s: Stream, p: LayerInputs, xk_BxLxD: Array, xv_BxLxD: Array, positions_BxL: Array
@@ -370,17 +329,6 @@ class Block(nnx.Module):
         keys, values = keys.astype(q_BxTxHxDh.dtype), values.astype(q_BxTxHxDh.dtype)
         o_BxTxHxDh = ops.attend_cache(q_BxTxHxDh, keys, values, mask_BxTxS, self.cfg.attn_logits_soft_cap)
         return o_BxTxHxDh, cache, (keys, values, mask_BxTxS)
-
-    def attention_inputs(self, s: Stream, p: LayerInputs) -> tuple[Array, Array, Array, hyper.Coefficients | None]:
-        """The normalised inputs (B, L, D) of the queries, the keys and the values: attn_norm of the
-        sublayer's input (`sublayer_input`) for all three, except that each of MUDD's q, k and v ways is its
-        own mix, normalised on its own; with hyper-connections the weights to add the output with come too."""
-        x_BxLxD, into_attention = self.sublayer_input(0, s.h, s.blocks, p.layer)
-        mixed = {} if s.ways is None else dict(zip(self.cfg.mudd[:-1], s.ways))
-        x_BxLxD = self.attn_norm(mixed.get('q', x_BxLxD))
-        xk_BxLxD = x_BxLxD if self.k_input_norm is None else self.k_input_norm(mixed['k'])
-        xv_BxLxD = x_BxLxD if self.v_input_norm is None else self.v_input_norm(mixed['v'])
-        return x_BxLxD, xk_BxLxD, xv_BxLxD, into_attention
 
     def copies(
         self, s: Stream, p: LayerInputs, k_BxLxKxDh: Array, v_BxLxKxDh: Array, mask: Causal | CachedQueries
@@ -454,9 +402,9 @@ class Decoder(nnx.Module):
         self.lambdas = variants.ValueResidualLambdas(cfg) if scalar_lambdas else None
         self.shared_kv = variants.SharedKeyValues(cfg, rngs) if cfg.kv_share > 1 else None
         self.value_embeds = variants.ValueEmbeddings(cfg, rngs) if cfg.value_embed_layers else None
-        self.depth_weights = variants.DepthWeights(cfg) if cfg.denseformer else None
-        self.mudd = variants.DenseConnections(cfg, rngs) if cfg.mudd else None
-        self.depth_output = attn_residuals.DepthQuery(cfg, None) if cfg.attn_residuals else None
+        self.connection = residual.of(cfg)
+        for name, module in self.connection.model_params(rngs).items():
+            setattr(self, name, module)  # the method's parameters, under the names checkpoints keep
         self.final_norm = RMSNorm(cfg, None)
         self.head = None if cfg.tie_embeddings else params.normal(rngs, (D, V), (Axis.EMBED, Axis.VOCAB), cfg.init_std)
 
@@ -531,34 +479,28 @@ class Decoder(nnx.Module):
         require_resolved(self.cfg, 'model', 'a Decoder that runs', unused=('model.remat',) if cache is not None else ())
         dtype, L = self.compute_dtype, self.cfg.n_layers
         h_BxLxD = constrain(self.embed[...].astype(dtype)[tokens_BxL], _ACTIVATION if cache is None else _DECODING)
-        h = hyper.widened(h_BxLxD, self.cfg)
-        blocks, scanned = None, self.cfg.scan_layers and cache is None
-        if self.depth_weights is not None or self.mudd is not None:  # a buffer the scan carries, or a tuple
-            blocks = jnp.zeros((L + 1, *h_BxLxD.shape), dtype).at[0].set(h_BxLxD) if scanned else (h_BxLxD,)
-        if self.depth_output is not None:  # attention residuals: the embedding output the first source
-            h, blocks = attn_residuals.begin(h_BxLxD, self.cfg, scanned)
-        dense_LxL1 = None if self.depth_weights is None else self.depth_weights.matrix()
-        mudd = None if self.mudd is None else self.mudd.for_layers()
+        h, history = self.connection.begin(self, h_BxLxD, self.cfg.scan_layers and cache is None)
+        connected = self.connection.per_layer(self)  # a leading axis over the L layers, or None
         ve = self.value_embeds
         first = LayerInputs(
             layer=0,
             lambdas=None,
             kv=None,
             value_embed=None if ve is None else ve.for_first(tokens_BxL, dtype),
-            dense_row=None if dense_LxL1 is None else dense_LxL1[0],
-            mudd=None if mudd is None else jax.tree.map(lambda x: x[0], mudd),
+            connection=jax.tree.map(lambda x: x[0], connected),
         )
         stacked = LayerInputs(
             layer=jnp.arange(1, L, dtype=jnp.int32),
             lambdas=None if self.lambdas is None else self.lambdas.for_stack(),
             kv=None if self.shared_kv is None else self.shared_kv.for_stack(),
             value_embed=None if ve is None else ve.for_stack(tokens_BxL, dtype),
-            dense_row=None if dense_LxL1 is None else dense_LxL1[1:],
-            mudd=None if mudd is None else jax.tree.map(lambda x: x[1:], mudd),
+            connection=jax.tree.map(lambda x: x[1:], connected),
         )
-        s, first_stats = self._layer(self.first, Stream(h, None, None, None, blocks, cache), first, positions_BxL, mask)
+        s, first_stats = self._layer(
+            self.first, Stream(h, None, None, None, history, cache), first, positions_BxL, mask
+        )
         s, stacked_stats = self._stacked_layers(s, stacked, positions_BxL, mask, layers)
-        h_BxLxD = self.final_norm(self._output(s))
+        h_BxLxD = self.final_norm(self.connection.readout(self, s.h, s.history))
         cache = None if cache is None else s.cache._replace(index=cache.index + tokens_BxL.shape[1])
         if first_stats is None:
             return h_BxLxD, cache, None
@@ -574,43 +516,21 @@ class Decoder(nnx.Module):
             ),
         )
 
-    def _hidden(self, s: Stream) -> Array:
-        """The hidden state (B, L, D) the statistics read: the stream's (hyper-connections: the streams' sum;
-        attention residuals: the plain residual it stands for, attn_residuals.residual_sum)."""
-        if self.depth_output is None:
-            return hyper.merged(s.h, self.cfg)
-        return attn_residuals.residual_sum(s.h, s.blocks)
-
-    def _output(self, s: Stream) -> Array:
-        """The final norm's input (B, L, D): the stream's hidden state (hyper-connections: the streams' sum;
-        attention residuals: the output query's mix of every source)."""
-        if self.depth_output is None:
-            return hyper.merged(s.h, self.cfg)
-        return self.depth_output(s.h, s.blocks, attn_residuals.n_sources(self.cfg), False)
-
     def _layer(
         self, block: Block, s: Stream, p: LayerInputs, positions_BxL: Array, mask: Causal | CachedQueries
     ) -> tuple[Stream, layer_stats.LayerStats | None]:
-        """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, DenseFormer's average, MUDD's mixes
-        (a hyper-connected block remixes its streams itself); and its statistics while recording."""
+        """One block, then what it hands on: V_1 (from layer 1), CLA's K/V, the residual method's stream,
+        history and the next attention's own inputs (residual.base.Plain.after_layer); and its statistics
+        while recording."""
         (out, kv), attended = layer_stats.captured(block, s, p, positions_BxL, mask)
-        h, blocks, ways, activation = out.h, out.blocks, None, _ACTIVATION if out.cache is None else _DECODING
-        if p.dense_row is not None or p.mudd is not None:  # the next input is a learned mix of B_0..B_layer+1
-            blocks = (
-                (*blocks, h)
-                if isinstance(blocks, tuple)
-                else jax.lax.dynamic_update_index_in_dim(blocks, h, p.layer + 1, 0)
-            )
-        if p.dense_row is not None:  # DenseFormer: one average, static weights
-            h = variants.weighted_sum(p.dense_row, blocks)
-        if p.mudd is not None:  # MUDD: a mix per way (r last), weights per position
-            mixes_CxBxLxD = variants.mudd_mixes(h, blocks, p.mudd, self.cfg.norm_eps)
-            h, ways = mixes_CxBxLxD[-1], mixes_CxBxLxD[:-1] if len(self.cfg.mudd) > 1 else None
-            ways = None if ways is None else constrain(ways, (None, *activation))
-        h = constrain(h, hyper.stream_axes(activation, self.cfg))
+        activation = _ACTIVATION if out.cache is None else _DECODING
+        h, history, inputs = self.connection.after_layer(self, out.h, out.history, p.connection, p.layer)
+        h = constrain(h, self.connection.stream_axes(activation))
+        inputs = None if inputs is None else constrain(inputs, (None, *activation))
         v1 = kv[1] if s.v1 is None else s.v1
-        s = Stream(h, v1, out.copies, kv if self.cfg.kv_share > 1 else None, blocks, out.cache, ways)
-        return s, None if attended is None else layer_stats.layer_stats(attended, self._hidden(s))
+        s = Stream(h, v1, out.copies, kv if self.cfg.kv_share > 1 else None, history, out.cache, inputs)
+        hidden = None if attended is None else self.connection.hidden(s.h, s.history)
+        return s, None if attended is None else layer_stats.layer_stats(attended, hidden)
 
     def _stacked_layers(
         self,
@@ -628,7 +548,7 @@ class Decoder(nnx.Module):
         V_1, and the copies layer 1 made (Block.copies), are the same for every layer, so they are
         constants of the scan rather than part of its carry: the backward pass keeps a scan's carry
         once per scanned step (N copies of V_1), and a constant once (docs/performance.md, "Train-step
-        memory"). A CLA group's copies live within its step. A depth history (DenseFormer, MUDD) must
+        memory"). A CLA group's copies live within its step. A residual method's depth history must
         be carried; under remat its scan is history_scan.scan, whose backward keeps the history once
         and recomputes each layer (without remat, jax.lax.scan keeps every layer's). Decoding
         always loops, so that each layer's cache slots are known when tracing (KVCache: one buffer per
@@ -683,7 +603,7 @@ class Decoder(nnx.Module):
             )
             per_layer = (lambda x: [x]) if G == 1 else (lambda x: _unstacked(x, 0, G))
             scanned = rematted(in_scan=True)
-            history_once = s.blocks is not None and self.cfg.remat != 'none' and not layer_stats.is_recording()
+            history_once = s.history is not None and self.cfg.remat != 'none' and not layer_stats.is_recording()
             if history_once:  # a history kept once (its scan hands on no per-layer outputs)
                 step = lambda s, xs: scanned(s, tuple(map(per_layer, xs)), lead)[0]  # noqa: E731
                 s, stats = history_scan.scan(step, s, grouped, self._history(lead, groups)), None
@@ -700,13 +620,10 @@ class Decoder(nnx.Module):
         return s._replace(v1=v1, copies=shared), stats
 
     def _history(self, lead: int, groups: int) -> history_scan.History:
-        """How many entries of the depth history each scanned step starts with: DenseFormer's and MUDD's
-        embedding and block outputs before its first layer, or attention residuals' completed sources."""
+        """How many entries of the depth history each scanned step starts with (the residual method's
+        `written`)."""
         G = self.cfg.kv_share
-        first_layers = [1 + lead + i * G for i in range(groups)]  # 0-based
-        if self.cfg.attn_residuals:
-            return history_scan.History(tuple(attn_residuals.seen(self.cfg, layer, 0)[0] for layer in first_layers))
-        return history_scan.History(tuple(layer + 1 for layer in first_layers))
+        return history_scan.History(self.connection.written([1 + lead + i * G for i in range(groups)]))  # 0-based
 
     def head_DxV(self) -> Array:
         """The output head in the compute dtype: the embedding transposed when tied."""

@@ -25,7 +25,7 @@ class History(NamedTuple):
 
 
 def scan(step: Callable[[Any, Any], Any], carry: Any, xs: Any, history: History) -> Any:
-    """The final carry of `jax.lax.scan(lambda c, x: (step(c, x), None), carry, xs)`; carry.blocks is the
+    """The final carry of `jax.lax.scan(lambda c, x: (step(c, x), None), carry, xs)`; carry.history is the
     history (an array, or a tree of arrays with the same leading J axis), written by step i at
     `history`'s indices only. Gradients flow to carry, xs and whatever
     `step` closes over."""
@@ -48,10 +48,10 @@ def _scan(step, history: History, carry, xs, *consts):
 
 def _forward(step, history, carry, xs, *consts):
     def one(c, x):
-        return step(c, x, *consts), c._replace(blocks=None)  # each step's carry but its history
+        return step(c, x, *consts), c._replace(history=None)  # each step's carry but its history
 
     final, carries = jax.lax.scan(one, carry, xs)
-    return final, (final.blocks, carries, xs, consts)
+    return final, (final.history, carries, xs, consts)
 
 
 def _backward(step, history, residuals, d_final):
@@ -62,7 +62,7 @@ def _backward(step, history, residuals, d_final):
     def one(acc, i_carry_x):
         d_carry, d_consts = acc
         i, c, x = i_carry_x
-        c = c._replace(blocks=_seen(final_blocks, i, history))
+        c = c._replace(history=_seen(final_blocks, i, history))
         _, vjp = jax.vjp(lambda c, x, consts: step(c, x, *consts), c, x, consts)
         d_c, d_x, d_k = vjp(d_carry)
         return (d_c, jax.tree.map(jnp.add, d_consts, d_k)), d_x

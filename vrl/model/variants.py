@@ -10,8 +10,9 @@ zeros and a flag, so the stack stays uniform and the parameter count exact.
 - The per-token mix (`lambda_mode='per_token'`) lives in the stacked Attention (`w_mix`).
 - Value embeddings (`ValueEmbeddings`): token-embedding tables, looked up per layer, gated.
 - CLA (`SharedKeyValues`): W_K, W_V of the stacked layers that own a K/V group.
-- DenseFormer (`DepthWeights`): the depth-weighted average after every block.
-- MUDD (`DenseConnections`): per-position mixes of all block outputs, one per input of the next block.
+
+How the layers' outputs combine into the residual stream (DenseFormer, MUDD, hyper-connections, attention
+residuals) is vrl/model/residual/'s.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from vrl.core.sharding import Axis
-from vrl.model import ops, params
+from vrl.model import params
 from vrl.model.cache import layout_of
 from vrl.model.config import ModelConfig
 
@@ -172,102 +173,3 @@ class SharedKeyValues(nnx.Module):
         index_N = _owner_index(self.owned)
         wv, k_norm = (None if w is None else spread(w[...], index_N) for w in (self.wv, self.k_norm))
         return LayerKV(spread(self.wk[...], index_N), wv, k_norm, None)
-
-
-class DepthWeights(nnx.Module):
-    """DenseFormer's depth-weighted averages: after block i (1..L) the next input is
-    sum_{j <= i} alpha_ij B_j over the embedding output B_0 and the block outputs B_1..B_i.
-    L (L + 3) / 2 weights, initialised to the identity (alpha_ii = 1, the rest 0): vanilla."""
-
-    def __init__(self, cfg: ModelConfig):
-        L = self.n_layers = cfg.n_layers
-        rows, cols = np.tril_indices(L, k=1, m=L + 1)  # row i is block i + 1
-        self.rows, self.cols = tuple(rows.tolist()), tuple(cols.tolist())  # static
-        self.alpha = params.constant(cols == rows + 1, (None,))
-
-    def matrix(self) -> Array:
-        """(L, L + 1): row i weighs B_0..B_{i+1}; the entries past the block are 0."""
-        L = self.n_layers
-        return jnp.zeros((L, L + 1), jnp.float32).at[np.asarray(self.rows), np.asarray(self.cols)].set(self.alpha[...])
-
-
-class MuddWeights(NamedTuple):
-    """The MUDD connection after a layer, padded to the widest (zeros past its own), or those after
-    several layers (a leading axis). After a layer without one: zero weights and a static one-hot on
-    the newest output."""
-
-    w_in: Array  # (D, Hmax): RMSNorm(newest output) -> the hidden layer (GELU)
-    w_out: Array  # (Hmax, C, L + 1): the hidden layer -> per-position weights of each way over B_0..B_L
-    static: Array  # (C, L + 1): added to them
-
-
-class DenseConnections(nnx.Module):
-    """MUDD: after 0-based layer i (cfg.mudd_after(i) non-empty), each way c of the C = len(cfg.mudd)
-    ways of the next block's input (the last way, r, its residual) is sum_j w_cj B_j over the embedding
-    output B_0 and the block outputs B_1..B_{i+1}, with per-position weights
-
-        w_cj = (GELU(RMSNorm(B_{i+1}) W_in) W_out)_cj + static_cj   (RMSNorm without a scale).
-
-    Parameters per connection, in the authors' shapes: W_in (D, H_i), W_out (H_i, C_i (i + 2)) and
-    static (C_i, i + 2), C_i = 1 after the last layer (H_i: cfg.mudd_hidden). W_in ~ N(0, 1 / D) and
-    W_out = 0 as the authors initialise them, static one-hot on the newest output: vanilla at the start."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        L, D, ways = cfg.n_layers, cfg.d_model, cfg.mudd
-        self.connected = tuple(i for i in range(L) if cfg.mudd_after(i))  # static
-        self.ways = ways
-        self.shapes = tuple((cfg.mudd_after(i), cfg.mudd_hidden(i)) for i in self.connected)  # static
-        self.w_in = nnx.List(
-            [params.normal(rngs, (D, hidden), (Axis.EMBED, None), D**-0.5) for _, hidden in self.shapes]
-        )
-        self.w_out = nnx.List(
-            [
-                params.constant(np.zeros((hidden, len(w) * (i + 2))), (None, None))
-                for i, (w, hidden) in zip(self.connected, self.shapes)
-            ]
-        )
-        self.static = nnx.List(
-            [params.constant(_newest(len(w), i + 2), (None, None)) for i, (w, _) in zip(self.connected, self.shapes)]
-        )
-        self.n_layers, self.hidden = L, max(hidden for _, hidden in self.shapes)
-
-    def for_layers(self) -> MuddWeights:
-        """(L, ...) weights of the connection after each layer, padded: way r last, an r-only connection's
-        one way put there."""
-        L, C, H = self.n_layers, len(self.ways), self.hidden
-        D = self.w_in[0].shape[0]
-        w_in, w_out = jnp.zeros((L, D, H), jnp.float32), jnp.zeros((L, H, C, L + 1), jnp.float32)
-        static = jnp.asarray(np.stack([np.pad(_newest(C, i + 2), ((0, 0), (0, L - 1 - i))) for i in range(L)]))
-        for n, (i, (ways, hidden)) in enumerate(zip(self.connected, self.shapes)):
-            at = slice(C - len(ways), C)  # an r-only connection is way r
-            w_in = w_in.at[i, :, :hidden].set(self.w_in[n][...])
-            w_out = w_out.at[i, :hidden, at, : i + 2].set(self.w_out[n][...].reshape(hidden, len(ways), i + 2))
-            static = static.at[i, at, : i + 2].set(self.static[n][...])
-        return MuddWeights(w_in, w_out, static)
-
-
-def weighted_sum(weights: Array, blocks: Array | tuple[Array, ...]) -> Array:
-    """sum_j weights[..., j] B_j over the outputs so far: a (J, B, L, D) buffer (weights (J,), or
-    (B, L, J) per position), or a tuple of (B, L, D) outputs, each read where it lies (weights past
-    the tuple's end are zero and skipped). A buffer is what the layer scan carries; unrolled layers
-    hand on a tuple, which keeps each output once for the backward pass."""
-    per_position = weights.ndim == 3
-    if not isinstance(blocks, tuple):
-        return jnp.einsum('blj,jbld->bld' if per_position else 'j,jbld->bld', weights.astype(blocks.dtype), blocks)
-    scale = (lambda j: weights[..., j, None]) if per_position else (lambda j: weights[j])
-    return sum(scale(j).astype(b.dtype) * b for j, b in enumerate(blocks))
-
-
-def mudd_mixes(newest_BxLxD: Array, blocks: Array | tuple[Array, ...], w: MuddWeights, eps: float) -> Array:
-    """(C, B, L, D): each way's mix of the outputs so far (`weighted_sum`'s buffer or tuple), weighted
-    per position by GELU(RMSNorm(newest) W_in) W_out + static, computed in float32 (exact GELU, as the
-    authors' PyTorch; their JAX uses the tanh approximation)."""
-    x = ops.rms_normalized(newest_BxLxD, eps)
-    hidden_BxLxH = jax.nn.gelu(x @ w.w_in, approximate=False)
-    weights_BxLxCxJ = jnp.einsum('blh,hcj->blcj', hidden_BxLxH, w.w_out) + w.static[None, None]
-    return jnp.stack([weighted_sum(weights_BxLxCxJ[:, :, c], blocks) for c in range(weights_BxLxCxJ.shape[2])])
-
-
-def _newest(ways: int, inputs: int) -> np.ndarray:
-    """(ways, inputs): each way all on the newest input (the block output just made)."""
-    return np.eye(inputs, dtype=np.float32)[-1:].repeat(ways, 0)

@@ -339,7 +339,7 @@ def sinkhorn(logits: torch.Tensor, iterations: int = 20) -> torch.Tensor:
 
 
 class HyperConnection(nn.Module):
-    """One sublayer's hyper-connection (vrl/model/hyper.py) over n streams h (n, ..., D): the sublayer's
+    """One sublayer's hyper-connection (vrl/model/residual/hyper.py) over n streams h (n, ..., D): the sublayer's
     input sum_i pre_i h_i, and after it h'_j = sum_i res[j, i] h_i + post_j output. hc: learned constants
     plus gated tanh(norm(h_i) w) per stream, w (D, n + 2) = [pre, remix row, post]; mhc: the streams
     normalised together, w (n, D, 2n + n^2) = [pre, post, remix] logits times gates plus biases, then
@@ -403,7 +403,7 @@ class DepthStream(NamedTuple):
 
 
 class DepthQuery(nn.Module):
-    """Attention residuals (vrl/model/attn_residuals.py): one sublayer's pseudo-query over depth and its key
+    """Attention residuals (vrl/model/residual/attnres.py): one sublayer's pseudo-query over depth and its key
     norm's scale (layer None: the output query after the last layer). Its input is softmax_j(w . RMSNorm(v_j))
     over the sources (and the partial sum), in float32; `completes`: whether the partial sum becomes a
     source after this sublayer ('full': every one; 'block': a block's last MLP)."""

@@ -1,4 +1,4 @@
-"""Attention Residuals (Kimi team, arXiv 2603.15031; model.attn_residuals): the residual stream's fixed
+"""Attention Residuals (Kimi team, arXiv 2603.15031; model.residual='attnres'): the residual stream's fixed
 sum replaced by a softmax attention over depth.
 
 Each sublayer (every layer's attention and its MLP) reads, instead of the running sum, a mix of the
@@ -35,8 +35,11 @@ from flax import nnx
 from vrl.core.sharding import Axis
 from vrl.model import params
 from vrl.model.config import ModelConfig
+from vrl.model.residual.base import Plain
 
 Array = jax.Array
+
+SUBLAYERS = ('attn_depth', 'mlp_depth')  # each block's queries, attention's and MLP's
 
 
 class Buffer(NamedTuple):
@@ -144,3 +147,44 @@ def begin(embedded_BxLxD: Array, cfg: ModelConfig, scanned: bool) -> tuple[Array
     values = jnp.zeros((S, *embedded_BxLxD.shape), embedded_BxLxD.dtype).at[0].set(embedded_BxLxD)
     inv_rms = jnp.zeros((S, *embedded_BxLxD.shape[:2]), jnp.float32).at[0].set(_inv_rms(embedded_BxLxD, cfg.norm_eps))
     return jnp.zeros_like(embedded_BxLxD), Buffer(values, inv_rms)
+
+
+class AttnRes(Plain):
+    """Each sublayer's input a softmax over the sources before it; the history is the completed sources."""
+
+    def model_params(self, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
+        return {'depth_output': DepthQuery(self.cfg, None)}
+
+    def block_params(self, *, first: bool, stack: int | None, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
+        return {name: DepthQuery(self.cfg, stack) for name in SUBLAYERS}
+
+    def begin(self, model: nnx.Module, embedded_BxLxD: Array, scanned: bool) -> tuple[Array, Buffer | tuple]:
+        return begin(embedded_BxLxD, self.cfg, scanned)
+
+    def sublayer_input(
+        self, block: nnx.Module, h: Array, history: Buffer | tuple, layer: int | Array, sublayer: int
+    ) -> tuple[Array, None]:
+        return getattr(block, SUBLAYERS[sublayer])(h, history, *seen(self.cfg, layer, sublayer)), None
+
+    def add(
+        self,
+        block: nnx.Module,
+        h: Array,
+        history: Buffer | tuple,
+        out_BxLxD: Array,
+        adding: None,
+        layer: int | Array,
+        sublayer: int,
+    ) -> tuple[Array, Buffer | tuple]:
+        index, _ = seen(self.cfg, layer, sublayer)
+        done = completes(self.cfg, layer, sublayer)
+        return settle(h + out_BxLxD, history, index, done, self.cfg.norm_eps)
+
+    def written(self, first_layers: list[int]) -> tuple[int, ...]:
+        return tuple(seen(self.cfg, layer, 0)[0] for layer in first_layers)
+
+    def hidden(self, h: Array, history: Buffer | tuple) -> Array:
+        return residual_sum(h, history)
+
+    def readout(self, model: nnx.Module, h: Array, history: Buffer | tuple) -> Array:
+        return model.depth_output(h, history, n_sources(self.cfg), False)

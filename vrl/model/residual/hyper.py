@@ -1,4 +1,4 @@
-"""Hyper-connections: the residual stream widened to n streams (model.hyper_connections, hyper_streams).
+"""Hyper-connections: the residual stream widened to n streams (model.residual='hc' or 'mhc', hyper_streams).
 
 The hidden state between sublayers is n streams h_1..h_n (n, B, L, D), all the embedding output at
 the start and summed before the final norm. Each sublayer (every layer's attention and its MLP) has
@@ -41,9 +41,11 @@ from flax import nnx
 from vrl.core.sharding import Axis
 from vrl.model import ops, params
 from vrl.model.config import ModelConfig
+from vrl.model.residual.base import Plain
 
 Array = jax.Array
 
+SUBLAYERS = ('attn_hyper', 'mlp_hyper')  # each block's connections, attention's and MLP's
 SINKHORN_ITERATIONS = 20  # DeepSeek's t_max
 GATE_INIT = 0.01  # both papers' initial gate of the dynamic terms
 
@@ -132,25 +134,44 @@ class HyperConnection(nnx.Module):
         return Coefficients(pre_BxLxN, post_BxLxN, res_BxLxNxN)
 
 
-def enter(connection: HyperConnection | None, h: Array) -> tuple[Array, Coefficients | None]:
-    """A sublayer's input (B, L, D) before its pre-norm, and the weights to add its output with: with
-    hyper-connections (h (n, B, L, D)) the weighted sum of the streams, without them h itself."""
-    if connection is None:
-        return h, None
-    c = connection.coefficients(h)
-    return jnp.einsum('bln,nbld->bld', c.pre_BxLxN.astype(h.dtype), h), c
+def enter(connection: HyperConnection, h_NxBxLxD: Array) -> tuple[Array, Coefficients]:
+    """A sublayer's input (B, L, D) before its pre-norm, the streams' weighted sum, and the weights to add
+    its output with."""
+    c = connection.coefficients(h_NxBxLxD)
+    return jnp.einsum('bln,nbld->bld', c.pre_BxLxN.astype(h_NxBxLxD.dtype), h_NxBxLxD), c
 
 
-def widened(h_BxLxD: Array, cfg: ModelConfig) -> Array:
-    """The embedding output as the stream: n copies (n, B, L, D) with hyper-connections."""
-    return jnp.broadcast_to(h_BxLxD, (cfg.hyper_streams, *h_BxLxD.shape)) if cfg.hyper_connections else h_BxLxD
+class Hyper(Plain):
+    """n streams; each sublayer reads their weighted sum and adds its output to their remix."""
 
+    def block_params(self, *, first: bool, stack: int | None, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
+        return {
+            name: HyperConnection(self.cfg, sublayer=sublayer, stack=stack, rngs=rngs)
+            for sublayer, name in enumerate(SUBLAYERS)
+        }
 
-def merged(h: Array, cfg: ModelConfig) -> Array:
-    """The hidden state (B, L, D) of a stream: the sum of the streams with hyper-connections."""
-    return jnp.sum(h, axis=0) if cfg.hyper_connections else h
+    def begin(self, model: nnx.Module, embedded_BxLxD: Array, scanned: bool) -> tuple[Array, None]:
+        return jnp.broadcast_to(embedded_BxLxD, (self.cfg.hyper_streams, *embedded_BxLxD.shape)), None
 
+    def sublayer_input(
+        self, block: nnx.Module, h: Array, history: None, layer: int | Array, sublayer: int
+    ) -> tuple[Array, Coefficients]:
+        return enter(getattr(block, SUBLAYERS[sublayer]), h)
 
-def stream_axes(activation: tuple, cfg: ModelConfig) -> tuple:
-    """The stream's logical axes given a hidden state's: with hyper-connections, the streams lead."""
-    return (None, *activation) if cfg.hyper_connections else activation
+    def add(
+        self,
+        block: nnx.Module,
+        h: Array,
+        history: None,
+        out_BxLxD: Array,
+        adding: Coefficients,
+        layer: int | Array,
+        sublayer: int,
+    ) -> tuple[Array, None]:
+        return adding.add(h, out_BxLxD), None
+
+    def hidden(self, h: Array, history: None) -> Array:
+        return jnp.sum(h, axis=0)  # the streams' sum
+
+    def stream_axes(self, activation: tuple) -> tuple:
+        return (None, *activation)
