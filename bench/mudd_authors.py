@@ -7,8 +7,8 @@ github.com/Caiyun-AI/MUDDFormer (pytorch/muddformer/); vrl ships none of it, and
 downloaded. Their model is built at a small shape in float32 with random weights everywhere (their
 static weights dense_bs are drawn N(0, 1), so every mix is live), the weights are copied into vrl's
 parameters, and both forwards' logits are compared by relative error. Their dense_type 'qkvr' is
-vrl's mudd='qkvr'. Their PyTorch module runs no other: its single stream 'l' hands the next block a
-one-element tuple that its norm cannot take, and it has no 'vr'; its attention repeats no kv heads,
+vrl's residual='mudd', mudd_ways='qkvr'. Their PyTorch module runs no other: its single stream 'l' hands
+the next block a one-element tuple that its norm cannot take, and it has no 'vr'; its attention repeats no kv heads,
 so the shape is multi-head.
 
 Two settings of theirs are changed to what vrl computes, each with their own code's options:
@@ -91,7 +91,8 @@ def their_model(authors, layers: int, seed: int):
 def vrl_config(their) -> ModelConfig:
     return ModelConfig(
         attention='vanilla',
-        mudd='qkvr',
+        residual='mudd',
+        mudd_ways='qkvr',
         vocab_size=their.vocab_size,
         n_layers=their.n_layer,
         d_model=their.dim,

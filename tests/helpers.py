@@ -49,19 +49,24 @@ NAMED_VARIANTS = {
     'resformer-per_token': dict(attention='resformer', lambda_mode='per_token'),
     'neutreno': dict(attention='vanilla', neutreno=True),
     'resformer-neutreno': dict(attention='resformer', neutreno=True, neutreno_lambda=0.2),
-    'denseformer': dict(attention='vanilla', denseformer=True),
+    'denseformer': dict(attention='vanilla', residual='dense'),
     'cla2': dict(attention='vanilla', kv_share=2),
     'svformer-cla2': dict(attention='svformer', kv_share=2),
     'value_embeds': dict(attention='vanilla', value_embed_layers=(1, 3)),
     'resformer-value_embeds-shared': dict(
         attention='resformer', lambda_mode='learnable', value_embed_layers=(1, 2, 3), value_embed_tables=(0, 1, 0)
     ),
-    'all-baselines': dict(attention='vanilla', neutreno=True, denseformer=True, kv_share=2, value_embed_layers=(3,)),
-    'mudd-qkvr': dict(attention='vanilla', mudd='qkvr'),
+    'all-baselines': dict(attention='vanilla', neutreno=True, residual='dense', kv_share=2, value_embed_layers=(3,)),
+    'mudd-qkvr': dict(attention='vanilla', residual='mudd', mudd_ways='qkvr'),
     'resformer-mudd-vr': dict(
-        attention='resformer', lambda_mode='per_token', mudd='vr', mudd_layers=(1, 3), value_embed_layers=(2,)
+        attention='resformer',
+        lambda_mode='per_token',
+        residual='mudd',
+        mudd_ways='vr',
+        mudd_layers=(1, 3),
+        value_embed_layers=(2,),
     ),
-    'svformer-mudd-r': dict(attention='svformer', mudd='r', mudd_layers=(2,)),
+    'svformer-mudd-r': dict(attention='svformer', residual='mudd', mudd_ways='r', mudd_layers=(2,)),
 }
 
 # SkipV1Former (model.skip_v1: V_1 gives layers >= 2 their last value head of the small config's 2), alone
@@ -78,16 +83,15 @@ SKIP_V1_VARIANTS = {
 # block (a partial sum throughout) and as a block per layer, on the value-residual variants and beside CLA,
 # SkipV1Former, a value embedding, QK-norm and windows
 ATTN_RES_VARIANTS = {
-    'attnres-full': dict(attention='vanilla', attn_residuals='full'),
+    'attnres-full': dict(attention='vanilla', residual='attnres', attn_residual_blocks=0),
     'attnres-block1-resformer': dict(
-        attention='resformer', lambda_mode='learnable_plus', attn_residuals='block', attn_residual_blocks=1
+        attention='resformer', lambda_mode='learnable_plus', residual='attnres', attn_residual_blocks=1
     ),
-    'attnres-block3-svformer-cla2': dict(
-        attention='svformer', kv_share=2, attn_residuals='block', attn_residual_blocks=3
-    ),
+    'attnres-block3-svformer-cla2': dict(attention='svformer', kv_share=2, residual='attnres', attn_residual_blocks=3),
     'attnres-full-skipv1-value_embeds-qk_norm-windows': dict(
         attention='vanilla',
-        attn_residuals='full',
+        residual='attnres',
+        attn_residual_blocks=0,
         skip_v1=1,
         value_embed_layers=(1,),
         qk_norm=True,
@@ -99,18 +103,18 @@ ATTN_RES_VARIANTS = {
 # Hyper-connections (vrl/model/residual/hyper.py), both kinds, static and dynamic, with other streams counts and on
 # the value-residual variants (checked by the tests of the model, decoding, accounting and sharding)
 HYPER_VARIANTS = {
-    'hc': dict(attention='vanilla', hyper_connections='hc'),
-    'mhc': dict(attention='vanilla', hyper_connections='mhc'),
+    'hc': dict(attention='vanilla', residual='hc'),
+    'mhc': dict(attention='vanilla', residual='mhc'),
     'resformer-hc-static-3': dict(
         attention='resformer',
         lambda_mode='per_token',
-        hyper_connections='hc',
+        residual='hc',
         hyper_dynamic=False,
         hyper_streams=3,
         value_embed_layers=(2,),
     ),
-    'svformer-cla2-mhc-2': dict(attention='svformer', kv_share=2, hyper_connections='mhc', hyper_streams=2),
-    'neutreno-mhc-3': dict(attention='vanilla', neutreno=True, hyper_connections='mhc', hyper_streams=3),
+    'svformer-cla2-mhc-2': dict(attention='svformer', kv_share=2, residual='mhc', hyper_streams=2),
+    'neutreno-mhc-3': dict(attention='vanilla', neutreno=True, residual='mhc', hyper_streams=3),
 }
 
 # The named variants whose code paths differ where a compiled program is checked (the scan against the

@@ -98,9 +98,9 @@ def _np_mudd(cfg: ModelConfig, p: dict, n: int, blocks: list) -> dict | None:
     """MUDD's mixes after 0-based layer n, by way ('q', 'k', 'v', 'r'), or None without a connection
     there. blocks: the embedding output and the block outputs 1..n+1, each (L, D)."""
     connected = [m for m in range(cfg.n_layers) if not cfg.mudd_layers or m + 1 in cfg.mudd_layers]
-    if not cfg.mudd or n not in connected:
+    if cfg.residual != 'mudd' or n not in connected:
         return None
-    ways = 'r' if n == cfg.n_layers - 1 else cfg.mudd
+    ways = 'r' if n == cfg.n_layers - 1 else cfg.mudd_ways
     entry = connected.index(n)
     w_in, w_out, static = (p['mudd'][name][entry] for name in ('w_in', 'w_out', 'static'))
     newest = blocks[-1] / np.sqrt(np.mean(blocks[-1] ** 2, -1, keepdims=True) + cfg.norm_eps)
@@ -126,7 +126,7 @@ def _np_hyper(cfg: ModelConfig, c: dict | None, h: np.ndarray) -> tuple:
     inputs, remixes, posts = np.zeros((L, D)), np.zeros((L, n, n)), np.zeros((L, n))
     for t in range(L):
         pre, res, post = c['static_pre'].copy(), c['static_res'].copy(), c['static_post'].copy()  # res[dst, src]
-        if 'w' in c and cfg.hyper_connections == 'hc':  # each stream i: tanh(norm(h_i) W) = [pre_i, res[:, i], post_i]
+        if 'w' in c and cfg.residual == 'hc':  # each stream i: tanh(norm(h_i) W) = [pre_i, res[:, i], post_i]
             for i in range(n):
                 d = np.tanh(_np_rms(h[i, t], c['norm'], cfg.norm_eps) @ c['w'])
                 pre[i] += c['gates'][0] * d[0]
@@ -139,7 +139,7 @@ def _np_hyper(cfg: ModelConfig, c: dict | None, h: np.ndarray) -> tuple:
             pre += c['gates'][0] * d[:n]
             post += c['gates'][1] * d[n : 2 * n]
             res += c['gates'][2] * d[2 * n :].reshape(n, n)
-        if cfg.hyper_connections == 'mhc':
+        if cfg.residual == 'mhc':
             pre, post, res = _np_sigmoid(pre), 2 * _np_sigmoid(post), _np_sinkhorn(res)
         inputs[t] = sum(pre[i] * h[i, t] for i in range(n))
         remixes[t], posts[t] = res, post
@@ -166,7 +166,8 @@ class _NpDepth:
 
         def added(out):
             self.partial = out if self.partial is None else self.partial + out
-            full, per_block = self.cfg.attn_residuals == 'full', self.cfg.n_layers // self.cfg.attn_residual_blocks
+            full = not self.cfg.attn_residual_blocks
+            per_block = self.cfg.n_layers // max(self.cfg.attn_residual_blocks, 1)
             if full or (sublayer == 1 and (n + 1) % per_block == 0):
                 self.sources, self.partial = self.sources + [self.partial], None
             return np.zeros_like(out) if self.partial is None else self.partial
@@ -184,8 +185,8 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
     G = cfg.n_heads // cfg.n_kv_heads
     h = p['embed'][tokens]
     blocks = [h]
-    depth = _NpDepth(cfg, h) if cfg.attn_residuals else None
-    if cfg.hyper_connections:
+    depth = _NpDepth(cfg, h) if cfg.residual == 'attnres' else None
+    if cfg.residual in ('hc', 'mhc'):
         h = np.stack([h] * cfg.hyper_streams)  # the n streams (n, L, D)
     v1 = group_kv = None
     ways = {}  # MUDD: the q, k, v inputs that the last connection mixed
@@ -197,7 +198,9 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
         x = _np_rms(ways.get('q', x), layer['attn_norm']['scale'], cfg.norm_eps)
         # MUDD's k and v ways: every layer after the first normalises them with its own scale, mixed or not
         xk, xv = (
-            _np_rms(ways.get(w, h), layer[f'{w}_input_norm']['scale'], cfg.norm_eps) if n and w in cfg.mudd else x
+            _np_rms(ways.get(w, h), layer[f'{w}_input_norm']['scale'], cfg.norm_eps)
+            if n and cfg.residual == 'mudd' and w in cfg.mudd_ways
+            else x
             for w in 'kv'
         )
         a = layer['attn']
@@ -241,7 +244,7 @@ def forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, trace: list | None = 
         gate, up = x @ m['w_gate'], x @ m['w_up']
         h = mlp_added((gate / (1 + np.exp(-gate)) * up) @ m['w_down'])
         blocks.append(h)
-        if cfg.denseformer:
+        if cfg.residual == 'dense':
             h = sum(w * b for w, b in zip(_np_depth_weights(cfg, p)[n], blocks))
         ways = _np_mudd(cfg, p, n, blocks) or {'r': h}  # after a layer without a connection, h for every input
         h = ways.pop('r')

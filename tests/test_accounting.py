@@ -28,8 +28,8 @@ from tests.helpers import (
 )
 from vrl.core.config import ConfigError
 from vrl.model import accounting
-from vrl.model.residual import hyper
 from vrl.model.decoder import Decoder
+from vrl.model.residual import hyper
 from vrl.train.config import from_configdict
 
 
@@ -127,7 +127,7 @@ def test_forward_flops_agree_with_xla_cost_analysis(variant):
 def _sinkhorn_flops(cfg) -> float:
     """XLA's count of mhc's Sinkhorn per token (2 L of them): elementwise work that the formula leaves out,
     like the rest, but 6% of this small shape's forward (0.17% at 82M, 0.07% at 468M)."""
-    if cfg.hyper_connections != 'mhc':
+    if cfg.residual != 'mhc':
         return 0
     n = cfg.hyper_streams
     cost = jax.jit(hyper.sinkhorn).lower(jnp.ones((n, n), jnp.float32)).compile().cost_analysis()
@@ -137,9 +137,9 @@ def _sinkhorn_flops(cfg) -> float:
 def _mudd_padding(cfg) -> int:
     """The multiply-adds per token that the model runs beyond MUDD's own: every layer's connection at
     the widest hidden width, with every way over all L + 1 outputs."""
-    if not cfg.mudd:
+    if cfg.residual != 'mudd':
         return 0
-    D, C, L = cfg.d_model, len(cfg.mudd), cfg.n_layers
+    D, C, L = cfg.d_model, len(cfg.mudd_ways), cfg.n_layers
     own = [(len(cfg.mudd_after(i)) * (i + 2), cfg.mudd_hidden(i)) for i in range(L) if cfg.mudd_after(i)]
     hidden = max(h for _, h in own)
     return L * (D * hidden + hidden * C * (L + 1) + C * (L + 1) * D) - sum(D * h + h * w + w * D for w, h in own)
@@ -196,12 +196,12 @@ def test_every_preset_is_a_config_argument(config, variant):
     assert json.loads(out.stdout.strip().splitlines()[-1])['variant'].startswith(variant), out.stdout
 
 
-@pytest.mark.parametrize('mode', ['full', 'block'])
-def test_the_parameters_the_accounting_calls_constant_get_no_gradient(mode):
+@pytest.mark.parametrize('blocks', [0, 3])  # full, Block AttnRes
+def test_the_parameters_the_accounting_calls_constant_get_no_gradient(blocks):
     """Attention Residuals' first query and its key scale weigh the embedding alone (a softmax over one
     source is 1): their gradient is exactly zero, every other depth parameter's is not, and the accounting
     counts those 2 D as constant."""
-    cfg = small_model_config(attn_residuals=mode, attn_residual_blocks=3)
+    cfg = small_model_config(residual='attnres', attn_residual_blocks=blocks)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     randomize(model, 7)
     tokens = random_tokens(3, vocab=cfg.vocab_size)
@@ -218,7 +218,9 @@ def test_the_parameters_the_accounting_calls_constant_get_no_gradient(mode):
         assert np.any(np.asarray(grads['first'][name]['query'])), name
     assert np.any(np.asarray(grads['layers']['attn_depth']['query']))
     assert accounting.account(cfg, 16).constant_params == first['query'].size + first['key_scale'].size
-    assert accounting.account(dataclasses.replace(cfg, attn_residuals=''), 16).constant_params == 0
+    assert (
+        accounting.account(dataclasses.replace(cfg, residual='plain', attn_residual_blocks=0), 16).constant_params == 0
+    )
 
 
 def test_each_variant_changes_the_count_by_its_formula():
@@ -230,7 +232,7 @@ def test_each_variant_changes_the_count_by_its_formula():
 
     vanilla = params()
     assert params(neutreno=True) == vanilla
-    assert params(denseformer=True) == vanilla + L * (L + 3) // 2
+    assert params(residual='dense') == vanilla + L * (L + 3) // 2
     assert params(kv_share=2) == vanilla - (L // 2) * 2 * D * K * Dh  # layers 2, 4, 6 lose W_K and W_V
     assert params(kv_share=3) == vanilla - 4 * 2 * D * K * Dh
     assert params(attention='svformer', kv_share=2) == vanilla - (L // 2) * D * K * Dh - (L - 1) * D * K * Dh
@@ -244,9 +246,9 @@ def test_each_variant_changes_the_count_by_its_formula():
     assert accounting.training_flops_per_token(ve, 16) - accounting.training_flops_per_token(base, 16) == 6 * D * K
     # hyper-connections, 2 L sublayers with n = 4 streams: static 2n + n^2; hc: a scale, W (D, n + 2), 2 gates;
     # mhc: a scale (n D), phi (n D, 2n + n^2), 3 gates
-    assert params(hyper_connections='hc', hyper_dynamic=False) == vanilla + 2 * L * 24
-    assert params(hyper_connections='hc') == vanilla + 2 * L * (24 + D + 6 * D + 2)
-    assert params(hyper_connections='mhc', hyper_streams=2) == vanilla + 2 * L * (8 + 2 * D + 2 * D * 8 + 3)
+    assert params(residual='hc', hyper_dynamic=False) == vanilla + 2 * L * 24
+    assert params(residual='hc') == vanilla + 2 * L * (24 + D + 6 * D + 2)
+    assert params(residual='mhc', hyper_streams=2) == vanilla + 2 * L * (8 + 2 * D + 2 * D * 8 + 3)
 
 
 @pytest.mark.parametrize('variant', variant_params())
@@ -341,7 +343,11 @@ def test_any_preset_at_a_base_size_and_a_bad_one_named():
     """configs/preset.py: a preset's fields on base.py's shape and recipe; an unknown preset or size names
     what is allowed."""
     config = from_configdict(preset.get_config('mudd:vr_late,468m'))
-    assert (config.model.mudd, config.model.mudd_layers) == ('vr', (16, 17, 18, 19, 20, 21, 22, 23, 24))
+    assert (config.model.residual, config.model.mudd_ways, config.model.mudd_layers) == (
+        'mudd',
+        'vr',
+        (16, 17, 18, 19, 20, 21, 22, 23, 24),
+    )
     assert config.model.d_model == from_configdict(base.get_config('vanilla,468m')).model.d_model
     with pytest.raises(ConfigError, match=r"unknown variant preset 'mud'; did you mean 'mudd'.* --list_variants"):
         preset.get_config('mud,82m')

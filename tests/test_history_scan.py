@@ -63,7 +63,7 @@ def _temporaries(cfg) -> int:
 def test_the_history_is_kept_once_not_once_per_layer(monkeypatch):
     """12 layers of MUDD (qkvr): jax.lax.scan keeps 11 copies of the 13-output history (and of the mixed
     q, k, v inputs); history_scan's compiled gradient saves at least 80% of the history's 11 copies."""
-    cfg = small_model_config(n_layers=12, mudd='qkvr', remat='full', compute_dtype='float32')
+    cfg = small_model_config(n_layers=12, residual='mudd', mudd_ways='qkvr', remat='full', compute_dtype='float32')
     once = _temporaries(cfg)
     monkeypatch.setattr(  # what jax.lax.scan keeps: the carry, history included, once per step
         history_scan, 'scan', lambda step, c, xs, h: jax.lax.scan(lambda c, x: (step(c, x), None), c, xs)[0]
@@ -76,7 +76,9 @@ def test_the_history_is_kept_once_not_once_per_layer(monkeypatch):
 
 def test_attention_residuals_keep_their_sources_once(monkeypatch):
     """Full AttnRes over 12 layers: 25 sources, which jax.lax.scan would keep once per stacked layer."""
-    cfg = small_model_config(n_layers=12, attn_residuals='full', remat='full', compute_dtype='float32')
+    cfg = small_model_config(
+        n_layers=12, residual='attnres', attn_residual_blocks=0, remat='full', compute_dtype='float32'
+    )
     once = _temporaries(cfg)
     monkeypatch.setattr(
         history_scan, 'scan', lambda step, c, xs, h: jax.lax.scan(lambda c, x: (step(c, x), None), c, xs)[0]

@@ -30,9 +30,7 @@ from vrl.model.residual import hyper  # noqa: E402
 
 @pytest.mark.parametrize('streams, sublayer', [(4, 0), (3, 1)])
 def test_hc_equals_the_hyper_connections_package(streams, sublayer):
-    cfg = dataclasses.replace(
-        small_model_config(hyper_connections='hc', hyper_streams=streams, norm_eps=1e-30), d_model=16
-    )
+    cfg = dataclasses.replace(small_model_config(residual='hc', hyper_streams=streams, norm_eps=1e-30), d_model=16)
     n, D, B, T = streams, cfg.d_model, 2, 5
     ours = hyper.HyperConnection(cfg, sublayer=sublayer, stack=None, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(streams)

@@ -25,10 +25,12 @@ from tests.helpers import (
     small_model_config,
     variant_params,
 )
-from vrl.core.config import ConfigError
-from vrl.model import attention, ops
+from vrl.core.config import ConfigError, from_dict
+from vrl.model import attention, config, ops, presets
 from vrl.model.decoder import Decoder
 from vrl.train import step
+from vrl.train.config import Config
+from vrl.train.rundir import checkpoint
 
 
 def _loss_and_logits(model: Decoder, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -92,7 +94,7 @@ def test_a_remat_policy_keeps_the_tensors_it_names():
             'attnres-full-full': (ATTN_RES_VARIANTS['attnres-full'], 'full'),
             'attnres-block1-resformer': (ATTN_RES_VARIANTS['attnres-block1-resformer'], 'none'),
             'attnres-block2-svformer-cla2-full': (
-                dict(attention='svformer', kv_share=2, attn_residuals='block', attn_residual_blocks=2),
+                dict(attention='svformer', kv_share=2, residual='attnres', attn_residual_blocks=2),
                 'full',
             ),
         },
@@ -114,7 +116,7 @@ def test_scan_equals_loop(variant, remat):
     # attention residuals' backward runs a softmax over up to 2 L + 1 sources per sublayer, its sums in
     # another order in the loop: 7e-6 to 1.02e-5 measured on 4 layers (each path within 1.3e-6 of the
     # float64 reference's logits)
-    assert rel_err(flat_loop, flat_scan) < (2e-5 if cfg.attn_residuals else 1e-5)
+    assert rel_err(flat_loop, flat_scan) < (2e-5 if cfg.residual == 'attnres' else 1e-5)
     # per parameter too; a scalar like learnable_plus's s sums many terms in another order. A gradient
     # that is zero in exact arithmetic is rounding on both sides, compared against the largest: layer 1's
     # hyper-connection input weights only scale the identical streams that its pre-norm normalises
@@ -254,7 +256,7 @@ def test_attention_residuals_start_as_the_plain_residual(variant):
     the plain residual's (with eps far below the activations' scale); once the queries move, it is not."""
     cfg = small_model_config(norm_eps=1e-12, **ATTN_RES_VARIANTS[variant])
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    plain = Decoder(dataclasses.replace(cfg, attn_residuals=''), rngs=nnx.Rngs(0))
+    plain = Decoder(dataclasses.replace(cfg, residual='plain', attn_residual_blocks=0), rngs=nnx.Rngs(0))
     tokens = random_tokens(24)
     assert rel_err(model(tokens)[..., :97], plain(tokens)[..., :97]) < 1e-5
     model.layers.mlp_depth.query[...] = jax.random.normal(jax.random.key(25), model.layers.mlp_depth.query.shape)
@@ -335,32 +337,60 @@ def test_v1_is_not_detached():
         (dict(value_embed_layers=(1, 2), value_embed_tables=(0,)), 'model.value_embed_tables', 'one table id per'),
         (dict(value_embed_layers=(1, 2), value_embed_tables=(0, 2)), 'model.value_embed_tables', 'every id 0..T-1'),
         (dict(lambda_mode='per-token'), 'model.lambda_mode', "'per_token'"),
-        (dict(mudd='qkv'), 'model.mudd', "'', 'r', 'vr', 'qkvr'"),
-        (dict(mudd_layers=(2,)), 'model.mudd_layers', 'with model.mudd set'),
-        (dict(mudd='r', mudd_layers=(4,)), 'model.mudd_layers', 'in 1..3'),
-        (dict(mudd='r', denseformer=True), 'model.mudd', "'' with model.denseformer"),
-        (dict(attention='svformer', mudd='vr'), 'model.mudd', "'r' with model.attention='svformer'"),
-        (dict(kv_share=2, mudd='qkvr'), 'model.mudd', "'r' with model.kv_share=2"),
-        (dict(hyper_connections='mHC'), 'model.hyper_connections', "'', 'hc', 'mhc'"),
-        (dict(hyper_connections='hc', hyper_streams=0), 'model.hyper_streams', 'an integer >= 1'),
-        (dict(hyper_connections='hc', denseformer=True), 'model.hyper_connections', "'' with model.denseformer"),
-        (dict(hyper_connections='mhc', mudd='vr'), 'model.hyper_connections', "'' with model.mudd"),
-        (
-            dict(hyper_connections='mhc', hyper_dynamic=False),
-            'model.hyper_dynamic',
-            "True with model.hyper_connections='mhc'",
-        ),
-        (dict(attn_residuals='blocks'), 'model.attn_residuals', "'', 'full', 'block'"),
-        (dict(attn_residuals='block', attn_residual_blocks=2), 'model.attn_residual_blocks', 'a divisor of model.n_la'),
-        (dict(attn_residuals='full', mudd='r'), 'model.attn_residuals', "'' with model.mudd"),
-        (dict(attn_residuals='block', attn_residual_blocks=3, denseformer=True), 'model.attn_residuals', 'denseformer'),
-        (dict(attn_residuals='full', hyper_connections='mhc'), 'model.attn_residuals', "'' with model.hyper_conn"),
+        (dict(residual='dense_former'), 'model.residual', "'plain', 'dense', 'mudd', 'hc', 'mhc', 'attnres'"),
+        (dict(residual='mudd', mudd_ways='qkv'), 'model.mudd_ways', "'r', 'vr', 'qkvr'"),
+        (dict(mudd_layers=(2,)), 'model.mudd_layers', "its default, (), with model.residual='plain'"),
+        (dict(residual='dense', mudd_ways='r'), 'model.mudd_ways', "it is a field of model.residual='mudd'"),
+        (dict(residual='mudd', mudd_ways='r', mudd_layers=(4,)), 'model.mudd_layers', 'in 1..3'),
+        (dict(attention='svformer', residual='mudd', mudd_ways='vr'), 'model.mudd_ways', "'r' with model.attention="),
+        (dict(kv_share=2, residual='mudd'), 'model.mudd_ways', "'r' with model.kv_share=2"),
+        (dict(residual='mHC'), 'model.residual', "'hc', 'mhc'"),
+        (dict(residual='hc', hyper_streams=0), 'model.hyper_streams', 'an integer >= 1'),
+        (dict(hyper_streams=2), 'model.hyper_streams', "a field of model.residual='hc' or 'mhc'"),
+        (dict(residual='mhc', hyper_dynamic=False), 'model.hyper_dynamic', "True with model.residual='mhc'"),
+        (dict(residual='attnres', attn_residual_blocks=2), 'model.attn_residual_blocks', 'a divisor of model.n_la'),
+        (dict(residual='mudd', attn_residual_blocks=3), 'model.attn_residual_blocks', "with model.residual='mudd'"),
     ],
 )
 def test_bad_config_names_field_and_allowed_values(overrides, field, allowed):
     with pytest.raises(ConfigError) as e:
         small_model_config(**overrides)
     assert field in str(e.value) and allowed in str(e.value)
+
+
+@pytest.mark.parametrize(
+    'old, preset',
+    [
+        (dict(denseformer=True), 'denseformer'),
+        (dict(mudd='vr'), 'mudd:vr'),
+        (dict(hyper_connections='mhc'), 'mhc'),
+        (dict(attn_residuals='full'), 'attnres'),
+        (dict(attn_residuals='block', attn_residual_blocks=3), 'attnres:block'),
+        ({}, 'vanilla'),
+    ],
+)
+def test_a_config_from_before_model_residual_reads_as_today_s(old, preset, monkeypatch, caplog):
+    """A model section written with each method's own switch (config.json, a study record, a checkpoint's
+    saved config) is read as model.residual and the method's fields, said once; a resume compares it in
+    today's fields."""
+    monkeypatch.setattr(config, '_said_upgraded', set())
+    today = presets.apply(preset, small_model_config())
+    written = {**config.before_residual(dataclasses.asdict(small_model_config())), **old}
+    for _ in range(2):
+        assert from_dict(Config, {'model': written}).model == today
+    said = [r.getMessage() for r in caplog.records if 'is read as model.residual=' in r.getMessage()]
+    assert len(said) == (1 if old else 0) and (not old or f'model.residual={today.residual!r}' in said[0])
+    checkpoint.check_model({'model': written}, today, 'the checkpoint')
+    other = presets.apply('hc' if preset != 'hc' else 'mhc', small_model_config())
+    with pytest.raises(checkpoint.CheckpointMismatchError, match='model.residual='):
+        checkpoint.check_model({'model': written}, other, 'the checkpoint')
+
+
+def test_a_config_from_before_model_residual_choosing_two_methods_is_refused():
+    with pytest.raises(ConfigError, match="model.mudd='vr', model.hyper_connections='hc'.* choose mudd and hc"):
+        from_dict(Config, {'model': {'mudd': 'vr', 'hyper_connections': 'hc'}})
+    with pytest.raises(ConfigError, match="choose dense beside model.residual='mhc'"):
+        from_dict(Config, {'model': {'denseformer': True, 'residual': 'mhc'}})
 
 
 @pytest.mark.parametrize('chunks', cases({'2': 2, '3': 3, '7': 7, '9': 9}, ('3', '9')))

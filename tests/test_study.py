@@ -434,12 +434,25 @@ def test_a_record_from_before_a_field_existed_reads_it_as_its_default(tmp_path):
     its default, and another one once it does not."""
     directory = grid.GridDirectory(epath.Path(tmp_path), 'study.json', 'study')
     record = {'base_config': dataclasses.asdict(Config())}
-    del record['base_config']['model']['hyper_connections']
+    del record['base_config']['model']['hyper_streams']
     (tmp_path / 'study.json').write_text(json.dumps(record))
     directory.check_same_base(Config())
-    wider = Config(model=ModelConfig(hyper_connections='mhc'))
-    with pytest.raises(GridError, match="model.hyper_connections was None there and is 'mhc' now"):
+    wider = Config(model=ModelConfig(residual='mhc', hyper_streams=2))
+    with pytest.raises(GridError, match="model.residual was 'plain' there and is 'mhc' now"):
         directory.check_same_base(wider)
+
+
+def test_a_record_from_before_model_residual_is_the_same_study(tmp_path):
+    """A study directory whose base config names each residual method's switch (before model.residual) is
+    the same study as today's config of that method, and another one than a different method's."""
+    directory = grid.GridDirectory(epath.Path(tmp_path), 'study.json', 'study')
+    model = {k: v for k, v in dataclasses.asdict(ModelConfig()).items() if k not in ('residual', 'mudd_ways')}
+    model.update(denseformer=False, mudd='vr', hyper_connections='', attn_residuals='', attn_residual_blocks=8)
+    record = {'base_config': {**dataclasses.asdict(Config()), 'model': model}}
+    (tmp_path / 'study.json').write_text(json.dumps(record))
+    directory.check_same_base(Config(model=ModelConfig(residual='mudd', mudd_ways='vr')))
+    with pytest.raises(GridError, match="model.mudd_ways was 'vr' there and is 'qkvr' now"):
+        directory.check_same_base(Config(model=ModelConfig(residual='mudd')))
 
 
 def test_a_ladder_of_one_size_reports_without_a_fit(small_corpus, tmp_path):

@@ -36,7 +36,7 @@ def _like(vanilla: Decoder, **overrides) -> Decoder:
 
 def test_denseformer_at_its_initialisation_is_vanilla(vanilla):
     tokens = random_tokens(4)
-    dense = Decoder(small_model_config(n_layers=4, denseformer=True), rngs=nnx.Rngs(2))
+    dense = Decoder(small_model_config(n_layers=4, residual='dense'), rngs=nnx.Rngs(2))
     copy_params(vanilla, dense)  # every weight but the averaging weights, which stay at their init
     assert rel_err(_logits(dense, tokens), _logits(vanilla, tokens)) < 1e-6
     randomize(dense, 5)
@@ -49,7 +49,7 @@ def test_mudd_at_its_initialisation_is_vanilla_and_learns(vanilla, ways):
     and v ways' norms scaled as the query's, the model is vanilla; a gradient step on MUDD's weights
     makes it another model."""
     tokens = random_tokens(5)
-    mudd = Decoder(small_model_config(n_layers=4, mudd=ways), rngs=nnx.Rngs(2))
+    mudd = Decoder(small_model_config(n_layers=4, residual='mudd', mudd_ways=ways), rngs=nnx.Rngs(2))
     copy_params(vanilla, mudd)  # every weight but MUDD's, which stay at their init
     for norm in (getattr(mudd.layers, f'{way}_input_norm', None) for way in 'kv'):
         if norm is not None:  # the random query norm's scale (theirs start at 1, as vanilla's does)
@@ -69,7 +69,7 @@ def test_mudd_at_its_initialisation_is_vanilla_and_learns(vanilla, ways):
 def test_mudd_parameters_have_the_authors_shapes():
     """After 0-based layer i: W_in (D, H_i), W_out (H_i, ways (i + 2)), static (ways, i + 2), r alone
     after the last layer, H_i the authors' JAX widths (rounded up past a multiple of 64, 4x on the last)."""
-    cfg = small_model_config(n_layers=4, mudd='qkvr', mudd_layers=(2, 4))
+    cfg = small_model_config(n_layers=4, residual='mudd', mudd_ways='qkvr', mudd_layers=(2, 4))
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     shapes = jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(model.mudd, nnx.Param)))
     D = cfg.d_model
@@ -78,7 +78,9 @@ def test_mudd_parameters_have_the_authors_shapes():
         'w_out': {0: (64, 12), 1: (64, 5)},
         'static': {0: (4, 3), 1: (1, 5)},
     }
-    assert small_model_config(n_layers=16, mudd='qkvr').mudd_hidden(14) == 128  # 4 x 16 = 64 -> 128
+    assert (
+        small_model_config(n_layers=16, residual='mudd', mudd_ways='qkvr').mudd_hidden(14) == 128
+    )  # 4 x 16 = 64 -> 128
 
 
 @pytest.mark.parametrize(
@@ -94,7 +96,7 @@ def test_hyper_connections_at_their_initialisation_are_vanilla_and_learn(kind, d
     randomize(vanilla, 1)
     tokens = random_tokens(10)
     hyper = Decoder(
-        dataclasses.replace(cfg, hyper_connections=kind, hyper_dynamic=dynamic, hyper_streams=streams),
+        dataclasses.replace(cfg, residual=kind, hyper_dynamic=dynamic, hyper_streams=streams),
         rngs=nnx.Rngs(2),
     )
     copy_params(vanilla, hyper)  # every weight but the connections', which stay at their init
@@ -200,7 +202,7 @@ def test_every_preset_builds_on_the_shipped_shapes(size):
     sparse = presets.apply('resformer:sparse', config.model)
     assert sparse.sparse_layers[-1] == sparse.n_layers and sparse.lambda1 == 5.0
     # a preset sets the whole variant: nothing of another one leaks through
-    dense_cla = dataclasses.replace(config.model, denseformer=True, kv_share=2)
+    dense_cla = dataclasses.replace(config.model, residual='dense', kv_share=2)
     assert presets.apply('resformer', dense_cla) == presets.apply('resformer', config.model)
 
 

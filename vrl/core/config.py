@@ -52,6 +52,8 @@ def from_dict(root: type, values: dict[str, Any]) -> Any:
     values, sections = dict(values), {}
     for name, section_cls in typing.get_type_hints(root).items():
         given = dict(values.pop(name, {}))
+        if hasattr(section_cls, 'UPGRADE'):  # fields of earlier configs, read as today's
+            given = section_cls.UPGRADE(given)
         known = {f.name: f for f in dataclasses.fields(section_cls)}
         unknown = sorted(set(given) - set(known))
         if unknown:

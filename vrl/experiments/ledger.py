@@ -36,7 +36,7 @@ import numpy as np
 from etils import epath
 
 from vrl.core import storage
-from vrl.model.config import EXECUTION_FIELDS
+from vrl.model.config import EXECUTION_FIELDS, before_residual
 from vrl.train import metrics
 from vrl.train.config import Config
 from vrl.train.rundir import workdir as workdir_lib
@@ -81,9 +81,10 @@ def _default_json() -> dict:
 
 def fingerprint(config: Config) -> str:
     """16 hex digits of the SHA-256 of the config's JSON (sorted keys) without WHERE_AND_HOW, the mesh and the
-    fields ADDED_AFTER_LEDGERS at their defaults."""
+    fields ADDED_AFTER_LEDGERS at their defaults, the residual method spelled as before model.residual."""
     values, defaults = workdir_lib.as_json(config), _default_json()
     values.pop('mesh', None)
+    values['model'] = before_residual(values['model'])  # the fields the first ledgers were written with
     kept = {
         section: {
             k: v

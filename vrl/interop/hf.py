@@ -32,6 +32,7 @@ Both sides use rotate-half RoPE and x * rsqrt(mean(x^2) + eps) * weight: no perm
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -43,7 +44,7 @@ import numpy as np
 from vrl.core.errors import CheckpointError
 from vrl.data.tokenizer import SentencePieceTokenizer, Tokenizer
 from vrl.model.cache import layout_of
-from vrl.model.config import VARIANT_FIELDS, ModelConfig
+from vrl.model.config import VARIANT_FIELDS, ModelConfig, before_residual, upgraded
 
 try:
     from safetensors.numpy import load_file, save_file
@@ -99,10 +100,7 @@ def is_llama(cfg: ModelConfig) -> bool:
     return not (
         cfg.attention != 'vanilla'
         or cfg.neutreno
-        or cfg.denseformer
-        or cfg.mudd
-        or cfg.hyper_connections
-        or cfg.attn_residuals
+        or cfg.residual != 'plain'
         or cfg.skip_v1
         or cfg.kv_share > 1
         or cfg.value_embed_layers
@@ -148,7 +146,7 @@ def links(cfg: ModelConfig) -> list[Link]:
                     prefix + 'self_attn.value_embed_gate.weight', ('value_embeds', 'gates'), (ve_entry[i],), *_TRANSPOSE
                 )
             )
-        if cfg.denseformer:  # row i of the depth matrix: its i + 2 weights, contiguous in alpha
+        if cfg.residual == 'dense':  # row i of the depth matrix: its i + 2 weights, contiguous in alpha
             out.append(
                 Link(
                     prefix + 'depth_weights',
@@ -159,12 +157,12 @@ def links(cfg: ModelConfig) -> list[Link]:
             )
             depth_offset += i + 2
         if i > 0:
-            for way in cfg.mudd[:-1].replace('q', ''):
+            for way in cfg.mudd_ways[:-1].replace('q', '') if cfg.residual == 'mudd' else '':
                 out.append(Link(f'{prefix}{way}_input_norm.weight', (block, f'{way}_input_norm', 'scale'), at, *_SAME))
-        for sublayer in ('attn_hyper', 'mlp_hyper') if cfg.hyper_connections else ():
+        for sublayer in ('attn_hyper', 'mlp_hyper') if cfg.residual in ('hc', 'mhc') else ():
             names = HYPER_WEIGHTS if cfg.hyper_dynamic else HYPER_WEIGHTS[:3]
             out += [Link(f'{prefix}{sublayer}.{name}', (block, sublayer, name), at, *_SAME) for name in names]
-        for sublayer in ('attn_depth', 'mlp_depth') if cfg.attn_residuals else ():
+        for sublayer in ('attn_depth', 'mlp_depth') if cfg.residual == 'attnres' else ():
             out += [Link(f'{prefix}{sublayer}.{name}', (block, sublayer, name), at, *_SAME) for name in DEPTH_WEIGHTS]
         if i in mudd_entry:
             n = mudd_entry[i]
@@ -173,7 +171,7 @@ def links(cfg: ModelConfig) -> list[Link]:
                 Link(prefix + 'mudd.proj_out.weight', ('mudd', 'w_out', n), (), *_TRANSPOSE),
                 Link(prefix + 'mudd.static', ('mudd', 'static', n), (), *_SAME),
             ]
-    if cfg.attn_residuals:  # the output query over every source
+    if cfg.residual == 'attnres':  # the output query over every source
         out += [Link(f'model.depth_output.{name}', ('depth_output', name), (), *_SAME) for name in DEPTH_WEIGHTS]
     for table in sorted(set(cfg.value_embed_table_ids)):
         out.append(
@@ -250,7 +248,9 @@ def _zeros(shapes: Any) -> Any:
     return np.zeros(shapes, np.float32)
 
 
-VRL_FIELDS = (*VARIANT_FIELDS, 'qk_norm')  # what a VrlForCausalLM's config.json adds to Llama's, same names
+# what a VrlForCausalLM's config.json adds to Llama's: vrl's names, with each residual method's switch as configs
+# before model.residual spelled it (config.before_residual), which the plugin and earlier exports read
+VRL_FIELDS = (*before_residual({**dict.fromkeys(VARIANT_FIELDS), 'residual': 'plain'}), 'qk_norm')
 # and under transformers' names (Gemma 2's; None: off), config.json key -> vrl model field
 _SOFT_CAP_FIELDS = {
     'attn_logit_softcapping': 'attn_logits_soft_cap',
@@ -288,7 +288,7 @@ def hf_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dic
     )
     if is_llama(cfg):
         return {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **config}
-    variant = {field: _jsonable(getattr(cfg, field)) for field in VRL_FIELDS}
+    variant = {field: _jsonable(value) for field, value in _export_fields(cfg).items()}
     variant.update({key: getattr(cfg, field) or None for key, field in _SOFT_CAP_FIELDS.items()})
     variant.update(_layer_types(cfg))
     return {
@@ -302,6 +302,17 @@ def hf_config(cfg: ModelConfig, max_positions: int, tokenizer: Tokenizer) -> dic
         **config,
         **variant,
     }
+
+
+def _export_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The export's VRL_FIELDS of `cfg`; HFError for a residual method the export has no fields for."""
+    fields = before_residual(dataclasses.asdict(cfg))
+    if 'residual' in fields:
+        raise HFError(
+            f'model.residual={cfg.residual!r} has no Hugging Face export yet (the export writes the methods of '
+            f'config.METHODS_BEFORE_RESIDUAL); train and evaluate it in vrl.'
+        )
+    return {field: fields[field] for field in VRL_FIELDS}
 
 
 def _layer_types(cfg: ModelConfig) -> dict[str, Any]:
@@ -442,14 +453,12 @@ def _check_config(hf: dict, folder: Path, cfg: ModelConfig) -> None:
     if theta != cfg.rope_theta:
         raise HFError(f'{folder} has rope_theta={theta!r} but the config has model.rope_theta={cfg.rope_theta!r}.')
     if hf['model_type'] == 'vrl':
-        defaults = ModelConfig()
+        defaults, ours = _export_fields(ModelConfig()), _export_fields(cfg)
         for field in VRL_FIELDS:
-            theirs = hf.get(field, _jsonable(getattr(defaults, field)))
-            if theirs != _jsonable(getattr(cfg, field)):
-                raise HFError(
-                    f'{folder} has {field}={theirs!r} but the config has model.{field}='
-                    f'{getattr(cfg, field)!r}; set --config.model.{field}={theirs!r}.'
-                )
+            theirs = hf.get(field, _jsonable(defaults[field]))
+            if theirs != _jsonable(ours[field]):
+                fix = ' '.join(f'--config.model.{k}={v!r}' for k, v in upgraded({field: theirs}).items())
+                raise HFError(f'{folder} has {field}={theirs!r} but the config has {field}={ours[field]!r}; set {fix}.')
         for key, field in _SOFT_CAP_FIELDS.items():
             theirs = hf.get(key) or 0.0
             if theirs != getattr(cfg, field):

@@ -11,9 +11,9 @@ import dataclasses
 import jax.numpy as jnp
 
 from vrl.model import resolve
-from vrl.model.residual import attnres as attn_residuals
 from vrl.model.cache import layout_of
 from vrl.model.config import ModelConfig
+from vrl.model.residual import attnres
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +54,9 @@ def _hyper_params(cfg: ModelConfig) -> int:
     """Hyper-connections, per sublayer (2 L): static pre (n), post (n) and res (n, n); dynamic, hc: a norm
     scale (D), W (D, n + 2) and 2 gates; mhc: a norm scale (n D), phi (n D, 2 n + n^2) and 3 gates."""
     n, D = cfg.hyper_streams, cfg.d_model
-    if not cfg.hyper_connections:
+    if cfg.residual not in ('hc', 'mhc'):
         return 0
-    dynamic = {'hc': D + D * (n + 2) + 2, 'mhc': n * D + n * D * (2 * n + n * n) + 3}[cfg.hyper_connections]
+    dynamic = {'hc': D + D * (n + 2) + 2, 'mhc': n * D + n * D * (2 * n + n * n) + 3}[cfg.residual]
     return 2 * cfg.n_layers * (2 * n + n * n + (dynamic if cfg.hyper_dynamic else 0))
 
 
@@ -65,21 +65,21 @@ def _hyper_macs(cfg: ModelConfig) -> int:
     n streams, n D (n + 2); mhc: phi once, n D (2 n + n^2)) and the mixes: the input (n D), the remix
     (n^2 D) and the output added to each stream (n D)."""
     n, D = cfg.hyper_streams, cfg.d_model
-    if not cfg.hyper_connections:
+    if cfg.residual not in ('hc', 'mhc'):
         return 0
-    dynamic = {'hc': n * D * (n + 2), 'mhc': n * D * (2 * n + n * n)}[cfg.hyper_connections]
+    dynamic = {'hc': n * D * (n + 2), 'mhc': n * D * (2 * n + n * n)}[cfg.residual]
     return 2 * cfg.n_layers * ((dynamic if cfg.hyper_dynamic else 0) + (n * n + 2 * n) * D)
 
 
 def _attn_residual_params(cfg: ModelConfig) -> int:
     """Attention residuals: a query and a key-norm scale (D each) per sublayer (2 L) and for the output."""
-    return (2 * cfg.n_layers + 1) * 2 * cfg.d_model if cfg.attn_residuals else 0
+    return (2 * cfg.n_layers + 1) * 2 * cfg.d_model if cfg.residual == 'attnres' else 0
 
 
 def _attn_residual_macs(cfg: ModelConfig) -> int:
     """Attention residuals' multiply-adds per token: each query's dot with every normalised source it
     weighs, and their weighted sum, D each per source."""
-    return 2 * cfg.d_model * sum(attn_residuals.sources_per_sublayer(cfg)) if cfg.attn_residuals else 0
+    return 2 * cfg.d_model * sum(attnres.sources_per_sublayer(cfg)) if cfg.residual == 'attnres' else 0
 
 
 def _scalar_params(cfg: ModelConfig) -> int:
@@ -89,7 +89,7 @@ def _scalar_params(cfg: ModelConfig) -> int:
         lambdas = {'learnable': 2 * cfg.n_stacked, 'learnable_plus': 2 * cfg.n_stacked + 1}.get(cfg.lambda_mode, 0)
     L = cfg.n_layers
     mudd_static = sum(weights for weights, _ in _mudd_connections(cfg))
-    return lambdas + (L * (L + 3) // 2 if cfg.denseformer else 0) + mudd_static
+    return lambdas + (L * (L + 3) // 2 if cfg.residual == 'dense' else 0) + mudd_static
 
 
 def _vocab_params(cfg: ModelConfig, vocab: int) -> int:
@@ -134,7 +134,9 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def non_embedding_params(cfg: ModelConfig) -> int:
-    norms = (2 * cfg.n_layers + 1 + cfg.n_stacked * sum(way in cfg.mudd for way in 'kv')) * cfg.d_model
+    norms = (
+        2 * cfg.n_layers + 1 + cfg.n_stacked * sum(way in cfg.mudd_ways[:-1] for way in 'kv' if cfg.residual == 'mudd')
+    ) * cfg.d_model
     if cfg.qk_norm:  # a query scale per layer, a key scale per layer that projects keys
         norms += (cfg.n_layers + sum(map(layout_of(cfg).owns_kv, range(cfg.n_layers)))) * cfg.head_dim
     cross_layer = _hyper_params(cfg) + _attn_residual_params(cfg)
@@ -175,12 +177,12 @@ def layer_history_bytes_per_token(cfg: ModelConfig) -> int:
     cache is unchanged). The training step keeps DenseFormer's, MUDD's and attention residuals' for
     the backward pass once under model.remat (vrl/model/history_scan.py), once per stacked layer
     without; hyper-connections' streams once per layer, as every variant's hidden state."""
-    if cfg.hyper_connections:
+    if cfg.residual in ('hc', 'mhc'):
         vectors = cfg.hyper_streams - 1
-    elif cfg.denseformer or cfg.mudd:
-        vectors = cfg.n_layers + 1 + max(len(cfg.mudd) - 1, 0)
-    elif cfg.attn_residuals:
-        vectors = attn_residuals.n_sources(cfg)
+    elif cfg.residual in ('dense', 'mudd'):
+        vectors = cfg.n_layers + 1 + (len(cfg.mudd_ways) - 1 if cfg.residual == 'mudd' else 0)
+    elif cfg.residual == 'attnres':
+        vectors = attnres.n_sources(cfg)
     else:
         return 0
     return vectors * cfg.d_model * jnp.dtype(resolve.local_compute_dtype(cfg)).itemsize
@@ -211,5 +213,5 @@ def account(cfg: ModelConfig, seq_len: int) -> ModelAccount:
 
 def _constant_params(cfg: ModelConfig) -> int:
     """Attention Residuals' first query and key scale (D each), when it weighs one source: the embedding."""
-    single = cfg.attn_residuals and attn_residuals.sources_per_sublayer(cfg)[0] == 1
+    single = cfg.residual == 'attnres' and attnres.sources_per_sublayer(cfg)[0] == 1
     return 2 * cfg.d_model if single else 0

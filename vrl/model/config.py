@@ -4,16 +4,15 @@ field's check in `__post_init__`; vrl/model/cache.py derives the KV cache's layo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import ClassVar
 
-from vrl.core.config import choice, require
+from vrl.core.config import ConfigError, choice, require
 
 ATTENTION_VARIANTS = ('vanilla', 'resformer', 'svformer')
 LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse', 'per_token')
-MUDD_WAYS = ('', 'r', 'vr', 'qkvr')  # model.mudd: the inputs of a block that MUDD mixes (r: the residual)
-HYPER_CONNECTIONS = ('', 'hc', 'mhc')  # model.hyper_connections: vrl/model/residual/hyper.py
-ATTN_RESIDUALS = ('', 'full', 'block')  # model.attn_residuals: vrl/model/residual/attnres.py
+MUDD_WAYS = ('r', 'vr', 'qkvr')  # model.mudd_ways: the inputs of a block that MUDD mixes (r: the residual)
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_qkv', 'auto')
 ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/model/attention.py; the last is
 # what splash becomes off TPU (Pallas' interpreter)
@@ -31,17 +30,15 @@ VARIANT_FIELDS = (
     'sparse_layers',
     'neutreno',
     'neutreno_lambda',
-    'denseformer',
     'kv_share',
     'skip_v1',
     'value_embed_layers',
     'value_embed_tables',
-    'mudd',
+    'residual',
+    'mudd_ways',
     'mudd_layers',
-    'hyper_connections',
     'hyper_streams',
     'hyper_dynamic',
-    'attn_residuals',
     'attn_residual_blocks',
 )
 EXECUTION_FIELDS = (
@@ -55,13 +52,76 @@ EXECUTION_FIELDS = (
 )
 
 
+# Before model.residual, each method had its own switch; exports' config.json keeps these fields, and so do the
+# ledgers' fingerprints (attn_residual_blocks then counted Block AttnRes' blocks, 8 by default, 'full' aside).
+SWITCHES_BEFORE_RESIDUAL = {'denseformer': False, 'mudd': '', 'hyper_connections': '', 'attn_residuals': ''}
+METHODS_BEFORE_RESIDUAL = ('plain', 'dense', 'mudd', 'hc', 'mhc', 'attnres')  # what those switches could choose
+BLOCKS_BEFORE_RESIDUAL = 8
+_said_upgraded: set[str] = set()
+
+
+def before_residual(model: dict) -> dict:
+    """A model section's fields (a dict, today's names) as configs spelled them before model.residual: each
+    method's switch and no mudd_ways; model.residual kept only where it names a later method."""
+    method = model.get('residual', 'plain')
+    dropped = ('residual', 'mudd_ways') if method in METHODS_BEFORE_RESIDUAL else ('mudd_ways',)
+    fields = {k: v for k, v in model.items() if k not in dropped}
+    blocks = model.get('attn_residual_blocks', 0)
+    fields.update(
+        denseformer=method == 'dense',
+        mudd=model.get('mudd_ways', 'qkvr') if method == 'mudd' else '',
+        hyper_connections=method if method in ('hc', 'mhc') else '',
+        attn_residuals=('block' if blocks else 'full') if method == 'attnres' else '',
+        attn_residual_blocks=blocks or BLOCKS_BEFORE_RESIDUAL,
+    )
+    return fields
+
+
+def upgraded(model: dict) -> dict:
+    """A model section's fields with those of configs before model.residual (SWITCHES_BEFORE_RESIDUAL) read as
+    today's, said once per field and value; ConfigError where they choose two methods, or another than
+    model.residual."""
+    old = {k: model[k] for k in SWITCHES_BEFORE_RESIDUAL if k in model}
+    if not old:
+        return model
+    fields = {k: v for k, v in model.items() if k not in old}
+    chosen = []
+    if old.get('denseformer'):
+        chosen.append(('dense', {}))
+    if old.get('mudd'):
+        chosen.append(('mudd', {'mudd_ways': old['mudd']}))
+    if old.get('hyper_connections'):
+        chosen.append((old['hyper_connections'], {}))
+    if 'attn_residuals' in old:  # attn_residual_blocks in its earlier sense
+        blocks = fields.pop('attn_residual_blocks', BLOCKS_BEFORE_RESIDUAL)
+        if old['attn_residuals']:
+            chosen.append(('attnres', {'attn_residual_blocks': blocks if old['attn_residuals'] == 'block' else 0}))
+    given = ', '.join(f'model.{k}={v!r}' for k, v in old.items() if v)
+    residual = fields.get('residual', 'plain')
+    if len(chosen) > 1 or (chosen and residual not in ('plain', chosen[0][0])):
+        raise ConfigError(
+            f'{given} (fields of configs before model.residual) choose {" and ".join(c for c, _ in chosen)}'
+            f'{"" if residual == "plain" else f" beside model.residual={residual!r}"}: one method connects '
+            "the layers; set model.residual alone (vrl/model/residual/'s methods)."
+        )
+    fields['residual'] = residual  # plain where the switches were off: a record of a plain model says so
+    if chosen:
+        fields.update(residual=chosen[0][0], **chosen[0][1])
+        now = ', '.join(f'model.{k}={v!r}' for k, v in {'residual': chosen[0][0], **chosen[0][1]}.items())
+        if given not in _said_upgraded:
+            _said_upgraded.add(given)
+            logging.warning('%s is read as %s (model.residual picks how the layers connect)', given, now)
+    return fields
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder shape, the value-residual variant and the paper's baselines (docs/paper.md).
 
     The switches compose: `attention` picks the values layers >= 2 attend over; `neutreno`,
-    `denseformer`, `kv_share` (CLA) and `value_embed_layers` add the baselines and the later
-    value-residual family on top (vrl/model/decoder.py shows each in one place).
+    `kv_share` (CLA), `skip_v1` and `value_embed_layers` add the baselines and the later value-residual
+    family on top (vrl/model/decoder.py shows each in one place); `residual` picks how the layers
+    connect (vrl/model/residual/), each method's own fields beside it.
     """
 
     AUTOS: ClassVar[dict] = {
@@ -70,6 +130,7 @@ class ModelConfig:
         'compute_dtype': 'auto',
         'remat': 'auto',
     }  # resolved once per run: vrl/train/aot.py
+    UPGRADE: ClassVar = staticmethod(upgraded)  # vrl.core.config.from_dict reads earlier configs' fields through it
 
     attention: str = 'vanilla'  # vanilla | resformer | svformer
     # ResFormer only: identity | constant | learnable | learnable_plus | sparse | per_token
@@ -82,32 +143,33 @@ class ModelConfig:
     # attends (V_n; on ResFormer the mix, so identity lambdas give 0.5 * neutreno_lambda * (V_1 - V_n))
     neutreno: bool = False
     neutreno_lambda: float = 0.4  # the paper's value; 0.2 when stacked on ResFormer
-    denseformer: bool = False  # DenseFormer: each block's input is a learned average of all earlier outputs
     kv_share: int = 1  # CLA: this many adjacent layers share one K and V (2 = CLA2); the later ones own none
     # SkipV1Former: layers >= 2 take their last skip_v1 value heads (of n_kv_heads) from layer 1's values V_1 and
     # project the others; 0 = off; the paper's preset is half (vrl/model/presets.py 'skipv1')
     skip_v1: int = 0
     value_embed_layers: tuple[int, ...] = ()  # 1-based layers whose V adds a gated token-embedding lookup
     value_embed_tables: tuple[int, ...] = ()  # the table of each of those layers (shared ids share); () = own
-    # MUDD (multiway dynamic dense connections): after a layer, each of the next block's inputs named here
-    # (q, k, v: its attention's; r: its residual) is its own mix of the embedding and every block output so
-    # far, weighted per position by a small MLP of the newest output plus static weights. 'r' alone is a
-    # dynamic DenseFormer; '' = off. After layer L only r is mixed (the final norm's input)
-    mudd: str = ''
-    mudd_layers: tuple[int, ...] = ()  # 1-based layers followed by a connection; () = every layer
-    # hyper-connections: the residual stream widened to hyper_streams streams; before each attention and MLP
-    # their weighted sum is the sublayer's input, after it the streams are remixed and each adds the output
-    # with its own weight. 'hc': Zhu et al.'s weights (static + tanh-gated dynamic); 'mhc': DeepSeek's
-    # manifold-constrained ones (sigmoid input and output weights, a doubly stochastic remix); '' = off
-    hyper_connections: str = ''
+    # How the layers connect (vrl/model/residual/, one module each): 'plain' (the standard residual stream),
+    # 'dense' (DenseFormer: each block's input a learned average of all earlier outputs), 'mudd' (multiway
+    # dynamic dense connections), 'hc' or 'mhc' (hyper-connections: Zhu et al.'s or DeepSeek's manifold-
+    # constrained), 'attnres' (Attention Residuals). Each method's own fields follow; another's must stay at
+    # their defaults.
+    residual: str = 'plain'
+    # 'mudd': after a layer, each way named here (q, k, v: the next attention's query, key and value inputs; r:
+    # its residual) is its own mix of the embedding and every block output so far, weighted per position by a
+    # small MLP of the newest output plus static weights. 'r' alone is a dynamic DenseFormer. After layer L only
+    # r is mixed (the final norm's input)
+    mudd_ways: str = 'qkvr'
+    mudd_layers: tuple[int, ...] = ()  # 'mudd': 1-based layers followed by a connection; () = every layer
+    # 'hc', 'mhc': the residual stream widened to hyper_streams streams; before each attention and MLP their
+    # weighted sum is the sublayer's input, after it the streams are remixed and each adds the output with its
+    # own weight
     hyper_streams: int = 4  # the expansion rate n
-    hyper_dynamic: bool = True  # False (hc only): the weights are learned constants, the same at every position
-    # Attention Residuals (Kimi team): each attention's and MLP's input is a softmax over depth, a learned query
-    # per sublayer against the RMS-normalised embedding output and what the sublayers before added: 'full' (each
-    # sublayer's output its own source) or 'block' (attn_residual_blocks blocks of layers, each one source, the
-    # sum of its sublayers' outputs); '' = off
-    attn_residuals: str = ''
-    attn_residual_blocks: int = 8  # 'block': how many blocks the layers split into (N, a divisor of n_layers)
+    hyper_dynamic: bool = True  # False ('hc' only): the weights are learned constants, the same at every position
+    # 'attnres': each attention's and MLP's input is a softmax over depth, a learned query per sublayer against
+    # the RMS-normalised embedding output and what the sublayers before added: 0 = full (each sublayer's output
+    # its own source), N = Block AttnRes (N blocks of layers, each one source, the sum of its sublayers' outputs)
+    attn_residual_blocks: int = 0
     # QK-norm: each head's queries and keys RMS-normalised over head_dim with a learned scale (Dh,), before
     # RoPE, as Qwen3 and Gemma 3 do (nanochat's has no scale; OLMo-2 normalises all heads together)
     qk_norm: bool = False
@@ -241,96 +303,34 @@ class ModelConfig:
                 "False with model.attention='svformer' (its V_n is V_1, so V_1 - V_n is 0)",
             )
         self._check_value_embeddings()
-        self._check_mudd()
-        self._check_hyper_connections()
-        self._check_attn_residuals()
+        self._check_residual()
 
-    def _check_mudd(self) -> None:
-        choice('model.mudd', self.mudd, MUDD_WAYS)
-        require(
-            len(set(self.mudd_layers)) == len(self.mudd_layers)
-            and all(1 <= n <= self.n_layers for n in self.mudd_layers)
-            and (self.mudd or not self.mudd_layers),
-            'model.mudd_layers',
-            self.mudd_layers,
-            f'() or distinct 1-based layer indices in 1..{self.n_layers}, with model.mudd set',
-        )
-        if not self.mudd:
-            return
-        require(
-            not self.denseformer,
-            'model.mudd',
-            self.mudd,
-            "'' with model.denseformer (both make each block's residual input a mix of all earlier outputs)",
-        )
-        require(
-            'v' not in self.mudd or self.attention != 'svformer',
-            'model.mudd',
-            self.mudd,
-            "'r' with model.attention='svformer' (its layers >= 2 have no value projection to take a mixed input)",
-        )
-        require(
-            'v' not in self.mudd or self.kv_share == 1,
-            'model.mudd',
-            self.mudd,
-            f"'r' with model.kv_share={self.kv_share} (CLA's borrowing layers project no keys or values)",
-        )
+    def _check_residual(self) -> None:
+        """model.residual one of vrl/model/residual/'s methods, the other methods' fields at their defaults, and
+        the method's own checks."""
+        from vrl.model.residual import METHODS  # its modules read this one
 
-    def _check_hyper_connections(self) -> None:
-        choice('model.hyper_connections', self.hyper_connections, HYPER_CONNECTIONS)
-        require(self.hyper_streams >= 1, 'model.hyper_streams', self.hyper_streams, 'an integer >= 1 (4 = the papers)')
-        require(
-            self.hyper_dynamic or self.hyper_connections != 'mhc',
-            'model.hyper_dynamic',
-            self.hyper_dynamic,
-            "True with model.hyper_connections='mhc' (its biases start alike for every stream and a doubly "
-            'stochastic remix of identical streams is the identity, so without the dynamic terms the streams '
-            'never differ)',
-        )
-        for field, on in (('denseformer', self.denseformer), ('mudd', bool(self.mudd))):
+        choice('model.residual', self.residual, tuple(METHODS))
+        method, defaults = METHODS[self.residual], ModelConfig.__dataclass_fields__
+        for field in sorted({field for m in METHODS.values() for field in m.FIELDS} - set(method.FIELDS)):
+            owners = ' or '.join(repr(name) for name, m in METHODS.items() if field in m.FIELDS)
             require(
-                not (on and self.hyper_connections),
-                'model.hyper_connections',
-                self.hyper_connections,
-                f"'' with model.{field} (both rewrite the residual stream between layers)",
+                getattr(self, field) == defaults[field].default,
+                f'model.{field}',
+                getattr(self, field),
+                f'its default, {defaults[field].default!r}, with model.residual={self.residual!r} (it is a field of '
+                f'model.residual={owners})',
             )
-
-    def _check_attn_residuals(self) -> None:
-        choice('model.attn_residuals', self.attn_residuals, ATTN_RESIDUALS)
-        if self.attn_residuals == 'block':
-            require(
-                1 <= self.attn_residual_blocks <= self.n_layers and self.n_layers % self.attn_residual_blocks == 0,
-                'model.attn_residual_blocks',
-                self.attn_residual_blocks,
-                f'a divisor of model.n_layers={self.n_layers} (blocks of whole layers)',
-            )
-        for field, on in (
-            ('denseformer', self.denseformer),
-            ('mudd', bool(self.mudd)),
-            ('hyper_connections', bool(self.hyper_connections)),
-        ):
-            require(
-                not (on and self.attn_residuals),
-                'model.attn_residuals',
-                self.attn_residuals,
-                f"'' with model.{field} (both make each block's input their own mix of the layers before it)",
-            )
-
-    @property
-    def residual(self) -> str:
-        """How the layers connect (vrl/model/residual/): plain | dense | mudd | hc | mhc | attnres."""
-        if self.denseformer:
-            return 'dense'
-        if self.mudd:
-            return 'mudd'
-        if self.attn_residuals:
-            return 'attnres'
-        return self.hyper_connections or 'plain'
+        method.check(self)
 
     @property
     def attn_residual_layers(self) -> int:
         """Block AttnRes: the layers of each block (full: 0, each sublayer its own source)."""
-        return self.n_layers // self.attn_residual_blocks if self.attn_residuals == 'block' else 0
+        return (
+            self.n_layers // self.attn_residual_blocks
+            if self.residual == 'attnres' and self.attn_residual_blocks
+            else 0
+        )
 
     def _check_value_embeddings(self) -> None:
         layers, tables = self.value_embed_layers, self.value_embed_tables
@@ -357,9 +357,9 @@ class ModelConfig:
 
     def mudd_after(self, layer: int) -> str:
         """The ways a MUDD connection after 0-based `layer` mixes, in order ('qkvr', 'vr', 'r'), or '' for none."""
-        if not self.mudd or (self.mudd_layers and layer + 1 not in self.mudd_layers):
+        if self.residual != 'mudd' or (self.mudd_layers and layer + 1 not in self.mudd_layers):
             return ''
-        return 'r' if layer == self.n_layers - 1 else self.mudd
+        return 'r' if layer == self.n_layers - 1 else self.mudd_ways
 
     def mudd_hidden(self, layer: int) -> int:
         """The width of the MLP that weighs the mixes after 0-based `layer`, as the authors' JAX sizes it:
@@ -401,8 +401,6 @@ class ModelConfig:
         parts = [self.attention + (f' ({self.lambda_mode})' if self.attention == 'resformer' else '')]
         if self.neutreno:
             parts.append(f'NeuTRENO {self.neutreno_lambda:g}')
-        if self.denseformer:
-            parts.append('DenseFormer')
         if self.kv_share > 1:
             parts.append(f'CLA{self.kv_share}')
         if self.skip_v1:
@@ -413,15 +411,10 @@ class ModelConfig:
                 f'value embeddings on layers {",".join(map(str, self.value_embed_layers))} '
                 f'({tables} table{"s" if tables > 1 else ""})'
             )
-        if self.mudd:
-            after = f' after layers {",".join(map(str, self.mudd_layers))}' if self.mudd_layers else ''
-            parts.append(f'MUDD-{self.mudd}{after}')
-        if self.hyper_connections:
-            static = '' if self.hyper_dynamic else ' static'
-            parts.append(f'{self.hyper_connections.upper()} x{self.hyper_streams}{static}')
-        if self.attn_residuals:
-            blocks = f' ({self.attn_residual_blocks} blocks)' if self.attn_residuals == 'block' else ''
-            parts.append(f'AttnRes {self.attn_residuals}{blocks}')
+        if self.residual != 'plain':
+            from vrl.model.residual import METHODS
+
+            parts.append(METHODS[self.residual].describe(self))
         if self.n_kv_heads != self.n_heads:
             parts.append('MQA' if self.n_kv_heads == 1 else f'GQA{self.n_heads // self.n_kv_heads}')
         if self.qk_norm:

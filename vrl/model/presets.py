@@ -40,7 +40,7 @@ def _half_of_the_value_heads(cfg: ModelConfig) -> dict:
 def _eight_blocks_or_fewer(cfg: ModelConfig) -> dict:
     """Block AttnRes at the paper's ~8 blocks: the most blocks, at most 8, that split the layers evenly."""
     blocks = max(n for n in range(1, min(8, cfg.n_layers) + 1) if cfg.n_layers % n == 0)
-    return dict(attention='vanilla', attn_residuals='block', attn_residual_blocks=blocks)
+    return dict(attention='vanilla', residual='attnres', attn_residual_blocks=blocks)
 
 
 # name -> (what it is, the model fields it sets, given the base model config)
@@ -87,7 +87,7 @@ PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
     ),
     'denseformer': (
         'DenseFormer: depth-weighted averages of all block outputs',
-        lambda cfg: dict(attention='vanilla', denseformer=True),
+        lambda cfg: dict(attention='vanilla', residual='dense'),
     ),
     'cla2': ('cross-layer attention: layer pairs share K and V', lambda cfg: dict(attention='vanilla', kv_share=2)),
     'svformer+cla2': (
@@ -119,43 +119,43 @@ PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
     ),
     'mudd': (
         "MUDD: the q, k, v and residual inputs each a dynamic mix of all earlier outputs (the authors')",
-        lambda cfg: dict(attention='vanilla', mudd='qkvr'),
+        lambda cfg: dict(attention='vanilla', residual='mudd', mudd_ways='qkvr'),
     ),
     'mudd:vr': (
         'MUDD on the values and the residual only',
-        lambda cfg: dict(attention='vanilla', mudd='vr'),
+        lambda cfg: dict(attention='vanilla', residual='mudd', mudd_ways='vr'),
     ),
     'mudd:r': (
         'MUDD on the residual only: a DenseFormer with weights made per position',
-        lambda cfg: dict(attention='vanilla', mudd='r'),
+        lambda cfg: dict(attention='vanilla', residual='mudd', mudd_ways='r'),
     ),
     'mudd:vr_late': (
         'MUDD on the values and the residual after the last 3/8 of the layers (modded-nanogpt)',
-        lambda cfg: dict(attention='vanilla', mudd='vr', mudd_layers=_late_layers(cfg)),
+        lambda cfg: dict(attention='vanilla', residual='mudd', mudd_ways='vr', mudd_layers=_late_layers(cfg)),
     ),
     'resformer+mudd': (
         'ResFormer (learnable_plus) with MUDD (qkvr): V_1 mixed into values that are themselves a mix',
-        lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus', mudd='qkvr'),
+        lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus', residual='mudd', mudd_ways='qkvr'),
     ),
     'hc': (
         'hyper-connections: 4 residual streams, static + dynamic (tanh) weights per sublayer (Zhu et al.)',
-        lambda cfg: dict(attention='vanilla', hyper_connections='hc'),
+        lambda cfg: dict(attention='vanilla', residual='hc'),
     ),
     'hc:static': (
         "hyper-connections with learned constant weights only (the paper's SHC)",
-        lambda cfg: dict(attention='vanilla', hyper_connections='hc', hyper_dynamic=False),
+        lambda cfg: dict(attention='vanilla', residual='hc', hyper_dynamic=False),
     ),
     'mhc': (
         'manifold-constrained hyper-connections: 4 streams, doubly stochastic remix (DeepSeek)',
-        lambda cfg: dict(attention='vanilla', hyper_connections='mhc'),
+        lambda cfg: dict(attention='vanilla', residual='mhc'),
     ),
     'resformer+mhc': (
         'ResFormer (learnable_plus) with mHC: V_1 beside a widened residual stream',
-        lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus', hyper_connections='mhc'),
+        lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus', residual='mhc'),
     ),
     'attnres': (
         "Attention Residuals: each sublayer's input a softmax over every earlier sublayer's output (Kimi team)",
-        lambda cfg: dict(attention='vanilla', attn_residuals='full'),
+        lambda cfg: dict(attention='vanilla', residual='attnres', attn_residual_blocks=0),
     ),
     'attnres:block': (
         'Block AttnRes: the softmax over blocks of layers (at most 8, evenly), each its outputs summed',
@@ -163,7 +163,9 @@ PRESETS: dict[str, tuple[str, Callable[[ModelConfig], dict]]] = {
     ),
     'resformer+attnres': (
         'ResFormer (learnable_plus) with Attention Residuals: V_1 beside a softmax over depth',
-        lambda cfg: dict(attention='resformer', lambda_mode='learnable_plus', attn_residuals='full'),
+        lambda cfg: dict(
+            attention='resformer', lambda_mode='learnable_plus', residual='attnres', attn_residual_blocks=0
+        ),
     ),
     'svformer+value_embeds': (
         'SVFormer with a value embedding on layer 1 (V_1, the values its layers >= 2 attend over)',

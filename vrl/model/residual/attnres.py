@@ -6,10 +6,10 @@ sources before it: the embedding output and what the sublayers before it added,
 
     input = sum_j alpha_j v_j,   alpha = softmax_j(w . RMSNorm(v_j)),
 
-with its own pseudo-query w (D,) and key-norm scale (D,). 'full': every sublayer's output is a source
-of its own (2 L + 1 sources in all). 'block' (Block AttnRes): the layers split into
-model.attn_residual_blocks blocks; a block's sublayer outputs are summed as they come (the partial sum,
-itself a source while its block runs) and the sum becomes one source when the block ends (N + 1 sources).
+with its own pseudo-query w (D,) and key-norm scale (D,). Full (model.attn_residual_blocks=0): every
+sublayer's output is a source of its own (2 L + 1 sources in all). Block AttnRes (attn_residual_blocks=N):
+the layers split into N blocks; a block's sublayer outputs are summed as they come (the partial sum, itself
+a source while its block runs) and the sum becomes one source when the block ends (N + 1 sources).
 After the last layer one more query mixes every source into the final norm's input.
 
 The stream between sublayers is the partial sum h (B, L, D), zero where none has begun, and the
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from vrl.core.config import require
 from vrl.core.sharding import Axis
 from vrl.model import params
 from vrl.model.config import ModelConfig
@@ -57,22 +58,22 @@ def _inv_rms(v: Array, eps: float) -> Array:
 
 
 def n_sources(cfg: ModelConfig) -> int:
-    """The completed sources a forward ends with: 2 L + 1 ('full') or N + 1 ('block')."""
-    return 2 * cfg.n_layers + 1 if cfg.attn_residuals == 'full' else cfg.attn_residual_blocks + 1
+    """The completed sources a forward ends with: 2 L + 1 (full) or N + 1 (block)."""
+    return 2 * cfg.n_layers + 1 if not cfg.attn_residual_blocks else cfg.attn_residual_blocks + 1
 
 
 def seen(cfg: ModelConfig, layer: int | Array, sublayer: int) -> tuple[int | Array, bool | Array]:
     """Before 0-based `layer`'s attention (`sublayer` 0) or MLP (1): how many completed sources there are
     (the next one is written at that index), and whether a partial sum is among the sources."""
-    if cfg.attn_residuals == 'full':
+    if not cfg.attn_residual_blocks:
         return 1 + 2 * layer + sublayer, False
     per_block = cfg.attn_residual_layers
     return 1 + layer // per_block, (sublayer == 1) | (layer % per_block != 0)
 
 
 def completes(cfg: ModelConfig, layer: int | Array, sublayer: int) -> bool | Array:
-    """Whether the partial sum becomes a source after this sublayer: every one ('full'), or a block's last MLP."""
-    if cfg.attn_residuals == 'full':
+    """Whether the partial sum becomes a source after this sublayer: every one (full), or a block's last MLP."""
+    if not cfg.attn_residual_blocks:
         return True
     return (sublayer == 1) & ((layer + 1) % cfg.attn_residual_layers == 0)
 
@@ -151,6 +152,22 @@ def begin(embedded_BxLxD: Array, cfg: ModelConfig, scanned: bool) -> tuple[Array
 
 class AttnRes(Plain):
     """Each sublayer's input a softmax over the sources before it; the history is the completed sources."""
+
+    FIELDS = ('attn_residual_blocks',)
+
+    @staticmethod
+    def check(cfg: ModelConfig) -> None:
+        blocks = cfg.attn_residual_blocks
+        require(
+            blocks == 0 or (1 <= blocks <= cfg.n_layers and cfg.n_layers % blocks == 0),
+            'model.attn_residual_blocks',
+            blocks,
+            f'0 (full) or a divisor of model.n_layers={cfg.n_layers} (Block AttnRes: blocks of whole layers)',
+        )
+
+    @staticmethod
+    def describe(cfg: ModelConfig) -> str:
+        return f'AttnRes block ({cfg.attn_residual_blocks} blocks)' if cfg.attn_residual_blocks else 'AttnRes full'
 
     def model_params(self, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
         return {'depth_output': DepthQuery(self.cfg, None)}

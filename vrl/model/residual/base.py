@@ -20,8 +20,10 @@ depth `history` (the earlier layers' outputs), which the layer scan carries:
 Parameters: `model_params` are held by the Decoder and `block_params` by each Block (stacked over
 layers 2..L), under the names they are returned with: those names are the checkpoint's and the
 export's paths. `per_layer` turns the model's parameters into per-layer inputs with a leading axis
-over the L layers, which the layer scan slices. `check` refuses a config the method cannot run,
-naming the field.
+over the L layers, which the layer scan slices.
+
+Config: a method's own fields (`FIELDS`) sit beside model.residual in ModelConfig; `check` refuses a
+config the method cannot run, naming the field; `describe` is its part of the variant's name.
 
 `Plain` is the standard residual stream, h + each sublayer's output; the other methods subclass it.
 """
@@ -29,7 +31,7 @@ naming the field.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 from flax import nnx
@@ -45,10 +47,15 @@ class Plain:
     """The standard residual stream: each sublayer reads h and adds its output to it."""
 
     cfg: ModelConfig
+    FIELDS: ClassVar[tuple[str, ...]] = ()  # the ModelConfig fields that are this method's own
 
     @staticmethod
     def check(cfg: ModelConfig) -> None:
         """Refuses (vrl.core.config.require) a config the method cannot run; nothing to refuse here."""
+
+    @staticmethod
+    def describe(cfg: ModelConfig) -> str:
+        return ''
 
     def model_params(self, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
         return {}

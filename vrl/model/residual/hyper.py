@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from vrl.core.config import require
 from vrl.core.sharding import Axis
 from vrl.model import ops, params
 from vrl.model.config import ModelConfig
@@ -82,7 +83,7 @@ class HyperConnection(nnx.Module):
     None) or of the stacked layers 2..L (`stack` = L - 1, each parameter with a leading layers axis)."""
 
     def __init__(self, cfg: ModelConfig, *, sublayer: int, stack: int | None, rngs: nnx.Rngs):
-        n, D, self.kind, self.eps = cfg.hyper_streams, cfg.d_model, cfg.hyper_connections, cfg.norm_eps
+        n, D, self.kind, self.eps = cfg.hyper_streams, cfg.d_model, cfg.residual, cfg.norm_eps
         if self.kind == 'hc':  # a standard residual that reads stream (2 layer + sublayer) mod n, as the paper
             layers = np.arange(1) if stack is None else np.arange(1, stack + 1)
             pre_SxN = np.eye(n)[(2 * layers + sublayer) % n]
@@ -143,6 +144,23 @@ def enter(connection: HyperConnection, h_NxBxLxD: Array) -> tuple[Array, Coeffic
 
 class Hyper(Plain):
     """n streams; each sublayer reads their weighted sum and adds its output to their remix."""
+
+    FIELDS = ('hyper_streams', 'hyper_dynamic')
+
+    @staticmethod
+    def check(cfg: ModelConfig) -> None:
+        require(cfg.hyper_streams >= 1, 'model.hyper_streams', cfg.hyper_streams, 'an integer >= 1 (4 = the papers)')
+        require(
+            cfg.hyper_dynamic or cfg.residual != 'mhc',
+            'model.hyper_dynamic',
+            cfg.hyper_dynamic,
+            "True with model.residual='mhc' (its biases start alike for every stream and a doubly stochastic remix "
+            'of identical streams is the identity, so without the dynamic terms the streams never differ)',
+        )
+
+    @staticmethod
+    def describe(cfg: ModelConfig) -> str:
+        return f'{cfg.residual.upper()} x{cfg.hyper_streams}{"" if cfg.hyper_dynamic else " static"}'
 
     def block_params(self, *, first: bool, stack: int | None, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
         return {

@@ -1,7 +1,7 @@
 """MUDD, multiway dynamic dense connections (Xiao et al., arXiv 2502.12170; model.residual='mudd'):
 a dynamic DenseFormer whose next block's inputs are each their own mix.
 
-After a layer, each way named in model.mudd (q, k, v: the next attention's query, key and value
+After a layer, each way named in model.mudd_ways (q, k, v: the next attention's query, key and value
 inputs; r: its residual) is a mix of the embedding output and every block output so far, weighted
 per position by a small MLP of the newest output plus static weights (`DenseConnections`). The
 history is DenseFormer's (vrl/model/residual/dense.py); the r way is the stream, the others reach
@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from vrl.core.config import choice, require
 from vrl.core.sharding import Axis
 from vrl.model import ops, params
+from vrl.model.config import MUDD_WAYS, ModelConfig
 from vrl.model.norms import RMSNorm
 from vrl.model.residual.base import History
 from vrl.model.residual.dense import DenseFormer, appended, weighted_sum
@@ -37,7 +39,7 @@ class MuddWeights(NamedTuple):
 
 
 class DenseConnections(nnx.Module):
-    """MUDD: after 0-based layer i (cfg.mudd_after(i) non-empty), each way c of the C = len(cfg.mudd)
+    """MUDD: after 0-based layer i (cfg.mudd_after(i) non-empty), each way c of the C = len(cfg.mudd_ways)
     ways of the next block's input (the last way, r, its residual) is sum_j w_cj B_j over the embedding
     output B_0 and the block outputs B_1..B_{i+1}, with per-position weights
 
@@ -48,7 +50,7 @@ class DenseConnections(nnx.Module):
     W_out = 0 as the authors initialise them, static one-hot on the newest output: vanilla at the start."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
-        L, D, ways = cfg.n_layers, cfg.d_model, cfg.mudd
+        L, D, ways = cfg.n_layers, cfg.d_model, cfg.mudd_ways
         self.connected = tuple(i for i in range(L) if cfg.mudd_after(i))  # static
         self.ways = ways
         self.shapes = tuple((cfg.mudd_after(i), cfg.mudd_hidden(i)) for i in self.connected)  # static
@@ -99,11 +101,40 @@ def _newest(ways: int, inputs: int) -> np.ndarray:
 class Mudd(DenseFormer):
     """DenseFormer's history, mixed after each layer per way and per position."""
 
+    FIELDS = ('mudd_ways', 'mudd_layers')
+
+    @staticmethod
+    def check(cfg: ModelConfig) -> None:
+        choice('model.mudd_ways', cfg.mudd_ways, MUDD_WAYS)
+        require(
+            len(set(cfg.mudd_layers)) == len(cfg.mudd_layers) and all(1 <= n <= cfg.n_layers for n in cfg.mudd_layers),
+            'model.mudd_layers',
+            cfg.mudd_layers,
+            f'() or distinct 1-based layer indices in 1..{cfg.n_layers}',
+        )
+        require(
+            'v' not in cfg.mudd_ways or cfg.attention != 'svformer',
+            'model.mudd_ways',
+            cfg.mudd_ways,
+            "'r' with model.attention='svformer' (its layers >= 2 have no value projection to take a mixed input)",
+        )
+        require(
+            'v' not in cfg.mudd_ways or cfg.kv_share == 1,
+            'model.mudd_ways',
+            cfg.mudd_ways,
+            f"'r' with model.kv_share={cfg.kv_share} (CLA's borrowing layers project no keys or values)",
+        )
+
+    @staticmethod
+    def describe(cfg: ModelConfig) -> str:
+        after = f' after layers {",".join(map(str, cfg.mudd_layers))}' if cfg.mudd_layers else ''
+        return f'MUDD-{cfg.mudd_ways}{after}'
+
     def model_params(self, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
         return {'mudd': DenseConnections(self.cfg, rngs)}
 
     def block_params(self, *, first: bool, stack: int | None, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
-        mixed = '' if first else self.cfg.mudd[:-1]
+        mixed = '' if first else self.cfg.mudd_ways[:-1]
         return {f'{way}_input_norm': RMSNorm(self.cfg, stack) for way in 'kv' if way in mixed}
 
     def per_layer(self, model: nnx.Module) -> MuddWeights:
@@ -112,7 +143,7 @@ class Mudd(DenseFormer):
     def attention_inputs(
         self, block: nnx.Module, h: Array, history: History, inputs: Array | None, layer: int | Array
     ) -> tuple[Array, Array, Array, Any]:
-        mixed = {} if inputs is None else dict(zip(self.cfg.mudd[:-1], inputs))
+        mixed = {} if inputs is None else dict(zip(self.cfg.mudd_ways[:-1], inputs))
         x_BxLxD = block.attn_norm(mixed.get('q', h))
         xk_BxLxD = block.k_input_norm(mixed['k']) if 'k' in mixed else x_BxLxD
         xv_BxLxD = block.v_input_norm(mixed['v']) if 'v' in mixed else x_BxLxD
@@ -123,4 +154,4 @@ class Mudd(DenseFormer):
     ) -> tuple[Array, History, Array | None]:
         history = appended(history, h, layer)
         mixes_CxBxLxD = mudd_mixes(h, history, weights, self.cfg.norm_eps)  # r last
-        return mixes_CxBxLxD[-1], history, mixes_CxBxLxD[:-1] if len(self.cfg.mudd) > 1 else None
+        return mixes_CxBxLxD[-1], history, mixes_CxBxLxD[:-1] if len(self.cfg.mudd_ways) > 1 else None

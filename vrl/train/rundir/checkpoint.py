@@ -41,7 +41,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as preserva
 
 from vrl.core import multihost, storage
 from vrl.core.errors import CheckpointError, VrlError
-from vrl.model.config import EXECUTION_FIELDS, ModelConfig
+from vrl.model.config import EXECUTION_FIELDS, ModelConfig, upgraded
 from vrl.train.config import Config
 from vrl.train.rundir import guard as guard_lib
 from vrl.train.rundir import lease, orbax_noise
@@ -371,7 +371,7 @@ def check_model(saved: dict | None, model: ModelConfig, where: str) -> None:
     if saved is None:
         return
     current = dataclasses.asdict(model)
-    for name, value in saved['model'].items():
+    for name, value in upgraded(saved['model']).items():  # a config before model.residual, in today's fields
         if name in EXECUTION_FIELDS or name not in current:
             continue
         if _normalized(value) != _normalized(current[name]):

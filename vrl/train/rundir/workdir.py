@@ -21,6 +21,7 @@ from etils import epath
 
 from vrl.core import storage
 from vrl.core.errors import VrlError
+from vrl.model.config import upgraded
 from vrl.train.config import Config
 
 # the tokenizer a run started from Hugging Face weights came with (with a tokenizer.json, its config)
@@ -128,8 +129,11 @@ def as_json(config: Config) -> dict[str, Any]:
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
     """'section.field' -> [old, new] for each field of `new` (an as_json config) that differs in `old`.
-    A field that `old` lacks (a record from before vrl had it) counts as its default."""
+    A field that `old` lacks (a record from before vrl had it) counts as its default; a model section from
+    before model.residual is read as today's (model.config.upgraded)."""
     defaults = as_json(Config())
+    if 'model' in old:
+        old = {**old, 'model': upgraded(old['model'])}
     return {
         f'{section}.{key}': [old.get(section, {}).get(key), value]
         for section, values in new.items()
