@@ -252,17 +252,13 @@ def check_fits_mesh(config: Config, shape: dict[str, int]) -> None:
 def split_dimensions(model: ModelConfig) -> tuple[tuple[str, int, str, tuple[str, ...]], ...]:
     """Every dimension of the model's parameters that the sharding rules split: (parameter, size, logical
     axis, mesh axes), from the abstract model (nothing allocated)."""
-    from flax import nnx
+    from vrl.model import accounting
 
-    from vrl.model.decoder import Decoder
-
-    state = nnx.state(nnx.eval_shape(lambda: Decoder(model, rngs=nnx.Rngs(0))), nnx.Param)
     dimensions = []
-    for path, variable in nnx.to_flat_state(state):
-        logical_axes = variable.out_sharding or ()
-        for size, logical, split in zip(variable.shape, logical_axes, logical_spec(logical_axes)):
+    for p in accounting.parameters(model):
+        for size, logical, split in zip(p.shape, p.axes, logical_spec(p.axes)):
             if split is not None:
-                dimensions.append(('.'.join(map(str, path)), size, logical, spec_axes(split)))
+                dimensions.append(('.'.join(p.path), size, logical, spec_axes(split)))
     return tuple(dimensions)
 
 

@@ -205,3 +205,15 @@ class AttnRes(Plain):
 
     def readout(self, model: nnx.Module, h: Array, history: Buffer | tuple) -> Array:
         return model.depth_output(h, history, n_sources(self.cfg), False)
+
+    def mix_macs(self) -> int:
+        """Each query's dot with every normalised source it weighs, and their weighted sum: D each per source."""
+        return 2 * self.cfg.d_model * sum(sources_per_sublayer(self.cfg))
+
+    def history_vectors(self) -> int:
+        return n_sources(self.cfg)
+
+    def constant_params(self) -> int:
+        """Layer 1's first query and its key scale (D each) where they weigh one source, the embedding: a
+        softmax over one source is 1 whatever they hold (docs/variants.md)."""
+        return 2 * self.cfg.d_model if sources_per_sublayer(self.cfg)[0] == 1 else 0

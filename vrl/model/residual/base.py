@@ -25,6 +25,11 @@ over the L layers, which the layer scan slices.
 Config: a method's own fields (`FIELDS`) sit beside model.residual in ModelConfig; `check` refuses a
 config the method cannot run, naming the field; `describe` is its part of the variant's name.
 
+Accounting (vrl/model/accounting.py counts every other parameter from the abstract model): `matmul_params`,
+the method's weights used once per token in a matmul; `mix_macs`, the multiply-adds per token of the rest
+of its work (its mixes, its weights used more than once); `history_vectors`, the vectors of D a forward
+holds per token beside the hidden state; `constant_params`, its parameters that never get a gradient.
+
 `Plain` is the standard residual stream, h + each sublayer's output; the other methods subclass it.
 """
 
@@ -111,3 +116,15 @@ class Plain:
 
     def stream_axes(self, activation: tuple) -> tuple:
         return activation
+
+    def matmul_params(self) -> int:
+        return 0
+
+    def mix_macs(self) -> int:
+        return 0
+
+    def history_vectors(self) -> int:
+        return 0
+
+    def constant_params(self) -> int:
+        return 0

@@ -84,3 +84,6 @@ class DenseFormer(Plain):
 
     def written(self, first_layers: list[int]) -> tuple[int, ...]:
         return tuple(layer + 1 for layer in first_layers)  # B_0..B_layer
+
+    def history_vectors(self) -> int:
+        return self.cfg.n_layers + 1  # B_0..B_L (its one average per layer is elementwise: no mix_macs)

@@ -193,3 +193,14 @@ class Hyper(Plain):
 
     def stream_axes(self, activation: tuple) -> tuple:
         return (None, *activation)
+
+    def mix_macs(self) -> int:
+        """Per sublayer (2 L): the dynamic weights (hc: W on each of the n streams, n D (n + 2); mhc: phi once,
+        n D (2 n + n^2)) and the mixes: the input (n D), the remix (n^2 D) and the output added to each
+        stream (n D)."""
+        n, D = self.cfg.hyper_streams, self.cfg.d_model
+        dynamic = {'hc': n * D * (n + 2), 'mhc': n * D * (2 * n + n * n)}[self.cfg.residual]
+        return 2 * self.cfg.n_layers * ((dynamic if self.cfg.hyper_dynamic else 0) + (n * n + 2 * n) * D)
+
+    def history_vectors(self) -> int:
+        return self.cfg.hyper_streams - 1  # the streams beyond one

@@ -155,3 +155,19 @@ class Mudd(DenseFormer):
         history = appended(history, h, layer)
         mixes_CxBxLxD = mudd_mixes(h, history, weights, self.cfg.norm_eps)  # r last
         return mixes_CxBxLxD[-1], history, mixes_CxBxLxD[:-1] if len(self.cfg.mudd_ways) > 1 else None
+
+    def _connections(self) -> list[tuple[int, int]]:
+        """(inputs x ways, hidden width) of each connection: after 0-based layer i, (i + 2) len(ways)."""
+        cfg = self.cfg
+        return [
+            ((i + 2) * len(cfg.mudd_after(i)), cfg.mudd_hidden(i)) for i in range(cfg.n_layers) if cfg.mudd_after(i)
+        ]
+
+    def matmul_params(self) -> int:
+        return sum(hidden * (self.cfg.d_model + weights) for weights, hidden in self._connections())  # W_in, W_out
+
+    def mix_macs(self) -> int:
+        return sum(weights for weights, _ in self._connections()) * self.cfg.d_model  # each way's weighted sum
+
+    def history_vectors(self) -> int:
+        return self.cfg.n_layers + 1 + len(self.cfg.mudd_ways) - 1  # B_0..B_L and the q, k, v ways
