@@ -386,6 +386,14 @@ def test_a_config_from_before_model_residual_reads_as_today_s(old, preset, monke
         checkpoint.check_model({'model': written}, other, 'the checkpoint')
 
 
+def test_every_residual_method_in_the_config_has_a_module_and_back():
+    """vrl/model/config.py's RESIDUAL_FIELDS (the schema) and vrl/model/residual/'s METHODS (the modules) name
+    the same methods, in the same order."""
+    from vrl.model import residual
+
+    assert tuple(residual.METHODS) == tuple(config.RESIDUAL_FIELDS)
+
+
 def test_a_config_from_before_model_residual_choosing_two_methods_is_refused():
     with pytest.raises(ConfigError, match="model.mudd='vr', model.hyper_connections='hc'.* choose mudd and hc"):
         from_dict(Config, {'model': {'mudd': 'vr', 'hyper_connections': 'hc'}})

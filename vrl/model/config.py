@@ -13,6 +13,16 @@ from vrl.core.config import ConfigError, choice, require
 ATTENTION_VARIANTS = ('vanilla', 'resformer', 'svformer')
 LAMBDA_MODES = ('identity', 'constant', 'learnable', 'learnable_plus', 'sparse', 'per_token')
 MUDD_WAYS = ('r', 'vr', 'qkvr')  # model.mudd_ways: the inputs of a block that MUDD mixes (r: the residual)
+# model.residual's methods, each module registered under its name in vrl/model/residual/__init__.py's METHODS,
+# and each one's own fields (ModelConfig's, beside `residual`): another method's must stay at their defaults
+RESIDUAL_FIELDS = {
+    'plain': (),
+    'dense': (),
+    'mudd': ('mudd_ways', 'mudd_layers'),
+    'hc': ('hyper_streams', 'hyper_dynamic'),
+    'mhc': ('hyper_streams', 'hyper_dynamic'),
+    'attnres': ('attn_residual_blocks',),
+}
 REMAT_POLICIES = ('none', 'full', 'save_dots', 'save_qkv', 'auto')
 ATTENTION_IMPLS = ('auto', 'xla', 'splash', 'cudnn', 'splash_interpret')  # vrl/model/attention.py; the last is
 # what splash becomes off TPU (Pallas' interpreter)
@@ -306,14 +316,12 @@ class ModelConfig:
         self._check_residual()
 
     def _check_residual(self) -> None:
-        """model.residual one of vrl/model/residual/'s methods, the other methods' fields at their defaults, and
-        the method's own checks."""
-        from vrl.model.residual import METHODS  # its modules read this one
-
-        choice('model.residual', self.residual, tuple(METHODS))
-        method, defaults = METHODS[self.residual], ModelConfig.__dataclass_fields__
-        for field in sorted({field for m in METHODS.values() for field in m.FIELDS} - set(method.FIELDS)):
-            owners = ' or '.join(repr(name) for name, m in METHODS.items() if field in m.FIELDS)
+        """model.residual one of RESIDUAL_FIELDS' methods, the other methods' fields at their defaults, and the
+        method's own checks."""
+        choice('model.residual', self.residual, tuple(RESIDUAL_FIELDS))
+        defaults, own = ModelConfig.__dataclass_fields__, RESIDUAL_FIELDS[self.residual]
+        for field in sorted({field for fields in RESIDUAL_FIELDS.values() for field in fields} - set(own)):
+            owners = ' or '.join(repr(name) for name, fields in RESIDUAL_FIELDS.items() if field in fields)
             require(
                 getattr(self, field) == defaults[field].default,
                 f'model.{field}',
@@ -321,7 +329,53 @@ class ModelConfig:
                 f'its default, {defaults[field].default!r}, with model.residual={self.residual!r} (it is a field of '
                 f'model.residual={owners})',
             )
-        method.check(self)
+        if self.residual == 'mudd':
+            self._check_mudd()
+        elif self.residual in ('hc', 'mhc'):
+            self._check_hyper_connections()
+        elif self.residual == 'attnres':
+            self._check_attn_residuals()
+
+    def _check_mudd(self) -> None:
+        choice('model.mudd_ways', self.mudd_ways, MUDD_WAYS)
+        require(
+            len(set(self.mudd_layers)) == len(self.mudd_layers)
+            and all(1 <= n <= self.n_layers for n in self.mudd_layers),
+            'model.mudd_layers',
+            self.mudd_layers,
+            f'() or distinct 1-based layer indices in 1..{self.n_layers}',
+        )
+        require(
+            'v' not in self.mudd_ways or self.attention != 'svformer',
+            'model.mudd_ways',
+            self.mudd_ways,
+            "'r' with model.attention='svformer' (its layers >= 2 have no value projection to take a mixed input)",
+        )
+        require(
+            'v' not in self.mudd_ways or self.kv_share == 1,
+            'model.mudd_ways',
+            self.mudd_ways,
+            f"'r' with model.kv_share={self.kv_share} (CLA's borrowing layers project no keys or values)",
+        )
+
+    def _check_hyper_connections(self) -> None:
+        require(self.hyper_streams >= 1, 'model.hyper_streams', self.hyper_streams, 'an integer >= 1 (4 = the papers)')
+        require(
+            self.hyper_dynamic or self.residual != 'mhc',
+            'model.hyper_dynamic',
+            self.hyper_dynamic,
+            "True with model.residual='mhc' (its biases start alike for every stream and a doubly stochastic remix "
+            'of identical streams is the identity, so without the dynamic terms the streams never differ)',
+        )
+
+    def _check_attn_residuals(self) -> None:
+        blocks = self.attn_residual_blocks
+        require(
+            blocks == 0 or (1 <= blocks <= self.n_layers and self.n_layers % blocks == 0),
+            'model.attn_residual_blocks',
+            blocks,
+            f'0 (full) or a divisor of model.n_layers={self.n_layers} (Block AttnRes: blocks of whole layers)',
+        )
 
     @property
     def attn_residual_layers(self) -> int:
@@ -412,9 +466,7 @@ class ModelConfig:
                 f'({tables} table{"s" if tables > 1 else ""})'
             )
         if self.residual != 'plain':
-            from vrl.model.residual import METHODS
-
-            parts.append(METHODS[self.residual].describe(self))
+            parts.append(self._residual_name())
         if self.n_kv_heads != self.n_heads:
             parts.append('MQA' if self.n_kv_heads == 1 else f'GQA{self.n_heads // self.n_kv_heads}')
         if self.qk_norm:
@@ -430,6 +482,18 @@ class ModelConfig:
             ]
             parts.append(f'logits capped ({", ".join(caps)})')
         return ' + '.join(parts)
+
+    def _residual_name(self) -> str:
+        """model.residual's part of `variant_name`: 'MUDD-vr after layers 6,7,8', 'MHC x4', 'AttnRes full'."""
+        if self.residual == 'mudd':
+            after = f' after layers {",".join(map(str, self.mudd_layers))}' if self.mudd_layers else ''
+            return f'MUDD-{self.mudd_ways}{after}'
+        if self.residual in ('hc', 'mhc'):
+            return f'{self.residual.upper()} x{self.hyper_streams}{"" if self.hyper_dynamic else " static"}'
+        if self.residual == 'attnres':
+            blocks = self.attn_residual_blocks
+            return f'AttnRes block ({blocks} blocks)' if blocks else 'AttnRes full'
+        return {'dense': 'DenseFormer'}[self.residual]
 
     @property
     def value_embed_table_ids(self) -> tuple[int, ...]:

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vrl.core.config import require
 from vrl.core.sharding import Axis
 from vrl.model import params
 from vrl.model.config import ModelConfig
@@ -152,22 +151,6 @@ def begin(embedded_BxLxD: Array, cfg: ModelConfig, scanned: bool) -> tuple[Array
 
 class AttnRes(Plain):
     """Each sublayer's input a softmax over the sources before it; the history is the completed sources."""
-
-    FIELDS = ('attn_residual_blocks',)
-
-    @staticmethod
-    def check(cfg: ModelConfig) -> None:
-        blocks = cfg.attn_residual_blocks
-        require(
-            blocks == 0 or (1 <= blocks <= cfg.n_layers and cfg.n_layers % blocks == 0),
-            'model.attn_residual_blocks',
-            blocks,
-            f'0 (full) or a divisor of model.n_layers={cfg.n_layers} (Block AttnRes: blocks of whole layers)',
-        )
-
-    @staticmethod
-    def describe(cfg: ModelConfig) -> str:
-        return f'AttnRes block ({cfg.attn_residual_blocks} blocks)' if cfg.attn_residual_blocks else 'AttnRes full'
 
     def model_params(self, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
         return {'depth_output': DepthQuery(self.cfg, None)}

@@ -22,8 +22,8 @@ layers 2..L), under the names they are returned with: those names are the checkp
 export's paths. `per_layer` turns the model's parameters into per-layer inputs with a leading axis
 over the L layers, which the layer scan slices.
 
-Config: a method's own fields (`FIELDS`) sit beside model.residual in ModelConfig; `check` refuses a
-config the method cannot run, naming the field; `describe` is its part of the variant's name.
+Config: model.residual names the method, its own fields sit beside it in vrl/model/config.py
+(RESIDUAL_FIELDS, with their checks), which the method reads.
 
 Accounting (vrl/model/accounting.py counts every other parameter from the abstract model): `matmul_params`,
 the method's weights used once per token in a matmul; `mix_macs`, the multiply-adds per token of the rest
@@ -36,7 +36,7 @@ holds per token beside the hidden state; `constant_params`, its parameters that 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 from flax import nnx
@@ -52,15 +52,6 @@ class Plain:
     """The standard residual stream: each sublayer reads h and adds its output to it."""
 
     cfg: ModelConfig
-    FIELDS: ClassVar[tuple[str, ...]] = ()  # the ModelConfig fields that are this method's own
-
-    @staticmethod
-    def check(cfg: ModelConfig) -> None:
-        """Refuses (vrl.core.config.require) a config the method cannot run; nothing to refuse here."""
-
-    @staticmethod
-    def describe(cfg: ModelConfig) -> str:
-        return ''
 
     def model_params(self, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
         return {}

@@ -60,10 +60,6 @@ def appended(history: Array | tuple[Array, ...], out_BxLxD: Array, layer: int | 
 class DenseFormer(Plain):
     """Each block's input a static average of the outputs so far; the blocks add to it as usual."""
 
-    @staticmethod
-    def describe(cfg) -> str:
-        return 'DenseFormer'
-
     def model_params(self, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
         return {'depth_weights': DepthWeights(self.cfg)}
 

@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vrl.core.config import require
 from vrl.core.sharding import Axis
 from vrl.model import ops, params
 from vrl.model.config import ModelConfig
@@ -144,23 +143,6 @@ def enter(connection: HyperConnection, h_NxBxLxD: Array) -> tuple[Array, Coeffic
 
 class Hyper(Plain):
     """n streams; each sublayer reads their weighted sum and adds its output to their remix."""
-
-    FIELDS = ('hyper_streams', 'hyper_dynamic')
-
-    @staticmethod
-    def check(cfg: ModelConfig) -> None:
-        require(cfg.hyper_streams >= 1, 'model.hyper_streams', cfg.hyper_streams, 'an integer >= 1 (4 = the papers)')
-        require(
-            cfg.hyper_dynamic or cfg.residual != 'mhc',
-            'model.hyper_dynamic',
-            cfg.hyper_dynamic,
-            "True with model.residual='mhc' (its biases start alike for every stream and a doubly stochastic remix "
-            'of identical streams is the identity, so without the dynamic terms the streams never differ)',
-        )
-
-    @staticmethod
-    def describe(cfg: ModelConfig) -> str:
-        return f'{cfg.residual.upper()} x{cfg.hyper_streams}{"" if cfg.hyper_dynamic else " static"}'
 
     def block_params(self, *, first: bool, stack: int | None, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
         return {

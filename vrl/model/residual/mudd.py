@@ -17,10 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vrl.core.config import choice, require
 from vrl.core.sharding import Axis
 from vrl.model import ops, params
-from vrl.model.config import MUDD_WAYS, ModelConfig
 from vrl.model.norms import RMSNorm
 from vrl.model.residual.base import History
 from vrl.model.residual.dense import DenseFormer, appended, weighted_sum
@@ -100,35 +98,6 @@ def _newest(ways: int, inputs: int) -> np.ndarray:
 
 class Mudd(DenseFormer):
     """DenseFormer's history, mixed after each layer per way and per position."""
-
-    FIELDS = ('mudd_ways', 'mudd_layers')
-
-    @staticmethod
-    def check(cfg: ModelConfig) -> None:
-        choice('model.mudd_ways', cfg.mudd_ways, MUDD_WAYS)
-        require(
-            len(set(cfg.mudd_layers)) == len(cfg.mudd_layers) and all(1 <= n <= cfg.n_layers for n in cfg.mudd_layers),
-            'model.mudd_layers',
-            cfg.mudd_layers,
-            f'() or distinct 1-based layer indices in 1..{cfg.n_layers}',
-        )
-        require(
-            'v' not in cfg.mudd_ways or cfg.attention != 'svformer',
-            'model.mudd_ways',
-            cfg.mudd_ways,
-            "'r' with model.attention='svformer' (its layers >= 2 have no value projection to take a mixed input)",
-        )
-        require(
-            'v' not in cfg.mudd_ways or cfg.kv_share == 1,
-            'model.mudd_ways',
-            cfg.mudd_ways,
-            f"'r' with model.kv_share={cfg.kv_share} (CLA's borrowing layers project no keys or values)",
-        )
-
-    @staticmethod
-    def describe(cfg: ModelConfig) -> str:
-        after = f' after layers {",".join(map(str, cfg.mudd_layers))}' if cfg.mudd_layers else ''
-        return f'MUDD-{cfg.mudd_ways}{after}'
 
     def model_params(self, rngs: nnx.Rngs) -> dict[str, nnx.Module]:
         return {'mudd': DenseConnections(self.cfg, rngs)}
