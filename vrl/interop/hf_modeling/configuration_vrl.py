@@ -100,6 +100,18 @@ class VrlConfig(PreTrainedConfig):
         entry = self.value_embed_layers.index(layer + 1)
         return self.value_embed_tables[entry] if self.value_embed_tables else entry
 
+    @property
+    def residual(self) -> str:
+        """How the layers connect, as vrl's model.residual names it (this config keeps each method's switch,
+        as exports have since before that field): plain, dense, mudd, hc, mhc or attnres."""
+        if self.denseformer:
+            return 'dense'
+        if self.mudd:
+            return 'mudd'
+        if self.attn_residuals:
+            return 'attnres'
+        return self.hyper_connections or 'plain'
+
     def mudd_after(self, layer: int) -> str:
         """The ways ('q', 'k', 'v', 'r': the next block's query, key, value and residual inputs) that a MUDD
         connection after 0-based `layer` mixes, in order; '' for none. After the last layer, r alone."""

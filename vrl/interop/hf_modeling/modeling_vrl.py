@@ -499,19 +499,85 @@ class VrlPreTrainedModel(PreTrainedModel):
             module.weight.normal_(0.0, std)
 
 
+class PlainStream:
+    """How the layers connect (vrl/model/residual/'s hooks, as the export runs them), the standard residual
+    stream here: `begin` (the stream from the embedding output), `after_layer` (what a layer hands the
+    next: the stream and MUDD's q, k, v inputs by letter) and `readout` (the final norm's input). A
+    sublayer's input and the add after it are `enter` and `add`, which the decoder layers call."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.blocks = model, []
+
+    def begin(self, h: torch.Tensor):
+        return h
+
+    def after_layer(self, block: nn.Module, h) -> tuple:
+        return h, {}
+
+    def readout(self, h) -> torch.Tensor:
+        return h
+
+
+class DenseStream(PlainStream):
+    """DenseFormer: each block's input the block's static average of B_0 (the embedding) .. B_{layer+1}."""
+
+    def begin(self, h: torch.Tensor) -> torch.Tensor:
+        self.blocks = [h]
+        return h
+
+    def after_layer(self, block: nn.Module, h: torch.Tensor) -> tuple:
+        self.blocks.append(h)
+        return torch.einsum('j,j...->...', block.depth_weights.to(h.dtype), torch.stack(self.blocks)), {}
+
+
+class MuddStream(DenseStream):
+    """MUDD: after a layer with a connection, each way its own mix of the outputs so far (r: the stream)."""
+
+    def after_layer(self, block: nn.Module, h: torch.Tensor) -> tuple:
+        self.blocks.append(h)
+        ways = {} if block.mudd is None else block.mudd(self.blocks)
+        return ways.pop('r', h), ways
+
+
+class HyperStream(PlainStream):
+    """Hyper-connections: n streams (n, ..., D), the embedding output in each; their sum is read out."""
+
+    def begin(self, h: torch.Tensor) -> torch.Tensor:
+        return h.expand(self.model.config.hyper_streams, *h.shape)
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        return h.sum(0)
+
+
+class AttnResStream(PlainStream):
+    """Attention residuals: the embedding output the first source; the output query mixes them all."""
+
+    def begin(self, h: torch.Tensor) -> DepthStream:
+        return DepthStream([h], None)
+
+    def readout(self, h: DepthStream) -> torch.Tensor:
+        return self.model.depth_output(h)
+
+
+STREAMS = {
+    'plain': PlainStream,
+    'dense': DenseStream,
+    'mudd': MuddStream,
+    'hc': HyperStream,
+    'mhc': HyperStream,
+    'attnres': AttnResStream,
+}
+
+
 def layer_loop(model: nn.Module, h: torch.Tensor, input_ids: torch.Tensor, run: Callable) -> torch.Tensor:
     """The decoder's layers over the embedding output h, final-normalised: this VrlModel's and vLLM's
     (serving/vllm), which differ only in how a layer attends. Per layer: ResFormer's lambdas, the value
-    embedding, V_1 and CLA's borrowed keys and values from the layers before, DenseFormer's and MUDD's block
-    outputs, hyper-connections' n streams, attention residuals' sources (and the output query's mix of
-    them, `model.depth_output`). `run(layer, block, h, ways, v1, borrowed, lambdas, value_embed)`
+    embedding, V_1 and CLA's borrowed keys and values from the layers before; between layers, what the
+    config's connection (STREAMS) hands on. `run(layer, block, h, ways, v1, borrowed, lambdas, value_embed)`
     calls one VrlDecoderLayer with the caller's positions, masks and cache, and returns (h, (k, V_n, V))."""
     config = model.config
-    blocks, ways = [h], {}  # DenseFormer's and MUDD's B_0, B_1, ...; MUDD's q, k, v inputs
-    if config.hyper_connections:  # n copies of the embedding output
-        h = h.expand(config.hyper_streams, *h.shape)
-    if config.attn_residuals:  # the embedding output the first source
-        h = DepthStream([h], None)
+    stream = STREAMS[config.residual](model)
+    h, ways = stream.begin(h), {}
     v1 = borrowed = None
     for layer, block in enumerate(model.layers):
         lambdas = model.value_lambdas(layer) if model.value_lambdas is not None and layer > 0 else None
@@ -520,15 +586,8 @@ def layer_loop(model: nn.Module, h: torch.Tensor, input_ids: torch.Tensor, run: 
         h, (k, v_n, v) = run(layer, block, h, ways, v1, borrowed, lambdas, value_embed)
         v1 = v if v1 is None else v1
         borrowed = (k, v)
-        if config.denseformer or config.mudd:
-            blocks.append(h)
-        if block.depth_weights is not None:
-            h = torch.einsum('j,j...->...', block.depth_weights.to(h.dtype), torch.stack(blocks))
-        ways = {} if block.mudd is None else block.mudd(blocks)
-        h = ways.pop('r', h)
-    if config.attn_residuals:
-        return model.norm(model.depth_output(h))
-    return model.norm(h.sum(0) if config.hyper_connections else h)
+        h, ways = stream.after_layer(block, h)
+    return model.norm(stream.readout(h))
 
 
 class VrlModel(VrlPreTrainedModel):
