@@ -458,7 +458,10 @@ def _check_config(hf: dict, folder: Path, cfg: ModelConfig) -> None:
             theirs = hf.get(field, _jsonable(defaults[field]))
             if theirs != _jsonable(ours[field]):
                 fix = ' '.join(f'--config.model.{k}={v!r}' for k, v in upgraded({field: theirs}).items())
-                raise HFError(f'{folder} has {field}={theirs!r} but the config has {field}={ours[field]!r}; set {fix}.')
+                named = (
+                    f'model.{field}' if field in ModelConfig.__dataclass_fields__ else field
+                )  # else an earlier switch
+                raise HFError(f'{folder} has {field}={theirs!r} but the config has {named}={ours[field]!r}; set {fix}.')
         for key, field in _SOFT_CAP_FIELDS.items():
             theirs = hf.get(key) or 0.0
             if theirs != getattr(cfg, field):
