@@ -25,10 +25,11 @@ over the L layers, which the layer scan slices.
 Config: model.residual names the method, its own fields sit beside it in vrl/model/config.py
 (RESIDUAL_FIELDS, with their checks), which the method reads.
 
-Accounting (vrl/model/accounting.py counts every other parameter from the abstract model): `matmul_params`,
-the method's weights used once per token in a matmul; `mix_macs`, the multiply-adds per token of the rest
-of its work (its mixes, its weights used more than once); `history_vectors`, the vectors of D a forward
-holds per token beside the hidden state; `constant_params`, its parameters that never get a gradient.
+Accounting: vrl/model/accounting.py counts every parameter from the abstract model; what the parameters
+do not say comes from the method: `matmul_params`, its weights used once per token in a matmul;
+`mix_macs`, the multiply-adds per token of the rest of its work (its mixes, its weights used more than
+once); `history_vectors`, the vectors of D a forward holds per token beside the hidden state;
+`constant_params`, its parameters that never get a gradient.
 
 `Plain` is the standard residual stream, h + each sublayer's output; the other methods subclass it.
 """
