@@ -221,9 +221,7 @@ class Block(nnx.Module):
     """Pre-norm attention + SwiGLU. With `stack`, one module holds N layers' parameters."""
 
     def __init__(self, cfg: ModelConfig, *, first: bool, stack: int | None, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(
-            cfg, stack
-        )  # of the attention's input (its query input, where a method mixes them apart)
+        self.attn_norm = RMSNorm(cfg, stack)  # of the attention's input (of its queries', where a method mixes apart)
         self.attn = Attention(cfg, first=first, stack=stack, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, stack)
         self.mlp = MLP(cfg, stack=stack, rngs=rngs)
