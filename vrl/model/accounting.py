@@ -49,8 +49,10 @@ def parameters(cfg: ModelConfig) -> tuple[Parameter, ...]:
     )
 
 
+@functools.cache
 def _methods(cfg: ModelConfig) -> frozenset[str]:
-    """The attribute names the residual method's parameters sit under (in the Decoder and in each Block)."""
+    """The attribute names the residual method's parameters sit under (in the Decoder and in each Block;
+    cached per config, as `parameters` is: both build abstract modules)."""
     from flax import nnx
 
     method = residual.of(cfg)
