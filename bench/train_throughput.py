@@ -5,12 +5,14 @@
                                      [--json FILE] [--repeats 1]
 
 Variants are vrl/model/presets.py's names (`--variants all`, the default, runs every preset). On a
-shared host step times drift by several percent over minutes, so each variant's steps alternate
-with vanilla's in one process: `vs vanilla` is the ratio of the two medians taken side by side,
-and vanilla's own row is the median over all its steps. On a 2-core CPU one round's ratio for a
-variant whose step differs from vanilla's in memory traffic moved by 10 points between processes
-(Block Attention Residuals at 82M: +10% to +25% on one day): `--repeats R` takes R rounds of
-`--steps` each and gives the median round's ratio with the lowest and highest in brackets.
+shared host step times drift by several percent over minutes, so each variant's steps are taken
+beside vanilla's in one process, a run of each in turn: `vs vanilla` is the ratio of the two medians
+taken side by side, and vanilla's own row is the median over all its steps. Each run starts with an
+untimed step: the first step after the other program ran is slow, a cost that training, which runs
+one program, never pays (at 82M on CPU, Block Attention Residuals' first step 5.8-5.9 s against 4.8 s
+for the next ones; stepping the two in strict alternation measured that cost beside the step: +20%
+where the steady step is +10%, and 10 points apart between processes). `--repeats R` takes R rounds
+of `--steps` each and gives the median round's ratio with the lowest and highest in brackets.
 
 MFU counts model FLOPs only: 6 x (weight-matmul parameters, the output head included) per token
 plus the causal attention matmuls (vrl.model.accounting.training_flops_per_token). The peak is this
@@ -117,14 +119,15 @@ def measure_against(
     vanilla: Stepper, config: Config, steps: int, repeats: int = 1
 ) -> tuple[float, float, list[float], float | None]:
     """(median step seconds of `config`, median of vanilla's steps taken in between, each repeat's ratio of the
-    two medians less one, its memory GiB): `repeats` rounds of `steps` steps each, alternating with vanilla's."""
+    two medians less one, its memory GiB): `repeats` rounds of `steps` steps of vanilla then `steps` of
+    `config`, each after one untimed step."""
     variant = Stepper(config)
     times, vanilla_times, ratios = [], [], []
     for _ in range(repeats):
-        mine, theirs = [], []
-        for _ in range(steps):
-            theirs.append(vanilla.step())
-            mine.append(variant.step())
+        vanilla.step()  # untimed: the first step after the other program's is slow (see above)
+        theirs = [vanilla.step() for _ in range(steps)]
+        variant.step()
+        mine = [variant.step() for _ in range(steps)]
         ratios.append(statistics.median(mine) / statistics.median(theirs) - 1)
         times, vanilla_times = times + mine, vanilla_times + theirs
     return statistics.median(times), statistics.median(vanilla_times), ratios, variant.memory_gib()

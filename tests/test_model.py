@@ -28,6 +28,7 @@ from tests.helpers import (
 from vrl.core.config import ConfigError, from_dict
 from vrl.model import attention, config, ops, presets
 from vrl.model.decoder import Decoder
+from vrl.model.residual import attnres
 from vrl.train import step
 from vrl.train.config import Config
 from vrl.train.rundir import checkpoint
@@ -261,6 +262,30 @@ def test_attention_residuals_start_as_the_plain_residual(variant):
     assert rel_err(model(tokens)[..., :97], plain(tokens)[..., :97]) < 1e-5
     model.layers.mlp_depth.query[...] = jax.random.normal(jax.random.key(25), model.layers.mlp_depth.query.shape)
     assert rel_err(model(tokens)[..., :97], plain(tokens)[..., :97]) > 1e-2
+
+
+def test_the_depth_mix_and_its_hand_written_backward_match_float64_autodiff():
+    """attnres.depth_mix (float32, its own VJP) against jax.grad of the plain softmax-and-sum in float64:
+    random sources, their 1 / RMS and the query all random, two of seven sources unwritten (random
+    values there too, which neither may read), cotangents on the mix and on the logsumexp."""
+    keys = jax.random.split(jax.random.key(26), 5)
+    sources, inv_rms = jax.random.normal(keys[0], (7, 2, 5, 16)), jax.random.uniform(keys[1], (7, 2, 5), minval=0.5)
+    w, written = jax.random.normal(keys[2], (16,)), jnp.arange(7) < 5
+    cotangents = jax.random.normal(keys[3], (2, 5, 16)), jax.random.normal(keys[4], (2, 5))
+
+    def plain(sources, inv_rms, w):
+        logits = jnp.where(written[:, None, None], jnp.einsum('sbld,d->sbl', sources, w) * inv_rms, -jnp.inf)
+        return jnp.einsum('sbl,sbld->bld', jax.nn.softmax(logits, axis=0), sources), jax.nn.logsumexp(logits, axis=0)
+
+    out, vjp = jax.vjp(lambda *a: attnres.depth_mix(*a, written), sources, inv_rms, w)
+    grads = vjp(cotangents)
+    with jax.enable_x64(True):
+        as64 = lambda tree: jax.tree.map(lambda x: jnp.asarray(np.asarray(x), jnp.float64), tree)  # noqa: E731
+        ref_out, ref_vjp = jax.vjp(plain, *as64((sources, inv_rms, w)))
+        ref_grads = ref_vjp(as64(cotangents))
+    for got, want in zip((*out, *grads), (*ref_out, *ref_grads)):
+        assert got.dtype == jnp.float32 and rel_err(got, want) < 2e-6
+    assert np.all(np.asarray(grads[0][5:]) == 0)  # the unwritten sources get no gradient
 
 
 def test_learnable_lambdas_get_gradients_fixed_ones_are_not_parameters():

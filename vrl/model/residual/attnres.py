@@ -106,13 +106,58 @@ class DepthQuery(nnx.Module):
             sources_SxBxLxD = jnp.stack(sources)
             inv_rms_SxBxL = _inv_rms(sources_SxBxLxD, self.eps)
         w_D = (self.query[...] * self.key_scale[...]).astype(jnp.float32)  # w . (g * v / rms(v))
-        dots = lambda v: jnp.einsum('...d,d->...', v, w_D, preferred_element_type=jnp.float32)  # noqa: E731
         written_S = jnp.arange(sources_SxBxLxD.shape[0]) < count
-        logits_SxBxL = jnp.where(written_S[:, None, None], dots(sources_SxBxLxD) * inv_rms_SxBxL, -jnp.inf)
-        partial_BxL = jnp.where(partial, dots(h_BxLxD) * _inv_rms(h_BxLxD, self.eps), -jnp.inf)
-        weights_SxBxL = jax.nn.softmax(jnp.concatenate([logits_SxBxL, partial_BxL[None]]), axis=0)
-        mixed = jnp.einsum('sbl,sbld->bld', weights_SxBxL[:-1].astype(sources_SxBxLxD.dtype), sources_SxBxLxD)
-        return (mixed + weights_SxBxL[-1, ..., None].astype(h_BxLxD.dtype) * h_BxLxD).astype(h_BxLxD.dtype)
+        mixed_BxLxD, lse_BxL = depth_mix(sources_SxBxLxD, inv_rms_SxBxL, w_D, written_S)
+        # the partial sum merged as one more source: its softmax weight against the sources' logsumexp
+        partial_BxL = _dot_last(h_BxLxD, w_D[None, None]) * _inv_rms(h_BxLxD, self.eps)
+        kept_BxLx1 = jnp.where(partial, jax.nn.sigmoid(lse_BxL - partial_BxL), 1.0)[..., None]
+        return (kept_BxLx1 * mixed_BxLxD + (1 - kept_BxLx1) * h_BxLxD.astype(jnp.float32)).astype(h_BxLxD.dtype)
+
+
+@jax.custom_vjp
+def depth_mix(sources_SxBxLxD: Array, inv_rms_SxBxL: Array, w_D: Array, written_S: Array) -> tuple[Array, Array]:
+    """sum_s alpha_s v_s (B, L, D) and logsumexp_s of the logits (B, L), float32, over the written sources,
+    alpha = softmax_s(w . v_s / rms(v_s)).
+
+    Written by hand, with its backward, so that each pass over the S sources is one elementwise loop:
+    einsums over the source axis transpose the whole buffer, in the forward and again in the backward
+    (docs/performance.md, "Attention Residuals' step")."""
+    return _depth_mix_forward(sources_SxBxLxD, inv_rms_SxBxL, w_D, written_S)[0]
+
+
+def _dot_last(a: Array, b: Array) -> Array:
+    """sum_d a * b over the last axis, float32: one elementwise loop (XLA:CPU runs a matrix-vector dot
+    single-threaded, and a dot over the other axes transposes the sources first)."""
+    return jnp.sum(a.astype(jnp.float32) * b, axis=-1)
+
+
+def _depth_mix_forward(sources_SxBxLxD, inv_rms_SxBxL, w_D, written_S):
+    dots_SxBxL = _dot_last(sources_SxBxLxD, w_D[None, None, None])
+    logits_SxBxL = jnp.where(written_S[:, None, None], dots_SxBxL * inv_rms_SxBxL, -jnp.inf)
+    lse_BxL = jax.nn.logsumexp(logits_SxBxL, axis=0)
+    alpha_SxBxL = jnp.exp(logits_SxBxL - lse_BxL[None])
+    mixed_BxLxD = sum(alpha_SxBxL[s, ..., None] * sources_SxBxLxD[s].astype(jnp.float32) for s in range(len(written_S)))
+    return (mixed_BxLxD, lse_BxL), (sources_SxBxLxD, inv_rms_SxBxL, w_D, alpha_SxBxL, dots_SxBxL)
+
+
+def _depth_mix_backward(residuals, cotangents):
+    """With g the mix's cotangent: d alpha_s = <g, v_s>; d logit_s = alpha_s (d alpha_s - sum_t alpha_t
+    d alpha_t + d lse); d v_s = alpha_s g + d logit_s w / rms(v_s); d (1 / rms(v_s)) = d logit_s (w . v_s);
+    d w = sum_s d logit_s v_s / rms(v_s), summed over the tokens."""
+    sources_SxBxLxD, inv_rms_SxBxL, w_D, alpha_SxBxL, dots_SxBxL = residuals
+    d_mixed_BxLxD, d_lse_BxL = cotangents
+    d_alpha_SxBxL = _dot_last(sources_SxBxLxD, d_mixed_BxLxD[None])
+    d_logits_SxBxL = alpha_SxBxL * (
+        d_alpha_SxBxL - jnp.sum(alpha_SxBxL * d_alpha_SxBxL, axis=0, keepdims=True) + d_lse_BxL[None]
+    )
+    scaled_SxBxL = d_logits_SxBxL * inv_rms_SxBxL
+    d_sources = alpha_SxBxL[..., None] * d_mixed_BxLxD[None] + scaled_SxBxL[..., None] * w_D[None, None, None]
+    d_w_D = jnp.sum(scaled_SxBxL[..., None] * sources_SxBxLxD.astype(jnp.float32), axis=(0, 1, 2))
+    d_inv_rms_SxBxL = d_logits_SxBxL * dots_SxBxL
+    return d_sources.astype(sources_SxBxLxD.dtype), d_inv_rms_SxBxL, d_w_D, None
+
+
+depth_mix.defvjp(_depth_mix_forward, _depth_mix_backward)
 
 
 def settle(
