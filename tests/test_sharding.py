@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from tests.conftest import ROOT
-from tests.helpers import HYPER_VARIANTS, NAMED_VARIANTS, train_steps
+from tests.helpers import ATTN_RES_VARIANTS, HYPER_VARIANTS, NAMED_VARIANTS, train_steps
 from tests.runs import TINY_MODEL, cli_args, host_xla_flags, tiny_config, train_losses, write_choice_task
 from vrl.core import sharding
 from vrl.core.config import ConfigError
@@ -30,7 +30,9 @@ from vrl.train import aot
 from vrl.train.config import Config, check_fits_mesh
 
 pytestmark = pytest.mark.slow  # real processes and runs: outside the edit loop's tier
-VARIANTS = NAMED_VARIANTS | HYPER_VARIANTS | {'skipv1': dict(attention='vanilla', skip_v1=2)}  # 2 of 4 kv heads
+VARIANTS = (
+    NAMED_VARIANTS | HYPER_VARIANTS | ATTN_RES_VARIANTS | {'skipv1': dict(attention='vanilla', skip_v1=2)}
+)  # 2 of 4 kv heads
 
 
 def _sharding_config(small_corpus, mesh: MeshConfig) -> Config:
@@ -62,9 +64,12 @@ def test_meshes_agree_with_one_device_and_shard_as_the_rules_say(small_corpus):
 
 
 # between them every kind of parameter the baselines add: the per-token mix, gates, value tables,
-# CLA's K/V stacked over the owning layers, DenseFormer's weights, NeuTRENO, MUDD's per-connection weights
-# (mHC's stacked connections: the context test's mhc case, whose mesh shards fsdp and tensor too)
-@pytest.mark.parametrize('variant', ['resformer-per_token', 'all-baselines', 'resformer-mudd-vr'])
+# CLA's K/V stacked over the owning layers, DenseFormer's weights, NeuTRENO, MUDD's per-connection weights,
+# Attention Residuals' depth queries and their hand-written mix (mHC's stacked connections: the context
+# test's mhc case, whose mesh shards fsdp and tensor too)
+@pytest.mark.parametrize(
+    'variant', ['resformer-per_token', 'all-baselines', 'resformer-mudd-vr', 'attnres-block1-resformer']
+)
 def test_every_baseline_trains_sharded_as_on_one_device(small_corpus, variant):
     """The new variants' parameters (gates, tables, shared K/V, averaging weights) shard by the rules
     and a (data, fsdp, tensor) = (2, 2, 2) mesh trains exactly as one device does."""
