@@ -167,6 +167,8 @@ def settle(
     sum starts again at zero. A buffer's entry `index` is unwritten otherwise, so zero is written there."""
     if not isinstance(sources, Buffer):  # unrolled: `done` is known
         return (jnp.zeros_like(h_BxLxD), (*sources, h_BxLxD)) if done else (h_BxLxD, sources)
+    if done is False:  # known when tracing (a block's attention): the buffer as it was, one array for both mixes
+        return h_BxLxD, sources
     zero = jnp.zeros((), h_BxLxD.dtype)
     written = (
         jnp.where(done, h_BxLxD, zero).astype(sources.values.dtype),
