@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from bench.train_throughput import NAMED, Stepper, bench_config  # noqa: E402
-from vrl.core import backend, host_memory  # noqa: E402
+from vrl.core import backend, cli, host_memory  # noqa: E402
 
 STEPS = 2
 
@@ -56,7 +56,7 @@ def op_times(stepper: Stepper) -> dict[str, float]:
 def sources(stepper: Stepper) -> dict[str, str]:
     """Each op name of the compiled step -> where in vrl it came from, its innermost two frames in vrl's
     files ('attnres.py:128 < decoder.py:260'), read from the compiled program's stack-frame tables."""
-    hlo = stepper.group.train_step.lower(stepper.state, stepper.batch).compile().as_text()
+    hlo = stepper.compiled().as_text()
 
     def table(title: str) -> dict[int, str]:  # a section of 'id value' lines after its title
         body = re.search(rf'^{title}\n(.*?)(?:\n\n|\n[A-Z]\w+\n)', hlo, re.S | re.M)
@@ -97,6 +97,7 @@ def main() -> None:
     parser.add_argument('--members', type=int, default=1, help='seeds trained together in one step')
     parser.add_argument('--top', type=int, default=25)
     args = parser.parse_args()
+    cli.enable_compilation_cache()  # the program text for the source lines: a cache hit
     sized = args.config not in NAMED  # a configs/base.py size: its own batch is a pod's
     config = bench_config(
         args.config,

@@ -92,11 +92,15 @@ class Stepper:
         )
         self.step()  # compile and warm up
 
+    def compiled(self) -> jax.stages.Compiled:
+        """The step as compiled (with the compilation cache on, a cache hit after the first step)."""
+        return self.group.train_step.lower(self.state, self.batch).compile()
+
     def memory_gib(self) -> float | None:
         """The compiled step's memory per device (arguments, outputs and temporaries, less what
         aliases), as XLA plans it; None where the backend does not say."""
         try:
-            stats = self.group.train_step.lower(self.state, self.batch).compile().memory_analysis()
+            stats = self.compiled().memory_analysis()
             used = (
                 stats.argument_size_in_bytes
                 + stats.output_size_in_bytes

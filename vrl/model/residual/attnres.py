@@ -108,6 +108,8 @@ class DepthQuery(nnx.Module):
         w_D = (self.query[...] * self.key_scale[...]).astype(jnp.float32)  # w . (g * v / rms(v))
         written_S = jnp.arange(sources_SxBxLxD.shape[0]) < count
         mixed_BxLxD, lse_BxL = depth_mix(sources_SxBxLxD, inv_rms_SxBxL, w_D, written_S)
+        if partial is False:  # known when tracing (full, a block's first attention, the output query)
+            return mixed_BxLxD.astype(h_BxLxD.dtype)
         # the partial sum merged as one more source: its softmax weight against the sources' logsumexp
         partial_BxL = _dot_last(h_BxLxD, w_D[None, None]) * _inv_rms(h_BxLxD, self.eps)
         kept_BxLx1 = jnp.where(partial, jax.nn.sigmoid(lse_BxL - partial_BxL), 1.0)[..., None]
