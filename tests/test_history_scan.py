@@ -6,6 +6,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from tests.helpers import random_tokens, randomize, rel_err, small_model_config
@@ -19,12 +20,13 @@ class Carry(NamedTuple):
 
 
 def _toy(scan, w_NxDxD, scale, h0):
-    """A scan of tanh layers whose input mixes every earlier output by a closed-over scale."""
+    """A scan of tanh layers whose input mixes every earlier output by weights from a closed-over scale
+    (so that each step's backward reads the history it saw)."""
     J = w_NxDxD.shape[0] + 1
 
     def step(c: Carry, x):
         i, w = x
-        mixed = jnp.tanh(scale * jnp.einsum('j,jd->d', jnp.linspace(0.5, 1.5, J), c.history) + c.h) @ w
+        mixed = jnp.tanh(jnp.einsum('j,jd->d', scale * jnp.linspace(0.5, 1.5, J), c.history) + c.h) @ w
         return Carry(mixed, jax.lax.dynamic_update_index_in_dim(c.history, mixed, i + 1, 0))
 
     xs = (jnp.arange(w_NxDxD.shape[0]), w_NxDxD)
@@ -43,8 +45,29 @@ def test_gradients_are_jax_scans_for_carry_xs_and_what_the_step_closes_over():
     for g, wanted in zip(got, want):
         assert rel_err(g, wanted) < 1e-6
     wrong = lambda step, c, xs: history_scan.scan(step, c, xs, history_scan.History(tuple(range(2, 7))))  # noqa: E731
-    off = jax.grad(lambda *a: _toy(wrong, *a))(w, scale, h0)  # a history rebuilt one row too long
-    assert rel_err(off, want[0]) > 1e-3
+    off = jax.grad(lambda *a: _toy(wrong, *a), argnums=1)(w, scale, h0)  # a history rebuilt one row too long
+    assert rel_err(off, want[1]) > 1e-3
+
+
+def _equations(jaxpr, primitive: str) -> int:
+    """How many equations of `primitive` a jaxpr holds, inside scans and calls too."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == primitive
+        for value in eqn.params.values():
+            inner = getattr(value, 'jaxpr', value)
+            count += _equations(inner, primitive) if hasattr(inner, 'eqns') else 0
+    return count
+
+
+def test_the_backward_pass_recomputes_no_step():
+    """Each step's pullback is kept from the forward pass, as jax.lax.scan keeps it: the toy's tanh is
+    traced once (the forward's), not again in the backward pass (what remat would recompute, here none)."""
+    rng = np.random.default_rng(1)
+    w, h0, scale = jnp.asarray(rng.standard_normal((5, 6, 6)) / 3), jnp.asarray(rng.standard_normal(6)), 0.7
+    rebuilt = lambda step, c, xs: history_scan.scan(step, c, xs, history_scan.History(tuple(range(1, 6))))  # noqa: E731
+    gradient = jax.make_jaxpr(jax.grad(lambda w: _toy(rebuilt, w, scale, h0)))(w)
+    assert _equations(gradient.jaxpr, 'tanh') == 1
 
 
 def _temporaries(cfg) -> int:
@@ -60,10 +83,11 @@ def _temporaries(cfg) -> int:
     return jax.jit(jax.grad(loss)).lower(state).compile().memory_analysis().temp_size_in_bytes
 
 
-def test_the_history_is_kept_once_not_once_per_layer(monkeypatch):
+@pytest.mark.parametrize('remat', ['full', 'none'])
+def test_the_history_is_kept_once_not_once_per_layer(monkeypatch, remat):
     """12 layers of MUDD (qkvr): jax.lax.scan keeps 11 copies of the 13-output history (and of the mixed
     q, k, v inputs); history_scan's compiled gradient saves at least 80% of the history's 11 copies."""
-    cfg = small_model_config(n_layers=12, residual='mudd', mudd_ways='qkvr', remat='full', compute_dtype='float32')
+    cfg = small_model_config(n_layers=12, residual='mudd', mudd_ways='qkvr', remat=remat, compute_dtype='float32')
     once = _temporaries(cfg)
     monkeypatch.setattr(  # what jax.lax.scan keeps: the carry, history included, once per step
         history_scan, 'scan', lambda step, c, xs, h: jax.lax.scan(lambda c, x: (step(c, x), None), c, xs)[0]
@@ -74,10 +98,11 @@ def test_the_history_is_kept_once_not_once_per_layer(monkeypatch):
     assert per_layer - once > 0.8 * history, (once, per_layer, history)
 
 
-def test_attention_residuals_keep_their_sources_once(monkeypatch):
+@pytest.mark.parametrize('remat', ['full', 'none'])
+def test_attention_residuals_keep_their_sources_once(monkeypatch, remat):
     """Full AttnRes over 12 layers: 25 sources, which jax.lax.scan would keep once per stacked layer."""
     cfg = small_model_config(
-        n_layers=12, residual='attnres', attn_residual_blocks=0, remat='full', compute_dtype='float32'
+        n_layers=12, residual='attnres', attn_residual_blocks=0, remat=remat, compute_dtype='float32'
     )
     once = _temporaries(cfg)
     monkeypatch.setattr(

@@ -28,7 +28,7 @@ from tests.helpers import (
 from vrl.core.config import ConfigError, from_dict
 from vrl.model import attention, config, ops, presets
 from vrl.model.decoder import Decoder
-from vrl.model.residual import attnres
+from vrl.model.residual import attnres, dense
 from vrl.train import step
 from vrl.train.config import Config
 from vrl.train.rundir import checkpoint
@@ -286,6 +286,25 @@ def test_the_depth_mix_and_its_hand_written_backward_match_float64_autodiff():
     for got, want in zip((*out, *grads), (*ref_out, *ref_grads)):
         assert got.dtype == jnp.float32 and rel_err(got, want) < 2e-6
     assert np.all(np.asarray(grads[0][5:]) == 0)  # the unwritten sources get no gradient
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_the_buffer_sum_and_its_hand_written_backward_match_float64_autodiff(dtype):
+    """dense.buffer_sum (DenseFormer's and MUDD's mix of a scanned history, its own VJP) against jax.grad
+    of the einsum in float64: random per-position weights, history and cotangent; in bfloat16 the
+    history and its gradient round to bfloat16 (the weights and their gradient stay float32)."""
+    keys = jax.random.split(jax.random.key(27), 3)
+    weights, blocks = jax.random.normal(keys[0], (2, 5, 6)), jax.random.normal(keys[1], (6, 2, 5, 16)).astype(dtype)
+    cotangent = jax.random.normal(keys[2], (2, 5, 16)).astype(dtype)
+    out, vjp = jax.vjp(dense.buffer_sum, weights, blocks)
+    grads = vjp(cotangent)
+    with jax.enable_x64(True):
+        as64 = lambda tree: jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), tree)  # noqa: E731
+        ref_out, ref_vjp = jax.vjp(lambda w, b: jnp.einsum('blj,jbld->bld', w, b), *as64((weights, blocks)))
+        ref_grads = ref_vjp(as64(cotangent))
+    tolerance = 2e-6 if dtype == 'float32' else 8e-3  # bfloat16's rounding of the outputs, 2^-8
+    for got, want, wanted_dtype in zip((out, *grads), (ref_out, *ref_grads), (dtype, 'float32', dtype)):
+        assert got.dtype == wanted_dtype and rel_err(got, want) < tolerance
 
 
 def test_learnable_lambdas_get_gradients_fixed_ones_are_not_parameters():

@@ -102,11 +102,7 @@ def summary_rows(config: Config) -> list[tuple[str, str]]:
         else str(m.vocab_size)
     )
     history_bytes = accounting.layer_history_bytes_per_token(m)  # block outputs, or hyper-connections' streams
-    kept = (
-        'once per layer, as the hidden state'
-        if m.residual in ('hc', 'mhc')
-        else 'once under remat, once per layer without'
-    )
+    kept = 'once per layer, as the hidden state' if m.residual in ('hc', 'mhc') else 'once, not once per layer'
     history = [
         (
             f'layer history / token ({resolve.local_compute_dtype(m)})',

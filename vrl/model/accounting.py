@@ -160,9 +160,9 @@ def layer_history_bytes_per_token(cfg: ModelConfig) -> int:
     `history_vectors` of D: DenseFormer's and MUDD's embedding and block outputs, MUDD's q, k, v ways,
     hyper-connections' streams beyond one, attention residuals' sources) in the compute dtype; 0 for the
     plain stream. Decoding holds it for a step's new tokens only (the KV cache is unchanged). The training
-    step keeps a depth history for the backward pass once under model.remat (vrl/model/history_scan.py),
-    once per stacked layer without; hyper-connections' streams once per layer, as every variant's hidden
-    state."""
+    step keeps a depth history for the backward pass once (vrl/model/history_scan.py; once per stacked
+    layer while layer statistics are recorded); hyper-connections' streams once per layer, as every
+    variant's hidden state."""
     vectors = residual.of(cfg).history_vectors()
     return vectors * cfg.d_model * jnp.dtype(resolve.local_compute_dtype(cfg)).itemsize
 

@@ -547,8 +547,9 @@ class Decoder(nnx.Module):
         constants of the scan rather than part of its carry: the backward pass keeps a scan's carry
         once per scanned step (N copies of V_1), and a constant once (docs/performance.md, "Train-step
         memory"). A CLA group's copies live within its step. A residual method's depth history must
-        be carried; under remat its scan is history_scan.scan, whose backward keeps the history once
-        and recomputes each layer (without remat, jax.lax.scan keeps every layer's). Decoding
+        be carried; its scan is history_scan.scan, whose backward keeps the history once and each
+        layer's other residuals as jax.lax.scan would (jax.lax.scan keeps every layer's history; it
+        still runs while layer statistics are recorded, as they are per-layer outputs). Decoding
         always loops, so that each layer's cache slots are known when tracing (KVCache: one buffer per
         slot), and takes each layer's parameters from `layers` where given (`decode`).
         """
@@ -601,7 +602,7 @@ class Decoder(nnx.Module):
             )
             per_layer = (lambda x: [x]) if G == 1 else (lambda x: _unstacked(x, 0, G))
             scanned = rematted(in_scan=True)
-            history_once = s.history is not None and self.cfg.remat != 'none' and not layer_stats.is_recording()
+            history_once = s.history is not None and not layer_stats.is_recording()
             if history_once:  # a history kept once (its scan hands on no per-layer outputs)
                 step = lambda s, xs: scanned(s, tuple(map(per_layer, xs)), lead)[0]  # noqa: E731
                 s, stats = history_scan.scan(step, s, grouped, self._history(lead, groups)), None

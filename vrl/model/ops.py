@@ -63,6 +63,13 @@ def rms_normalized(x: Array, eps: float, axes: tuple[int, ...] = (-1,)) -> Array
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=axes, keepdims=True) + eps)
 
 
+def dot_last(a: Array, b: Array) -> Array:
+    """sum_d a * b over the last axis (broadcast), float32: one elementwise loop. The depth mixes'
+    passes over a (J, B, L, D) buffer are written so: XLA:CPU runs a matrix-vector dot single-threaded,
+    and a dot over the other axes transposes the buffer first (docs/performance.md)."""
+    return jnp.sum(a.astype(jnp.float32) * b, axis=-1)
+
+
 def soft_cap(logits: Array, cap: float) -> Array:
     """cap * tanh(logits / cap), elementwise; the logits as they are for cap 0 (off)."""
     return cap * jnp.tanh(logits / cap) if cap else logits

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from vrl.core.sharding import Axis
-from vrl.model import params
+from vrl.model import ops, params
 from vrl.model.config import ModelConfig
 from vrl.model.residual.base import Plain
 
@@ -66,15 +66,16 @@ def seen(cfg: ModelConfig, layer: int | Array, sublayer: int) -> tuple[int | Arr
     (the next one is written at that index), and whether a partial sum is among the sources."""
     if not cfg.attn_residual_blocks:
         return 1 + 2 * layer + sublayer, False
-    per_block = cfg.attn_residual_layers
-    return 1 + layer // per_block, (sublayer == 1) | (layer % per_block != 0)
+    per_block = cfg.attn_residual_layers  # the partial sum known when tracing wherever it can be
+    return 1 + layer // per_block, sublayer == 1 or (per_block > 1 and layer % per_block != 0)
 
 
 def completes(cfg: ModelConfig, layer: int | Array, sublayer: int) -> bool | Array:
     """Whether the partial sum becomes a source after this sublayer: every one (full), or a block's last MLP."""
     if not cfg.attn_residual_blocks:
         return True
-    return (sublayer == 1) & ((layer + 1) % cfg.attn_residual_layers == 0)
+    per_block = cfg.attn_residual_layers  # known when tracing wherever it can be: never after an attention
+    return sublayer == 1 and (per_block == 1 or (layer + 1) % per_block == 0)
 
 
 def sources_per_sublayer(cfg: ModelConfig) -> list[int]:
@@ -111,7 +112,7 @@ class DepthQuery(nnx.Module):
         if partial is False:  # known when tracing (full, a block's first attention, the output query)
             return mixed_BxLxD.astype(h_BxLxD.dtype)
         # the partial sum merged as one more source: its softmax weight against the sources' logsumexp
-        partial_BxL = _dot_last(h_BxLxD, w_D[None, None]) * _inv_rms(h_BxLxD, self.eps)
+        partial_BxL = ops.dot_last(h_BxLxD, w_D[None, None]) * _inv_rms(h_BxLxD, self.eps)
         kept_BxLx1 = jnp.where(partial, jax.nn.sigmoid(lse_BxL - partial_BxL), 1.0)[..., None]
         return (kept_BxLx1 * mixed_BxLxD + (1 - kept_BxLx1) * h_BxLxD.astype(jnp.float32)).astype(h_BxLxD.dtype)
 
@@ -127,14 +128,8 @@ def depth_mix(sources_SxBxLxD: Array, inv_rms_SxBxL: Array, w_D: Array, written_
     return _depth_mix_forward(sources_SxBxLxD, inv_rms_SxBxL, w_D, written_S)[0]
 
 
-def _dot_last(a: Array, b: Array) -> Array:
-    """sum_d a * b over the last axis, float32: one elementwise loop (XLA:CPU runs a matrix-vector dot
-    single-threaded, and a dot over the other axes transposes the sources first)."""
-    return jnp.sum(a.astype(jnp.float32) * b, axis=-1)
-
-
 def _depth_mix_forward(sources_SxBxLxD, inv_rms_SxBxL, w_D, written_S):
-    dots_SxBxL = _dot_last(sources_SxBxLxD, w_D[None, None, None])
+    dots_SxBxL = ops.dot_last(sources_SxBxLxD, w_D[None, None, None])
     logits_SxBxL = jnp.where(written_S[:, None, None], dots_SxBxL * inv_rms_SxBxL, -jnp.inf)
     lse_BxL = jax.nn.logsumexp(logits_SxBxL, axis=0)
     alpha_SxBxL = jnp.exp(logits_SxBxL - lse_BxL[None])
@@ -148,7 +143,7 @@ def _depth_mix_backward(residuals, cotangents):
     d w = sum_s d logit_s v_s / rms(v_s), summed over the tokens."""
     sources_SxBxLxD, inv_rms_SxBxL, w_D, alpha_SxBxL, dots_SxBxL = residuals
     d_mixed_BxLxD, d_lse_BxL = cotangents
-    d_alpha_SxBxL = _dot_last(sources_SxBxLxD, d_mixed_BxLxD[None])
+    d_alpha_SxBxL = ops.dot_last(sources_SxBxLxD, d_mixed_BxLxD[None])
     d_logits_SxBxL = alpha_SxBxL * (
         d_alpha_SxBxL - jnp.sum(alpha_SxBxL * d_alpha_SxBxL, axis=0, keepdims=True) + d_lse_BxL[None]
     )

@@ -13,7 +13,7 @@ depth `history` (the earlier layers' outputs), which the layer scan carries:
 - `after_layer`: what a layer hands the next: the stream, the history, and the next attention's own
   inputs where the method mixes them apart (None otherwise).
 - `written`: where each scanned step starts writing the history (vrl/model/history_scan.py keeps
-  it once under remat).
+  it once for the backward pass).
 - `hidden`: the hidden state (B, L, D) the statistics read; `readout`: the final norm's input.
 - `stream_axes`: the stream's logical axes, given a hidden state's.
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vrl.model import params
+from vrl.model import ops, params
 from vrl.model.residual.base import History, Plain
 
 Array = jax.Array
@@ -45,9 +45,38 @@ def weighted_sum(weights: Array, blocks: Array | tuple[Array, ...]) -> Array:
     hand on a tuple, which keeps each output once for the backward pass."""
     per_position = weights.ndim == 3
     if not isinstance(blocks, tuple):
-        return jnp.einsum('blj,jbld->bld' if per_position else 'j,jbld->bld', weights.astype(blocks.dtype), blocks)
+        J, B, L, _ = blocks.shape
+        return buffer_sum(weights if per_position else jnp.broadcast_to(weights, (B, L, J)), blocks)
     scale = (lambda j: weights[..., j, None]) if per_position else (lambda j: weights[j])
     return sum(scale(j).astype(b.dtype) * b for j, b in enumerate(blocks))
+
+
+@jax.custom_vjp
+def buffer_sum(weights_BxLxJ: Array, blocks_JxBxLxD: Array) -> Array:
+    """sum_j weights[..., j] B_j (B, L, D) in the buffer's dtype, summed in float32.
+
+    Written by hand, with its backward, so that each pass over the buffer is one elementwise loop: an
+    einsum over the J axis transposes the whole buffer, in the forward and again in the backward (and
+    the layer scan's backward rebuilds the buffer each layer: vrl/model/history_scan.py)."""
+    return _buffer_sum_forward(weights_BxLxJ, blocks_JxBxLxD)[0]
+
+
+def _buffer_sum_forward(weights_BxLxJ, blocks_JxBxLxD):
+    w_BxLxJ = weights_BxLxJ.astype(jnp.float32)
+    mixed = sum(w_BxLxJ[..., j, None] * b.astype(jnp.float32) for j, b in enumerate(blocks_JxBxLxD))
+    return mixed.astype(blocks_JxBxLxD.dtype), (weights_BxLxJ, blocks_JxBxLxD)
+
+
+def _buffer_sum_backward(residuals, d_mixed_BxLxD):
+    """d weights[..., j] = <g, B_j>; d B_j = weights[..., j] g."""
+    weights_BxLxJ, blocks_JxBxLxD = residuals
+    d_weights_JxBxL = ops.dot_last(blocks_JxBxLxD, d_mixed_BxLxD[None].astype(jnp.float32))
+    w_JxBxLx1 = jnp.moveaxis(weights_BxLxJ, -1, 0)[..., None].astype(jnp.float32)
+    d_blocks = w_JxBxLx1 * d_mixed_BxLxD[None].astype(jnp.float32)
+    return jnp.moveaxis(d_weights_JxBxL, 0, -1).astype(weights_BxLxJ.dtype), d_blocks.astype(blocks_JxBxLxD.dtype)
+
+
+buffer_sum.defvjp(_buffer_sum_forward, _buffer_sum_backward)
 
 
 def appended(history: Array | tuple[Array, ...], out_BxLxD: Array, layer: int | Array) -> Array | tuple[Array, ...]:
