@@ -13,8 +13,12 @@ a source while its block runs) and the sum becomes one source when the block end
 After the last layer one more query mixes every source into the final norm's input.
 
 The stream between sublayers is the partial sum h (B, L, D), zero where none has begun, and the
-completed sources: where the layers are scanned a `Buffer` (S, B, L, D) zero past those written, with
-each source's 1 / RMS computed once, when it is written; unrolled layers hand on a tuple. The
+completed sources. In full AttnRes an attention's output is its MLP's partial sum, and both outputs
+become sources after the MLP, so that a layer's two queries read the same completed sources (the
+same softmax as writing the attention's first; the layer scan then keeps no copy of the buffer per
+layer: vrl/model/history_scan.py). The completed sources are, where the layers are scanned, a `Buffer`
+(S, B, L, D) zero past those written, with each source's 1 / RMS computed once, when it is written;
+unrolled layers hand on a tuple. The
 queries start at zero: each sublayer's input is the mean of its sources, which its pre-norm (and the
 final norm) turn into the plain residual's input up to the norms' eps, so the model starts as vanilla.
 
@@ -64,16 +68,17 @@ def n_sources(cfg: ModelConfig) -> int:
 def seen(cfg: ModelConfig, layer: int | Array, sublayer: int) -> tuple[int | Array, bool | Array]:
     """Before 0-based `layer`'s attention (`sublayer` 0) or MLP (1): how many completed sources there are
     (the next one is written at that index), and whether a partial sum is among the sources."""
-    if not cfg.attn_residual_blocks:
-        return 1 + 2 * layer + sublayer, False
+    if not cfg.attn_residual_blocks:  # the MLP's partial sum is its attention's output
+        return 1 + 2 * layer, sublayer == 1
     per_block = cfg.attn_residual_layers  # the partial sum known when tracing wherever it can be
     return 1 + layer // per_block, sublayer == 1 or (per_block > 1 and layer % per_block != 0)
 
 
 def completes(cfg: ModelConfig, layer: int | Array, sublayer: int) -> bool | Array:
-    """Whether the partial sum becomes a source after this sublayer: every one (full), or a block's last MLP."""
+    """Whether the partial sum becomes a source after this sublayer: after every MLP (full: the attention's
+    output and the MLP's, two sources), or a block's last MLP."""
     if not cfg.attn_residual_blocks:
-        return True
+        return sublayer == 1
     per_block = cfg.attn_residual_layers  # known when tracing wherever it can be: never after an attention
     return sublayer == 1 and (per_block == 1 or (layer + 1) % per_block == 0)
 
@@ -109,7 +114,7 @@ class DepthQuery(nnx.Module):
         w_D = (self.query[...] * self.key_scale[...]).astype(jnp.float32)  # w . (g * v / rms(v))
         written_S = jnp.arange(sources_SxBxLxD.shape[0]) < count
         mixed_BxLxD, lse_BxL = depth_mix(sources_SxBxLxD, inv_rms_SxBxL, w_D, written_S)
-        if partial is False:  # known when tracing (full, a block's first attention, the output query)
+        if partial is False:  # known when tracing (full's attentions, a block's first, the output query)
             return mixed_BxLxD.astype(h_BxLxD.dtype)
         # the partial sum merged as one more source: its softmax weight against the sources' logsumexp
         partial_BxL = ops.dot_last(h_BxLxD, w_D[None, None]) * _inv_rms(h_BxLxD, self.eps)
@@ -158,20 +163,26 @@ depth_mix.defvjp(_depth_mix_forward, _depth_mix_backward)
 
 
 def settle(
-    h_BxLxD: Array, sources: Buffer | tuple[Array, ...], index: int | Array, done: bool | Array, eps: float
+    h_BxLxD: Array,
+    completed: tuple[Array, ...],
+    sources: Buffer | tuple[Array, ...],
+    index: int | Array,
+    done: bool | Array,
+    eps: float,
 ) -> tuple[Array, Buffer | tuple[Array, ...]]:
-    """After a sublayer (its output added to h): where `done`, h becomes source `index` and the partial
-    sum starts again at zero. A buffer's entry `index` is unwritten otherwise, so zero is written there."""
+    """After a sublayer (its output added to h): where `done`, the `completed` sources (each (B, L, D))
+    become sources `index`, `index` + 1, ... and the partial sum starts again at zero. A buffer's entries
+    there are unwritten otherwise, so zeros are written there."""
     if not isinstance(sources, Buffer):  # unrolled: `done` is known
-        return (jnp.zeros_like(h_BxLxD), (*sources, h_BxLxD)) if done else (h_BxLxD, sources)
-    if done is False:  # known when tracing (a block's attention): the buffer as it was, one array for both mixes
+        return (jnp.zeros_like(h_BxLxD), (*sources, *completed)) if done else (h_BxLxD, sources)
+    if done is False:  # known when tracing (every attention): the buffer as it was, one array for both mixes
         return h_BxLxD, sources
     zero = jnp.zeros((), h_BxLxD.dtype)
     written = (
-        jnp.where(done, h_BxLxD, zero).astype(sources.values.dtype),
-        jnp.where(done, _inv_rms(h_BxLxD, eps), 0.0),
+        jnp.stack([jnp.where(done, c, zero) for c in completed]).astype(sources.values.dtype),
+        jnp.stack([jnp.where(done, _inv_rms(c, eps), 0.0) for c in completed]),
     )
-    sources = Buffer(*(jax.lax.dynamic_update_index_in_dim(b, w, index, 0) for b, w in zip(sources, written)))
+    sources = Buffer(*(jax.lax.dynamic_update_slice_in_dim(b, w, index, 0) for b, w in zip(sources, written)))
     return jnp.where(done, zero, h_BxLxD), sources
 
 
@@ -222,7 +233,9 @@ class AttnRes(Plain):
     ) -> tuple[Array, Buffer | tuple]:
         index, _ = seen(self.cfg, layer, sublayer)
         done = completes(self.cfg, layer, sublayer)
-        return settle(h + out_BxLxD, history, index, done, self.cfg.norm_eps)
+        # a block's sublayer outputs summed into one source; full's attention output and MLP output two
+        completed = (h + out_BxLxD,) if self.cfg.attn_residual_blocks else (h, out_BxLxD)
+        return settle(h + out_BxLxD, completed, history, index, done, self.cfg.norm_eps)
 
     def written(self, first_layers: list[int]) -> tuple[int, ...]:
         return tuple(seen(self.cfg, layer, 0)[0] for layer in first_layers)
