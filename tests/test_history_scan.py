@@ -70,6 +70,41 @@ def test_the_backward_pass_recomputes_no_step():
     assert _equations(gradient.jaxpr, 'tanh') == 1
 
 
+def _shapes(jaxpr) -> set[tuple[int, ...]]:
+    """The shapes of every value a jaxpr makes, inside scans and calls too."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        shapes |= {tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, 'shape')}
+        for value in eqn.params.values():
+            inner = getattr(value, 'jaxpr', value)
+            shapes |= _shapes(inner) if hasattr(inner, 'eqns') else set()
+    return shapes
+
+
+@pytest.mark.parametrize('remat', ['full', 'none'])
+@pytest.mark.parametrize(
+    'method, entries',
+    [
+        (dict(residual='dense'), 13),
+        (dict(residual='mudd', mudd_ways='qkvr'), 13),
+        (dict(residual='attnres', attn_residual_blocks=0), 25),
+        (dict(residual='attnres', attn_residual_blocks=12), 13),  # a block a layer: every MLP completes one
+        (dict(residual='attnres', attn_residual_blocks=4), 5),  # blocks of 3 layers
+    ],
+    ids=['dense', 'mudd', 'attnres-full', 'attnres-block12', 'attnres-block4'],
+)
+def test_no_scanned_layer_keeps_a_copy_of_the_history(method, entries, remat):
+    """12 layers (11 scanned): the gradient makes no (11, J, B, L, D) value, a history kept per layer,
+    whichever sublayer reads it (a rewritten buffer is not the one the backward rebuilds)."""
+    cfg = small_model_config(n_layers=12, remat=remat, compute_dtype='float32', **method)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = random_tokens(2, B=8, L=64)
+    gradient = jax.make_jaxpr(jax.grad(lambda state: jnp.mean(nnx.merge(graphdef, state)(tokens) ** 2)))(state)
+    assert (11, entries, 8, 64, cfg.d_model) not in _shapes(gradient.jaxpr)
+    assert (entries, 8, 64, cfg.d_model) in _shapes(gradient.jaxpr)  # the history itself, once
+
+
 def _temporaries(cfg) -> int:
     """The compiled gradient's temporary bytes for `cfg` on 8 x 64 tokens."""
     model = Decoder(cfg, rngs=nnx.Rngs(0))

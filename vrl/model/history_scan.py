@@ -7,8 +7,10 @@ copies of the buffer, N J D values per token. Here the forward pass keeps each s
 residuals `jax.vjp` saves, whatever `model.remat` lets it save) except the history, which the backward
 pass rebuilds from the final one: the same buffer with the entries from step i's first write on set to
 zero, which is what step i saw (and from step i + 1's first write on, which is what step i handed on,
-where its backward reads the history it wrote). Residuals that are the step's own per-layer inputs or the scan's
-constants are not copied per step either (as jax.lax.scan does not copy them).
+where its backward reads the history it wrote). Residuals that are the step's own per-layer inputs or
+the scan's constants are not copied per step either (as jax.lax.scan does not copy them). A residual
+is recognised as one of these by identity: a method's mix must keep the history array it was handed
+(tests/test_history_scan.py checks that the history is kept once for each method that has one).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Pullbacks:
 
 
 def _source_of(leaf: Any, inputs: tuple[list, ...]) -> tuple[int, int] | None:
+    """(which of `inputs`, index) of the input that `leaf` is, or None."""
     for kind, leaves in enumerate(inputs):
         for index, input_leaf in enumerate(leaves):
             if leaf is input_leaf:
@@ -82,7 +85,7 @@ def _scan(step, history: History, carry, xs, *consts):
 
 
 def _forward(step, history, carry, xs, *consts):
-    layout = {}
+    layout = {}  # the pullback's tree and each leaf's source, known once the step is traced
 
     def one(c, x):
         out, pullback = jax.vjp(lambda c, x, consts: step(c, x, *consts), c, x, consts)
