@@ -70,6 +70,12 @@ def dot_last(a: Array, b: Array) -> Array:
     return jnp.sum(a.astype(jnp.float32) * b, axis=-1)
 
 
+def mix_rows(weights_JxBxL: Array, rows_JxBxLxD: Array) -> Array:
+    """sum_j weights[j] rows[j] (B, L, D), float32: one elementwise loop over the J rows (an einsum over J
+    transposes the rows first, as `dot_last` says)."""
+    return sum(w[..., None].astype(jnp.float32) * r.astype(jnp.float32) for w, r in zip(weights_JxBxL, rows_JxBxLxD))
+
+
 def soft_cap(logits: Array, cap: float) -> Array:
     """cap * tanh(logits / cap), elementwise; the logits as they are for cap 0 (off)."""
     return cap * jnp.tanh(logits / cap) if cap else logits

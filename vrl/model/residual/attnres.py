@@ -138,7 +138,7 @@ def _depth_mix_forward(sources_SxBxLxD, inv_rms_SxBxL, w_D, written_S):
     logits_SxBxL = jnp.where(written_S[:, None, None], dots_SxBxL * inv_rms_SxBxL, -jnp.inf)
     lse_BxL = jax.nn.logsumexp(logits_SxBxL, axis=0)
     alpha_SxBxL = jnp.exp(logits_SxBxL - lse_BxL[None])
-    mixed_BxLxD = sum(alpha_SxBxL[s, ..., None] * sources_SxBxLxD[s].astype(jnp.float32) for s in range(len(written_S)))
+    mixed_BxLxD = ops.mix_rows(alpha_SxBxL, sources_SxBxLxD)
     return (mixed_BxLxD, lse_BxL), (sources_SxBxLxD, inv_rms_SxBxL, w_D, alpha_SxBxL, dots_SxBxL)
 
 

@@ -62,8 +62,7 @@ def buffer_sum(weights_BxLxJ: Array, blocks_JxBxLxD: Array) -> Array:
 
 
 def _buffer_sum_forward(weights_BxLxJ, blocks_JxBxLxD):
-    w_BxLxJ = weights_BxLxJ.astype(jnp.float32)
-    mixed = sum(w_BxLxJ[..., j, None] * b.astype(jnp.float32) for j, b in enumerate(blocks_JxBxLxD))
+    mixed = ops.mix_rows(jnp.moveaxis(weights_BxLxJ, -1, 0), blocks_JxBxLxD)
     return mixed.astype(blocks_JxBxLxD.dtype), (weights_BxLxJ, blocks_JxBxLxD)
 
 
