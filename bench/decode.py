@@ -3,10 +3,16 @@
     python bench/decode.py [--size 82m] [--layers N] [--contexts 512,2048,8192] [--batches 1,8] [--new_tokens 16]
                            [--variants vanilla,resformer,svformer]   (vrl/model/presets.py names)
                            [--window 1024 --global_layers 4,8]       (local/global attention)
+                           [--repeats 1]
 
 The cache is filled with random keys and values up to the context (prefill is not timed:
 each decode step reads the whole cache, which is what the context length changes). Compute
-is float32 on CPU (caches too), the config's dtype on accelerators.
+is float32 on CPU (caches too), the config's dtype on accelerators. At each context and batch every
+variant's loop is compiled and run once untimed, then timed in `--repeats` rounds, a run of each variant
+in turn: `decode tok/s` is the median round's, `vs <first variant>` the median of each round's ratio to
+the first variant's (with the lowest and highest in brackets where there are several rounds). On a
+shared 2-core host one run of 16 tokens moves by 10-25% between runs (2026-12-07: Block Attention
+Residuals from 17% slower than vanilla to 14% faster at 512 x 1), so a comparison takes rounds.
 
 `of bound`: the bytes one decode step must read (the parameters, and the filled part of the
 cache) per second, as a fraction of this host's memory bandwidth, measured in the same run as
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,24 +76,47 @@ def bytes_per_step(cfg, params, batch: int, context: int) -> tuple[int, int]:
     return weights + batch * accounting.kv_cache_bytes(cfg, context), weights + batch * read
 
 
-def decode_tokens_per_sec(cfg, batch: int, context: int, new_tokens: int) -> tuple[int, float, tuple[int, int]]:
-    cfg = aot.execution(Config(model=cfg), jax.default_backend()).model  # this platform's ops
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-    generator = decode.Generator(cfg, graphdef, nnx.to_pure_dict(state), max_len=context + new_tokens, eos_id=-1)
-    cache = generator.new_cache(batch)
-    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache))))
-    cache = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype) if x.ndim > 1 else x, cache)
-    cache = cache._replace(index=jnp.asarray(context, jnp.int32))
-    logits = jax.random.normal(jax.random.key(2), (batch, cfg.padded_vocab_size))
-    pad = jnp.zeros((batch,), jnp.int32)
-    loop = generator.decode_fn(decode.Sampling(max_new_tokens=new_tokens))  # donates the cache: pass copies
-    jax.block_until_ready(loop(generator.params, jax.tree.map(jnp.copy, cache), logits, pad, jax.random.key(0)))
-    fresh = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
-    start = time.perf_counter()
-    jax.block_until_ready(loop(generator.params, fresh, logits, pad, jax.random.key(0)))
-    tokens_per_sec = batch * new_tokens / (time.perf_counter() - start)
-    return cache_lib.cache_bytes(cache), tokens_per_sec, bytes_per_step(cfg, generator.params, batch, context)
+class DecodeLoop:
+    """One variant's decode loop at a batch and a filled context, compiled and run once untimed; `seconds()`
+    times one run of `new_tokens` steps from a fresh copy of the cache."""
+
+    def __init__(self, cfg, batch: int, context: int, new_tokens: int):
+        cfg = aot.execution(Config(model=cfg), jax.default_backend()).model  # this platform's ops
+        model = Decoder(cfg, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        generator = decode.Generator(cfg, graphdef, nnx.to_pure_dict(state), max_len=context + new_tokens, eos_id=-1)
+        cache = generator.new_cache(batch)
+        keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache))))
+        cache = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype) if x.ndim > 1 else x, cache)
+        self.cache = cache._replace(index=jnp.asarray(context, jnp.int32))
+        self.logits = jax.random.normal(jax.random.key(2), (batch, cfg.padded_vocab_size))
+        self.pad = jnp.zeros((batch,), jnp.int32)
+        self.params = generator.params
+        self.loop = generator.decode_fn(decode.Sampling(max_new_tokens=new_tokens))  # donates the cache: copies
+        self.tokens = batch * new_tokens
+        self.cache_bytes = cache_lib.cache_bytes(self.cache)
+        self.bound = bytes_per_step(cfg, generator.params, batch, context)
+        self.seconds()  # untimed: compiles
+
+    def seconds(self) -> float:
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, self.cache))
+        start = time.perf_counter()
+        jax.block_until_ready(self.loop(self.params, fresh, self.logits, self.pad, jax.random.key(0)))
+        return time.perf_counter() - start
+
+
+def measure(loops: dict[str, DecodeLoop], repeats: int) -> dict[str, tuple[float, list[float]]]:
+    """Per variant: its median tokens/s over `repeats` rounds, each round one run of every variant in turn,
+    and each round's ratio to the first variant's tokens/s less one (the first's own: zeros)."""
+    rounds = [{variant: loop.seconds() for variant, loop in loops.items()} for _ in range(repeats)]
+    first = next(iter(loops))
+    return {
+        variant: (
+            loop.tokens / statistics.median(r[variant] for r in rounds),
+            [r[first] / r[variant] - 1 for r in rounds],
+        )
+        for variant, loop in loops.items()
+    }
 
 
 def main() -> None:
@@ -95,6 +125,7 @@ def main() -> None:
     parser.add_argument('--contexts', default='512,2048,8192')
     parser.add_argument('--batches', default='1,8')
     parser.add_argument('--new_tokens', type=int, default=16)
+    parser.add_argument('--repeats', type=int, default=1, help='rounds of a run of each variant; > 1 adds their range')
     parser.add_argument('--variants', default='vanilla,resformer,svformer')
     parser.add_argument('--probe_mib', type=int, default=1024, help='the bandwidth probe copy (a real one: 1 GiB)')
     parser.add_argument('--window', type=int, default=0, help='model.attention_window of every variant (0: off)')
@@ -104,9 +135,11 @@ def main() -> None:
     probe = args.probe_mib * 2**20
     bandwidth_before = memory_bandwidth(probe)
     rows = []
+    variants = args.variants.split(',')
     for context in map(int, args.contexts.split(',')):
         for batch in map(int, args.batches.split(',')):
-            for variant in args.variants.split(','):
+            loops = {}
+            for variant in variants:
                 cfg = presets.apply(variant, from_configdict(base.get_config(f'vanilla,{args.size}')).model)
                 cfg = dataclasses.replace(
                     cfg,
@@ -115,10 +148,13 @@ def main() -> None:
                     attention_window=args.window,
                     global_layers=tuple(int(n) for n in args.global_layers.split(',') if n),
                 )
+                loops[variant] = DecodeLoop(cfg, batch, context, args.new_tokens)
                 formula = batch * accounting.kv_cache_bytes(cfg, context + args.new_tokens)
-                measured = decode_tokens_per_sec(cfg, batch, context, args.new_tokens)
-                history = accounting.layer_history_bytes_per_token(cfg)
-                rows.append((variant, context, batch, formula, history, *measured))
+                rows.append([variant, context, batch, formula, accounting.layer_history_bytes_per_token(cfg)])
+            for row, (loop, (tokens_per_sec, ratios)) in zip(
+                rows[-len(variants) :], zip(loops.values(), measure(loops, args.repeats).values())
+            ):
+                row += [loop.cache_bytes, tokens_per_sec, loop.bound, ratios]
     bandwidth_after = memory_bandwidth(probe)
     bandwidth = max(bandwidth_before, bandwidth_after)  # a shared host's best moment in this run
     windows = f'; window {args.window}, global layers {args.global_layers or "none"}' if args.window else ''
@@ -127,16 +163,22 @@ def main() -> None:
         f'memory bandwidth {bandwidth / 1e9:.1f} GB/s ({args.probe_mib} MiB copy; '
         f'{bandwidth_before / 1e9:.1f} before the rows, {bandwidth_after / 1e9:.1f} after)'
     )
-    width = max(map(len, args.variants.split(',')))
+    width, relative_width = max(map(len, variants)), 19 if args.repeats > 1 else 10
     print(
         f'{"variant":>{width}} | {"context":>7} | {"batch":>5} | {"KV cache MiB":>12} | {"formula MiB":>11} | '
-        f'{"decode tok/s":>12} | {"of bound":>8} | {"of reads":>8} | {"history B/token":>15}'
+        f'{"decode tok/s":>12} | {"vs " + variants[0]:>{relative_width}} | {"of bound":>8} | {"of reads":>8} | '
+        f'{"history B/token":>15}'
     )
-    for variant, context, batch, formula, history, n_bytes, tokens_per_sec, (stored, read) in rows:
+    for variant, context, batch, formula, history, n_bytes, tokens_per_sec, (stored, read), ratios in rows:
         steps_per_sec = tokens_per_sec / batch
+        relative = f'{statistics.median(ratios):+.1%}'
+        if variant == variants[0]:
+            relative = '(reference)'
+        elif args.repeats > 1:  # each round's ratio: how far one round's figure can be trusted
+            relative += f' [{min(ratios):+.0%}, {max(ratios):+.0%}]'
         print(
             f'{variant:>{width}} | {context:>7} | {batch:>5} | {n_bytes / 2**20:>12,.1f} | {formula / 2**20:>11,.1f} | '
-            f'{tokens_per_sec:>12,.1f} | {stored * steps_per_sec / bandwidth:>8.1%} | '
+            f'{tokens_per_sec:>12,.1f} | {relative:>{relative_width}} | {stored * steps_per_sec / bandwidth:>8.1%} | '
             f'{read * steps_per_sec / bandwidth:>8.1%} | {history:>15,}'
         )
 

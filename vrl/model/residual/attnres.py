@@ -106,12 +106,13 @@ class DepthQuery(nnx.Module):
         self, h_BxLxD: Array, sources: Buffer | tuple[Array, ...], count: int | Array, partial: bool | Array
     ) -> Array:
         """The mix (B, L, D) of the first `count` completed sources and, where `partial`, the partial sum h."""
-        if isinstance(sources, Buffer):
-            sources_SxBxLxD, inv_rms_SxBxL = sources
-        else:  # unrolled: every source seen
-            sources_SxBxLxD = jnp.stack(sources)
-            inv_rms_SxBxL = _inv_rms(sources_SxBxLxD, self.eps)
         w_D = (self.query[...] * self.key_scale[...]).astype(jnp.float32)  # w . (g * v / rms(v))
+        if not isinstance(sources, Buffer):  # unrolled: every source seen, and the partial sum one more
+            sources_SxBxLxD = jnp.stack((*sources, h_BxLxD) if partial else sources)
+            every_S = jnp.ones(sources_SxBxLxD.shape[:1], bool)
+            mixed_BxLxD, _ = depth_mix(sources_SxBxLxD, _inv_rms(sources_SxBxLxD, self.eps), w_D, every_S)
+            return mixed_BxLxD.astype(h_BxLxD.dtype)
+        sources_SxBxLxD, inv_rms_SxBxL = sources
         written_S = jnp.arange(sources_SxBxLxD.shape[0]) < count
         mixed_BxLxD, lse_BxL = depth_mix(sources_SxBxLxD, inv_rms_SxBxL, w_D, written_S)
         if partial is False:  # known when tracing (full's attentions, a block's first, the output query)
