@@ -17,10 +17,11 @@ completed sources. In full AttnRes an attention's output is its MLP's partial su
 become sources after the MLP, so that a layer's two queries read the same completed sources (the
 same softmax as writing the attention's first; the layer scan then keeps no copy of the buffer per
 layer: vrl/model/history_scan.py). The completed sources are, where the layers are scanned, a `Buffer`
-(S, B, L, D) zero past those written, with each source's 1 / RMS computed once, when it is written;
-unrolled layers hand on a tuple. The
-queries start at zero: each sublayer's input is the mean of its sources, which its pre-norm (and the
-final norm) turn into the plain residual's input up to the norms' eps, so the model starts as vanilla.
+(S, B, L, D) zero past those written, with each source's 1 / RMS computed once, when it is written, and
+a query's partial sum merged with the buffer's mix through its logsumexp; unrolled layers (decoding) hand
+on a tuple, which a query stacks with the partial sum for one softmax (fewer ops per token). The queries
+start at zero: each sublayer's input is the mean of its sources, which its pre-norm (and the final norm)
+turn into the plain residual's input up to the norms' eps, so the model starts as vanilla.
 
 Where the authors' pseudocode leaves a choice, vrl reads it so: a layer is two sublayers, each with
 its own query (their block size counts both); the key norm has a learned scale, as an RMSNorm module
